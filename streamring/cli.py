@@ -1,0 +1,103 @@
+"""``streamring`` command line: a thin layer over the library API.
+
+    streamring run         [--config PATH] [--set k=v ...] [--ranks N] [--backend cpu|nvshmem] [--json PATH]
+    streamring stress      ... [--inject MODE]
+    streamring model-check [--inject MODE]
+    streamring check-env
+
+Without a launcher, ``run`` and ``stress`` start ``--ranks`` local ranks
+themselves (the embedded default); under ``mpirun`` they use the ranks that
+exist. Exit codes: 0 success, 1 a check failed or a rank raised, 2 bad
+arguments or config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .config import ConfigError, load_config
+from .protocol import INJECT_MODES
+
+EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="PATH", help="YAML config (default: the embedded default config)")
+    p.add_argument("--set", metavar="KEY=VALUE", action="append", default=[], dest="overrides",
+                   help="override a config key, dotted (ring.num_slots=3); repeatable")
+    p.add_argument("--ranks", type=int, help="local ranks to start when no launcher is used (config: ranks)")
+    p.add_argument("--backend", choices=["cpu", "nvshmem"], help="symmetric-heap backend (config: backend)")
+    p.add_argument("--json", metavar="PATH", help="write the results as JSON")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="streamring", description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("run", help="stream the MoE layer through the ring and compare with the batch path")
+    _common(p)
+    p = sub.add_parser("stress", help="protocol stress with random delays; exit 0 iff no violation")
+    _common(p)
+    p.add_argument("--inject", choices=INJECT_MODES, help="deliberately break one protocol step")
+    p = sub.add_parser("model-check", help="explore every interleaving of the protocol model")
+    p.add_argument("--inject", choices=INJECT_MODES, help="check a deliberately broken protocol")
+    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--slots", type=int, default=2)
+    p.add_argument("--chunks", type=int, default=3)
+    p.add_argument("--epochs", type=int, default=2)
+    sub.add_parser("check-env", help="print what streamring finds on this machine")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    if args.command == "check-env":
+        from .host.envcheck import check_env
+
+        return check_env()
+    if args.command == "model-check":
+        from .model import model_check_main
+
+        return model_check_main(args)
+    try:
+        overrides = list(args.overrides)
+        if getattr(args, "inject", None):
+            overrides.append(f"stress.inject={args.inject}")
+        cfg = load_config(args.config, overrides, ranks=args.ranks, backend=args.backend)
+    except ConfigError as exc:
+        print(f"streamring: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+
+    from .host.launch import LaunchError, Launcher, detect_launcher, spawn_local
+
+    launcher = detect_launcher()
+    if launcher is Launcher.LOCAL:
+        try:
+            return spawn_local(cfg.ranks, argv)
+        except LaunchError as exc:
+            print(f"streamring: {exc}", file=sys.stderr)
+            return EXIT_USAGE
+    if launcher is Launcher.TORCHRUN and cfg.backend == "cpu":
+        from .host.bootstrap import make_heap
+
+        try:
+            make_heap(cfg, launcher)
+        except LaunchError as exc:
+            print(f"streamring: {exc}", file=sys.stderr)
+            return EXIT_USAGE
+    from .host.rank_main import rank_main
+
+    return rank_main(args.command, cfg, json_path=args.json)
+
+
+def entry() -> None:
+    """Console-script entry point."""
+    sys.exit(main())
+
+
+if __name__ == "__main__":  # pragma: no cover
+    entry()

@@ -1,0 +1,239 @@
+"""Configuration schema (pydantic), YAML loading and ``--set`` overrides.
+
+Every key is validated; an error names the dotted field and the allowed
+values. With no ``--config`` the embedded :data:`DEFAULT_CONFIG` is used.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Literal, Optional, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from .protocol import INJECT_MODES, SF_BLOCK
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field and the allowed values."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RingConfig(_Strict):
+    """Ring geometry: ``num_slots`` slots of ``tokens_per_slot`` tokens each, per rank."""
+
+    num_slots: int = Field(4, ge=1, le=4096, description="slots in the ring (S)")
+    tokens_per_slot: int = Field(32, ge=1, le=1 << 20, description="tokens per slot (C)")
+
+
+class CpuConfig(_Strict):
+    """CPU backend options."""
+
+    window: Literal["auto", "shared", "separate"] = Field(
+        "auto", description="auto: Allocate_shared when all ranks share a node; separate: Win.Allocate"
+    )
+
+
+class NvshmemConfig(_Strict):
+    """NVSHMEM backend options."""
+
+    progress: Literal["stream_wait", "spin_kernel", "green_ctx", "serialized"] = "stream_wait"
+    producer_sms: int = Field(16, ge=8, description="green_ctx: SMs of the producer context (multiple of 8)")
+
+    @field_validator("producer_sms")
+    @classmethod
+    def _mult8(cls, v):
+        if v % 8:
+            raise ValueError(f"must be a multiple of 8 (green contexts allocate SMs in groups of 8), got {v}")
+        return v
+
+
+class LayerConfig(_Strict):
+    """The MoE layer."""
+
+    hidden: int = Field(256, ge=SF_BLOCK)
+    intermediate: int = Field(256, ge=SF_BLOCK)
+    num_experts: int = Field(8, ge=1)
+    topk: int = Field(2, ge=1)
+    router: Literal["softmax_topk", "deepseek_v3"] = "softmax_topk"
+    renormalize: bool = True
+    n_group: int = Field(1, ge=1)
+    topk_group: int = Field(1, ge=1)
+    routed_scaling_factor: float = Field(1.0, gt=0)
+    norm_topk_prob: bool = True
+    weight_dtype: Literal["bf16", "fp8"] = "bf16"
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _shape(self):
+        for name in ("hidden", "intermediate"):
+            v = getattr(self, name)
+            if v % SF_BLOCK:
+                raise ValueError(f"layer.{name} must be a multiple of {SF_BLOCK}, got {v}")
+        if self.topk > self.num_experts:
+            raise ValueError(f"layer.topk must be in [1, num_experts={self.num_experts}], got {self.topk}")
+        if self.num_experts % self.n_group:
+            raise ValueError(f"layer.n_group must divide num_experts={self.num_experts}, got {self.n_group}")
+        if self.topk_group > self.n_group:
+            raise ValueError(f"layer.topk_group must be in [1, n_group={self.n_group}], got {self.topk_group}")
+        return self
+
+
+class RunConfig(_Strict):
+    """What ``streamring run`` does."""
+
+    tokens_per_rank: Union[int, list[int]] = Field(
+        100, description="tokens on each rank: one number for all, or one per rank"
+    )
+    mode: Literal["both", "batch", "stream"] = "both"
+    scheduler: Literal["chunk_local", "reservation"] = "chunk_local"
+    block_m: int = Field(16, ge=1, description="rows per expert block")
+    epochs: int = Field(2, ge=1, description="forward calls (one stream epoch each) on the same buffers")
+    routing: Literal["router", "uniform", "hot_expert", "one_rank"] = "router"
+
+    @field_validator("tokens_per_rank")
+    @classmethod
+    def _nonneg(cls, v):
+        vals = v if isinstance(v, list) else [v]
+        if any(t < 0 for t in vals):
+            raise ValueError(f"token counts must be >= 0, got {v}")
+        return v
+
+
+class Delay(_Strict):
+    """Uniform random delay in seconds between ``min_s`` and ``max_s``."""
+
+    min_s: float = Field(0.0, ge=0)
+    max_s: float = Field(0.0, ge=0)
+
+    @model_validator(mode="after")
+    def _order(self):
+        if self.max_s < self.min_s:
+            raise ValueError(f"max_s ({self.max_s}) must be >= min_s ({self.min_s})")
+        return self
+
+
+class StressConfig(_Strict):
+    """What ``streamring stress`` does."""
+
+    chunks_per_rank: Union[int, list[int]] = Field(16, description="chunks each rank publishes (0 allowed)")
+    tokens_per_chunk: Optional[Union[int, list[int]]] = Field(
+        None, description="tokens in a full chunk (default ring.tokens_per_slot); per rank list allowed"
+    )
+    partial_last: int = Field(-1, description="tokens of each rank's last chunk (-1: full)")
+    epochs: int = Field(2, ge=1)
+    route_delay: Delay = Delay()
+    layout_delay: Delay = Delay()
+    consumer_delay: Delay = Delay()
+    read_hold: Delay = Field(Delay(), description="hold between a consumer's two reads of a chunk")
+    stragglers: dict[int, float] = Field(default_factory=dict, description="rank -> delay multiplier")
+    seed: int = 0
+    inject: Literal[("none",) + INJECT_MODES] = "none"  # type: ignore[valid-type]
+    inject_delay_s: float = Field(0.002, ge=0)
+
+    @field_validator("chunks_per_rank")
+    @classmethod
+    def _nonneg(cls, v):
+        vals = v if isinstance(v, list) else [v]
+        if any(t < 0 for t in vals):
+            raise ValueError(f"chunk counts must be >= 0, got {v}")
+        return v
+
+
+class Config(_Strict):
+    """Root of a streamring YAML config."""
+
+    backend: Literal["cpu", "nvshmem"] = "cpu"
+    ranks: int = Field(4, ge=1, le=1024, description="ranks started by the local launcher")
+    wait_timeout_s: float = Field(30.0, gt=0, description="watchdog deadline of every wait")
+    ring: RingConfig = RingConfig()
+    cpu: CpuConfig = CpuConfig()
+    nvshmem: NvshmemConfig = NvshmemConfig()
+    layer: LayerConfig = LayerConfig()
+    run: RunConfig = RunConfig()
+    stress: StressConfig = StressConfig()
+
+
+DEFAULT_CONFIG = Config().model_dump()
+
+
+def _format_error(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "(root)"
+        msg = e["msg"]
+        if e.get("type") == "extra_forbidden":
+            msg = "unknown key (check spelling; see configs/default.yaml for the keys)"
+        lines.append(f"{loc}: {msg} (got {e.get('input')!r})" if e.get("type") != "extra_forbidden"
+                     else f"{loc}: {msg}")
+    return "invalid config:\n  " + "\n  ".join(lines)
+
+
+def _set_dotted(tree: dict, dotted: str, value) -> None:
+    keys = dotted.split(".")
+    node = tree
+    for k in keys[:-1]:
+        if not isinstance(node.get(k), dict):
+            node[k] = {} if k not in node else node[k]
+            if not isinstance(node[k], dict):
+                raise ConfigError(f"--set {dotted}: {k!r} is not a section")
+        node = node[k]
+    node[keys[-1]] = value
+
+
+def parse_override(text: str) -> tuple[str, object]:
+    """Parse one ``key=value`` (value in YAML syntax) from ``--set``."""
+    if "=" not in text:
+        raise ConfigError(f"--set expects key=value (dotted keys such as ring.num_slots=3), got {text!r}")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if not key:
+        raise ConfigError(f"--set expects key=value, got {text!r}")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--set {key}: value {raw!r} is not valid YAML: {exc}") from exc
+    return key, value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None, **top) -> Config:
+    """Load a YAML config (or the default), apply ``--set`` overrides and top-level values, validate.
+
+    Raises :class:`ConfigError` naming every bad field.
+    """
+    tree: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"--config {path}: no such file")
+        try:
+            tree = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"--config {path}: not valid YAML: {exc}") from exc
+        if not isinstance(tree, dict):
+            raise ConfigError(f"--config {path}: the top level must be a mapping, got {type(tree).__name__}")
+    tree = copy.deepcopy(tree)
+    for text in overrides or []:
+        key, value = parse_override(text)
+        _set_dotted(tree, key, value)
+    for key, value in top.items():
+        if value is not None:
+            tree[key] = value
+    try:
+        return Config.model_validate(tree)
+    except ValidationError as err:
+        raise ConfigError(_format_error(err)) from None
+
+
+def per_rank(value, num_ranks: int, field: str) -> list[int]:
+    """Expand an int-or-list config value to one entry per rank."""
+    if isinstance(value, list):
+        if len(value) != num_ranks:
+            raise ConfigError(f"{field}: a list needs one entry per rank ({num_ranks}), got {len(value)}")
+        return list(value)
+    return [value] * num_ranks

@@ -1,0 +1,272 @@
+"""CPU backend: the symmetric heap on MPI-3 RMA windows (mpi4py + MPICH wheel).
+
+Mapping of the verbs (OSHMPI-style, see ``verbs.py`` for the contract):
+
+* one window per region, one ``Lock_all(MODE_NOCHECK)`` epoch for its life;
+* ``Win.Allocate_shared`` on the node communicator when every rank shares a
+  node (``window="shared"``), ``Win.Allocate`` otherwise (``"separate"``);
+* ``put``            -> ``Put``
+* ``put_signal``     -> ``Put``; ``Flush(pe)``; ``Accumulate(REPLACE|SUM)``; ``Flush(pe)``.
+  MPI does not order a Put before a later Accumulate to the same target:
+  the Flush between them is what makes "payload before signal" true.
+* ``signal_op``      -> ``Win.Sync`` (orders our own earlier local stores
+  into the window) + ``Flush_all`` (completes our earlier puts) then
+  ``Accumulate`` + ``Flush(pe)``: release semantics.
+* ``signal_fetch``   -> shared: ``Win.Sync`` + plain load (a memory barrier in
+  the unified model, then an aligned 8-byte load, which is atomic on the CPUs
+  we run on); separate: ``Fetch_and_op(NO_OP)`` + ``Flush(self)`` (a plain
+  load would never let MPICH make progress, see the notes on ``Win.Create``).
+  Either is followed by ``Win.Sync`` so later payload loads are not hoisted
+  above it (acquire).
+* atomics            -> ``Fetch_and_op(BOR|SUM)`` + ``Flush(pe)``; one op kind per word.
+* ``get``            -> shared: ``Win.Sync`` + copy out of the peer's segment;
+  separate: ``Get`` + ``Flush(pe)``.
+* ``fence``/``quiet`` -> ``Win.Sync`` + ``Flush_all`` on every window.
+
+Every offset is bounds-checked here: shared windows have none of their own.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from .verbs import Region, SignalOp, SymmetricHeap, VerbError, WaitTimeout, check_span, spin_pause
+
+_WINDOW_MODES = ("auto", "shared", "separate")
+
+
+def _mpi():
+    from mpi4py import MPI  # imported lazily so `import streamring` works without MPI
+
+    return MPI
+
+
+class MpiHeap(SymmetricHeap):
+    """Symmetric heap over MPI-3 RMA. Create one per rank after ``MPI.Init``.
+
+    Args:
+        comm: the communicator of the job (default ``COMM_WORLD``).
+        window: ``"auto"`` (shared when all ranks are on one node), ``"shared"``
+            or ``"separate"`` (``Win.Allocate``: forces the multi-node code path
+            on one node, for testing).
+    """
+
+    name = "cpu"
+
+    def __init__(self, comm=None, window: str = "auto"):
+        MPI = _mpi()
+        if window not in _WINDOW_MODES:
+            raise ValueError(f"cpu window mode {window!r} is not one of {_WINDOW_MODES}")
+        self._MPI = MPI
+        self.comm = comm if comm is not None else MPI.COMM_WORLD
+        self._node = self.comm.Split_type(MPI.COMM_TYPE_SHARED)
+        all_on_node = self._node.Get_size() == self.comm.Get_size()
+        if window == "shared" and not all_on_node:
+            raise ValueError("cpu window mode 'shared' needs every rank on one node; use 'auto' or 'separate'")
+        self.shared = all_on_node if window == "auto" else window == "shared"
+        if self.shared:
+            # Rank numbering of the node communicator must equal the job's, so a
+            # PE index means the same thing for both.
+            if self._node.Get_rank() != self.comm.Get_rank():
+                self.shared = False
+        self._regions: list[Region] = []
+        self._one = np.zeros(1, dtype=np.uint64)
+        self._closed = False
+
+    # -- identity -----------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return self.comm.Get_rank()
+
+    @property
+    def num_ranks(self) -> int:
+        return self.comm.Get_size()
+
+    def _check_pe(self, pe: int, what: str) -> None:
+        if not 0 <= pe < self.num_ranks:
+            raise VerbError(f"{what}: pe {pe} outside [0, {self.num_ranks})")
+
+    # -- allocation -----------------------------------------------------------------------
+    def alloc(self, name: str, nbytes: int) -> Region:
+        MPI = self._MPI
+        if nbytes <= 0:
+            raise VerbError(f"alloc {name!r}: nbytes must be > 0, got {nbytes}")
+        sizes = self.comm.allgather(int(nbytes))
+        if len(set(sizes)) != 1:
+            raise VerbError(f"alloc {name!r}: ranks asked for different sizes {sizes} (must be symmetric)")
+        # Round up to 8 bytes so the last signal word is whole.
+        nbytes = (int(nbytes) + 7) // 8 * 8
+        if self.shared:
+            win = MPI.Win.Allocate_shared(nbytes, 1, comm=self._node)
+            buf, _ = win.Shared_query(self.rank)
+            peers = [np.frombuffer(win.Shared_query(p)[0], dtype=np.uint8, count=nbytes) for p in range(self.num_ranks)]
+        else:
+            win = MPI.Win.Allocate(nbytes, 1, comm=self.comm)
+            buf = win.tomemory()
+            peers = None
+        if win.Get_attr(MPI.WIN_MODEL) != MPI.WIN_UNIFIED:
+            raise VerbError("the MPI library gave a separate-model window; streamring needs MPI_WIN_UNIFIED")
+        local = np.frombuffer(buf, dtype=np.uint8, count=nbytes)
+        local[:] = 0
+        win.Lock_all(MPI.MODE_NOCHECK)
+        win.Sync()
+        region = Region(name=name, nbytes=nbytes, local=local, handle=(win, peers))
+        self._regions.append(region)
+        # Zero everywhere before anyone may signal into this region.
+        self.comm.Barrier()
+        return region
+
+    def free(self, region: Region) -> None:
+        win, _ = region.handle
+        self.comm.Barrier()
+        win.Unlock_all()
+        win.Free()
+        self._regions.remove(region)
+
+    # -- RMA --------------------------------------------------------------------------------
+    @staticmethod
+    def _bytes(data: np.ndarray) -> np.ndarray:
+        arr = np.ascontiguousarray(data)
+        return arr.reshape(-1).view(np.uint8)
+
+    def put(self, region: Region, offset: int, data: np.ndarray, pe: int) -> None:
+        raw = self._bytes(data)
+        check_span(region, offset, raw.nbytes, "put")
+        self._check_pe(pe, "put")
+        win, _ = region.handle
+        if raw.nbytes:
+            win.Put([raw, self._MPI.BYTE], pe, target=(offset, raw.nbytes, self._MPI.BYTE))
+
+    def get(self, region: Region, offset: int, out: np.ndarray, pe: int) -> np.ndarray:
+        raw = out.reshape(-1).view(np.uint8)
+        check_span(region, offset, raw.nbytes, "get")
+        self._check_pe(pe, "get")
+        win, peers = region.handle
+        if peers is not None:
+            win.Sync()
+            raw[:] = peers[pe][offset : offset + raw.nbytes]
+            win.Sync()
+        elif raw.nbytes:
+            win.Get([raw, self._MPI.BYTE], pe, target=(offset, raw.nbytes, self._MPI.BYTE))
+            win.Flush(pe)
+        return out
+
+    def _accumulate(self, region: Region, offset: int, value: int, mpi_op, pe: int) -> None:
+        win, _ = region.handle
+        self._one[0] = value
+        win.Accumulate([self._one, self._MPI.UINT64_T], pe, target=(offset, 1, self._MPI.UINT64_T), op=mpi_op)
+        win.Flush(pe)
+
+    def _signal_mpi_op(self, op: SignalOp):
+        if op is SignalOp.SET:
+            return self._MPI.REPLACE
+        if op is SignalOp.ADD:
+            return self._MPI.SUM
+        raise VerbError(f"signal op {op!r} is not one of {[o.value for o in SignalOp]}")
+
+    def put_signal(self, region, offset, data, sig_region, sig_offset, value, op, pe) -> None:
+        check_span(sig_region, sig_offset, 8, "put_signal signal")
+        mpi_op = self._signal_mpi_op(op)
+        self.put(region, offset, data, pe)
+        win, _ = region.handle
+        # Complete the payload at the target before the signal can land.
+        win.Flush(pe)
+        self._release_local()
+        self._accumulate(sig_region, sig_offset, value, mpi_op, pe)
+
+    def signal_op(self, sig_region, sig_offset, value, op, pe) -> None:
+        check_span(sig_region, sig_offset, 8, "signal_op")
+        self._check_pe(pe, "signal_op")
+        mpi_op = self._signal_mpi_op(op)
+        # Release: our earlier local stores and puts (to any window) first.
+        self._release_local()
+        for r in self._regions:
+            r.handle[0].Flush_all()
+        self._accumulate(sig_region, sig_offset, value, mpi_op, pe)
+
+    def signal_fetch(self, sig_region: Region, sig_offset: int) -> int:
+        check_span(sig_region, sig_offset, 8, "signal_fetch")
+        win, peers = sig_region.handle
+        if peers is not None:
+            win.Sync()
+            value = int(sig_region.local[sig_offset : sig_offset + 8].view(np.uint64)[0])
+        else:
+            res = np.zeros(1, dtype=np.uint64)
+            win.Fetch_and_op([self._one, self._MPI.UINT64_T], [res, self._MPI.UINT64_T], self.rank, sig_offset,
+                             op=self._MPI.NO_OP)
+            win.Flush(self.rank)
+            value = int(res[0])
+        # Acquire: no payload load of ours may be satisfied before the signal load.
+        self._acquire_local()
+        return value
+
+    def _fetch_op(self, region: Region, offset: int, value: int, mpi_op, pe: int, what: str) -> int:
+        check_span(region, offset, 8, what)
+        self._check_pe(pe, what)
+        win, _ = region.handle
+        self._release_local()
+        src = np.array([value], dtype=np.uint64)
+        res = np.zeros(1, dtype=np.uint64)
+        win.Fetch_and_op([src, self._MPI.UINT64_T], [res, self._MPI.UINT64_T], pe, offset, op=mpi_op)
+        win.Flush(pe)
+        return int(res[0])
+
+    def atomic_fetch_or(self, region, offset, value, pe) -> int:
+        return self._fetch_op(region, offset, value, self._MPI.BOR, pe, "atomic_fetch_or")
+
+    def atomic_fetch_add(self, region, offset, value, pe) -> int:
+        return self._fetch_op(region, offset, value, self._MPI.SUM, pe, "atomic_fetch_add")
+
+    # -- ordering -----------------------------------------------------------------------
+    def _release_local(self) -> None:
+        for r in self._regions:
+            r.handle[0].Sync()
+
+    _acquire_local = _release_local
+
+    def fence(self) -> None:
+        self.quiet()
+
+    def quiet(self) -> None:
+        for r in self._regions:
+            win = r.handle[0]
+            win.Flush_all()
+            win.Sync()
+
+    def barrier(self, deadline: float | None = None) -> None:
+        self.quiet()
+        if deadline is None:
+            self.comm.Barrier()
+        else:
+            req = self.comm.Ibarrier()
+            start = time.monotonic()
+            while not req.Test():
+                if time.monotonic() > deadline:
+                    raise WaitTimeout("barrier over all ranks (a rank is stalled or dead)", time.monotonic() - start)
+                spin_pause()
+        self.quiet()
+
+    def allgather_int(self, value: int) -> list[int]:
+        return [int(v) for v in self.comm.allgather(int(value))]
+
+    def allgather_obj(self, obj) -> list:
+        return self.comm.allgather(obj)
+
+    def progress(self) -> None:
+        if not self.shared:
+            # MPICH needs an MPI call to progress passive-target RMA.
+            self.comm.Iprobe()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for r in list(self._regions):
+            try:
+                self.free(r)
+            except Exception:  # pragma: no cover - best effort at teardown
+                pass
+
+

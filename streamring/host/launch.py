@@ -1,0 +1,111 @@
+"""Launch-time environment: which launcher started us, and the local launcher itself.
+
+``streamring run`` with no launcher starts ``--ranks N`` local ranks through the
+``mpiexec`` of the MPI that mpi4py is bound to (the ``mpich`` wheel's Hydra in a
+fresh install, or a site MPI) and waits for them. Under ``mpirun``/``srun`` the
+ranks already exist; under ``torchrun`` only the NVSHMEM backend can bootstrap.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+SPAWNED_ENV = "STREAMRING_SPAWNED"
+
+
+class Launcher(enum.Enum):
+    """How the current process was started."""
+
+    LOCAL = "local"  # a plain `streamring ...`: we start the ranks ourselves
+    MPI = "mpi"  # mpirun / mpiexec / srun with PMI
+    TORCHRUN = "torchrun"
+
+
+_MPI_VARS = ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS", "HYDRA_CONTROL_FD")
+_TORCHRUN_VARS = ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT")
+
+
+def detect_launcher(env=None) -> Launcher:
+    """Decide from the environment which launcher started this process."""
+    env = os.environ if env is None else env
+    if any(v in env for v in _MPI_VARS) or env.get(SPAWNED_ENV):
+        return Launcher.MPI
+    if any(v in env for v in _TORCHRUN_VARS) or ("LOCAL_RANK" in env and "WORLD_SIZE" in env):
+        return Launcher.TORCHRUN
+    return Launcher.LOCAL
+
+
+class LaunchError(RuntimeError):
+    """The job cannot be launched as asked (names the launchers that work)."""
+
+
+def find_mpiexec() -> str:
+    """The mpiexec that belongs to mpi4py's MPI: beside the interpreter first, then PATH."""
+    here = Path(sys.executable).parent / "mpiexec"
+    if here.exists():
+        return str(here)
+    found = shutil.which("mpiexec") or shutil.which("mpirun")
+    if not found:
+        raise LaunchError(
+            "no mpiexec found: install the MPI wheel (`pip install mpich`) or put your site MPI's mpiexec on PATH"
+        )
+    return found
+
+
+def spawn_local(num_ranks: int, argv: list[str], extra_env: dict | None = None, timeout_s: float | None = None) -> int:
+    """Start ``num_ranks`` ranks of ``python -m streamring <argv>`` and return the job's exit code.
+
+    One rank raising aborts the whole MPI job (the rank calls ``MPI_Abort``), so
+    the launcher returns promptly with a non-zero code and no rank is left behind.
+    """
+    if num_ranks < 1:
+        raise LaunchError(f"--ranks must be >= 1, got {num_ranks}")
+    mpiexec = find_mpiexec()
+    cmd = [mpiexec, "-n", str(num_ranks)]
+    if "openmpi" in Path(mpiexec).resolve().as_posix().lower() or _is_openmpi(mpiexec):
+        cmd += ["--oversubscribe"]
+    cmd += [sys.executable, "-m", "streamring", *argv]
+    env = dict(os.environ)
+    env[SPAWNED_ENV] = "1"
+    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
+    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+    env.setdefault("OMPI_MCA_osc", "^ucx")
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    if extra_env:
+        env.update(extra_env)
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    try:
+        return proc.wait(timeout=timeout_s)
+    except (KeyboardInterrupt, subprocess.TimeoutExpired):
+        _kill_group(proc)
+        return 130 if timeout_s is None else 124
+    finally:
+        if proc.poll() is None:
+            _kill_group(proc)
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=5)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _is_openmpi(mpiexec: str) -> bool:
+    try:
+        out = subprocess.run([mpiexec, "--version"], capture_output=True, text=True, timeout=10).stdout
+    except Exception:
+        return False
+    return "Open MPI" in out or "OpenRTE" in out

@@ -1,0 +1,82 @@
+"""What every rank runs for ``streamring run`` / ``stress``, and rank 0's report."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from ..config import Config
+from .bootstrap import abort_job, make_heap
+
+console = Console(highlight=False, width=None if sys.stdout.isatty() else 180)
+
+
+def _ms(s: float) -> str:
+    return f"{s * 1e3:.3f}"
+
+
+def report_stress(results: list[dict], cfg: Config, wall_s: float, json_path: str | None) -> int:
+    """Print the stress table on rank 0, write JSON; return the exit code (0 iff no violation)."""
+    t = Table(title=f"streamring stress: {len(results)} ranks, {cfg.ring.num_slots} slots x "
+                    f"{cfg.ring.tokens_per_slot} tokens, {cfg.stress.epochs} epochs, inject={cfg.stress.inject}")
+    for col in ("rank", "published", "consumed", "tokens checked", "MB read", "wraps", "violations",
+                "acq wait med/max ms", "reuse wait med/max ms", "pub->acq med/max ms", "chunks/s"):
+        t.add_column(col, justify="right")
+    total_viol = 0
+    for r in results:
+        total_viol += r["violations"]
+        t.add_row(str(r["rank"]), str(r["chunks_published"]), str(r["chunks_consumed"]), str(r["tokens_checked"]),
+                  f"{r['bytes_read'] / 1e6:.2f}", str(r["ring_wraps"]), str(r["violations"]),
+                  f"{_ms(r['acquire_wait_median_s'])}/{_ms(r['acquire_wait_max_s'])}",
+                  f"{_ms(r['reuse_wait_median_s'])}/{_ms(r['reuse_wait_max_s'])}",
+                  f"{_ms(r['publish_to_acquire_median_s'])}/{_ms(r['publish_to_acquire_max_s'])}",
+                  f"{r['chunks_consumed'] / r['wall_s']:.0f}" if r["wall_s"] else "-")
+    console.print(t)
+    for r in results:
+        for text in r["first_violations"]:
+            console.print(f"[red]violation[/red] {text}")
+    verdict = "PASS: no violation" if total_viol == 0 else f"FAIL: {total_viol} violations"
+    console.print(f"{verdict} (wall {wall_s:.2f}s)")
+    if json_path:
+        Path(json_path).write_text(json.dumps({
+            "command": "stress", "config": cfg.model_dump(), "ranks": results, "violations": total_viol,
+            "wall_s": wall_s}, indent=2, default=str))
+    return 0 if total_viol == 0 else 1
+
+
+def rank_main(command: str, cfg: Config, json_path: str | None = None) -> int:
+    """Run ``command`` on this rank; any exception takes the whole job down."""
+    try:
+        heap = make_heap(cfg)
+        heap.barrier()
+        t0 = time.monotonic()
+        if command == "stress":
+            from ..stress import result_dict, run_stress
+
+            res = result_dict(run_stress(heap, cfg))
+            results = heap.allgather_obj(res)
+            wall = time.monotonic() - t0
+            code = report_stress(results, cfg, wall, json_path) if heap.rank == 0 else 0
+        elif command == "run":
+            from ..runner import report_run, run_layer
+
+            res = run_layer(heap, cfg)
+            results = heap.allgather_obj(res)
+            wall = time.monotonic() - t0
+            code = report_run(results, cfg, wall, json_path) if heap.rank == 0 else 0
+        else:
+            raise ValueError(f"unknown command {command!r}")
+        codes = heap.allgather_int(code)
+        heap.close()
+        sys.stdout.flush()
+        return max(codes)
+    except BaseException as exc:  # noqa: BLE001 - any failure must end the whole job
+        if isinstance(exc, SystemExit) and exc.code == 0:
+            raise
+        abort_job(exc)
+        return 1

@@ -1,0 +1,1086 @@
+"""Pure math of one MoE layer (no communication, no ring).
+
+This module is shared by the *batch* path (all tokens of a step are routed and
+grouped at once) and the *streamed* path (tokens arrive in chunks through the
+ring and are processed as they come).  Both paths must produce **bitwise
+identical** per-token outputs when they are fed the same token rows, so every
+computation here is written so that the result for one row depends only on that
+row's own data, never on which other rows happen to be processed alongside it
+or on the position of the row inside a batch.  The rules that make that hold:
+
+* **Fixed-shape GEMMs.**  Expert matmuls always run on blocks of exactly
+  ``block_m`` rows (callers / :func:`expert_pool_forward` zero-pad the last
+  block); router matmuls always run on blocks of :data:`ROUTER_BLOCK_ROWS` rows.
+  A BLAS library may pick a different kernel (and thus a different summation
+  order) for a different ``M``; with ``M`` fixed the same kernel runs for every
+  row.  On CPU the row count is additionally rounded up to a multiple of
+  :data:`CPU_GEMM_ROW_QUANTUM` (16): with MKL 2024.2 we observed that for
+  ``M == 7`` a row's result depended on its position in the block, while every
+  multiple of 16 that we tried was position independent.
+* **Row-wise transcendental functions on CPU.**  PyTorch's CPU elementwise
+  kernels compute SIMD lanes with SLEEF and the loop tail with libm; the two can
+  differ by one ulp, and which elements land in the tail depends on the tensor
+  size and on the thread split.  On CPU ``silu`` and ``sigmoid`` are therefore
+  applied one row at a time, so every row goes through the identical code path.
+  (CUDA elementwise kernels evaluate the same functor for every element.)
+  Plain ``+ - * /``, ``abs``, ``max``, ``clamp`` and dtype conversions are
+  correctly rounded on every path and need no such care.
+* **Fixed-order reductions over ``k``.**  Routing-weight normalisation and the
+  final combine are explicit Python loops over ``j = 0..k-1`` of elementwise
+  ops, never a reduction kernel whose order may vary.
+* **TF32 must stay off** on CUDA (``torch.backends.cuda.matmul.allow_tf32``
+  is False by default); otherwise the float32 path no longer matches the
+  float64 reference within :func:`reference_tolerance`.
+
+Data formats
+------------
+* Activations on the ring are FP8 (``float8_e4m3fn``) with one float32 scale per
+  token per 128 hidden columns (:func:`quantize_act_fp8`).
+* Expert weights are either bf16 or FP8 with 128x128 block scales
+  (:func:`quantize_weight_fp8_block`).  They are dequantized to float32 once and
+  cached (:meth:`MoEWeights.dequantized_expert`).
+* Routing is computed in float32 from the *unquantized* activations.
+
+Every invalid input raises :class:`ValueError` whose message names the offending
+argument and the allowed values or shape.
+"""
+
+from __future__ import annotations
+
+import math as _math
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+__all__ = [
+    "FP8_DTYPE",
+    "FP8_MAX",
+    "QUANT_BLOCK",
+    "ROUTER_BLOCK_ROWS",
+    "CPU_GEMM_ROW_QUANTUM",
+    "ROUTERS",
+    "WEIGHT_DTYPES",
+    "MoEShape",
+    "MoEWeights",
+    "quantize_weight_fp8_block",
+    "dequantize_weight_fp8_block",
+    "quantize_act_fp8",
+    "dequantize_act_fp8",
+    "route",
+    "route_f64",
+    "expert_block_forward",
+    "expert_pool_forward",
+    "combine",
+    "batch_forward_single",
+    "reference_forward_f64",
+    "reference_tolerance",
+    "ReferenceComparison",
+    "compare_to_reference",
+]
+
+#: FP8 storage dtype used for activations on the ring and for fp8 weights.
+FP8_DTYPE = torch.float8_e4m3fn
+#: Largest finite magnitude of ``float8_e4m3fn``.
+FP8_MAX = 448.0
+#: Width of a quantization block (activations: 1x128, weights: 128x128).
+QUANT_BLOCK = 128
+#: Lower clamp of every amax before it becomes a scale (zero blocks -> zeros, not NaN).
+AMAX_EPS = 1e-12
+#: Router logits are computed on fixed blocks of this many rows (zero padded).
+ROUTER_BLOCK_ROWS = 64
+#: On CPU every GEMM's row count is rounded up to a multiple of this.
+CPU_GEMM_ROW_QUANTUM = 16
+#: Allowed values of :attr:`MoEShape.router`.
+ROUTERS = ("softmax_topk", "deepseek_v3")
+#: Allowed values of :attr:`MoEShape.weight_dtype`.
+WEIGHT_DTYPES = ("bf16", "fp8")
+
+_ACT_DTYPES = (torch.bfloat16, torch.float32, torch.float64)
+
+
+# --------------------------------------------------------------------------- #
+# small helpers
+# --------------------------------------------------------------------------- #
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_tensor(name: str, t, *, dtype=None, dtypes=None, shape=None, ndim=None) -> None:
+    """Raise ValueError unless ``t`` is a tensor with the given dtype/shape."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if dtype is not None and t.dtype != dtype:
+        raise ValueError(f"{name} must have dtype {dtype}, got {t.dtype}")
+    if dtypes is not None and t.dtype not in dtypes:
+        allowed = ", ".join(str(d) for d in dtypes)
+        raise ValueError(f"{name} must have dtype in ({allowed}), got {t.dtype}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
+    if shape is not None and tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
+
+
+def _first_nonfinite_row(t: torch.Tensor) -> int:
+    """Index of the first row of a 2-D tensor holding NaN/Inf, or -1."""
+    bad = ~torch.isfinite(t.float() if t.dtype == FP8_DTYPE else t).all(dim=-1)
+    if bool(bad.any()):
+        return int(bad.nonzero()[0, 0])
+    return -1
+
+
+def _check_finite(name: str, t: torch.Tensor) -> None:
+    tf = t.float() if t.dtype == FP8_DTYPE else t
+    if not bool(torch.isfinite(tf).all()):
+        raise ValueError(f"{name} must be finite (contains NaN/Inf)")
+
+
+def _rowwise(fn, t: torch.Tensor) -> torch.Tensor:
+    """Apply elementwise ``fn`` so that each row of 2-D ``t`` gets identical treatment.
+
+    On CPU the function is applied one row at a time (see the module docstring:
+    SIMD body and scalar tail of PyTorch CPU kernels may differ by an ulp).  On
+    other devices it is applied to the whole tensor.
+    """
+    if t.device.type != "cpu" or t.shape[0] <= 1:
+        return fn(t)
+    out = torch.empty_like(t)
+    for r in range(t.shape[0]):
+        out[r] = fn(t[r].contiguous())
+    return out
+
+
+def _fixed_rows_matmul(a: torch.Tensor, b_t: torch.Tensor) -> torch.Tensor:
+    """``a @ b_t`` for a fixed-shape ``a`` whose rows must be position independent.
+
+    ``a`` is copied into a fresh contiguous buffer (so pointer alignment is the
+    same on every call); on CPU its row count is rounded up with zero rows to a
+    multiple of :data:`CPU_GEMM_ROW_QUANTUM`.  Returns ``a.shape[0]`` rows.
+    """
+    m = a.shape[0]
+    mp = m
+    if a.device.type == "cpu":
+        q = CPU_GEMM_ROW_QUANTUM
+        mp = ((m + q - 1) // q) * q
+    buf = torch.zeros((mp, a.shape[1]), dtype=a.dtype, device=a.device)
+    buf[:m] = a
+    return torch.matmul(buf, b_t)[:m]
+
+
+# --------------------------------------------------------------------------- #
+# shape
+# --------------------------------------------------------------------------- #
+@dataclass
+class MoEShape:
+    """Static configuration of an MoE layer.
+
+    Attributes:
+        hidden: model width H (multiple of 128).
+        intermediate: expert FFN width I (multiple of 128).
+        num_experts: number of routed experts E.
+        topk: experts per token k, ``1 <= k <= E``.
+        router: ``'softmax_topk'`` (Mixtral: softmax, top-k, optional
+            renormalisation) or ``'deepseek_v3'`` (sigmoid scores, correction
+            bias for selection, group-limited top-k).
+        renormalize: softmax_topk only: renormalise the k weights to sum to 1.
+        n_group: deepseek_v3: number of expert groups (E % n_group == 0).
+        topk_group: deepseek_v3: groups a token may pick experts from.
+        routed_scaling_factor: deepseek_v3: factor applied to the final weights.
+        norm_topk_prob: deepseek_v3: normalise the k weights to sum to 1.
+        weight_dtype: ``'bf16'`` or ``'fp8'`` (float8_e4m3fn + 128x128 scales).
+        block_m: rows per expert block (fixed GEMM row count).
+    """
+
+    hidden: int
+    intermediate: int
+    num_experts: int
+    topk: int
+    router: str = "softmax_topk"
+    renormalize: bool = True
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    norm_topk_prob: bool = True
+    weight_dtype: str = "bf16"
+    block_m: int = 16
+
+    def validate(self, num_ranks: int = 1) -> "MoEShape":
+        """Check every field; raise ValueError naming the field and allowed values.
+
+        Args:
+            num_ranks: number of expert-parallel ranks; ``num_experts`` must be
+                divisible by it.
+        Returns:
+            ``self`` (for chaining).
+        """
+        if not _is_int(num_ranks) or num_ranks < 1:
+            raise ValueError(f"num_ranks must be an int >= 1, got {num_ranks!r}")
+        for name in ("hidden", "intermediate", "num_experts", "topk", "n_group",
+                     "topk_group", "block_m"):
+            v = getattr(self, name)
+            if not _is_int(v) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        if self.hidden % QUANT_BLOCK != 0:
+            raise ValueError(f"hidden must be a multiple of {QUANT_BLOCK}, got {self.hidden}")
+        if self.intermediate % QUANT_BLOCK != 0:
+            raise ValueError(
+                f"intermediate must be a multiple of {QUANT_BLOCK}, got {self.intermediate}")
+        if not 1 <= self.topk <= self.num_experts:
+            raise ValueError(
+                f"topk must satisfy 1 <= topk <= num_experts={self.num_experts}, got {self.topk}")
+        if self.num_experts % num_ranks != 0:
+            raise ValueError(
+                f"num_experts must be divisible by num_ranks={num_ranks}, got {self.num_experts}")
+        if self.router not in ROUTERS:
+            raise ValueError(f"router must be one of {ROUTERS}, got {self.router!r}")
+        if self.weight_dtype not in WEIGHT_DTYPES:
+            raise ValueError(
+                f"weight_dtype must be one of {WEIGHT_DTYPES}, got {self.weight_dtype!r}")
+        for name in ("renormalize", "norm_topk_prob"):
+            v = getattr(self, name)
+            if not isinstance(v, bool):
+                raise ValueError(f"{name} must be a bool (True/False), got {v!r}")
+        if self.num_experts % self.n_group != 0:
+            raise ValueError(
+                f"n_group must divide num_experts={self.num_experts}, got {self.n_group}")
+        if not 1 <= self.topk_group <= self.n_group:
+            raise ValueError(
+                f"topk_group must satisfy 1 <= topk_group <= n_group={self.n_group}, "
+                f"got {self.topk_group}")
+        rsf = self.routed_scaling_factor
+        if (not isinstance(rsf, (int, float)) or isinstance(rsf, bool)
+                or not _math.isfinite(rsf) or rsf <= 0):
+            raise ValueError(
+                f"routed_scaling_factor must be a finite float > 0, got {rsf!r}")
+        if self.router == "deepseek_v3":
+            cap = self.topk_group * (self.num_experts // self.n_group)
+            if self.topk > cap:
+                raise ValueError(
+                    f"topk must be <= topk_group * (num_experts // n_group) = {cap} "
+                    f"for router 'deepseek_v3', got {self.topk}")
+        return self
+
+    @property
+    def hidden_blocks(self) -> int:
+        """Number of 128-column scale blocks along hidden (H/128)."""
+        return self.hidden // QUANT_BLOCK
+
+    @property
+    def intermediate_blocks(self) -> int:
+        """Number of 128-column scale blocks along intermediate (I/128)."""
+        return self.intermediate // QUANT_BLOCK
+
+
+# --------------------------------------------------------------------------- #
+# fp8 quantization
+# --------------------------------------------------------------------------- #
+def quantize_weight_fp8_block(w: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Quantize a weight to float8_e4m3fn with one scale per 128x128 block.
+
+    Args:
+        w: floating tensor ``[..., R, C]`` with ``R % 128 == 0`` and
+           ``C % 128 == 0``; must be finite.  Computation is in float32.
+    Returns:
+        ``(w_fp8 [..., R, C] float8_e4m3fn, scale [..., R/128, C/128] float32)``
+        with ``scale = max(amax(block), 1e-12) / 448`` and
+        ``w ~= w_fp8.float() * scale`` (see :func:`dequantize_weight_fp8_block`).
+    """
+    _check_tensor("w", w, dtypes=(torch.bfloat16, torch.float16, torch.float32, torch.float64))
+    if w.dim() < 2 or w.shape[-1] % QUANT_BLOCK or w.shape[-2] % QUANT_BLOCK:
+        raise ValueError(
+            f"w must have shape [..., R, C] with R and C multiples of {QUANT_BLOCK}, "
+            f"got {list(w.shape)}")
+    _check_finite("w", w)
+    *lead, r, c = w.shape
+    wb = w.to(torch.float32).reshape(*lead, r // QUANT_BLOCK, QUANT_BLOCK, c // QUANT_BLOCK,
+                                     QUANT_BLOCK)
+    amax = wb.abs().amax(dim=(-3, -1)).clamp_min(AMAX_EPS)  # [..., R/128, C/128]
+    scale = amax / FP8_MAX
+    q = (wb / scale[..., :, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q.reshape(*lead, r, c), scale.contiguous()
+
+
+def dequantize_weight_fp8_block(w_fp8: torch.Tensor, scale: torch.Tensor,
+                                dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Inverse of :func:`quantize_weight_fp8_block`: ``w_fp8 * scale`` in ``dtype``.
+
+    Args:
+        w_fp8: float8_e4m3fn ``[..., R, C]``.
+        scale: float32 ``[..., R/128, C/128]``.
+        dtype: float32 or float64 result dtype (the product is computed in it).
+    """
+    _check_tensor("w_fp8", w_fp8, dtype=FP8_DTYPE)
+    if w_fp8.dim() < 2 or w_fp8.shape[-1] % QUANT_BLOCK or w_fp8.shape[-2] % QUANT_BLOCK:
+        raise ValueError(
+            f"w_fp8 must have shape [..., R, C] with R and C multiples of {QUANT_BLOCK}, "
+            f"got {list(w_fp8.shape)}")
+    *lead, r, c = w_fp8.shape
+    _check_tensor("scale", scale, dtype=torch.float32,
+                  shape=(*lead, r // QUANT_BLOCK, c // QUANT_BLOCK))
+    if dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
+    wb = w_fp8.to(dtype).reshape(*lead, r // QUANT_BLOCK, QUANT_BLOCK, c // QUANT_BLOCK,
+                                 QUANT_BLOCK)
+    out = wb * scale.to(dtype)[..., :, None, :, None]
+    return out.reshape(*lead, r, c)
+
+
+def quantize_act_fp8(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Quantize activations to the ring format.
+
+    One float32 scale per token per 128 hidden columns:
+    ``x_sf[t, b] = max(amax(|x[t, 128b:128b+128]|), 1e-12) / 448`` and
+    ``x_fp8 = clamp(x / x_sf, -448, 448)`` rounded to nearest-even
+    float8_e4m3fn.  The computation is done in float32 (a float64 ``x`` is first
+    rounded to float32).  An all-zero block gives zero codes and a tiny scale,
+    so it dequantizes to exact zeros rather than NaN.
+
+    Non-finite input is **rejected** (ValueError ``'x contains NaN/Inf at token
+    i'``) instead of being propagated: a NaN/Inf would poison the block's scale
+    (turning every element of the 128-column block into NaN or 0) and there is
+    no meaningful fp8 encoding for it; failing loudly at the producer is the
+    only way to locate the bad token.  Likewise a float64 value that overflows
+    float32 is rejected.
+
+    Args:
+        x: ``[T, H]`` bf16 / float32 / float64, ``H % 128 == 0``.
+    Returns:
+        ``(x_fp8 [T, H] float8_e4m3fn, x_sf [T, H/128] float32)``, both contiguous.
+    """
+    _check_tensor("x", x, dtypes=_ACT_DTYPES, ndim=2)
+    t, h = x.shape
+    if h % QUANT_BLOCK != 0:
+        raise ValueError(f"x must have shape [T, H] with H a multiple of {QUANT_BLOCK}, "
+                         f"got {list(x.shape)}")
+    bad = _first_nonfinite_row(x)
+    if bad >= 0:
+        raise ValueError(f"x contains NaN/Inf at token {bad}")
+    xf = x.to(torch.float32)
+    if x.dtype == torch.float64:
+        bad = _first_nonfinite_row(xf)
+        if bad >= 0:
+            raise ValueError(f"x contains values outside the float32 range at token {bad}")
+    xb = xf.reshape(t, h // QUANT_BLOCK, QUANT_BLOCK)
+    amax = xb.abs().amax(dim=-1).clamp_min(AMAX_EPS)
+    sf = amax / FP8_MAX
+    q = (xb / sf[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q.reshape(t, h).contiguous(), sf.contiguous()
+
+
+def dequantize_act_fp8(x_fp8: torch.Tensor, x_sf: torch.Tensor) -> torch.Tensor:
+    """Dequantize ring-format activations: ``x_fp8.float() * x_sf`` per 128 columns.
+
+    Args:
+        x_fp8: float8_e4m3fn ``[T, H]``, ``H % 128 == 0``.
+        x_sf: float32 ``[T, H/128]``.
+    Returns:
+        float32 ``[T, H]`` (a fresh contiguous tensor).
+    """
+    _check_tensor("x_fp8", x_fp8, dtype=FP8_DTYPE, ndim=2)
+    t, h = x_fp8.shape
+    if h % QUANT_BLOCK != 0:
+        raise ValueError(f"x_fp8 must have shape [T, H] with H a multiple of {QUANT_BLOCK}, "
+                         f"got {list(x_fp8.shape)}")
+    _check_tensor("x_sf", x_sf, dtype=torch.float32, shape=(t, h // QUANT_BLOCK))
+    xb = x_fp8.to(torch.float32).reshape(t, h // QUANT_BLOCK, QUANT_BLOCK)
+    return (xb * x_sf[..., None]).reshape(t, h)
+
+
+# --------------------------------------------------------------------------- #
+# weights
+# --------------------------------------------------------------------------- #
+@dataclass(eq=False)
+class MoEWeights:
+    """Weights of one MoE layer (all experts), on a single device.
+
+    Attributes:
+        router_weight: float32 ``[E, H]``; logits = x @ router_weight.T.
+        correction_bias: float32 ``[E]`` or None.  deepseek_v3 adds it to the
+            scores for *selection only*; the returned weights do not include it.
+            Ignored by softmax_topk.
+        w1, w3: ``[E, I, H]`` (gate and up projections).
+        w2: ``[E, H, I]`` (down projection).
+            bf16, or float8_e4m3fn together with the block scales below.
+        w1_scale, w3_scale: float32 ``[E, I/128, H/128]`` (fp8 only, else None).
+        w2_scale: float32 ``[E, H/128, I/128]`` (fp8 only, else None).
+
+    Dequantized float32 expert weights are cached per object by
+    :meth:`dequantized_expert`; call :meth:`clear_cache` after mutating weights.
+    """
+
+    router_weight: torch.Tensor
+    correction_bias: Optional[torch.Tensor]
+    w1: torch.Tensor
+    w3: torch.Tensor
+    w2: torch.Tensor
+    w1_scale: Optional[torch.Tensor] = None
+    w3_scale: Optional[torch.Tensor] = None
+    w2_scale: Optional[torch.Tensor] = None
+    _cache: Dict[Tuple[int, torch.dtype], Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(
+        default_factory=dict, init=False, repr=False, compare=False)
+
+    # -- properties ---------------------------------------------------------
+    @property
+    def num_experts(self) -> int:
+        """E, from ``router_weight.shape[0]``."""
+        return int(self.router_weight.shape[0])
+
+    @property
+    def hidden(self) -> int:
+        """H, from ``w1.shape[2]``."""
+        return int(self.w1.shape[2])
+
+    @property
+    def intermediate(self) -> int:
+        """I, from ``w1.shape[1]``."""
+        return int(self.w1.shape[1])
+
+    @property
+    def device(self) -> torch.device:
+        """Device of the weights."""
+        return self.w1.device
+
+    @property
+    def is_fp8(self) -> bool:
+        """True when expert weights are stored as float8_e4m3fn + block scales."""
+        return self.w1.dtype == FP8_DTYPE
+
+    # -- validation ---------------------------------------------------------
+    def validate(self, shape: MoEShape) -> "MoEWeights":
+        """Check shapes, dtypes, device consistency and finiteness against ``shape``.
+
+        Also validates ``shape`` itself.  Raises ValueError naming the field.
+        Returns ``self``.
+        """
+        if not isinstance(shape, MoEShape):
+            raise ValueError(f"shape must be a MoEShape, got {type(shape).__name__}")
+        shape.validate()
+        e, h, i = shape.num_experts, shape.hidden, shape.intermediate
+        _check_tensor("router_weight", self.router_weight, dtype=torch.float32, shape=(e, h))
+        _check_finite("router_weight", self.router_weight)
+        if self.correction_bias is not None:
+            _check_tensor("correction_bias", self.correction_bias, dtype=torch.float32,
+                          shape=(e,))
+            _check_finite("correction_bias", self.correction_bias)
+        wdt = torch.bfloat16 if shape.weight_dtype == "bf16" else FP8_DTYPE
+        for name, shp in (("w1", (e, i, h)), ("w3", (e, i, h)), ("w2", (e, h, i))):
+            t = getattr(self, name)
+            _check_tensor(name, t, shape=shp)
+            if t.dtype != wdt:
+                raise ValueError(
+                    f"{name} must have dtype {wdt} for weight_dtype={shape.weight_dtype!r}, "
+                    f"got {t.dtype}")
+        scale_shapes = (("w1_scale", (e, i // QUANT_BLOCK, h // QUANT_BLOCK)),
+                        ("w3_scale", (e, i // QUANT_BLOCK, h // QUANT_BLOCK)),
+                        ("w2_scale", (e, h // QUANT_BLOCK, i // QUANT_BLOCK)))
+        for name, shp in scale_shapes:
+            s = getattr(self, name)
+            if shape.weight_dtype == "bf16":
+                if s is not None:
+                    raise ValueError(f"{name} must be None for weight_dtype='bf16'")
+            else:
+                if s is None:
+                    raise ValueError(
+                        f"{name} must be a float32 tensor of shape {list(shp)} for "
+                        f"weight_dtype='fp8', got None")
+                _check_tensor(name, s, dtype=torch.float32, shape=shp)
+                _check_finite(name, s)
+                if not bool((s > 0).all()):
+                    raise ValueError(f"{name} must be > 0 everywhere")
+        dev = self.router_weight.device
+        for name in ("correction_bias", "w1", "w3", "w2", "w1_scale", "w3_scale", "w2_scale"):
+            t = getattr(self, name)
+            if t is not None and t.device != dev:
+                raise ValueError(
+                    f"{name} must be on the same device as router_weight ({dev}), got {t.device}")
+        for name in ("w1", "w3", "w2"):
+            _check_finite(name, getattr(self, name))
+        return self
+
+    # -- construction -------------------------------------------------------
+    @classmethod
+    def random(cls, shape: MoEShape, seed: int, device="cpu",
+               with_bias: Optional[bool] = None, bias_std: float = 0.1) -> "MoEWeights":
+        """Deterministic random weights with O(1) outputs for O(1) inputs.
+
+        Every tensor is drawn from ``N(0, 1/fan_in)`` (router and w1/w3:
+        fan_in = H; w2: fan_in = I) by a CPU ``torch.Generator`` seeded with
+        ``seed``, expert by expert, then cast (bf16) or block-quantized (fp8)
+        and moved to ``device``; the result is therefore identical on every
+        device.
+
+        Args:
+            shape: validated layer shape.
+            seed: int seed.
+            device: target device.
+            with_bias: create ``correction_bias`` (``N(0, bias_std)``); default:
+                True for deepseek_v3, False for softmax_topk.
+            bias_std: std of the correction bias.
+        """
+        if not isinstance(shape, MoEShape):
+            raise ValueError(f"shape must be a MoEShape, got {type(shape).__name__}")
+        shape.validate()
+        if not _is_int(seed):
+            raise ValueError(f"seed must be an int, got {seed!r}")
+        if with_bias is None:
+            with_bias = shape.router == "deepseek_v3"
+        e, h, i = shape.num_experts, shape.hidden, shape.intermediate
+        g = torch.Generator(device="cpu")
+        g.manual_seed(seed)
+        f32 = torch.float32
+        router_weight = torch.randn(e, h, generator=g, dtype=f32) / _math.sqrt(h)
+        bias = torch.randn(e, generator=g, dtype=f32) * bias_std if with_bias else None
+        fp8 = shape.weight_dtype == "fp8"
+        wdt = FP8_DTYPE if fp8 else torch.bfloat16
+        w1 = torch.empty(e, i, h, dtype=wdt, device=device)
+        w3 = torch.empty(e, i, h, dtype=wdt, device=device)
+        w2 = torch.empty(e, h, i, dtype=wdt, device=device)
+        if fp8:
+            hb, ib = h // QUANT_BLOCK, i // QUANT_BLOCK
+            s1 = torch.empty(e, ib, hb, dtype=f32, device=device)
+            s3 = torch.empty(e, ib, hb, dtype=f32, device=device)
+            s2 = torch.empty(e, hb, ib, dtype=f32, device=device)
+        else:
+            s1 = s3 = s2 = None
+        for ex in range(e):
+            for dst, sdst, rows, cols in ((w1, s1, i, h), (w3, s3, i, h), (w2, s2, h, i)):
+                w = torch.randn(rows, cols, generator=g, dtype=f32) / _math.sqrt(cols)
+                if fp8:
+                    q, s = quantize_weight_fp8_block(w)
+                    dst[ex].copy_(q.to(device))
+                    sdst[ex].copy_(s.to(device))
+                else:
+                    dst[ex].copy_(w.to(torch.bfloat16).to(device))
+        return cls(router_weight=router_weight.to(device),
+                   correction_bias=None if bias is None else bias.to(device),
+                   w1=w1, w3=w3, w2=w2, w1_scale=s1, w3_scale=s3, w2_scale=s2)
+
+    # -- placement ----------------------------------------------------------
+    def local_experts(self, rank: int, num_ranks: int) -> range:
+        """Experts owned by ``rank`` under contiguous placement (E/num_ranks each).
+
+        Rank ``r`` owns ``range(r * E/num_ranks, (r + 1) * E/num_ranks)``.
+        """
+        if not _is_int(num_ranks) or num_ranks < 1:
+            raise ValueError(f"num_ranks must be an int >= 1, got {num_ranks!r}")
+        if self.num_experts % num_ranks != 0:
+            raise ValueError(
+                f"num_ranks must divide num_experts={self.num_experts}, got {num_ranks}")
+        if not _is_int(rank) or not 0 <= rank < num_ranks:
+            raise ValueError(f"rank must be an int in [0, {num_ranks}), got {rank!r}")
+        per = self.num_experts // num_ranks
+        return range(rank * per, (rank + 1) * per)
+
+    # -- dequantization -----------------------------------------------------
+    def dequantized_expert(self, e: int, dtype: torch.dtype = torch.float32
+                           ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Dequantized ``(w1 [I, H], w3 [I, H], w2 [H, I])`` of expert ``e``, cached.
+
+        bf16 weights are cast; fp8 weights are multiplied by their 128x128 block
+        scales in ``dtype``.  Results are cached per ``(e, dtype)`` on this object.
+
+        Args:
+            e: expert index in ``[0, E)``.
+            dtype: torch.float32 (default) or torch.float64.
+        """
+        if not _is_int(e) or not 0 <= e < self.num_experts:
+            raise ValueError(f"e must be an int in [0, {self.num_experts}), got {e!r}")
+        if dtype not in (torch.float32, torch.float64):
+            raise ValueError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
+        key = (e, dtype)
+        hit = self._cache.get(key)
+        if hit is not None:
+            return hit
+        out = []
+        for name in ("w1", "w3", "w2"):
+            w = getattr(self, name)[e]
+            if w.dtype == FP8_DTYPE:
+                s = getattr(self, name + "_scale")
+                if s is None:
+                    raise ValueError(f"{name}_scale must be set for fp8 {name}, got None")
+                out.append(dequantize_weight_fp8_block(w, s[e], dtype).contiguous())
+            else:
+                out.append(w.to(dtype).contiguous())
+        res = (out[0], out[1], out[2])
+        self._cache[key] = res
+        return res
+
+    def clear_cache(self) -> None:
+        """Drop all cached dequantized expert weights."""
+        self._cache.clear()
+
+
+# --------------------------------------------------------------------------- #
+# routing
+# --------------------------------------------------------------------------- #
+def _check_x(x, shape: MoEShape, name: str = "x") -> None:
+    _check_tensor(name, x, dtypes=_ACT_DTYPES, ndim=2)
+    if x.shape[1] != shape.hidden:
+        raise ValueError(f"{name} must have shape [T, {shape.hidden}] (hidden), "
+                         f"got {list(x.shape)}")
+    bad = _first_nonfinite_row(x)
+    if bad >= 0:
+        raise ValueError(f"{name} contains NaN/Inf at token {bad}")
+
+
+def _ordered_row_sum(w: torch.Tensor) -> torch.Tensor:
+    """``sum_j w[:, j]`` accumulated left to right (fixed order), keepdim."""
+    acc = w[:, 0:1].clone()
+    for j in range(1, w.shape[1]):
+        acc = acc + w[:, j:j + 1]
+    return acc
+
+
+def route(x: torch.Tensor, weights: MoEWeights, shape: MoEShape,
+          dtype: torch.dtype = torch.float32) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Select experts and routing weights for each token.
+
+    Computed in ``dtype`` (float32 for the runtime, float64 for the reference)
+    from the *unquantized* ``x``: ``logits = x @ router_weight.T``.  Logits are
+    computed on fixed blocks of :data:`ROUTER_BLOCK_ROWS` zero-padded rows, so a
+    token's routing is bitwise independent of the other tokens in ``x``.
+
+    * ``softmax_topk``: ``p = softmax(logits)``; ``topk_idx, w = topk(p, k)``;
+      if ``shape.renormalize``, ``w /= sum(w)``.
+    * ``deepseek_v3``: ``s = sigmoid(logits)``; ``sel = s + correction_bias``
+      (0 if None); group score = sum of the top-2 ``sel`` in each of
+      ``n_group`` groups (the single value if a group holds one expert); keep
+      the ``topk_group`` best groups, mask other experts' ``sel`` to -inf;
+      ``topk_idx = topk(sel, k)``; ``w = s[topk_idx]``; if
+      ``norm_topk_prob`` ``w /= (sum(w) + 1e-20)``; ``w *= routed_scaling_factor``.
+
+    ``torch.topk(..., sorted=True)`` is used throughout, so experts are listed
+    in descending score order and the output is deterministic for a given input.
+    Sums over the k selected weights are accumulated in fixed order j = 0..k-1.
+
+    Args:
+        x: ``[T, H]`` bf16 / float32 / float64, finite.
+        weights: layer weights (router_weight, correction_bias are used).
+        shape: layer shape.
+        dtype: torch.float32 or torch.float64.
+    Returns:
+        ``(topk_idx int64 [T, k], topk_weights dtype [T, k])``.
+    """
+    if not isinstance(shape, MoEShape):
+        raise ValueError(f"shape must be a MoEShape, got {type(shape).__name__}")
+    shape.validate()
+    if dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
+    _check_x(x, shape)
+    e, k = shape.num_experts, shape.topk
+    if weights.router_weight.shape != (e, shape.hidden):
+        raise ValueError(f"weights.router_weight must have shape [{e}, {shape.hidden}], "
+                         f"got {list(weights.router_weight.shape)}")
+    if weights.correction_bias is not None and weights.correction_bias.shape != (e,):
+        raise ValueError(f"weights.correction_bias must have shape [{e}], "
+                         f"got {list(weights.correction_bias.shape)}")
+    t = x.shape[0]
+    dev = x.device
+    if t == 0:
+        return (torch.empty(0, k, dtype=torch.int64, device=dev),
+                torch.empty(0, k, dtype=dtype, device=dev))
+
+    rw_t = weights.router_weight.to(device=dev, dtype=dtype).t()
+    xd = x.to(dtype)
+    blocks = []
+    for start in range(0, t, ROUTER_BLOCK_ROWS):
+        chunk = xd[start:start + ROUTER_BLOCK_ROWS]
+        buf = torch.zeros(ROUTER_BLOCK_ROWS, shape.hidden, dtype=dtype, device=dev)
+        buf[:chunk.shape[0]] = chunk
+        blocks.append(_fixed_rows_matmul(buf, rw_t)[:chunk.shape[0]])
+    logits = torch.cat(blocks, dim=0)  # [T, E]
+
+    if shape.router == "softmax_topk":
+        probs = torch.softmax(logits, dim=-1)
+        topk_w, topk_idx = torch.topk(probs, k, dim=-1, sorted=True)
+        if shape.renormalize:
+            topk_w = topk_w / _ordered_row_sum(topk_w)
+        return topk_idx.to(torch.int64), topk_w.contiguous()
+
+    # deepseek_v3
+    scores = _rowwise(torch.sigmoid, logits)
+    if weights.correction_bias is not None:
+        sel = scores + weights.correction_bias.to(device=dev, dtype=dtype)[None, :]
+    else:
+        sel = scores
+    g = shape.n_group
+    epg = e // g
+    grouped = sel.reshape(t, g, epg)
+    if epg == 1:
+        group_scores = grouped[..., 0]
+    else:
+        top2 = torch.topk(grouped, 2, dim=-1, sorted=True).values
+        group_scores = top2[..., 0] + top2[..., 1]
+    group_idx = torch.topk(group_scores, shape.topk_group, dim=-1, sorted=True).indices
+    group_mask = torch.zeros(t, g, dtype=torch.bool, device=dev)
+    group_mask.scatter_(1, group_idx, True)
+    expert_mask = group_mask[:, :, None].expand(t, g, epg).reshape(t, e)
+    sel_masked = sel.masked_fill(~expert_mask, float("-inf"))
+    topk_idx = torch.topk(sel_masked, k, dim=-1, sorted=True).indices
+    topk_w = scores.gather(1, topk_idx)
+    if shape.norm_topk_prob:
+        topk_w = topk_w / (_ordered_row_sum(topk_w) + 1e-20)
+    topk_w = topk_w * shape.routed_scaling_factor
+    return topk_idx.to(torch.int64), topk_w.contiguous()
+
+
+def route_f64(x: torch.Tensor, weights: MoEWeights, shape: MoEShape
+              ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """:func:`route` in float64 (reference): returns ``(int64 [T,k], float64 [T,k])``."""
+    return route(x, weights, shape, dtype=torch.float64)
+
+
+# --------------------------------------------------------------------------- #
+# expert compute
+# --------------------------------------------------------------------------- #
+def _check_expert_inputs(x_fp8, x_sf, e, weights: MoEWeights, rows_name: str) -> None:
+    if not isinstance(weights, MoEWeights):
+        raise ValueError(f"weights must be a MoEWeights, got {type(weights).__name__}")
+    h = weights.hidden
+    _check_tensor("x_fp8" + rows_name, x_fp8, dtype=FP8_DTYPE, ndim=2)
+    if x_fp8.shape[1] != h:
+        raise ValueError(f"x_fp8{rows_name} must have shape [n, {h}] (hidden), "
+                         f"got {list(x_fp8.shape)}")
+    _check_tensor("x_sf" + rows_name, x_sf, dtype=torch.float32,
+                  shape=(x_fp8.shape[0], h // QUANT_BLOCK))
+    if not _is_int(e) or not 0 <= e < weights.num_experts:
+        raise ValueError(f"e must be an int in [0, {weights.num_experts}), got {e!r}")
+
+
+def expert_block_forward(x_fp8_block: torch.Tensor, x_sf_block: torch.Tensor, e: int,
+                         weights: MoEWeights) -> torch.Tensor:
+    """SwiGLU expert ``e`` on one fixed-shape block of rows.
+
+    ``out = (silu(x @ w1.T) * (x @ w3.T)) @ w2.T`` with ``x`` dequantized to
+    float32, float32 dequantized weights, and the intermediate kept in float32.
+
+    The block's row count ``block_m`` is the GEMM ``M``; callers must always use
+    the same ``block_m`` (pad partial blocks with zero rows).  Under that
+    contract a row's output is bitwise independent of the other rows of the
+    block and of its position in the block (see the module docstring).
+
+    Args:
+        x_fp8_block: float8_e4m3fn ``[block_m, H]``.
+        x_sf_block: float32 ``[block_m, H/128]``.
+        e: expert index in ``[0, E)``.
+        weights: layer weights.
+    Returns:
+        float32 ``[block_m, H]``.
+    """
+    _check_expert_inputs(x_fp8_block, x_sf_block, e, weights, "_block")
+    if x_fp8_block.shape[0] < 1:
+        raise ValueError("x_fp8_block must have shape [block_m, H] with block_m >= 1, got 0 rows")
+    w1, w3, w2 = weights.dequantized_expert(e)
+    dev = x_fp8_block.device
+    if w1.device != dev:
+        raise ValueError(f"x_fp8_block must be on the weights' device {w1.device}, got {dev}")
+    x = dequantize_act_fp8(x_fp8_block, x_sf_block)  # fresh [bm, H] float32
+    h1 = _fixed_rows_matmul(x, w1.t())
+    h3 = _fixed_rows_matmul(x, w3.t())
+    act = _rowwise(torch.nn.functional.silu, h1) * h3
+    return _fixed_rows_matmul(act, w2.t())
+
+
+def expert_pool_forward(x_fp8: torch.Tensor, x_sf: torch.Tensor, e: int,
+                        weights: MoEWeights, block_m: int) -> torch.Tensor:
+    """Run expert ``e`` on all ``n`` rows routed to it, ``block_m`` rows at a time.
+
+    Rows are split into consecutive blocks of ``block_m``; the last block is
+    zero padded to ``block_m`` rows; each block goes through
+    :func:`expert_block_forward`.
+
+    Args:
+        x_fp8: float8_e4m3fn ``[n, H]`` (n may be 0).
+        x_sf: float32 ``[n, H/128]``.
+        e: expert index.
+        weights: layer weights.
+        block_m: rows per block (>= 1).
+    Returns:
+        float32 ``[n, H]``.
+    """
+    _check_expert_inputs(x_fp8, x_sf, e, weights, "")
+    if not _is_int(block_m) or block_m < 1:
+        raise ValueError(f"block_m must be an int >= 1, got {block_m!r}")
+    n, h = x_fp8.shape
+    dev = x_fp8.device
+    out = torch.empty(n, h, dtype=torch.float32, device=dev)
+    for start in range(0, n, block_m):
+        m = min(block_m, n - start)
+        xb = torch.zeros(block_m, h, dtype=FP8_DTYPE, device=dev)
+        sb = torch.zeros(block_m, h // QUANT_BLOCK, dtype=torch.float32, device=dev)
+        xb[:m] = x_fp8[start:start + m]
+        sb[:m] = x_sf[start:start + m]
+        out[start:start + m] = expert_block_forward(xb, sb, e, weights)[:m]
+    return out
+
+
+# --------------------------------------------------------------------------- #
+# combine
+# --------------------------------------------------------------------------- #
+def combine(contrib: torch.Tensor, topk_weights: torch.Tensor,
+            topk_idx: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Weighted sum of the k expert outputs of every token, in fixed order.
+
+    ``y[t] = sum_{j=0..k-1, topk_idx[t,j] != -1} topk_weights[t,j] * contrib[t,j]``
+    computed as an explicit loop over ``j`` with one float32 multiply and one
+    float32 add per term (no fused or reordered reduction), starting from 0.
+    Routes with ``topk_idx == -1`` (masked/dropped) are skipped exactly, i.e.
+    whatever ``contrib`` holds for them (even NaN) does not reach ``y``.
+
+    Args:
+        contrib: float32 ``[T, k, H]``; ``contrib[t, j]`` is the output of expert
+            ``topk_idx[t, j]`` for token t.
+        topk_weights: float32 ``[T, k]``.
+        topk_idx: int64 ``[T, k]`` with values >= -1, or None (all routes valid).
+    Returns:
+        float32 ``[T, H]``.
+    """
+    _check_tensor("contrib", contrib, dtype=torch.float32, ndim=3)
+    t, k, h = contrib.shape
+    _check_tensor("topk_weights", topk_weights, dtype=torch.float32, shape=(t, k))
+    if topk_idx is not None:
+        _check_tensor("topk_idx", topk_idx, dtype=torch.int64, shape=(t, k))
+        if t * k and int(topk_idx.min()) < -1:
+            raise ValueError("topk_idx values must be >= -1 (-1 = masked route)")
+    y = torch.zeros(t, h, dtype=torch.float32, device=contrib.device)
+    for j in range(k):
+        term = contrib[:, j, :] * topk_weights[:, j:j + 1]
+        if topk_idx is None:
+            y = y + term
+        else:
+            valid = (topk_idx[:, j] >= 0)[:, None]
+            y = torch.where(valid, y + term, y)
+    return y
+
+
+# --------------------------------------------------------------------------- #
+# whole-layer paths
+# --------------------------------------------------------------------------- #
+def batch_forward_single(x: torch.Tensor, weights: MoEWeights, shape: MoEShape,
+                         return_routing: bool = False):
+    """Single-process whole-batch forward of the quantized pipeline (reference
+    for the distributed/streamed paths, which must match it bitwise per token).
+
+    Steps: :func:`route` (float32, unquantized x) -> :func:`quantize_act_fp8`
+    -> for each expert e, the rows routed to it in token order ->
+    :func:`expert_pool_forward` with ``shape.block_m`` -> :func:`combine`.
+
+    Args:
+        x: ``[T, H]`` bf16 / float32 / float64, finite.
+        weights: validated against ``shape``.
+        shape: layer shape.
+        return_routing: also return ``(topk_idx, topk_weights)``.
+    Returns:
+        ``y`` float32 ``[T, H]``, or ``(y, topk_idx, topk_weights)``.
+    """
+    if not isinstance(shape, MoEShape):
+        raise ValueError(f"shape must be a MoEShape, got {type(shape).__name__}")
+    if not isinstance(weights, MoEWeights):
+        raise ValueError(f"weights must be a MoEWeights, got {type(weights).__name__}")
+    weights.validate(shape)
+    _check_x(x, shape)
+    topk_idx, topk_w = route(x, weights, shape)
+    x_fp8, x_sf = quantize_act_fp8(x)
+    t, k, h = x.shape[0], shape.topk, shape.hidden
+    contrib = torch.zeros(t, k, h, dtype=torch.float32, device=x.device)
+    for e in range(shape.num_experts):
+        tok, slot = (topk_idx == e).nonzero(as_tuple=True)  # row-major: token order
+        if tok.numel() == 0:
+            continue
+        contrib[tok, slot] = expert_pool_forward(x_fp8[tok], x_sf[tok], e, weights,
+                                                 shape.block_m)
+    y = combine(contrib, topk_w, topk_idx)
+    if return_routing:
+        return y, topk_idx, topk_w
+    return y
+
+
+def _dequant_f64_reference(w: torch.Tensor, s: Optional[torch.Tensor]) -> torch.Tensor:
+    """float64 dequantization written independently of dequantize_weight_fp8_block."""
+    wd = w.to(torch.float64)
+    if s is None:
+        return wd
+    sd = s.to(torch.float64).repeat_interleave(QUANT_BLOCK, dim=-2)
+    sd = sd.repeat_interleave(QUANT_BLOCK, dim=-1)
+    return wd * sd
+
+
+def reference_forward_f64(x: torch.Tensor, weights: MoEWeights, shape: MoEShape,
+                          return_routing: bool = False):
+    """Independent float64 reference of the layer (no blocks, no caches).
+
+    * routing: :func:`route` with ``dtype=torch.float64`` from the unquantized x;
+    * activations: ``quantize_act_fp8(x)`` (the ring format is part of the
+      model), dequantized in float64;
+    * weights: dequantized in float64 (exact: fp8 x float32 scale fits in a
+      double);
+    * per expert: ``(silu(x w1^T) * (x w3^T)) w2^T`` in float64 over all its
+      tokens at once, accumulated into y with the float64 routing weights.
+
+    Expected difference to :func:`batch_forward_single`: see
+    :func:`reference_tolerance`.  Tokens whose selected experts differ between
+    float32 and float64 routing (near-ties) must be excluded from the
+    comparison (:func:`compare_to_reference`).
+
+    Returns:
+        ``y`` float64 ``[T, H]``, or ``(y, topk_idx_f64, topk_weights_f64)``.
+    """
+    if not isinstance(shape, MoEShape):
+        raise ValueError(f"shape must be a MoEShape, got {type(shape).__name__}")
+    if not isinstance(weights, MoEWeights):
+        raise ValueError(f"weights must be a MoEWeights, got {type(weights).__name__}")
+    weights.validate(shape)
+    _check_x(x, shape)
+    idx, w = route(x, weights, shape, dtype=torch.float64)
+    x_fp8, x_sf = quantize_act_fp8(x)
+    t, h = x.shape
+    xd = x_fp8.to(torch.float64) * x_sf.to(torch.float64).repeat_interleave(QUANT_BLOCK, dim=1)
+    y = torch.zeros(t, h, dtype=torch.float64, device=x.device)
+    for e in range(shape.num_experts):
+        tok, slot = (idx == e).nonzero(as_tuple=True)
+        if tok.numel() == 0:
+            continue
+        w1 = _dequant_f64_reference(weights.w1[e], None if weights.w1_scale is None
+                                    else weights.w1_scale[e])
+        w3 = _dequant_f64_reference(weights.w3[e], None if weights.w3_scale is None
+                                    else weights.w3_scale[e])
+        w2 = _dequant_f64_reference(weights.w2[e], None if weights.w2_scale is None
+                                    else weights.w2_scale[e])
+        xe = xd[tok]
+        a = torch.nn.functional.silu(xe @ w1.T) * (xe @ w3.T)
+        out = a @ w2.T
+        y.index_add_(0, tok, out * w[tok, slot][:, None])
+    if return_routing:
+        return y, idx, w
+    return y
+
+
+def reference_tolerance(shape: MoEShape) -> Tuple[float, float]:
+    """``(rtol, atol)`` for comparing the float32 pipeline to the float64 reference.
+
+    Both sides use the same fp8-quantized activations and the same stored
+    weights, so the *only* differences are float32 rounding in the fp32 path
+    (routing is compared separately: tokens whose expert set differs are
+    excluded).  With unit roundoff ``u = 2**-24`` the error sources are:
+
+    * dequantizing x and the weights to float32 (one rounding each, relative u);
+    * the gate/up dot products over H terms and the down dot product over I
+      terms; float32 accumulation of n random-signed terms has an error that
+      grows like ``sqrt(n) * u * sum|terms|`` (the worst case ``n * u`` is never
+      approached by BLAS kernels, which additionally block the sum);
+    * silu / sigmoid / softmax (a few ulp), the routing dot product over H, and
+      the k-term combine.
+
+    The total path length is ``n = H + I + k``; we take
+    ``rtol = max(1e-5, 16 * sqrt(n) * u)`` (16 = margin for the max over
+    ``T*H`` elements, about 5 standard deviations, times ~3 for the chained
+    error sources), e.g. 1.3e-5 for H=256, I=256 and 9e-5 for H=7168, I=2048.
+    ``atol = rtol`` because the error is proportional to the magnitude of the
+    summed terms rather than to the (possibly cancelled) output; this assumes
+    O(1) outputs as produced by :meth:`MoEWeights.random` with O(1) inputs —
+    scale ``atol`` by the output magnitude for other weights.
+    """
+    if not isinstance(shape, MoEShape):
+        raise ValueError(f"shape must be a MoEShape, got {type(shape).__name__}")
+    shape.validate()
+    n = shape.hidden + shape.intermediate + shape.topk
+    rtol = max(1e-5, 16.0 * _math.sqrt(n) * 2.0 ** -24)
+    return rtol, rtol
+
+
+@dataclass
+class ReferenceComparison:
+    """Result of :func:`compare_to_reference`.
+
+    Attributes:
+        ok: all compared elements satisfy ``|y - y_ref| <= atol + rtol * |y_ref|``.
+        num_tokens: T.
+        num_compared: tokens compared (same expert set in f32 and f64 routing).
+        num_excluded: tokens excluded because routing differs.
+        excluded_tokens: their indices.
+        max_abs_err: max ``|y - y_ref|`` over compared tokens.
+        max_err_ratio: max of ``|y - y_ref| / (atol + rtol*|y_ref|)`` (ok iff <= 1).
+        worst_token: token of that maximum (-1 if nothing compared).
+        rtol, atol: tolerances used.
+    """
+
+    ok: bool
+    num_tokens: int
+    num_compared: int
+    num_excluded: int
+    excluded_tokens: List[int]
+    max_abs_err: float
+    max_err_ratio: float
+    worst_token: int
+    rtol: float
+    atol: float
+
+    def __str__(self) -> str:
+        return (f"ReferenceComparison(ok={self.ok}, compared={self.num_compared}/"
+                f"{self.num_tokens}, excluded={self.num_excluded} (routing differs), "
+                f"max_abs_err={self.max_abs_err:.3g}, max_err_ratio={self.max_err_ratio:.3g} "
+                f"at token {self.worst_token}, rtol={self.rtol:.3g}, atol={self.atol:.3g})")
+
+
+def compare_to_reference(y: torch.Tensor, y_ref: torch.Tensor, topk_idx_f32: torch.Tensor,
+                         topk_idx_f64: torch.Tensor, *, shape: Optional[MoEShape] = None,
+                         rtol: Optional[float] = None, atol: Optional[float] = None
+                         ) -> ReferenceComparison:
+    """Compare a float32 output to the float64 reference, skipping routing flips.
+
+    A token is excluded when the *set* of its selected experts differs between
+    float32 and float64 routing (a near-tie flipped); a mere reordering of the
+    same experts is compared (it only changes the float32 summation order).
+
+    Args:
+        y: ``[T, H]`` output of the float32 pipeline.
+        y_ref: ``[T, H]`` output of :func:`reference_forward_f64`.
+        topk_idx_f32, topk_idx_f64: int64 ``[T, k]`` routing of both paths.
+        shape: if given and rtol/atol are None, use :func:`reference_tolerance`.
+        rtol, atol: explicit tolerances (default 1e-4 each without ``shape``).
+    Returns:
+        :class:`ReferenceComparison` (check ``.ok``; ``str()`` for a report).
+    """
+    _check_tensor("y", y, dtypes=(torch.float32, torch.float64), ndim=2)
+    _check_tensor("y_ref", y_ref, dtypes=(torch.float32, torch.float64), shape=tuple(y.shape))
+    t = y.shape[0]
+    _check_tensor("topk_idx_f32", topk_idx_f32, dtype=torch.int64, ndim=2)
+    if topk_idx_f32.shape[0] != t:
+        raise ValueError(f"topk_idx_f32 must have shape [{t}, k], got {list(topk_idx_f32.shape)}")
+    _check_tensor("topk_idx_f64", topk_idx_f64, dtype=torch.int64,
+                  shape=tuple(topk_idx_f32.shape))
+    if rtol is None or atol is None:
+        if shape is not None:
+            d_rtol, d_atol = reference_tolerance(shape)
+        else:
+            d_rtol, d_atol = 1e-4, 1e-4
+        rtol = d_rtol if rtol is None else rtol
+        atol = d_atol if atol is None else atol
+    if not (rtol >= 0 and atol >= 0):
+        raise ValueError(f"rtol and atol must be >= 0, got rtol={rtol}, atol={atol}")
+    same = (topk_idx_f32.sort(dim=1).values == topk_idx_f64.to(topk_idx_f32.device)
+            .sort(dim=1).values).all(dim=1)
+    excluded = (~same).nonzero().flatten().tolist()
+    yd = y.to(torch.float64)
+    rd = y_ref.to(device=y.device, dtype=torch.float64)
+    err = (yd - rd).abs()
+    ratio = err / (atol + rtol * rd.abs())
+    same_d = same.to(y.device)
+    keep = same_d[:, None].expand_as(err)
+    n_cmp = int(same_d.sum())
+    if n_cmp and y.shape[1]:
+        err_k = torch.where(keep, err, torch.zeros_like(err))
+        ratio_k = torch.where(keep, ratio, torch.zeros_like(ratio))
+        max_abs = float(err_k.max())
+        row_max = ratio_k.amax(dim=1)
+        worst = int(row_max.argmax())
+        max_ratio = float(row_max[worst])
+        if _math.isnan(max_abs) or _math.isnan(max_ratio):
+            max_abs, max_ratio = float("nan"), float("nan")
+    else:
+        max_abs, max_ratio, worst = 0.0, 0.0, -1
+    ok = bool(max_ratio <= 1.0) if not _math.isnan(max_ratio) else False
+    return ReferenceComparison(ok=ok, num_tokens=t, num_compared=n_cmp,
+                               num_excluded=len(excluded), excluded_tokens=excluded,
+                               max_abs_err=max_abs, max_err_ratio=max_ratio, worst_token=worst,
+                               rtol=float(rtol), atol=float(atol))

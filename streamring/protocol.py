@@ -1,0 +1,750 @@
+"""The chunk-ready ring protocol: layout, generations, publish/acquire/ack/reuse.
+
+This module is the single source of truth of the protocol. It knows no
+backend: every memory operation goes through the verbs of
+``streamring.device.verbs.SymmetricHeap`` and is argued in those terms. The
+CUDA side (``device/csrc``) receives every offset and stride from
+:meth:`RingLayout.descriptor` instead of re-deriving them.
+
+Roles, for source (owner) rank ``r``, slot ``s = c % num_slots`` and chunk ``c``
+of the stream of epoch ``e``, generation ``g = make_gen(e, c + 1)``:
+
+    route producer (on r):   reserve(s, c) -> write topk_idx/topk_weights/meta
+                             -> fence -> route_ready_gen[r][s] := g  at every rank
+    layout producer (on r):  reserve(s, c) -> write x/x_sf
+                             -> fence -> layout_ready_gen[r][s] := g at every rank
+    consumer (on d):         wait route_ready_gen[r][s] == g and layout_ready_gen[r][s] == g
+                             (acquire) -> read r's slot -> ack: fetch_or(bit d) into
+                             r's ack_mask[s] (release) -> consumed_gen[r][s] := g (own record)
+    owner (on r):            ack_mask[s] full (acquire) -> consumed_gen[r][s] := g
+                             -> ack_mask[s] := 0 -> slot may take chunk c + num_slots
+
+Ordering argument, step by step (the model checker in ``streamring.model``
+explores these same steps over every interleaving):
+
+1. *Payload before generation.* The producer's payload stores are local
+   stores into its own symmetric segment; ``signal_op`` has release semantics
+   (backends fence first), so a consumer that observes ``g`` observes them.
+2. *Acquire before read.* ``signal_fetch`` is an acquire: the consumer's payload
+   reads (``get``) are issued after it and cannot be satisfied earlier.
+3. *Reuse only after every acknowledgement.* The consumer's ``fetch_or`` is a
+   release issued after its reads have completed (``get`` completes on return),
+   so once the owner observes the full mask (acquire) no read of chunk ``c``
+   is outstanding, and overwriting the slot with chunk ``c + S`` is safe.
+4. *Mask reset.* The owner clears the mask before it publishes chunk
+   ``c + S``; no consumer can acknowledge ``c + S`` before that publish, and
+   every acknowledgement of ``c`` is already in the mask (it was full). So a
+   bit can never be carried from one chunk to the next.
+5. *Independent generations.* Route and layout write disjoint payload bytes
+   and disjoint metadata words, and each has its own generation word, so
+   they may complete in either order; the consumer needs both.
+6. *ABA.* A generation carries the epoch: leftovers of epoch ``e - 1`` (same
+   slot, same chunk index) never equal ``make_gen(e, c + 1)``. Within an
+   epoch the sequence is ``c + 1``, which grows by ``S`` per ring wrap, so
+   the value of the previous lap is strictly older. A value that is neither
+   the expected one nor older is a violation (:class:`ProtocolViolation`).
+7. *Empty and uneven ranks.* Every rank publishes the same number of chunks
+   per stream (the maximum over ranks, agreed at ``begin_stream``); a rank
+   with fewer tokens publishes zero-token chunks. So every consumer's wait
+   for ``(r, c)`` is matched by a publish and nobody blocks on a rank with
+   no tokens.
+8. *Stream end.* ``end_stream`` drains: the owner waits for the full masks of
+   its last ``min(S, num_chunks)`` chunks, so the next epoch starts with every
+   slot acknowledged and every mask zero.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .device.verbs import Region, SignalOp, SymmetricHeap, WaitTimeout, spin_pause
+
+# --------------------------------------------------------------------------------------
+# Generations
+# --------------------------------------------------------------------------------------
+SEQ_BITS = 32
+EPOCH_BITS = 31  # keep generations below 2**63 (signed 64-bit on every side)
+SEQ_MASK = (1 << SEQ_BITS) - 1
+MAX_EPOCH = (1 << EPOCH_BITS) - 1
+MAX_SEQ = SEQ_MASK
+
+
+def make_gen(epoch: int, seq: int) -> int:
+    """Pack a 64-bit generation ``(epoch, sequence)``; ``seq = chunk + 1`` so 0 means "never"."""
+    if not 1 <= epoch <= MAX_EPOCH:
+        raise ValueError(f"epoch {epoch} outside [1, {MAX_EPOCH}]")
+    if not 1 <= seq <= MAX_SEQ:
+        raise ValueError(f"sequence {seq} outside [1, {MAX_SEQ}]")
+    return (epoch << SEQ_BITS) | seq
+
+
+def split_gen(gen: int) -> tuple[int, int]:
+    """Unpack a generation into ``(epoch, sequence)``."""
+    return gen >> SEQ_BITS, gen & SEQ_MASK
+
+
+def gen_str(gen: int) -> str:
+    """Readable form of a generation for diagnostics."""
+    if gen == 0:
+        return "0"
+    e, s = split_gen(gen)
+    return f"e{e}:c{s - 1}"
+
+
+class GenState(enum.Enum):
+    """How an observed generation relates to the expected one."""
+
+    READY = "ready"
+    OLDER = "older"  # not yet published: keep waiting
+    VIOLATION = "violation"  # newer than expected, or from a wrong slot
+
+
+class Inject(enum.Enum):
+    """Deliberate protocol mutations, used to prove the checkers can fail."""
+
+    NONE = "none"
+    SKIP_ACQUIRE = "skip-acquire"
+    SIGNAL_BEFORE_PAYLOAD = "signal-before-payload"
+    SKIP_ACK_WAIT = "skip-ack-wait"
+    IGNORE_EPOCH = "ignore-epoch"
+
+
+INJECT_MODES = tuple(m.value for m in Inject if m is not Inject.NONE)
+
+
+def classify_gen(observed: int, expected: int, num_slots: int, ignore_epoch: bool = False) -> GenState:
+    """Compare a generation word with the expected one (rule 6 of the module doc).
+
+    ``OLDER`` covers: 0 (never published), any earlier epoch, and an earlier
+    lap of the same slot in the same epoch. Everything else that is not equal
+    is a violation (a later generation, or a sequence of another slot).
+    ``ignore_epoch`` is the ``ignore-epoch`` mutation: compare sequences only.
+    """
+    if ignore_epoch:
+        observed &= SEQ_MASK
+        expected &= SEQ_MASK
+    if observed == expected:
+        return GenState.READY
+    if observed == 0:
+        return GenState.OLDER
+    oe, os_ = split_gen(observed)
+    ee, es = split_gen(expected)
+    if oe < ee:
+        return GenState.OLDER
+    if oe == ee and os_ < es and (es - os_) % num_slots == 0:
+        return GenState.OLDER
+    return GenState.VIOLATION
+
+
+class ProtocolViolation(RuntimeError):
+    """A peer's generation or metadata broke the protocol (names rank and field)."""
+
+
+class WatchdogError(RuntimeError):
+    """A wait passed its deadline; the message holds every slot state this rank can see."""
+
+
+# --------------------------------------------------------------------------------------
+# Layout
+# --------------------------------------------------------------------------------------
+ALIGN = 128
+META_WORDS = 8
+META_CHUNK, META_BASE, META_VALID, META_ROUTE_GEN, META_ROUTE_NS, META_LAYOUT_GEN, META_LAYOUT_NS = range(7)
+SF_BLOCK = 128  # one float32 scale per token per 128 columns of x
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+@dataclass(frozen=True)
+class RingLayout:
+    """Where every region of the ring lives inside one symmetric buffer.
+
+    Derived once from a few sizes; the Python and CUDA sides both use these
+    offsets (see :meth:`descriptor`). All offsets are in bytes from the start
+    of the buffer and aligned to 128 bytes.
+
+    Signal words (uint64, written only through signal/atomic verbs):
+        route_ready_gen[src][slot], layout_ready_gen[src][slot],
+        consumed_gen[src][slot], ack_mask[slot][mask_words]
+    Slot payload (written by the owner's producers, read by every consumer):
+        meta[slot][8] int64, x[slot][tokens][hidden] fp8 e4m3 (bytes),
+        x_sf[slot][tokens][hidden/128] float32, topk_idx[slot][tokens][topk] int64,
+        topk_weights[slot][tokens][topk] float32
+    Combine (written by consumers into the owner, read by the owner), optional:
+        combine[slot][tokens][topk][hidden] float32
+    """
+
+    num_ranks: int
+    num_slots: int
+    tokens_per_slot: int
+    hidden: int
+    topk: int
+    num_experts: int
+    with_combine: bool = False
+
+    def __post_init__(self):
+        problems = []
+        if self.num_ranks < 1:
+            problems.append(f"num_ranks must be >= 1, got {self.num_ranks}")
+        if self.num_slots < 1:
+            problems.append(f"ring.num_slots must be >= 1, got {self.num_slots}")
+        if self.tokens_per_slot < 1:
+            problems.append(f"ring.tokens_per_slot must be >= 1, got {self.tokens_per_slot}")
+        if self.hidden < SF_BLOCK or self.hidden % SF_BLOCK:
+            problems.append(f"hidden must be a positive multiple of {SF_BLOCK}, got {self.hidden}")
+        if self.num_experts < 1:
+            problems.append(f"num_experts must be >= 1, got {self.num_experts}")
+        if not 1 <= self.topk <= max(self.num_experts, 1):
+            problems.append(f"topk must be in [1, num_experts={self.num_experts}], got {self.topk}")
+        if problems:
+            raise ValueError("invalid ring layout: " + "; ".join(problems))
+
+    # -- sizes -----------------------------------------------------------------------------
+    @property
+    def mask_words(self) -> int:
+        """64-bit words per acknowledgement bitmask: ceil(num_ranks / 64)."""
+        return math.ceil(self.num_ranks / 64)
+
+    @property
+    def sf_cols(self) -> int:
+        return self.hidden // SF_BLOCK
+
+    def _sizes(self) -> list[tuple[str, int]]:
+        R, S, C, H, K = self.num_ranks, self.num_slots, self.tokens_per_slot, self.hidden, self.topk
+        sizes = [
+            ("route_ready_gen", R * S * 8),
+            ("layout_ready_gen", R * S * 8),
+            ("consumed_gen", R * S * 8),
+            ("ack_mask", S * self.mask_words * 8),
+            ("meta", S * META_WORDS * 8),
+            ("x", S * C * H),
+            ("x_sf", S * C * self.sf_cols * 4),
+            ("topk_idx", S * C * K * 8),
+            ("topk_weights", S * C * K * 4),
+        ]
+        if self.with_combine:
+            sizes.append(("combine", S * C * K * H * 4))
+        return sizes
+
+    @property
+    def offsets(self) -> dict[str, int]:
+        off, out = 0, {}
+        for name, size in self._sizes():
+            out[name] = off
+            off += _align(size)
+        out["_end"] = off
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        """Total bytes of the symmetric buffer per rank."""
+        return self.offsets["_end"]
+
+    # -- word offsets of signals -----------------------------------------------------------
+    def route_gen_off(self, src: int, slot: int) -> int:
+        return self.offsets["route_ready_gen"] + (src * self.num_slots + slot) * 8
+
+    def layout_gen_off(self, src: int, slot: int) -> int:
+        return self.offsets["layout_ready_gen"] + (src * self.num_slots + slot) * 8
+
+    def consumed_gen_off(self, src: int, slot: int) -> int:
+        return self.offsets["consumed_gen"] + (src * self.num_slots + slot) * 8
+
+    def ack_word_off(self, slot: int, word: int) -> int:
+        return self.offsets["ack_mask"] + (slot * self.mask_words + word) * 8
+
+    def full_mask(self, word: int) -> int:
+        """Expected value of ack word ``word`` once every rank acknowledged."""
+        lo = word * 64
+        n = min(64, self.num_ranks - lo)
+        return (1 << n) - 1
+
+    # -- payload offsets ------------------------------------------------------------------------
+    def meta_off(self, slot: int) -> int:
+        return self.offsets["meta"] + slot * META_WORDS * 8
+
+    def x_off(self, slot: int, token: int = 0) -> int:
+        return self.offsets["x"] + (slot * self.tokens_per_slot + token) * self.hidden
+
+    def x_sf_off(self, slot: int, token: int = 0) -> int:
+        return self.offsets["x_sf"] + (slot * self.tokens_per_slot + token) * self.sf_cols * 4
+
+    def topk_idx_off(self, slot: int, token: int = 0) -> int:
+        return self.offsets["topk_idx"] + (slot * self.tokens_per_slot + token) * self.topk * 8
+
+    def topk_weights_off(self, slot: int, token: int = 0) -> int:
+        return self.offsets["topk_weights"] + (slot * self.tokens_per_slot + token) * self.topk * 4
+
+    def combine_off(self, slot: int, token: int = 0, k: int = 0) -> int:
+        if not self.with_combine:
+            raise ValueError("this layout has no combine region (with_combine=False)")
+        return self.offsets["combine"] + ((slot * self.tokens_per_slot + token) * self.topk + k) * self.hidden * 4
+
+    def descriptor(self) -> dict[str, int]:
+        """Every size, offset and stride the device side needs (mirrors ``RingDesc`` in csrc)."""
+        o = self.offsets
+        return {
+            "num_ranks": self.num_ranks,
+            "num_slots": self.num_slots,
+            "tokens_per_slot": self.tokens_per_slot,
+            "hidden": self.hidden,
+            "topk": self.topk,
+            "num_experts": self.num_experts,
+            "mask_words": self.mask_words,
+            "sf_cols": self.sf_cols,
+            "off_route_ready_gen": o["route_ready_gen"],
+            "off_layout_ready_gen": o["layout_ready_gen"],
+            "off_consumed_gen": o["consumed_gen"],
+            "off_ack_mask": o["ack_mask"],
+            "off_meta": o["meta"],
+            "off_x": o["x"],
+            "off_x_sf": o["x_sf"],
+            "off_topk_idx": o["topk_idx"],
+            "off_topk_weights": o["topk_weights"],
+            "off_combine": o.get("combine", -1),
+            "stride_x_slot": self.tokens_per_slot * self.hidden,
+            "stride_x_sf_slot": self.tokens_per_slot * self.sf_cols * 4,
+            "stride_topk_idx_slot": self.tokens_per_slot * self.topk * 8,
+            "stride_topk_weights_slot": self.tokens_per_slot * self.topk * 4,
+            "meta_words": META_WORDS,
+            "total_bytes": self.nbytes,
+        }
+
+
+# --------------------------------------------------------------------------------------
+# Stream plan
+# --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class StreamPlan:
+    """What every rank agreed at ``begin_stream``."""
+
+    epoch: int
+    tokens_per_rank: tuple[int, ...]
+    tokens_per_slot: int
+
+    @property
+    def num_chunks(self) -> int:
+        """Chunks per rank this stream (the maximum over ranks; shorter ranks pad with empty chunks)."""
+        return max((math.ceil(t / self.tokens_per_slot) for t in self.tokens_per_rank), default=0)
+
+    def chunk_tokens(self, rank: int, chunk: int) -> tuple[int, int]:
+        """``(token_base, valid_count)`` of ``rank``'s chunk ``chunk``."""
+        base = chunk * self.tokens_per_slot
+        valid = max(0, min(self.tokens_per_slot, self.tokens_per_rank[rank] - base))
+        return base, valid
+
+    def gen(self, chunk: int) -> int:
+        return make_gen(self.epoch, chunk + 1)
+
+
+@dataclass
+class ChunkView:
+    """A consumer's copy of one source chunk (metadata checked)."""
+
+    src: int
+    chunk: int
+    gen: int
+    token_base: int
+    valid: int
+    topk_idx: np.ndarray | None = None  # [valid, topk] int64
+    topk_weights: np.ndarray | None = None  # [valid, topk] float32
+    x: np.ndarray | None = None  # [valid, hidden] uint8 (fp8 e4m3 bits)
+    x_sf: np.ndarray | None = None  # [valid, hidden/128] float32
+    publish_ns: int = 0
+
+
+@dataclass
+class RingStats:
+    """Counters of one rank, for tables and JSON."""
+
+    chunks_published: int = 0
+    chunks_consumed: int = 0
+    bytes_read: int = 0
+    acquire_waits_s: list = field(default_factory=list)
+    reuse_waits_s: list = field(default_factory=list)
+    publish_to_acquire_s: list = field(default_factory=list)
+
+
+# --------------------------------------------------------------------------------------
+# The ring
+# --------------------------------------------------------------------------------------
+class Ring:
+    """One rank's endpoint of the chunk-ready ring over a symmetric heap.
+
+    Non-blocking ``try_*`` steps are the protocol; the blocking helpers wrap
+    them in a deadline (``wait_timeout_s``) and raise :class:`WatchdogError`
+    with :meth:`dump_state` when it passes. Nothing here allocates per chunk.
+    """
+
+    def __init__(self, heap: SymmetricHeap, layout: RingLayout, wait_timeout_s: float = 30.0,
+                 inject: Inject = Inject.NONE, inject_delay_s: float = 0.002):
+        if layout.num_ranks != heap.num_ranks:
+            raise ValueError(f"layout.num_ranks={layout.num_ranks} but the heap has {heap.num_ranks} ranks")
+        if wait_timeout_s <= 0:
+            raise ValueError(f"wait_timeout_s must be > 0, got {wait_timeout_s}")
+        self.heap = heap
+        self.layout = layout
+        self.me = heap.rank
+        self.wait_timeout_s = float(wait_timeout_s)
+        self.inject = inject
+        self.inject_delay_s = inject_delay_s
+        self.buf: Region = heap.alloc("ring", layout.nbytes)
+        self.plan: StreamPlan | None = None
+        self.last_epoch = 0
+        self.stats = RingStats()
+        # The ring never touches its memory except through the verbs (puts to
+        # itself included), so it runs unchanged on host- and device-memory heaps.
+        # which chunk each of my slots last carried in the current stream (-1: none)
+        self._slot_chunk = [-1] * layout.num_slots
+        self._collected = [0] * layout.num_slots  # generation whose acks were collected (slot free)
+        self._reserved: dict[int, set] = {}
+
+    # -- stream lifecycle ---------------------------------------------------------------
+    def begin_stream(self, epoch: int, num_tokens: int) -> StreamPlan:
+        """Collectively start a stream (epoch) with this rank's token count.
+
+        Epochs must increase on the same buffers and be the same on every rank.
+        """
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+        if epoch <= self.last_epoch or epoch > MAX_EPOCH:
+            raise ValueError(
+                f"stream_epoch must be in ({self.last_epoch}, {MAX_EPOCH}] (greater than the last epoch used on "
+                f"these buffers), got {epoch}"
+            )
+        if self.plan is not None:
+            raise RuntimeError("begin_stream called twice without end_stream")
+        epochs = self.heap.allgather_int(epoch)
+        if len(set(epochs)) != 1:
+            raise ValueError(f"ranks started different epochs: {epochs}")
+        tokens = tuple(self.heap.allgather_int(num_tokens))
+        plan = StreamPlan(epoch=epoch, tokens_per_rank=tokens, tokens_per_slot=self.layout.tokens_per_slot)
+        if plan.num_chunks > MAX_SEQ:
+            raise ValueError(f"{plan.num_chunks} chunks exceed the {MAX_SEQ} sequence numbers of one epoch")
+        self.plan = plan
+        self.last_epoch = epoch
+        self._slot_chunk = [-1] * self.layout.num_slots
+        self._reserved = {}
+        return plan
+
+    def end_stream(self) -> None:
+        """Drain: wait until every chunk this rank published was acknowledged by every rank."""
+        plan = self._need_plan()
+        deadline = time.monotonic() + self.wait_timeout_s
+        for slot, chunk in enumerate(self._slot_chunk):
+            if chunk >= 0:
+                self._wait(lambda s=slot, c=chunk: self.try_collect_acks(s, c), deadline,
+                           f"drain: acknowledgements of my chunk {chunk} (slot {slot})")
+        self.plan = None
+        del plan
+
+    def abort_stream(self) -> None:
+        """Forget the current stream after an error (buffers need a new, larger epoch)."""
+        self.plan = None
+
+    def _need_plan(self) -> StreamPlan:
+        if self.plan is None:
+            raise RuntimeError("no stream: call begin_stream(epoch, num_tokens) first")
+        return self.plan
+
+    # -- owner: acknowledgements and reuse ------------------------------------------------------
+    def try_collect_acks(self, slot: int, chunk: int) -> bool:
+        """Owner: if every rank acknowledged ``chunk`` in ``slot``, record it and clear the mask."""
+        plan = self._need_plan()
+        g = plan.gen(chunk)
+        if self._collected[slot] == g:
+            return True
+        L = self.layout
+        for w in range(L.mask_words):
+            # acquire: the consumers' reads of this slot completed before their fetch_or
+            if self.heap.signal_fetch(self.buf, L.ack_word_off(slot, w)) != L.full_mask(w):
+                return False
+        # Record first, then clear: a consumer cannot ack chunk + S before we publish it,
+        # and we publish it only after this returns (rule 4).
+        self.heap.signal_op(self.buf, L.consumed_gen_off(self.me, slot), g, SignalOp.SET, self.me)
+        for w in range(L.mask_words):
+            self.heap.signal_op(self.buf, L.ack_word_off(slot, w), 0, SignalOp.SET, self.me)
+        self._collected[slot] = g
+        return True
+
+    def try_reserve(self, chunk: int) -> bool:
+        """Producer: may this rank write its slot for ``chunk`` now? (rule 3)
+
+        True once every acknowledgement of ``chunk - num_slots`` has arrived.
+        Both producers of a chunk call it; the first collects the acks.
+        """
+        plan = self._need_plan()
+        S = self.layout.num_slots
+        if not 0 <= chunk < plan.num_chunks:
+            raise ValueError(f"chunk {chunk} outside [0, {plan.num_chunks}) of this stream")
+        slot = chunk % S
+        prev = chunk - S
+        if prev >= 0 and self.inject is not Inject.SKIP_ACK_WAIT:
+            if not self.try_collect_acks(slot, prev):
+                return False
+        self._slot_chunk[slot] = chunk
+        return True
+
+    def ack_mask_full(self, slot: int) -> bool:
+        """Snapshot check used by the stress harness's early-reuse detector."""
+        L = self.layout
+        return all(self.heap.signal_fetch(self.buf, L.ack_word_off(slot, w)) == L.full_mask(w)
+                   for w in range(L.mask_words))
+
+    # -- producers ----------------------------------------------------------------------
+    def _check_chunk_arrays(self, chunk: int, arrays: dict[str, tuple[np.ndarray, tuple, np.dtype]]) -> int:
+        plan = self._need_plan()
+        _, valid = plan.chunk_tokens(self.me, chunk)
+        for name, (arr, tail, dtype) in arrays.items():
+            if not isinstance(arr, np.ndarray):
+                raise TypeError(f"{name} must be a numpy array, got {type(arr).__name__}")
+            if arr.dtype != dtype:
+                raise TypeError(f"{name} must have dtype {np.dtype(dtype)}, got {arr.dtype}")
+            if arr.ndim != 1 + len(tail) or arr.shape[1:] != tail or arr.shape[0] != valid:
+                raise ValueError(
+                    f"{name} must have shape ({valid}, {', '.join(map(str, tail))}) for chunk {chunk} "
+                    f"(valid tokens of this rank's chunk; tokens_per_slot={self.layout.tokens_per_slot}), "
+                    f"got {tuple(arr.shape)}"
+                )
+        return valid
+
+    def _publish(self, offset_fn, gen: int) -> None:
+        # Release to every rank (the owner included: its own consumer reads too).
+        for pe in range(self.layout.num_ranks):
+            self.heap.signal_op(self.buf, offset_fn(pe), gen, SignalOp.SET, pe)
+
+    def publish_route(self, chunk: int, topk_idx: np.ndarray, topk_weights: np.ndarray) -> None:
+        """Route producer: write ``topk_idx``/``topk_weights`` + metadata of ``chunk``, then publish.
+
+        Call only after :meth:`try_reserve` returned True. Inputs are validated
+        before any byte is written: an error leaves the slot untouched.
+        """
+        L = self.layout
+        valid = self._check_chunk_arrays(chunk, {
+            "topk_idx": (topk_idx, (L.topk,), np.dtype(np.int64)),
+            "topk_weights": (topk_weights, (L.topk,), np.dtype(np.float32)),
+        })
+        if valid and (topk_idx.min() < -1 or topk_idx.max() >= L.num_experts):
+            bad = topk_idx[(topk_idx < -1) | (topk_idx >= L.num_experts)]
+            raise ValueError(f"topk_idx values must be in [-1, {L.num_experts}), got {int(bad.flat[0])}")
+        plan = self._need_plan()
+        slot, g = chunk % L.num_slots, plan.gen(chunk)
+        base, _ = plan.chunk_tokens(self.me, chunk)
+
+        def write():
+            h, me = self.heap, self.me
+            if valid:
+                h.put(self.buf, L.topk_idx_off(slot), topk_idx, me)
+                h.put(self.buf, L.topk_weights_off(slot), topk_weights, me)
+            # Route owns meta words 0..4, layout owns 5..6: disjoint, so either order is safe.
+            meta = np.array([chunk, base, valid, g, time.monotonic_ns()], dtype=np.int64)
+            h.put(self.buf, L.meta_off(slot), meta, me)
+
+        self._write_then_publish(write, lambda pe: L.route_gen_off(self.me, slot), g)
+
+    def publish_layout(self, chunk: int, x: np.ndarray, x_sf: np.ndarray) -> None:
+        """Layout producer: write ``x`` (fp8 e4m3 bits as uint8) and ``x_sf`` of ``chunk``, then publish."""
+        L = self.layout
+        valid = self._check_chunk_arrays(chunk, {
+            "x": (x, (L.hidden,), np.dtype(np.uint8)),
+            "x_sf": (x_sf, (L.sf_cols,), np.dtype(np.float32)),
+        })
+        plan = self._need_plan()
+        slot, g = chunk % L.num_slots, plan.gen(chunk)
+
+        def write():
+            h, me = self.heap, self.me
+            if valid:
+                h.put(self.buf, L.x_off(slot), x, me)
+                h.put(self.buf, L.x_sf_off(slot), x_sf, me)
+            meta = np.array([g, time.monotonic_ns()], dtype=np.int64)
+            h.put(self.buf, L.meta_off(slot) + META_LAYOUT_GEN * 8, meta, me)
+
+        self._write_then_publish(write, lambda pe: L.layout_gen_off(self.me, slot), g)
+
+    def _write_then_publish(self, write, offset_fn, gen: int) -> None:
+        if self.inject is Inject.SIGNAL_BEFORE_PAYLOAD:
+            # Mutation: the generation goes out before the payload it guards.
+            self._publish(offset_fn, gen)
+            time.sleep(self.inject_delay_s)
+            write()
+            self.heap.fence()
+        else:
+            write()
+            # Rule 1: signal_op is a release; the payload stores above are ordered before it.
+            self._publish(offset_fn, gen)
+        self.stats.chunks_published += 1
+
+    # -- consumer -------------------------------------------------------------------------------
+    def gen_state(self, src: int, chunk: int) -> GenState:
+        """Consumer: state of source ``src``'s chunk (both generations, acquire)."""
+        plan = self._need_plan()
+        L = self.layout
+        slot, g = chunk % L.num_slots, plan.gen(chunk)
+        if self.inject is Inject.SKIP_ACQUIRE:
+            return GenState.READY
+        ignore = self.inject is Inject.IGNORE_EPOCH
+        worst = GenState.READY
+        for field_name, off in (("route_ready_gen", L.route_gen_off(src, slot)),
+                                ("layout_ready_gen", L.layout_gen_off(src, slot))):
+            seen = self.heap.signal_fetch(self.buf, off)
+            st = classify_gen(seen, g, L.num_slots, ignore_epoch=ignore)
+            if st is GenState.VIOLATION:
+                raise ProtocolViolation(
+                    f"rank {self.me}: {field_name}[src={src}][slot={slot}] = {gen_str(seen)} ({seen:#x}) while "
+                    f"expecting {gen_str(g)}: neither the expected generation nor an older one"
+                )
+            if st is GenState.OLDER:
+                worst = GenState.OLDER
+        return worst
+
+    def try_acquire(self, src: int, chunk: int) -> bool:
+        """Consumer: True once both generations of ``(src, chunk)`` equal the expected one."""
+        return self.gen_state(src, chunk) is GenState.READY
+
+    def read_chunk(self, src: int, chunk: int, payload: bool = True) -> ChunkView:
+        """Consumer: copy the metadata (checked) and, if ``payload``, the whole chunk from ``src``.
+
+        Call only after :meth:`try_acquire` returned True. Metadata of a peer is
+        validated before use so a bad peer cannot make us read out of range.
+        """
+        plan = self._need_plan()
+        L = self.layout
+        slot, g = chunk % L.num_slots, plan.gen(chunk)
+        meta = np.empty(META_WORDS, dtype=np.int64)
+        self.heap.get(self.buf, L.meta_off(slot), meta, src)
+        view = self._check_meta(src, chunk, slot, g, meta)
+        if payload:
+            v = view.valid
+            view.topk_idx = self.get_rows(src, "topk_idx", slot, 0, v)
+            view.topk_weights = self.get_rows(src, "topk_weights", slot, 0, v)
+            view.x = self.get_rows(src, "x", slot, 0, v)
+            view.x_sf = self.get_rows(src, "x_sf", slot, 0, v)
+            self._check_topk(src, view.topk_idx)
+        return view
+
+    def get_rows(self, src: int, what: str, slot: int, first: int, count: int) -> np.ndarray:
+        """Pull ``count`` token rows starting at ``first`` of ``src``'s slot field ``what``."""
+        L = self.layout
+        if not (0 <= first and first + count <= L.tokens_per_slot):
+            raise ValueError(f"rows [{first}, {first + count}) outside the slot's {L.tokens_per_slot} tokens")
+        spec = {
+            "x": (L.x_off, np.uint8, L.hidden),
+            "x_sf": (L.x_sf_off, np.float32, L.sf_cols),
+            "topk_idx": (L.topk_idx_off, np.int64, L.topk),
+            "topk_weights": (L.topk_weights_off, np.float32, L.topk),
+        }[what]
+        off_fn, dtype, width = spec
+        out = np.empty((count, width), dtype=dtype)
+        if count:
+            self.heap.get(self.buf, off_fn(slot, first), out, src)
+            self.stats.bytes_read += out.nbytes
+        return out
+
+    def _check_meta(self, src: int, chunk: int, slot: int, g: int, meta: np.ndarray) -> ChunkView:
+        plan = self._need_plan()
+        exp_base, exp_valid = plan.chunk_tokens(src, chunk)
+        checks = [
+            ("chunk_index", int(meta[META_CHUNK]), chunk),
+            ("token_base", int(meta[META_BASE]), exp_base),
+            ("valid_count", int(meta[META_VALID]), exp_valid),
+        ]
+        if self.inject is Inject.NONE:
+            checks += [("route_gen", int(meta[META_ROUTE_GEN]), g), ("layout_gen", int(meta[META_LAYOUT_GEN]), g)]
+        for name, seen, want in checks:
+            if seen != want:
+                raise ProtocolViolation(
+                    f"rank {self.me}: metadata of source rank {src} slot {slot} chunk {chunk}: {name} = {seen}, "
+                    f"expected {want} (tokens_per_slot={self.layout.tokens_per_slot}, source tokens="
+                    f"{plan.tokens_per_rank[src]})"
+                )
+        return ChunkView(src=src, chunk=chunk, gen=g, token_base=exp_base, valid=exp_valid,
+                         publish_ns=max(int(meta[META_ROUTE_NS]), int(meta[META_LAYOUT_NS])))
+
+    def _check_topk(self, src: int, topk_idx: np.ndarray) -> None:
+        E = self.layout.num_experts
+        if topk_idx.size and (topk_idx.min() < -1 or topk_idx.max() >= E):
+            bad = topk_idx[(topk_idx < -1) | (topk_idx >= E)]
+            raise ProtocolViolation(
+                f"rank {self.me}: topk_idx from source rank {src} holds {int(bad.flat[0])}, outside [-1, {E})"
+            )
+
+    def ack(self, src: int, chunk: int) -> None:
+        """Consumer: acknowledge ``(src, chunk)``: our reads (and combine puts) are complete (release)."""
+        plan = self._need_plan()
+        L = self.layout
+        slot, g = chunk % L.num_slots, plan.gen(chunk)
+        word, bit = divmod(self.me, 64)
+        old = self.heap.atomic_fetch_or(self.buf, L.ack_word_off(slot, word), 1 << bit, src)
+        if old & (1 << bit) and self.inject is Inject.NONE:
+            raise ProtocolViolation(
+                f"rank {self.me}: ack bit already set in rank {src}'s ack_mask[slot={slot}] when acknowledging "
+                f"chunk {chunk}: the owner did not clear it (double acknowledgement)"
+            )
+        # Own record of what we consumed from src (diagnostics and monotonicity).
+        self.heap.signal_op(self.buf, L.consumed_gen_off(src, slot), g, SignalOp.SET, self.me)
+        self.stats.chunks_consumed += 1
+
+    # -- blocking helpers ---------------------------------------------------------------------
+    def _wait(self, pred, deadline: float, what: str) -> float:
+        start = time.monotonic()
+        while not pred():
+            now = time.monotonic()
+            if now > deadline:
+                raise WatchdogError(
+                    f"rank {self.me}: watchdog: waited {now - start:.2f}s (wait_timeout_s={self.wait_timeout_s}) "
+                    f"for {what}\n{self.dump_state()}"
+                ) from WaitTimeout(what, now - start)
+            self.heap.progress()
+            spin_pause()
+        return time.monotonic() - start
+
+    def reserve(self, chunk: int) -> None:
+        """Blocking :meth:`try_reserve` with the watchdog deadline."""
+        waited = self._wait(lambda: self.try_reserve(chunk), time.monotonic() + self.wait_timeout_s,
+                            f"reuse of my slot {chunk % self.layout.num_slots} for chunk {chunk} "
+                            f"(acknowledgements of chunk {chunk - self.layout.num_slots})")
+        self.stats.reuse_waits_s.append(waited)
+
+    def acquire(self, src: int, chunk: int) -> None:
+        """Blocking :meth:`try_acquire` with the watchdog deadline."""
+        waited = self._wait(lambda: self.try_acquire(src, chunk), time.monotonic() + self.wait_timeout_s,
+                            f"route+layout generations {gen_str(self._need_plan().gen(chunk))} of source rank {src} "
+                            f"(chunk {chunk}, slot {chunk % self.layout.num_slots})")
+        self.stats.acquire_waits_s.append(waited)
+
+    def wait_until(self, pred, what: str) -> float:
+        """Run ``pred`` until True, or raise :class:`WatchdogError` after ``wait_timeout_s``."""
+        return self._wait(pred, time.monotonic() + self.wait_timeout_s, what)
+
+    # -- diagnostics --------------------------------------------------------------------------
+    def dump_state(self) -> str:
+        """Every slot state this rank can see: generations per source and its own masks."""
+        L = self.layout
+        rows = [f"ring state seen by rank {self.me} (stream epoch "
+                f"{self.plan.epoch if self.plan else '-'}, {L.num_ranks} ranks x {L.num_slots} slots):"]
+        sig = lambda off: self.heap.signal_fetch(self.buf, off)  # noqa: E731
+        for src in range(L.num_ranks):
+            for s in range(L.num_slots):
+                rows.append(
+                    f"  src {src} slot {s}: route_ready_gen={gen_str(sig(L.route_gen_off(src, s)))} "
+                    f"layout_ready_gen={gen_str(sig(L.layout_gen_off(src, s)))} "
+                    f"consumed_gen={gen_str(sig(L.consumed_gen_off(src, s)))}"
+                )
+        for s in range(L.num_slots):
+            words = [sig(L.ack_word_off(s, w)) for w in range(L.mask_words)]
+            missing = [r for r in range(L.num_ranks) if not (words[r // 64] >> (r % 64)) & 1]
+            rows.append(f"  my slot {s}: chunk={self._slot_chunk[s]} ack_mask="
+                        + ",".join(f"{w:#x}" for w in words) + f" missing acks from ranks {missing}")
+        return "\n".join(rows)
+
+    def close(self) -> None:
+        """Free the symmetric buffer (collective)."""
+        self.heap.free(self.buf)

@@ -1,0 +1,312 @@
+"""Stress harness: producers and a consumer per rank with random delays, every read checked.
+
+Each rank runs three cooperative roles (route producer, layout producer,
+consumer) as generators under one round-robin scheduler: a role yields
+whenever it would block (waiting for a generation, for acknowledgements, or
+sleeping a random delay), so route and layout complete in random orders and
+the consumer runs while later chunks are still being produced. Ranks are
+real processes, so cross-rank interleavings are real.
+
+Checkers (independent of the protocol steps they check):
+
+* every consumer read of ``(src, chunk)`` is compared with the pattern that
+  ``src`` writes for that generation (x, x_sf, topk_idx, topk_weights and
+  metadata), twice: right after the read and again after a hold, before the
+  acknowledgement. A mismatch is a *stale* (old generation), *torn* (mixed)
+  or *changed* (overwritten while held) read;
+* before every overwrite the producer checks that its slot's previous chunk
+  was fully acknowledged (``consumed_gen`` or a full mask): otherwise *early
+  reuse*.
+
+Any violation makes the exit code non-zero. The ``--inject`` mutations of
+``streamring.protocol.Inject`` must each produce violations.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from .config import Config, per_rank
+from .protocol import (
+    META_BASE,
+    META_CHUNK,
+    META_VALID,
+    META_WORDS,
+    GenState,
+    Inject,
+    ProtocolViolation,
+    Ring,
+    RingLayout,
+    WatchdogError,
+    make_gen,
+)
+from .device.verbs import SymmetricHeap, spin_pause
+
+STRESS_EXPERTS = 64
+STRESS_TOPK = 4
+STRESS_HIDDEN = 128
+
+
+# --------------------------------------------------------------------------------------
+# The verifiable pattern
+# --------------------------------------------------------------------------------------
+def _mix(v: np.ndarray) -> np.ndarray:
+    """splitmix64 finaliser, vectorised."""
+    v = v.astype(np.uint64, copy=True)
+    with np.errstate(over="ignore"):
+        v ^= v >> np.uint64(30)
+        v *= np.uint64(0xBF58476D1CE4E5B9)
+        v ^= v >> np.uint64(27)
+        v *= np.uint64(0x94D049BB133111EB)
+        v ^= v >> np.uint64(31)
+    return v
+
+
+def pattern(src: int, gen: int, token_base: int, valid: int, hidden: int, topk: int, num_experts: int):
+    """The payload ``src`` writes for ``gen``: a function of (source rank, generation, logical token)."""
+    tok = np.arange(token_base, token_base + valid, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        h = _mix(tok * np.uint64(0x9E3779B97F4A7C15) ^ np.uint64(gen) ^ (np.uint64(src) << np.uint64(56)))
+    cols = np.arange(hidden, dtype=np.uint64)
+    x = ((h[:, None] >> (cols % np.uint64(57))) ^ cols).astype(np.uint8)
+    sf_cols = hidden // 128
+    x_sf = ((h[:, None] >> np.uint64(40)) + np.arange(sf_cols, dtype=np.uint64)).astype(np.float32)
+    ks = np.arange(topk, dtype=np.uint64)
+    idx = ((h[:, None] >> np.uint64(8)) + ks * np.uint64(7)) % np.uint64(num_experts + 1)
+    topk_idx = idx.astype(np.int64) - 1  # includes masked routes (-1)
+    topk_weights = ((h[:, None] >> np.uint64(44)) + ks).astype(np.float32)
+    return x, x_sf, topk_idx, topk_weights
+
+
+# --------------------------------------------------------------------------------------
+# Results
+# --------------------------------------------------------------------------------------
+@dataclass
+class RankResult:
+    """What one rank measured."""
+
+    rank: int
+    chunks_published: int = 0
+    chunks_consumed: int = 0
+    tokens_checked: int = 0
+    bytes_read: int = 0
+    violations: int = 0
+    violation_kinds: dict = field(default_factory=dict)
+    first_violations: list = field(default_factory=list)
+    acquire_wait_median_s: float = 0.0
+    acquire_wait_max_s: float = 0.0
+    reuse_wait_median_s: float = 0.0
+    reuse_wait_max_s: float = 0.0
+    publish_to_acquire_median_s: float = 0.0
+    publish_to_acquire_max_s: float = 0.0
+    wall_s: float = 0.0
+    ring_wraps: int = 0
+
+    def add_violation(self, kind: str, text: str) -> None:
+        self.violations += 1
+        self.violation_kinds[kind] = self.violation_kinds.get(kind, 0) + 1
+        if len(self.first_violations) < 5:
+            self.first_violations.append(text)
+
+
+def _med(xs):
+    return float(statistics.median(xs)) if xs else 0.0
+
+
+# --------------------------------------------------------------------------------------
+# Cooperative roles
+# --------------------------------------------------------------------------------------
+class _Roles:
+    def __init__(self, ring: Ring, cfg: Config, result: RankResult, rng: random.Random):
+        self.ring = ring
+        self.cfg = cfg
+        self.res = result
+        self.rng = rng
+        self.me = ring.me
+        self.factor = float(cfg.stress.stragglers.get(self.me, 1.0))
+        self.publish_to_acquire: list[float] = []
+        self.acquire_waits: list[float] = []
+        self.reuse_waits: list[float] = []
+
+    def delay(self, d):
+        """Sleep a random delay cooperatively."""
+        dt = self.rng.uniform(d.min_s, d.max_s) * self.factor
+        if dt <= 0:
+            return
+        until = time.monotonic() + dt
+        while time.monotonic() < until:
+            yield
+
+    def wait(self, pred, what: str, waits: list | None = None):
+        start = time.monotonic()
+        deadline = start + self.ring.wait_timeout_s
+        while not pred():
+            if time.monotonic() > deadline:
+                raise WatchdogError(
+                    f"rank {self.me}: watchdog: waited {time.monotonic() - start:.2f}s "
+                    f"(wait_timeout_s={self.ring.wait_timeout_s}) for {what}\n{self.ring.dump_state()}"
+                )
+            yield
+        if waits is not None:
+            waits.append(time.monotonic() - start)
+
+    # -- producers ----------------------------------------------------------------------
+    def producer(self, kind: str, plan):
+        ring, L = self.ring, self.ring.layout
+        S = L.num_slots
+        d = self.cfg.stress.route_delay if kind == "route" else self.cfg.stress.layout_delay
+        for c in range(plan.num_chunks):
+            yield from self.delay(d)
+            yield from self.wait(lambda: ring.try_reserve(c), f"reuse of my slot {c % S} for chunk {c}",
+                                 self.reuse_waits)
+            if c >= S:
+                # Early-reuse checker: the previous lap must be fully acknowledged.
+                slot, prev = c % S, make_gen(plan.epoch, c - S + 1)
+                consumed = ring.heap.signal_fetch(ring.buf, L.consumed_gen_off(self.me, slot))
+                if consumed != prev and not ring.ack_mask_full(slot):
+                    self.res.add_violation(
+                        "early_reuse",
+                        f"rank {self.me} {kind} producer overwrote slot {slot} with chunk {c} before every rank "
+                        f"acknowledged chunk {c - S}",
+                    )
+            base, valid = plan.chunk_tokens(self.me, c)
+            x, x_sf, idx, w = pattern(self.me, plan.gen(c), base, valid, L.hidden, L.topk, L.num_experts)
+            if kind == "route":
+                ring.publish_route(c, idx, w)
+            else:
+                ring.publish_layout(c, x, x_sf)
+            if kind == "route":
+                self.res.chunks_published += 1
+            yield
+
+    # -- consumer -----------------------------------------------------------------------
+    def _check(self, src, c, plan, meta, arrays, when: str) -> bool:
+        L = self.ring.layout
+        base, valid = plan.chunk_tokens(src, c)
+        want = pattern(src, plan.gen(c), base, valid, L.hidden, L.topk, L.num_experts)
+        bad = []
+        if (int(meta[META_CHUNK]), int(meta[META_BASE]), int(meta[META_VALID])) != (c, base, valid):
+            bad.append(f"meta=(chunk {meta[META_CHUNK]}, base {meta[META_BASE]}, valid {meta[META_VALID]})")
+        for name, got, exp in zip(("x", "x_sf", "topk_idx", "topk_weights"), arrays, want):
+            if got.shape != exp.shape or not np.array_equal(got, exp):
+                bad.append(name)
+        if bad:
+            kind = "stale_or_torn" if when == "read" else "changed_while_held"
+            self.res.add_violation(
+                kind,
+                f"rank {self.me} read of source {src} chunk {c} (epoch {plan.epoch}) {when}: {', '.join(bad)} "
+                f"differ from the pattern of that generation",
+            )
+            return False
+        return True
+
+    def _read(self, src, c, plan):
+        ring, L = self.ring, self.ring.layout
+        slot = c % L.num_slots
+        base, valid = plan.chunk_tokens(src, c)
+        meta = np.empty(META_WORDS, dtype=np.int64)
+        ring.heap.get(ring.buf, L.meta_off(slot), meta, src)
+        # Read as many rows as the plan says (not the peer's valid count): the
+        # checker must not trust the metadata it is checking.
+        arrays = tuple(ring.get_rows(src, f, slot, 0, valid) for f in ("x", "x_sf", "topk_idx", "topk_weights"))
+        return meta, arrays
+
+    def consumer(self, plan):
+        ring, R = self.ring, self.ring.layout.num_ranks
+        for c in range(plan.num_chunks):
+            yield from self.delay(self.cfg.stress.consumer_delay)
+            for src in range(R):
+                t0 = time.monotonic()
+
+                def ready(src=src):
+                    try:
+                        return ring.gen_state(src, c) is GenState.READY
+                    except ProtocolViolation as exc:
+                        self.res.add_violation("generation", str(exc))
+                        return True
+
+                yield from self.wait(ready, f"generations of source {src} chunk {c}")
+                t_acq = time.monotonic()
+                self.acquire_waits.append(t_acq - t0)
+                meta, arrays = self._read(src, c, plan)
+                pub_ns = max(int(meta[4]), int(meta[6]))
+                if pub_ns:
+                    self.publish_to_acquire.append(max(0.0, t_acq - pub_ns / 1e9))
+                ok = self._check(src, c, plan, meta, arrays, "read")
+                yield from self.delay(self.cfg.stress.read_hold)
+                if ok and self.cfg.stress.read_hold.max_s > 0:
+                    meta2, arrays2 = self._read(src, c, plan)
+                    self._check(src, c, plan, meta2, arrays2, "after hold")
+                self.res.tokens_checked += int(arrays[0].shape[0])
+                ring.ack(src, c)
+                self.res.chunks_consumed += 1
+                yield
+
+
+def _run_roles(gens: list, heap: SymmetricHeap) -> None:
+    live = list(gens)
+    while live:
+        for g in list(live):
+            try:
+                next(g)
+            except StopIteration:
+                live.remove(g)
+        heap.progress()
+        spin_pause()
+
+
+def run_stress(heap: SymmetricHeap, cfg: Config) -> RankResult:
+    """Run the stress configuration on this rank; collective over all ranks."""
+    st = cfg.stress
+    R, me = heap.num_ranks, heap.rank
+    layout = RingLayout(num_ranks=R, num_slots=cfg.ring.num_slots, tokens_per_slot=cfg.ring.tokens_per_slot,
+                        hidden=STRESS_HIDDEN, topk=STRESS_TOPK, num_experts=STRESS_EXPERTS)
+    ring = Ring(heap, layout, wait_timeout_s=cfg.wait_timeout_s, inject=Inject(st.inject),
+                inject_delay_s=st.inject_delay_s)
+    chunks = per_rank(st.chunks_per_rank, R, "stress.chunks_per_rank")
+    tpc = per_rank(st.tokens_per_chunk if st.tokens_per_chunk is not None else cfg.ring.tokens_per_slot, R,
+                   "stress.tokens_per_chunk")
+    if any(t > cfg.ring.tokens_per_slot or t < 0 for t in tpc):
+        raise ValueError(f"stress.tokens_per_chunk must be in [0, ring.tokens_per_slot={cfg.ring.tokens_per_slot}], "
+                         f"got {tpc}")
+    if st.partial_last > cfg.ring.tokens_per_slot:
+        raise ValueError(f"stress.partial_last must be <= ring.tokens_per_slot, got {st.partial_last}")
+    # A rank's tokens: full chunks of tpc tokens (0 tokens -> zero-token chunks) and a partial last one.
+    # The ring packs tokens densely, so a rank with tpc < tokens_per_slot simply has fewer chunks of
+    # tokens; to keep "chunks_per_rank" meaning what it says we give it chunks*C tokens (then trim).
+    n = chunks[me]
+    last = st.partial_last if st.partial_last >= 0 else cfg.ring.tokens_per_slot
+    my_tokens = 0 if n == 0 or tpc[me] == 0 else (n - 1) * cfg.ring.tokens_per_slot + min(last, tpc[me])
+    res = RankResult(rank=me)
+    rng = random.Random(st.seed * 1000003 + me)
+    roles = _Roles(ring, cfg, res, rng)
+    t0 = time.monotonic()
+    for e in range(1, st.epochs + 1):
+        epoch = ring.last_epoch + 1
+        plan = ring.begin_stream(epoch, my_tokens)
+        order = ["route", "layout"]
+        rng.shuffle(order)
+        _run_roles([roles.producer(order[0], plan), roles.producer(order[1], plan), roles.consumer(plan)], heap)
+        ring.end_stream()
+        res.ring_wraps += plan.num_chunks // layout.num_slots
+        # The next epoch starts on the same buffers without clearing them (ABA check).
+        heap.barrier(time.monotonic() + cfg.wait_timeout_s)
+    res.wall_s = time.monotonic() - t0
+    res.bytes_read = ring.stats.bytes_read
+    res.acquire_wait_median_s = _med(roles.acquire_waits)
+    res.acquire_wait_max_s = max(roles.acquire_waits, default=0.0)
+    res.reuse_wait_median_s = _med(roles.reuse_waits)
+    res.reuse_wait_max_s = max(roles.reuse_waits, default=0.0)
+    res.publish_to_acquire_median_s = _med(roles.publish_to_acquire)
+    res.publish_to_acquire_max_s = max(roles.publish_to_acquire, default=0.0)
+    ring.close()
+    return res
+
+
+def result_dict(r: RankResult) -> dict:
+    return asdict(r)
