@@ -95,6 +95,8 @@ class RunConfig(_Strict):
     block_m: int = Field(16, ge=1, description="rows per expert block")
     epochs: int = Field(2, ge=1, description="forward calls (one stream epoch each) on the same buffers")
     routing: Literal["router", "uniform", "hot_expert", "one_rank"] = "router"
+    inject: Literal[("none",) + INJECT_MODES] = Field(  # type: ignore[valid-type]
+        "none", description="break one protocol step of the streamed ring (proves the output check can fail)")
 
     @field_validator("tokens_per_rank")
     @classmethod

@@ -384,7 +384,8 @@ class Ring:
     """
 
     def __init__(self, heap: SymmetricHeap, layout: RingLayout, wait_timeout_s: float = 30.0,
-                 inject: Inject = Inject.NONE, inject_delay_s: float = 0.002):
+                 inject: Inject = Inject.NONE, inject_delay_s: float = 0.002, owner_release: bool = False,
+                 name: str = "ring"):
         if layout.num_ranks != heap.num_ranks:
             raise ValueError(f"layout.num_ranks={layout.num_ranks} but the heap has {heap.num_ranks} ranks")
         if wait_timeout_s <= 0:
@@ -395,7 +396,11 @@ class Ring:
         self.wait_timeout_s = float(wait_timeout_s)
         self.inject = inject
         self.inject_delay_s = inject_delay_s
-        self.buf: Region = heap.alloc("ring", layout.nbytes)
+        # owner_release: the slot is reusable only after the owner itself has
+        # released it (the MoE combine reduces the chunk's contributions first:
+        # the RFC's conservative rule). Then try_reserve never collects acks.
+        self.owner_release = owner_release
+        self.buf: Region = heap.alloc(name, layout.nbytes)
         self.plan: StreamPlan | None = None
         self.last_epoch = 0
         self.stats = RingStats()
@@ -439,6 +444,9 @@ class Ring:
         plan = self._need_plan()
         deadline = time.monotonic() + self.wait_timeout_s
         for slot, chunk in enumerate(self._slot_chunk):
+            if chunk >= 0 and self.owner_release and self._collected[slot] != plan.gen(chunk):
+                raise RuntimeError(f"end_stream: my chunk {chunk} (slot {slot}) was never released by its owner "
+                                   f"role (owner_release=True needs release(slot, chunk) for every chunk)")
             if chunk >= 0:
                 self._wait(lambda s=slot, c=chunk: self.try_collect_acks(s, c), deadline,
                            f"drain: acknowledgements of my chunk {chunk} (slot {slot})")
@@ -455,6 +463,11 @@ class Ring:
         return self.plan
 
     # -- owner: acknowledgements and reuse ------------------------------------------------------
+    def acks_complete(self, slot: int, chunk: int) -> bool:
+        """Owner: has every rank acknowledged ``chunk`` in ``slot``? (acquire; records nothing)"""
+        plan = self._need_plan()
+        return self._collected[slot] == plan.gen(chunk) or self.ack_mask_full(slot)
+
     def try_collect_acks(self, slot: int, chunk: int) -> bool:
         """Owner: if every rank acknowledged ``chunk`` in ``slot``, record it and clear the mask."""
         plan = self._need_plan()
@@ -462,10 +475,9 @@ class Ring:
         if self._collected[slot] == g:
             return True
         L = self.layout
-        for w in range(L.mask_words):
-            # acquire: the consumers' reads of this slot completed before their fetch_or
-            if self.heap.signal_fetch(self.buf, L.ack_word_off(slot, w)) != L.full_mask(w):
-                return False
+        # acquire: the consumers' reads of this slot completed before their fetch_or
+        if not self.ack_mask_full(slot):
+            return False
         # Record first, then clear: a consumer cannot ack chunk + S before we publish it,
         # and we publish it only after this returns (rule 4).
         self.heap.signal_op(self.buf, L.consumed_gen_off(self.me, slot), g, SignalOp.SET, self.me)
@@ -487,13 +499,16 @@ class Ring:
         slot = chunk % S
         prev = chunk - S
         if prev >= 0 and self.inject is not Inject.SKIP_ACK_WAIT:
-            if not self.try_collect_acks(slot, prev):
+            if self.owner_release:
+                if self._collected[slot] != plan.gen(prev):
+                    return False
+            elif not self.try_collect_acks(slot, prev):
                 return False
         self._slot_chunk[slot] = chunk
         return True
 
     def ack_mask_full(self, slot: int) -> bool:
-        """Snapshot check used by the stress harness's early-reuse detector."""
+        """Is ``slot``'s acknowledgement mask full right now? (acquire loads of every word)"""
         L = self.layout
         return all(self.heap.signal_fetch(self.buf, L.ack_word_off(slot, w)) == L.full_mask(w)
                    for w in range(L.mask_words))

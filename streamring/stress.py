@@ -42,10 +42,10 @@ from .protocol import (
     ProtocolViolation,
     Ring,
     RingLayout,
-    WatchdogError,
     make_gen,
 )
-from .device.verbs import SymmetricHeap, spin_pause
+from .coop import run_roles, sleep_for, wait_for
+from .device.verbs import SymmetricHeap
 
 STRESS_EXPERTS = 64
 STRESS_TOPK = 4
@@ -135,25 +135,10 @@ class _Roles:
 
     def delay(self, d):
         """Sleep a random delay cooperatively."""
-        dt = self.rng.uniform(d.min_s, d.max_s) * self.factor
-        if dt <= 0:
-            return
-        until = time.monotonic() + dt
-        while time.monotonic() < until:
-            yield
+        yield from sleep_for(self.rng.uniform(d.min_s, d.max_s) * self.factor)
 
     def wait(self, pred, what: str, waits: list | None = None):
-        start = time.monotonic()
-        deadline = start + self.ring.wait_timeout_s
-        while not pred():
-            if time.monotonic() > deadline:
-                raise WatchdogError(
-                    f"rank {self.me}: watchdog: waited {time.monotonic() - start:.2f}s "
-                    f"(wait_timeout_s={self.ring.wait_timeout_s}) for {what}\n{self.ring.dump_state()}"
-                )
-            yield
-        if waits is not None:
-            waits.append(time.monotonic() - start)
+        yield from wait_for(self.ring, pred, what, waits)
 
     # -- producers ----------------------------------------------------------------------
     def producer(self, kind: str, plan):
@@ -248,18 +233,6 @@ class _Roles:
                 yield
 
 
-def _run_roles(gens: list, heap: SymmetricHeap) -> None:
-    live = list(gens)
-    while live:
-        for g in list(live):
-            try:
-                next(g)
-            except StopIteration:
-                live.remove(g)
-        heap.progress()
-        spin_pause()
-
-
 def run_stress(heap: SymmetricHeap, cfg: Config) -> RankResult:
     """Run the stress configuration on this rank; collective over all ranks."""
     st = cfg.stress
@@ -291,7 +264,7 @@ def run_stress(heap: SymmetricHeap, cfg: Config) -> RankResult:
         plan = ring.begin_stream(epoch, my_tokens)
         order = ["route", "layout"]
         rng.shuffle(order)
-        _run_roles([roles.producer(order[0], plan), roles.producer(order[1], plan), roles.consumer(plan)], heap)
+        run_roles([roles.producer(order[0], plan), roles.producer(order[1], plan), roles.consumer(plan)], heap)
         ring.end_stream()
         res.ring_wraps += plan.num_chunks // layout.num_slots
         # The next epoch starts on the same buffers without clearing them (ABA check).

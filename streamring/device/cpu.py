@@ -206,7 +206,12 @@ class MpiHeap(SymmetricHeap):
         check_span(region, offset, 8, what)
         self._check_pe(pe, what)
         win, _ = region.handle
+        # Release: our earlier local stores and our puts to this target (any
+        # region) complete before the atomic can be observed. MPI does not order
+        # a Put before a later Fetch_and_op without a flush.
         self._release_local()
+        for r in self._regions:
+            r.handle[0].Flush(pe)
         src = np.array([value], dtype=np.uint64)
         res = np.zeros(1, dtype=np.uint64)
         win.Fetch_and_op([src, self._MPI.UINT64_T], [res, self._MPI.UINT64_T], pe, offset, op=mpi_op)

@@ -1,0 +1,441 @@
+"""The expert-parallel MoE layer on the ring: producers, schedulers, combine.
+
+One :class:`MoEBuffer` per rank owns the symmetric allocation (the RFC's
+``get_symm_buffer_for_mega_moe(..., front_num_slots=S, front_tokens_per_slot=C)``)
+and :meth:`MoEBuffer.forward` runs the layer (the RFC's
+``fp8_fp4_mega_moe(..., streaming=True, stream_epoch=epoch)``).
+
+Both paths run the same roles over a :class:`~streamring.protocol.Ring`:
+
+* **route producer** (per chunk): router GEMM + top-k of the chunk's tokens ->
+  ``topk_idx``/``topk_weights`` -> ``publish_route``;
+* **layout producer** (per chunk): FP8 quantisation -> ``x``/``x_sf`` -> ``publish_layout``;
+* **consumer** (every rank, its local experts): acquire both generations of a
+  chunk of every source, read ``topk_idx``, pull the routed token rows, run
+  L1 -> SwiGLU -> L2 on expert blocks, put every result row into the source's
+  ``combine[slot][token][k]`` and acknowledge (the acknowledgement is a
+  release after the puts, so it also says "my contributions arrived");
+* **combiner** (owner): once every rank acknowledged its chunk (acquire),
+  reduce the top-k contributions with the routing weights into ``y`` and only
+  then release the slot for reuse (the RFC's conservative first rule).
+
+The **batch-ready path** is the same code on a one-slot ring whose slot holds
+the whole batch (one handoff); it is the default and the correctness fallback.
+The **streamed path** uses the ``num_slots`` x ``tokens_per_slot`` ring.
+
+Schedulers (how a consumer groups rows into expert blocks):
+
+* ``chunk_local`` (RFC option 1): per chunk, per local expert, the rows of that
+  chunk, padded to ``block_m``;
+* ``reservation`` (RFC option 2): each local expert has one open block that
+  rows of successive chunks are appended to (a reservation of the next free
+  rows). **Completion rule:** a block enters L1 when (a) it holds ``block_m``
+  rows, or (b) it is *sealed*. A block is sealed at the end of the stream, and
+  also *before the consumer waits for chunk n while the block holds a row of
+  chunk n - num_slots or older*: the owner of that older chunk cannot publish
+  chunk n into the same slot until every consumer acknowledged it, so holding
+  the row any longer would deadlock the ring. A chunk of a source is
+  acknowledged as soon as every row it sent to this rank went through L2 and
+  its result was put back.
+
+Every expert row's result depends only on that row (fixed-shape blocks, see
+``moe.math``), and the combine sums the top-k terms in a fixed order, so the
+streamed output equals the batch output bitwise whatever the chunking or the
+scheduler.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+
+from ..coop import run_roles, wait_for
+from ..device.verbs import SymmetricHeap
+from ..protocol import Inject, Ring, RingLayout, StreamPlan
+from .math import (
+    FP8_DTYPE,
+    MoEShape,
+    MoEWeights,
+    combine,
+    expert_pool_forward,
+    quantize_act_fp8,
+    route,
+)
+
+SCHEDULERS = ("chunk_local", "reservation")
+
+#: A routing override: ``(x_chunk, token_ids) -> (topk_idx int64 [n,k], topk_weights float32 [n,k])``.
+RoutingFn = Callable[[torch.Tensor, torch.Tensor], tuple]
+
+
+@dataclass
+class ForwardStats:
+    """What one forward call did on this rank."""
+
+    mode: str
+    epoch: int
+    num_chunks: int
+    tokens: int
+    experts_hit: int = 0
+    rows_computed: int = 0
+    blocks_run: int = 0
+    wall_s: float = 0.0
+    acquire_waits_s: list = field(default_factory=list)
+
+
+class MoEBuffer:
+    """One rank's symmetric buffers for the MoE layer, batch and streamed.
+
+    Args:
+        heap: this rank's symmetric heap (collective construction: every rank
+            must create its buffer with the same arguments).
+        shape: the layer (validated against the number of ranks).
+        num_slots: streamed ring slots (``front_num_slots``).
+        tokens_per_slot: tokens per slot (``front_tokens_per_slot``).
+        max_tokens_per_rank: capacity of the batch handoff (largest ``x`` any
+            rank may pass to :meth:`forward`).
+        wait_timeout_s: watchdog deadline of every wait.
+        inject: a deliberate protocol mutation of the streamed ring (tests only).
+    """
+
+    def __init__(self, heap: SymmetricHeap, shape: MoEShape, *, num_slots: int, tokens_per_slot: int,
+                 max_tokens_per_rank: int, wait_timeout_s: float = 30.0, inject: Inject = Inject.NONE):
+        if not isinstance(shape, MoEShape):
+            raise ValueError(f"shape must be a MoEShape, got {type(shape).__name__}")
+        shape.validate(heap.num_ranks)
+        if max_tokens_per_rank < 1:
+            raise ValueError(f"max_tokens_per_rank must be >= 1, got {max_tokens_per_rank}")
+        self.heap = heap
+        self.shape = shape
+        self.rank, self.num_ranks = heap.rank, heap.num_ranks
+        self.max_tokens_per_rank = int(max_tokens_per_rank)
+        lay = dict(num_ranks=heap.num_ranks, hidden=shape.hidden, topk=shape.topk,
+                   num_experts=shape.num_experts, with_combine=True)
+        self.stream_ring = Ring(heap, RingLayout(num_slots=num_slots, tokens_per_slot=tokens_per_slot, **lay),
+                                wait_timeout_s=wait_timeout_s, owner_release=True, name="moe-stream-ring",
+                                inject=inject)
+        self.batch_ring = Ring(heap, RingLayout(num_slots=1, tokens_per_slot=max_tokens_per_rank, **lay),
+                               wait_timeout_s=wait_timeout_s, owner_release=True, name="moe-batch-ring")
+        per = shape.num_experts // heap.num_ranks
+        self.local_experts = range(self.rank * per, (self.rank + 1) * per)
+        self.last_stats: Optional[ForwardStats] = None
+        self.last_routing: Optional[tuple] = None
+
+    # ------------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor, weights: MoEWeights, *, streaming: bool = False,
+                stream_epoch: Optional[int] = None, scheduler: str = "chunk_local",
+                block_m: Optional[int] = None, routing: Optional[RoutingFn] = None) -> torch.Tensor:
+        """Run the MoE layer on this rank's tokens ``x`` ``[T, hidden]``; returns ``y`` float32 ``[T, hidden]``.
+
+        Collective: every rank calls it (a rank with no tokens passes ``T = 0``).
+
+        Args:
+            x: bf16/float32/float64 tokens of this rank, finite (NaN/Inf are
+                rejected on every rank before anything is published).
+            weights: the layer's weights (all experts, or only this rank's
+                local experts, ``w1.shape[0] == num_experts / num_ranks``).
+            streaming: ``False`` = batch-ready path (default, one handoff);
+                ``True`` = chunks through the ring.
+            stream_epoch: epoch of this call (must grow from call to call on the
+                same buffers); default: last epoch + 1.
+            scheduler: ``"chunk_local"`` or ``"reservation"`` (see module doc).
+            block_m: rows per expert block (default ``shape.block_m``).
+            routing: optional routing override (tests, replays of recorded routing).
+        """
+        err = self._check_inputs(x, weights, scheduler, block_m, streaming)
+        errors = self.heap.allgather_obj(err)
+        bad = [(r, e) for r, e in enumerate(errors) if e]
+        if bad:
+            mine = dict(bad).get(self.rank)
+            if mine:
+                raise ValueError(mine)
+            raise ValueError("forward aborted on every rank: " + "; ".join(f"rank {r}: {e}" for r, e in bad))
+        ring = self.stream_ring if streaming else self.batch_ring
+        epoch = ring.last_epoch + 1 if stream_epoch is None else int(stream_epoch)
+        bm = self.shape.block_m if block_m is None else int(block_m)
+        t0 = time.monotonic()
+        plan = ring.begin_stream(epoch, int(x.shape[0]))
+        stats = ForwardStats(mode="stream" if streaming else "batch", epoch=epoch, num_chunks=plan.num_chunks,
+                             tokens=int(x.shape[0]))
+        y = torch.zeros(x.shape[0], self.shape.hidden, dtype=torch.float32)
+        routing_out = (torch.full((x.shape[0], self.shape.topk), -1, dtype=torch.int64),
+                       torch.zeros(x.shape[0], self.shape.topk, dtype=torch.float32))
+        run = _Forward(self, ring, plan, x, weights, bm, routing, y, routing_out, stats,
+                       scheduler if streaming else "chunk_local")
+        try:
+            run_roles([run.route_producer(), run.layout_producer(), run.consumer(), run.combiner()], self.heap)
+            ring.end_stream()
+        except BaseException:
+            ring.abort_stream()
+            raise
+        stats.wall_s = time.monotonic() - t0
+        self.last_stats = stats
+        self.last_routing = routing_out
+        return y
+
+    def _check_inputs(self, x, weights, scheduler, block_m, streaming) -> Optional[str]:
+        sh = self.shape
+        try:
+            if scheduler not in SCHEDULERS:
+                return f"scheduler must be one of {SCHEDULERS}, got {scheduler!r}"
+            if block_m is not None and (not isinstance(block_m, int) or block_m < 1):
+                return f"block_m must be an int >= 1, got {block_m!r}"
+            if not isinstance(x, torch.Tensor):
+                return f"x must be a torch.Tensor, got {type(x).__name__}"
+            if x.dtype not in (torch.bfloat16, torch.float32, torch.float64):
+                return f"x must be bfloat16, float32 or float64, got {x.dtype}"
+            if x.ndim != 2 or x.shape[1] != sh.hidden:
+                return f"x must have shape [tokens, hidden={sh.hidden}], got {list(x.shape)}"
+            if not streaming and x.shape[0] > self.max_tokens_per_rank:
+                return (f"x has {x.shape[0]} tokens, more than this buffer's batch capacity "
+                        f"max_tokens_per_rank={self.max_tokens_per_rank}")
+            if x.numel() and not torch.isfinite(x).all():
+                bad = int((~torch.isfinite(x)).any(dim=1).nonzero()[0, 0])
+                return f"x contains NaN/Inf at token {bad} (rejected: non-finite activations are not propagated)"
+            if not isinstance(weights, MoEWeights):
+                return f"weights must be a MoEWeights, got {type(weights).__name__}"
+            self._local_weights(weights)
+        except ValueError as exc:
+            return str(exc)
+        return None
+
+    def _local_weights(self, weights: MoEWeights) -> tuple[MoEWeights, int]:
+        """``(weights, expert offset)``: full weights are used as they are; local-only ones are shifted."""
+        sh = self.shape
+        n = weights.w1.shape[0]
+        if n == sh.num_experts:
+            weights.validate(sh)
+            return weights, 0
+        per = sh.num_experts // self.num_ranks
+        if n == per:
+            local_shape = MoEShape(**{**sh.__dict__, "num_experts": per, "n_group": 1, "topk_group": 1,
+                                      "topk": min(sh.topk, per), "router": "softmax_topk"})
+            # the router weight stays global: check it by hand, experts against the local shape
+            if tuple(weights.router_weight.shape) != (sh.num_experts, sh.hidden):
+                raise ValueError(f"router_weight must have shape [{sh.num_experts}, {sh.hidden}], "
+                                 f"got {list(weights.router_weight.shape)}")
+            w = MoEWeights(router_weight=weights.router_weight[:per].contiguous(), correction_bias=None,
+                           w1=weights.w1, w3=weights.w3, w2=weights.w2, w1_scale=weights.w1_scale,
+                           w3_scale=weights.w3_scale, w2_scale=weights.w2_scale)
+            w.validate(local_shape)
+            return weights, self.local_experts.start
+        raise ValueError(f"weights.w1 must hold all {sh.num_experts} experts or this rank's {per} local experts, "
+                         f"got {n}")
+
+    def close(self) -> None:
+        """Free the symmetric buffers (collective)."""
+        self.stream_ring.close()
+        self.batch_ring.close()
+
+
+# ----------------------------------------------------------------------------------
+class _Forward:
+    """The roles of one forward call on one rank."""
+
+    def __init__(self, buf: MoEBuffer, ring: Ring, plan: StreamPlan, x, weights, block_m, routing, y,
+                 routing_out, stats: ForwardStats, scheduler: str):
+        self.buf, self.ring, self.plan = buf, ring, plan
+        self.L = ring.layout
+        self.x, self.block_m, self.routing, self.y = x, block_m, routing, y
+        self.idx_out, self.w_out = routing_out
+        self.stats = stats
+        self.scheduler = scheduler
+        self.me = buf.rank
+        self.sh = buf.shape
+        self.weights = weights
+        self.full_weights, self.expert_offset = buf._local_weights(weights)
+        # the route producer's own copy of its chunks' routing, for the combiner
+        self.my_routing: dict[int, tuple] = {}
+
+    # -- producers ------------------------------------------------------------------
+    def _chunk_rows(self, c):
+        base, valid = self.plan.chunk_tokens(self.me, c)
+        return base, valid, self.x[base:base + valid]
+
+    def route_producer(self):
+        for c in range(self.plan.num_chunks):
+            yield from wait_for(self.ring, lambda: self.ring.try_reserve(c), f"reuse of my slot for chunk {c}")
+            base, valid, xc = self._chunk_rows(c)
+            if self.routing is not None:
+                idx, w = self.routing(xc, torch.arange(base, base + valid))
+                idx, w = idx.to(torch.int64), w.to(torch.float32)
+            elif valid:
+                idx, w = route(xc, self.weights, self.sh)
+            else:
+                idx = torch.zeros(0, self.sh.topk, dtype=torch.int64)
+                w = torch.zeros(0, self.sh.topk, dtype=torch.float32)
+            idx_np = np.ascontiguousarray(idx.numpy())
+            w_np = np.ascontiguousarray(w.numpy())
+            self.ring.publish_route(c, idx_np, w_np)
+            self.my_routing[c] = (idx, w)
+            self.idx_out[base:base + valid] = idx
+            self.w_out[base:base + valid] = w
+            yield
+
+    def layout_producer(self):
+        for c in range(self.plan.num_chunks):
+            yield from wait_for(self.ring, lambda: self.ring.try_reserve(c), f"reuse of my slot for chunk {c}")
+            base, valid, xc = self._chunk_rows(c)
+            if valid:
+                xq, sf = quantize_act_fp8(xc)
+                x_np = np.ascontiguousarray(xq.view(torch.uint8).numpy())
+                sf_np = np.ascontiguousarray(sf.numpy())
+            else:
+                x_np = np.zeros((0, self.sh.hidden), dtype=np.uint8)
+                sf_np = np.zeros((0, self.L.sf_cols), dtype=np.float32)
+            self.ring.publish_layout(c, x_np, sf_np)
+            yield
+
+    # -- consumer ---------------------------------------------------------------------
+    def _acquire_all(self, c):
+        for src in range(self.L.num_ranks):
+            yield from wait_for(self.ring, lambda s=src: self.ring.try_acquire(s, c),
+                                f"route+layout of source rank {src} chunk {c}", self.stats.acquire_waits_s)
+
+    def _pull(self, c):
+        """Read every source's chunk c routing; pull the rows routed to my experts.
+
+        Returns a list of rows ``(src, chunk, t, k, expert)`` in (src, t, k)
+        order with their x/x_sf, and per-source counts of my rows.
+        """
+        lo, hi = self.buf.local_experts.start, self.buf.local_experts.stop
+        slot = c % self.L.num_slots
+        rows = []
+        for src in range(self.L.num_ranks):
+            view = self.ring.read_chunk(src, c, payload=False)
+            if not view.valid:
+                continue
+            idx = self.ring.get_rows(src, "topk_idx", slot, 0, view.valid)
+            self.ring._check_topk(src, idx)
+            mine = (idx >= lo) & (idx < hi)
+            toks = np.nonzero(mine.any(axis=1))[0]
+            if not len(toks):
+                continue
+            # pull contiguous runs of needed token rows
+            xs = np.empty((len(toks), self.L.hidden), dtype=np.uint8)
+            sfs = np.empty((len(toks), self.L.sf_cols), dtype=np.float32)
+            i = 0
+            while i < len(toks):
+                j = i
+                while j + 1 < len(toks) and toks[j + 1] == toks[j] + 1:
+                    j += 1
+                xs[i:j + 1] = self.ring.get_rows(src, "x", slot, int(toks[i]), j - i + 1)
+                sfs[i:j + 1] = self.ring.get_rows(src, "x_sf", slot, int(toks[i]), j - i + 1)
+                i = j + 1
+            pos = {int(t): n for n, t in enumerate(toks)}
+            for t, k in zip(*np.nonzero(mine)):
+                rows.append((src, c, int(t), int(k), int(idx[t, k]), xs[pos[int(t)]], sfs[pos[int(t)]]))
+        return rows
+
+    def _run_block(self, e, rows):
+        """L1 -> SwiGLU -> L2 of expert ``e`` on ``rows``; put each result into its source's combine slot."""
+        x_fp8 = torch.from_numpy(np.stack([r[5] for r in rows])).view(FP8_DTYPE)
+        x_sf = torch.from_numpy(np.stack([r[6] for r in rows]))
+        out = expert_pool_forward(x_fp8, x_sf, e - self.expert_offset, self.full_weights, self.block_m)
+        out_np = out.numpy()
+        for n, (src, c, t, k, _, _, _) in enumerate(rows):
+            slot = c % self.L.num_slots
+            self.ring.heap.put(self.ring.buf, self.L.combine_off(slot, t, k), out_np[n], src)
+        self.stats.rows_computed += len(rows)
+        self.stats.blocks_run += -(-len(rows) // self.block_m)
+
+    def consumer(self):
+        if self.scheduler == "chunk_local":
+            yield from self._consumer_chunk_local()
+        else:
+            yield from self._consumer_reservation()
+
+    def _consumer_chunk_local(self):
+        hit = set()
+        for c in range(self.plan.num_chunks):
+            yield from self._acquire_all(c)
+            rows = self._pull(c)
+            by_expert: dict[int, list] = {}
+            for r in rows:
+                by_expert.setdefault(r[4], []).append(r)
+            for e in sorted(by_expert):
+                self._run_block(e, by_expert[e])
+                hit.add(e)
+            # Every result of chunk c is put: acknowledge (release after the puts).
+            for src in range(self.L.num_ranks):
+                self.ring.ack(src, c)
+            yield
+        self.stats.experts_hit = len(hit)
+
+    def _consumer_reservation(self):
+        S, R = self.L.num_slots, self.L.num_ranks
+        open_blocks: dict[int, list] = {}  # expert -> rows reserved in its open block
+        outstanding: dict[tuple, int] = {}  # (src, chunk) -> my rows not yet put back
+        acked: set = set()
+        hit = set()
+
+        def finish(rows):
+            for (src, c, *_rest) in rows:
+                outstanding[(src, c)] -= 1
+
+        def ack_ready(upto_chunk):
+            for c in range(upto_chunk + 1):
+                for src in range(R):
+                    if (src, c) not in acked and outstanding.get((src, c), 0) == 0 and (src, c) in outstanding:
+                        self.ring.ack(src, c)
+                        acked.add((src, c))
+
+        def seal(pred):
+            for e in sorted(open_blocks):
+                rows = open_blocks[e]
+                if rows and pred(rows):
+                    self._run_block(e, rows)
+                    finish(rows)
+                    open_blocks[e] = []
+
+        for n in range(self.plan.num_chunks):
+            # Progress rule: chunk n reuses the slot of chunk n - S, so rows of
+            # chunk <= n - S may not wait in an open block while we wait for n.
+            if n - S >= 0:
+                seal(lambda rows, lim=n - S: min(r[1] for r in rows) <= lim)
+                ack_ready(n - S)
+            yield from self._acquire_all(n)
+            rows = self._pull(n)
+            for src in range(R):
+                outstanding[(src, n)] = 0
+            for r in rows:
+                outstanding[(r[0], n)] += 1
+            for r in rows:
+                blk = open_blocks.setdefault(r[4], [])
+                blk.append(r)
+                hit.add(r[4])
+                if len(blk) == self.block_m:  # completion rule (a): the block is full
+                    self._run_block(r[4], blk)
+                    finish(blk)
+                    open_blocks[r[4]] = []
+            ack_ready(n)
+            yield
+        # End of stream: seal every partial block (completion rule (b)).
+        seal(lambda rows: True)
+        ack_ready(self.plan.num_chunks - 1)
+        missing = [k for k in outstanding if k not in acked]
+        if missing:
+            raise RuntimeError(f"reservation scheduler left chunks unacknowledged: {missing[:5]}")
+        self.stats.experts_hit = len(hit)
+
+    # -- combiner (owner) -----------------------------------------------------------
+    def combiner(self):
+        S = self.L.num_slots
+        for c in range(self.plan.num_chunks):
+            slot = c % S
+            yield from wait_for(self.ring, lambda: c in self.my_routing and self.ring.acks_complete(slot, c),
+                                f"every rank's contributions to my chunk {c} (slot {slot})")
+            base, valid = self.plan.chunk_tokens(self.me, c)
+            if valid:
+                contrib = np.empty((valid, self.L.topk, self.L.hidden), dtype=np.float32)
+                self.ring.heap.get(self.ring.buf, self.L.combine_off(slot, 0, 0), contrib, self.me)
+                idx, w = self.my_routing[c]
+                self.y[base:base + valid] = combine(torch.from_numpy(contrib), w, idx)
+            del self.my_routing[c]
+            # Only now may the slot take chunk c + S (conservative rule).
+            self.ring.try_collect_acks(slot, c)
+            yield

@@ -1,0 +1,205 @@
+"""``streamring run``: the MoE layer on every rank, streamed against batch-ready, checked.
+
+Each rank builds the same random layer (the CLI's default; an engine passes
+its own weights to :class:`streamring.moe.layer.MoEBuffer`), draws its own
+tokens, runs the batch-ready path and the streamed path for ``run.epochs``
+forward calls on the same buffers, and compares: streamed against batch
+(bitwise) and both against an independent float64 reference.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .config import Config, per_rank
+from .device.verbs import SymmetricHeap
+from .moe.layer import MoEBuffer
+from .protocol import Inject
+from .moe.math import (
+    QUANT_BLOCK,
+    MoEShape,
+    MoEWeights,
+    _dequant_f64_reference,
+    compare_to_reference,
+    quantize_act_fp8,
+    reference_forward_f64,
+    reference_tolerance,
+)
+
+
+def shape_from_config(cfg: Config) -> MoEShape:
+    """The :class:`MoEShape` of ``cfg.layer`` with ``cfg.run.block_m``."""
+    L = cfg.layer
+    return MoEShape(hidden=L.hidden, intermediate=L.intermediate, num_experts=L.num_experts, topk=L.topk,
+                    router=L.router, renormalize=L.renormalize, n_group=L.n_group, topk_group=L.topk_group,
+                    routed_scaling_factor=L.routed_scaling_factor, norm_topk_prob=L.norm_topk_prob,
+                    weight_dtype=L.weight_dtype, block_m=cfg.run.block_m)
+
+
+# ----------------------------------------------------------------------------------
+# Synthetic routings (tests and `run.routing`): deterministic per (rank, token).
+# ----------------------------------------------------------------------------------
+def _hash(*parts: np.ndarray) -> np.ndarray:
+    v = np.zeros(np.broadcast(*parts).shape, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        for p in parts:
+            v = (v ^ np.asarray(p, dtype=np.uint64)) * np.uint64(0x9E3779B97F4A7C15)
+            v ^= v >> np.uint64(29)
+            v *= np.uint64(0xBF58476D1CE4E5B9)
+            v ^= v >> np.uint64(32)
+    return v
+
+
+def synthetic_routing(mode: str, rank: int, shape: MoEShape, num_ranks: int, seed: int = 0,
+                      masked_every: int = 7):
+    """A routing function for ``MoEBuffer.forward(routing=...)``.
+
+    ``uniform``: k distinct random experts, about one route in ``masked_every``
+    masked (-1); ``hot_expert``: expert 0 is every token's first choice;
+    ``one_rank``: every route goes to rank 0's experts (extra routes masked).
+    """
+    E, k = shape.num_experts, shape.topk
+    per = E // num_ranks
+
+    def fn(x_chunk: torch.Tensor, token_ids: torch.Tensor):
+        n = len(token_ids)
+        tok = token_ids.numpy().astype(np.uint64)[:, None]
+        if mode == "one_rank":
+            pool = np.arange(per)
+        else:
+            pool = np.arange(E)
+        h = _hash(np.uint64(seed), np.uint64(rank), tok, pool[None, :].astype(np.uint64))
+        order = np.argsort(h, axis=1, kind="stable")
+        kk = min(k, len(pool))
+        idx = np.full((n, k), -1, dtype=np.int64)
+        idx[:, :kk] = pool[order[:, :kk]]
+        if mode == "hot_expert" and n:
+            first = idx[:, 0].copy()
+            has0 = (idx == 0).any(axis=1)
+            # put expert 0 first; keep the set distinct
+            idx[:, 0] = 0
+            swap = ~has0
+            idx[swap, 1:] = np.where(idx[swap, 1:] == 0, first[swap, None], idx[swap, 1:])
+            for j in range(1, k):
+                col = idx[has0, j]
+                idx[has0, j] = np.where(col == 0, first[has0], col)
+        hw = _hash(np.uint64(seed + 1), np.uint64(rank), tok, np.arange(k, dtype=np.uint64)[None, :])
+        w = ((hw >> np.uint64(40)).astype(np.float64) / float(1 << 24) + 0.05).astype(np.float32)
+        if mode == "uniform" and masked_every:
+            idx[(hw % np.uint64(masked_every)) == 0] = -1
+        return torch.from_numpy(idx), torch.from_numpy(w)
+
+    return fn
+
+
+def reference_with_routing_f64(x: torch.Tensor, weights: MoEWeights, idx: torch.Tensor, w: torch.Tensor):
+    """Independent float64 reference of the expert math for a given routing (masked routes skipped)."""
+    x_fp8, x_sf = quantize_act_fp8(x) if x.shape[0] else (x.to(torch.float8_e4m3fn), None)
+    t, h = x.shape
+    y = torch.zeros(t, h, dtype=torch.float64)
+    if t == 0:
+        return y
+    xd = x_fp8.to(torch.float64) * x_sf.to(torch.float64).repeat_interleave(QUANT_BLOCK, dim=1)
+    for e in sorted(set(idx[idx >= 0].tolist())):
+        tok, slot = (idx == e).nonzero(as_tuple=True)
+        w1 = _dequant_f64_reference(weights.w1[e], None if weights.w1_scale is None else weights.w1_scale[e])
+        w3 = _dequant_f64_reference(weights.w3[e], None if weights.w3_scale is None else weights.w3_scale[e])
+        w2 = _dequant_f64_reference(weights.w2[e], None if weights.w2_scale is None else weights.w2_scale[e])
+        xe = xd[tok]
+        out = (torch.nn.functional.silu(xe @ w1.T) * (xe @ w3.T)) @ w2.T
+        y.index_add_(0, tok, out * w[tok, slot].to(torch.float64)[:, None])
+    return y
+
+
+# ----------------------------------------------------------------------------------
+def make_tokens(cfg: Config, rank: int, epoch: int, num_tokens: int) -> torch.Tensor:
+    """This rank's tokens of one forward call (deterministic)."""
+    g = torch.Generator().manual_seed(cfg.layer.seed * 1_000_003 + rank * 7919 + epoch)
+    return torch.randn(num_tokens, cfg.layer.hidden, generator=g, dtype=torch.float32)
+
+
+def run_layer(heap: SymmetricHeap, cfg: Config) -> dict:
+    """Run ``cfg`` on this rank; returns this rank's row of the report."""
+    R, me = heap.num_ranks, heap.rank
+    shape = shape_from_config(cfg)
+    shape.validate(R)
+    tokens = per_rank(cfg.run.tokens_per_rank, R, "run.tokens_per_rank")
+    weights = MoEWeights.random(shape, seed=cfg.layer.seed)
+    buf = MoEBuffer(heap, shape, num_slots=cfg.ring.num_slots, tokens_per_slot=cfg.ring.tokens_per_slot,
+                    max_tokens_per_rank=max(max(tokens), 1), wait_timeout_s=cfg.wait_timeout_s,
+                    inject=Inject(cfg.run.inject))
+    routing = None if cfg.run.routing == "router" else synthetic_routing(cfg.run.routing, me, shape, R,
+                                                                         cfg.layer.seed)
+    rtol, atol = reference_tolerance(shape)
+    row = dict(rank=me, tokens=tokens[me], chunks=0, experts_hit=0, bitwise_equal=True,
+               max_abs_stream_minus_batch=0.0, ref_ok=True, ref_max_abs_err=0.0, ref_max_err_ratio=0.0,
+               ref_excluded=0, batch_wall_s=0.0, stream_wall_s=0.0, epochs=cfg.run.epochs,
+               scheduler=cfg.run.scheduler, rtol=rtol, atol=atol)
+    for ep in range(cfg.run.epochs):
+        x = make_tokens(cfg, me, ep, tokens[me])
+        outs = {}
+        for mode in ("batch", "stream"):
+            if cfg.run.mode not in ("both", mode):
+                continue
+            t0 = time.monotonic()
+            outs[mode] = buf.forward(x, weights, streaming=(mode == "stream"), scheduler=cfg.run.scheduler,
+                                     routing=routing)
+            row[f"{mode}_wall_s"] += time.monotonic() - t0
+            if mode == "stream":
+                row["chunks"] = buf.last_stats.num_chunks
+            row["experts_hit"] = max(row["experts_hit"], buf.last_stats.experts_hit)
+            idx32 = buf.last_routing[0]
+        if "batch" in outs and "stream" in outs:
+            diff = (outs["stream"] - outs["batch"]).abs().max().item() if x.shape[0] else 0.0
+            row["max_abs_stream_minus_batch"] = max(row["max_abs_stream_minus_batch"], diff)
+            row["bitwise_equal"] &= bool(torch.equal(outs["stream"], outs["batch"]))
+        # Independent float64 reference of the same math.
+        if routing is None:
+            y_ref, idx64, _ = reference_forward_f64(x, weights, shape, return_routing=True)
+        else:
+            idx_r, w_r = routing(x, torch.arange(x.shape[0]))
+            y_ref, idx64 = reference_with_routing_f64(x, weights, idx_r, w_r), idx_r
+            idx32 = idx_r
+        for y in outs.values():
+            cmp = compare_to_reference(y, y_ref, idx32, idx64, shape=shape)
+            row["ref_ok"] &= bool(cmp.ok)
+            row["ref_max_abs_err"] = max(row["ref_max_abs_err"], float(cmp.max_abs_err))
+            row["ref_max_err_ratio"] = max(row["ref_max_err_ratio"], float(cmp.max_err_ratio))
+            row["ref_excluded"] = max(row["ref_excluded"], int(cmp.num_excluded))
+    buf.close()
+    return row
+
+
+def report_run(results: list[dict], cfg: Config, wall_s: float, json_path: str | None) -> int:
+    """Rank 0's table and JSON; exit code 1 when an output is outside its tolerance."""
+    from rich.table import Table
+
+    from .host.rank_main import console
+
+    L = cfg.layer
+    t = Table(title=f"streamring run: {len(results)} ranks, {L.num_experts} experts top-{L.topk} ({L.router}, "
+                    f"{L.weight_dtype}), hidden {L.hidden}, ring {cfg.ring.num_slots}x{cfg.ring.tokens_per_slot}, "
+                    f"scheduler {cfg.run.scheduler}, {cfg.run.epochs} epochs, routing {cfg.run.routing}")
+    for col in ("rank", "tokens", "chunks", "experts hit", "stream==batch", "max |stream-batch|",
+                "max err vs f64 ref", "err/tol", "batch s", "stream s"):
+        t.add_column(col, justify="right")
+    ok = True
+    for r in results:
+        ok &= r["ref_ok"] and (cfg.run.mode != "both" or r["bitwise_equal"])
+        t.add_row(str(r["rank"]), str(r["tokens"]), str(r["chunks"]), str(r["experts_hit"]),
+                  ("bitwise" if r["bitwise_equal"] else "[red]NO[/red]") if cfg.run.mode == "both" else "-",
+                  f"{r['max_abs_stream_minus_batch']:.3g}", f"{r['ref_max_abs_err']:.3g}",
+                  f"{r['ref_max_err_ratio']:.3f}" + ("" if r["ref_ok"] else " [red]FAIL[/red]"),
+                  f"{r['batch_wall_s']:.3f}", f"{r['stream_wall_s']:.3f}")
+    console.print(t)
+    console.print(f"{'PASS' if ok else 'FAIL'}: streamed {'==' if ok else '!='} batch bitwise, both within the "
+                  f"float64 reference tolerance (rtol=atol={results[0]['rtol']:.2e}); wall {wall_s:.2f}s")
+    if json_path:
+        Path(json_path).write_text(json.dumps({"command": "run", "config": cfg.model_dump(), "ranks": results,
+                                               "ok": ok, "wall_s": wall_s}, indent=2, default=str))
+    return 0 if ok else 1
