@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# The test command (README, CI): installs into ./.venv when needed, then runs pytest.
+# Extra arguments go to pytest (e.g. `bash scripts/test.sh -k stress`).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+[ -x .venv/bin/python ] || python3 -m venv .venv
+# torch 2.13.0 first: on the project's machines its CPU build lies on disk (a bare `torch`
+# would resolve to a multi-GB CUDA build); GPU users install their own torch instead.
+.venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0 -e '.[test]'
+exec .venv/bin/python -m pytest -q "$@"

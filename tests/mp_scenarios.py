@@ -1,0 +1,172 @@
+"""Scenarios run on several real MPI ranks by tests/test_scenarios.py (``mpiexec -n N python this.py NAME``).
+
+Each scenario asserts on every rank and prints ``SCENARIO OK`` on rank 0; any
+failure raises, which aborts the job with a non-zero exit code.
+"""
+
+import sys
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+from streamring.device.cpu import MpiHeap
+from streamring.device.verbs import VerbError
+from streamring.moe.layer import MoEBuffer
+from streamring.moe.math import MoEShape, MoEWeights, batch_forward_single
+from streamring.protocol import ProtocolViolation, Ring, RingLayout, make_gen
+
+
+def expect(exc, fn, needle):
+    try:
+        fn()
+    except exc as e:
+        assert needle in str(e), f"message {str(e)!r} lacks {needle!r}"
+        return e
+    raise AssertionError(f"{fn} did not raise {exc.__name__} ({needle})")
+
+
+def publish_bad_inputs(heap):
+    L = RingLayout(num_ranks=heap.num_ranks, num_slots=2, tokens_per_slot=4, hidden=128, topk=2, num_experts=8)
+    ring = Ring(heap, L, wait_timeout_s=10)
+    plan = ring.begin_stream(1, 6)  # chunk 0: 4 tokens, chunk 1: 2 tokens
+    assert ring.try_reserve(0)
+    idx = np.zeros((4, 2), np.int64)
+    w = np.ones((4, 2), np.float32)
+    x = np.zeros((4, 128), np.uint8)
+    sf = np.ones((4, 1), np.float32)
+    route_word = L.route_gen_off(heap.rank, 0)
+    before = [heap.signal_fetch(ring.buf, route_word)]
+    expect(ValueError, lambda: ring.publish_route(0, np.full((4, 2), 8, np.int64), w), "topk_idx values must be in [-1, 8)")
+    expect(ValueError, lambda: ring.publish_route(0, np.full((4, 2), -2, np.int64), w), "topk_idx")
+    expect(TypeError, lambda: ring.publish_route(0, idx.astype(np.int32), w), "topk_idx must have dtype int64")
+    expect(ValueError, lambda: ring.publish_route(0, np.zeros((5, 2), np.int64), np.ones((5, 2), np.float32)),
+           "topk_idx must have shape (4, 2)")  # over the chunk's valid count / slot capacity
+    expect(ValueError, lambda: ring.publish_layout(0, np.zeros((4, 256), np.uint8), sf), "x must have shape (4, 128)")
+    expect(TypeError, lambda: ring.publish_layout(0, x.astype(np.float32), sf), "x must have dtype uint8")
+    expect(TypeError, lambda: ring.publish_layout(0, list(x), sf), "x must be a numpy array")
+    expect(ValueError, lambda: ring.try_reserve(2), "chunk 2 outside [0, 2)")
+    # nothing was half-published: my generation words are unchanged everywhere
+    heap.barrier()
+    assert heap.signal_fetch(ring.buf, route_word) == before[0] == 0
+    for src in range(heap.num_ranks):
+        assert heap.signal_fetch(ring.buf, L.route_gen_off(src, 0)) == 0
+    heap.barrier()
+    # and the same chunk publishes fine afterwards
+    ring.publish_route(0, idx, w)
+    ring.publish_layout(0, x, sf)
+    for src in range(heap.num_ranks):
+        ring.acquire(src, 0)
+        v = ring.read_chunk(src, 0)
+        assert v.valid == 4 and (v.topk_idx == 0).all()
+        ring.ack(src, 0)
+    ring.reserve(1)
+    ring.publish_route(1, idx[:2], w[:2])
+    ring.publish_layout(1, x[:2], sf[:2])
+    for src in range(heap.num_ranks):
+        ring.acquire(src, 1)
+        assert ring.read_chunk(src, 1).valid == 2  # the final partial chunk
+        ring.ack(src, 1)
+    ring.end_stream()
+    # epochs must grow
+    expect(ValueError, lambda: ring.begin_stream(1, 0), "stream_epoch must be in (1,")
+    # verbs check their bounds (shared windows have none)
+    expect(VerbError, lambda: heap.put(ring.buf, L.nbytes - 4, np.zeros(8, np.uint8), 0), "outside")
+    expect(VerbError, lambda: heap.signal_op(ring.buf, 0, 1, __import__("streamring").device.verbs.SignalOp.SET,
+                                             heap.num_ranks), "pe")
+    ring.close()
+
+
+def hostile_metadata(heap):
+    """A peer's corrupted metadata is rejected, naming the source rank and field."""
+    L = RingLayout(num_ranks=heap.num_ranks, num_slots=1, tokens_per_slot=4, hidden=128, topk=1, num_experts=4)
+    ring = Ring(heap, L, wait_timeout_s=10)
+    ring.begin_stream(1, 4)
+    ring.reserve(0)
+    ring.publish_route(0, np.zeros((4, 1), np.int64), np.ones((4, 1), np.float32))
+    ring.publish_layout(0, np.zeros((4, 128), np.uint8), np.ones((4, 1), np.float32))
+    heap.barrier()
+    if heap.rank == 1:  # rank 1 corrupts its own valid count after publishing
+        heap.put(ring.buf, L.meta_off(0) + 2 * 8, np.array([999], np.int64), 1)
+        heap.put(ring.buf, L.topk_idx_off(0), np.array([77], np.int64), 1)
+    heap.barrier()
+    ring.acquire(1, 0)
+    expect(ProtocolViolation, lambda: ring.read_chunk(1, 0), "source rank 1 slot 0 chunk 0: valid_count = 999")
+    heap.barrier()
+    if heap.rank == 1:
+        heap.put(ring.buf, L.meta_off(0) + 2 * 8, np.array([4], np.int64), 1)
+    heap.barrier()
+    expect(ProtocolViolation, lambda: ring.read_chunk(1, 0), "topk_idx from source rank 1 holds 77")
+    heap.barrier()
+    # a generation from the future is a violation, not a wait
+    heap.signal_op(ring.buf, L.route_gen_off(0, 0), make_gen(5, 1), __import__("streamring").device.verbs.SignalOp.SET,
+                   heap.rank)
+    expect(ProtocolViolation, lambda: ring.try_acquire(0, 0), "route_ready_gen[src=0][slot=0] = e5:c0")
+    heap.barrier()
+    ring.abort_stream()
+    ring.close()
+
+
+def moe_api(heap):
+    """The library API an engine calls: caller weights, repeated epochs, local-only weights, bad inputs."""
+    R, me = heap.num_ranks, heap.rank
+    shape = MoEShape(hidden=256, intermediate=128, num_experts=4 * R, topk=2, block_m=8)
+    w = MoEWeights.random(shape, seed=3)
+    buf = MoEBuffer(heap, shape, num_slots=2, tokens_per_slot=8, max_tokens_per_rank=40)
+    tokens = [0, 1, 37, 40][me % 4]
+    for ep in range(3):
+        x = torch.randn(tokens, 256, generator=torch.Generator().manual_seed(100 * ep + me))
+        y_b = buf.forward(x, w)
+        y_s = buf.forward(x, w, streaming=True)
+        y_r = buf.forward(x, w, streaming=True, scheduler="reservation", block_m=3)
+        assert torch.equal(y_b, y_s) and torch.equal(y_b, y_r), (ep, (y_b - y_s).abs().max())
+        assert torch.equal(y_b, batch_forward_single(x, w, shape)) if tokens else y_b.shape == (0, 256)
+    # explicit epochs must grow
+    last = buf.stream_ring.last_epoch
+    expect(ValueError, lambda: buf.forward(x, w, streaming=True, stream_epoch=last), "stream_epoch")
+    y_e = buf.forward(x, w, streaming=True, stream_epoch=last + 10)
+    assert torch.equal(y_e, y_b)
+    # local-only expert weights give the same result
+    lo = buf.local_experts
+    wl = MoEWeights(router_weight=w.router_weight, correction_bias=None, w1=w.w1[lo.start:lo.stop],
+                    w3=w.w3[lo.start:lo.stop], w2=w.w2[lo.start:lo.stop])
+    assert torch.equal(buf.forward(x, wl, streaming=True), y_b)
+    # bad input on ONE rank: that rank gets the real message, every other rank a clean error; no hang
+    bad_x = x.clone()
+    if me == R - 1:
+        bad_x = torch.full((3, 256), float("nan"))
+    e = expect(ValueError, lambda: buf.forward(bad_x, w, streaming=True), "NaN/Inf")
+    assert (f"rank {R - 1}" in str(e)) or me == R - 1
+    if me == 0:
+        expect(ValueError, lambda: buf.forward(torch.zeros(2, 100), w), "x must have shape [tokens, hidden=256]")
+    else:
+        expect(ValueError, lambda: buf.forward(x, w), "rank 0: x must have shape")
+    expect(ValueError, lambda: buf.forward(x.to(torch.int32), w), "x must be bfloat16, float32 or float64")
+    expect(ValueError, lambda: buf.forward(torch.zeros(41, 256), w), "max_tokens_per_rank=40")
+    expect(ValueError, lambda: buf.forward(x, w, scheduler="fifo"), "scheduler must be one of")
+    wbad = MoEWeights(router_weight=w.router_weight, correction_bias=None, w1=w.w1[:, :, :128], w3=w.w3, w2=w.w2)
+    expect(ValueError, lambda: buf.forward(x, wbad), "w1")
+    # the buffers still work after all those errors (recovery)
+    assert torch.equal(buf.forward(x, w, streaming=True), y_b)
+    # a shape that does not fit the ranks is refused at construction
+    expect(ValueError, lambda: MoEBuffer(heap, MoEShape(hidden=256, intermediate=128, num_experts=4 * R + 1, topk=2),
+                                         num_slots=2, tokens_per_slot=8, max_tokens_per_rank=4), "num_experts")
+    buf.close()
+
+
+SCENARIOS = {f.__name__: f for f in (publish_bad_inputs, hostile_metadata, moe_api)}
+
+if __name__ == "__main__":
+    heap = MpiHeap(window=sys.argv[2] if len(sys.argv) > 2 else "auto")
+    try:
+        SCENARIOS[sys.argv[1]](heap)
+        heap.barrier()
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        sys.stderr.flush()
+        MPI.COMM_WORLD.Abort(1)
+    if heap.rank == 0:
+        print("SCENARIO OK", sys.argv[1])
+    heap.close()

@@ -1,0 +1,54 @@
+"""Config schema: defaults, YAML files, --set overrides, errors that name the field."""
+
+import pytest
+
+from streamring.config import DEFAULT_CONFIG, ConfigError, load_config, parse_override
+
+from conftest import CONFIGS
+
+
+def test_default_config_and_file_agree():
+    assert load_config().model_dump() == DEFAULT_CONFIG
+    assert load_config(CONFIGS / "default.yaml").model_dump() == DEFAULT_CONFIG
+
+
+@pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_configs_validate(path):
+    load_config(path)
+
+
+def test_set_overrides_dotted_keys_and_types():
+    cfg = load_config(None, ["ring.num_slots=3", "stress.chunks_per_rank=[0, 2]", "layer.router=deepseek_v3",
+                             "stress.stragglers={1: 2.5}"], ranks=2)
+    assert cfg.ring.num_slots == 3 and cfg.stress.chunks_per_rank == [0, 2]
+    assert cfg.layer.router == "deepseek_v3" and cfg.stress.stragglers == {1: 2.5} and cfg.ranks == 2
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("ring.num_slots=0", "ring.num_slots"),
+    ("ring.tokens_per_slot=-1", "ring.tokens_per_slot"),
+    ("backend=gpu", "'cpu' or 'nvshmem'"),
+    ("layer.router=foo", "'softmax_topk' or 'deepseek_v3'"),
+    ("layer.hidden=200", "layer.hidden must be a multiple of 128"),
+    ("layer.topk=9", "layer.topk must be in [1, num_experts=8]"),
+    ("nvshmem.producer_sms=12", "multiple of 8"),
+    ("stress.inject=bogus", "skip-acquire"),
+    ("ring.num_slot=3", "ring.num_slot: unknown key"),
+    ("stress.route_delay={min_s: 2, max_s: 1}", "max_s"),
+    ("run.tokens_per_rank=-3", "run.tokens_per_rank"),
+])
+def test_bad_values_name_field_and_allowed_values(override, needle):
+    with pytest.raises(ConfigError) as ei:
+        load_config(None, [override])
+    assert needle in str(ei.value)
+
+
+def test_bad_override_syntax_and_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="key=value"):
+        parse_override("ring.num_slots")
+    with pytest.raises(ConfigError, match="no such file"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("- a list\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(bad)

@@ -1,0 +1,37 @@
+"""Launchers: local (default), torchrun (refused at once for the cpu backend), check-env."""
+
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from streamring.host.launch import Launcher, detect_launcher
+
+from conftest import ROOT, _env
+
+
+def test_detect_launcher():
+    assert detect_launcher({}) is Launcher.LOCAL
+    assert detect_launcher({"PMI_RANK": "0", "PMI_SIZE": "2"}) is Launcher.MPI
+    assert detect_launcher({"OMPI_COMM_WORLD_SIZE": "4"}) is Launcher.MPI
+    assert detect_launcher({"TORCHELASTIC_RUN_ID": "x", "LOCAL_RANK": "0", "WORLD_SIZE": "2"}) is Launcher.TORCHRUN
+
+
+def test_torchrun_with_cpu_backend_fails_at_once_naming_launchers():
+    torchrun = Path(sys.executable).parent / "torchrun"
+    if not torchrun.exists():
+        torchrun = shutil.which("torchrun")
+    assert torchrun, "torchrun comes with torch"
+    t0 = time.monotonic()
+    p = subprocess.run([str(torchrun), "--nproc-per-node", "2", "-m", "streamring", "run"], capture_output=True,
+                       text=True, timeout=120, env=_env(), cwd=ROOT)
+    assert p.returncode != 0
+    assert time.monotonic() - t0 < 60
+    assert "cannot bootstrap from torchrun" in p.stderr and "mpirun -n N" in p.stderr and "--ranks N" in p.stderr
+
+
+def test_check_env(cli):
+    r = cli("check-env")
+    assert r.rc == 0, r
+    assert "MPI library" in r.out and "cpu backend: ready" in r.out

@@ -1,0 +1,50 @@
+"""`streamring run` on real ranks: streamed == batch bitwise, both within the float64 reference."""
+
+import pytest
+
+CASES = {
+    "default-4ranks": (4, []),
+    "tokens-0-1-odd-many-wraps-reservation": (4, ["run.tokens_per_rank=[0, 1, 77, 300]", "run.routing=uniform",
+                                                  "ring.num_slots=2", "ring.tokens_per_slot=16",
+                                                  "run.scheduler=reservation"]),
+    "tokens-0-1-odd-many-wraps-chunk-local": (4, ["run.tokens_per_rank=[0, 1, 77, 300]", "run.routing=uniform",
+                                                  "ring.num_slots=2", "ring.tokens_per_slot=16"]),
+    "topk1-2ranks": (2, ["layer.topk=1", "run.tokens_per_rank=50"]),
+    "topk8-16experts": (4, ["layer.num_experts=16", "layer.topk=8", "run.tokens_per_rank=40", "run.block_m=5"]),
+    "hot-expert": (3, ["layer.num_experts=6", "layer.topk=3", "run.routing=hot_expert", "run.scheduler=reservation"]),
+    "all-to-one-rank": (4, ["run.routing=one_rank", "layer.topk=2", "ring.tokens_per_slot=7"]),
+    "deepseek-fp8": (4, ["layer.router=deepseek_v3", "layer.num_experts=16", "layer.n_group=4", "layer.topk_group=2",
+                         "layer.topk=4", "layer.routed_scaling_factor=2.5", "layer.weight_dtype=fp8",
+                         "run.scheduler=reservation", "run.epochs=3"]),
+    "single-rank": (1, ["run.tokens_per_rank=33", "ring.num_slots=1", "ring.tokens_per_slot=4"]),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_streamed_equals_batch(cli, name):
+    ranks, sets = CASES[name]
+    args = ["run", "--ranks", ranks]
+    for s in sets:
+        args += ["--set", s]
+    r = cli(*args, timeout=400)
+    assert r.rc == 0, r
+    assert r.json["ok"]
+    rows = r.json["ranks"]
+    assert len(rows) == ranks
+    for row in rows:
+        assert row["bitwise_equal"] and row["max_abs_stream_minus_batch"] == 0.0
+        assert row["ref_ok"] and row["ref_max_err_ratio"] <= 1.0
+    assert "PASS" in r.out and "bitwise" in r.out
+
+
+@pytest.mark.parametrize("mode", ["skip-acquire", "signal-before-payload", "skip-ack-wait"])
+def test_broken_protocol_is_caught_by_the_output_check(cli, mode):
+    r = cli("run", "--ranks", 4, "--set", f"run.inject={mode}", "--set", "wait_timeout_s=5",
+            "--set", "ring.num_slots=2", "--set", "ring.tokens_per_slot=8", timeout=200)
+    assert r.rc != 0, r
+    assert ("FAIL" in r.out) or ("error" in r.err), r
+
+
+def test_layer_that_does_not_fit_the_ranks_is_refused(cli):
+    r = cli("run", "--ranks", 3, json_out=False)
+    assert r.rc != 0 and "num_experts must be divisible by num_ranks=3" in r.err, r

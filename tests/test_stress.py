@@ -1,0 +1,111 @@
+"""Multi-process stress runs: every shipped config passes, every mutation is caught, the watchdog fires."""
+
+import time
+
+import pytest
+
+from conftest import CONFIGS
+
+STRESS_CONFIGS = sorted(CONFIGS.glob("stress-*.yaml"))
+QUICK = ["--set", "stress.route_delay.max_s=0.001", "--set", "stress.layout_delay.max_s=0.001",
+         "--set", "stress.consumer_delay.max_s=0.001", "--set", "stress.read_hold.max_s=0.001"]
+
+
+@pytest.mark.parametrize("path", STRESS_CONFIGS, ids=lambda p: p.stem)
+def test_shipped_stress_config_passes(cli, path):
+    r = cli("stress", "--config", path, timeout=300)
+    assert r.rc == 0, r
+    assert r.json["violations"] == 0
+    # every rank consumed every source's every chunk of every epoch
+    cfg = r.json["config"]
+    ranks = r.json["ranks"]
+    consumed = [x["chunks_consumed"] for x in ranks]
+    assert len(set(consumed)) == 1, consumed
+    published = sum(x["chunks_published"] for x in ranks)
+    assert consumed[0] == published, (consumed, published)  # each rank reads every published chunk
+    assert len(ranks) == cfg["ranks"]
+
+
+@pytest.mark.parametrize("ranks", [2, 3, 4])
+def test_ranks_and_tokens_checked(cli, ranks):
+    r = cli("stress", "--ranks", ranks, "--set", "stress.chunks_per_rank=25", "--set", "ring.num_slots=3",
+            "--set", "stress.partial_last=5", *QUICK)
+    assert r.rc == 0, r
+    C = 32
+    tokens = 24 * C + 5
+    for rank in r.json["ranks"]:
+        assert rank["tokens_checked"] == ranks * tokens * 2  # 2 epochs, every source
+        assert rank["violations"] == 0
+
+
+def test_ring_wraps_over_ten_thousand(cli):
+    r = cli("stress", "--config", CONFIGS / "stress-wrap.yaml", timeout=400)
+    assert r.rc == 0, r
+    assert min(x["ring_wraps"] for x in r.json["ranks"]) >= 5000
+    assert sum(x["ring_wraps"] for x in r.json["ranks"]) >= 10_000
+
+
+def test_more_ranks_than_cores_is_fast(cli):
+    t0 = time.monotonic()
+    r = cli("stress", "--ranks", 8, "--set", "stress.chunks_per_rank=30", "--set", "ring.num_slots=2")
+    assert r.rc == 0, r
+    assert time.monotonic() - t0 < 120
+
+
+def test_more_than_64_ranks_use_two_mask_words(cli):
+    r = cli("stress", "--ranks", 66, "--set", "ring.num_slots=2", "--set", "stress.chunks_per_rank=3",
+            "--set", "stress.epochs=1", "--set", "wait_timeout_s=120", timeout=400)
+    assert r.rc == 0, r
+    assert all(x["chunks_consumed"] == 66 * 3 for x in r.json["ranks"])
+
+
+def test_separate_windows_path(cli):
+    """Win.Allocate (the multi-node code path) on one node."""
+    r = cli("stress", "--config", CONFIGS / "stress-uneven.yaml", "--set", "cpu.window=separate")
+    assert r.rc == 0, r
+
+
+INJECT_CASES = [
+    ("skip-acquire", CONFIGS / "stress-basic.yaml"),
+    ("signal-before-payload", CONFIGS / "stress-basic.yaml"),
+    ("skip-ack-wait", CONFIGS / "stress-basic.yaml"),
+    ("ignore-epoch", CONFIGS / "stress-aba.yaml"),
+]
+
+
+@pytest.mark.parametrize("mode,path", INJECT_CASES, ids=[m for m, _ in INJECT_CASES])
+def test_every_inject_mode_is_caught(cli, mode, path):
+    r = cli("stress", "--config", path, "--inject", mode, "--set", "wait_timeout_s=5", "--set", "ranks=3",
+            "--set", "stress.chunks_per_rank=" + ("2" if mode == "ignore-epoch" else "16"), timeout=120)
+    assert r.rc != 0, r
+    caught = (r.json is not None and r.json["violations"] > 0) or "watchdog" in r.err or "violation" in r.err.lower()
+    assert caught, r
+    if r.json is not None:
+        assert r.json["violations"] > 0
+        assert r.json["config"]["stress"]["inject"] == mode
+
+
+def test_watchdog_names_stalled_rank_and_slot_states(cli):
+    t0 = time.monotonic()
+    r = cli("stress", "--ranks", 3, "--set", "wait_timeout_s=2", "--set", "stress.stragglers={1: 1000}",
+            "--set", "stress.route_delay.max_s=0.01", "--set", "stress.chunks_per_rank=4", timeout=60)
+    assert r.rc != 0, r
+    assert time.monotonic() - t0 < 30
+    assert "watchdog" in r.err and "source rank 1" in r.err or "source 1" in r.err, r
+    assert "route_ready_gen" in r.err and "ack_mask" in r.err and "missing acks" in r.err
+
+
+def test_mpirun_path_and_rank_failure_ends_job(mpirun):
+    r = mpirun(3, "-m", "streamring", "stress", "--set", "stress.chunks_per_rank=5")
+    assert r.rc == 0, r
+    assert "PASS" in r.out
+    # a bad value on the ranks' side: every rank exits, non-zero, promptly
+    t0 = time.monotonic()
+    r = mpirun(3, "-m", "streamring", "stress", "--set", "stress.tokens_per_chunk=[1, 2]")
+    assert r.rc != 0 and "one entry per rank" in r.err, r
+    assert time.monotonic() - t0 < 60
+
+
+def test_bad_config_exits_2_with_field(cli):
+    r = cli("stress", "--set", "ring.num_slots=0", json_out=False)
+    assert r.rc == 2 and "ring.num_slots" in r.err, r
