@@ -120,6 +120,15 @@ class Delay(_Strict):
         return self
 
 
+class Fault(_Strict):
+    """Fault injection: rank ``rank`` is killed (SIGKILL) or hung (SIGSTOP) at a protocol step."""
+
+    rank: int = Field(ge=0)
+    at: Literal["publish", "consume", "ack"]
+    after_chunks: int = Field(1, ge=0, description="chunks of this epoch completed at that step before the fault")
+    kind: Literal["kill", "hang"] = "kill"
+
+
 class StressConfig(_Strict):
     """What ``streamring stress`` does."""
 
@@ -137,6 +146,7 @@ class StressConfig(_Strict):
     seed: int = 0
     inject: Literal[("none",) + INJECT_MODES] = "none"  # type: ignore[valid-type]
     inject_delay_s: float = Field(0.002, ge=0)
+    fault: Optional[Fault] = Field(None, description="kill or hang one rank mid-stream (rank-failure tests)")
 
     @field_validator("chunks_per_rank")
     @classmethod

@@ -141,6 +141,11 @@ def classify_gen(observed: int, expected: int, num_slots: int, ignore_epoch: boo
     return GenState.VIOLATION
 
 
+#: Extra diagnostics appended to every watchdog report (registered by the host
+#: layer, e.g. which peer processes are dead or stopped). Callables returning text.
+DIAGNOSTIC_HOOKS: list = []
+
+
 class ProtocolViolation(RuntimeError):
     """A peer's generation or metadata broke the protocol (names rank and field)."""
 
@@ -758,6 +763,10 @@ class Ring:
             missing = [r for r in range(L.num_ranks) if not (words[r // 64] >> (r % 64)) & 1]
             rows.append(f"  my slot {s}: chunk={self._slot_chunk[s]} ack_mask="
                         + ",".join(f"{w:#x}" for w in words) + f" missing acks from ranks {missing}")
+        for hook in DIAGNOSTIC_HOOKS:
+            extra = hook()
+            if extra:
+                rows.append(extra)
         return "\n".join(rows)
 
     def close(self) -> None:

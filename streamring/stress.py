@@ -24,7 +24,9 @@ Any violation makes the exit code non-zero. The ``--inject`` mutations of
 
 from __future__ import annotations
 
+import os
 import random
+import signal
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -133,6 +135,12 @@ class _Roles:
         self.acquire_waits: list[float] = []
         self.reuse_waits: list[float] = []
 
+    def maybe_fault(self, step: str, done: int) -> None:
+        """Kill (SIGKILL) or stop (SIGSTOP) this process at ``step`` when the config says so."""
+        f = self.cfg.stress.fault
+        if f is not None and f.rank == self.me and f.at == step and done >= f.after_chunks:
+            os.kill(os.getpid(), signal.SIGKILL if f.kind == "kill" else signal.SIGSTOP)
+
     def delay(self, d):
         """Sleep a random delay cooperatively."""
         yield from sleep_for(self.rng.uniform(d.min_s, d.max_s) * self.factor)
@@ -161,6 +169,7 @@ class _Roles:
                     )
             base, valid = plan.chunk_tokens(self.me, c)
             x, x_sf, idx, w = pattern(self.me, plan.gen(c), base, valid, L.hidden, L.topk, L.num_experts)
+            self.maybe_fault("publish", c)
             if kind == "route":
                 ring.publish_route(c, idx, w)
             else:
@@ -218,6 +227,7 @@ class _Roles:
                 yield from self.wait(ready, f"generations of source {src} chunk {c}")
                 t_acq = time.monotonic()
                 self.acquire_waits.append(t_acq - t0)
+                self.maybe_fault("consume", c)
                 meta, arrays = self._read(src, c, plan)
                 pub_ns = max(int(meta[4]), int(meta[6]))
                 if pub_ns:
@@ -228,6 +238,7 @@ class _Roles:
                     meta2, arrays2 = self._read(src, c, plan)
                     self._check(src, c, plan, meta2, arrays2, "after hold")
                 self.res.tokens_checked += int(arrays[0].shape[0])
+                self.maybe_fault("ack", c)
                 ring.ack(src, c)
                 self.res.chunks_consumed += 1
                 yield

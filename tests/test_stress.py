@@ -109,3 +109,11 @@ def test_mpirun_path_and_rank_failure_ends_job(mpirun):
 def test_bad_config_exits_2_with_field(cli):
     r = cli("stress", "--set", "ring.num_slots=0", json_out=False)
     assert r.rc == 2 and "ring.num_slots" in r.err, r
+
+
+def test_reduced_soak(cli):
+    """CI's share of the soak (configs/soak.yaml runs 10^5 wraps by hand)."""
+    r = cli("stress", "--config", CONFIGS / "soak-ci.yaml", timeout=400)
+    assert r.rc == 0, r
+    assert r.json["violations"] == 0
+    assert all(x["ring_wraps"] >= 4000 for x in r.json["ranks"])

@@ -14,7 +14,10 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
+
+from .jobstate import JOB_DIR_ENV, summarize
 
 SPAWNED_ENV = "STREAMRING_SPAWNED"
 
@@ -68,11 +71,18 @@ def spawn_local(num_ranks: int, argv: list[str], extra_env: dict | None = None, 
         raise LaunchError(f"--ranks must be >= 1, got {num_ranks}")
     mpiexec = find_mpiexec()
     cmd = [mpiexec, "-n", str(num_ranks)]
-    if "openmpi" in Path(mpiexec).resolve().as_posix().lower() or _is_openmpi(mpiexec):
+    if _is_openmpi(mpiexec):
         cmd += ["--oversubscribe"]
+    else:
+        # Hydra: keep the other ranks alive when one dies, so their watchdogs can
+        # report the slot states and the dead peer; their MPI_Abort then ends the job.
+        cmd += ["-disable-auto-cleanup"]
     cmd += [sys.executable, "-m", "streamring", *argv]
     env = dict(os.environ)
     env[SPAWNED_ENV] = "1"
+    jdir = Path(tempfile.mkdtemp(prefix="streamring-job-"))
+    env[JOB_DIR_ENV] = str(jdir)
+    shm_before = _shm_segments()
     env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
     env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
     env.setdefault("OMPI_MCA_osc", "^ucx")
@@ -80,14 +90,63 @@ def spawn_local(num_ranks: int, argv: list[str], extra_env: dict | None = None, 
     if extra_env:
         env.update(extra_env)
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    rc = 1
     try:
-        return proc.wait(timeout=timeout_s)
+        rc = proc.wait(timeout=timeout_s)
+        return rc
     except (KeyboardInterrupt, subprocess.TimeoutExpired):
         _kill_group(proc)
-        return 130 if timeout_s is None else 124
+        rc = 130 if timeout_s is None else 124
+        return rc
     finally:
         if proc.poll() is None:
             _kill_group(proc)
+        if rc != 0:
+            for line in summarize(jdir, num_ranks):
+                print(f"streamring launcher: {line}", file=sys.stderr)
+        shutil.rmtree(jdir, ignore_errors=True)
+        _remove_orphan_segments(shm_before)
+
+
+_SHM_DIR = Path("/dev/shm")
+
+
+def _shm_segments() -> set[str]:
+    try:
+        return {p.name for p in _SHM_DIR.iterdir() if p.name.startswith(("mpich_shm_", "sm_segment."))}
+    except OSError:
+        return set()
+
+
+def _mapped_paths() -> set[str]:
+    paths = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            for line in maps.read_text().splitlines():
+                if "/dev/shm/" in line:
+                    paths.add(line.rsplit(None, 1)[-1].replace(" (deleted)", ""))
+        except OSError:
+            continue
+    return paths
+
+
+def _remove_orphan_segments(before: set[str]) -> None:
+    """Remove shared-memory segments this job created and no live process maps.
+
+    MPICH (``mpich_shm_*``) and Open MPI (``sm_segment.*``) leave their segments in
+    /dev/shm when ranks are killed or abort.
+    """
+    new = _shm_segments() - before
+    if not new:
+        return
+    mapped = _mapped_paths()
+    for name in new:
+        path = _SHM_DIR / name
+        if str(path) not in mapped:
+            try:
+                path.unlink()
+            except OSError:
+                pass
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

@@ -12,6 +12,8 @@ from rich.table import Table
 
 from ..config import Config
 from .bootstrap import abort_job, make_heap
+from ..protocol import DIAGNOSTIC_HOOKS
+from .jobstate import peer_report, register_rank, report_status
 
 console = Console(highlight=False, width=None if sys.stdout.isatty() else 180)
 
@@ -53,6 +55,8 @@ def rank_main(command: str, cfg: Config, json_path: str | None = None) -> int:
     """Run ``command`` on this rank; any exception takes the whole job down."""
     try:
         heap = make_heap(cfg)
+        register_rank(heap.rank)
+        DIAGNOSTIC_HOOKS.append(lambda n=heap.num_ranks: peer_report(n))
         heap.barrier()
         t0 = time.monotonic()
         if command == "stress":
@@ -72,11 +76,18 @@ def rank_main(command: str, cfg: Config, json_path: str | None = None) -> int:
         else:
             raise ValueError(f"unknown command {command!r}")
         codes = heap.allgather_int(code)
+        report_status(heap.rank, "ok")
         heap.close()
         sys.stdout.flush()
         return max(codes)
     except BaseException as exc:  # noqa: BLE001 - any failure must end the whole job
         if isinstance(exc, SystemExit) and exc.code == 0:
             raise
+        try:
+            from mpi4py import MPI
+
+            report_status(MPI.COMM_WORLD.Get_rank(), f"{type(exc).__name__}: {exc}")
+        except Exception:  # noqa: BLE001
+            pass
         abort_job(exc)
         return 1

@@ -1,0 +1,91 @@
+"""Per-job bookkeeping shared by the local launcher and its ranks (one node).
+
+The launcher creates a job directory (``STREAMRING_JOB_DIR``); every rank
+writes ``rank-R.pid`` at start and ``rank-R.status`` when it ends (``ok`` or
+the error). After the job the launcher names the ranks that never reported
+(killed or crashed), and a rank whose watchdog fires names the peers that are
+not running (dead, zombie or stopped) next to the slot states.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+JOB_DIR_ENV = "STREAMRING_JOB_DIR"
+
+
+def job_dir() -> Path | None:
+    d = os.environ.get(JOB_DIR_ENV)
+    return Path(d) if d and Path(d).is_dir() else None
+
+
+def register_rank(rank: int) -> None:
+    """Record this rank's pid (no-op outside the local launcher)."""
+    d = job_dir()
+    if d is not None:
+        (d / f"rank-{rank}.pid").write_text(str(os.getpid()))
+
+
+def report_status(rank: int, status: str) -> None:
+    """Record how this rank ended (``ok`` or an error line)."""
+    d = job_dir()
+    if d is not None:
+        (d / f"rank-{rank}.status").write_text(status[:2000])
+
+
+def _proc_state(pid: int) -> str:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("State:"):
+                return line.split(None, 1)[1]
+    except OSError:
+        return "not running"
+    return "unknown"
+
+
+def peer_report(num_ranks: int) -> str:
+    """One line per peer that is not running normally (dead, zombie, stopped); '' if all look alive."""
+    d = job_dir()
+    if d is None:
+        return ""
+    lines = []
+    for r in range(num_ranks):
+        p = d / f"rank-{r}.pid"
+        if not p.exists():
+            lines.append(f"  rank {r}: never registered")
+            continue
+        pid = int(p.read_text())
+        state = _proc_state(pid)
+        if state == "not running" or state[:1] in ("Z", "X", "T", "t"):
+            lines.append(f"  rank {r} (pid {pid}): {state}")
+    return ("peers not running normally:\n" + "\n".join(lines)) if lines else ""
+
+
+def summarize(d: Path, num_ranks: int) -> list[str]:
+    """After a failed job: how each rank ended, and which rank(s) failed first.
+
+    A rank whose watchdog fired names the peers it found dead or stopped; those
+    are the failed ranks. A rank that never reported and that nobody named was
+    ended by the job's abort.
+    """
+    out, named = [], set()
+    statuses = {}
+    for r in range(num_ranks):
+        st = d / f"rank-{r}.status"
+        statuses[r] = st.read_text() if st.exists() else None
+        for line in (statuses[r] or "").splitlines():
+            line = line.strip()
+            if line.startswith("rank ") and "(pid " in line and "):" in line:
+                named.add(int(line.split()[1]))
+    for r in range(num_ranks):
+        pid = (d / f"rank-{r}.pid").read_text() if (d / f"rank-{r}.pid").exists() else "?"
+        text = statuses[r]
+        if text is not None:
+            if text != "ok":
+                out.append(f"rank {r} (pid {pid}) stopped with: {text.splitlines()[0]}")
+        elif r in named or not named:
+            out.append(f"rank {r} (pid {pid}) died or hung without reporting (killed, crashed or stopped): the failed rank")
+        else:
+            out.append(f"rank {r} (pid {pid}) was ended by the job abort")
+    return out
