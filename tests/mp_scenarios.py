@@ -154,7 +154,54 @@ def moe_api(heap):
     buf.close()
 
 
-SCENARIOS = {f.__name__: f for f in (publish_bad_inputs, hostile_metadata, moe_api)}
+def fuzz_forward(heap):
+    """Random shapes, token counts, top-k, magnitudes, NaN/Inf, on every rank (same examples everywhere)."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    R, me = heap.num_ranks, heap.rank
+
+    @settings(max_examples=int(sys.argv[3]) if len(sys.argv) > 3 else 12, deadline=None, derandomize=True,
+              suppress_health_check=list(HealthCheck), database=None)
+    @given(hidden=st.sampled_from([128, 256]), per_rank_experts=st.integers(1, 3), topk_frac=st.floats(0, 1),
+           tokens=st.lists(st.integers(0, 30), min_size=R, max_size=R), slots=st.integers(1, 3),
+           tps=st.integers(1, 9), router=st.sampled_from(["softmax_topk", "deepseek_v3"]),
+           wdt=st.sampled_from(["bf16", "fp8"]), scheduler=st.sampled_from(["chunk_local", "reservation"]),
+           block_m=st.integers(1, 17), scale=st.sampled_from([1e-30, 1e-3, 1.0, 1e3, 1e12]),
+           poison=st.sampled_from([None, "nan", "inf"]), poison_rank=st.integers(0, R - 1),
+           xdtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float64]))
+    def check(hidden, per_rank_experts, topk_frac, tokens, slots, tps, router, wdt, scheduler, block_m, scale,
+              poison, poison_rank, xdtype):
+        E = per_rank_experts * R
+        topk = max(1, round(topk_frac * E))
+        kw = dict(n_group=1, topk_group=1) if router == "softmax_topk" else dict(n_group=R, topk_group=R,
+                                                                                   routed_scaling_factor=1.5)
+        shape = MoEShape(hidden=hidden, intermediate=128, num_experts=E, topk=topk, router=router, weight_dtype=wdt,
+                         block_m=block_m, **kw)
+        w = MoEWeights.random(shape, seed=hidden + E)
+        buf = MoEBuffer(heap, shape, num_slots=slots, tokens_per_slot=tps, max_tokens_per_rank=max(max(tokens), 1),
+                        wait_timeout_s=30)
+        g = torch.Generator().manual_seed(me * 1000 + tokens[me])
+        x = (torch.randn(tokens[me], hidden, generator=g, dtype=torch.float64) * scale).to(xdtype)
+        if poison and tokens[poison_rank]:
+            bad = x.clone()
+            if me == poison_rank:
+                bad[tokens[me] // 2, 3] = float(poison)
+            expect(ValueError, lambda: buf.forward(bad, w, streaming=True, scheduler=scheduler), "NaN/Inf")
+        y_b = buf.forward(x, w)
+        y_s = buf.forward(x, w, streaming=True, scheduler=scheduler)
+        assert torch.equal(y_b, y_s) or torch.equal(y_b.isnan(), y_s.isnan()) and torch.equal(
+            torch.nan_to_num(y_b), torch.nan_to_num(y_s)), "streamed != batch"
+        if tokens[me] and scale <= 1e3:
+            y_ref = batch_forward_single(x, w, shape)
+            assert torch.equal(y_b, y_ref), "distributed batch != single-process batch"
+        buf.close()
+
+    check()
+
+
+
+SCENARIOS = {f.__name__: f for f in (publish_bad_inputs, hostile_metadata, moe_api, fuzz_forward)}
 
 if __name__ == "__main__":
     heap = MpiHeap(window=sys.argv[2] if len(sys.argv) > 2 else "auto")
@@ -170,3 +217,4 @@ if __name__ == "__main__":
     if heap.rank == 0:
         print("SCENARIO OK", sys.argv[1])
     heap.close()
+

@@ -21,3 +21,10 @@ def test_hostile_peer_metadata_rejected(mpirun):
 def test_moe_api_epochs_weights_and_errors(mpirun, ranks):
     r = mpirun(ranks, SCRIPT, "moe_api", timeout=400)
     assert r.rc == 0 and "SCENARIO OK" in r.out, r
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_fuzzed_forward_inputs(mpirun, ranks):
+    """hypothesis on every rank (derandomized: the same examples everywhere)."""
+    r = mpirun(ranks, SCRIPT, "fuzz_forward", "auto", "15", timeout=500)
+    assert r.rc == 0 and "SCENARIO OK" in r.out, r
