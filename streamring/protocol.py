@@ -62,6 +62,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .device.ringdesc import LAYOUT_FIELDS as DESC_LAYOUT_FIELDS
 from .device.verbs import Region, SignalOp, SymmetricHeap, WaitTimeout, spin_pause
 
 # --------------------------------------------------------------------------------------
@@ -184,6 +185,8 @@ class RingLayout:
         topk_weights[slot][tokens][topk] float32
     Combine (written by consumers into the owner, read by the owner), optional:
         combine[slot][tokens][topk][hidden] float32
+    Doorbells of the GPU ``stream_wait`` progress policy (uint64 lap numbers):
+        wake[route|layout][src][slot]
     """
 
     num_ranks: int
@@ -236,6 +239,8 @@ class RingLayout:
         ]
         if self.with_combine:
             sizes.append(("combine", S * C * K * H * 4))
+        # doorbells of the GPU stream_wait policy: [route|layout][src][slot] lap numbers
+        sizes.append(("wake", 2 * R * S * 8))
         return sizes
 
     @property
@@ -295,7 +300,7 @@ class RingLayout:
     def descriptor(self) -> dict[str, int]:
         """Every size, offset and stride the device side needs (mirrors ``RingDesc`` in csrc)."""
         o = self.offsets
-        return {
+        d = {
             "num_ranks": self.num_ranks,
             "num_slots": self.num_slots,
             "tokens_per_slot": self.tokens_per_slot,
@@ -321,6 +326,10 @@ class RingLayout:
             "meta_words": META_WORDS,
             "total_bytes": self.nbytes,
         }
+        d = {k: d[k] for k in DESC_LAYOUT_FIELDS} if tuple(d) == DESC_LAYOUT_FIELDS else None
+        if d is None:
+            raise AssertionError("RingLayout.descriptor() keys differ from device/ringdesc.LAYOUT_FIELDS")
+        return d
 
 
 # --------------------------------------------------------------------------------------

@@ -101,7 +101,7 @@ def reference_with_routing_f64(x: torch.Tensor, weights: MoEWeights, idx: torch.
     """Independent float64 reference of the expert math for a given routing (masked routes skipped)."""
     x_fp8, x_sf = quantize_act_fp8(x) if x.shape[0] else (x.to(torch.float8_e4m3fn), None)
     t, h = x.shape
-    y = torch.zeros(t, h, dtype=torch.float64)
+    y = torch.zeros(t, h, dtype=torch.float64, device=x.device)
     if t == 0:
         return y
     xd = x_fp8.to(torch.float64) * x_sf.to(torch.float64).repeat_interleave(QUANT_BLOCK, dim=1)
@@ -129,7 +129,9 @@ def run_layer(heap: SymmetricHeap, cfg: Config) -> dict:
     shape = shape_from_config(cfg)
     shape.validate(R)
     tokens = per_rank(cfg.run.tokens_per_rank, R, "run.tokens_per_rank")
-    weights = MoEWeights.random(shape, seed=cfg.layer.seed)
+    # Expert math on the rank's GPU with the NVSHMEM backend (torch ops), on the CPU otherwise.
+    device = getattr(heap, "device", None) or "cpu"
+    weights = MoEWeights.random(shape, seed=cfg.layer.seed, device=device)
     buf = MoEBuffer(heap, shape, num_slots=cfg.ring.num_slots, tokens_per_slot=cfg.ring.tokens_per_slot,
                     max_tokens_per_rank=max(max(tokens), 1), wait_timeout_s=cfg.wait_timeout_s,
                     inject=Inject(cfg.run.inject))
@@ -141,7 +143,7 @@ def run_layer(heap: SymmetricHeap, cfg: Config) -> dict:
                ref_excluded=0, batch_wall_s=0.0, stream_wall_s=0.0, epochs=cfg.run.epochs,
                scheduler=cfg.run.scheduler, rtol=rtol, atol=atol)
     for ep in range(cfg.run.epochs):
-        x = make_tokens(cfg, me, ep, tokens[me])
+        x = make_tokens(cfg, me, ep, tokens[me]).to(device)
         outs = {}
         for mode in ("batch", "stream"):
             if cfg.run.mode not in ("both", mode):
@@ -163,6 +165,7 @@ def run_layer(heap: SymmetricHeap, cfg: Config) -> dict:
             y_ref, idx64, _ = reference_forward_f64(x, weights, shape, return_routing=True)
         else:
             idx_r, w_r = routing(x, torch.arange(x.shape[0]))
+            idx_r, w_r = idx_r.to(device), w_r.to(device)
             y_ref, idx64 = reference_with_routing_f64(x, weights, idx_r, w_r), idx_r
             idx32 = idx_r
         for y in outs.values():

@@ -161,9 +161,11 @@ class MoEBuffer:
         plan = ring.begin_stream(epoch, int(x.shape[0]))
         stats = ForwardStats(mode="stream" if streaming else "batch", epoch=epoch, num_chunks=plan.num_chunks,
                              tokens=int(x.shape[0]))
-        y = torch.zeros(x.shape[0], self.shape.hidden, dtype=torch.float32)
-        routing_out = (torch.full((x.shape[0], self.shape.topk), -1, dtype=torch.int64),
-                       torch.zeros(x.shape[0], self.shape.topk, dtype=torch.float32))
+        # Outputs live where x lives (CPU, or the rank's GPU on the NVSHMEM backend); the
+        # ring traffic itself goes through the heap's verbs.
+        y = torch.zeros(x.shape[0], self.shape.hidden, dtype=torch.float32, device=x.device)
+        routing_out = (torch.full((x.shape[0], self.shape.topk), -1, dtype=torch.int64, device=x.device),
+                       torch.zeros(x.shape[0], self.shape.topk, dtype=torch.float32, device=x.device))
         run = _Forward(self, ring, plan, x, weights, bm, routing, y, routing_out, stats,
                        scheduler if streaming else "chunk_local")
         try:
@@ -198,6 +200,8 @@ class MoEBuffer:
                 return f"x contains NaN/Inf at token {bad} (rejected: non-finite activations are not propagated)"
             if not isinstance(weights, MoEWeights):
                 return f"weights must be a MoEWeights, got {type(weights).__name__}"
+            if weights.w1.device != x.device:
+                return f"weights are on {weights.w1.device} but x is on {x.device}: put both on one device"
             self._local_weights(weights)
         except ValueError as exc:
             return str(exc)
@@ -247,6 +251,7 @@ class _Forward:
         self.me = buf.rank
         self.sh = buf.shape
         self.weights = weights
+        self.dev = x.device
         self.full_weights, self.expert_offset = buf._local_weights(weights)
         # the route producer's own copy of its chunks' routing, for the combiner
         self.my_routing: dict[int, tuple] = {}
@@ -262,14 +267,14 @@ class _Forward:
             base, valid, xc = self._chunk_rows(c)
             if self.routing is not None:
                 idx, w = self.routing(xc, torch.arange(base, base + valid))
-                idx, w = idx.to(torch.int64), w.to(torch.float32)
+                idx, w = idx.to(torch.int64).to(self.dev), w.to(torch.float32).to(self.dev)
             elif valid:
                 idx, w = route(xc, self.weights, self.sh)
             else:
-                idx = torch.zeros(0, self.sh.topk, dtype=torch.int64)
-                w = torch.zeros(0, self.sh.topk, dtype=torch.float32)
-            idx_np = np.ascontiguousarray(idx.numpy())
-            w_np = np.ascontiguousarray(w.numpy())
+                idx = torch.zeros(0, self.sh.topk, dtype=torch.int64, device=self.dev)
+                w = torch.zeros(0, self.sh.topk, dtype=torch.float32, device=self.dev)
+            idx_np = np.ascontiguousarray(idx.cpu().numpy())
+            w_np = np.ascontiguousarray(w.cpu().numpy())
             self.ring.publish_route(c, idx_np, w_np)
             self.my_routing[c] = (idx, w)
             self.idx_out[base:base + valid] = idx
@@ -282,8 +287,8 @@ class _Forward:
             base, valid, xc = self._chunk_rows(c)
             if valid:
                 xq, sf = quantize_act_fp8(xc)
-                x_np = np.ascontiguousarray(xq.view(torch.uint8).numpy())
-                sf_np = np.ascontiguousarray(sf.numpy())
+                x_np = np.ascontiguousarray(xq.view(torch.uint8).cpu().numpy())
+                sf_np = np.ascontiguousarray(sf.cpu().numpy())
             else:
                 x_np = np.zeros((0, self.sh.hidden), dtype=np.uint8)
                 sf_np = np.zeros((0, self.L.sf_cols), dtype=np.float32)
@@ -333,10 +338,10 @@ class _Forward:
 
     def _run_block(self, e, rows):
         """L1 -> SwiGLU -> L2 of expert ``e`` on ``rows``; put each result into its source's combine slot."""
-        x_fp8 = torch.from_numpy(np.stack([r[5] for r in rows])).view(FP8_DTYPE)
-        x_sf = torch.from_numpy(np.stack([r[6] for r in rows]))
+        x_fp8 = torch.from_numpy(np.stack([r[5] for r in rows])).to(self.dev).view(FP8_DTYPE)
+        x_sf = torch.from_numpy(np.stack([r[6] for r in rows])).to(self.dev)
         out = expert_pool_forward(x_fp8, x_sf, e - self.expert_offset, self.full_weights, self.block_m)
-        out_np = out.numpy()
+        out_np = out.cpu().numpy()
         for n, (src, c, t, k, _, _, _) in enumerate(rows):
             slot = c % self.L.num_slots
             self.ring.heap.put(self.ring.buf, self.L.combine_off(slot, t, k), out_np[n], src)
@@ -434,7 +439,7 @@ class _Forward:
                 contrib = np.empty((valid, self.L.topk, self.L.hidden), dtype=np.float32)
                 self.ring.heap.get(self.ring.buf, self.L.combine_off(slot, 0, 0), contrib, self.me)
                 idx, w = self.my_routing[c]
-                self.y[base:base + valid] = combine(torch.from_numpy(contrib), w, idx)
+                self.y[base:base + valid] = combine(torch.from_numpy(contrib).to(self.dev), w, idx)
             del self.my_routing[c]
             # Only now may the slot take chunk c + S (conservative rule).
             self.ring.try_collect_acks(slot, c)

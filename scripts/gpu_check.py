@@ -1,0 +1,319 @@
+#!/usr/bin/env python3
+"""The GPU check's steps, each with a timeout, under one time budget; prints a table.
+
+Started by ``scripts/gpu_check.sh`` (which installs the carried wheels, sets PYTHONPATH
+and starts/stops the MPS daemon around the multi-PE phase). Writes under ``$OUT``
+(default ./out): ``gpu_check.log`` (every step's output), ``summary.json``,
+``bench.json``. Exit 0 iff every expectation held (a step skipped for lack of time
+counts as a failure: nothing is claimed that did not run).
+
+Phases: ``--phase single`` (1 PE, no MPS), ``--phase multi`` (2, 3 and 4 PEs; the
+caller has started MPS), ``--phase report`` (prints the table of both phases).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT = Path(os.environ.get("OUT") or ROOT / "out")
+LOG = OUT / "gpu_check.log"
+STATE = OUT / "summary.json"
+TMP = Path(os.environ.get("STREAMRING_CHECK_TMP", "/tmp/streamring-check"))
+CONFIGS = ROOT / "configs"
+PY = sys.executable or "python3"
+
+
+def _now() -> float:
+    return time.monotonic()
+
+
+T_START = float(os.environ.get("GPU_CHECK_T0", "0")) or time.time()
+BUDGET_S = float(os.environ.get("GPU_CHECK_BUDGET_S", "520"))
+
+
+def elapsed() -> float:
+    return time.time() - T_START
+
+
+def load_state() -> dict:
+    if STATE.exists():
+        return json.loads(STATE.read_text())
+    return {"steps": []}
+
+
+def save_state(state: dict) -> None:
+    STATE.write_text(json.dumps(state, indent=1, default=str))
+
+
+def log(text: str) -> None:
+    with LOG.open("a") as f:
+        f.write(text)
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+def mpiexec(n: int, *args: str) -> list[str]:
+    return ["mpiexec", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-n", str(n), PY, *args]
+
+
+def run_step(state: dict, name: str, cmd: list[str], timeout: float, *, pes: int, expect: str = "pass",
+             judge=None, env: dict | None = None, json_path: Path | None = None) -> dict:
+    """Run one step; ``judge(rc, output, json_or_None) -> (ok, note)`` decides the verdict."""
+    step = {"name": name, "pes": pes, "expect": expect, "cmd": " ".join(cmd)}
+    only = os.environ.get("GPU_CHECK_ONLY")
+    if only and not re.search(only, f"{name} pes={pes}"):
+        return step  # not selected: neither run nor recorded
+    left = BUDGET_S - elapsed()
+    if left < 20:
+        step.update(verdict="SKIP", note=f"time budget spent ({elapsed():.0f}s of {BUDGET_S:.0f}s)", wall_s=0.0)
+        log(f"\n=== {name}: SKIPPED (time budget)\n")
+        state["steps"].append(step)
+        save_state(state)
+        return step
+    timeout = min(timeout, left - 10)
+    e = dict(os.environ)
+    e["PYTHONUNBUFFERED"] = "1"
+    if env:
+        e.update(env)
+    if json_path and json_path.exists():
+        json_path.unlink()
+    log(f"\n=== {name} (PEs={pes}, timeout {timeout:.0f}s, t={elapsed():.0f}s)\n$ {' '.join(cmd)}\n")
+    t0 = _now()
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+        rc = proc.returncode
+    except subprocess.TimeoutExpired:
+        # mpiexec and its ranks run in their own session: take the whole group down
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                proc.wait(timeout=5)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        out, _ = proc.communicate()
+        rc = 124
+        out = (out or "") + f"\n[gpu_check] TIMEOUT after {timeout:.0f}s: killed\n"
+    wall = _now() - t0
+    log(out[-20000:] + f"\n--- rc={rc} wall={wall:.1f}s\n")
+    data = None
+    if json_path and json_path.exists():
+        try:
+            data = json.loads(json_path.read_text())
+        except ValueError:
+            data = None
+    ok, note = (judge or judge_rc)(rc, out, data)
+    if expect == "fail":
+        ok, note = judge_expected_failure(rc, out, data)
+    step.update(rc=rc, wall_s=round(wall, 1), verdict="PASS" if ok else "FAIL", note=note)
+    if data is not None:
+        step["json"] = data
+    state["steps"].append(step)
+    save_state(state)
+    log(f"=== {name}: {step['verdict']} ({note})\n")
+    return step
+
+
+def judge_rc(rc, out, data):
+    return rc == 0, f"rc={rc}"
+
+
+def judge_stress(rc, out, data):
+    if rc != 0 or data is None:
+        return False, f"rc={rc}" + ("" if data else ", no json")
+    ranks = data["ranks"]
+    consumed = [x["chunks_consumed"] for x in ranks]
+    published = sum(x["chunks_published"] for x in ranks)
+    ok = data["violations"] == 0 and len(set(consumed)) == 1 and consumed[0] == published
+    return ok, f"violations={data['violations']} consumed/rank={consumed[0]} published={published} " \
+               f"wall={data.get('wall_s', 0):.1f}s"
+
+
+def judge_expected_failure(rc, out, data):
+    caught = (data is not None and data.get("violations", 0) > 0) or "watchdog" in out or \
+        "violation" in out.lower()
+    ok = rc != 0 and caught
+    v = data.get("violations") if data else None
+    return ok, f"rc={rc} (expected != 0), caught={caught}, violations={v}"
+
+
+def judge_graph(rc, out, data):
+    if data is None:
+        return False, f"rc={rc}, no json"
+    bad = [f"{r['policy']}/{r['inject']}" for r in data if r.get("verdict") not in ("PASS", "n/a")]
+    na = [r["policy"] for r in data if r.get("verdict") == "n/a"]
+    replays = {r["policy"]: r.get("replays") for r in data if r.get("inject") == "none"}
+    note = f"rc={rc} replays={replays}" + (f" FAILED={bad}" if bad else "") + (f" n/a={na}" if na else "")
+    return rc == 0 and not bad, note
+
+
+def judge_pytest(rc, out, data):
+    tail = [ln for ln in out.strip().splitlines() if ("passed" in ln or "failed" in ln or "skipped" in ln)]
+    return rc == 0, (tail[-1].strip() if tail else f"rc={rc}")
+
+
+def judge_run(rc, out, data):
+    if rc != 0 or data is None:
+        return False, f"rc={rc}" + ("" if data else ", no json")
+    rows = data["ranks"]
+    eq = all(r["bitwise_equal"] for r in rows)
+    worst = max(r["ref_max_err_ratio"] for r in rows)
+    return bool(data["ok"]) and eq, (f"stream==batch bitwise on {sum(r['bitwise_equal'] for r in rows)}/{len(rows)} "
+                                     f"ranks, worst err/tol vs f64 {worst:.3f}, batch "
+                                     f"{max(r['batch_wall_s'] for r in rows):.2f}s stream "
+                                     f"{max(r['stream_wall_s'] for r in rows):.2f}s")
+
+
+def run_cmd(n: int, json_path: Path, *extra: str) -> list[str]:
+    return mpiexec(n, "-m", "streamring", "run", "--backend", "nvshmem", "--set", f"ranks={n}",
+                   "--json", str(json_path), *extra)
+
+
+def stress_cmd(n: int, json_path: Path, *extra: str) -> list[str]:
+    return mpiexec(n, "-m", "streamring", "stress", "--backend", "nvshmem", "--set", f"ranks={n}",
+                   "--json", str(json_path), *extra)
+
+
+def phase_single(state: dict) -> None:
+    TMP.mkdir(parents=True, exist_ok=True)
+    run_step(state, "build cubin", [PY, "-m", "streamring.device.build", "-v"], 240, pes=0)
+    gj = TMP / "graph-1.json"
+    run_step(state, "graph replay x1e4, all policies + negative controls", mpiexec(
+        1, "-m", "streamring.host.gpu", "graph", "--policies", "all", "--replays", "10000", "--controls",
+        "--json", str(gj)), 150, pes=1, judge=judge_graph, json_path=gj)
+    sj = TMP / "stress-1.json"
+    run_step(state, "stress default", stress_cmd(1, sj, "--set", "stress.chunks_per_rank=16"), 90, pes=1,
+             judge=judge_stress, json_path=sj)
+    rj = TMP / "run-1.json"
+    run_step(state, "MoE run (router, chunk_local) streamed vs batch", run_cmd(
+        1, rj, "--set", "run.tokens_per_rank=200"), 120, pes=1, judge=judge_run, json_path=rj)
+    run_step(state, "pytest tests/test_gpu.py", [PY, "-m", "pytest", "-q", "-rs", "tests/test_gpu.py",
+                                                 "-p", "no:cacheprovider"], 150, pes=1, judge=judge_pytest)
+    bj = OUT / "bench.json"
+    run_step(state, "bench_signal_latency", mpiexec(1, "scripts/bench_signal_latency.py", "--json", str(bj)), 120,
+             pes=1, json_path=bj)
+
+
+def phase_multi(state: dict) -> None:
+    TMP.mkdir(parents=True, exist_ok=True)
+    mps = lambda n: {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(100 // n)}  # noqa: E731
+    # 2 PEs
+    gj = TMP / "graph-2.json"
+    run_step(state, "graph replay x1e4, all policies", mpiexec(
+        2, "-m", "streamring.host.gpu", "graph", "--policies", "all", "--replays", "10000", "--json", str(gj)),
+        150, pes=2, judge=judge_graph, json_path=gj, env=mps(2))
+    sj = TMP / "stress-2.json"
+    run_step(state, "stress default", stress_cmd(2, sj, "--set", "stress.chunks_per_rank=16"), 90, pes=2,
+             judge=judge_stress, json_path=sj, env=mps(2))
+    rj = TMP / "run-2.json"
+    run_step(state, "MoE run (router, chunk_local) streamed vs batch", run_cmd(2, rj), 120, pes=2,
+             judge=judge_run, json_path=rj, env=mps(2))
+    tj = TMP / "torchrun-2.json"
+    run_step(state, "torchrun bootstrap: stress", ["torchrun", "--nproc-per-node", "2", "-m", "streamring", "stress",
+                                                   "--backend", "nvshmem", "--set", "stress.chunks_per_rank=8",
+                                                   "--json", str(tj)], 90, pes=2, judge=judge_stress,
+             json_path=tj, env=mps(2))
+    # 4 PEs
+    rj = TMP / "run-4.json"
+    run_step(state, "MoE run (deepseek_v3 fp8, reservation, tokens 0/1/77/300)", run_cmd(
+        4, rj, "--set", "layer.router=deepseek_v3", "--set", "layer.num_experts=16", "--set", "layer.n_group=4",
+        "--set", "layer.topk_group=2", "--set", "layer.topk=4", "--set", "layer.weight_dtype=fp8",
+        "--set", "run.scheduler=reservation", "--set", "run.tokens_per_rank=[0, 1, 77, 300]",
+        "--set", "ring.num_slots=2", "--set", "ring.tokens_per_slot=16"), 150, pes=4, judge=judge_run,
+        json_path=rj, env=mps(4))
+    gj = TMP / "graph-4.json"
+    run_step(state, "graph replay x1e4, all policies", mpiexec(
+        4, "-m", "streamring.host.gpu", "graph", "--policies", "all", "--replays", "10000", "--json", str(gj)),
+        150, pes=4, judge=judge_graph, json_path=gj, env=mps(4))
+    # 3 PEs: every inject mode must be caught (as the CPU suite does), then the 3-rank configs
+    for mode, cfg, chunks in (("skip-acquire", "stress-basic.yaml", 16),
+                              ("signal-before-payload", "stress-basic.yaml", 16),
+                              ("skip-ack-wait", "stress-basic.yaml", 16),
+                              ("ignore-epoch", "stress-aba.yaml", 2)):
+        ij = TMP / f"inject-{mode}.json"
+        run_step(state, f"stress --inject {mode} ({cfg})", stress_cmd(
+            3, ij, "--config", str(CONFIGS / cfg), "--inject", mode, "--set", "wait_timeout_s=5",
+            "--set", f"stress.chunks_per_rank={chunks}"), 60, pes=3, expect="fail", json_path=ij, env=mps(3))
+    for cfg in sorted(CONFIGS.glob("stress-*.yaml")):
+        import yaml
+
+        tree = yaml.safe_load(cfg.read_text()) or {}
+        n = int(tree.get("ranks", 4))
+        if n not in (2, 3, 4):
+            n = 4
+        extra = ["--config", str(cfg)]
+        chunks = (tree.get("stress") or {}).get("chunks_per_rank", 16)
+        if isinstance(chunks, int) and chunks > 300:
+            # host verbs cost ~tens of us each: cap very long configs (stress-wrap: 5000 -> 300)
+            extra += ["--set", "stress.chunks_per_rank=300"]
+        cj = TMP / f"{cfg.stem}.json"
+        run_step(state, f"stress {cfg.name}" + (" (chunks capped at 300)" if "--set" in extra else ""),
+                 stress_cmd(n, cj, *extra), 90, pes=n, judge=judge_stress, json_path=cj, env=mps(n))
+
+
+def report(state: dict) -> int:
+    lines = ["", "GPU check summary (elapsed %.0fs)" % elapsed(),
+             f"{'step':<66} {'PEs':>3} {'expect':<6} {'verdict':<7} {'wall s':>7}  note", "-" * 140]
+    for s in state["steps"]:
+        lines.append(f"{s['name'][:66]:<66} {s['pes']:>3} {s['expect']:<6} {s['verdict']:<7} "
+                     f"{s.get('wall_s', 0):>7.1f}  {s.get('note', '')[:120]}")
+    # graph rows and bench, in short
+    for s in state["steps"]:
+        if s["name"].startswith("graph") and isinstance(s.get("json"), list):
+            for r in s["json"]:
+                lines.append(f"   graph PEs={r.get('pes')} {r.get('policy'):<12} inject={r.get('inject'):<22} "
+                             f"{r.get('verdict'):<5} mode={str(r.get('mode'))[:40]:<40} replays={r.get('replays')} "
+                             f"us/replay={r.get('us_per_replay', 0):.1f} viol={r.get('violations')} "
+                             f"tmo={r.get('timeouts')}")
+        if s["name"] == "bench_signal_latency" and isinstance(s.get("json"), dict):
+            raw = s["json"]["raw"]
+            lines.append(f"   bench raw put_signal->signal_wait p50 {raw['p50_us']:.2f} us")
+            for r in s["json"]["policies"]:
+                if "error" in r:
+                    lines.append(f"   bench {r['policy']:<12} n/a: {r['error'][:80]}")
+                else:
+                    lines.append(f"   bench {r['policy']:<12} pub->acq p50 {r['pub_acq_p50_us']:.2f} us "
+                                 f"({r['pub_acq_p50_us'] / raw['p50_us']:.3f}x raw), per chunk "
+                                 f"{r['per_chunk_us']:.2f} us ({r['per_chunk_us'] / raw['p50_us']:.3f}x raw)")
+    fails = [s for s in state["steps"] if s["verdict"] != "PASS"]
+    lines.append(f"RESULT: {'PASS' if not fails else 'FAIL'}: {len(state['steps']) - len(fails)} of "
+                 f"{len(state['steps'])} steps met their expectation")
+    log("\n".join(lines) + "\n")
+    return 0 if not fails else 1
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--phase", choices=["single", "multi", "report", "mps-failed"], required=True)
+    args = ap.parse_args()
+    OUT.mkdir(parents=True, exist_ok=True)
+    state = load_state()
+    if args.phase == "single":
+        phase_single(state)
+    elif args.phase == "multi":
+        phase_multi(state)
+    elif args.phase == "mps-failed":
+        state["steps"].append({"name": "start the MPS daemon (multi-PE steps)", "pes": 0, "expect": "pass",
+                               "verdict": "FAIL", "note": "nvidia-cuda-mps-control -d failed: no multi-PE step ran"})
+        save_state(state)
+    else:
+        return report(state)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,229 @@
+"""Build the streamring CUDA library (``csrc/ring.cu``) into a cubin, cached.
+
+The recipe is the one that works with libnvshmem 3.4.5 (NVRTC + nvJitLink
+does not: undefined ``nvshmemi_transfer_put_signal_dispatch``)::
+
+    nvcc -arch=sm_90 -rdc=true -I$INC -c ring.cu -o ring.o
+    nvcc -arch=sm_90 -dlink --cubin -o ring.cubin ring.o -L$LIB -lnvshmem_device
+
+``INC`` is NVSHMEM's header directory (``cuda.pathfinder.find_nvidia_header_directory("nvshmem")``,
+or ``$STREAMRING_NVSHMEM_INC`` / ``$NVSHMEM_HOME/include``, or the ``nvidia-nvshmem-cu13``
+wheel's ``nvidia/nvshmem/include``), and ``LIB`` is ``INC/../lib`` (it must hold
+``libnvshmem_device.a``).
+
+The cubin is cached under ``$STREAMRING_CACHE`` (default ``~/.cache/streamring``),
+keyed by the sha256 of every source in ``csrc/``, the arch, the ``nvcc --version``
+text and NVSHMEM's version header, so editing a source or switching compilers
+rebuilds and nothing else does.
+
+Run ``python -m streamring.device.build`` to build and print the cubin's path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+CSRC = Path(__file__).resolve().parent / "csrc"
+SOURCES = ("ring.cu", "ring_desc.cuh")
+DEFAULT_ARCH = "sm_90"
+# Last-resort places to look for nvcc when it is not on PATH (tests may clear this).
+FALLBACK_CUDA_HOMES: list[str] = ["/usr/local/cuda"]
+
+
+class BuildError(RuntimeError):
+    """The CUDA library cannot be built; the message says what is missing and how to fix it."""
+
+
+# --------------------------------------------------------------------------------------
+# Discovery
+# --------------------------------------------------------------------------------------
+def find_nvcc() -> str:
+    """Path of nvcc: ``$NVCC``, then PATH, then ``$CUDA_HOME/bin``, ``$CUDA_PATH/bin``."""
+    explicit = os.environ.get("NVCC")
+    if explicit:
+        if Path(explicit).is_file() and os.access(explicit, os.X_OK):
+            return explicit
+        raise BuildError(f"$NVCC={explicit!r} is not an executable file")
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    homes = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), *FALLBACK_CUDA_HOMES]
+    for home in homes:
+        if home:
+            cand = Path(home) / "bin" / "nvcc"
+            if cand.is_file() and os.access(cand, os.X_OK):
+                return str(cand)
+    raise BuildError(
+        "cannot build the streamring CUDA library: nvcc (the CUDA compiler) was not found on PATH, "
+        "in $CUDA_HOME/bin or $CUDA_PATH/bin. Install the CUDA toolkit (12.x/13.x) and put its bin/ on PATH, "
+        "or set NVCC=/path/to/nvcc."
+    )
+
+
+def _valid_inc(path) -> Path | None:
+    if not path:
+        return None
+    p = Path(path)
+    return p if (p / "nvshmem.h").is_file() else None
+
+
+def find_nvshmem_include() -> Path:
+    """NVSHMEM's header directory (see the module doc for the search order)."""
+    tried = []
+    for var in ("STREAMRING_NVSHMEM_INC",):
+        v = os.environ.get(var)
+        if v:
+            tried.append(f"${var}={v}")
+            if _valid_inc(v):
+                return Path(v)
+    home = os.environ.get("NVSHMEM_HOME")
+    if home:
+        tried.append(f"$NVSHMEM_HOME/include={home}/include")
+        if _valid_inc(Path(home) / "include"):
+            return Path(home) / "include"
+    try:
+        from cuda.pathfinder import find_nvidia_header_directory
+
+        found = find_nvidia_header_directory("nvshmem")
+        tried.append(f"cuda.pathfinder -> {found}")
+        if _valid_inc(found):
+            return Path(found)
+    except Exception as exc:  # noqa: BLE001 - pathfinder missing or failing: try the next way
+        tried.append(f"cuda.pathfinder unavailable ({type(exc).__name__}: {exc})")
+    try:
+        import nvidia.nvshmem as _nv  # the nvidia-nvshmem-cu13 wheel (a namespace package)
+
+        for base in getattr(_nv, "__path__", []):
+            cand = Path(base) / "include"
+            tried.append(str(cand))
+            if _valid_inc(cand):
+                return cand
+    except Exception:  # noqa: BLE001
+        tried.append("python package nvidia.nvshmem not importable")
+    raise BuildError(
+        "cannot build the streamring CUDA library: the NVSHMEM headers (nvshmem.h) were not found. Tried: "
+        + "; ".join(tried)
+        + ". Install the NVSHMEM wheel (`pip install nvidia-nvshmem-cu13==3.4.5`; cuda-pathfinder finds it) "
+        "or point STREAMRING_NVSHMEM_INC (or NVSHMEM_HOME) at an NVSHMEM installation."
+    )
+
+
+def find_nvshmem_lib(inc: Path) -> Path:
+    """The directory holding ``libnvshmem_device.a`` (``INC/../lib``, or ``$NVSHMEM_HOME/lib``)."""
+    cands = [inc.parent / "lib"]
+    if os.environ.get("NVSHMEM_HOME"):
+        cands.append(Path(os.environ["NVSHMEM_HOME"]) / "lib")
+    for c in cands:
+        if (c / "libnvshmem_device.a").is_file():
+            return c
+    raise BuildError(
+        f"cannot build the streamring CUDA library: libnvshmem_device.a not found in {[str(c) for c in cands]} "
+        f"(NVSHMEM headers found at {inc}); the device library of the same NVSHMEM installation is needed for "
+        "`nvcc -dlink -lnvshmem_device`."
+    )
+
+
+def nvcc_version(nvcc: str) -> str:
+    try:
+        out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise BuildError(f"cannot run {nvcc} --version: {exc}") from exc
+    if out.returncode != 0:
+        raise BuildError(f"{nvcc} --version failed: {out.stderr.strip()}")
+    return out.stdout.strip()
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("STREAMRING_CACHE") or Path.home() / ".cache" / "streamring")
+
+
+def source_digest(arch: str, nvcc_ver: str, inc: Path | None) -> str:
+    h = hashlib.sha256()
+    for name in sorted(p.name for p in CSRC.iterdir() if p.suffix in (".cu", ".cuh", ".h")):
+        h.update(name.encode())
+        h.update(b"\0")
+        h.update((CSRC / name).read_bytes())
+        h.update(b"\0")
+    h.update(arch.encode())
+    h.update(b"\0")
+    h.update(nvcc_ver.encode())
+    if inc is not None:
+        ver = inc / "non_abi" / "nvshmem_version.h"
+        if ver.is_file():
+            h.update(ver.read_bytes())
+    return h.hexdigest()
+
+
+# --------------------------------------------------------------------------------------
+# Build
+# --------------------------------------------------------------------------------------
+def _run(cmd: list[str], what: str, timeout: float) -> None:
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        raise BuildError(f"{what} timed out after {timeout:.0f}s: {' '.join(cmd)}") from exc
+    if out.returncode != 0:
+        raise BuildError(f"{what} failed (exit {out.returncode}): {' '.join(cmd)}\n{out.stderr.strip()}\n"
+                         f"{out.stdout.strip()}")
+
+
+def build_cubin(arch: str | None = None, force: bool = False, verbose: bool = False, timeout: float = 300.0) -> Path:
+    """Build (or reuse from the cache) the cubin of ``csrc/ring.cu``; returns its path.
+
+    Raises :class:`BuildError` naming what is missing (nvcc, NVSHMEM headers or device library).
+    """
+    arch = arch or os.environ.get("STREAMRING_CUDA_ARCH") or DEFAULT_ARCH
+    if not arch.startswith("sm_"):
+        raise BuildError(f"arch must look like 'sm_90', got {arch!r}")
+    nvcc = find_nvcc()
+    inc = find_nvshmem_include()
+    lib = find_nvshmem_lib(inc)
+    key = source_digest(arch, nvcc_version(nvcc), inc)
+    out_dir = cache_dir()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    target = out_dir / f"ring-{arch}-{key[:24]}.cubin"
+    if target.is_file() and target.stat().st_size > 0 and not force:
+        if verbose:
+            print(f"streamring build: cached {target}", file=sys.stderr)
+        return target
+    with tempfile.TemporaryDirectory(prefix="streamring-build-", dir=out_dir) as tmp:
+        obj = Path(tmp) / "ring.o"
+        cub = Path(tmp) / "ring.cubin"
+        cc = [nvcc, f"-arch={arch}", "-rdc=true", "-O3", "-std=c++17", f"-I{inc}", f"-I{CSRC}",
+              "-c", str(CSRC / "ring.cu"), "-o", str(obj)]
+        link = [nvcc, f"-arch={arch}", "-dlink", "--cubin", "-o", str(cub), str(obj), f"-L{lib}", "-lnvshmem_device"]
+        for cmd, what in ((cc, "nvcc compile of ring.cu"), (link, "nvcc device link (-dlink --cubin)")):
+            if verbose:
+                print("streamring build: " + " ".join(cmd), file=sys.stderr)
+            _run(cmd, what, timeout)
+        # Atomic publish: concurrent builders (several ranks) each replace with an identical file.
+        os.replace(cub, target)
+    if verbose:
+        print(f"streamring build: built {target}", file=sys.stderr)
+    return target
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m streamring.device.build", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--arch", default=None, help=f"GPU arch (default $STREAMRING_CUDA_ARCH or {DEFAULT_ARCH})")
+    ap.add_argument("--force", action="store_true", help="rebuild even when cached")
+    ap.add_argument("-v", "--verbose", action="store_true")
+    args = ap.parse_args(argv)
+    try:
+        path = build_cubin(args.arch, force=args.force, verbose=args.verbose)
+    except BuildError as exc:
+        print(f"streamring build: {exc}", file=sys.stderr)
+        return 2
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
