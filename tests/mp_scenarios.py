@@ -14,7 +14,7 @@ from streamring.device.cpu import MpiHeap
 from streamring.device.verbs import VerbError
 from streamring.moe.layer import MoEBuffer
 from streamring.moe.math import MoEShape, MoEWeights, batch_forward_single
-from streamring.protocol import ProtocolViolation, Ring, RingLayout, make_gen
+from streamring.protocol import ProtocolViolation, Ring, RingLayout, WatchdogError, make_gen
 
 
 def expect(exc, fn, needle):
@@ -98,6 +98,22 @@ def hostile_metadata(heap):
     heap.barrier()
     expect(ProtocolViolation, lambda: ring.read_chunk(1, 0), "topk_idx from source rank 1 holds 77")
     heap.barrier()
+    if heap.rank == 1:
+        heap.put(ring.buf, L.topk_idx_off(0), np.array([0], np.int64), 1)
+    heap.barrier()
+    for word, field, value in ((1, "token_base", 4096), (0, "chunk_index", 3), (3, "route_gen", 5)):
+        if heap.rank == 1:
+            good = np.empty(1, np.int64)
+            heap.get(ring.buf, L.meta_off(0) + word * 8, good, 1)
+            heap.put(ring.buf, L.meta_off(0) + word * 8, np.array([value], np.int64), 1)
+        heap.barrier()
+        expect(ProtocolViolation, lambda: ring.read_chunk(1, 0), f"source rank 1 slot 0 chunk 0: {field} = {value}")
+        heap.barrier()
+        if heap.rank == 1:
+            heap.put(ring.buf, L.meta_off(0) + word * 8, good, 1)
+        heap.barrier()
+    assert ring.read_chunk(1, 0).valid == 4  # restored: accepted again
+    heap.barrier()
     # a generation from the future is a violation, not a wait
     heap.signal_op(ring.buf, L.route_gen_off(0, 0), make_gen(5, 1), __import__("streamring").device.verbs.SignalOp.SET,
                    heap.rank)
@@ -154,6 +170,39 @@ def moe_api(heap):
     buf.close()
 
 
+def recovery_after_watchdog(heap):
+    """A forward call that dies on the watchdog leaves the buffer unusable (clear error); rebuilding works."""
+    import time as _t
+
+    R, me = heap.num_ranks, heap.rank
+    shape = MoEShape(hidden=128, intermediate=128, num_experts=2 * R, topk=2, block_m=4)
+    w = MoEWeights.random(shape, seed=5)
+    x = torch.randn(10, 128, generator=torch.Generator().manual_seed(me))
+    buf = MoEBuffer(heap, shape, num_slots=2, tokens_per_slot=4, max_tokens_per_rank=10, wait_timeout_s=1.0)
+    good = buf.forward(x, w, streaming=True)
+
+    def stalled(xc, ids):  # rank 1's router hangs past every deadline on its second chunk
+        if me == 1 and int(ids[0]) >= 4:
+            _t.sleep(2.5)
+        n = len(ids)
+        return torch.zeros(n, 2, dtype=torch.int64), torch.ones(n, 2)
+
+    try:
+        buf.forward(x, w, streaming=True, routing=stalled)
+    except (WatchdogError, TimeoutError, ProtocolViolation) as exc:
+        err = exc
+    else:
+        raise AssertionError("the stalled forward did not fail")
+    assert buf.broken and type(err).__name__ in buf.broken
+    expect(RuntimeError, lambda: buf.forward(x, w, streaming=True), "close() it and build a new MoEBuffer")
+    _t.sleep(3.0)  # let rank 1 come out of its stall and fail too
+    buf.close()
+    buf2 = MoEBuffer(heap, shape, num_slots=2, tokens_per_slot=4, max_tokens_per_rank=10, wait_timeout_s=10.0)
+    assert torch.equal(buf2.forward(x, w, streaming=True), good)
+    assert torch.equal(buf2.forward(x, w), good)
+    buf2.close()
+
+
 def fuzz_forward(heap):
     """Random shapes, token counts, top-k, magnitudes, NaN/Inf, on every rank (same examples everywhere)."""
     from hypothesis import HealthCheck, given, settings
@@ -201,7 +250,8 @@ def fuzz_forward(heap):
 
 
 
-SCENARIOS = {f.__name__: f for f in (publish_bad_inputs, hostile_metadata, moe_api, fuzz_forward)}
+SCENARIOS = {f.__name__: f for f in (publish_bad_inputs, hostile_metadata, moe_api, recovery_after_watchdog,
+                                     fuzz_forward)}
 
 if __name__ == "__main__":
     heap = MpiHeap(window=sys.argv[2] if len(sys.argv) > 2 else "auto")

@@ -28,3 +28,8 @@ def test_fuzzed_forward_inputs(mpirun, ranks):
     """hypothesis on every rank (derandomized: the same examples everywhere)."""
     r = mpirun(ranks, SCRIPT, "fuzz_forward", "auto", "15", timeout=500)
     assert r.rc == 0 and "SCENARIO OK" in r.out, r
+
+
+def test_recovery_after_watchdog_needs_rebuild_and_rebuild_works(mpirun):
+    r = mpirun(2, SCRIPT, "recovery_after_watchdog", timeout=120)
+    assert r.rc == 0 and "SCENARIO OK" in r.out, r

@@ -41,8 +41,7 @@ def test_ranks_and_tokens_checked(cli, ranks):
 def test_ring_wraps_over_ten_thousand(cli):
     r = cli("stress", "--config", CONFIGS / "stress-wrap.yaml", timeout=400)
     assert r.rc == 0, r
-    assert min(x["ring_wraps"] for x in r.json["ranks"]) >= 5000
-    assert sum(x["ring_wraps"] for x in r.json["ranks"]) >= 10_000
+    assert min(x["ring_wraps"] for x in r.json["ranks"]) >= 10_000
 
 
 def test_more_ranks_than_cores_is_fast(cli):

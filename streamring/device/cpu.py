@@ -55,7 +55,7 @@ class MpiHeap(SymmetricHeap):
 
     name = "cpu"
 
-    def __init__(self, comm=None, window: str = "auto"):
+    def __init__(self, comm=None, window: str = "auto", collective_timeout_s: float = 60.0):
         MPI = _mpi()
         if window not in _WINDOW_MODES:
             raise ValueError(f"cpu window mode {window!r} is not one of {_WINDOW_MODES}")
@@ -71,6 +71,10 @@ class MpiHeap(SymmetricHeap):
             # PE index means the same thing for both.
             if self._node.Get_rank() != self.comm.Get_rank():
                 self.shared = False
+        # Host collectives (allgather at stream start, alloc) first meet in an
+        # Ibarrier polled against this deadline: a rank that never arrives gives
+        # a WaitTimeout, not a hang inside MPI.
+        self.collective_timeout_s = float(collective_timeout_s)
         self._regions: list[Region] = []
         self._one = np.zeros(1, dtype=np.uint64)
         self._closed = False
@@ -93,7 +97,7 @@ class MpiHeap(SymmetricHeap):
         MPI = self._MPI
         if nbytes <= 0:
             raise VerbError(f"alloc {name!r}: nbytes must be > 0, got {nbytes}")
-        sizes = self.comm.allgather(int(nbytes))
+        sizes = self.allgather_int(int(nbytes))
         if len(set(sizes)) != 1:
             raise VerbError(f"alloc {name!r}: ranks asked for different sizes {sizes} (must be symmetric)")
         # Round up to 8 bytes so the last signal word is whole.
@@ -253,10 +257,21 @@ class MpiHeap(SymmetricHeap):
                 spin_pause()
         self.quiet()
 
+    def _meet(self, what: str) -> None:
+        req = self.comm.Ibarrier()
+        start = time.monotonic()
+        while not req.Test():
+            if time.monotonic() - start > self.collective_timeout_s:
+                raise WaitTimeout(f"{what}: not every rank arrived within {self.collective_timeout_s}s "
+                                  f"(a rank is stalled, dead or skipped a collective call)", time.monotonic() - start)
+            spin_pause()
+
     def allgather_int(self, value: int) -> list[int]:
+        self._meet("allgather")
         return [int(v) for v in self.comm.allgather(int(value))]
 
     def allgather_obj(self, obj) -> list:
+        self._meet("allgather")
         return self.comm.allgather(obj)
 
     def progress(self) -> None:

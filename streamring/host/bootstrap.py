@@ -26,7 +26,7 @@ def make_heap(cfg: Config, launcher: Launcher | None = None) -> SymmetricHeap:
             )
         from ..device.cpu import MpiHeap
 
-        return MpiHeap(window=cfg.cpu.window)
+        return MpiHeap(window=cfg.cpu.window, collective_timeout_s=cfg.wait_timeout_s)
     if cfg.backend == "nvshmem":
         from ..device.nvshmem import NvshmemHeap  # noqa: WPS433 (GPU-only import)
 

@@ -124,6 +124,10 @@ class MoEBuffer:
         self.local_experts = range(self.rank * per, (self.rank + 1) * per)
         self.last_stats: Optional[ForwardStats] = None
         self.last_routing: Optional[tuple] = None
+        # Set when a forward call died mid-stream (watchdog, violation): the
+        # ranks may then disagree on what was published and acknowledged, so
+        # the buffers are not reused; the caller rebuilds the MoEBuffer.
+        self.broken: Optional[str] = None
 
     # ------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, weights: MoEWeights, *, streaming: bool = False,
@@ -146,6 +150,9 @@ class MoEBuffer:
             block_m: rows per expert block (default ``shape.block_m``).
             routing: optional routing override (tests, replays of recorded routing).
         """
+        if self.broken:
+            raise RuntimeError(f"this MoEBuffer is unusable after an error in the middle of a stream ({self.broken}); "
+                               f"close() it and build a new MoEBuffer on every rank (collective)")
         err = self._check_inputs(x, weights, scheduler, block_m, streaming)
         errors = self.heap.allgather_obj(err)
         bad = [(r, e) for r, e in enumerate(errors) if e]
@@ -171,8 +178,9 @@ class MoEBuffer:
         try:
             run_roles([run.route_producer(), run.layout_producer(), run.consumer(), run.combiner()], self.heap)
             ring.end_stream()
-        except BaseException:
+        except BaseException as exc:
             ring.abort_stream()
+            self.broken = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
             raise
         stats.wall_s = time.monotonic() - t0
         self.last_stats = stats
@@ -231,7 +239,7 @@ class MoEBuffer:
                          f"got {n}")
 
     def close(self) -> None:
-        """Free the symmetric buffers (collective)."""
+        """Free the symmetric buffers (collective; also after an error, before rebuilding)."""
         self.stream_ring.close()
         self.batch_ring.close()
 
