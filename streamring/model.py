@@ -6,97 +6,137 @@ small configuration (default 2 ranks x 2 slots x 3 chunks x 2 epochs) by
 breadth-first search over hashable states with a visited set, and checks:
 
 ``no-stale-or-torn-read``
-    a consumer's read of ``(src, chunk c, epoch e)`` sees exactly the payload
-    written for ``plan.gen(c)``, in the route part and in the layout part;
+    (1) every consumer read of ``(src, chunk c, epoch e)`` sees exactly the
+    payload written for ``plan.gen(c)``, in the route part and in the layout part;
 ``no-overwrite-before-ack``
-    no producer writes a slot while a consumer holds the slot's previous chunk
-    (acquired it, not yet acknowledged it);
+    (2) no producer writes a slot while a consumer holds the slot's previous
+    chunk (acquired it, not yet acknowledged it);
 ``no-aba``
-    nobody accepts leftovers of an older epoch: neither an acquire that accepts
-    a generation word that is not the expected one, nor a read that sees the
-    payload of an older epoch;
+    (3) nobody accepts leftovers of an older epoch: neither an acquire that
+    accepts a generation word of an older epoch, nor a read that sees payload
+    of an older epoch;
 ``no-protocol-violation``
-    :func:`protocol.classify_gen` never says ``VIOLATION`` (the runtime would
-    raise :class:`protocol.ProtocolViolation`), and no acknowledgement finds
-    its bit already set (``Ring.ack`` raises on it when no mutation is injected);
+    (4) :func:`protocol.classify_gen` never says ``VIOLATION`` (the runtime
+    raises :class:`protocol.ProtocolViolation`), an acquire never accepts a
+    word that is not the expected generation, and no acknowledgement finds its
+    bit already set (``Ring.ack`` raises on it when no mutation is injected);
 ``no-deadlock``
-    every reachable state can still reach the final state (all epochs done and
-    drained): reverse reachability over the whole explored graph;
+    (5) every reachable state can reach the final state (all epochs done and
+    drained);
 ``serialised-schedule``
-    the fully serialised schedule (per chunk: every route producer, every
+    (6) the fully serialised schedule (per chunk: every route producer, every
     layout producer, then every consumer, in rank order) reaches the final
-    state without a violation (one deterministic path).
+    state without a violation (one deterministic path, no reduction).
 
-The model is derived from the runtime's protocol module, so the two cannot
-drift: generations come from ``StreamPlan.gen`` (``make_gen``), the consumer's
-wait is ``classify_gen`` (looked up when a model is built, so a patched
-function is what gets checked), the number of chunks is ``StreamPlan.num_chunks``
-(the maximum over ranks, rule 7: the last rank has fewer tokens and still
-publishes every chunk), the full acknowledgement mask is
-``RingLayout.full_mask(word)`` over ``RingLayout.mask_words``, the slot is
-``chunk % num_slots``, and the mutations are ``protocol.Inject`` /
-``protocol.INJECT_MODES``, each changing exactly the step that ``protocol.Ring``
+Derived from the runtime
+========================
+Generations come from ``StreamPlan.gen`` (``make_gen``); the consumer's wait
+is ``classify_gen``, looked up when a :class:`Model` is built (a patched
+function is what gets checked); the chunk count is ``StreamPlan.num_chunks``
+(the maximum over ranks, rule 7: odd ranks get one token fewer, so their last
+chunk has zero tokens, and they still publish every chunk); the full ack mask
+is ``RingLayout.full_mask(word)`` over ``RingLayout.mask_words``; the slot is
+``chunk % num_slots``; the mutations are ``protocol.Inject`` /
+``protocol.INJECT_MODES``, each changing exactly the step ``protocol.Ring``
 changes for it.
 
-Processes and atomic steps, for rank ``r`` (all ranks run the same code):
+Processes and atomic steps (rank ``r``; slot ``s = c % S``; ``g = plan.gen(c)``)
+==============================================================================
+* route producer and layout producer of ``r`` (independent: either order):
 
-* route producer and layout producer (independent, so either order occurs),
-  per chunk ``c`` of the epoch's plan, slot ``s = c % S``, ``g = plan.gen(c)``:
+  - ``reserve c`` (``Ring.try_reserve``): for ``c >= S`` the acks of ``c - S``
+    (``Ring.try_collect_acks``): already collected by this rank
+    (``_collected[s] == gen(c - S)``, shared by both producers), or the ack mask
+    is full and then ``_collected[s]`` is recorded and the mask cleared in the
+    same step (once full, nobody but the owner writes the mask, so splitting the
+    check from the clear adds no behaviour). ``skip-ack-wait`` skips the wait;
+  - ``write``: a *plain* store ``payload[r][kind][s] := g`` (the value stands
+    for ``(r, g, kind)``: rank and part are the cell's). Weak memory: the store
+    goes to the producer's pending buffer and no reader (other ranks, nor this
+    rank's consumer, another thread) sees it until it is flushed. The buffer is
+    per producer, not per rank: route and layout producers are different
+    threads, and a release orders only the releasing thread's own stores, so a
+    route release does not flush a layout store (a per-rank buffer would be
+    flushed by either release: fewer behaviours, so this is the weaker memory);
+  - ``publish -> rank t``, one step per target in ``Ring._publish`` order
+    (every rank, the owner included): ``ready_gen[t][kind][r][s] := g``. A
+    ``signal_op`` is a release: it first flushes the producer's pending stores;
+  - ``signal-before-payload`` uses ``Ring._write_then_publish``'s mutated order:
+    publish to every rank, then write (pending), then ``fence`` (flush);
+  - a pending store may also *drain early* (a memory step of its own), which is
+    legal; the reader then sees the new value before the release.
 
-  - ``reserve``: ``Ring.try_reserve``; for ``c >= S`` it needs the acks of
-    ``c - S`` (``Ring.try_collect_acks``): either this rank already collected
-    them (``_collected[s] == gen(c - S)``, shared by both producers), or the ack
-    mask is full, and then it records ``_collected[s]`` and clears the mask in
-    the same step (atomic: after the mask is full nobody but the owner writes
-    it, so splitting the check from the clear adds no behaviour);
-    ``skip-ack-wait`` skips the wait entirely, as ``try_reserve`` does;
-  - ``write``: a plain store of the payload cell ``payload[r][kind][s] := g``
-    (the value stands for ``(r, g, kind)``: rank and part are the cell's).
-    Stores are weak: the value goes to the producer's *pending* store buffer
-    and is not visible to any reader (other ranks and this rank's consumer,
-    which is another thread) until it is flushed;
-  - ``publish -> rank t``, one step per target in the order of ``Ring._publish``
-    (every rank, the owner included): ``ready_gen[t][kind][r][s] := g``. Each
-    ``signal_op`` is a release, so it first flushes the producer's pending
-    stores to memory (the first target's step does it);
-  - with ``signal-before-payload`` the order is that of
-    ``Ring._write_then_publish`` under the mutation: publish to every rank,
-    then write (pending), then ``fence`` (flushes);
-  - ``drains early`` (a memory-system step of its own): a pending store may
-    become visible at any time before the release, which is legal too.
+* consumer on ``d``: per chunk ``c``, per source ``src`` in rank order (as the
+  stress harness): ``acquire`` (both generation words *at d* classify ``READY``
+  with ``classify_gen``; ``OLDER`` waits; ``VIOLATION`` is a failure;
+  ``skip-acquire`` proceeds without looking, as ``Ring.gen_state`` does;
+  ``ignore-epoch`` passes ``ignore_epoch=True``), then the reads of the route
+  part and of the layout part, then ``ack`` (``fetch_or`` of bit ``d`` into
+  ``src``'s ``ack_mask[s]``). The two generation words are read in one step:
+  once both read READY they stay so until this consumer acknowledges (only the
+  owner rewrites them, after the acks), so reading them apart adds no behaviour
+  to the correct protocol; a ``VIOLATION`` value is seen either way.
 
-* consumer on ``d``, per chunk ``c`` and per source ``src`` (in that order, as
-  the stress harness does): ``acquire`` (both generation words *at d* classify
-  ``READY`` with ``classify_gen``; ``OLDER`` waits; ``VIOLATION`` is a property
-  failure; ``skip-acquire`` proceeds without looking, as ``Ring.gen_state``
-  does; ``ignore-epoch`` passes ``ignore_epoch=True``), ``read route part``,
-  ``read layout part`` (each reads the visible payload cell and checks it),
-  ``ack`` (``fetch_or`` of bit ``d`` into ``ack_mask[s]`` of ``src``). The two
-  generation words are read in one step: a mask that reads READY stays READY
-  until this consumer acknowledges, so reading them apart adds no behaviour
-  of the correct protocol (a ``VIOLATION`` value would be seen in either form).
+* end of epoch (``Ring.end_stream``): once the rank's three roles are done, the
+  owner waits for the full masks of its last ``min(S, chunks)`` chunks (one
+  step, same argument as for ``reserve``). ``begin_stream`` of the next epoch
+  is collective (its allgather): one step once every rank has ended. No memory
+  is cleared between epochs.
 
-* end of epoch on ``r`` (``Ring.end_stream``): once its three roles are done,
-  the owner waits for the full masks of its last ``min(S, chunks)`` chunks
-  (one atomic step, same argument as for ``reserve``), then ``begin_stream`` of
-  the next epoch is collective (its allgather), so it is one step once every
-  rank has ended. No memory is cleared between epochs. ``barrier=False``
-  (API only) lets each rank begin its next epoch alone, a stronger check.
+Signal words and ack masks are atomics with release/acquire semantics, so their
+steps are sequentially consistent; weak memory is modelled where it matters,
+on the plain payload stores. Bookkeeping nothing reads (``consumed_gen``,
+``_slot_chunk``, metadata timestamps) is left out.
 
-Signal words and the ack mask are atomics with release/acquire semantics:
-their steps are sequentially consistent, and weak memory is modelled where it
-matters, on the plain payload stores. Bookkeeping that nothing reads
-(``consumed_gen``, ``_slot_chunk``, metadata timestamps) is left out.
+Reductions (both sound for these properties)
+=========================================================
+1. *Reads in the hold window.* A consumer's reads change nothing shared; the
+   read of a part may happen at any moment between its acquire and its ack
+   (route before layout). A read can see a wrong value iff the cell is wrong
+   at the acquire or is rewritten with a wrong value while held. So the
+   acquire checks both cells, and every flush of a payload cell (release,
+   fence, early drain) checks every consumer holding that cell; the trace
+   shows the read that would see it. This removes two steps per chunk and
+   source without removing an observable outcome.
+2. *Partial-order reduction (stubborn sets).* From each state only a
+   stubborn set of processes is expanded: the closure, from one enabled
+   process, under (D1) "an outside process may, before any process of the
+   set moves, execute a step that conflicts with this process's next step"
+   (read/write sets over the modelled variables; two ``fetch_or`` commute;
+   the look-ahead of an outside process stops where it must wait for a
+   process of the set: a generation word only the set's producer can write, an
+   ack bit only the set's consumer can set, an epoch end the set blocks) and
+   (D2) "a disabled next step brings in a process that must move first to
+   enable it". Every enabled member of such a set commutes with everything the
+   outside processes can do before the set moves. The state graph is acyclic
+   (``2 * sum of program counters + empty buffers + ended ranks``, epoch-major,
+   grows on every step), so (Valmari; induction on the longest path from a
+   state) the reduced search still reaches every reachable deadlock and the
+   final state, and it reaches a violation whenever one is reachable (a
+   violation is a step into a terminal error state; the reduction keeps *some*
+   violating step, not each one, so once it finds one the other safety
+   properties are reported NOT CHECKED). With no violation and no deadlock in
+   the reduced graph, every path of the full, acyclic graph ends in the final
+   state, so (5) holds; reverse reachability over the explored graph is still
+   computed as a cross-check.
 
-The search is exhaustive (no partial-order reduction, no state bound unless
-``max_states`` is given through the API, and then the output says
-"BOUNDED"). It stops at the first violation and prints the shortest
-counter-example from the initial state (BFS parents).
+   Up to the default sizes (2 ranks, 2 slots, 3 chunks, 2 epochs) the CLI
+   explores the full interleaving graph (about 0.4 M states, 2.2 M
+   transitions); above them it uses the reduction. ``STREAMRING_MODEL_POR=1``
+   or ``0`` (or ``ModelConfig(por=...)``) forces the choice; the tests compare
+   both graphs on small sizes (same verdict, same terminal states).
+
+The search stops at the first violation and prints the shortest counter-example
+from the initial state (BFS parents); under the reduction that path is then
+shortened (replayed without each step in turn while it still ends in the same
+violation) so that no single step can be dropped.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import sys
 import time
 from array import array
 from collections import deque
@@ -116,19 +156,23 @@ PROP_DEADLOCK = "no-deadlock"
 PROP_SERIAL = "serialised-schedule"
 PROPERTIES = (PROP_READ, PROP_OVERWRITE, PROP_ABA, PROP_PROTOCOL, PROP_DEADLOCK, PROP_SERIAL)
 PROPERTY_TEXT = {
-    PROP_READ: "(1) every read sees exactly the payload of its generation (route and layout parts)",
+    PROP_READ: "(1) every read sees exactly the payload of its generation (route and layout)",
     PROP_OVERWRITE: "(2) no slot overwrite while a reader holds its previous chunk",
-    PROP_ABA: "(3) no leftovers of an older epoch accepted",
+    PROP_ABA: "(3) no leftovers of an older epoch accepted or read",
     PROP_PROTOCOL: "(4) classify_gen never says VIOLATION; no double acknowledgement",
     PROP_DEADLOCK: "(5) every reachable state can reach the final state",
     PROP_SERIAL: "(6) the serialised schedule completes without violation",
 }
-
-TRACE_PRINT_MAX = 40  # console lines of a counter-example; the JSON has every step
+NOT_CHECKED = "NOT CHECKED (stopped at the first violation)"
+TRACE_PRINT_MAX = 40  # console lines of a counter-example; --json has every step
 
 
 def _g(gen: int) -> str:
     return P.gen_str(gen) if gen else "0 (never written)"
+
+
+def _older_epoch(seen: int, expected: int) -> bool:
+    return bool(seen) and P.split_gen(seen)[0] < P.split_gen(expected)[0]
 
 
 @dataclass
@@ -138,18 +182,23 @@ class ModelConfig:
     chunks: int = 3
     epochs: int = 2
     inject: P.Inject = P.Inject.NONE
-    barrier: bool = True  # begin_stream is collective (its allgather); False: each rank goes on alone
     early_drain: bool = True  # pending payload stores may become visible before the release
+    por: bool | None = None  # stubborn-set partial-order reduction; None: only above the default sizes
+    stop_at_first: bool = True  # False: keep exploring (violations are terminal), for cross-checks
     max_states: int | None = None  # None: exhaustive
 
     def validate(self) -> None:
         problems = []
-        for name, lo in (("ranks", 1), ("slots", 1), ("chunks", 1), ("epochs", 1)):
+        for name in ("ranks", "slots", "chunks", "epochs"):
             v = getattr(self, name)
-            if not isinstance(v, int) or v < lo:
-                problems.append(f"--{name} must be an integer >= {lo}, got {v!r}")
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                problems.append(f"--{name} must be an integer >= 1, got {v!r}")
         if isinstance(self.epochs, int) and self.epochs > P.MAX_EPOCH:
             problems.append(f"--epochs must be <= {P.MAX_EPOCH}")
+        if self.por is None:
+            self.por = not (self.ranks <= 2 and self.slots <= 2 and self.chunks <= 3 and self.epochs <= 2)
+        if not isinstance(self.inject, P.Inject):
+            problems.append(f"inject must be a protocol.Inject, got {self.inject!r}")
         if problems:
             raise ValueError("; ".join(problems))
 
@@ -160,12 +209,16 @@ class Violation:
     message: str
 
 
-@dataclass
 class Trans:
-    proc: tuple  # which process steps: ("route", r), ("layout", r), ("consumer", d), ("mem", r, k), ("end", r), ...
-    desc: tuple  # what it does, formatted only for traces
-    state: tuple | None  # successor (None for a violating step)
-    violation: Violation | None = None
+    """One enabled step: its process, a description (formatted lazily), the successor or a violation."""
+
+    __slots__ = ("pid", "desc", "state", "violation")
+
+    def __init__(self, pid, desc, state, violation=None):
+        self.pid = pid
+        self.desc = desc
+        self.state = state
+        self.violation = violation
 
 
 @dataclass
@@ -175,11 +228,13 @@ class CheckResult:
     transitions: int = 0
     time_s: float = 0.0
     exhaustive: bool = True
-    properties: dict = field(default_factory=dict)  # name -> PASS | FAIL | NOT CHECKED ...
+    properties: dict = field(default_factory=dict)
     counterexample: dict | None = None
     serialised: dict | None = None
     final_reachable: bool | None = None
-    reduction: str = "none (full interleaving semantics)"
+    terminal_states: int = 0
+    violations_found: int = 0
+    reduction: str = ""
 
     @property
     def ok(self) -> bool:
@@ -202,8 +257,16 @@ class CheckResult:
         }
 
 
+# --------------------------------------------------------------------------------------
+# The model
+# --------------------------------------------------------------------------------------
 class Model:
-    """The protocol as a transition system over flat tuples (see the module docstring)."""
+    """The protocol as a transition system over flat tuples (see the module docstring).
+
+    Processes (pid): for rank ``r``: ``6r`` route producer, ``6r+1`` layout producer,
+    ``6r+2`` consumer, ``6r+3``/``6r+4`` pending-store drain of route/layout, ``6r+5`` end of
+    epoch; ``6R`` is the collective begin of the next epoch.
+    """
 
     def __init__(self, cfg: ModelConfig):
         cfg.validate()
@@ -211,6 +274,8 @@ class Model:
         R, S, E = cfg.ranks, cfg.slots, cfg.epochs
         self.R, self.S, self.E = R, S, E
         self.inject = cfg.inject
+        self.skip_acquire = cfg.inject is P.Inject.SKIP_ACQUIRE
+        self.skip_ack_wait = cfg.inject is P.Inject.SKIP_ACK_WAIT
         # Looked up now (not at import) so that the function the runtime uses is the one checked.
         self._classify = P.classify_gen
         self._ignore_epoch = cfg.inject is P.Inject.IGNORE_EPOCH
@@ -219,45 +284,77 @@ class Model:
                               num_experts=1)
         self.mask_words = layout.mask_words
         self.full = tuple(layout.full_mask(w) for w in range(layout.mask_words))
-        # Uneven ranks (rule 7): odd ranks have one token fewer, so their last chunk is a zero-token
-        # chunk; every rank still publishes plan.num_chunks chunks.
         tokens = tuple(cfg.chunks - (r % 2 if R > 1 else 0) for r in range(R))
         self.plans = [None] + [P.StreamPlan(epoch=e, tokens_per_rank=tokens, tokens_per_slot=1)
                                for e in range(1, E + 1)]
-        self.C = self.plans[1].num_chunks
-        if self.C != cfg.chunks:
-            raise ValueError(f"StreamPlan.num_chunks = {self.C}, expected {cfg.chunks}")
+        self.C = C = self.plans[1].num_chunks
+        if C != cfg.chunks:
+            raise ValueError(f"StreamPlan.num_chunks = {C}, expected {cfg.chunks}")
         # one int object per generation, shared by every state that holds it
-        self.gens = [None] + [tuple(self.plans[e].gen(c) for c in range(self.C)) for e in range(1, E + 1)]
-        # the last chunk of every slot (what end_stream drains: Ring._slot_chunk)
-        self.last_chunk = [max((c for c in range(self.C) if c % S == s), default=-1) for s in range(S)]
-        # producer program, as Ring._write_then_publish orders it
+        self.gens = [None] + [tuple(self.plans[e].gen(c) for c in range(C)) for e in range(1, E + 1)]
+        self.last_chunk = [max((c for c in range(C) if c % S == s), default=-1) for s in range(S)]
         pubs = [("publish", t) for t in range(R)]
         if cfg.inject is P.Inject.SIGNAL_BEFORE_PAYLOAD:
             self.steps = [("reserve", 0)] + pubs + [("write", 0), ("fence", 0)]
         else:
             self.steps = [("reserve", 0), ("write", 0)] + pubs
         self.nsteps = len(self.steps)
-        self.pdone = self.C * self.nsteps
-        self.cdone = self.C * R * 4
+        self.pdone = C * self.nsteps
+        self.cdone = C * R * 2  # per (chunk, src): acquire, ack
         # flat state layout
-        self.EP = 0
-        self.END = R
-        self.PPC = 2 * R  # + 2r + k
-        self.CPC = 4 * R  # + d
-        self.PSL = 5 * R  # pending slot (-1: none) + 2r + k
-        self.PVL = 7 * R  # pending value + 2r + k
+        self.EP, self.END, self.PPC, self.CPC = 0, R, 2 * R, 4 * R
+        self.PSL, self.PVL = 5 * R, 7 * R  # pending slot (-1: none) / value, index 2r + k
         self.PAY = 9 * R  # + (2r + k) * S + s
-        self.RDY = self.PAY + 2 * R * S  # + ((2d + k) * R + r) * S + s
+        self.RDY = self.PAY + 2 * R * S  # + ((2t + k) * R + r) * S + s
         self.ACK = self.RDY + 2 * R * R * S  # + r * S + s
         self.COL = self.ACK + R * S  # + r * S + s
         self.NFIELDS = self.COL + R * S
+        self.NP = 6 * R + 1
+        self.BEGIN = 6 * R
+        self._init_bits()
+        self._fut_cache: dict = {}
+
+    # -- variables as bits, for the dependency relation -------------------------------------
+    def _init_bits(self) -> None:
+        R, S = self.R, self.S
+        n = 0
+
+        def new():
+            nonlocal n
+            n += 1
+            return 1 << (n - 1)
+
+        self.b_rdy = [[[[new() for _ in range(S)] for _ in range(R)] for _ in range(2)] for _ in range(R)]
+        self.b_pay = [[[new() for _ in range(S)] for _ in range(2)] for _ in range(R)]
+        self.b_pend = [[new() for _ in range(2)] for _ in range(R)]
+        self.b_ack = [[new() for _ in range(S)] for _ in range(R)]
+        self.b_col = [[new() for _ in range(S)] for _ in range(R)]
+        self.b_pos = [[[new() for _ in range(S)] for _ in range(R)] for _ in range(R)]  # [d][r][s] held?
+        self.b_done = [new() for _ in range(self.NP)]
+        self.b_end = [new() for _ in range(R)]
+        self.ALL = (1 << n) - 1
+        self.b_pos_rs = [[0] * S for _ in range(R)]
+        for d in range(R):
+            for r in range(R):
+                for s in range(S):
+                    self.b_pos_rs[r][s] |= self.b_pos[d][r][s]
+        self.b_pos_r = [0] * R
+        self.b_pay_rk = [[0, 0] for _ in range(R)]
+        self.b_ack_r = [0] * R
+        self.b_col_r = [0] * R
+        for r in range(R):
+            for s in range(S):
+                self.b_pos_r[r] |= self.b_pos_rs[r][s]
+                self.b_ack_r[r] |= self.b_ack[r][s]
+                self.b_col_r[r] |= self.b_col[r][s]
+                for k in (0, 1):
+                    self.b_pay_rk[r][k] |= self.b_pay[r][k][s]
+        self.role_pids = [6 * r + i for r in range(R) for i in (0, 1, 2)]
 
     # -- helpers ---------------------------------------------------------------------------
     def initial(self) -> tuple:
-        R = self.R
         st = [0] * self.NFIELDS
-        for r in range(R):
+        for r in range(self.R):
             st[self.EP + r] = 1
             st[self.PSL + 2 * r] = st[self.PSL + 2 * r + 1] = -1
         return tuple(st)
@@ -273,174 +370,264 @@ class Model:
     def mask_full(self, m: int) -> bool:
         return all(((m >> (64 * w)) & WORD) == self.full[w] for w in range(self.mask_words))
 
-    def is_final(self, st: tuple) -> bool:
-        R = self.R
-        return all(st[self.END + r] == 1 and st[self.EP + r] == self.E for r in range(R))
+    def missing_bits(self, m: int) -> list[int]:
+        return [b for b in range(self.R) if not (m >> b) & 1]
 
-    def _flush(self, lst: list, r: int, k: int) -> None:
+    def is_final(self, st: tuple) -> bool:
+        return all(st[self.END + r] == 1 and st[self.EP + r] == self.E for r in range(self.R))
+
+    def role_done(self, st: tuple, pid: int) -> bool:
+        r, i = divmod(pid, 6)
+        if st[self.END + r]:
+            return True
+        if i == 2:
+            return st[self.CPC + r] >= self.cdone
+        return st[self.PPC + 2 * r + i] >= self.pdone
+
+    def _holders(self, st, r: int, s: int):
+        """Consumers holding (acquired, not acked) a chunk of ``r`` in slot ``s``: (d, chunk, epoch)."""
+        R = self.R
+        for d in range(R):
+            pc = st[self.CPC + d]
+            if pc < self.cdone and pc & 1 and not st[self.END + d]:
+                c2, src = divmod(pc >> 1, R)
+                if src == r and c2 % self.S == s:
+                    yield d, c2, st[self.EP + d]
+
+    def _flush(self, lst: list, r: int, k: int):
+        """Make the pending store of producer (r, k) visible; return a read violation it causes, if any."""
         i = 2 * r + k
         s = lst[self.PSL + i]
-        if s >= 0:
-            lst[self.PAY + i * self.S + s] = lst[self.PVL + i]
-            lst[self.PSL + i] = -1
-            lst[self.PVL + i] = 0
+        if s < 0:
+            return None
+        v = lst[self.PVL + i]
+        lst[self.PAY + i * self.S + s] = v
+        lst[self.PSL + i] = -1
+        lst[self.PVL + i] = 0
+        for d, c2, e2 in self._holders(lst, r, s):
+            g2 = self.gens[e2][c2]
+            if v != g2:
+                props = (PROP_READ, PROP_ABA) if _older_epoch(v, g2) else (PROP_READ,)
+                return Violation(props, (
+                    f"stale read: rank {d} holds src {r} chunk {c2} (epoch {e2}, slot {s}; acquired, not yet "
+                    f"acknowledged) and the {KINDS[k]} part changes under it to {_g(v)}: its read sees {_g(v)}, "
+                    f"expected {P.gen_str(g2)}")), (d, k, r, c2, s, v)
+        return None
 
     # -- transitions -----------------------------------------------------------------------
-    def successors(self, st: tuple) -> list[Trans]:
-        R, S, C = self.R, self.S, self.C
-        out: list[Trans] = []
+    def expand(self, st: tuple):
+        """Per process: ``(transitions, accR, accW, accO, nes)``.
+
+        ``transitions`` are the enabled steps (at most one per process, or its violation);
+        ``acc*`` the variables the next step reads / writes / fetch-ors; ``nes`` the pids of
+        which one must move before a disabled process can (a necessary enabling set).
+        """
+        R, S = self.R, self.S
         inject = self.inject
+        procs = [None] * self.NP
         all_ended = True
         for r in range(R):
             e = st[self.EP + r]
+            base = 6 * r
             if st[self.END + r]:
-                if not self.cfg.barrier and e < self.E:
-                    lst = list(st)
-                    self._begin(lst, r)
-                    out.append(Trans(("begin", r), ("begin", r, e + 1), tuple(lst)))
+                nxt = (self.BEGIN,) if e < self.E else ()
+                for i in range(6):
+                    procs[base + i] = ((), 0, 0, 0, nxt)
                 continue
             all_ended = False
             gens = self.gens[e]
-            # ---- producers --------------------------------------------------------------
+            # ---- producers and their pending stores ------------------------------------
             for k in (0, 1):
                 i = 2 * r + k
+                pid = base + k
                 pc = st[self.PPC + i]
-                if pc < self.pdone:
+                if pc >= self.pdone:
+                    procs[pid] = ((), 0, 0, 0, (self.BEGIN,) if e < self.E else ())
+                else:
                     c, j = divmod(pc, self.nsteps)
                     step, t = self.steps[j]
                     s = c % S
                     g = gens[c]
+                    done_bit = self.b_done[pid] if pc + 1 == self.pdone else 0
                     if step == "reserve":
                         prev = c - S
-                        if prev < 0:
+                        if prev < 0 or self.skip_ack_wait:
                             lst = list(st)
                             lst[self.PPC + i] = pc + 1
-                            out.append(Trans((KINDS[k], r), ("reserve-first", r, k, c, s), tuple(lst)))
-                        elif inject is P.Inject.SKIP_ACK_WAIT:
-                            lst = list(st)
-                            lst[self.PPC + i] = pc + 1
-                            out.append(Trans((KINDS[k], r), ("reserve-skip", r, k, c, s, prev), tuple(lst)))
+                            op = "reserve-first" if prev < 0 else "reserve-skip"
+                            procs[pid] = ((Trans(pid, (op, r, k, c, s, prev), tuple(lst)),), 0, 0, 0, ())
                         else:
                             gp = gens[prev]
-                            ai = self.ACK + r * S + s
-                            if st[self.COL + r * S + s] == gp:
+                            ci, ai = self.COL + r * S + s, self.ACK + r * S + s
+                            if st[ci] == gp:
                                 lst = list(st)
                                 lst[self.PPC + i] = pc + 1
-                                out.append(Trans((KINDS[k], r), ("reserve-collected", r, k, c, s, prev), tuple(lst)))
+                                procs[pid] = ((Trans(pid, ("reserve-collected", r, k, c, s, prev), tuple(lst)),),
+                                              self.b_col[r][s], 0, 0, ())
                             elif self.mask_full(st[ai]):
                                 lst = list(st)
                                 lst[self.PPC + i] = pc + 1
-                                lst[self.COL + r * S + s] = gp
+                                lst[ci] = gp
                                 lst[ai] = 0
-                                out.append(Trans((KINDS[k], r), ("reserve-collect", r, k, c, s, prev), tuple(lst)))
+                                procs[pid] = ((Trans(pid, ("reserve-collect", r, k, c, s, prev), tuple(lst)),),
+                                              0, self.b_col[r][s] | self.b_ack[r][s], 0, ())
+                            else:
+                                nes = tuple(6 * b + 2 for b in self.missing_bits(st[ai]))
+                                procs[pid] = ((), 0, 0, 0, nes)
                     elif step == "write":
-                        viol = self._overwrite_check(st, r, e, c, s, k)
+                        acc_r, acc_w = self.b_pos_rs[r][s] | self.b_pend[r][k], self.b_pend[r][k] | done_bit
+                        viol = None
+                        for d, c2, e2 in self._holders(st, r, s):
+                            if (e2, c2) != (e, c):
+                                viol = Violation((PROP_OVERWRITE,), (
+                                    f"rank {r} {KINDS[k]} producer overwrites slot {s} with chunk {c} (epoch {e}) "
+                                    f"while rank {d} holds chunk {c2} (epoch {e2}) of that slot: acquired, not "
+                                    f"yet acknowledged"))
+                                break
                         if viol is not None:
-                            out.append(Trans((KINDS[k], r), ("write", r, k, c, s, g), None, viol))
+                            procs[pid] = ((Trans(pid, ("write", r, k, c, s, g), None, viol),), acc_r, acc_w, 0, ())
                         else:
                             lst = list(st)
-                            self._flush(lst, r, k)  # (never non-empty here: every write is followed by a release)
+                            self._flush(lst, r, k)  # (always empty here: each write is followed by a release)
                             lst[self.PSL + i] = s
                             lst[self.PVL + i] = g
                             lst[self.PPC + i] = pc + 1
-                            out.append(Trans((KINDS[k], r), ("write", r, k, c, s, g), tuple(lst)))
-                    elif step == "publish":
+                            procs[pid] = ((Trans(pid, ("write", r, k, c, s, g), tuple(lst)),), acc_r, acc_w, 0, ())
+                    else:  # publish to t, or fence: both release (flush) first
                         lst = list(st)
-                        flushed = lst[self.PSL + i] >= 0
-                        self._flush(lst, r, k)
-                        lst[self.RDY + ((2 * t + k) * R + r) * S + s] = g
+                        ps = lst[self.PSL + i]
+                        acc_r, acc_w = self.b_pend[r][k], done_bit
+                        if ps >= 0:
+                            acc_r |= self.b_pos_rs[r][ps]
+                            acc_w |= self.b_pend[r][k] | self.b_pay[r][k][ps]
+                        fl = self._flush(lst, r, k)
+                        if step == "publish":
+                            lst[self.RDY + ((2 * t + k) * R + r) * S + s] = g
+                            acc_w |= self.b_rdy[t][k][r][s]
+                            desc = ("publish", r, k, c, s, g, t, ps >= 0)
+                        else:
+                            desc = ("fence", r, k, c, s, g, ps >= 0)
                         lst[self.PPC + i] = pc + 1
-                        out.append(Trans((KINDS[k], r), ("publish", r, k, c, s, g, t, flushed), tuple(lst)))
-                    else:  # fence
-                        lst = list(st)
-                        flushed = lst[self.PSL + i] >= 0
-                        self._flush(lst, r, k)
-                        lst[self.PPC + i] = pc + 1
-                        out.append(Trans((KINDS[k], r), ("fence", r, k, c, s, g, flushed), tuple(lst)))
-                if self.cfg.early_drain and st[self.PSL + i] >= 0:
+                        if fl is not None:
+                            procs[pid] = ((Trans(pid, desc + (fl[1],), None, fl[0]),), acc_r, acc_w, 0, ())
+                        else:
+                            procs[pid] = ((Trans(pid, desc + (None,), tuple(lst)),), acc_r, acc_w, 0, ())
+                # pending-store drain
+                mpid = base + 3 + k
+                ps = st[self.PSL + i]
+                if self.cfg.early_drain and ps >= 0:
                     lst = list(st)
-                    s_, v_ = lst[self.PSL + i], lst[self.PVL + i]
-                    self._flush(lst, r, k)
-                    out.append(Trans(("mem", r, k), ("drain", r, k, s_, v_), tuple(lst)))
+                    v = lst[self.PVL + i]
+                    fl = self._flush(lst, r, k)
+                    acc_r = self.b_pend[r][k] | self.b_pos_rs[r][ps]
+                    acc_w = self.b_pend[r][k] | self.b_pay[r][k][ps]
+                    desc = ("drain", r, k, ps, v, fl[1] if fl else None)
+                    tr = Trans(mpid, desc, None, fl[0]) if fl else Trans(mpid, desc, tuple(lst))
+                    procs[mpid] = ((tr,), acc_r, acc_w, 0, ())
+                else:
+                    procs[mpid] = ((), 0, 0, 0, (pid,))
             # ---- consumer ---------------------------------------------------------------
             d = r
+            pid = base + 2
             cpc = st[self.CPC + d]
-            if cpc < self.cdone:
-                item, phase = divmod(cpc, 4)
+            if cpc >= self.cdone:
+                procs[pid] = ((), 0, 0, 0, (self.BEGIN,) if e < self.E else ())
+            else:
+                item, phase = divmod(cpc, 2)
                 c, src = divmod(item, R)
                 s = c % S
                 g = gens[c]
+                done_bit = self.b_done[pid] if cpc + 1 == self.cdone else 0
                 if phase == 0:
-                    if inject is P.Inject.SKIP_ACQUIRE:
-                        lst = list(st)
-                        lst[self.CPC + d] = cpc + 1
-                        out.append(Trans(("consumer", d), ("acquire-skip", d, src, c, s, g), tuple(lst)))
+                    acc_r = self.b_pay[src][0][s] | self.b_pay[src][1][s]
+                    acc_w = self.b_pos[d][src][s]
+                    if self.skip_acquire:
+                        vr = vl = None
+                        ready = True
                     else:
+                        acc_r |= self.b_rdy[d][0][src][s] | self.b_rdy[d][1][src][s]
                         vr = st[self.RDY + ((2 * d + 0) * R + src) * S + s]
                         vl = st[self.RDY + ((2 * d + 1) * R + src) * S + s]
                         cr, cl = self.classify(vr, g), self.classify(vl, g)
                         V, RD = P.GenState.VIOLATION, P.GenState.READY
-                        if cr is V or cl is V:
-                            name, seen = ("route_ready_gen", vr) if cr is V else ("layout_ready_gen", vl)
-                            msg = (f"rank {d}: {name}[src={src}][slot={s}] = {_g(seen)} while expecting {P.gen_str(g)}: "
-                                   f"classify_gen says VIOLATION (Ring.gen_state raises ProtocolViolation)")
-                            out.append(Trans(("consumer", d), ("acquire-violation", d, src, c, s, g, vr, vl), None,
-                                             Violation((PROP_PROTOCOL,), msg)))
-                        elif cr is RD and cl is RD:
-                            if vr != g or vl != g:
-                                bad = vr if vr != g else vl
-                                older = P.split_gen(bad)[0] < P.split_gen(g)[0]
-                                msg = (f"rank {d} accepted generation {_g(bad)} as ready for {P.gen_str(g)} "
-                                       f"(src {src} chunk {c} slot {s})" + (": a leftover of an older epoch" if older else ""))
-                                props = (PROP_ABA,) if older else (PROP_PROTOCOL,)
-                                out.append(Trans(("consumer", d), ("acquire", d, src, c, s, g, vr, vl), None,
-                                                 Violation(props, msg)))
-                            else:
-                                lst = list(st)
-                                lst[self.CPC + d] = cpc + 1
-                                out.append(Trans(("consumer", d), ("acquire", d, src, c, s, g, vr, vl), tuple(lst)))
-                elif phase in (1, 2):
-                    k = phase - 1
-                    v = st[self.PAY + (2 * src + k) * S + s]
-                    if v != g:
-                        props = [PROP_READ]
-                        what = "torn" if k == 1 else "stale"
-                        if v and P.split_gen(v)[0] < P.split_gen(g)[0]:
-                            props.append(PROP_ABA)
-                            what += " (older epoch: ABA)"
-                        msg = (f"{what} read: rank {d} read the {KINDS[k]} part of src {src} chunk {c} (epoch {e}, slot {s}) "
-                               f"and saw {_g(v)}, expected {P.gen_str(g)}"
-                               + (" (its route part was correct)" if k == 1 else ""))
-                        out.append(Trans(("consumer", d), ("read", d, k, src, c, s, v), None,
-                                         Violation(tuple(props), msg)))
+                        ready = cr is RD and cl is RD
+                    desc = ("acquire", d, src, c, s, g, vr, vl)
+                    if ready:
+                        viol = None
+                        if vr is not None and (vr != g or vl != g):
+                            bad = vr if vr != g else vl
+                            older = _older_epoch(bad, g)
+                            viol = Violation((PROP_ABA,) if older else (PROP_PROTOCOL,), (
+                                f"rank {d} accepted generation {_g(bad)} as ready for {P.gen_str(g)} "
+                                f"(src {src} chunk {c} slot {s})"
+                                + (": a leftover of an older epoch (ABA)" if older else "")))
+                        else:
+                            # reads of the hold window, done right away (reduction 1)
+                            pr = st[self.PAY + (2 * src + 0) * S + s]
+                            pl = st[self.PAY + (2 * src + 1) * S + s]
+                            desc = desc + (pr, pl)
+                            if pr != g or pl != g:
+                                k = 0 if pr != g else 1
+                                v = pr if k == 0 else pl
+                                what = "stale" if k == 0 else "torn"
+                                props = (PROP_READ, PROP_ABA) if _older_epoch(v, g) else (PROP_READ,)
+                                viol = Violation(props, (
+                                    f"{what} read: rank {d} read the {KINDS[k]} part of src {src} chunk {c} "
+                                    f"(epoch {e}, slot {s}) and saw {_g(v)}, expected {P.gen_str(g)}"
+                                    + (" (its route part was correct)" if k == 1 else "")))
+                        if viol is not None:
+                            procs[pid] = ((Trans(pid, desc, None, viol),), acc_r, acc_w, 0, ())
+                        else:
+                            lst = list(st)
+                            lst[self.CPC + d] = cpc + 1
+                            procs[pid] = ((Trans(pid, desc, tuple(lst)),), acc_r, acc_w, 0, ())
+                    elif cr is V or cl is V:
+                        name, seen = ("route_ready_gen", vr) if cr is V else ("layout_ready_gen", vl)
+                        msg = (f"rank {d}: {name}[src={src}][slot={s}] = {_g(seen)} while expecting "
+                               f"{P.gen_str(g)}: classify_gen says VIOLATION (Ring.gen_state raises "
+                               f"ProtocolViolation)")
+                        procs[pid] = ((Trans(pid, desc, None, Violation((PROP_PROTOCOL,), msg)),),
+                                      acc_r, acc_w, 0, ())
                     else:
-                        lst = list(st)
-                        lst[self.CPC + d] = cpc + 1
-                        out.append(Trans(("consumer", d), ("read", d, k, src, c, s, v), tuple(lst)))
+                        nes = tuple(6 * src + k for k, cl_ in ((0, cr), (1, cl)) if cl_ is not RD)
+                        procs[pid] = ((), 0, 0, 0, nes)
                 else:  # ack
                     ai = self.ACK + src * S + s
                     m = st[ai]
                     bit = 1 << d
+                    desc = ("ack", d, src, c, s, m, m | bit)
+                    acc_w = self.b_pos[d][src][s] | done_bit
                     if m & bit and inject is P.Inject.NONE:
-                        msg = (f"rank {d}: ack bit already set in rank {src}'s ack_mask[slot={s}] when acknowledging "
-                               f"chunk {c} (double acknowledgement: Ring.ack raises ProtocolViolation)")
-                        out.append(Trans(("consumer", d), ("ack", d, src, c, s, m, m | bit), None,
-                                         Violation((PROP_PROTOCOL,), msg)))
+                        msg = (f"rank {d}: ack bit already set in rank {src}'s ack_mask[slot={s}] when "
+                               f"acknowledging chunk {c} (double acknowledgement: Ring.ack raises)")
+                        procs[pid] = ((Trans(pid, desc, None, Violation((PROP_PROTOCOL,), msg)),),
+                                      0, acc_w, self.b_ack[src][s], ())
                     else:
                         lst = list(st)
                         lst[ai] = m | bit
                         lst[self.CPC + d] = cpc + 1
-                        out.append(Trans(("consumer", d), ("ack", d, src, c, s, m, m | bit), tuple(lst)))
+                        procs[pid] = ((Trans(pid, desc, tuple(lst)),), 0, acc_w, self.b_ack[src][s], ())
             # ---- end_stream (drain) -----------------------------------------------------
-            if (cpc == self.cdone and st[self.PPC + 2 * r] == self.pdone
-                    and st[self.PPC + 2 * r + 1] == self.pdone):
-                ok = True
+            pid = base + 5
+            # (the rank has not ended here, so a role is done when its program counter is)
+            unfinished = ()
+            if st[self.PPC + 2 * r] < self.pdone or st[self.PPC + 2 * r + 1] < self.pdone or cpc < self.cdone:
+                unfinished = tuple(p for p, pc_, end_ in ((base, st[self.PPC + 2 * r], self.pdone),
+                                                          (base + 1, st[self.PPC + 2 * r + 1], self.pdone),
+                                                          (base + 2, cpc, self.cdone)) if pc_ < end_)
+            if unfinished:
+                procs[pid] = ((), 0, 0, 0, unfinished)
+            else:
+                nes = ()
                 for s in range(S):
                     lc = self.last_chunk[s]
-                    if lc >= 0 and st[self.COL + r * S + s] != gens[lc] and not self.mask_full(st[self.ACK + r * S + s]):
-                        ok = False
+                    m = st[self.ACK + r * S + s]
+                    if lc >= 0 and st[self.COL + r * S + s] != gens[lc] and not self.mask_full(m):
+                        nes = tuple(6 * b + 2 for b in self.missing_bits(m))
                         break
-                if ok:
+                if nes:
+                    procs[pid] = ((), 0, 0, 0, nes)
+                else:
                     lst = list(st)
                     for s in range(S):
                         lc = self.last_chunk[s]
@@ -448,50 +635,206 @@ class Model:
                             lst[self.COL + r * S + s] = gens[lc]
                             lst[self.ACK + r * S + s] = 0
                     lst[self.END + r] = 1
-                    out.append(Trans(("end", r), ("end", r, e), tuple(lst)))
-        if all_ended and self.cfg.barrier:
-            e = st[self.EP]
-            if e < self.E:
-                lst = list(st)
-                for r in range(R):
-                    self._begin(lst, r)
-                out.append(Trans(("begin",), ("begin", None, e + 1), tuple(lst)))
-        return out
+                    acc_r = self.b_done[base] | self.b_done[base + 1] | self.b_done[base + 2]
+                    acc_w = self.b_ack_r[r] | self.b_col_r[r] | self.b_end[r]
+                    procs[pid] = ((Trans(pid, ("end", r, e), tuple(lst)),), acc_r, acc_w, 0, ())
+        # ---- begin_stream of the next epoch (collective) ----------------------------------
+        e = st[self.EP]
+        if all_ended and e < self.E:
+            lst = list(st)
+            for r in range(R):
+                lst[self.EP + r] += 1
+                lst[self.END + r] = 0
+                lst[self.PPC + 2 * r] = lst[self.PPC + 2 * r + 1] = 0
+                lst[self.CPC + r] = 0
+            procs[self.BEGIN] = ((Trans(self.BEGIN, ("begin", e + 1), tuple(lst)),), 0, self.ALL, 0, ())
+        elif all_ended:
+            procs[self.BEGIN] = ((), 0, 0, 0, ())
+        else:
+            procs[self.BEGIN] = ((), 0, 0, 0, tuple(6 * r + 5 for r in range(R) if not st[self.END + r]))
+        return procs
 
-    def _begin(self, lst: list, r: int) -> None:
-        lst[self.EP + r] += 1
-        lst[self.END + r] = 0
-        lst[self.PPC + 2 * r] = lst[self.PPC + 2 * r + 1] = 0
-        lst[self.CPC + r] = 0
+    def successors(self, st: tuple) -> list[Trans]:
+        return [t for p in self.expand(st) for t in p[0]]
 
-    def _overwrite_check(self, st: tuple, r: int, e: int, c: int, s: int, k: int) -> Violation | None:
-        """Property (2): does a consumer hold (acquired, not acked) the slot's previous content?"""
+    # -- partial-order reduction -------------------------------------------------------------
+    def _future(self, st: tuple, pid: int):
+        """What ``pid`` may access from now on within this epoch, cut where it must wait.
+
+        A list ``[(blockers, R, W, O), ...]``: the accesses of the steps before the i-th wait
+        point, which cannot be passed while a process of ``blockers`` (a pid mask) stands
+        still; the last entry (blockers 0) holds everything up to the end of the epoch.
+        """
         R, S = self.R, self.S
-        for d in range(R):
-            cpc = st[self.CPC + d]
-            if cpc >= self.cdone:
-                continue
-            item, phase = divmod(cpc, 4)
-            if phase == 0:
-                continue
-            c2, src = divmod(item, R)
-            e2 = st[self.EP + d]
-            if src == r and c2 % S == s and (e2, c2) != (e, c):
-                return Violation((PROP_OVERWRITE,), (
-                    f"rank {r} {KINDS[k]} producer overwrites slot {s} with chunk {c} (epoch {e}) while rank {d} "
-                    f"holds chunk {c2} (epoch {e2}) of that slot: acquired, not yet acknowledged"))
-        return None
+        r, i = divmod(pid, 6)
+        if pid == self.BEGIN:
+            return ((0, 0, 0, 0),)
+        if st[self.END + r]:
+            return ((0, 0, 0, 0),)
+        e = st[self.EP + r]
+        gens = self.gens[e]
+        if i in (0, 1):
+            k = i
+            pc = st[self.PPC + 2 * r + k]
+            key = (pid, pc, e, st[self.ACK + r * S:self.ACK + r * S + S], st[self.COL + r * S:self.COL + r * S + S])
+            res = self._fut_cache.get(key)
+            if res is not None:
+                return res
+            segs, aR, aW = [], 0, 0
+            for j in range(pc, self.pdone):
+                c, jj = divmod(j, self.nsteps)
+                step, t = self.steps[jj]
+                s = c % S
+                if step == "reserve":
+                    if c >= S and not self.skip_ack_wait:
+                        if st[self.COL + r * S + s] != gens[c - S]:
+                            bl = 0
+                            for b in self.missing_bits(st[self.ACK + r * S + s]):
+                                bl |= 1 << (6 * b + 2)
+                            if bl:
+                                segs.append((bl, aR, aW, 0))
+                        aR |= self.b_col[r][s] | self.b_ack[r][s]
+                        aW |= self.b_col[r][s] | self.b_ack[r][s]
+                elif step == "write":
+                    aR |= self.b_pos_rs[r][s] | self.b_pend[r][k]
+                    aW |= self.b_pend[r][k]
+                else:
+                    aR |= self.b_pos_rs[r][s] | self.b_pend[r][k]
+                    aW |= self.b_pend[r][k] | self.b_pay[r][k][s]
+                    if step == "publish":
+                        aW |= self.b_rdy[t][k][r][s]
+            aW |= self.b_done[pid]
+            segs.append((0, aR, aW, 0))
+            res = tuple(segs)
+            self._fut_cache[key] = res
+            return res
+        if i == 2:
+            d = r
+            pc = st[self.CPC + d]
+            key = (pid, pc, e, st[self.RDY + 2 * d * R * S:self.RDY + 2 * (d + 1) * R * S])
+            res = self._fut_cache.get(key)
+            if res is not None:
+                return res
+            segs, aR, aW, aO = [], 0, 0, 0
+            for j in range(pc, self.cdone):
+                item, phase = divmod(j, 2)
+                c, src = divmod(item, R)
+                s = c % S
+                if phase == 0:
+                    if not self.skip_acquire:
+                        bl = 0
+                        for k in (0, 1):
+                            w = st[self.RDY + ((2 * d + k) * R + src) * S + s]
+                            if self.classify(w, gens[c]) is P.GenState.OLDER:
+                                bl |= 1 << (6 * src + k)  # only that producer writes this word
+                        if bl:
+                            segs.append((bl, aR, aW, aO))
+                        aR |= self.b_rdy[d][0][src][s] | self.b_rdy[d][1][src][s]
+                    aR |= self.b_pay[src][0][s] | self.b_pay[src][1][s]
+                    aW |= self.b_pos[d][src][s]
+                else:
+                    aO |= self.b_ack[src][s]
+                    aW |= self.b_pos[d][src][s]
+            aW |= self.b_done[pid]
+            segs.append((0, aR, aW, aO))
+            res = tuple(segs)
+            self._fut_cache[key] = res
+            return res
+        if i in (3, 4):
+            k = i - 3
+            ps = st[self.PSL + 2 * r + k]
+            aR = aW = 0
+            if ps >= 0:
+                aR = self.b_pend[r][k] | self.b_pos_rs[r][ps]
+                aW = self.b_pend[r][k] | self.b_pay[r][k][ps]
+            # later drains need a later write of the producer first
+            return ((1 << (6 * r + k), aR, aW, 0),
+                    (0, aR | self.b_pend[r][k] | self.b_pos_r[r], aW | self.b_pend[r][k] | self.b_pay_rk[r][k], 0))
+        # end of epoch: waits for the rank's roles, and for the missing ack bits of its last chunks
+        bl = 0
+        for p in (6 * r, 6 * r + 1, 6 * r + 2):
+            if not self.role_done(st, p):
+                bl |= 1 << p
+        for s in range(S):
+            lc = self.last_chunk[s]
+            if lc >= 0 and st[self.COL + r * S + s] != gens[lc]:
+                for b in self.missing_bits(st[self.ACK + r * S + s]):
+                    bl |= 1 << (6 * b + 2)
+        aR = self.b_done[6 * r] | self.b_done[6 * r + 1] | self.b_done[6 * r + 2]
+        aW = self.b_ack_r[r] | self.b_col_r[r] | self.b_end[r]
+        return ((bl, 0, 0, 0), (0, aR, aW, 0)) if bl else ((0, aR, aW, 0),)
+
+    def stubborn(self, st: tuple, procs) -> list[Trans]:
+        """Enabled steps of a stubborn set of processes (module docstring, reduction 2)."""
+        NP = self.NP
+        enabled = [p for p in range(NP) if procs[p][0]]
+        if len(enabled) <= 1:
+            return [t for p in enabled for t in procs[p][0]]
+        # crossing into the next epoch needs every role done; a stopped unfinished role blocks it
+        cross_bl = 0
+        for p in self.role_pids:
+            if not self.role_done(st, p):
+                cross_bl |= 1 << p
+        last_epoch = st[self.EP] >= self.E
+        futs = [None] * NP
+        best = None
+        for seed in enabled:
+            T = 1 << seed
+            work = [seed]
+            n_en = 1
+            while work:
+                p = work.pop()
+                trans, aR, aW, aO, nes = procs[p]
+                if trans:
+                    for q in range(NP):
+                        if (T >> q) & 1:
+                            continue
+                        fu = futs[q]
+                        if fu is None:
+                            fu = futs[q] = self._future(st, q)
+                        fR = fW = fO = 0
+                        for bl, fR, fW, fO in fu:
+                            if bl & T:
+                                break
+                        else:
+                            if not last_epoch and not (cross_bl & T):
+                                fR = fW = fO = self.ALL
+                        if (aW & (fR | fW | fO)) or (fW & (aR | aO)) or (aR & fO) or (aO & fR):
+                            T |= 1 << q
+                            work.append(q)
+                            if procs[q][0]:
+                                n_en += 1
+                else:
+                    if not nes:
+                        continue
+                    for q in nes:  # prefer an enabling process already in the set
+                        if (T >> q) & 1:
+                            break
+                    else:
+                        q = nes[0]
+                        T |= 1 << q
+                        work.append(q)
+                        if procs[q][0]:
+                            n_en += 1
+                if best is not None and n_en >= best[0]:
+                    break
+            else:
+                if best is None or n_en < best[0]:
+                    best = (n_en, T)
+                    if n_en == 1:
+                        break
+        T = best[1]
+        return [t for p in enabled if (T >> p) & 1 for t in procs[p][0]]
 
     # -- labels ----------------------------------------------------------------------------
     def label(self, t: Trans) -> str:
         d = t.desc
         op = d[0]
         if op.startswith("reserve"):
-            _, r, k, c, s = d[:5]
+            _, r, k, c, s, prev = d
             head = f"r{r}.{KINDS[k]}: reserve chunk {c} (slot {s})"
             if op == "reserve-first":
                 return head + ": first lap of the slot"
-            prev = d[5]
             if op == "reserve-skip":
                 return head + f" WITHOUT waiting for the acks of chunk {prev} [skip-ack-wait]"
             if op == "reserve-collected":
@@ -499,84 +842,123 @@ class Model:
             return head + f": ack mask of chunk {prev} full -> collected, mask cleared"
         if op == "write":
             _, r, k, c, s, g = d
-            return f"r{r}.{KINDS[k]}: write payload of chunk {c} ({P.gen_str(g)}) into slot {s} (pending store, not yet visible)"
-        if op == "publish":
-            _, r, k, c, s, g, tgt, flushed = d
-            extra = " (release: pending payload becomes visible)" if flushed else ""
-            return f"r{r}.{KINDS[k]}: publish chunk {c} gen {P.gen_str(g)} -> rank {tgt}{extra}"
-        if op == "fence":
-            _, r, k, c, s, g, flushed = d
-            return f"r{r}.{KINDS[k]}: fence after the payload of chunk {c}" + (" (payload becomes visible)" if flushed else "")
-        if op == "drain":
-            _, r, k, s, v = d
-            return f"r{r}.{KINDS[k]}: pending payload {P.gen_str(v)} of slot {s} drains to memory early (legal)"
-        if op == "acquire-skip":
-            _, dd, src, c, s, g = d
-            return f"r{dd}.consumer: acquire src {src} chunk {c} (slot {s}) WITHOUT reading the generations [skip-acquire]"
-        if op in ("acquire", "acquire-violation"):
-            _, dd, src, c, s, g, vr, vl = d
-            return (f"r{dd}.consumer: acquire src {src} chunk {c} (slot {s}), expecting {P.gen_str(g)}: "
-                    f"route_ready_gen={_g(vr)} -> {self.classify(vr, g).name}, "
-                    f"layout_ready_gen={_g(vl)} -> {self.classify(vl, g).name}")
-        if op == "read":
-            _, dd, k, src, c, s, v = d
-            return f"r{dd}.consumer: read {KINDS[k]} part of src {src} chunk {c} (slot {s}): sees {_g(v)}"
+            return f"r{r}.{KINDS[k]}: write payload {P.gen_str(g)} of chunk {c} into slot {s} (pending store, not yet visible)"
+        if op in ("publish", "fence", "drain"):
+            if op == "publish":
+                _, r, k, c, s, g, tgt, flushed, rd = d
+                text = f"r{r}.{KINDS[k]}: publish chunk {c} gen {P.gen_str(g)} -> rank {tgt}"
+                text += " (release: pending payload becomes visible)" if flushed else ""
+            elif op == "fence":
+                _, r, k, c, s, g, flushed, rd = d
+                text = f"r{r}.{KINDS[k]}: fence after chunk {c}" + (" (pending payload becomes visible)" if flushed else "")
+            else:
+                _, r, k, s, v, rd = d
+                text = f"r{r}.{KINDS[k]}: pending payload {P.gen_str(v)} of slot {s} drains to memory early (legal)"
+            if rd is not None:
+                dd, kk, src, c2, s2, v = rd
+                text += f"\n       r{dd}.consumer: read {KINDS[kk]} part of src {src} chunk {c2} (slot {s2}): sees {_g(v)}"
+            return text
+        if op == "acquire":
+            _, dd, src, c, s, g, vr, vl = d[:8]
+            if vr is None:
+                text = (f"r{dd}.consumer: acquire src {src} chunk {c} (slot {s}) WITHOUT reading the generations "
+                        f"[skip-acquire]")
+            else:
+                text = (f"r{dd}.consumer: acquire src {src} chunk {c} (slot {s}), expecting {P.gen_str(g)}: "
+                        f"route_ready_gen={_g(vr)} {self.classify(vr, g).name}, "
+                        f"layout_ready_gen={_g(vl)} {self.classify(vl, g).name}")
+            if len(d) > 8:
+                pr, pl = d[8], d[9]
+                text += f"\n       r{dd}.consumer: read route part: sees {_g(pr)}"
+                if pr == g:
+                    text += f"; read layout part: sees {_g(pl)}"
+            return text
         if op == "ack":
             _, dd, src, c, s, m0, m1 = d
             return f"r{dd}.consumer: ack src {src} chunk {c}: rank {src}'s ack_mask[slot {s}] {m0:#b} -> {m1:#b}"
         if op == "end":
             _, r, e = d
-            return f"r{r}: end_stream epoch {e}: last chunks of every slot acknowledged (drained)"
+            return f"r{r}: end_stream epoch {e}: last chunk of every slot acknowledged (drained)"
         if op == "begin":
-            _, r, e = d
-            who = "all ranks" if r is None else f"r{r}"
-            return f"{who}: begin_stream epoch {e} (memory not cleared)"
+            return f"all ranks: begin_stream epoch {d[1]} (memory not cleared)"
         return repr(d)
 
 
 # --------------------------------------------------------------------------------------
 # Search
 # --------------------------------------------------------------------------------------
-def _path(model: Model, states: list, parent: array, sid: int) -> list[str]:
-    """Labels of the shortest path (BFS parents) from the initial state to state ``sid``."""
+def _path(model: Model, states: list, parent: array, sid: int) -> list[Trans]:
+    """The steps of the path (BFS parents) from the initial state to state ``sid``."""
     chain = []
     while sid > 0:
         chain.append(sid)
         sid = parent[sid]
     chain.reverse()
-    lines, cur = [], states[0]
+    steps, cur = [], states[0]
     for nid in chain:
         nxt = states[nid]
         for t in model.successors(cur):
             if t.state == nxt:
-                lines.append(model.label(t))
+                steps.append(t)
                 break
-        else:  # pragma: no cover - the graph is deterministic
-            lines.append("?")
+        else:  # pragma: no cover - every BFS edge is a step of the model
+            raise AssertionError("BFS edge is not a step of the model")
         cur = nxt
-    return lines
+    return steps
+
+
+def _replay(model: Model, pids: list[int]):
+    """Run the processes ``pids`` in order (each has at most one step); None if one cannot move.
+
+    Returns ``(steps, end_state)``; a violation may only be the last step (then end_state is None).
+    """
+    st, steps = model.initial(), []
+    for i, pid in enumerate(pids):
+        ts = model.expand(st)[pid][0]
+        if not ts:
+            return None
+        t = ts[0]
+        steps.append(t)
+        if t.violation is not None:
+            return (steps, None) if i == len(pids) - 1 else None
+        st = t.state
+    return steps, st
+
+
+def _minimise(model: Model, steps: list[Trans], goal) -> list[Trans]:
+    """Drop steps of a counter-example while ``goal(steps, end_state)`` still holds (1-minimal)."""
+    pids = [t.pid for t in steps]
+    i = 0
+    while i < len(pids):
+        cand = pids[:i] + pids[i + 1:]
+        rep = _replay(model, cand)
+        if rep is not None and goal(*rep):
+            pids = cand
+        else:
+            i += 1
+    rep = _replay(model, pids)
+    return rep[0]
 
 
 def run_serialised(model: Model) -> dict:
-    """Property (6): per chunk every route producer, every layout producer, then every consumer, by rank."""
+    """Property (6): per chunk every route producer, every layout producer, then every consumer."""
     R, C = model.R, model.C
     st = model.initial()
     trace: list[str] = []
 
-    def step(proc) -> str | None:
+    def step(pid) -> str | None:
         nonlocal st
-        for t in model.successors(st):
-            if t.proc == proc:
-                trace.append(model.label(t))
-                if t.violation is not None:
-                    return f"{', '.join(t.violation.properties)}: {t.violation.message}"
-                st = t.state
-                return None
-        return f"stuck: {proc[0]} of rank {proc[1] if len(proc) > 1 else '-'} has no enabled step"
+        for t in model.expand(st)[pid][0]:
+            trace.append(model.label(t))
+            if t.violation is not None:
+                return f"{', '.join(t.violation.properties)}: {t.violation.message}"
+            st = t.state
+            return None
+        return f"stuck: process {pid} has no enabled step"
 
-    def run(proc, done) -> str | None:
+    def run(pid, done) -> str | None:
         while not done():
-            err = step(proc)
+            err = step(pid)
             if err:
                 return err
         return None
@@ -586,17 +968,13 @@ def run_serialised(model: Model) -> dict:
         for c in range(C):
             for k in (0, 1):
                 for r in range(R):
-                    err = err or run((KINDS[k], r), lambda r=r, k=k: st[model.PPC + 2 * r + k] >= (c + 1) * model.nsteps)
+                    err = err or run(6 * r + k, lambda r=r, k=k: st[model.PPC + 2 * r + k] >= (c + 1) * model.nsteps)
             for d in range(R):
-                err = err or run(("consumer", d), lambda d=d: st[model.CPC + d] >= (c + 1) * R * 4)
+                err = err or run(6 * d + 2, lambda d=d: st[model.CPC + d] >= (c + 1) * R * 2)
         for r in range(R):
-            err = err or step(("end", r))
+            err = err or step(6 * r + 5)
         if e < model.E:
-            if model.cfg.barrier:
-                err = err or step(("begin",))
-            else:
-                for r in range(R):
-                    err = err or step(("begin", r))
+            err = err or step(model.BEGIN)
         if err:
             break
     if not err and not model.is_final(st):
@@ -606,11 +984,14 @@ def run_serialised(model: Model) -> dict:
 
 
 def check(cfg: ModelConfig, progress=None) -> CheckResult:
-    """Explore the model of ``cfg`` breadth-first; stop at the first violation."""
+    """Explore the model of ``cfg`` breadth-first (stops at the first violation unless told not to)."""
     model = Model(cfg)
     res = CheckResult(config={"ranks": cfg.ranks, "slots": cfg.slots, "chunks": cfg.chunks, "epochs": cfg.epochs,
-                              "inject": cfg.inject.value, "barrier": cfg.barrier, "early_drain": cfg.early_drain,
+                              "inject": cfg.inject.value, "early_drain": cfg.early_drain, "por": cfg.por,
                               "max_states": cfg.max_states})
+    res.reduction = ("reads folded into the hold window; stubborn-set partial-order reduction "
+                     "(keeps a violation if one is reachable, every deadlock and the final state)" if cfg.por else
+                     "reads folded into the hold window; every interleaving (no partial-order reduction)")
     t0 = time.perf_counter()
     init = model.initial()
     ids = {init: 0}
@@ -619,23 +1000,35 @@ def check(cfg: ModelConfig, progress=None) -> CheckResult:
     esrc, edst = array("l"), array("l")
     queue = deque([0])
     violation = None  # (parent id, Trans)
-    deadlock_sid = None
+    violations = []  # every violating step (stop_at_first=False)
+    deadlocks = []
+    terminals = []
     bounded = False
-    succ = model.successors
     is_final = model.is_final
     ntrans = 0
+    nterminal = 0
+    por = cfg.por
     while queue:
         sid = queue.popleft()
         st = states[sid]
-        ts = succ(st)
-        if not ts and not is_final(st):
-            deadlock_sid = sid
-            break
+        procs = model.expand(st)
+        ts = model.stubborn(st, procs) if por else [t for p in procs for t in p[0]]
+        if not ts:
+            nterminal += 1
+            terminals.append(sid)
+            if not is_final(st):
+                deadlocks.append(sid)
+                if cfg.stop_at_first:
+                    break
+            continue
         for t in ts:
             ntrans += 1
             if t.violation is not None:
-                violation = (sid, t)
-                break
+                if cfg.stop_at_first:
+                    violation = (sid, t)
+                    break
+                violations.append((sid, t))
+                continue
             ns = t.state
             nid = ids.get(ns)
             if nid is None:
@@ -651,56 +1044,76 @@ def check(cfg: ModelConfig, progress=None) -> CheckResult:
         if cfg.max_states is not None and len(states) >= cfg.max_states:
             bounded = True
             break
-        if progress is not None and sid % 100000 == 0 and sid:
+        if progress is not None and sid and sid % 50000 == 0:
             progress(len(states), ntrans, time.perf_counter() - t0)
-    res.states, res.transitions = len(states), ntrans
-    res.exhaustive = not bounded and violation is None and deadlock_sid is None
-    props = {p: "NOT CHECKED (stopped at the first violation)" for p in PROPERTIES}
+    if violation is None and violations:
+        violation = violations[0]
+    res.states, res.transitions, res.terminal_states = len(states), ntrans, nterminal
+    res.violations_found = len(violations) if violations else (1 if violation else 0)
+    res._violation_set = {(states[s], t.desc) for s, t in violations}  # for cross-checks
+    stopped = cfg.stop_at_first and (violation is not None or deadlocks)
+    res.exhaustive = not bounded and not stopped
+    props = {p: NOT_CHECKED for p in PROPERTIES}
+    if not stopped and not (por and violations):
+        # (the reduction preserves the existence of a violation, not every violation: with
+        # violations found under it the other safety properties stay NOT CHECKED)
+        for p in (PROP_READ, PROP_OVERWRITE, PROP_ABA, PROP_PROTOCOL):
+            props[p] = "PASS" if not bounded else f"PASS up to {cfg.max_states} states (BOUNDED, not a proof)"
     if violation is not None:
         sid, t = violation
-        trace = _path(model, states, parent, sid) + [model.label(t) + "   <-- VIOLATION"]
-        for p in t.violation.properties:
-            props[p] = "FAIL"
+        steps = _path(model, states, parent, sid) + [t]
+        if por:  # the reduced graph's shortest path may carry steps that play no part
+            prop = t.violation.properties[0]
+            steps = _minimise(model, steps, lambda ss, end: bool(ss) and ss[-1].violation is not None
+                              and ss[-1].violation.properties[0] == prop)
+            t = steps[-1]
+        trace = [model.label(x) for x in steps[:-1]] + [model.label(t) + "   <-- VIOLATION"]
+        for v in violations or [violation]:
+            for p in v[1].violation.properties:
+                props[p] = "FAIL"
         res.counterexample = {"properties": list(t.violation.properties), "message": t.violation.message,
                               "steps": len(trace), "trace": trace}
-    elif deadlock_sid is not None:
+    if deadlocks:
         props[PROP_DEADLOCK] = "FAIL"
-        trace = _path(model, states, parent, deadlock_sid)
-        res.counterexample = {"properties": [PROP_DEADLOCK], "steps": len(trace), "trace": trace,
-                              "message": "a reachable non-final state has no enabled step (deadlock)"}
-    else:
-        safety = "PASS" if not bounded else f"PASS up to the bound ({cfg.max_states} states) - BOUNDED, not a proof"
-        for p in (PROP_READ, PROP_OVERWRITE, PROP_ABA, PROP_PROTOCOL):
-            props[p] = safety
-        if bounded:
-            props[PROP_DEADLOCK] = "NOT CHECKED (bounded search)"
+        if res.counterexample is None:
+            steps = _path(model, states, parent, deadlocks[0])
+            if por:
+                steps = _minimise(model, steps, lambda ss, end: end is not None and not model.successors(end)
+                                  and not model.is_final(end))
+            trace = [model.label(x) for x in steps]
+            res.counterexample = {"properties": [PROP_DEADLOCK], "steps": len(trace), "trace": trace,
+                                  "message": "deadlock: a reachable non-final state where no process can move"}
+    elif not stopped and not bounded:
+        bad, nfinal = _cannot_reach_final(model, states, esrc, edst)
+        res.final_reachable = nfinal > 0
+        if bad is None:
+            props[PROP_DEADLOCK] = "PASS"
+        elif violations and props[PROP_DEADLOCK] == NOT_CHECKED:
+            pass  # the states that lead only to violations cannot reach the final state
         else:
-            bad, nfinal = _cannot_reach_final(model, states, esrc, edst)
-            res.final_reachable = nfinal > 0
-            if bad is None:
-                props[PROP_DEADLOCK] = "PASS"
-            else:
-                props[PROP_DEADLOCK] = "FAIL"
-                trace = _path(model, states, parent, bad)
-                res.counterexample = {"properties": [PROP_DEADLOCK], "steps": len(trace), "trace": trace,
-                                      "message": "from the last state of this trace the final state (all epochs "
-                                                 "done) is unreachable (livelock/deadlock)"}
+            props[PROP_DEADLOCK] = "FAIL"
+            trace = [model.label(x) for x in _path(model, states, parent, bad)]
+            res.counterexample = res.counterexample or {
+                "properties": [PROP_DEADLOCK], "steps": len(trace), "trace": trace,
+                "message": "from the last state of this trace the final state is unreachable"}
+    elif bounded:
+        props[PROP_DEADLOCK] = "NOT CHECKED (bounded search)"
     res.time_s = time.perf_counter() - t0
     ser = run_serialised(model)
     res.serialised = ser
     props[PROP_SERIAL] = ser["result"]
     res.properties = props
+    res._terminal_set = {states[i] for i in terminals}
     return res
 
 
 def _cannot_reach_final(model: Model, states: list, esrc: array, edst: array) -> tuple[int | None, int]:
-    """Reverse reachability from the final states.
+    """Reverse reachability from the final states over the explored graph.
 
-    Returns the first (BFS-shortest) state that cannot reach a final state (None if none) and the
-    number of final states.
+    Returns the first (BFS-shortest) state that cannot reach a final state (None if every
+    state can) and the number of final states.
     """
     n = len(states)
-    # CSR of the reverse graph (edges dst -> src)
     start = array("l", bytes(8 * (n + 1)))
     for d in edst:
         start[d + 1] += 1
@@ -730,27 +1143,28 @@ def _cannot_reach_final(model: Model, states: list, esrc: array, edst: array) ->
 # --------------------------------------------------------------------------------------
 # CLI
 # --------------------------------------------------------------------------------------
-def format_result(res: CheckResult) -> list[str]:
-    """Plain-text lines of a result (tables are printed with rich by :func:`print_result`)."""
-    lines = []
+def summary_lines(res: CheckResult) -> list[str]:
     c = res.config
-    lines.append(f"streamring model-check: {c['ranks']} ranks x {c['slots']} slots x {c['chunks']} chunks x "
-                 f"{c['epochs']} epochs, inject={c['inject']}")
-    kind = "exhaustive" if res.exhaustive else ("BOUNDED" if c.get("max_states") and res.counterexample is None
-                                                else "stopped at the first violation")
-    lines.append(f"explored {res.states} states, {res.transitions} transitions in {res.time_s:.2f}s ({kind}; "
-                 f"reduction: {res.reduction})")
-    return lines
+    if res.exhaustive:
+        kind = "exhaustive" + (", over the reduced graph" if c["por"] else "")
+    elif res.counterexample is not None:
+        kind = "stopped at the first violation"
+    else:
+        kind = f"BOUNDED at {c['max_states']} states: not a proof"
+    return [
+        f"streamring model-check: {c['ranks']} ranks x {c['slots']} slots x {c['chunks']} chunks x "
+        f"{c['epochs']} epochs, inject={c['inject']}",
+        f"explored {res.states} states, {res.transitions} transitions in {res.time_s:.2f}s ({kind})",
+        f"reduction: {res.reduction}",
+    ]
 
 
 def print_result(res: CheckResult) -> None:
-    import sys
-
     from rich.console import Console
     from rich.table import Table
 
     console = Console(highlight=False, width=None if sys.stdout.isatty() else 200)
-    for line in format_result(res):
+    for line in summary_lines(res):
         console.print(line, markup=False)
     table = Table(title="properties")
     table.add_column("property")
@@ -762,12 +1176,14 @@ def print_result(res: CheckResult) -> None:
     console.print(table)
     ce = res.counterexample
     if ce:
-        console.print(f"counter-example ({', '.join(ce['properties'])}): {ce['message']}", markup=False)
+        console.print(f"counter-example [{', '.join(ce['properties'])}]: {ce['message']}", markup=False)
+        how = ("shortest path (BFS)" if not res.config["por"] else
+               "path in the reduced graph, then shortened until no single step can be dropped")
+        console.print(f"  {how}, {ce['steps']} steps:", markup=False)
         trace = ce["trace"]
-        first = 0
-        if len(trace) > TRACE_PRINT_MAX:
-            first = len(trace) - TRACE_PRINT_MAX
-            console.print(f"  ... {first} earlier steps (shortest path; the whole trace is in --json)", markup=False)
+        first = max(0, len(trace) - TRACE_PRINT_MAX)
+        if first:
+            console.print(f"  ... {first} earlier steps not shown (all in --json)", markup=False)
         for i, line in enumerate(trace[first:], start=first + 1):
             console.print(f"  {i:3d}. {line}", markup=False)
     ser = res.serialised
@@ -780,13 +1196,17 @@ def print_result(res: CheckResult) -> None:
 
 def model_check_main(args) -> int:
     """Entry point of ``streamring model-check``: 0 iff every property holds."""
-    inject = P.Inject(args.inject) if getattr(args, "inject", None) else P.Inject.NONE
-    cfg = ModelConfig(ranks=args.ranks, slots=args.slots, chunks=args.chunks, epochs=args.epochs, inject=inject,
-                      max_states=getattr(args, "max_states", None))
     try:
+        inject = P.Inject(args.inject) if getattr(args, "inject", None) else P.Inject.NONE
+        por = getattr(args, "por", None)
+        env = os.environ.get("STREAMRING_MODEL_POR", "auto").strip().lower()
+        if por is None and env in ("0", "1", "off", "on"):
+            por = env in ("1", "on")
+        cfg = ModelConfig(ranks=args.ranks, slots=args.slots, chunks=args.chunks, epochs=args.epochs,
+                          inject=inject, por=por, max_states=getattr(args, "max_states", None))
         cfg.validate()
     except ValueError as exc:
-        print(f"streamring model-check: {exc}")
+        print(f"streamring model-check: {exc}", file=sys.stderr)
         return 2
     res = check(cfg)
     print_result(res)
