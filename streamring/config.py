@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Literal, Optional, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, ValidationError, field_validator, model_validator
 
 from .protocol import INJECT_MODES, SF_BLOCK
 
@@ -87,7 +87,7 @@ class LayerConfig(_Strict):
 class RunConfig(_Strict):
     """What ``streamring run`` does."""
 
-    tokens_per_rank: Union[int, list[int]] = Field(
+    tokens_per_rank: Union[NonNegativeInt, list[NonNegativeInt]] = Field(
         100, description="tokens on each rank: one number for all, or one per rank"
     )
     mode: Literal["both", "batch", "stream"] = "both"
@@ -97,14 +97,6 @@ class RunConfig(_Strict):
     routing: Literal["router", "uniform", "hot_expert", "one_rank"] = "router"
     inject: Literal[("none",) + INJECT_MODES] = Field(  # type: ignore[valid-type]
         "none", description="break one protocol step of the streamed ring (proves the output check can fail)")
-
-    @field_validator("tokens_per_rank")
-    @classmethod
-    def _nonneg(cls, v):
-        vals = v if isinstance(v, list) else [v]
-        if any(t < 0 for t in vals):
-            raise ValueError(f"token counts must be >= 0, got {v}")
-        return v
 
 
 class Delay(_Strict):
@@ -132,8 +124,8 @@ class Fault(_Strict):
 class StressConfig(_Strict):
     """What ``streamring stress`` does."""
 
-    chunks_per_rank: Union[int, list[int]] = Field(16, description="chunks each rank publishes (0 allowed)")
-    tokens_per_chunk: Optional[Union[int, list[int]]] = Field(
+    chunks_per_rank: Union[NonNegativeInt, list[NonNegativeInt]] = Field(16, description="chunks each rank publishes (0 allowed)")
+    tokens_per_chunk: Optional[Union[NonNegativeInt, list[NonNegativeInt]]] = Field(
         None, description="tokens in a full chunk (default ring.tokens_per_slot); per rank list allowed"
     )
     partial_last: int = Field(-1, description="tokens of each rank's last chunk (-1: full)")
@@ -147,14 +139,6 @@ class StressConfig(_Strict):
     inject: Literal[("none",) + INJECT_MODES] = "none"  # type: ignore[valid-type]
     inject_delay_s: float = Field(0.002, ge=0)
     fault: Optional[Fault] = Field(None, description="kill or hang one rank mid-stream (rank-failure tests)")
-
-    @field_validator("chunks_per_rank")
-    @classmethod
-    def _nonneg(cls, v):
-        vals = v if isinstance(v, list) else [v]
-        if any(t < 0 for t in vals):
-            raise ValueError(f"chunk counts must be >= 0, got {v}")
-        return v
 
 
 class Config(_Strict):

@@ -11,23 +11,12 @@ from __future__ import annotations
 import time
 
 from .device.verbs import SymmetricHeap, spin_pause
-from .protocol import Ring, WatchdogError
+from .protocol import Ring
 
 
 def wait_for(ring: Ring, pred, what: str, waits: list | None = None):
-    """Yield until ``pred()`` holds; :class:`WatchdogError` with the ring state after the deadline."""
-    start = time.monotonic()
-    deadline = start + ring.wait_timeout_s
-    while not pred():
-        now = time.monotonic()
-        if now > deadline:
-            raise WatchdogError(
-                f"rank {ring.me}: watchdog: waited {now - start:.2f}s (wait_timeout_s={ring.wait_timeout_s}) "
-                f"for {what}\n{ring.dump_state()}"
-            )
-        yield
-    if waits is not None:
-        waits.append(time.monotonic() - start)
+    """Yield until ``pred()`` holds; :class:`~streamring.protocol.WatchdogError` with the ring state after the deadline."""
+    yield from ring.wait_steps(pred, what, waits)
 
 
 def sleep_for(seconds: float):

@@ -460,12 +460,12 @@ class Ring:
         for slot, chunk in enumerate(self._slot_chunk):
             if chunk >= 0 and self.owner_release and self._collected[slot] != plan.gen(chunk):
                 raise RuntimeError(f"end_stream: my chunk {chunk} (slot {slot}) was never released by its owner "
-                                   f"role (owner_release=True needs release(slot, chunk) for every chunk)")
+                                   f"role (owner_release=True needs try_collect_acks(slot, chunk) for every "
+                                   f"chunk)")
             if chunk >= 0:
-                self._wait(lambda s=slot, c=chunk: self.try_collect_acks(s, c), deadline,
-                           f"drain: acknowledgements of my chunk {chunk} (slot {slot})")
+                self.wait_until(lambda s=slot, c=chunk: self.try_collect_acks(s, c),
+                                f"drain: acknowledgements of my chunk {chunk} (slot {slot})", deadline=deadline)
         self.plan = None
-        del plan
 
     def abort_stream(self) -> None:
         """Forget the current stream after an error (buffers need a new, larger epoch)."""
@@ -721,9 +721,16 @@ class Ring:
         self.heap.signal_op(self.buf, L.consumed_gen_off(src, slot), g, SignalOp.SET, self.me)
         self.stats.chunks_consumed += 1
 
-    # -- blocking helpers ---------------------------------------------------------------------
-    def _wait(self, pred, deadline: float, what: str) -> float:
+    # -- waiting ----------------------------------------------------------------------------
+    def wait_steps(self, pred, what: str, waits: list | None = None, deadline: float | None = None):
+        """Generator: yields while ``pred()`` is False (cooperative roles step it).
+
+        Raises :class:`WatchdogError` with :meth:`dump_state` once ``deadline``
+        (default: now + ``wait_timeout_s``) has passed; appends the time waited
+        to ``waits``.
+        """
         start = time.monotonic()
+        deadline = start + self.wait_timeout_s if deadline is None else deadline
         while not pred():
             now = time.monotonic()
             if now > deadline:
@@ -731,27 +738,27 @@ class Ring:
                     f"rank {self.me}: watchdog: waited {now - start:.2f}s (wait_timeout_s={self.wait_timeout_s}) "
                     f"for {what}\n{self.dump_state()}"
                 ) from WaitTimeout(what, now - start)
+            yield
+        if waits is not None:
+            waits.append(time.monotonic() - start)
+
+    def wait_until(self, pred, what: str, waits: list | None = None, deadline: float | None = None) -> None:
+        """Blocking :meth:`wait_steps`: spin (with progress and yield) until ``pred()``."""
+        for _ in self.wait_steps(pred, what, waits, deadline):
             self.heap.progress()
             spin_pause()
-        return time.monotonic() - start
 
     def reserve(self, chunk: int) -> None:
         """Blocking :meth:`try_reserve` with the watchdog deadline."""
-        waited = self._wait(lambda: self.try_reserve(chunk), time.monotonic() + self.wait_timeout_s,
-                            f"reuse of my slot {chunk % self.layout.num_slots} for chunk {chunk} "
-                            f"(acknowledgements of chunk {chunk - self.layout.num_slots})")
-        self.stats.reuse_waits_s.append(waited)
+        self.wait_until(lambda: self.try_reserve(chunk),
+                        f"reuse of my slot {chunk % self.layout.num_slots} for chunk {chunk} "
+                        f"(acknowledgements of chunk {chunk - self.layout.num_slots})", self.stats.reuse_waits_s)
 
     def acquire(self, src: int, chunk: int) -> None:
         """Blocking :meth:`try_acquire` with the watchdog deadline."""
-        waited = self._wait(lambda: self.try_acquire(src, chunk), time.monotonic() + self.wait_timeout_s,
-                            f"route+layout generations {gen_str(self._need_plan().gen(chunk))} of source rank {src} "
-                            f"(chunk {chunk}, slot {chunk % self.layout.num_slots})")
-        self.stats.acquire_waits_s.append(waited)
-
-    def wait_until(self, pred, what: str) -> float:
-        """Run ``pred`` until True, or raise :class:`WatchdogError` after ``wait_timeout_s``."""
-        return self._wait(pred, time.monotonic() + self.wait_timeout_s, what)
+        self.wait_until(lambda: self.try_acquire(src, chunk),
+                        f"route+layout generations {gen_str(self._need_plan().gen(chunk))} of source rank {src} "
+                        f"(chunk {chunk}, slot {chunk % self.layout.num_slots})", self.stats.acquire_waits_s)
 
     # -- diagnostics --------------------------------------------------------------------------
     def dump_state(self) -> str:
