@@ -10,10 +10,19 @@ Layers (arrows point down only):
 
 __version__ = "0.1.0"
 
-from .config import Config, ConfigError, load_config  # noqa: E402
-from .protocol import Inject, ProtocolViolation, Ring, RingLayout, StreamPlan, WatchdogError, make_gen, split_gen  # noqa: E402
+_EXPORTS = {
+    "Config": "config", "ConfigError": "config", "load_config": "config",
+    "Inject": "protocol", "ProtocolViolation": "protocol", "Ring": "protocol", "RingLayout": "protocol",
+    "StreamPlan": "protocol", "WatchdogError": "protocol", "make_gen": "protocol", "split_gen": "protocol",
+}
 
-__all__ = [
-    "Config", "ConfigError", "load_config", "Inject", "ProtocolViolation", "Ring", "RingLayout", "StreamPlan",
-    "WatchdogError", "make_gen", "split_gen",
-]
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    # Lazy: importing streamring.device.* must not load the layers above it.
+    if name in _EXPORTS:
+        import importlib
+
+        return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    raise AttributeError(f"module 'streamring' has no attribute {name!r}")

@@ -128,13 +128,13 @@ class StressConfig(_Strict):
     tokens_per_chunk: Optional[Union[NonNegativeInt, list[NonNegativeInt]]] = Field(
         None, description="tokens in a full chunk (default ring.tokens_per_slot); per rank list allowed"
     )
-    partial_last: int = Field(-1, description="tokens of each rank's last chunk (-1: full)")
+    partial_last: int = Field(-1, ge=-1, description="tokens of each rank's last chunk (-1: full)")
     epochs: int = Field(2, ge=1)
     route_delay: Delay = Delay()
     layout_delay: Delay = Delay()
     consumer_delay: Delay = Delay()
     read_hold: Delay = Field(Delay(), description="hold between a consumer's two reads of a chunk")
-    stragglers: dict[int, float] = Field(default_factory=dict, description="rank -> delay multiplier")
+    stragglers: dict[NonNegativeInt, float] = Field(default_factory=dict, description="rank -> delay multiplier")
     seed: int = 0
     inject: Literal[("none",) + INJECT_MODES] = "none"  # type: ignore[valid-type]
     inject_delay_s: float = Field(0.002, ge=0)

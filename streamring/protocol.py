@@ -423,34 +423,44 @@ class Ring:
         # which chunk each of my slots last carried in the current stream (-1: none)
         self._slot_chunk = [-1] * layout.num_slots
         self._collected = [0] * layout.num_slots  # generation whose acks were collected (slot free)
-        self._reserved: dict[int, set] = {}
+        self.aborted = ""  # why a stream was aborted on this ring ('' = never)
 
     # -- stream lifecycle ---------------------------------------------------------------
     def begin_stream(self, epoch: int, num_tokens: int) -> StreamPlan:
         """Collectively start a stream (epoch) with this rank's token count.
 
         Epochs must increase on the same buffers and be the same on every rank.
+        Every rank's arguments are exchanged in one collective *before* any check
+        raises, so a bad argument on one rank makes every rank raise (naming it)
+        and the ranks' collectives stay matched.
         """
-        if num_tokens < 0:
-            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
-        if epoch <= self.last_epoch or epoch > MAX_EPOCH:
-            raise ValueError(
-                f"stream_epoch must be in ({self.last_epoch}, {MAX_EPOCH}] (greater than the last epoch used on "
-                f"these buffers), got {epoch}"
-            )
-        if self.plan is not None:
-            raise RuntimeError("begin_stream called twice without end_stream")
-        epochs = self.heap.allgather_int(epoch)
+        err = None
+        if self.aborted:
+            err = (f"this ring was aborted in the middle of a stream ({self.aborted}); acknowledgement state "
+                   f"may be stale: close() it and allocate a new Ring")
+        elif not isinstance(num_tokens, int) or num_tokens < 0:
+            err = f"num_tokens must be an int >= 0, got {num_tokens!r}"
+        elif not isinstance(epoch, int) or epoch <= self.last_epoch or epoch > MAX_EPOCH:
+            err = (f"stream_epoch must be in ({self.last_epoch}, {MAX_EPOCH}] (greater than the last epoch used on "
+                   f"these buffers), got {epoch!r}")
+        elif self.plan is not None:
+            err = "begin_stream called twice without end_stream"
+        shared = self.heap.allgather_obj((epoch, num_tokens, err))
+        bad = [(r, e) for r, (_, _, e) in enumerate(shared) if e]
+        if bad:
+            mine = dict(bad).get(self.me)
+            raise ValueError(mine if mine else "begin_stream refused on every rank: "
+                             + "; ".join(f"rank {r}: {e}" for r, e in bad))
+        epochs = [e for e, _, _ in shared]
         if len(set(epochs)) != 1:
-            raise ValueError(f"ranks started different epochs: {epochs}")
-        tokens = tuple(self.heap.allgather_int(num_tokens))
+            raise ValueError(f"ranks started different epochs: {epochs} (stream_epoch must be the same on every rank)")
+        tokens = tuple(int(t) for _, t, _ in shared)
         plan = StreamPlan(epoch=epoch, tokens_per_rank=tokens, tokens_per_slot=self.layout.tokens_per_slot)
         if plan.num_chunks > MAX_SEQ:
             raise ValueError(f"{plan.num_chunks} chunks exceed the {MAX_SEQ} sequence numbers of one epoch")
         self.plan = plan
         self.last_epoch = epoch
         self._slot_chunk = [-1] * self.layout.num_slots
-        self._reserved = {}
         return plan
 
     def end_stream(self) -> None:
@@ -467,8 +477,15 @@ class Ring:
                                 f"drain: acknowledgements of my chunk {chunk} (slot {slot})", deadline=deadline)
         self.plan = None
 
-    def abort_stream(self) -> None:
-        """Forget the current stream after an error (buffers need a new, larger epoch)."""
+    def abort_stream(self, reason: str = "aborted") -> None:
+        """Give up the current stream after an error.
+
+        The ranks may disagree on what was published and acknowledged (masks can
+        hold bits of the aborted stream), so the ring is not reused: a later
+        ``begin_stream`` refuses on every rank. Free it and allocate a new one.
+        """
+        if self.plan is not None:
+            self.aborted = reason
         self.plan = None
 
     def _need_plan(self) -> StreamPlan:
@@ -711,14 +728,18 @@ class Ring:
         L = self.layout
         slot, g = chunk % L.num_slots, plan.gen(chunk)
         word, bit = divmod(self.me, 64)
+        # Own record of what we consumed from src (diagnostics, stress checker),
+        # written BEFORE the acknowledgement: the fetch_or below is a release, so an
+        # owner that saw our bit also sees this record. Row src == me belongs to
+        # the owner role (set when every rank acknowledged).
+        if src != self.me:
+            self.heap.signal_op(self.buf, L.consumed_gen_off(src, slot), g, SignalOp.SET, self.me)
         old = self.heap.atomic_fetch_or(self.buf, L.ack_word_off(slot, word), 1 << bit, src)
         if old & (1 << bit) and self.inject is Inject.NONE:
             raise ProtocolViolation(
                 f"rank {self.me}: ack bit already set in rank {src}'s ack_mask[slot={slot}] when acknowledging "
                 f"chunk {chunk}: the owner did not clear it (double acknowledgement)"
             )
-        # Own record of what we consumed from src (diagnostics and monotonicity).
-        self.heap.signal_op(self.buf, L.consumed_gen_off(src, slot), g, SignalOp.SET, self.me)
         self.stats.chunks_consumed += 1
 
     # -- waiting ----------------------------------------------------------------------------

@@ -9,14 +9,12 @@ forward calls on the same buffers, and compares: streamed against batch
 
 from __future__ import annotations
 
-import json
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 
-from .config import Config, per_rank
+from .config import Config, ConfigError, per_rank
 from .device.verbs import SymmetricHeap
 from .moe.layer import MoEBuffer
 from .protocol import Inject
@@ -127,7 +125,11 @@ def run_layer(heap: SymmetricHeap, cfg: Config) -> dict:
     """Run ``cfg`` on this rank; returns this rank's row of the report."""
     R, me = heap.num_ranks, heap.rank
     shape = shape_from_config(cfg)
-    shape.validate(R)
+    try:
+        shape.validate(R)
+    except ValueError as exc:
+        raise ConfigError(f"layer: {exc} (layer.num_experts must be a multiple of the {R} ranks; see also "
+                          f"layer.topk, layer.n_group, layer.topk_group)") from None
     tokens = per_rank(cfg.run.tokens_per_rank, R, "run.tokens_per_rank")
     # Expert math on the rank's GPU with the NVSHMEM backend (torch ops), on the CPU otherwise.
     device = getattr(heap, "device", None) or "cpu"
@@ -176,33 +178,3 @@ def run_layer(heap: SymmetricHeap, cfg: Config) -> dict:
             row["ref_excluded"] = max(row["ref_excluded"], int(cmp.num_excluded))
     buf.close()
     return row
-
-
-def report_run(results: list[dict], cfg: Config, wall_s: float, json_path: str | None) -> int:
-    """Rank 0's table and JSON; exit code 1 when an output is outside its tolerance."""
-    from rich.table import Table
-
-    from .host.rank_main import console
-
-    L = cfg.layer
-    t = Table(title=f"streamring run: {len(results)} ranks, {L.num_experts} experts top-{L.topk} ({L.router}, "
-                    f"{L.weight_dtype}), hidden {L.hidden}, ring {cfg.ring.num_slots}x{cfg.ring.tokens_per_slot}, "
-                    f"scheduler {cfg.run.scheduler}, {cfg.run.epochs} epochs, routing {cfg.run.routing}")
-    for col in ("rank", "tokens", "chunks", "experts hit", "stream==batch", "max |stream-batch|",
-                "max err vs f64 ref", "err/tol", "batch s", "stream s"):
-        t.add_column(col, justify="right")
-    ok = True
-    for r in results:
-        ok &= r["ref_ok"] and (cfg.run.mode != "both" or r["bitwise_equal"])
-        t.add_row(str(r["rank"]), str(r["tokens"]), str(r["chunks"]), str(r["experts_hit"]),
-                  ("bitwise" if r["bitwise_equal"] else "[red]NO[/red]") if cfg.run.mode == "both" else "-",
-                  f"{r['max_abs_stream_minus_batch']:.3g}", f"{r['ref_max_abs_err']:.3g}",
-                  f"{r['ref_max_err_ratio']:.3f}" + ("" if r["ref_ok"] else " [red]FAIL[/red]"),
-                  f"{r['batch_wall_s']:.3f}", f"{r['stream_wall_s']:.3f}")
-    console.print(t)
-    console.print(f"{'PASS' if ok else 'FAIL'}: streamed {'==' if ok else '!='} batch bitwise, both within the "
-                  f"float64 reference tolerance (rtol=atol={results[0]['rtol']:.2e}); wall {wall_s:.2f}s")
-    if json_path:
-        Path(json_path).write_text(json.dumps({"command": "run", "config": cfg.model_dump(), "ranks": results,
-                                               "ok": ok, "wall_s": wall_s}, indent=2, default=str))
-    return 0 if ok else 1

@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from .config import Config, per_rank
+from .config import Config, ConfigError, per_rank
 from .protocol import (
     META_BASE,
     META_CHUNK,
@@ -134,6 +134,7 @@ class _Roles:
         self.publish_to_acquire: list[float] = []
         self.acquire_waits: list[float] = []
         self.reuse_waits: list[float] = []
+        self.own_acked = -1  # last chunk of mine that my own consumer acknowledged (this epoch)
 
     def maybe_fault(self, step: str, done: int) -> None:
         """Kill (SIGKILL) or stop (SIGSTOP) this process at ``step`` when the config says so."""
@@ -158,14 +159,21 @@ class _Roles:
             yield from self.wait(lambda: ring.try_reserve(c), f"reuse of my slot {c % S} for chunk {c}",
                                  self.reuse_waits)
             if c >= S:
-                # Early-reuse checker: the previous lap must be fully acknowledged.
+                # Early-reuse checker, independent of the owner's mask logic: every
+                # consumer's own record of what it finished reading from us (its
+                # consumed_gen[me][slot], read remotely; our own consumer's progress
+                # locally) must already cover chunk c - S.
                 slot, prev = c % S, make_gen(plan.epoch, c - S + 1)
-                consumed = ring.heap.signal_fetch(ring.buf, L.consumed_gen_off(self.me, slot))
-                if consumed != prev and not ring.ack_mask_full(slot):
+                behind = [d for d in range(L.num_ranks) if d != self.me
+                          and int(ring.heap.get(ring.buf, L.consumed_gen_off(self.me, slot),
+                                                np.empty(1, np.uint64), d)[0]) < prev]
+                if self.own_acked < c - S:
+                    behind.append(self.me)
+                if behind:
                     self.res.add_violation(
                         "early_reuse",
-                        f"rank {self.me} {kind} producer overwrote slot {slot} with chunk {c} before every rank "
-                        f"acknowledged chunk {c - S}",
+                        f"rank {self.me} {kind} producer overwrote slot {slot} with chunk {c} before ranks "
+                        f"{sorted(behind)} acknowledged chunk {c - S}",
                     )
             base, valid = plan.chunk_tokens(self.me, c)
             x, x_sf, idx, w = pattern(self.me, plan.gen(c), base, valid, L.hidden, L.topk, L.num_experts)
@@ -240,6 +248,8 @@ class _Roles:
                 self.res.tokens_checked += int(arrays[0].shape[0])
                 self.maybe_fault("ack", c)
                 ring.ack(src, c)
+                if src == self.me:
+                    self.own_acked = c
                 self.res.chunks_consumed += 1
                 yield
 
@@ -256,10 +266,15 @@ def run_stress(heap: SymmetricHeap, cfg: Config) -> RankResult:
     tpc = per_rank(st.tokens_per_chunk if st.tokens_per_chunk is not None else cfg.ring.tokens_per_slot, R,
                    "stress.tokens_per_chunk")
     if any(t > cfg.ring.tokens_per_slot or t < 0 for t in tpc):
-        raise ValueError(f"stress.tokens_per_chunk must be in [0, ring.tokens_per_slot={cfg.ring.tokens_per_slot}], "
-                         f"got {tpc}")
+        raise ConfigError(f"stress.tokens_per_chunk must be in [0, ring.tokens_per_slot={cfg.ring.tokens_per_slot}], "
+                          f"got {tpc}")
     if st.partial_last > cfg.ring.tokens_per_slot:
-        raise ValueError(f"stress.partial_last must be <= ring.tokens_per_slot, got {st.partial_last}")
+        raise ConfigError(f"stress.partial_last must be in [-1, ring.tokens_per_slot={cfg.ring.tokens_per_slot}], "
+                          f"got {st.partial_last}")
+    if st.fault is not None and st.fault.rank >= R:
+        raise ConfigError(f"stress.fault.rank must be in [0, {R}) (the job has {R} ranks), got {st.fault.rank}")
+    if any(r >= R for r in st.stragglers):
+        raise ConfigError(f"stress.stragglers keys must be ranks in [0, {R}), got {sorted(st.stragglers)}")
     # A rank's tokens: full chunks of tpc tokens (0 tokens -> zero-token chunks) and a partial last one.
     # The ring packs tokens densely, so a rank with tpc < tokens_per_slot simply has fewer chunks of
     # tokens; to keep "chunks_per_rank" meaning what it says we give it chunks*C tokens (then trim).
@@ -273,6 +288,7 @@ def run_stress(heap: SymmetricHeap, cfg: Config) -> RankResult:
     for e in range(1, st.epochs + 1):
         epoch = ring.last_epoch + 1
         plan = ring.begin_stream(epoch, my_tokens)
+        roles.own_acked = -1
         order = ["route", "layout"]
         rng.shuffle(order)
         run_roles([roles.producer(order[0], plan), roles.producer(order[1], plan), roles.consumer(plan)], heap)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +27,24 @@ def _env(extra=None):
     return env
 
 
+def _run(cmd, timeout, env) -> subprocess.CompletedProcess:
+    """Run ``cmd`` in its own process group; on timeout take the whole group (and its MPI job) down."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(env), cwd=ROOT,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        # SIGTERM lets the local launcher kill its mpiexec session; then SIGKILL the group.
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            out, err = proc.communicate(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+        raise AssertionError(f"{' '.join(cmd)} timed out after {timeout}s\n{out[-3000:]}\n{err[-3000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
 class Result:
     def __init__(self, proc: subprocess.CompletedProcess, json_path: Path | None):
         self.rc = proc.returncode
@@ -46,8 +65,7 @@ def cli(tmp_path):
         cmd = [sys.executable, "-m", "streamring", *map(str, args)]
         if json_out and args and args[0] in ("run", "stress", "model-check"):
             cmd += ["--json", str(jp)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(env), cwd=ROOT)
-        return Result(proc, jp if json_out else None)
+        return Result(_run(cmd, timeout, env), jp if json_out else None)
 
     return run
 
@@ -63,7 +81,6 @@ def mpirun():
 
     def run(n, *args, timeout=240, env=None):
         cmd = [mpiexec_path(), "-n", str(n), sys.executable, *map(str, args)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(env), cwd=ROOT)
-        return Result(proc, None)
+        return Result(_run(cmd, timeout, env), None)
 
     return run

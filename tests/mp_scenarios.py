@@ -178,8 +178,9 @@ def recovery_after_watchdog(heap):
     shape = MoEShape(hidden=128, intermediate=128, num_experts=2 * R, topk=2, block_m=4)
     w = MoEWeights.random(shape, seed=5)
     x = torch.randn(10, 128, generator=torch.Generator().manual_seed(me))
-    buf = MoEBuffer(heap, shape, num_slots=2, tokens_per_slot=4, max_tokens_per_rank=10, wait_timeout_s=1.0)
+    buf = MoEBuffer(heap, shape, num_slots=2, tokens_per_slot=4, max_tokens_per_rank=10, wait_timeout_s=30.0)
     good = buf.forward(x, w, streaming=True)
+    buf.stream_ring.wait_timeout_s = 1.0  # short deadline only for the stalled call
 
     def stalled(xc, ids):  # rank 1's router hangs past every deadline on its second chunk
         if me == 1 and int(ids[0]) >= 4:

@@ -48,7 +48,7 @@ def test_more_ranks_than_cores_is_fast(cli):
     t0 = time.monotonic()
     r = cli("stress", "--ranks", 8, "--set", "stress.chunks_per_rank=30", "--set", "ring.num_slots=2")
     assert r.rc == 0, r
-    assert time.monotonic() - t0 < 120
+    assert time.monotonic() - t0 < 240  # without sched_yield in the spin loops this takes far longer
 
 
 def test_more_than_64_ranks_use_two_mask_words(cli):
@@ -76,12 +76,16 @@ INJECT_CASES = [
 def test_every_inject_mode_is_caught(cli, mode, path):
     r = cli("stress", "--config", path, "--inject", mode, "--set", "wait_timeout_s=5", "--set", "ranks=3",
             "--set", "stress.chunks_per_rank=" + ("2" if mode == "ignore-epoch" else "16"), timeout=120)
-    assert r.rc != 0, r
-    caught = (r.json is not None and r.json["violations"] > 0) or "watchdog" in r.err or "violation" in r.err.lower()
-    assert caught, r
-    if r.json is not None:
-        assert r.json["violations"] > 0
-        assert r.json["config"]["stress"]["inject"] == mode
+    assert r.rc == 1, r
+    if r.json is None:
+        # the mutation wedged the ring: caught by the watchdog or a generation check, with the slot dump
+        assert ("watchdog" in r.err or "ProtocolViolation" in r.err) and "route_ready_gen" in r.err, r
+        return
+    assert r.json["violations"] > 0 and r.json["config"]["stress"]["inject"] == mode
+    kinds = set().union(*(x["violation_kinds"] for x in r.json["ranks"]))
+    expected = {"skip-acquire": {"stale_or_torn"}, "signal-before-payload": {"stale_or_torn"},
+                "skip-ack-wait": {"early_reuse"}, "ignore-epoch": {"stale_or_torn"}}[mode]
+    assert expected <= kinds, (mode, kinds)
 
 
 def test_watchdog_names_stalled_rank_and_slot_states(cli):
@@ -89,8 +93,8 @@ def test_watchdog_names_stalled_rank_and_slot_states(cli):
     r = cli("stress", "--ranks", 3, "--set", "wait_timeout_s=2", "--set", "stress.stragglers={1: 1000}",
             "--set", "stress.route_delay.max_s=0.01", "--set", "stress.chunks_per_rank=4", timeout=60)
     assert r.rc != 0, r
-    assert time.monotonic() - t0 < 30
-    assert "watchdog" in r.err and "source rank 1" in r.err or "source 1" in r.err, r
+    assert time.monotonic() - t0 < 60
+    assert "watchdog" in r.err and ("source rank 1" in r.err or "source 1" in r.err), r
     assert "route_ready_gen" in r.err and "ack_mask" in r.err and "missing acks" in r.err
 
 

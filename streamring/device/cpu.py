@@ -32,7 +32,7 @@ import time
 
 import numpy as np
 
-from .verbs import Region, SignalOp, SymmetricHeap, VerbError, WaitTimeout, check_span, spin_pause
+from .verbs import Region, SignalOp, SymmetricHeap, VerbError, WaitTimeout, check_span, check_word, spin_pause
 
 _WINDOW_MODES = ("auto", "shared", "separate")
 
@@ -75,6 +75,7 @@ class MpiHeap(SymmetricHeap):
         # Ibarrier polled against this deadline: a rank that never arrives gives
         # a WaitTimeout, not a hang inside MPI.
         self.collective_timeout_s = float(collective_timeout_s)
+        self._broken = ""
         self._regions: list[Region] = []
         self._one = np.zeros(1, dtype=np.uint64)
         self._closed = False
@@ -119,12 +120,12 @@ class MpiHeap(SymmetricHeap):
         region = Region(name=name, nbytes=nbytes, local=local, handle=(win, peers))
         self._regions.append(region)
         # Zero everywhere before anyone may signal into this region.
-        self.comm.Barrier()
+        self._meet(f"alloc {name!r}")
         return region
 
     def free(self, region: Region) -> None:
         win, _ = region.handle
-        self.comm.Barrier()
+        self._meet(f"free {region.name!r}")
         win.Unlock_all()
         win.Free()
         self._regions.remove(region)
@@ -144,6 +145,8 @@ class MpiHeap(SymmetricHeap):
             win.Put([raw, self._MPI.BYTE], pe, target=(offset, raw.nbytes, self._MPI.BYTE))
 
     def get(self, region: Region, offset: int, out: np.ndarray, pe: int) -> np.ndarray:
+        if not out.flags.c_contiguous or not out.flags.writeable:
+            raise VerbError("get: out must be a writable C-contiguous array (a reshaped copy would drop the data)")
         raw = out.reshape(-1).view(np.uint8)
         check_span(region, offset, raw.nbytes, "get")
         self._check_pe(pe, "get")
@@ -171,7 +174,7 @@ class MpiHeap(SymmetricHeap):
         raise VerbError(f"signal op {op!r} is not one of {[o.value for o in SignalOp]}")
 
     def put_signal(self, region, offset, data, sig_region, sig_offset, value, op, pe) -> None:
-        check_span(sig_region, sig_offset, 8, "put_signal signal")
+        check_word(sig_region, sig_offset, "put_signal signal")
         mpi_op = self._signal_mpi_op(op)
         self.put(region, offset, data, pe)
         win, _ = region.handle
@@ -181,7 +184,7 @@ class MpiHeap(SymmetricHeap):
         self._accumulate(sig_region, sig_offset, value, mpi_op, pe)
 
     def signal_op(self, sig_region, sig_offset, value, op, pe) -> None:
-        check_span(sig_region, sig_offset, 8, "signal_op")
+        check_word(sig_region, sig_offset, "signal_op")
         self._check_pe(pe, "signal_op")
         mpi_op = self._signal_mpi_op(op)
         # Release: our earlier local stores and puts (to any window) first.
@@ -191,7 +194,7 @@ class MpiHeap(SymmetricHeap):
         self._accumulate(sig_region, sig_offset, value, mpi_op, pe)
 
     def signal_fetch(self, sig_region: Region, sig_offset: int) -> int:
-        check_span(sig_region, sig_offset, 8, "signal_fetch")
+        check_word(sig_region, sig_offset, "signal_fetch")
         win, peers = sig_region.handle
         if peers is not None:
             win.Sync()
@@ -207,7 +210,7 @@ class MpiHeap(SymmetricHeap):
         return value
 
     def _fetch_op(self, region: Region, offset: int, value: int, mpi_op, pe: int, what: str) -> int:
-        check_span(region, offset, 8, what)
+        check_word(region, offset, what)
         self._check_pe(pe, what)
         win, _ = region.handle
         # Release: our earlier local stores and our puts to this target (any
@@ -245,25 +248,26 @@ class MpiHeap(SymmetricHeap):
             win.Sync()
 
     def barrier(self, deadline: float | None = None) -> None:
+        """Barrier with quiet semantics; ``deadline`` defaults to now + ``collective_timeout_s``."""
         self.quiet()
-        if deadline is None:
-            self.comm.Barrier()
-        else:
-            req = self.comm.Ibarrier()
-            start = time.monotonic()
-            while not req.Test():
-                if time.monotonic() > deadline:
-                    raise WaitTimeout("barrier over all ranks (a rank is stalled or dead)", time.monotonic() - start)
-                spin_pause()
+        self._meet("barrier over all ranks", deadline)
         self.quiet()
 
-    def _meet(self, what: str) -> None:
-        req = self.comm.Ibarrier()
+    def _meet(self, what: str, deadline: float | None = None) -> None:
+        """Ibarrier polled against a deadline: every host collective starts with it."""
+        if self._broken:
+            raise VerbError(f"{what}: this heap is unusable: {self._broken}")
         start = time.monotonic()
+        deadline = start + self.collective_timeout_s if deadline is None else deadline
+        req = self.comm.Ibarrier()
         while not req.Test():
-            if time.monotonic() - start > self.collective_timeout_s:
-                raise WaitTimeout(f"{what}: not every rank arrived within {self.collective_timeout_s}s "
+            if time.monotonic() > deadline:
+                # The Ibarrier stays pending: later collectives would pair with the
+                # wrong calls of the other ranks, so the heap refuses them.
+                self._broken = f"a collective timed out ({what})"
+                raise WaitTimeout(f"{what}: not every rank arrived within {deadline - start:.1f}s "
                                   f"(a rank is stalled, dead or skipped a collective call)", time.monotonic() - start)
+            self.progress()
             spin_pause()
 
     def allgather_int(self, value: int) -> list[int]:

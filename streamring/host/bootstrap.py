@@ -48,7 +48,7 @@ def abort_job(exc: BaseException, code: int = 1) -> None:
     # diagnostics; anything else gets a traceback.
     from ..protocol import ProtocolViolation, WatchdogError
 
-    if not isinstance(exc, (ValueError, TypeError, LaunchError, ProtocolViolation, WatchdogError)):
+    if not isinstance(exc, (ValueError, TypeError, LaunchError, ProtocolViolation, WatchdogError, TimeoutError)):
         traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
     sys.stderr.flush()
     sys.stdout.flush()

@@ -62,12 +62,29 @@ def peer_report(num_ranks: int) -> str:
     return ("peers not running normally:\n" + "\n".join(lines)) if lines else ""
 
 
-def summarize(d: Path, num_ranks: int) -> list[str]:
-    """After a failed job: how each rank ended, and which rank(s) failed first.
+def first_rank_down(d: Path, num_ranks: int):
+    """``(rank, pid, state)`` of a rank that is dead, zombie or stopped without having reported; else None."""
+    for r in range(num_ranks):
+        p, st = d / f"rank-{r}.pid", d / f"rank-{r}.status"
+        if not p.exists() or st.exists():
+            continue
+        try:
+            pid = int(p.read_text())
+        except ValueError:
+            continue
+        state = _proc_state(pid)
+        if state == "not running" or state[:1] in ("Z", "X", "T", "t"):
+            return r, pid, state
+    return None
 
-    A rank whose watchdog fired names the peers it found dead or stopped; those
-    are the failed ranks. A rank that never reported and that nobody named was
-    ended by the job's abort.
+
+def summarize(d: Path, num_ranks: int, first_down=None) -> list[str]:
+    """After a failed job: how each rank ended, and which rank failed first.
+
+    The launcher polls the ranks while the job runs and records the first one
+    seen dead or stopped without having reported (``first_down``); a rank whose
+    watchdog fired names the peers it found dead or stopped. Ranks that never
+    reported and that neither names were ended by the job's abort.
     """
     out, named = [], set()
     statuses = {}
@@ -78,14 +95,22 @@ def summarize(d: Path, num_ranks: int) -> list[str]:
             line = line.strip()
             if line.startswith("rank ") and "(pid " in line and "):" in line:
                 named.add(int(line.split()[1]))
+    if first_down is not None:
+        named.add(first_down[0])
+        out.append(f"rank {first_down[0]} (pid {first_down[1]}) was the first rank to stop running "
+                   f"({first_down[2]}): the failed rank")
+    reported_error = any(t not in (None, "ok") for t in statuses.values())
     for r in range(num_ranks):
         pid = (d / f"rank-{r}.pid").read_text() if (d / f"rank-{r}.pid").exists() else "?"
         text = statuses[r]
         if text is not None:
             if text != "ok":
-                out.append(f"rank {r} (pid {pid}) stopped with: {text.splitlines()[0]}")
-        elif r in named or not named:
-            out.append(f"rank {r} (pid {pid}) died or hung without reporting (killed, crashed or stopped): the failed rank")
+                out.append(f"rank {r} (pid {pid}) stopped with: {(text.splitlines() or ['(no message)'])[0]}")
+        elif first_down is not None and r == first_down[0]:
+            continue
+        elif r in named or not (named or reported_error):
+            out.append(f"rank {r} (pid {pid}) died or hung without reporting (killed, crashed or stopped): "
+                       f"the failed rank")
         else:
             out.append(f"rank {r} (pid {pid}) was ended by the job abort")
     return out

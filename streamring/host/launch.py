@@ -15,9 +15,10 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
-from .jobstate import JOB_DIR_ENV, summarize
+from .jobstate import JOB_DIR_ENV, first_rank_down, summarize
 
 SPAWNED_ENV = "STREAMRING_SPAWNED"
 
@@ -91,18 +92,34 @@ def spawn_local(num_ranks: int, argv: list[str], extra_env: dict | None = None, 
         env.update(extra_env)
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)
     rc = 1
+
+    def _terminated(signum, frame):  # SIGTERM to the launcher: take the MPI job down with us
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, _terminated)
+    first_down = None  # (rank, pid, state) of the first rank seen not running normally
     try:
-        rc = proc.wait(timeout=timeout_s)
+        end = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            try:
+                rc = proc.wait(timeout=0.05)
+                break
+            except subprocess.TimeoutExpired:
+                if end is not None and time.monotonic() > end:
+                    raise
+                if first_down is None:
+                    first_down = first_rank_down(jdir, num_ranks)
         return rc
     except (KeyboardInterrupt, subprocess.TimeoutExpired):
         _kill_group(proc)
         rc = 130 if timeout_s is None else 124
         return rc
     finally:
+        signal.signal(signal.SIGTERM, previous)
         if proc.poll() is None:
             _kill_group(proc)
         if rc != 0:
-            for line in summarize(jdir, num_ranks):
+            for line in summarize(jdir, num_ranks, first_down):
                 print(f"streamring launcher: {line}", file=sys.stderr)
         shutil.rmtree(jdir, ignore_errors=True)
         _remove_orphan_segments(shm_before)
@@ -130,23 +147,35 @@ def _mapped_paths() -> set[str]:
     return paths
 
 
-def _remove_orphan_segments(before: set[str]) -> None:
+def _remove_orphan_segments(before: set[str], patience_s: float = 3.0) -> None:
     """Remove shared-memory segments this job created and no live process maps.
 
     MPICH (``mpich_shm_*``) and Open MPI (``sm_segment.*``) leave their segments in
-    /dev/shm when ranks are killed or abort.
+    /dev/shm when ranks are killed or abort. Ranks still exiting may map them for
+    a moment, so this retries for ``patience_s``; a segment younger than a second
+    is left alone (it may belong to another job being set up).
     """
-    new = _shm_segments() - before
-    if not new:
-        return
-    mapped = _mapped_paths()
-    for name in new:
-        path = _SHM_DIR / name
-        if str(path) not in mapped:
+    deadline = time.monotonic() + patience_s
+    pending = _shm_segments() - before
+    while pending:
+        mapped = _mapped_paths()
+        now = time.time()
+        for name in list(pending):
+            path = _SHM_DIR / name
             try:
-                path.unlink()
+                young = now - path.stat().st_ctime < 1.0
             except OSError:
-                pass
+                pending.discard(name)
+                continue
+            if str(path) not in mapped and not young:
+                try:
+                    path.unlink()
+                except OSError:
+                    pass
+                pending.discard(name)
+        if not pending or time.monotonic() > deadline:
+            return
+        time.sleep(0.2)
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

@@ -10,9 +10,9 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from ..config import Config
-from .bootstrap import abort_job, make_heap
+from ..config import Config, ConfigError
 from ..protocol import DIAGNOSTIC_HOOKS
+from .bootstrap import abort_job, make_heap
 from .jobstate import peer_report, register_rank, report_status
 
 console = Console(highlight=False, width=None if sys.stdout.isatty() else 180)
@@ -67,7 +67,7 @@ def rank_main(command: str, cfg: Config, json_path: str | None = None) -> int:
             wall = time.monotonic() - t0
             code = report_stress(results, cfg, wall, json_path) if heap.rank == 0 else 0
         elif command == "run":
-            from ..runner import report_run, run_layer
+            from ..runner import run_layer
 
             res = run_layer(heap, cfg)
             results = heap.allgather_obj(res)
@@ -89,5 +89,31 @@ def rank_main(command: str, cfg: Config, json_path: str | None = None) -> int:
             report_status(MPI.COMM_WORLD.Get_rank(), f"{type(exc).__name__}: {exc}")
         except Exception:  # noqa: BLE001
             pass
-        abort_job(exc)
+        abort_job(exc, 2 if isinstance(exc, ConfigError) else 1)
         return 1
+
+
+def report_run(results: list[dict], cfg: Config, wall_s: float, json_path: str | None) -> int:
+    """Rank 0's table and JSON; exit code 1 when an output is outside its tolerance."""
+    L = cfg.layer
+    t = Table(title=f"streamring run: {len(results)} ranks, {L.num_experts} experts top-{L.topk} ({L.router}, "
+                    f"{L.weight_dtype}), hidden {L.hidden}, ring {cfg.ring.num_slots}x{cfg.ring.tokens_per_slot}, "
+                    f"scheduler {cfg.run.scheduler}, {cfg.run.epochs} epochs, routing {cfg.run.routing}")
+    for col in ("rank", "tokens", "chunks", "experts hit", "stream==batch", "max |stream-batch|",
+                "max err vs f64 ref", "err/tol", "batch s", "stream s"):
+        t.add_column(col, justify="right")
+    ok = True
+    for r in results:
+        ok &= r["ref_ok"] and (cfg.run.mode != "both" or r["bitwise_equal"])
+        t.add_row(str(r["rank"]), str(r["tokens"]), str(r["chunks"]), str(r["experts_hit"]),
+                  ("bitwise" if r["bitwise_equal"] else "[red]NO[/red]") if cfg.run.mode == "both" else "-",
+                  f"{r['max_abs_stream_minus_batch']:.3g}", f"{r['ref_max_abs_err']:.3g}",
+                  f"{r['ref_max_err_ratio']:.3f}" + ("" if r["ref_ok"] else " [red]FAIL[/red]"),
+                  f"{r['batch_wall_s']:.3f}", f"{r['stream_wall_s']:.3f}")
+    console.print(t)
+    console.print(f"{'PASS' if ok else 'FAIL'}: streamed {'==' if ok else '!='} batch bitwise, both within the "
+                  f"float64 reference tolerance (rtol=atol={results[0]['rtol']:.2e}); wall {wall_s:.2f}s")
+    if json_path:
+        Path(json_path).write_text(json.dumps({"command": "run", "config": cfg.model_dump(), "ranks": results,
+                                               "ok": ok, "wall_s": wall_s}, indent=2, default=str))
+    return 0 if ok else 1

@@ -179,7 +179,7 @@ class MoEBuffer:
             run_roles([run.route_producer(), run.layout_producer(), run.consumer(), run.combiner()], self.heap)
             ring.end_stream()
         except BaseException as exc:
-            ring.abort_stream()
+            ring.abort_stream(f"{type(exc).__name__}")
             self.broken = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
             raise
         stats.wall_s = time.monotonic() - t0
@@ -211,8 +211,8 @@ class MoEBuffer:
             if weights.w1.device != x.device:
                 return f"weights are on {weights.w1.device} but x is on {x.device}: put both on one device"
             self._local_weights(weights)
-        except ValueError as exc:
-            return str(exc)
+        except Exception as exc:  # noqa: BLE001 - any local error must reach every rank, not desync them
+            return f"{type(exc).__name__}: {exc}" if not isinstance(exc, ValueError) else str(exc)
         return None
 
     def _local_weights(self, weights: MoEWeights) -> tuple[MoEWeights, int]:
@@ -390,12 +390,13 @@ class _Forward:
             for (src, c, *_rest) in rows:
                 outstanding[(src, c)] -= 1
 
+        pending = []  # (src, chunk) pulled but not yet acknowledged, in chunk order
+
         def ack_ready(upto_chunk):
-            for c in range(upto_chunk + 1):
-                for src in range(R):
-                    if (src, c) not in acked and outstanding.get((src, c), 0) == 0 and (src, c) in outstanding:
-                        self.ring.ack(src, c)
-                        acked.add((src, c))
+            for key in [k for k in pending if k[1] <= upto_chunk and outstanding[k] == 0]:
+                self.ring.ack(*key)
+                acked.add(key)
+                pending.remove(key)
 
         def seal(pred):
             for e in sorted(open_blocks):
@@ -415,6 +416,7 @@ class _Forward:
             rows = self._pull(n)
             for src in range(R):
                 outstanding[(src, n)] = 0
+                pending.append((src, n))
             for r in rows:
                 outstanding[(r[0], n)] += 1
             for r in rows:
