@@ -14,9 +14,7 @@ arguments or config.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from pathlib import Path
 
 from .config import ConfigError, load_config
 from .protocol import INJECT_MODES

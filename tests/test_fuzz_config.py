@@ -4,7 +4,6 @@ Every input either loads/works or is rejected with ConfigError/ValueError that
 names a field: never another exception type.
 """
 
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

@@ -89,25 +89,16 @@ class WaitTimeout(TimeoutError):
 class Region:
     """A collectively allocated symmetric region.
 
-    ``local`` is a writable uint8 numpy view of this rank's copy; ``nbytes`` is
-    the same on every rank. ``handle`` is backend-private.
+    ``local`` is a writable uint8 view of this rank's copy (a numpy array on
+    host-memory backends, a torch CUDA tensor on NVSHMEM); ``nbytes`` is the same
+    on every rank. ``handle`` is backend-private. The protocol never touches
+    ``local``: it goes through the verbs, so it runs unchanged on every backend.
     """
 
     name: str
     nbytes: int
     local: np.ndarray
     handle: object
-
-    def view(self, offset: int, dtype, count: int) -> np.ndarray:
-        """A typed view of ``count`` elements of this rank's copy at ``offset``."""
-        dtype = np.dtype(dtype)
-        end = offset + dtype.itemsize * count
-        if offset < 0 or end > self.nbytes or offset % dtype.itemsize:
-            raise VerbError(
-                f"view of region {self.name!r}: [{offset}, {end}) is outside [0, {self.nbytes}) "
-                f"or misaligned for {dtype}"
-            )
-        return self.local[offset:end].view(dtype)
 
 
 def check_word(region: Region, offset: int, what: str) -> None:

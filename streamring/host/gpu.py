@@ -45,7 +45,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import re
 import sys
 import time
 from pathlib import Path
@@ -87,7 +86,7 @@ class GpuRing:
         self.heap = heap
         self.layout = layout
         self.num_chunks = int(num_chunks)
-        R, S = layout.num_ranks, layout.num_slots
+        R = layout.num_ranks
         # the doorbell words are a region of the one RingLayout; -1 tells the kernels not to ring them
         self.off_wake = layout.offsets["wake"] if wake else -1
         self.region = heap.alloc("gpu-ring", layout.nbytes)
