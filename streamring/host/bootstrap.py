@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import time
 import traceback
 
 from ..config import Config
@@ -52,6 +53,7 @@ def abort_job(exc: BaseException, code: int = 1) -> None:
         traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
     sys.stderr.flush()
     sys.stdout.flush()
+    time.sleep(0.3)  # let mpiexec forward our last lines before the abort tears the job down
     if MPI is not None and MPI.Is_initialized() and not MPI.Is_finalized() and MPI.COMM_WORLD.Get_size() > 1:
         MPI.COMM_WORLD.Abort(code)
     sys.exit(code)

@@ -31,7 +31,7 @@ def report_status(rank: int, status: str) -> None:
     """Record how this rank ended (``ok`` or an error line)."""
     d = job_dir()
     if d is not None:
-        (d / f"rank-{rank}.status").write_text(status[:2000])
+        (d / f"rank-{rank}.status").write_text(status[:50000])
 
 
 def _proc_state(pid: int) -> str:
@@ -62,8 +62,9 @@ def peer_report(num_ranks: int) -> str:
     return ("peers not running normally:\n" + "\n".join(lines)) if lines else ""
 
 
-def first_rank_down(d: Path, num_ranks: int):
-    """``(rank, pid, state)`` of a rank that is dead, zombie or stopped without having reported; else None."""
+def ranks_down(d: Path, num_ranks: int) -> list:
+    """``[(rank, pid, state), ...]`` of the ranks dead, zombie or stopped without having reported."""
+    down = []
     for r in range(num_ranks):
         p, st = d / f"rank-{r}.pid", d / f"rank-{r}.status"
         if not p.exists() or st.exists():
@@ -74,17 +75,19 @@ def first_rank_down(d: Path, num_ranks: int):
             continue
         state = _proc_state(pid)
         if state == "not running" or state[:1] in ("Z", "X", "T", "t"):
-            return r, pid, state
-    return None
+            down.append((r, pid, state))
+    return down
 
 
 def summarize(d: Path, num_ranks: int, first_down=None) -> list[str]:
     """After a failed job: how each rank ended, and which rank failed first.
 
-    The launcher polls the ranks while the job runs and records the first one
-    seen dead or stopped without having reported (``first_down``); a rank whose
-    watchdog fired names the peers it found dead or stopped. Ranks that never
-    reported and that neither names were ended by the job's abort.
+    The launcher polls the ranks while the job runs and records the ranks first
+    seen dead or stopped without having reported (``first_down``: a list; more
+    than one when they went down within one poll, then the failed rank is one
+    of them); a rank whose watchdog fired names the peers it found dead or
+    stopped. Ranks that never reported and that neither names were ended by
+    the job's abort.
     """
     out, named = [], set()
     statuses = {}
@@ -95,18 +98,35 @@ def summarize(d: Path, num_ranks: int, first_down=None) -> list[str]:
             line = line.strip()
             if line.startswith("rank ") and "(pid " in line and "):" in line:
                 named.add(int(line.split()[1]))
-    if first_down is not None:
-        named.add(first_down[0])
-        out.append(f"rank {first_down[0]} (pid {first_down[1]}) was the first rank to stop running "
-                   f"({first_down[2]}): the failed rank")
+    first_down = list(first_down or [])
+    if len(first_down) == 1:
+        r0, pid0, state0 = first_down[0]
+        named.add(r0)
+        out.append(f"rank {r0} (pid {pid0}) was the first rank to stop running ({state0}): the failed rank")
+    elif first_down:
+        named.update(r for r, _, _ in first_down)
+        out.append(f"ranks {[r for r, _, _ in first_down]} stopped running at the same moment (mpiexec tore the job "
+                   f"down): the failed rank is among them")
+    first_ranks = {r for r, _, _ in first_down} if len(first_down) == 1 else set()
     reported_error = any(t not in (None, "ok") for t in statuses.values())
+    # The first error report in full (watchdog slot dump): a rank's own stderr can be
+    # lost when mpiexec tears the job down right after its abort.
+    full = next(((r, t) for r, t in statuses.items() if t not in (None, "ok")), None)
+    silent = [r for r in range(num_ranks) if statuses[r] is None]
+    if not named and not reported_error and len(silent) > 1:
+        # Nobody reported and the launcher never saw one go first: mpiexec ended them all at once.
+        return [f"ranks {silent} ended without reporting, all within one poll (mpiexec tore the job down): "
+                f"the failed rank is among them"]
     for r in range(num_ranks):
         pid = (d / f"rank-{r}.pid").read_text() if (d / f"rank-{r}.pid").exists() else "?"
         text = statuses[r]
         if text is not None:
             if text != "ok":
-                out.append(f"rank {r} (pid {pid}) stopped with: {(text.splitlines() or ['(no message)'])[0]}")
-        elif first_down is not None and r == first_down[0]:
+                if full is not None and r == full[0] and len(text.splitlines()) > 1:
+                    out.append(f"rank {r} (pid {pid}) stopped with:\n    " + "\n    ".join(text.splitlines()))
+                else:
+                    out.append(f"rank {r} (pid {pid}) stopped with: {(text.splitlines() or ['(no message)'])[0]}")
+        elif r in first_ranks:
             continue
         elif r in named or not (named or reported_error):
             out.append(f"rank {r} (pid {pid}) died or hung without reporting (killed, crashed or stopped): "

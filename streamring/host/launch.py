@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .jobstate import JOB_DIR_ENV, first_rank_down, summarize
+from .jobstate import JOB_DIR_ENV, ranks_down, summarize
 
 SPAWNED_ENV = "STREAMRING_SPAWNED"
 
@@ -97,7 +97,7 @@ def spawn_local(num_ranks: int, argv: list[str], extra_env: dict | None = None, 
         raise KeyboardInterrupt
 
     previous = signal.signal(signal.SIGTERM, _terminated)
-    first_down = None  # (rank, pid, state) of the first rank seen not running normally
+    first_down: list = []  # [(rank, pid, state)] first seen not running normally (one poll)
     try:
         end = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
@@ -107,8 +107,8 @@ def spawn_local(num_ranks: int, argv: list[str], extra_env: dict | None = None, 
             except subprocess.TimeoutExpired:
                 if end is not None and time.monotonic() > end:
                     raise
-                if first_down is None:
-                    first_down = first_rank_down(jdir, num_ranks)
+                if not first_down:
+                    first_down = ranks_down(jdir, num_ranks)
         return rc
     except (KeyboardInterrupt, subprocess.TimeoutExpired):
         _kill_group(proc)
