@@ -383,7 +383,6 @@ class RingStats:
     bytes_read: int = 0
     acquire_waits_s: list = field(default_factory=list)
     reuse_waits_s: list = field(default_factory=list)
-    publish_to_acquire_s: list = field(default_factory=list)
 
 
 # --------------------------------------------------------------------------------------

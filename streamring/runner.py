@@ -19,12 +19,9 @@ from .device.verbs import SymmetricHeap
 from .moe.layer import MoEBuffer
 from .protocol import Inject
 from .moe.math import (
-    QUANT_BLOCK,
     MoEShape,
     MoEWeights,
-    _dequant_f64_reference,
     compare_to_reference,
-    quantize_act_fp8,
     reference_forward_f64,
     reference_tolerance,
 )
@@ -95,25 +92,6 @@ def synthetic_routing(mode: str, rank: int, shape: MoEShape, num_ranks: int, see
     return fn
 
 
-def reference_with_routing_f64(x: torch.Tensor, weights: MoEWeights, idx: torch.Tensor, w: torch.Tensor):
-    """Independent float64 reference of the expert math for a given routing (masked routes skipped)."""
-    x_fp8, x_sf = quantize_act_fp8(x) if x.shape[0] else (x.to(torch.float8_e4m3fn), None)
-    t, h = x.shape
-    y = torch.zeros(t, h, dtype=torch.float64, device=x.device)
-    if t == 0:
-        return y
-    xd = x_fp8.to(torch.float64) * x_sf.to(torch.float64).repeat_interleave(QUANT_BLOCK, dim=1)
-    for e in sorted(set(idx[idx >= 0].tolist())):
-        tok, slot = (idx == e).nonzero(as_tuple=True)
-        w1 = _dequant_f64_reference(weights.w1[e], None if weights.w1_scale is None else weights.w1_scale[e])
-        w3 = _dequant_f64_reference(weights.w3[e], None if weights.w3_scale is None else weights.w3_scale[e])
-        w2 = _dequant_f64_reference(weights.w2[e], None if weights.w2_scale is None else weights.w2_scale[e])
-        xe = xd[tok]
-        out = (torch.nn.functional.silu(xe @ w1.T) * (xe @ w3.T)) @ w2.T
-        y.index_add_(0, tok, out * w[tok, slot].to(torch.float64)[:, None])
-    return y
-
-
 # ----------------------------------------------------------------------------------
 def make_tokens(cfg: Config, rank: int, epoch: int, num_tokens: int) -> torch.Tensor:
     """This rank's tokens of one forward call (deterministic)."""
@@ -168,7 +146,7 @@ def run_layer(heap: SymmetricHeap, cfg: Config) -> dict:
         else:
             idx_r, w_r = routing(x, torch.arange(x.shape[0]))
             idx_r, w_r = idx_r.to(device), w_r.to(device)
-            y_ref, idx64 = reference_with_routing_f64(x, weights, idx_r, w_r), idx_r
+            y_ref, idx64 = reference_forward_f64(x, weights, shape, routing=(idx_r, w_r)), idx_r
             idx32 = idx_r
         for y in outs.values():
             cmp = compare_to_reference(y, y_ref, idx32, idx64, shape=shape)

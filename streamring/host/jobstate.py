@@ -44,6 +44,11 @@ def _proc_state(pid: int) -> str:
     return "unknown"
 
 
+def _is_down(state: str) -> bool:
+    """Dead, zombie or stopped (SIGSTOP / traced)."""
+    return state == "not running" or state[:1] in ("Z", "X", "T", "t")
+
+
 def peer_report(num_ranks: int) -> str:
     """One line per peer that is not running normally (dead, zombie, stopped); '' if all look alive."""
     d = job_dir()
@@ -57,7 +62,7 @@ def peer_report(num_ranks: int) -> str:
             continue
         pid = int(p.read_text())
         state = _proc_state(pid)
-        if state == "not running" or state[:1] in ("Z", "X", "T", "t"):
+        if _is_down(state):
             lines.append(f"  rank {r} (pid {pid}): {state}")
     return ("peers not running normally:\n" + "\n".join(lines)) if lines else ""
 
@@ -74,7 +79,7 @@ def ranks_down(d: Path, num_ranks: int) -> list:
         except ValueError:
             continue
         state = _proc_state(pid)
-        if state == "not running" or state[:1] in ("Z", "X", "T", "t"):
+        if _is_down(state):
             down.append((r, pid, state))
     return down
 

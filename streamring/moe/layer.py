@@ -128,6 +128,7 @@ class MoEBuffer:
         # ranks may then disagree on what was published and acknowledged, so
         # the buffers are not reused; the caller rebuilds the MoEBuffer.
         self.broken: Optional[str] = None
+        self._resolved_weights = None  # (weights, expert offset) of the current call, set by its input check
 
     # ------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, weights: MoEWeights, *, streaming: bool = False,
@@ -210,7 +211,7 @@ class MoEBuffer:
                 return f"weights must be a MoEWeights, got {type(weights).__name__}"
             if weights.w1.device != x.device:
                 return f"weights are on {weights.w1.device} but x is on {x.device}: put both on one device"
-            self._local_weights(weights)
+            self._resolved_weights = self._local_weights(weights)
         except Exception as exc:  # noqa: BLE001 - any local error must reach every rank, not desync them
             return f"{type(exc).__name__}: {exc}" if not isinstance(exc, ValueError) else str(exc)
         return None
@@ -260,7 +261,7 @@ class _Forward:
         self.sh = buf.shape
         self.weights = weights
         self.dev = x.device
-        self.full_weights, self.expert_offset = buf._local_weights(weights)
+        self.full_weights, self.expert_offset = buf._resolved_weights  # checked by forward's preflight
         # the route producer's own copy of its chunks' routing, for the combiner
         self.my_routing: dict[int, tuple] = {}
 

@@ -906,7 +906,7 @@ def _dequant_f64_reference(w: torch.Tensor, s: Optional[torch.Tensor]) -> torch.
 
 
 def reference_forward_f64(x: torch.Tensor, weights: MoEWeights, shape: MoEShape,
-                          return_routing: bool = False):
+                          return_routing: bool = False, routing: Optional[Tuple[torch.Tensor, torch.Tensor]] = None):
     """Independent float64 reference of the layer (no blocks, no caches).
 
     * routing: :func:`route` with ``dtype=torch.float64`` from the unquantized x;
@@ -922,6 +922,9 @@ def reference_forward_f64(x: torch.Tensor, weights: MoEWeights, shape: MoEShape,
     float32 and float64 routing (near-ties) must be excluded from the
     comparison (:func:`compare_to_reference`).
 
+    ``routing=(topk_idx, topk_weights)`` replaces the router (a given routing,
+    e.g. a synthetic one; masked routes ``-1`` contribute nothing).
+
     Returns:
         ``y`` float64 ``[T, H]``, or ``(y, topk_idx_f64, topk_weights_f64)``.
     """
@@ -931,7 +934,10 @@ def reference_forward_f64(x: torch.Tensor, weights: MoEWeights, shape: MoEShape,
         raise ValueError(f"weights must be a MoEWeights, got {type(weights).__name__}")
     weights.validate(shape)
     _check_x(x, shape)
-    idx, w = route(x, weights, shape, dtype=torch.float64)
+    if routing is None:
+        idx, w = route(x, weights, shape, dtype=torch.float64)
+    else:
+        idx, w = routing[0].to(torch.int64), routing[1].to(torch.float64)
     x_fp8, x_sf = quantize_act_fp8(x)
     t, h = x.shape
     xd = x_fp8.to(torch.float64) * x_sf.to(torch.float64).repeat_interleave(QUANT_BLOCK, dim=1)
