@@ -59,7 +59,7 @@ VERB_KERNELS = (
 RING_KERNELS = (
     "ring_reuse_wait", "ring_drain", "ring_advance_epoch", "ring_spin_wait",
     "ring_publish_nv", "ring_produce_nv", "ring_consume_nv",
-    "ring_publish_p2p", "ring_produce_p2p", "ring_consume_p2p",
+    "ring_publish_p2p", "ring_produce_p2p", "ring_consume_p2p", "ring_ack_nv", "ring_ack_p2p",
 )
 ALL_KERNELS = VERB_KERNELS + RING_KERNELS
 _OPS = {SignalOp.SET: 0, SignalOp.ADD: 1}
@@ -339,6 +339,8 @@ class NvshmemHeap(SymmetricHeap):
                 self.launch(name, 1, 128, dp, self._stage_ptr, sp, me, z, np.int32(0), np.int32(0), z, 0, **kw)
             elif name.startswith("ring_consume"):
                 self.launch(name, 1, 128, dp, self._stage_ptr, sp, me, z, z, np.int32(0), z, 0, **kw)
+            elif name.startswith("ring_ack"):
+                self.launch(name, 1, 1, dp, self._stage_ptr, sp, me, z, z, **kw)
         (stream.torch if stream is not None else self.stream).synchronize()
 
     def peer_table(self, region: Region):

@@ -408,6 +408,27 @@ __device__ void produce_block(const RingDesc* d, const X& x, int kind, int64_t c
     }
 }
 
+// Acknowledge (src, chunk) at the owner: one thread, after every read of the slot by this PE
+// is complete (the caller's fence/barrier). Resets this PE's doorbells of the slot on its
+// last lap first (stream_wait policy), then release + fetch_or of my bit in the owner's mask.
+template <class X>
+__device__ void ack_slot(const RingDesc* d, const X& x, int64_t src, int64_t chunk, uint64_t g, int inject) {
+    const int64_t slot = chunk % d->num_slots;
+    if (d->off_wake >= 0 && chunk + d->num_slots >= d->num_chunks) {
+        // Last lap of this slot in the stream: reset our doorbells of (src, slot) BEFORE the
+        // ack, so the owner's next-epoch doorbell (which needs this ack first) cannot be lost.
+        st_relaxed_sys_u64(wake_word(d, x.buf, RING_ROUTE, src, slot), 0);
+        st_relaxed_sys_u64(wake_word(d, x.buf, RING_LAYOUT, src, slot), 0);
+    }
+    x.release();
+    int64_t w = x.me / 64;
+    uint64_t bit = 1ull << (x.me % 64);
+    uint64_t old = x.fetch_or(ack_word(d, x.buf, slot, w), bit, (int)src);
+    if ((old & bit) && !(inject & INJ_SKIP_ACK_WAIT)) record_error(d, RE_DOUBLE_ACK, src, chunk, old, bit);
+    st_relaxed_sys_u64(consumed_gen_word(d, x.buf, src, slot), g);  // own record (diagnostics)
+    atomicAdd(&d->status[RS_CONSUMED], 1ull);
+}
+
 // Consumer body for one source (one block): acquire, verify the payload on device, ack.
 template <class X>
 __device__ void consume_block(const RingDesc* d, const X& x, int64_t src, int64_t chunk, int inject,
@@ -466,21 +487,7 @@ __device__ void consume_block(const RingDesc* d, const X& x, int64_t src, int64_
     }
     __threadfence_system();  // every thread: its reads are complete before the ack
     __syncthreads();
-    if (threadIdx.x == 0) {
-        if (d->off_wake >= 0 && chunk + d->num_slots >= d->num_chunks) {
-            // Last lap of this slot in the stream: reset our doorbells of (src, slot) BEFORE the
-            // ack, so the owner's next-epoch doorbell (which needs this ack first) cannot be lost.
-            st_relaxed_sys_u64(wake_word(d, x.buf, RING_ROUTE, src, slot), 0);
-            st_relaxed_sys_u64(wake_word(d, x.buf, RING_LAYOUT, src, slot), 0);
-        }
-        x.release();
-        int64_t w = x.me / 64;
-        uint64_t bit = 1ull << (x.me % 64);
-        uint64_t old = x.fetch_or(ack_word(d, x.buf, slot, w), bit, (int)src);
-        if ((old & bit) && !(inject & INJ_SKIP_ACK_WAIT)) record_error(d, RE_DOUBLE_ACK, src, chunk, old, bit);
-        st_relaxed_sys_u64(consumed_gen_word(d, x.buf, src, slot), g);  // own record (diagnostics)
-        atomicAdd(&d->status[RS_CONSUMED], 1ull);
-    }
+    if (threadIdx.x == 0) ack_slot(d, x, src, chunk, g, inject);
 }
 
 // ------------------------------------------------------------------------------------------
@@ -542,6 +549,15 @@ extern "C" __global__ void ring_spin_wait(const RingDesc* d, uint8_t* buf, int64
         XTYPE x = XINIT;                                                                                     \
         if (d->num_chunks <= 0) return;                                                                      \
         consume_block(d, x, src0 + blockIdx.x, chunk, inject, hold_cycles, t_acq);                           \
+    }                                                                                                        \
+    /* Ack only (the MoE consumer): the caller's kernels already acquired (ring_spin_wait) and */          \
+    /* copied the slot out; stream order puts their reads before this kernel. Grid = #sources. */          \
+    extern "C" __global__ void ring_ack_##SUFFIX(const RingDesc* d, uint8_t* buf, const uint64_t* peers,     \
+                                                 int me, int64_t src0, int64_t chunk) {                      \
+        XTYPE x = XINIT;                                                                                     \
+        if (d->num_chunks <= 0 || threadIdx.x != 0) return;                                                  \
+        __threadfence_system();                                                                              \
+        ack_slot(d, x, src0 + blockIdx.x, chunk, ring_make_gen(cur_epoch(d), chunk), 0);                     \
     }
 
 RING_KERNELS(nv, NvX, (NvX{buf, me}))

@@ -1,0 +1,413 @@
+"""Triton kernels of the block-granular FP8 MoE consumer (and its producer's hot parts).
+
+Device code only: every function here launches one kernel on the current torch stream and
+returns at once (no host synchronisation), so a whole forward can be captured in one CUDA
+graph. The block bookkeeping (which expert owns which block of rows, which blocks are ready)
+lives in small int32 device tensors owned by the caller (``streamring.moe.blocks``).
+
+Numerics (the contract the tests check):
+
+* Activations: float8_e4m3fn with one float32 scale per token per 128 columns
+  (``x_sf = max(amax, 1e-12) / 448``), exactly as the ring carries them.
+* Weights: float8_e4m3fn with one float32 scale per 128x128 block.
+* L1 (gate and up, one 128-column tile of each), SwiGLU ``silu(g) * u`` in float32, then the
+  128-column group of ``h`` is re-quantized to FP8 with its own per-row scale (fused epilogue).
+* L2 multiplies by the token's routing weight in the epilogue and stores bfloat16 ``Y`` per
+  (token, k) row; :func:`combine` sums the k rows of a token in the fixed order k = 0..K-1.
+* Every GEMM row's result depends only on that row's data and the expert's weights (the
+  K loop order is fixed, rows are independent in the MMA), so the streamed and the batch
+  path produce **bitwise identical** outputs when the rows of each expert are appended in the
+  same (token) order - which the block allocator guarantees.
+
+Grid order of the GEMMs: consecutive programs take *different blocks* with the *same* weight
+tile (``GROUP`` blocks per group), so CTAs running together share each weight tile through
+L2 instead of re-reading it from HBM once per block.
+"""
+
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+FP8_MAX = 448.0
+AMAX_EPS = 1e-12
+SF_BLOCK = 128
+# Triton's CPU interpreter (the tests) mis-computes bf16 tl.dot; there the router runs in float32
+# (bf16 values are exact in float32, only the accumulation differs from the GPU path).
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# ... and its float32 -> e4m3 cast loses the carry into the exponent (124.9 -> 64 instead of 128):
+# there the value is rounded to the e4m3 grid first (round half up; the GPU rounds half to even).
+_INTERP = tl.constexpr(INTERPRET)
+
+
+@triton.jit
+def _to_fp8(v):
+    if _INTERP:
+        ex = tl.maximum(tl.floor(tl.log2(tl.maximum(tl.abs(v), 1e-30))), -6.0)
+        step = tl.exp2(ex - 3.0)
+        v = tl.floor(v / step + 0.5) * step
+    return v.to(tl.float8e4nv)
+
+
+# ----------------------------------------------------------------------------------------------
+# producer side
+# ----------------------------------------------------------------------------------------------
+# Integer arguments that change between launches of one forward (row counts, chunk indices,
+# offsets) are not specialized: a new value must never trigger a compile (a module load in the
+# middle of an enqueued stream can deadlock against a stream that waits on the ring).
+@triton.jit(do_not_specialize=["x_stride", "n_rows"])
+def _router_logits_kernel(x_ptr, x_stride, w_ptr, out_ptr, n_rows,
+                          H: tl.constexpr, E: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                          BK: tl.constexpr):
+    # Fixed BMxBN tiles: a token's logits never depend on how many tokens share the launch
+    # (a chunk and the whole batch give bitwise identical logits, hence identical top-k).
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rows = pid_m * BM + tl.arange(0, BM)
+    cols = pid_n * BN + tl.arange(0, BN)
+    rmask = rows < n_rows
+    kk = tl.arange(0, BK)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, H, BK):
+        a = tl.load(x_ptr + rows.to(tl.int64)[:, None] * x_stride + k0 + kk[None, :], mask=rmask[:, None], other=0.0)
+        b = tl.load(w_ptr + cols.to(tl.int64)[:, None] * H + k0 + kk[None, :], mask=(cols < E)[:, None], other=0.0)
+        acc += tl.dot(a, tl.trans(b))
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * E + cols[None, :], acc, mask=rmask[:, None] & (cols < E)[None, :])
+
+
+def router_logits(x, w_bf16, out) -> None:
+    """``out[T, E] (float32) = x[T, H] (bf16) @ w_bf16[E, H].T`` on fixed 64-row tiles."""
+    t, h = x.shape
+    e = w_bf16.shape[0]
+    if t == 0:
+        return
+    bn = min(128, triton.next_power_of_2(e))
+    if INTERPRET:
+        x, w_bf16 = x.float(), w_bf16.float()
+    grid = (triton.cdiv(t, 64), triton.cdiv(e, bn))
+    _router_logits_kernel[grid](x, x.stride(0), w_bf16, out, t, H=h, E=e, BM=64, BN=bn, BK=64, num_warps=4)
+
+
+@triton.jit(do_not_specialize=["x_stride", "n_rows"])
+def _quant_rows_kernel(x_ptr, x_stride, q_ptr, sf_ptr, n_rows, H: tl.constexpr, BR: tl.constexpr):
+    pid_r = tl.program_id(0)
+    g = tl.program_id(1)
+    rows = pid_r * BR + tl.arange(0, BR)
+    cols = g * 128 + tl.arange(0, 128)
+    rmask = rows < n_rows
+    r64 = rows.to(tl.int64)
+    x = tl.load(x_ptr + r64[:, None] * x_stride + cols[None, :], mask=rmask[:, None], other=0.0).to(tl.float32)
+    amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12)
+    s = amax / 448.0
+    q = _to_fp8(tl.clamp(x / s[:, None], -448.0, 448.0))
+    tl.store(q_ptr + r64[:, None] * H + cols[None, :], q, mask=rmask[:, None])
+    tl.store(sf_ptr + r64 * (H // 128) + g, s, mask=rmask)
+
+
+def quant_rows(x, q, sf) -> None:
+    """Quantize ``x[T, H]`` into ``q[T, H]`` (float8_e4m3fn, contiguous) and ``sf[T, H/128]``."""
+    t, h = x.shape
+    if t == 0:
+        return
+    grid = (triton.cdiv(t, 16), h // 128)
+    _quant_rows_kernel[grid](x, x.stride(0), q, sf, t, H=h, BR=16, num_warps=4)
+
+
+# ----------------------------------------------------------------------------------------------
+# block bookkeeping (one program: sequential over experts via prefix sums, hence deterministic)
+# ----------------------------------------------------------------------------------------------
+@triton.jit(do_not_specialize=["hi_index"])
+def _alloc_blocks_kernel(counts_ptr, state_ptr, expert_blocks_ptr, block_expert_ptr, ready_list_ptr,
+                         ready_hi_ptr, hi_index, E: tl.constexpr, EP: tl.constexpr, BM: tl.constexpr,
+                         MAXB: tl.constexpr, SEAL: tl.constexpr):
+    # state: [0, E) rows filled per expert, [E] blocks allocated, [E+1] blocks ready.
+    e = tl.arange(0, EP)
+    em = e < E
+    fill_old = tl.load(state_ptr + e, mask=em, other=0)
+    if SEAL:
+        cnt = tl.zeros((EP,), dtype=tl.int32)
+    else:
+        cnt = tl.load(counts_ptr + e, mask=em, other=0)
+    fill_new = fill_old + cnt
+    nb_old = (fill_old + BM - 1) // BM
+    nb_new = (fill_new + BM - 1) // BM
+    new = nb_new - nb_old
+    n_blocks = tl.load(state_ptr + E)
+    n_ready = tl.load(state_ptr + E + 1)
+    base = n_blocks + tl.cumsum(new, 0) - new  # block ids handed out expert by expert
+    max_new = tl.max(new, 0)
+    t = 0
+    while t < max_new:  # (a while loop: Triton's interpreter cannot range() over a reduction)
+        m = em & (t < new)
+        tl.store(expert_blocks_ptr + e * MAXB + nb_old + t, base + t, mask=m)
+        tl.store(block_expert_ptr + base + t, e, mask=m)
+        t += 1
+    if SEAL:
+        # end of stream: every partially filled block becomes ready
+        j0 = fill_new // BM
+        nr = (fill_new % BM != 0).to(tl.int32)
+    else:
+        # a block becomes ready the moment its last row is appended
+        j0 = fill_old // BM
+        nr = fill_new // BM - fill_old // BM
+    rbase = n_ready + tl.cumsum(nr, 0) - nr
+    max_nr = tl.max(nr, 0)
+    t = 0
+    while t < max_nr:
+        j = j0 + t
+        m = em & (t < nr)
+        # ids allocated in this call are arithmetic (same program: no read-after-write through memory)
+        old_id = tl.load(expert_blocks_ptr + e * MAXB + j, mask=m & (j < nb_old), other=0)
+        bid = tl.where(j >= nb_old, base + (j - nb_old), old_id)
+        tl.store(ready_list_ptr + rbase + t, bid, mask=m)
+        t += 1
+    tl.store(state_ptr + e, fill_new, mask=em)
+    tl.store(state_ptr + E, n_blocks + tl.sum(new, 0))
+    tl.store(state_ptr + E + 1, n_ready + tl.sum(nr, 0))
+    tl.store(ready_hi_ptr + hi_index, n_ready + tl.sum(nr, 0))
+
+
+def alloc_blocks(counts, state, expert_blocks, block_expert, ready_list, ready_hi, hi_index: int, *,
+                 num_experts: int, block_m: int, seal: bool) -> None:
+    """Append ``counts[e]`` rows to every expert, allocate blocks, publish newly ready blocks.
+
+    Writes ``ready_hi[hi_index]`` = number of ready blocks after this call; the blocks that
+    became ready are ``ready_list[ready_hi[hi_index-1] : ready_hi[hi_index]]``.
+    """
+    ep = triton.next_power_of_2(num_experts)
+    _alloc_blocks_kernel[(1,)](counts, state, expert_blocks, block_expert, ready_list, ready_hi, hi_index,
+                               E=num_experts, EP=ep, BM=block_m, MAXB=expert_blocks.shape[1], SEAL=seal,
+                               num_warps=4)
+
+
+@triton.jit(do_not_specialize=["token_base"])
+def _place_rows_kernel(sorted_e_ptr, order_ptr, counts_ptr, cstart_ptr, state_ptr, expert_blocks_ptr,
+                       xq_ptr, xsf_ptr, tw_ptr, a_ptr, asf_ptr, roww_ptr, tokrow_ptr, token_base,
+                       K: tl.constexpr, H: tl.constexpr, SFC: tl.constexpr, SFCP: tl.constexpr,
+                       BM: tl.constexpr, MAXB: tl.constexpr, BH: tl.constexpr):
+    i = tl.program_id(0)
+    e = tl.load(sorted_e_ptr + i).to(tl.int32)
+    f = tl.load(order_ptr + i).to(tl.int32)
+    tok = f // K
+    k = f % K
+    rank = i - tl.load(cstart_ptr + e)
+    # state holds the fill *after* this chunk's allocation: this chunk's rows of e start at fill - count
+    pos = tl.load(state_ptr + e) - tl.load(counts_ptr + e) + rank
+    bid = tl.load(expert_blocks_ptr + e * MAXB + pos // BM)
+    row = (bid * BM + pos % BM).to(tl.int64)
+    tok64 = tok.to(tl.int64)
+    hh = tl.arange(0, BH)
+    for h0 in range(0, H, BH):
+        v = tl.load(xq_ptr + tok64 * H + h0 + hh)
+        tl.store(a_ptr + row * H + h0 + hh, v)
+    ss = tl.arange(0, SFCP)
+    sv = tl.load(xsf_ptr + tok64 * SFC + ss, mask=ss < SFC)
+    tl.store(asf_ptr + row * SFC + ss, sv, mask=ss < SFC)
+    tl.store(roww_ptr + row, tl.load(tw_ptr + f))
+    tl.store(tokrow_ptr + (token_base + tok64) * K + k, row)
+
+
+def place_rows(sorted_e, order, counts, cstart, state, expert_blocks, xq_u8, xsf, topk_w, a_u8, asf, roww,
+               tokrow, token_base: int, *, topk: int, block_m: int) -> None:
+    """Copy each (token, k) of one chunk into its expert block row (the dispatch)."""
+    n = sorted_e.shape[0]
+    if n == 0:
+        return
+    h = xq_u8.shape[1]
+    sfc = xsf.shape[1]
+    bh = 1024 if h % 1024 == 0 else 128
+    _place_rows_kernel[(n,)](sorted_e, order, counts, cstart, state, expert_blocks, xq_u8, xsf, topk_w, a_u8,
+                             asf, roww, tokrow, token_base, K=topk, H=h, SFC=sfc,
+                             SFCP=triton.next_power_of_2(sfc), BM=block_m, MAXB=expert_blocks.shape[1], BH=bh,
+                             num_warps=4)
+
+
+# ----------------------------------------------------------------------------------------------
+# expert GEMMs over ready blocks
+# ----------------------------------------------------------------------------------------------
+@triton.jit
+def _tile_of(pid, NT: tl.constexpr, GROUP: tl.constexpr, n_items):
+    # programs [g*GROUP*NT, (g+1)*GROUP*NT) cover blocks [g*GROUP, (g+1)*GROUP) x all NT tiles,
+    # blocks varying fastest: CTAs running together read the same weight tile.
+    per_group = GROUP * NT
+    g = pid // per_group
+    r = pid % per_group
+    first = g * GROUP
+    gsize = tl.minimum(n_items - first, GROUP)
+    gsize = tl.maximum(gsize, 1)
+    return first + r % gsize, r // gsize, r < gsize * NT
+
+
+@triton.jit(do_not_specialize=["lo_index", "hi_index", "max_items"])
+def _l1_swiglu_kernel(ready_list_ptr, ready_hi_ptr, lo_index, hi_index, max_items, block_expert_ptr, a_ptr, asf_ptr, w1_ptr,
+                      w1sf_ptr, h1_ptr, h1sf_ptr, H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr,
+                      GROUP: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        # programmatic dependent launch: this grid was launched before its predecessor ended;
+        # wait here (before the first read of anything the predecessor writes)
+        tl.extra.cuda.gdc_wait()
+    BN: tl.constexpr = 128
+    BK: tl.constexpr = 128
+    NT: tl.constexpr = I // BN
+    KS: tl.constexpr = H // BK
+    lo = tl.load(ready_hi_ptr + lo_index)
+    hi = tl.load(ready_hi_ptr + hi_index)
+    n_items = tl.minimum(hi - lo, max_items)
+    i, nt, ok = _tile_of(tl.program_id(0), NT, GROUP, n_items)
+    if (i >= n_items) | (~ok):
+        return
+    bid = tl.load(ready_list_ptr + lo + i)
+    e = tl.load(block_expert_ptr + bid).to(tl.int64)
+    rows = bid.to(tl.int64) * BM + tl.arange(0, BM)
+    kk = tl.arange(0, BK)
+    ncol = nt * BN + tl.arange(0, BN)
+    w_e = w1_ptr + e * (2 * I * H)
+    s_e = w1sf_ptr + e * (2 * NT * KS)
+    acc_g = tl.zeros((BM, BN), dtype=tl.float32)
+    acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+    for ks in tl.range(0, KS, num_stages=STAGES):
+        a = tl.load(a_ptr + rows[:, None] * H + ks * BK + kk[None, :])
+        a_s = tl.load(asf_ptr + rows * KS + ks)
+        wg = tl.load(w_e + ncol.to(tl.int64)[:, None] * H + ks * BK + kk[None, :])
+        wu = tl.load(w_e + (I + ncol).to(tl.int64)[:, None] * H + ks * BK + kk[None, :])
+        sg = tl.load(s_e + nt * KS + ks)
+        su = tl.load(s_e + (NT + nt) * KS + ks)
+        acc_g += tl.dot(a, tl.trans(wg)) * (a_s[:, None] * sg)
+        acc_u += tl.dot(a, tl.trans(wu)) * (a_s[:, None] * su)
+    h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    amax = tl.maximum(tl.max(tl.abs(h), axis=1), 1e-12)
+    s = amax / 448.0
+    q = _to_fp8(tl.clamp(h / s[:, None], -448.0, 448.0))
+    tl.store(h1_ptr + rows[:, None] * I + ncol[None, :], q)
+    tl.store(h1sf_ptr + rows * NT + nt, s)
+
+
+@triton.jit(do_not_specialize=["lo_index", "hi_index", "max_items"])
+def _l2_kernel(ready_list_ptr, ready_hi_ptr, lo_index, hi_index, max_items, block_expert_ptr, h1_ptr, h1sf_ptr, w2_ptr, w2sf_ptr,
+               roww_ptr, y_ptr, H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, GROUP: tl.constexpr,
+               STAGES: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    BN: tl.constexpr = 128
+    BK: tl.constexpr = 128
+    NT: tl.constexpr = H // BN
+    KS: tl.constexpr = I // BK
+    lo = tl.load(ready_hi_ptr + lo_index)
+    hi = tl.load(ready_hi_ptr + hi_index)
+    n_items = tl.minimum(hi - lo, max_items)
+    i, nt, ok = _tile_of(tl.program_id(0), NT, GROUP, n_items)
+    if (i >= n_items) | (~ok):
+        return
+    bid = tl.load(ready_list_ptr + lo + i)
+    e = tl.load(block_expert_ptr + bid).to(tl.int64)
+    rows = bid.to(tl.int64) * BM + tl.arange(0, BM)
+    kk = tl.arange(0, BK)
+    ncol = nt * BN + tl.arange(0, BN)
+    w_e = w2_ptr + e * (H * I)
+    s_e = w2sf_ptr + e * (NT * KS)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for ks in tl.range(0, KS, num_stages=STAGES):
+        a = tl.load(h1_ptr + rows[:, None] * I + ks * BK + kk[None, :])
+        a_s = tl.load(h1sf_ptr + rows * KS + ks)
+        w = tl.load(w_e + ncol.to(tl.int64)[:, None] * I + ks * BK + kk[None, :])
+        ws = tl.load(s_e + nt * KS + ks)
+        acc += tl.dot(a, tl.trans(w)) * (a_s[:, None] * ws)
+    rw = tl.load(roww_ptr + rows)
+    y = acc * rw[:, None]
+    tl.store(y_ptr + rows[:, None] * H + ncol[None, :], y.to(tl.bfloat16))
+
+
+def _gemm_cfg(block_m: int) -> dict:
+    # K-loop software pipelining (cp.async ring in shared memory) needs tl.range(num_stages=...)
+    if block_m >= 64:
+        return {"num_warps": 8, "STAGES": 3}
+    return {"num_warps": 4, "STAGES": 4}
+
+
+def _pdl_kw(pdl: bool) -> dict:
+    return {"PDL": True, "launch_pdl": True} if pdl else {"PDL": False}
+
+
+def expert_l1(ready_list, ready_hi, lo_index: int, hi_index: int, max_items: int, block_expert, a, asf, w1, w1sf, h1, h1sf, *, block_m: int,
+              group: int = 8, pdl: bool = False) -> None:
+    """L1 + SwiGLU + FP8 re-quantization of the ready blocks
+    ``ready_list[ready_hi[lo_index] : ready_hi[hi_index]]``.
+
+    The range is read on the device (the launch needs no host sync); ``max_items`` bounds the
+    launch grid (``hi - lo`` must not exceed it).
+    """
+    if max_items <= 0:
+        return
+    e, two_i, h = w1.shape
+    i = two_i // 2
+    nt = i // 128
+    grid = (triton.cdiv(max_items, group) * group * nt,)
+    _l1_swiglu_kernel[grid](ready_list, ready_hi, lo_index, hi_index, max_items, block_expert, a, asf, w1, w1sf, h1, h1sf, H=h, I=i,
+                            BM=block_m, GROUP=group, **_gemm_cfg(block_m), **_pdl_kw(pdl))
+
+
+def expert_l2(ready_list, ready_hi, lo_index: int, hi_index: int, max_items: int, block_expert, h1, h1sf, w2, w2sf, roww, y, *, block_m: int,
+              group: int = 8, pdl: bool = False) -> None:
+    """L2 of the ready blocks, times the routing weight; bf16 ``y`` rows."""
+    if max_items <= 0:
+        return
+    e, h, i = w2.shape
+    nt = h // 128
+    grid = (triton.cdiv(max_items, group) * group * nt,)
+    _l2_kernel[grid](ready_list, ready_hi, lo_index, hi_index, max_items, block_expert, h1, h1sf, w2, w2sf, roww, y, H=h, I=i,
+                     BM=block_m, GROUP=group, **_gemm_cfg(block_m), **_pdl_kw(pdl))
+
+
+@triton.jit
+def _combine_kernel(tokrow_ptr, y_ptr, out_ptr, H: tl.constexpr, K: tl.constexpr, BH: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    hb = tl.program_id(1)
+    cols = hb * BH + tl.arange(0, BH)
+    acc = tl.zeros((BH,), dtype=tl.float32)
+    for k in tl.static_range(K):
+        r = tl.load(tokrow_ptr + t * K + k)
+        acc += tl.load(y_ptr + r * H + cols).to(tl.float32)
+    tl.store(out_ptr + t * H + cols, acc.to(tl.bfloat16))
+
+
+def combine(tokrow, y, out, *, topk: int) -> None:
+    """``out[t] = sum_k y[tokrow[t, k]]`` in the order k = 0..K-1 (bf16 out, fp32 sum)."""
+    t, h = out.shape
+    if t == 0:
+        return
+    bh = 1024 if h % 1024 == 0 else 128
+    _combine_kernel[(t, h // bh)](tokrow, y, out, H=h, K=topk, BH=bh, num_warps=4)
+
+
+@triton.jit(do_not_specialize=["deadline_ns"])
+def _spin_flag_kernel(flag_ptr, deadline_ns, out_ptr):
+    # An idle waiting consumer: one program polls a flag (volatile loads) until it is non-zero or
+    # the deadline passes; writes 1 (seen) or 2 (timed out) to out_ptr.
+    t0 = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+    v = tl.load(flag_ptr, volatile=True)
+    now = t0
+    while (v == 0) & (now - t0 < deadline_ns):
+        v = tl.load(flag_ptr, volatile=True)
+        now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False,
+                                        pack=1)
+    tl.store(out_ptr, tl.where(v != 0, 1, 2))
+
+
+def spin_on_flag(flag, deadline_ns: int, out) -> None:
+    """Enqueue one program spinning on ``flag[0] != 0`` (at most ``deadline_ns``)."""
+    _spin_flag_kernel[(1,)](flag, deadline_ns, out, num_warps=1)
+
+
+@triton.jit(do_not_specialize=["idx"])
+def _stamp_kernel(ptr, idx):
+    t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+    tl.store(ptr + idx, t)
+
+
+def stamp(buf, idx: int) -> None:
+    """Write the GPU %globaltimer (ns) into ``buf[idx]`` when the stream reaches this point.
+    Pass the whole buffer and an index (a sliced view would change the pointer's alignment
+    and with it Triton's specialization)."""
+    _stamp_kernel[(1,)](buf, idx, num_warps=1)

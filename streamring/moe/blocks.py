@@ -1,0 +1,307 @@
+"""Block-granular FP8 MoE consumer (RFC option 2): per-expert blocks filled across chunks.
+
+The consumer appends the routed rows of each chunk to per-expert blocks of ``block_m`` rows,
+reserved incrementally (a block id is handed out when an expert's first row of the block
+arrives). A block becomes *ready* the moment its last row is appended, or at the end-of-stream
+*seal* for the expert's last, partial block. Only ready blocks enter the expert GEMMs, so each
+expert's weights are read once per block, exactly as in the batch path - the weight re-reading
+of chunk-local pools (``performance.md``: 1.9x the MoE time for 2 chunks at 1024 tokens) does
+not happen.
+
+Everything is enqueued on the current torch stream with no host synchronisation: the block
+counts live on the device and the GEMM launches read their ``[lo, hi)`` range of the ready
+list from device memory, with a grid sized for the largest range possible. A whole forward -
+per-chunk dispatch and GEMMs included - is therefore one captured CUDA graph that the host does
+not relaunch per chunk (``streamring.moe.gpu_pipeline``).
+
+Bitwise contract: rows of an expert are appended in chunk order and, inside a chunk, in
+(token, k) order (stable sort), which is the batch path's order; the kernels compute every row
+independently (``streamring.device.moe_triton``). Streamed and batch outputs are therefore
+bitwise identical (``tests/test_blocks.py`` checks it, and the GPU benchmark re-checks it on
+the H200).
+
+Runs wherever Triton runs: on a GPU, or on the CPU under ``TRITON_INTERPRET=1`` (the tests).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ..device import moe_triton as K
+from .math import MoEShape, MoEWeights
+
+FP8 = torch.float8_e4m3fn
+
+
+@dataclass
+class FastWeights:
+    """Weights laid out for the block GEMMs.
+
+    ``w1`` is gate and up stacked: ``[E, 2I, H]`` fp8 with ``w1_sf [E, 2I/128, H/128]``;
+    ``w2`` ``[E, H, I]`` fp8 with ``w2_sf [E, H/128, I/128]``; ``router`` bf16 ``[E, H]``;
+    ``bias`` float32 ``[E]`` or None (deepseek_v3 selection bias).
+    """
+
+    w1: torch.Tensor
+    w1_sf: torch.Tensor
+    w2: torch.Tensor
+    w2_sf: torch.Tensor
+    router: torch.Tensor
+    bias: Optional[torch.Tensor]
+
+    @classmethod
+    def from_moe_weights(cls, w: MoEWeights) -> "FastWeights":
+        """Stack an fp8 :class:`MoEWeights` (raises for bf16 weights: the fast path is FP8 only)."""
+        if not w.is_fp8:
+            raise ValueError("the block-granular FP8 consumer needs weight_dtype 'fp8' weights, got bf16")
+        return cls(w1=torch.cat([w.w1, w.w3], dim=1).contiguous(),
+                   w1_sf=torch.cat([w.w1_scale, w.w3_scale], dim=1).contiguous(),
+                   w2=w.w2.contiguous(), w2_sf=w.w2_scale.contiguous(),
+                   router=w.router_weight.to(torch.bfloat16).contiguous(),
+                   bias=None if w.correction_bias is None else w.correction_bias.float().contiguous())
+
+    @classmethod
+    def random(cls, shape: MoEShape, seed: int, device) -> "FastWeights":
+        """Random FP8 weights generated *on* ``device`` (the full DeepSeek-V3 shape in seconds).
+
+        Same distribution as :meth:`MoEWeights.random` (N(0, 1/fan_in), 128x128 block scales)
+        but a different stream of numbers; use it for benchmarks, not for cross-device checks.
+        """
+        from .math import quantize_weight_fp8_block
+
+        e, h, i = shape.num_experts, shape.hidden, shape.intermediate
+        g = torch.Generator(device=device)
+        g.manual_seed(seed)
+        w1 = torch.empty(e, 2 * i, h, dtype=FP8, device=device)
+        w1_sf = torch.empty(e, 2 * i // 128, h // 128, dtype=torch.float32, device=device)
+        w2 = torch.empty(e, h, i, dtype=FP8, device=device)
+        w2_sf = torch.empty(e, h // 128, i // 128, dtype=torch.float32, device=device)
+        for ex in range(e):
+            q, s = quantize_weight_fp8_block(torch.randn(2 * i, h, generator=g, device=device) / math.sqrt(h))
+            w1[ex].copy_(q)
+            w1_sf[ex].copy_(s)
+            q, s = quantize_weight_fp8_block(torch.randn(h, i, generator=g, device=device) / math.sqrt(i))
+            w2[ex].copy_(q)
+            w2_sf[ex].copy_(s)
+        router = (torch.randn(e, h, generator=g, device=device) / math.sqrt(h)).to(torch.bfloat16)
+        bias = torch.randn(e, generator=g, device=device) * 0.1 if shape.router == "deepseek_v3" else None
+        return cls(w1, w1_sf, w2, w2_sf, router, bias)
+
+
+def select_experts(logits: torch.Tensor, bias: Optional[torch.Tensor], shape: MoEShape):
+    """Top-k selection on float32 logits ``[n, E]`` (row-local ops only: a token's choice and
+    weights never depend on the other tokens of the launch). Returns ``(idx int64, w float32)``.
+
+    Same rule as :func:`streamring.moe.math.route` (deepseek_v3: sigmoid, bias for selection,
+    top-2-sum group scores, ``topk_group`` groups; softmax_topk: softmax, top-k, renormalise).
+    """
+    n, e = logits.shape
+    k = shape.topk
+    if shape.router == "softmax_topk":
+        w, idx = torch.topk(torch.softmax(logits, dim=-1), k, dim=-1, sorted=True)
+        if shape.renormalize:
+            w = w / _ordered_sum(w)
+        return idx, w
+    scores = torch.sigmoid(logits)
+    sel = scores + bias[None, :] if bias is not None else scores
+    g = shape.n_group
+    grouped = sel.view(n, g, e // g)
+    if e // g == 1:
+        gs = grouped[..., 0]
+    else:
+        top2 = torch.topk(grouped, 2, dim=-1, sorted=True).values
+        gs = top2[..., 0] + top2[..., 1]
+    gidx = torch.topk(gs, shape.topk_group, dim=-1, sorted=True).indices
+    gmask = torch.zeros(n, g, dtype=torch.bool, device=logits.device).scatter_(1, gidx, True)
+    sel = sel.masked_fill(~gmask[:, :, None].expand(n, g, e // g).reshape(n, e), float("-inf"))
+    idx = torch.topk(sel, k, dim=-1, sorted=True).indices
+    w = scores.gather(1, idx)
+    if shape.norm_topk_prob:
+        w = w / (_ordered_sum(w) + 1e-20)
+    return idx, w * shape.routed_scaling_factor
+
+
+def _ordered_sum(w: torch.Tensor) -> torch.Tensor:
+    acc = w[:, 0:1].clone()
+    for j in range(1, w.shape[1]):
+        acc = acc + w[:, j:j + 1]
+    return acc
+
+
+class Producer:
+    """Router/top-k and FP8 layout producers for up to ``max_tokens`` tokens per call."""
+
+    def __init__(self, shape: MoEShape, fw: FastWeights, max_tokens: int, device):
+        self.shape, self.fw = shape, fw
+        self.logits = torch.zeros(max_tokens, shape.num_experts, dtype=torch.float32, device=device)
+
+    def route(self, x: torch.Tensor, idx_out: torch.Tensor, w_out: torch.Tensor) -> None:
+        """Router + top-k of ``x [n, H]`` into ``idx_out [n, K]`` (int64), ``w_out [n, K]`` (f32)."""
+        n = x.shape[0]
+        lg = self.logits[:n]
+        K.router_logits(x, self.fw.router, lg)
+        idx, w = select_experts(lg, self.fw.bias, self.shape)
+        idx_out.copy_(idx)
+        w_out.copy_(w)
+
+    @staticmethod
+    def layout(x: torch.Tensor, q_out: torch.Tensor, sf_out: torch.Tensor) -> None:
+        """FP8 quantization of ``x [n, H]`` into ``q_out [n, H]`` and ``sf_out [n, H/128]``."""
+        K.quant_rows(x, q_out, sf_out)
+
+
+class BlockConsumer:
+    """Per-expert block state and buffers for one forward of up to ``max_tokens`` tokens.
+
+    Call order per forward: :meth:`begin`, then for chunk c = 0..C-1 :meth:`dispatch` (c) and
+    :meth:`compute` (c, c+1), then :meth:`seal` (C), :meth:`compute` (C, C+1) and
+    :meth:`combine`. ``ready_hi[j]`` (device) is the ready-list length after dispatch j-1,
+    so the blocks made ready by dispatch c are ``ready_list[ready_hi[c] : ready_hi[c+1]]``.
+    """
+
+    def __init__(self, shape: MoEShape, max_tokens: int, max_chunks: int, block_m: int, device):
+        if block_m not in (16, 32, 64, 128):
+            raise ValueError(f"block_m must be one of (16, 32, 64, 128), got {block_m}")
+        self.shape, self.block_m, self.device = shape, block_m, device
+        E, Kk, H, I = shape.num_experts, shape.topk, shape.hidden, shape.intermediate
+        self.max_tokens, self.max_chunks = max_tokens, max_chunks
+        self.max_blocks = -(-max_tokens * Kk // block_m) + E
+        rows = self.max_blocks * block_m
+        i32 = dict(dtype=torch.int32, device=device)
+        self.state = torch.zeros(E + 2, **i32)
+        self.expert_blocks = torch.zeros(E, -(-max_tokens // block_m) + 1, **i32)
+        self.block_expert = torch.zeros(self.max_blocks, **i32)
+        self.ready_list = torch.zeros(self.max_blocks, **i32)
+        self.ready_hi = torch.zeros(max_chunks + 2, **i32)
+        self.ones = torch.ones(max_tokens * Kk, **i32)
+        # zero-filled once: rows of a partial block past its fill are computed but never read
+        self.a = torch.zeros(rows, H, dtype=torch.uint8, device=device)
+        self.a_sf = torch.zeros(rows, H // 128, dtype=torch.float32, device=device)
+        self.h1 = torch.zeros(rows, I, dtype=torch.uint8, device=device)
+        self.h1_sf = torch.zeros(rows, I // 128, dtype=torch.float32, device=device)
+        self.row_weight = torch.zeros(rows, dtype=torch.float32, device=device)
+        self.y = torch.zeros(rows, H, dtype=torch.bfloat16, device=device)
+        self.tok_row = torch.zeros(max_tokens * Kk, dtype=torch.int64, device=device)
+
+    def max_ready(self, tokens: int) -> int:
+        """Most blocks one dispatch of ``tokens`` tokens can make ready (the GEMM grid bound)."""
+        return min(self.max_blocks, tokens * self.shape.topk // self.block_m + self.shape.num_experts)
+
+    def begin(self) -> None:
+        self.state.zero_()
+        self.ready_hi.zero_()
+
+    def dispatch(self, c: int, topk_idx, topk_w, x_q, x_sf, token_base: int) -> None:
+        """Append chunk ``c``'s routed rows (slot views, ``n`` tokens) to the expert blocks.
+
+        After this returns (in stream order) nothing reads the slot again: the ring slot may be
+        acknowledged right here, before the GEMMs (the RFC's early ``input_consumed`` ack).
+        """
+        E, Kk = self.shape.num_experts, self.shape.topk
+        n = topk_idx.shape[0]
+        flat = topk_idx.reshape(-1)
+        sorted_e, order = torch.sort(flat, stable=True)
+        counts = torch.zeros(E, dtype=torch.int32, device=self.device).scatter_add_(0, flat, self.ones[:n * Kk])
+        cstart = (torch.cumsum(counts, 0, dtype=torch.int32) - counts)
+        K.alloc_blocks(counts, self.state, self.expert_blocks, self.block_expert, self.ready_list, self.ready_hi,
+                       c + 1, num_experts=E, block_m=self.block_m, seal=False)
+        K.place_rows(sorted_e, order, counts, cstart, self.state, self.expert_blocks, x_q.view(torch.uint8), x_sf,
+                     topk_w.reshape(-1), self.a, self.a_sf, self.row_weight, self.tok_row, token_base, topk=Kk,
+                     block_m=self.block_m)
+
+    def seal(self, c: int) -> None:
+        """End of stream: every partial block becomes ready (``ready_hi[c + 1]``)."""
+        K.alloc_blocks(self.ready_hi, self.state, self.expert_blocks, self.block_expert, self.ready_list,
+                       self.ready_hi, c + 1, num_experts=self.shape.num_experts, block_m=self.block_m, seal=True)
+
+    def compute(self, lo_index: int, hi_index: int, max_items: int, fw: FastWeights, pdl: bool = False) -> None:
+        """L1+SwiGLU and L2 of the blocks ``ready_list[ready_hi[lo_index] : ready_hi[hi_index]]``.
+
+        ``pdl``: launch both GEMMs with programmatic dependent launch (they wait in-kernel).
+        """
+        h1 = self.h1.view(FP8)
+        K.expert_l1(self.ready_list, self.ready_hi, lo_index, hi_index, max_items, self.block_expert, self.a.view(FP8), self.a_sf, fw.w1,
+                    fw.w1_sf, h1, self.h1_sf, block_m=self.block_m, pdl=pdl)
+        K.expert_l2(self.ready_list, self.ready_hi, lo_index, hi_index, max_items, self.block_expert, h1, self.h1_sf, fw.w2, fw.w2_sf,
+                    self.row_weight, self.y, block_m=self.block_m, pdl=pdl)
+
+    def combine(self, out: torch.Tensor) -> None:
+        """``out [T, H]`` bf16: the sum of each token's k weighted expert rows."""
+        K.combine(self.tok_row, self.y, out, topk=self.shape.topk)
+
+
+def batch_forward(x, fw: FastWeights, shape: MoEShape, prod: Producer, bc: BlockConsumer, scratch: dict,
+                  out: torch.Tensor) -> None:
+    """The batch-ready path: produce the whole batch, then one dispatch, seal and GEMM pass."""
+    t = x.shape[0]
+    idx, w = scratch["idx"][:t], scratch["w"][:t]
+    q, sf = scratch["q"][:t], scratch["sf"][:t]
+    prod.route(x, idx, w)
+    prod.layout(x, q, sf)
+    moe_forward(idx, w, q, sf, fw, bc, out)
+
+
+def moe_forward(idx, w, q, sf, fw: FastWeights, bc: BlockConsumer, out: torch.Tensor) -> None:
+    """The MoE alone on already produced routing/layout (batch structure)."""
+    bc.begin()
+    bc.dispatch(0, idx, w, q, sf, 0)
+    bc.seal(1)
+    bc.compute(0, 2, bc.max_blocks, fw)
+    bc.combine(out)
+
+
+def scratch_buffers(shape: MoEShape, tokens: int, device) -> dict:
+    """Producer outputs for ``tokens`` tokens (the batch path's stand-in for ring slots)."""
+    return {"idx": torch.zeros(tokens, shape.topk, dtype=torch.int64, device=device),
+            "w": torch.zeros(tokens, shape.topk, dtype=torch.float32, device=device),
+            "q": torch.zeros(tokens, shape.hidden, dtype=FP8, device=device),
+            "sf": torch.zeros(tokens, shape.hidden // 128, dtype=torch.float32, device=device)}
+
+
+def emulate_forward(x, fw: FastWeights, shape: MoEShape) -> torch.Tensor:
+    """Float32 torch emulation of exactly what the kernels compute (for tests): same routing,
+    same activation and ``h`` quantization rules, per-(token, k) bf16 rows, k-ordered combine."""
+    from .math import dequantize_act_fp8, dequantize_weight_fp8_block, quantize_act_fp8
+
+    t, H = x.shape
+    logits = x.float() @ fw.router.float().t()
+    idx, w = select_experts(logits, fw.bias, shape)
+    q, sf = quantize_act_fp8(x.float())
+    xd = dequantize_act_fp8(q, sf)
+    w1 = dequantize_weight_fp8_block(fw.w1, fw.w1_sf)
+    w2 = dequantize_weight_fp8_block(fw.w2, fw.w2_sf)
+    I = shape.intermediate
+    out = torch.zeros(t, H, dtype=torch.float32)
+    for tok in range(t):
+        for j in range(shape.topk):
+            e = int(idx[tok, j])
+            gu = xd[tok] @ w1[e].t()
+            h = torch.nn.functional.silu(gu[:I]) * gu[I:]
+            hq, hs = quantize_act_fp8(h[None, :])
+            y = (dequantize_act_fp8(hq, hs)[0] @ w2[e].t()) * w[tok, j]
+            out[tok] += y.to(torch.bfloat16).float()
+    return out.to(torch.bfloat16)
+
+
+def streamed_forward_serial(x, fw: FastWeights, shape: MoEShape, prod: Producer, bc: BlockConsumer,
+                            scratch: dict, chunk_tokens: int, out: torch.Tensor) -> None:
+    """Chunk by chunk on one stream, without a ring (the block logic alone; tests and the
+    ``serialized`` reference): produce chunk c, dispatch it, run the blocks it made ready."""
+    t = x.shape[0]
+    n_chunks = max(1, -(-t // chunk_tokens))
+    bc.begin()
+    for c in range(n_chunks):
+        a, b = c * chunk_tokens, min(t, (c + 1) * chunk_tokens)
+        idx, w = scratch["idx"][a:b], scratch["w"][a:b]
+        q, sf = scratch["q"][a:b], scratch["sf"][a:b]
+        prod.route(x[a:b], idx, w)
+        prod.layout(x[a:b], q, sf)
+        bc.dispatch(c, idx, w, q, sf, a)
+        bc.compute(c, c + 1, bc.max_ready(b - a), fw)
+    bc.seal(n_chunks)
+    bc.compute(n_chunks, n_chunks + 1, bc.max_ready(0), fw)
+    bc.combine(out)

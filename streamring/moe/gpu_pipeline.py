@@ -1,0 +1,282 @@
+"""The streamed FP8 MoE layer on a GPU: producers publish chunks through the NVSHMEM ring,
+the block-granular consumer (``streamring.moe.blocks``) acquires them, dispatches their rows
+into per-expert blocks, acknowledges the slot, and runs every block that became ready.
+
+One forward is enqueued without host synchronisation and captured as one CUDA graph; the
+device epoch (``ring_advance_epoch`` at the end) makes every replay a new ring epoch, so the
+generation checks stay exact across replays (RFC: ABA across CUDA-graph replay).
+
+Per chunk c (slot s = c % num_slots)::
+
+    producer stream                         consumer stream (enqueued first)
+    ring_reuse_wait(c)  (c >= num_slots)    [policy wait for route+layout of c]
+    router + top-k -> slot s idx/weights    ring_spin_wait(c): acquire + exact generation check
+    ring_publish(ROUTE, c)                  dispatch(c): sort, alloc blocks, copy rows out of s
+    FP8 quant -> slot s x / x_sf            ring_ack(c)   <- early input_consumed: the slot is no
+    ring_publish(LAYOUT, c)                               longer referenced after the dispatch
+                                            L1+SwiGLU, L2 of the blocks c made ready
+    after the last chunk (consumer): seal -> GEMMs of the partial blocks -> combine
+    after both streams joined: ring_drain, ring_advance_epoch
+
+Memory ordering: the producers' payload writes (torch/Triton kernels on the producer stream)
+complete before ``ring_publish`` (stream order), whose release (fence) precedes the generation
+store; the consumer's ``ring_spin_wait`` acquire-loads the generations and every later kernel
+on the consumer stream starts after it (stream order), so the dispatch reads the published
+payload. The consumer's last read of slot s is in the dispatch kernel, which completes before
+``ring_ack`` (stream order; the ack kernel fences before its fetch_or); the owner's
+``ring_reuse_wait`` acquires the full mask before the next write of slot s.
+
+Progress policies (the consumer is enqueued before the producer, so its waits must not keep
+the producer from running): ``serialized`` (one stream, chunk by chunk: no overlap, always
+valid), ``stream_wait`` (cuStreamWaitValue64 on the ring's doorbells: no SM held while
+waiting), ``spin_kernel`` (the one-thread ``ring_spin_wait`` kernel polls), ``green_ctx``
+(producer and consumer on disjoint green-context SM partitions), ``pdl`` (the serialized
+order with programmatic dependent launch of the GEMMs).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..device import moe_triton as K
+from ..protocol import RingLayout
+from .blocks import FP8, BlockConsumer, FastWeights, Producer
+from .math import MoEShape
+
+POLICIES = ("serialized", "stream_wait", "spin_kernel", "green_ctx", "pdl")
+RING_ROUTE, RING_LAYOUT = 0, 1
+
+# per-chunk device timestamps (ns, %globaltimer), row c of ``stamps``
+CHUNK_EVENTS = ("route_published", "layout_published", "acquired", "dispatched_acked", "blocks_done")
+# last row of ``stamps``
+TAIL_EVENTS = ("start", "producer_done", "seal_blocks_done", "combine_done")
+STAMP_STRIDE = 8
+
+
+@dataclass
+class PlanChoice:
+    """How one forward is streamed: ``chunk_tokens`` per chunk (``>= tokens``: batch path)."""
+
+    chunk_tokens: int
+    num_slots: int
+    block_m: int
+    policy: str
+
+    def validate(self) -> "PlanChoice":
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens must be >= 1, got {self.chunk_tokens}")
+        if self.num_slots < 1:
+            raise ValueError(f"num_slots must be >= 1, got {self.num_slots}")
+        return self
+
+
+class StreamedMoE:
+    """One single-PE streamed MoE forward of exactly ``tokens`` tokens under ``plan``.
+
+    ``heap``: a started :class:`~streamring.device.nvshmem.NvshmemHeap` (one PE: the layer's
+    experts all live on this GPU). Collective over the heap's PEs (allocates the ring).
+    :meth:`enqueue` puts one forward on the current stream (capturable);
+    :meth:`status` returns the ring's device status (violations, timeouts, counters).
+    """
+
+    def __init__(self, heap, shape: MoEShape, fw: FastWeights, tokens: int, plan: PlanChoice, *,
+                 timeline: bool = False, producer_sms: int = 16, deadline_s: float = 10.0):
+        from ..host.gpu import GpuRing
+
+        plan.validate()
+        if heap.num_ranks != 1:
+            raise ValueError("StreamedMoE drives one PE (all experts local); "
+                             f"the heap has {heap.num_ranks} PEs")
+        self.heap, self.shape, self.fw, self.plan = heap, shape, fw, plan
+        self.tokens = int(tokens)
+        self.chunk = min(plan.chunk_tokens, self.tokens)
+        self.num_chunks = max(1, math.ceil(self.tokens / self.chunk))
+        dev = heap.device
+        layout = RingLayout(num_ranks=1, num_slots=plan.num_slots, tokens_per_slot=self.chunk, hidden=shape.hidden,
+                            topk=shape.topk, num_experts=shape.num_experts)
+        self.ring = GpuRing(heap, layout, self.num_chunks, wake=(plan.policy == "stream_wait"),
+                            deadline_s=deadline_s)
+        L, H, Kk = layout, shape.hidden, shape.topk
+        buf = self.ring.region.local
+        n = self.chunk
+
+        def view(off, nbytes, dtype, shape_):
+            return buf[off: off + nbytes].view(dtype).view(*shape_)
+
+        S = plan.num_slots
+        self.slot_x = [view(L.x_off(s), n * H, FP8, (n, H)) for s in range(S)]
+        self.slot_sf = [view(L.x_sf_off(s), n * L.sf_cols * 4, torch.float32, (n, L.sf_cols)) for s in range(S)]
+        self.slot_idx = [view(L.topk_idx_off(s), n * Kk * 8, torch.int64, (n, Kk)) for s in range(S)]
+        self.slot_w = [view(L.topk_weights_off(s), n * Kk * 4, torch.float32, (n, Kk)) for s in range(S)]
+        self.prod = Producer(shape, fw, self.chunk, dev)
+        self.bc = BlockConsumer(shape, self.tokens, self.num_chunks, plan.block_m, dev)
+        self.stamps = torch.zeros((self.num_chunks + 1) * STAMP_STRIDE, dtype=torch.int64, device=dev) \
+            if timeline else None
+        self.green = None
+        self.xport = "nv"
+        if plan.policy == "green_ctx":
+            from ..host.gpu import make_green_pair
+
+            if not self.ring.p2p_ok:
+                raise RuntimeError("green_ctx needs P2P access to the ring (nvshmem_ptr was NULL)")
+            self.green = make_green_pair(heap.device_index, producer_sms)
+            self.pstream, self.cstream = self.green[0].stream, self.green[1].stream
+            self.xport = "p2p"
+        elif plan.policy in ("serialized", "pdl"):
+            self.pstream = self.cstream = None
+        else:
+            self.pstream = torch.cuda.Stream(device=dev)
+            self.cstream = torch.cuda.Stream(device=dev)
+        self.ring.set_epoch(1)
+
+    # -- pieces --------------------------------------------------------------------------------
+    def _ring(self, stream, name, grid, block, *args):
+        from ..device.nvshmem import StreamRef
+
+        self.heap.launch(name, grid, block, *args, stream=StreamRef(stream))
+
+    def _stamp(self, row, col):
+        if self.stamps is not None:
+            K.stamp(self.stamps, row * STAMP_STRIDE + col)
+
+    def _side(self, which):
+        """Context manager making a side's stream (and green context, if any) current."""
+        import contextlib
+
+        stream = self.pstream if which == "p" else self.cstream
+        if stream is None:
+            return contextlib.nullcontext()
+        if self.green is None:
+            return torch.cuda.stream(stream)
+        side = self.green[0 if which == "p" else 1]
+
+        @contextlib.contextmanager
+        def both():
+            with side.current(), torch.cuda.stream(side.stream):
+                yield
+        return both()
+
+    def _produce(self, x, c):
+        r = self.ring
+        me = np.int32(0)
+        st = torch.cuda.current_stream()
+        s = c % self.plan.num_slots
+        a, b = c * self.chunk, min(self.tokens, (c + 1) * self.chunk)
+        n = b - a
+        if c >= self.plan.num_slots:
+            self._ring(st, "ring_reuse_wait", 1, 1, r.desc, r.buf, me, np.int64(c), np.int32(0))
+        self.prod.route(x[a:b], self.slot_idx[s][:n], self.slot_w[s][:n])
+        self._ring(st, f"ring_publish_{self.xport}", 1, 1, r.desc, r.buf, r.peers, me, np.int64(c),
+                   np.int32(RING_ROUTE))
+        self._stamp(c, 0)
+        self.prod.layout(x[a:b], self.slot_x[s][:n], self.slot_sf[s][:n])
+        self._ring(st, f"ring_publish_{self.xport}", 1, 1, r.desc, r.buf, r.peers, me, np.int64(c),
+                   np.int32(RING_LAYOUT))
+        self._stamp(c, 1)
+
+    def _consume(self, c):
+        from ..host.gpu import stream_wait_geq
+
+        r = self.ring
+        st = torch.cuda.current_stream()
+        s = c % self.plan.num_slots
+        a, b = c * self.chunk, min(self.tokens, (c + 1) * self.chunk)
+        n = b - a
+        if self.plan.policy == "stream_wait":
+            lap = c // self.plan.num_slots + 1
+            for kind in (RING_ROUTE, RING_LAYOUT):
+                stream_wait_geq(st, r.wake_addr(kind, 0, s), lap)
+        # acquire + exact (epoch, chunk) generation check; the wait itself under spin_kernel
+        self._ring(st, "ring_spin_wait", 1, 1, r.desc, r.buf, np.int64(0), np.int64(c), np.int32(0))
+        self._stamp(c, 2)
+        self.bc.dispatch(c, self.slot_idx[s][:n], self.slot_w[s][:n], self.slot_x[s][:n], self.slot_sf[s][:n], a)
+        self._ring(st, f"ring_ack_{self.xport}", 1, 1, r.desc, r.buf, r.peers, np.int32(0), np.int64(0), np.int64(c))
+        self._stamp(c, 3)
+        self.bc.compute(c, c + 1, self.bc.max_ready(n), self.fw, pdl=self.plan.policy == "pdl")
+        self._stamp(c, 4)
+
+    def _finish(self, out):
+        C = self.num_chunks
+        self.bc.seal(C)
+        self.bc.compute(C, C + 1, self.bc.max_ready(0), self.fw, pdl=self.plan.policy == "pdl")
+        self._stamp(C, 2)
+        self.bc.combine(out)
+        self._stamp(C, 3)
+
+    # -- the forward ---------------------------------------------------------------------------
+    def warm_up(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        """One eager forward in the serialized order (no wait is enqueued before its producer),
+        then a device sync: compiles and loads every kernel the policy's order will use, so no
+        module load can happen while a consumer stream waits on the ring."""
+        self.enqueue(x, out, order="serialized")
+        torch.cuda.synchronize(self.heap.device)
+        st = self.status()
+        if st.get("violations") or st.get("timeouts"):
+            raise RuntimeError(f"ring errors in the warm-up forward: {st}")
+
+    def enqueue(self, x: torch.Tensor, out: torch.Tensor, order: str | None = None) -> None:
+        """Enqueue one streamed forward of ``x [tokens, H]`` (bf16) into ``out`` (bf16).
+
+        ``order='serialized'`` forces the one-stream chunk-by-chunk order (used by :meth:`warm_up`).
+        """
+        if x.shape != (self.tokens, self.shape.hidden) or out.shape != x.shape:
+            raise ValueError(f"x and out must have shape [{self.tokens}, {self.shape.hidden}], "
+                             f"got {list(x.shape)} and {list(out.shape)}")
+        r = self.ring
+        origin = torch.cuda.current_stream()
+        C = self.num_chunks
+        if self.pstream is None or order == "serialized":  # one stream, chunk by chunk
+            self._stamp(C, 0)
+            self.bc.begin()
+            for c in range(C):
+                self._produce(x, c)
+                self._consume(c)
+            self._stamp(C, 1)
+            self._finish(out)
+        else:
+            self.pstream.wait_stream(origin)
+            self.cstream.wait_stream(origin)
+            # the consumer is enqueued FIRST: the progress policy must keep it from blocking producers
+            with self._side("c"):
+                self._stamp(C, 0)
+                self.bc.begin()
+                for c in range(C):
+                    self._consume(c)
+                self._finish(out)
+            with self._side("p"):
+                for c in range(C):
+                    self._produce(x, c)
+                self._stamp(C, 1)
+            origin.wait_stream(self.pstream)
+            origin.wait_stream(self.cstream)
+        self._ring(origin, "ring_drain", 1, 1, r.desc, r.buf, np.int32(0))
+        self._ring(origin, "ring_advance_epoch", 1, 1, r.desc)
+
+    def status(self) -> dict:
+        """The ring's device status words (violations, timeouts, published, consumed, ...)."""
+        return self.ring.status()
+
+    def timeline(self) -> dict:
+        """Per-chunk device timestamps of the last forward (needs ``timeline=True``), in us from start."""
+        if self.stamps is None:
+            raise ValueError("this StreamedMoE was made without timeline=True")
+        st = self.stamps.view(-1, STAMP_STRIDE).cpu().numpy().astype(np.int64)
+        t0 = int(st[self.num_chunks, 0])
+        chunks = [{ev: (int(st[c, j]) - t0) / 1e3 for j, ev in enumerate(CHUNK_EVENTS)}
+                  for c in range(self.num_chunks)]
+        tail = {ev: (int(st[self.num_chunks, j]) - t0) / 1e3 for j, ev in enumerate(TAIL_EVENTS)}
+        ready = self.bc.ready_hi.cpu().tolist()[: self.num_chunks + 2]
+        for c in range(self.num_chunks):
+            chunks[c]["blocks_ready"] = ready[c + 1] - ready[c]
+        tail["seal_blocks"] = ready[self.num_chunks + 1] - ready[self.num_chunks]
+        return {"chunks": chunks, "tail": tail, "policy": self.plan.policy, "tokens": self.tokens,
+                "chunk_tokens": self.chunk, "num_slots": self.plan.num_slots, "block_m": self.plan.block_m}
+
+    def close(self) -> None:
+        self.ring.close()
