@@ -60,26 +60,38 @@ def dsv3_shape() -> MoEShape:
 
 
 class Timer:
-    """Median per-replay time (ms) of a callable over input sets, with CUDA events per replay."""
+    """Per-replay times (ms) with CUDA events, medians over input sets x replays.
+
+    :meth:`compare` interleaves the callables replay by replay (A B A B ...), so clock and
+    power drift of the GPU hits every path alike; ratios come from such interleaved runs.
+    """
 
     def __init__(self, replays: int):
         self.replays = replays
 
     def __call__(self, fn, sets, load) -> dict:
-        times = []
+        return self.compare({"x": fn}, sets, load)["x"]
+
+    def compare(self, fns: dict, sets, load) -> dict:
+        times = {k: [] for k in fns}
         for s in sets:
             load(s)
-            fn()  # warm (also brings this set's data to L2 the same way for every path)
+            for fn in fns.values():
+                fn()  # warm
             torch.cuda.synchronize()
-            ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                  for _ in range(self.replays)]
-            for a, b in ev:
-                a.record()
-                fn()
-                b.record()
+            ev = []
+            for _ in range(self.replays):
+                for k, fn in fns.items():
+                    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    a.record()
+                    fn()
+                    b.record()
+                    ev.append((k, a, b))
             torch.cuda.synchronize()
-            times += [a.elapsed_time(b) for a, b in ev]
-        return {"median_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times), "n": len(times)}
+            for k, a, b in ev:
+                times[k].append(a.elapsed_time(b))
+        return {k: {"median_ms": statistics.median(v), "min_ms": min(v), "max_ms": max(v), "n": len(v)}
+                for k, v in times.items()}
 
 
 def capture(fn):
@@ -173,24 +185,35 @@ def l1_vs_library(fw, shape, x, block_m, timer) -> dict:
     return res
 
 
-def idle_consumer_cost(moe_graph, timer) -> dict:
-    """The MoE alone vs the MoE while a one-program consumer spins on a flag on another stream."""
-    alone = timer(moe_graph.replay, [0], lambda s: None)
+def idle_consumer_cost(moe_graph, replays: int) -> dict:
+    """The MoE alone vs the MoE while a one-program consumer spins on a flag on another stream,
+    interleaved replay by replay (the spinner is released right after each 'beside' replay)."""
     flag = torch.zeros(1, dtype=torch.int32, device="cuda")
     seen = torch.zeros(1, dtype=torch.int32, device="cuda")
-    side = torch.cuda.Stream()
+    main, side = torch.cuda.current_stream(), torch.cuda.Stream()
     K.spin_on_flag(flag, 1, seen)  # compile
     torch.cuda.synchronize()
-    flag.zero_()
-    torch.cuda.synchronize()
-    with torch.cuda.stream(side):
-        K.spin_on_flag(flag, int(60e9), seen)
-    time.sleep(0.01)
-    beside = timer(moe_graph.replay, [0], lambda s: None)
-    flag.fill_(1)
-    torch.cuda.synchronize()
-    return {"moe_alone": alone, "moe_beside_spinning_consumer": beside,
-            "ratio": beside["median_ms"] / alone["median_ms"], "spinner_released": int(seen.item()) == 1}
+    alone, beside, released = [], [], 0
+    for i in range(2 * replays):
+        spin = i % 2 == 1
+        if spin:
+            flag.zero_()
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                K.spin_on_flag(flag, int(5e9), seen)
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        moe_graph.replay()
+        b.record()
+        if spin:
+            flag.fill_(1)
+            main.wait_stream(side)
+        torch.cuda.synchronize()
+        (beside if spin else alone).append(a.elapsed_time(b))
+        released += int(spin and int(seen.item()) == 1)
+    ma, mb = statistics.median(alone), statistics.median(beside)
+    return {"moe_alone": {"median_ms": ma, "n": len(alone)}, "moe_beside_spinning_consumer": {"median_ms": mb, "n": len(beside)},
+            "ratio": mb / ma, "spinner_saw_flag": released, "spinner_runs": len(beside)}
 
 
 def bench_tokens(T, shape, fw, args, timer, out, save):
@@ -248,7 +271,7 @@ def bench_tokens(T, shape, fw, args, timer, out, save):
     save()
     # --- MoE beside an idle spinning consumer ------------------------------------------------
     if T in args.idle_check_tokens:
-        row["idle_consumer"] = idle_consumer_cost(g_moe, timer)
+        row["idle_consumer"] = idle_consumer_cost(g_moe, max(args.replays, 10))
         log(f"  T={T}: moe beside a spinning consumer / alone = {row['idle_consumer']['ratio']:.3f}")
     # --- FP8 L1 against the library ----------------------------------------------------------
     if not args.skip_l1:
@@ -266,23 +289,37 @@ def bench_tokens(T, shape, fw, args, timer, out, save):
     del g_moe, g_prod
     # --- streamed ------------------------------------------------------------------------------
     row["streamed"] = []
+    configs = []
     for C in args.chunks:
         if C < 2 or T // C < 16:
             continue
-        chunk = math.ceil(T / C)
         for policy in args.policies:
+            if policy == "green_ctx":
+                for psms in args.green_sms:
+                    configs.append((C, policy, psms, True))
+            else:
+                configs.append((C, policy, args.producer_sms, True))
+                if policy in ("stream_wait", "spin_kernel") and args.no_priority_too:
+                    configs.append((C, policy, args.producer_sms, False))
+    for C, policy, psms, prio in configs:
+            chunk = math.ceil(T / C)
             rec = {"chunks": C, "chunk_tokens": chunk, "policy": policy, "num_slots": min(args.slots, C)}
+            if policy == "green_ctx":
+                rec["producer_sms"] = psms
+            if policy in ("stream_wait", "spin_kernel"):
+                rec["high_priority"] = prio
             row["streamed"].append(rec)
             sm = None
             try:
-                plan = PlanChoice(chunk_tokens=chunk, num_slots=rec["num_slots"], block_m=bm, policy=policy)
-                sm = StreamedMoE(HEAP, shape, fw, T, plan, producer_sms=args.producer_sms,
-                                 deadline_s=args.deadline_s)
+                plan = PlanChoice(chunk_tokens=chunk, num_slots=rec["num_slots"], block_m=bm, policy=policy,
+                                  high_priority=prio)
+                sm = StreamedMoE(HEAP, shape, fw, T, plan, producer_sms=psms, deadline_s=args.deadline_s)
                 y = torch.empty_like(x)
                 load(0)
                 sm.warm_up(x, y)
                 g = capture(lambda: sm.enqueue(x, y))
-                t = timer(g.replay, range(args.sets), load)
+                both = timer.compare({"batch": g_batch.replay, "stream": g.replay}, range(args.sets), load)
+                t, tb_here = both["stream"], both["batch"]
                 # bitwise check against the batch output of every set
                 same = []
                 for s in range(args.sets):
@@ -292,19 +329,22 @@ def bench_tokens(T, shape, fw, args, timer, out, save):
                     same.append(bool(torch.equal(y, refs[s])))
                 st = sm.status()
                 rec.update(t)
+                rec["batch_interleaved_ms"] = tb_here["median_ms"]
                 rec["bitwise_equal_batch"] = all(same)
                 rec["ring"] = {k: st.get(k) for k in ("violations", "timeouts", "published", "consumed", "aborted")}
                 rec["ok"] = rec["bitwise_equal_batch"] and not st.get("violations") and not st.get("timeouts")
-                rec["streamed_over_batch"] = t["median_ms"] / tb["median_ms"]
-                rec["overlap_eff"] = (tb["median_ms"] - t["median_ms"]) / min(tp, tm)
-                log(f"  T={T} C={C} {policy:<11}: {t['median_ms']:.3f} ms  stream/batch {rec['streamed_over_batch']:.3f}"
+                rec["streamed_over_batch"] = t["median_ms"] / tb_here["median_ms"]
+                rec["overlap_eff"] = (tb_here["median_ms"] - t["median_ms"]) / min(tp, tm)
+                tag = f"{policy}" + (f"/{psms}SM" if policy == "green_ctx" else "") + ("" if prio else "/no-prio")
+                log(f"  T={T} C={C} {tag:<16}: {t['median_ms']:.3f} ms (batch {tb_here['median_ms']:.3f}) "
+                    f"stream/batch {rec['streamed_over_batch']:.3f}"
                     f"  overlap {rec['overlap_eff']:+.2f}  bitwise={rec['bitwise_equal_batch']} ring={rec['ring']}")
                 del g
             except Exception as exc:  # noqa: BLE001 - one config's failure must not hide the others
                 rec["ok"] = False
                 rec["error"] = f"{type(exc).__name__}: {exc}"[:500]
                 rec["trace"] = traceback.format_exc()[-1500:]
-                log(f"  T={T} C={C} {policy}: FAILED {rec['error']}")
+                log(f"  T={T} C={C} {policy}: FAILED {rec['error']}\n{rec['trace']}")
                 torch.cuda.synchronize()
             finally:
                 if sm is not None:
@@ -313,10 +353,11 @@ def bench_tokens(T, shape, fw, args, timer, out, save):
     ok = [r for r in row["streamed"] if r.get("ok")]
     if ok:
         b = min(ok, key=lambda r: r["median_ms"])
-        row["best_streamed"] = {k: b[k] for k in ("chunks", "chunk_tokens", "policy", "num_slots", "median_ms",
-                                                  "streamed_over_batch", "overlap_eff")}
+        row["best_streamed"] = {k: b.get(k) for k in ("chunks", "chunk_tokens", "policy", "num_slots", "median_ms",
+                                                      "batch_interleaved_ms", "streamed_over_batch", "overlap_eff",
+                                                      "producer_sms", "high_priority")}
         # adaptive: stream only where it wins; otherwise one chunk (the batch path)
-        wins = b["median_ms"] < tb["median_ms"]
+        wins = b["streamed_over_batch"] < 1.0
         row["adaptive"] = dict(row["best_streamed"]) if wins else {"chunks": 1, "policy": "batch",
                                                                      "median_ms": tb["median_ms"],
                                                                      "streamed_over_batch": 1.0}
@@ -326,14 +367,17 @@ def bench_tokens(T, shape, fw, args, timer, out, save):
             sm = None
             try:
                 plan = PlanChoice(chunk_tokens=b["chunk_tokens"], num_slots=b["num_slots"], block_m=bm,
-                                  policy=b["policy"])
-                sm = StreamedMoE(HEAP, shape, fw, T, plan, timeline=True, producer_sms=args.producer_sms)
+                                  policy=b["policy"], high_priority=b.get("high_priority", True))
+                sm = StreamedMoE(HEAP, shape, fw, T, plan, timeline=True,
+                                 producer_sms=b.get("producer_sms") or args.producer_sms)
                 y = torch.empty_like(x)
                 load(0)
                 sm.warm_up(x, y)
+                g = capture(lambda: sm.enqueue(x, y))  # stamps of a graph replay, as timed above
                 for _ in range(3):
-                    sm.enqueue(x, y)
+                    g.replay()
                 torch.cuda.synchronize()
+                del g
                 tl = sm.timeline()
                 # the batch path's own timeline for comparison: producer then MoE, from the medians
                 tl["batch_ms"] = {"producer": tp, "moe": tm, "total": tb["median_ms"]}
@@ -366,6 +410,9 @@ def main(argv=None) -> int:
     ap.add_argument("--ref-tokens", type=int, default=8)
     ap.add_argument("--idle-check-tokens", type=ints, default=[1024, 8192])
     ap.add_argument("--producer-sms", type=int, default=16)
+    ap.add_argument("--green-sms", type=ints, default=[8, 16, 32], help="producer SMs swept for green_ctx")
+    ap.add_argument("--no-priority-too", action="store_true",
+                    help="also run stream_wait/spin_kernel with every stream at normal priority")
     ap.add_argument("--deadline-s", type=float, default=10.0)
     ap.add_argument("--skip-l1", action="store_true")
     ap.add_argument("--timeline-json", action="store_true", help="record a device timeline of the best config")

@@ -8,15 +8,21 @@ generation checks stay exact across replays (RFC: ABA across CUDA-graph replay).
 
 Per chunk c (slot s = c % num_slots)::
 
-    producer stream                         consumer stream (enqueued first)
+    producer stream (high priority)         dispatch stream (high priority, enqueued first)
     ring_reuse_wait(c)  (c >= num_slots)    [policy wait for route+layout of c]
     router + top-k -> slot s idx/weights    ring_spin_wait(c): acquire + exact generation check
     ring_publish(ROUTE, c)                  dispatch(c): sort, alloc blocks, copy rows out of s
     FP8 quant -> slot s x / x_sf            ring_ack(c)   <- early input_consumed: the slot is no
     ring_publish(LAYOUT, c)                               longer referenced after the dispatch
-                                            L1+SwiGLU, L2 of the blocks c made ready
-    after the last chunk (consumer): seal -> GEMMs of the partial blocks -> combine
-    after both streams joined: ring_drain, ring_advance_epoch
+                                            event(c)
+                                            GEMM stream: wait event(c); L1+SwiGLU, L2 of the
+                                            blocks dispatch c made ready
+    after the last chunk (GEMM stream): seal -> GEMMs of the partial blocks -> combine
+    after every stream joined: ring_drain, ring_advance_epoch
+
+A block made ready by dispatch c is never written by a later dispatch (later rows go to
+blocks that are not full yet), so the GEMMs of chunk c and the dispatch of chunk c+1 touch
+disjoint rows and may run concurrently.
 
 Memory ordering: the producers' payload writes (torch/Triton kernels on the producer stream)
 complete before ``ring_publish`` (stream order), whose release (fence) precedes the generation
@@ -65,6 +71,7 @@ class PlanChoice:
     num_slots: int
     block_m: int
     policy: str
+    high_priority: bool = True  # producer + dispatch streams at high priority (stream_wait / spin_kernel)
 
     def validate(self) -> "PlanChoice":
         if self.policy not in POLICIES:
@@ -120,19 +127,29 @@ class StreamedMoE:
             if timeline else None
         self.green = None
         self.xport = "nv"
+        self.events = []
         if plan.policy == "green_ctx":
             from ..host.gpu import make_green_pair
 
             if not self.ring.p2p_ok:
                 raise RuntimeError("green_ctx needs P2P access to the ring (nvshmem_ptr was NULL)")
             self.green = make_green_pair(heap.device_index, producer_sms)
-            self.pstream, self.cstream = self.green[0].stream, self.green[1].stream
+            self.pstream = self.green[0].stream
+            self.dstream = self.gstream = self.green[1].stream
             self.xport = "p2p"
         elif plan.policy in ("serialized", "pdl"):
-            self.pstream = self.cstream = None
+            self.pstream = self.dstream = self.gstream = None
         else:
-            self.pstream = torch.cuda.Stream(device=dev)
-            self.cstream = torch.cuda.Stream(device=dev)
+            # Producer and dispatch run at high priority: a waiting CTA of theirs is scheduled before
+            # the next pending CTA of a big GEMM grid, so chunk c+1 is produced and dispatched while
+            # the blocks of chunk c compute (without it the GPU's block scheduler drains the GEMM
+            # grid first and nothing overlaps). Captured graphs keep the priority per kernel node
+            # (torch instantiates with cudaGraphInstantiateFlagUseNodePriority).
+            hi = -10 if plan.high_priority else 0
+            self.pstream = torch.cuda.Stream(device=dev, priority=hi)
+            self.dstream = torch.cuda.Stream(device=dev, priority=hi)
+            self.gstream = torch.cuda.Stream(device=dev, priority=0)
+            self.events = [torch.cuda.Event() for _ in range(self.num_chunks)]
         self.ring.set_epoch(1)
 
     # -- pieces --------------------------------------------------------------------------------
@@ -146,10 +163,10 @@ class StreamedMoE:
             K.stamp(self.stamps, row * STAMP_STRIDE + col)
 
     def _side(self, which):
-        """Context manager making a side's stream (and green context, if any) current."""
+        """Context manager making side ``which`` ('p' producer, 'd' dispatch, 'g' GEMMs) current."""
         import contextlib
 
-        stream = self.pstream if which == "p" else self.cstream
+        stream = {"p": self.pstream, "d": self.dstream, "g": self.gstream}[which]
         if stream is None:
             return contextlib.nullcontext()
         if self.green is None:
@@ -180,7 +197,7 @@ class StreamedMoE:
                    np.int32(RING_LAYOUT))
         self._stamp(c, 1)
 
-    def _consume(self, c):
+    def _dispatch(self, c):
         from ..host.gpu import stream_wait_geq
 
         r = self.ring
@@ -198,6 +215,9 @@ class StreamedMoE:
         self.bc.dispatch(c, self.slot_idx[s][:n], self.slot_w[s][:n], self.slot_x[s][:n], self.slot_sf[s][:n], a)
         self._ring(st, f"ring_ack_{self.xport}", 1, 1, r.desc, r.buf, r.peers, np.int32(0), np.int64(0), np.int64(c))
         self._stamp(c, 3)
+
+    def _gemms(self, c):
+        n = min(self.tokens, (c + 1) * self.chunk) - c * self.chunk
         self.bc.compute(c, c + 1, self.bc.max_ready(n), self.fw, pdl=self.plan.policy == "pdl")
         self._stamp(c, 4)
 
@@ -236,25 +256,36 @@ class StreamedMoE:
             self.bc.begin()
             for c in range(C):
                 self._produce(x, c)
-                self._consume(c)
+                self._dispatch(c)
+                self._gemms(c)
             self._stamp(C, 1)
             self._finish(out)
         else:
-            self.pstream.wait_stream(origin)
-            self.cstream.wait_stream(origin)
+            for st in {self.pstream, self.dstream, self.gstream}:
+                st.wait_stream(origin)
             # the consumer is enqueued FIRST: the progress policy must keep it from blocking producers
-            with self._side("c"):
+            with self._side("d"):
                 self._stamp(C, 0)
                 self.bc.begin()
                 for c in range(C):
-                    self._consume(c)
+                    self._dispatch(c)
+                    if self.events:
+                        self.events[c].record()
+                    else:
+                        self._gemms(c)  # green_ctx: dispatch and GEMMs share the consumer's stream
+            if self.events:
+                with self._side("g"):
+                    for c in range(C):
+                        self.gstream.wait_event(self.events[c])
+                        self._gemms(c)
+            with self._side("g"):
                 self._finish(out)
             with self._side("p"):
                 for c in range(C):
                     self._produce(x, c)
                 self._stamp(C, 1)
-            origin.wait_stream(self.pstream)
-            origin.wait_stream(self.cstream)
+            for st in {self.pstream, self.dstream, self.gstream}:
+                origin.wait_stream(st)
         self._ring(origin, "ring_drain", 1, 1, r.desc, r.buf, np.int32(0))
         self._ring(origin, "ring_advance_epoch", 1, 1, r.desc)
 
