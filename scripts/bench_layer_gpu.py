@@ -30,6 +30,7 @@ float64 per-token reference on sampled tokens.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import math
 import statistics
@@ -293,15 +294,22 @@ def bench_tokens(T, shape, fw, args, timer, out, save):
     for C in args.chunks:
         if C < 2 or T // C < 16:
             continue
+        extra = C in args.extra_at_chunks
         for policy in args.policies:
+            if policy in ("pdl", "green_ctx") and not extra:
+                continue
             if policy == "green_ctx":
                 for psms in args.green_sms:
                     configs.append((C, policy, psms, True))
+            elif policy in ("stream_wait", "spin_kernel"):
+                prio = policy in args.prio_policies
+                configs.append((C, policy, args.producer_sms, prio))
+                if extra and prio:
+                    configs.append((C, policy, args.producer_sms, False))
             else:
                 configs.append((C, policy, args.producer_sms, True))
-                if policy in ("stream_wait", "spin_kernel") and args.no_priority_too:
-                    configs.append((C, policy, args.producer_sms, False))
     for C, policy, psms, prio in configs:
+            faulthandler.dump_traceback_later(args.config_watchdog_s)  # a hang prints where it is
             chunk = math.ceil(T / C)
             rec = {"chunks": C, "chunk_tokens": chunk, "policy": policy, "num_slots": min(args.slots, C)}
             if policy == "green_ctx":
@@ -347,6 +355,7 @@ def bench_tokens(T, shape, fw, args, timer, out, save):
                 log(f"  T={T} C={C} {policy}: FAILED {rec['error']}\n{rec['trace']}")
                 torch.cuda.synchronize()
             finally:
+                faulthandler.cancel_dump_traceback_later()
                 if sm is not None:
                     sm.close()
             save()
@@ -401,7 +410,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=ints, default=[128, 1024, 8192, 32768])
     ap.add_argument("--chunks", type=ints, default=[2, 4, 8])
     ap.add_argument("--policies", type=lambda s: s.split(","),
-                    default=["stream_wait", "spin_kernel", "serialized", "pdl", "green_ctx"])
+                    default=["spin_kernel", "serialized", "pdl", "green_ctx", "stream_wait"])
     ap.add_argument("--block-m", default="auto",
                     help="comma list of block_m candidates, or 'auto' (16 and 64 up to 2048 tokens, else 64)")
     ap.add_argument("--slots", type=int, default=4)
@@ -411,8 +420,12 @@ def main(argv=None) -> int:
     ap.add_argument("--idle-check-tokens", type=ints, default=[1024, 8192])
     ap.add_argument("--producer-sms", type=int, default=16)
     ap.add_argument("--green-sms", type=ints, default=[8, 16, 32], help="producer SMs swept for green_ctx")
-    ap.add_argument("--no-priority-too", action="store_true",
-                    help="also run stream_wait/spin_kernel with every stream at normal priority")
+    ap.add_argument("--prio-policies", type=lambda s: s.split(","), default=["spin_kernel", "stream_wait"],
+                    help="policies whose producer/dispatch streams run at high priority")
+    ap.add_argument("--extra-at-chunks", type=ints, default=[4],
+                    help="chunk counts that also run pdl, green_ctx (each --green-sms) and the normal-priority variant")
+    ap.add_argument("--config-watchdog-s", type=float, default=90.0,
+                    help="print every thread's Python stack if one config runs longer than this")
     ap.add_argument("--deadline-s", type=float, default=10.0)
     ap.add_argument("--skip-l1", action="store_true")
     ap.add_argument("--timeline-json", action="store_true", help="record a device timeline of the best config")

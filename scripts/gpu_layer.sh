@@ -21,6 +21,10 @@ LOG="$OUT/gpu_layer.log"
 : > "$LOG"
 T0=$(date +%s)
 export PYTHONUNBUFFERED=1
+# Every stream gets its own hardware queue: with the default 8 connections two streams can share
+# one, and a consumer's cuStreamWaitValue64 (stream_wait policy, no deadline) enqueued before its
+# producer then blocks that producer for good.
+export CUDA_DEVICE_MAX_CONNECTIONS=32
 export NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_osc="^ucx"
 export STREAMRING_CACHE="${STREAMRING_CACHE:-/tmp/streamring-cache}"
