@@ -243,6 +243,16 @@ def bench_tokens(T, shape, fw, args, timer, out, save):
             best = (bm, tb, prod, sc, bc, g_batch)
     bm, tb, prod, sc, bc, g_batch = best
     row["block_m"] = bm
+    try:
+        kl1 = K.expert_l1(bc.ready_list, bc.ready_hi, 0, 2, bc.max_blocks, bc.block_expert, bc.a.view(B.FP8), bc.a_sf,
+                          fw.w1, fw.w1_sf, bc.h1.view(B.FP8), bc.h1_sf, block_m=bm)
+        kl2 = K.expert_l2(bc.ready_list, bc.ready_hi, 0, 2, bc.max_blocks, bc.block_expert, bc.h1.view(B.FP8),
+                          bc.h1_sf, fw.w2, fw.w2_sf, bc.row_weight, bc.y, block_m=bm)
+        row["kernels"] = {name: {"n_regs": k.n_regs, "n_spills": k.n_spills, "shared": k.metadata.shared,
+                                 "num_warps": k.metadata.num_warps} for name, k in (("l1", kl1), ("l2", kl2))}
+        log(f"  T={T}: kernels {row['kernels']}")
+    except Exception as exc:  # noqa: BLE001 - informational only
+        row["kernels"] = {"error": str(exc)}
     row["batch"] = tb
     g_prod = capture(lambda: (prod.route(x, sc["idx"], sc["w"]), prod.layout(x, sc["q"], sc["sf"])))
     row["producer"] = timer(g_prod.replay, range(args.sets), load)
@@ -290,7 +300,7 @@ def bench_tokens(T, shape, fw, args, timer, out, save):
     del g_moe, g_prod
     # --- streamed ------------------------------------------------------------------------------
     row["streamed"] = []
-    configs = []
+    configs = []  # (chunks, policy, producer_sms, high_priority, chunk_gemm_ctas)
     for C in args.chunks:
         if C < 2 or T // C < 16:
             continue
@@ -300,15 +310,16 @@ def bench_tokens(T, shape, fw, args, timer, out, save):
                 continue
             if policy == "green_ctx":
                 for psms in args.green_sms:
-                    configs.append((C, policy, psms, True))
+                    configs.append((C, policy, psms, True, None))
             elif policy in ("stream_wait", "spin_kernel"):
                 prio = policy in args.prio_policies
-                configs.append((C, policy, args.producer_sms, prio))
+                for ctas in ([None] + args.chunk_gemm_ctas if prio else [None]):
+                    configs.append((C, policy, args.producer_sms, prio, ctas))
                 if extra and prio:
-                    configs.append((C, policy, args.producer_sms, False))
+                    configs.append((C, policy, args.producer_sms, False, None))
             else:
-                configs.append((C, policy, args.producer_sms, True))
-    for C, policy, psms, prio in configs:
+                configs.append((C, policy, args.producer_sms, True, None))
+    for C, policy, psms, prio, ctas in configs:
             faulthandler.dump_traceback_later(args.config_watchdog_s)  # a hang prints where it is
             chunk = math.ceil(T / C)
             rec = {"chunks": C, "chunk_tokens": chunk, "policy": policy, "num_slots": min(args.slots, C)}
@@ -316,11 +327,12 @@ def bench_tokens(T, shape, fw, args, timer, out, save):
                 rec["producer_sms"] = psms
             if policy in ("stream_wait", "spin_kernel"):
                 rec["high_priority"] = prio
+                rec["chunk_gemm_ctas"] = ctas
             row["streamed"].append(rec)
             sm = None
             try:
                 plan = PlanChoice(chunk_tokens=chunk, num_slots=rec["num_slots"], block_m=bm, policy=policy,
-                                  high_priority=prio)
+                                  high_priority=prio, chunk_gemm_ctas=ctas)
                 sm = StreamedMoE(HEAP, shape, fw, T, plan, producer_sms=psms, deadline_s=args.deadline_s)
                 y = torch.empty_like(x)
                 load(0)
@@ -343,7 +355,8 @@ def bench_tokens(T, shape, fw, args, timer, out, save):
                 rec["ok"] = rec["bitwise_equal_batch"] and not st.get("violations") and not st.get("timeouts")
                 rec["streamed_over_batch"] = t["median_ms"] / tb_here["median_ms"]
                 rec["overlap_eff"] = (tb_here["median_ms"] - t["median_ms"]) / min(tp, tm)
-                tag = f"{policy}" + (f"/{psms}SM" if policy == "green_ctx" else "") + ("" if prio else "/no-prio")
+                tag = f"{policy}" + (f"/{psms}SM" if policy == "green_ctx" else "") + ("" if prio else "/no-prio") \
+                    + (f"/{ctas}cta" if ctas else "")
                 log(f"  T={T} C={C} {tag:<16}: {t['median_ms']:.3f} ms (batch {tb_here['median_ms']:.3f}) "
                     f"stream/batch {rec['streamed_over_batch']:.3f}"
                     f"  overlap {rec['overlap_eff']:+.2f}  bitwise={rec['bitwise_equal_batch']} ring={rec['ring']}")
@@ -364,7 +377,7 @@ def bench_tokens(T, shape, fw, args, timer, out, save):
         b = min(ok, key=lambda r: r["median_ms"])
         row["best_streamed"] = {k: b.get(k) for k in ("chunks", "chunk_tokens", "policy", "num_slots", "median_ms",
                                                       "batch_interleaved_ms", "streamed_over_batch", "overlap_eff",
-                                                      "producer_sms", "high_priority")}
+                                                      "producer_sms", "high_priority", "chunk_gemm_ctas")}
         # adaptive: stream only where it wins; otherwise one chunk (the batch path)
         wins = b["streamed_over_batch"] < 1.0
         row["adaptive"] = dict(row["best_streamed"]) if wins else {"chunks": 1, "policy": "batch",
@@ -376,7 +389,8 @@ def bench_tokens(T, shape, fw, args, timer, out, save):
             sm = None
             try:
                 plan = PlanChoice(chunk_tokens=b["chunk_tokens"], num_slots=b["num_slots"], block_m=bm,
-                                  policy=b["policy"], high_priority=b.get("high_priority", True))
+                                  policy=b["policy"], high_priority=b.get("high_priority"),
+                                  chunk_gemm_ctas=b.get("chunk_gemm_ctas"))
                 sm = StreamedMoE(HEAP, shape, fw, T, plan, timeline=True,
                                  producer_sms=b.get("producer_sms") or args.producer_sms)
                 y = torch.empty_like(x)
@@ -424,6 +438,8 @@ def main(argv=None) -> int:
                     help="policies whose producer/dispatch streams run at high priority")
     ap.add_argument("--extra-at-chunks", type=ints, default=[4],
                     help="chunk counts that also run pdl, green_ctx (each --green-sms) and the normal-priority variant")
+    ap.add_argument("--chunk-gemm-ctas", type=ints, default=[],
+                    help="persistent grid sizes swept for the per-chunk GEMMs (high-priority policies)")
     ap.add_argument("--config-watchdog-s", type=float, default=90.0,
                     help="print every thread's Python stack if one config runs longer than this")
     ap.add_argument("--deadline-s", type=float, default=10.0)

@@ -4,6 +4,7 @@
     streamring stress      ... [--inject MODE]
     streamring model-check [--inject MODE]
     streamring check-env
+    streamring timeline    JSON [--out PNG] [--tokens N ...]
 
 Without a launcher, ``run`` and ``stress`` start ``--ranks`` local ranks
 themselves (the embedded default); under ``mpirun`` they use the ranks that
@@ -47,6 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunks", type=int, default=3)
     p.add_argument("--epochs", type=int, default=2)
     sub.add_parser("check-env", help="print what streamring finds on this machine")
+    p = sub.add_parser("timeline", help="draw the device timeline of a streamed forward as a PNG")
+    p.add_argument("input", metavar="JSON", help="scripts/bench_layer_gpu.py output (--timeline-json) or one timeline")
+    p.add_argument("--out", metavar="PNG", default="timeline.png")
+    p.add_argument("--tokens", type=int, action="append", help="only the timelines of these token counts")
     return ap
 
 
@@ -57,6 +62,28 @@ def main(argv: list[str] | None = None) -> int:
         from .host.envcheck import check_env
 
         return check_env()
+    if args.command == "timeline":
+        from .timeline import TimelineError, draw, load_timelines, overlap_summary
+
+        try:
+            tls = load_timelines(args.input)
+            if args.tokens:
+                tls = [t for t in tls if t["tokens"] in args.tokens]
+                if not tls:
+                    raise TimelineError(f"{args.input}: no timeline for tokens {args.tokens}")
+        except TimelineError as exc:
+            print(f"streamring timeline: {exc}", file=sys.stderr)
+            return EXIT_USAGE
+        out = draw(tls, args.out)
+        for t in tls:
+            s = overlap_summary(t)
+            print(f"{t['tokens']} tokens, {len(t['chunks'])} chunks, {t['policy']}: "
+                  f"{s['chunks_published_during_prev_blocks']} of {s['chunks_after_first']} later chunks published "
+                  f"while the previous chunk's blocks computed (lead us: "
+                  f"{', '.join(f'{v:+.0f}' for v in s['publish_lead_us'])}); first chunk dispatched at "
+                  f"{s['first_chunk_exposed_us']:.0f} us of {s['forward_us']:.0f} us")
+        print(f"wrote {out}")
+        return EXIT_OK
     if args.command == "model-check":
         from .model import model_check_main
 

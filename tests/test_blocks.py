@@ -188,3 +188,23 @@ def test_fast_weights_need_fp8():
     w8 = MoEWeights.random(small_shape(), 1)
     fw = B.FastWeights.from_moe_weights(w8)
     assert fw.w1.shape == (8, 512, 256) and fw.w1_sf.shape == (8, 4, 2)
+
+
+@pytest.mark.parametrize("max_ctas", [1, 5])
+def test_persistent_gemm_grid_equals_one_cta_per_tile(setup, max_ctas):
+    """The persistent GEMM grid (a few CTAs looping over the tiles) gives the same bits."""
+    shape, fw, x = setup
+    yb, _, _ = run_batch(shape, fw, x, 16)
+    T = x.shape[0]
+    prod = B.Producer(shape, fw, T, DEV)
+    bc = B.BlockConsumer(shape, T, 2, 16, DEV)
+    sc = B.scratch_buffers(shape, T, DEV)
+    y = torch.zeros_like(x)
+    prod.route(x, sc["idx"], sc["w"])
+    prod.layout(x, sc["q"], sc["sf"])
+    bc.begin()
+    bc.dispatch(0, sc["idx"], sc["w"], sc["q"], sc["sf"], 0)
+    bc.seal(1)
+    bc.compute(0, 2, bc.max_blocks, fw, max_ctas=max_ctas)
+    bc.combine(y)
+    assert torch.equal(yb, y)

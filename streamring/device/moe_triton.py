@@ -240,24 +240,13 @@ def _tile_of(pid, NT: tl.constexpr, GROUP: tl.constexpr, n_items):
     return first + r % gsize, r // gsize, r < gsize * NT
 
 
-@triton.jit(do_not_specialize=["lo_index", "hi_index", "max_items"])
-def _l1_swiglu_kernel(ready_list_ptr, ready_hi_ptr, lo_index, hi_index, max_items, block_expert_ptr, a_ptr, asf_ptr, w1_ptr,
-                      w1sf_ptr, h1_ptr, h1sf_ptr, H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr,
-                      GROUP: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
-    if PDL:
-        # programmatic dependent launch: this grid was launched before its predecessor ended;
-        # wait here (before the first read of anything the predecessor writes)
-        tl.extra.cuda.gdc_wait()
+@triton.jit
+def _l1_tile(i, nt, lo, ready_list_ptr, block_expert_ptr, a_ptr, asf_ptr, w1_ptr, w1sf_ptr, h1_ptr, h1sf_ptr,
+             H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, STAGES: tl.constexpr):
     BN: tl.constexpr = 128
     BK: tl.constexpr = 128
     NT: tl.constexpr = I // BN
     KS: tl.constexpr = H // BK
-    lo = tl.load(ready_hi_ptr + lo_index)
-    hi = tl.load(ready_hi_ptr + hi_index)
-    n_items = tl.minimum(hi - lo, max_items)
-    i, nt, ok = _tile_of(tl.program_id(0), NT, GROUP, n_items)
-    if (i >= n_items) | (~ok):
-        return
     bid = tl.load(ready_list_ptr + lo + i)
     e = tl.load(block_expert_ptr + bid).to(tl.int64)
     rows = bid.to(tl.int64) * BM + tl.arange(0, BM)
@@ -285,21 +274,42 @@ def _l1_swiglu_kernel(ready_list_ptr, ready_hi_ptr, lo_index, hi_index, max_item
 
 
 @triton.jit(do_not_specialize=["lo_index", "hi_index", "max_items"])
-def _l2_kernel(ready_list_ptr, ready_hi_ptr, lo_index, hi_index, max_items, block_expert_ptr, h1_ptr, h1sf_ptr, w2_ptr, w2sf_ptr,
-               roww_ptr, y_ptr, H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, GROUP: tl.constexpr,
-               STAGES: tl.constexpr, PDL: tl.constexpr):
+def _l1_swiglu_kernel(ready_list_ptr, ready_hi_ptr, lo_index, hi_index, max_items, block_expert_ptr, a_ptr, asf_ptr,
+                      w1_ptr, w1sf_ptr, h1_ptr, h1sf_ptr, H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr,
+                      GROUP: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr, PERSIST: tl.constexpr):
     if PDL:
+        # programmatic dependent launch: this grid was launched before its predecessor ended;
+        # wait here (before the first read of anything the predecessor writes)
         tl.extra.cuda.gdc_wait()
+    NT: tl.constexpr = I // 128
+    lo = tl.load(ready_hi_ptr + lo_index)
+    hi = tl.load(ready_hi_ptr + hi_index)
+    n_items = tl.minimum(hi - lo, max_items)
+    if PERSIST:
+        # a fixed grid (fewer CTAs than the GPU holds) loops over the tiles: SM slots stay free
+        # for kernels of other streams (the producer) while the chunk's blocks compute
+        total = tl.cdiv(n_items, GROUP) * GROUP * NT
+        t = tl.program_id(0)
+        while t < total:  # (a while loop: the CPU interpreter cannot range() over loaded values)
+            i, nt, ok = _tile_of(t, NT, GROUP, n_items)
+            if (i < n_items) & ok:
+                _l1_tile(i, nt, lo, ready_list_ptr, block_expert_ptr, a_ptr, asf_ptr, w1_ptr, w1sf_ptr, h1_ptr,
+                         h1sf_ptr, H, I, BM, STAGES)
+            t += tl.num_programs(0)
+    else:
+        i, nt, ok = _tile_of(tl.program_id(0), NT, GROUP, n_items)
+        if (i < n_items) & ok:
+            _l1_tile(i, nt, lo, ready_list_ptr, block_expert_ptr, a_ptr, asf_ptr, w1_ptr, w1sf_ptr, h1_ptr, h1sf_ptr,
+                     H, I, BM, STAGES)
+
+
+@triton.jit
+def _l2_tile(i, nt, lo, ready_list_ptr, block_expert_ptr, h1_ptr, h1sf_ptr, w2_ptr, w2sf_ptr, roww_ptr, y_ptr,
+             H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, STAGES: tl.constexpr):
     BN: tl.constexpr = 128
     BK: tl.constexpr = 128
     NT: tl.constexpr = H // BN
     KS: tl.constexpr = I // BK
-    lo = tl.load(ready_hi_ptr + lo_index)
-    hi = tl.load(ready_hi_ptr + hi_index)
-    n_items = tl.minimum(hi - lo, max_items)
-    i, nt, ok = _tile_of(tl.program_id(0), NT, GROUP, n_items)
-    if (i >= n_items) | (~ok):
-        return
     bid = tl.load(ready_list_ptr + lo + i)
     e = tl.load(block_expert_ptr + bid).to(tl.int64)
     rows = bid.to(tl.int64) * BM + tl.arange(0, BM)
@@ -319,6 +329,32 @@ def _l2_kernel(ready_list_ptr, ready_hi_ptr, lo_index, hi_index, max_items, bloc
     tl.store(y_ptr + rows[:, None] * H + ncol[None, :], y.to(tl.bfloat16))
 
 
+@triton.jit(do_not_specialize=["lo_index", "hi_index", "max_items"])
+def _l2_kernel(ready_list_ptr, ready_hi_ptr, lo_index, hi_index, max_items, block_expert_ptr, h1_ptr, h1sf_ptr, w2_ptr,
+               w2sf_ptr, roww_ptr, y_ptr, H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, GROUP: tl.constexpr,
+               STAGES: tl.constexpr, PDL: tl.constexpr, PERSIST: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    NT: tl.constexpr = H // 128
+    lo = tl.load(ready_hi_ptr + lo_index)
+    hi = tl.load(ready_hi_ptr + hi_index)
+    n_items = tl.minimum(hi - lo, max_items)
+    if PERSIST:
+        total = tl.cdiv(n_items, GROUP) * GROUP * NT
+        t = tl.program_id(0)
+        while t < total:  # (a while loop: the CPU interpreter cannot range() over loaded values)
+            i, nt, ok = _tile_of(t, NT, GROUP, n_items)
+            if (i < n_items) & ok:
+                _l2_tile(i, nt, lo, ready_list_ptr, block_expert_ptr, h1_ptr, h1sf_ptr, w2_ptr, w2sf_ptr, roww_ptr,
+                         y_ptr, H, I, BM, STAGES)
+            t += tl.num_programs(0)
+    else:
+        i, nt, ok = _tile_of(tl.program_id(0), NT, GROUP, n_items)
+        if (i < n_items) & ok:
+            _l2_tile(i, nt, lo, ready_list_ptr, block_expert_ptr, h1_ptr, h1sf_ptr, w2_ptr, w2sf_ptr, roww_ptr, y_ptr,
+                     H, I, BM, STAGES)
+
+
 def _gemm_cfg(block_m: int) -> dict:
     # K-loop software pipelining (cp.async ring in shared memory) needs tl.range(num_stages=...)
     if block_m >= 64:
@@ -330,34 +366,42 @@ def _pdl_kw(pdl: bool) -> dict:
     return {"PDL": True, "launch_pdl": True} if pdl else {"PDL": False}
 
 
-def expert_l1(ready_list, ready_hi, lo_index: int, hi_index: int, max_items: int, block_expert, a, asf, w1, w1sf, h1, h1sf, *, block_m: int,
-              group: int = 8, pdl: bool = False) -> None:
+def _grid(max_items: int, group: int, nt: int, max_ctas: int | None) -> tuple[tuple[int], dict]:
+    tiles = triton.cdiv(max_items, group) * group * nt
+    if max_ctas is None or max_ctas >= tiles:
+        return (tiles,), {"PERSIST": False}
+    return (max(1, int(max_ctas)),), {"PERSIST": True}
+
+
+def expert_l1(ready_list, ready_hi, lo_index: int, hi_index: int, max_items: int, block_expert, a, asf, w1, w1sf, h1,
+              h1sf, *, block_m: int, group: int = 8, pdl: bool = False, max_ctas: int | None = None):
     """L1 + SwiGLU + FP8 re-quantization of the ready blocks
     ``ready_list[ready_hi[lo_index] : ready_hi[hi_index]]``.
 
     The range is read on the device (the launch needs no host sync); ``max_items`` bounds the
-    launch grid (``hi - lo`` must not exceed it).
+    launch grid (``hi - lo`` must not exceed it). Returns Triton's compiled-kernel handle
+    (registers, shared memory: for occupancy reports).
     """
     if max_items <= 0:
-        return
+        return None
     e, two_i, h = w1.shape
     i = two_i // 2
     nt = i // 128
-    grid = (triton.cdiv(max_items, group) * group * nt,)
-    _l1_swiglu_kernel[grid](ready_list, ready_hi, lo_index, hi_index, max_items, block_expert, a, asf, w1, w1sf, h1, h1sf, H=h, I=i,
-                            BM=block_m, GROUP=group, **_gemm_cfg(block_m), **_pdl_kw(pdl))
+    grid, persist = _grid(max_items, group, nt, max_ctas)
+    return _l1_swiglu_kernel[grid](ready_list, ready_hi, lo_index, hi_index, max_items, block_expert, a, asf, w1, w1sf, h1, h1sf, H=h, I=i,
+                            BM=block_m, GROUP=group, **_gemm_cfg(block_m), **_pdl_kw(pdl), **persist)
 
 
-def expert_l2(ready_list, ready_hi, lo_index: int, hi_index: int, max_items: int, block_expert, h1, h1sf, w2, w2sf, roww, y, *, block_m: int,
-              group: int = 8, pdl: bool = False) -> None:
-    """L2 of the ready blocks, times the routing weight; bf16 ``y`` rows."""
+def expert_l2(ready_list, ready_hi, lo_index: int, hi_index: int, max_items: int, block_expert, h1, h1sf, w2, w2sf,
+              roww, y, *, block_m: int, group: int = 8, pdl: bool = False, max_ctas: int | None = None):
+    """L2 of the ready blocks, times the routing weight; bf16 ``y`` rows (returns the kernel handle)."""
     if max_items <= 0:
-        return
+        return None
     e, h, i = w2.shape
     nt = h // 128
-    grid = (triton.cdiv(max_items, group) * group * nt,)
-    _l2_kernel[grid](ready_list, ready_hi, lo_index, hi_index, max_items, block_expert, h1, h1sf, w2, w2sf, roww, y, H=h, I=i,
-                     BM=block_m, GROUP=group, **_gemm_cfg(block_m), **_pdl_kw(pdl))
+    grid, persist = _grid(max_items, group, nt, max_ctas)
+    return _l2_kernel[grid](ready_list, ready_hi, lo_index, hi_index, max_items, block_expert, h1, h1sf, w2, w2sf, roww, y, H=h, I=i,
+                     BM=block_m, GROUP=group, **_gemm_cfg(block_m), **_pdl_kw(pdl), **persist)
 
 
 @triton.jit

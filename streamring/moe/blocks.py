@@ -218,16 +218,19 @@ class BlockConsumer:
         K.alloc_blocks(self.ready_hi, self.state, self.expert_blocks, self.block_expert, self.ready_list,
                        self.ready_hi, c + 1, num_experts=self.shape.num_experts, block_m=self.block_m, seal=True)
 
-    def compute(self, lo_index: int, hi_index: int, max_items: int, fw: FastWeights, pdl: bool = False) -> None:
+    def compute(self, lo_index: int, hi_index: int, max_items: int, fw: FastWeights, pdl: bool = False,
+                max_ctas: int | None = None) -> None:
         """L1+SwiGLU and L2 of the blocks ``ready_list[ready_hi[lo_index] : ready_hi[hi_index]]``.
 
         ``pdl``: launch both GEMMs with programmatic dependent launch (they wait in-kernel).
+        ``max_ctas``: a persistent grid of at most this many CTAs looping over the tiles (leaves
+        SM slots to other streams); None: one CTA per tile.
         """
         h1 = self.h1.view(FP8)
         K.expert_l1(self.ready_list, self.ready_hi, lo_index, hi_index, max_items, self.block_expert, self.a.view(FP8), self.a_sf, fw.w1,
-                    fw.w1_sf, h1, self.h1_sf, block_m=self.block_m, pdl=pdl)
+                    fw.w1_sf, h1, self.h1_sf, block_m=self.block_m, pdl=pdl, max_ctas=max_ctas)
         K.expert_l2(self.ready_list, self.ready_hi, lo_index, hi_index, max_items, self.block_expert, h1, self.h1_sf, fw.w2, fw.w2_sf,
-                    self.row_weight, self.y, block_m=self.block_m, pdl=pdl)
+                    self.row_weight, self.y, block_m=self.block_m, pdl=pdl, max_ctas=max_ctas)
 
     def combine(self, out: torch.Tensor) -> None:
         """``out [T, H]`` bf16: the sum of each token's k weighted expert rows."""

@@ -56,11 +56,8 @@ from .math import MoEShape
 POLICIES = ("serialized", "stream_wait", "spin_kernel", "green_ctx", "pdl")
 RING_ROUTE, RING_LAYOUT = 0, 1
 
-# per-chunk device timestamps (ns, %globaltimer), row c of ``stamps``
-CHUNK_EVENTS = ("route_published", "layout_published", "acquired", "dispatched_acked", "blocks_done")
-# last row of ``stamps``
-TAIL_EVENTS = ("start", "producer_done", "seal_blocks_done", "combine_done")
-STAMP_STRIDE = 8
+# per-chunk device timestamps (ns, %globaltimer): row c of ``stamps`` is chunk c, the last row the tail
+from .timeline_events import CHUNK_EVENTS, STAMP_STRIDE, TAIL_EVENTS  # noqa: E402
 
 
 @dataclass
@@ -71,7 +68,13 @@ class PlanChoice:
     num_slots: int
     block_m: int
     policy: str
-    high_priority: bool = True  # producer + dispatch streams at high priority (stream_wait / spin_kernel)
+    # producer + dispatch streams at high priority; None: the policy's default (spin_kernel: on,
+    # stream_wait: off - a forward with high-priority streams and a consumer blocked in
+    # cuStreamWaitValue64 hung once on the H200, see docs/results/gpu-layer-2026-11-29.md)
+    high_priority: bool | None = None
+    # persistent grid size of the per-chunk GEMMs (None: one CTA per tile). Fewer CTAs than the
+    # GPU holds leave slots free for the producer and dispatch kernels of later chunks.
+    chunk_gemm_ctas: int | None = None
 
     def validate(self) -> "PlanChoice":
         if self.policy not in POLICIES:
@@ -145,7 +148,8 @@ class StreamedMoE:
             # the blocks of chunk c compute (without it the GPU's block scheduler drains the GEMM
             # grid first and nothing overlaps). Captured graphs keep the priority per kernel node
             # (torch instantiates with cudaGraphInstantiateFlagUseNodePriority).
-            hi = -10 if plan.high_priority else 0
+            prio = plan.high_priority if plan.high_priority is not None else plan.policy == "spin_kernel"
+            hi = -10 if prio else 0
             self.pstream = torch.cuda.Stream(device=dev, priority=hi)
             self.dstream = torch.cuda.Stream(device=dev, priority=hi)
             self.gstream = torch.cuda.Stream(device=dev, priority=0)
@@ -186,6 +190,7 @@ class StreamedMoE:
         s = c % self.plan.num_slots
         a, b = c * self.chunk, min(self.tokens, (c + 1) * self.chunk)
         n = b - a
+        self._stamp(c, 5)
         if c >= self.plan.num_slots:
             self._ring(st, "ring_reuse_wait", 1, 1, r.desc, r.buf, me, np.int64(c), np.int32(0))
         self.prod.route(x[a:b], self.slot_idx[s][:n], self.slot_w[s][:n])
@@ -218,7 +223,8 @@ class StreamedMoE:
 
     def _gemms(self, c):
         n = min(self.tokens, (c + 1) * self.chunk) - c * self.chunk
-        self.bc.compute(c, c + 1, self.bc.max_ready(n), self.fw, pdl=self.plan.policy == "pdl")
+        self.bc.compute(c, c + 1, self.bc.max_ready(n), self.fw, pdl=self.plan.policy == "pdl",
+                        max_ctas=self.plan.chunk_gemm_ctas)
         self._stamp(c, 4)
 
     def _finish(self, out):

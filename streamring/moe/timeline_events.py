@@ -1,0 +1,12 @@
+"""Names of the per-chunk device timestamps of a streamed forward (shared by the GPU pipeline,
+which records them, and ``streamring timeline``, which draws them; no GPU imports here)."""
+
+# row c of the stamp table: chunk c
+CHUNK_EVENTS = ("route_published", "layout_published", "acquired", "dispatched_acked", "blocks_done",
+                "produce_start")
+# events older result files may lack (drawn when present)
+OPTIONAL_EVENTS = ("produce_start",)
+# last row: the whole forward
+TAIL_EVENTS = ("start", "producer_done", "seal_blocks_done", "combine_done")
+# int64 words per row (padded so that every row starts 64-byte aligned)
+STAMP_STRIDE = 8
