@@ -1,0 +1,80 @@
+#!/usr/bin/env python3
+"""Does the producer of chunk 1 run while chunk 0's block GEMMs compute? Eager vs CUDA graph.
+
+One PE, DeepSeek-V3 shape, 8192 tokens in 2 chunks (spin_kernel policy), device timestamps
+(StreamedMoE timeline). For each mode prints when chunk 1's production started, when its
+route was published and when chunk 0's blocks finished (us from the forward's start)::
+
+    python3 scripts/probe_overlap.py --json out/probe.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from scripts.bench_layer_gpu import capture, dsv3_shape  # noqa: E402
+from streamring.device import moe_triton as K  # noqa: E402
+from streamring.moe import blocks as B  # noqa: E402
+from streamring.moe.gpu_pipeline import PlanChoice, StreamedMoE  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--chunks", type=int, default=2)
+    ap.add_argument("--json", default="probe.json")
+    args = ap.parse_args()
+    from streamring.device.nvshmem import NvshmemHeap
+
+    heap = NvshmemHeap.bootstrap("local")
+    shape = dsv3_shape()
+    fw = B.FastWeights.random(shape, 7, "cuda")
+    K.stamp(torch.zeros(8, dtype=torch.int64, device="cuda"), 1)
+    T = args.tokens
+    x = torch.randn(T, shape.hidden, device="cuda").to(torch.bfloat16)
+    y = torch.empty_like(x)
+    out = []
+    for policy, prio, mode in (("spin_kernel", True, "eager"), ("spin_kernel", True, "graph"),
+                               ("spin_kernel", False, "eager"), ("spin_kernel", False, "graph"),
+                               ("serialized", None, "graph")):
+        plan = PlanChoice(chunk_tokens=-(-T // args.chunks), num_slots=2, block_m=64, policy=policy,
+                          high_priority=prio)
+        sm = StreamedMoE(heap, shape, fw, T, plan, timeline=True)
+        try:
+            sm.warm_up(x, y)
+            if mode == "graph":
+                g = capture(lambda: sm.enqueue(x, y))
+                for _ in range(3):
+                    g.replay()
+            else:
+                for _ in range(3):
+                    sm.enqueue(x, y)
+            torch.cuda.synchronize()
+            tl = sm.timeline()
+            c0, c1 = tl["chunks"][0], tl["chunks"][1]
+            rec = {"policy": policy, "high_priority": prio, "mode": mode,
+                   "c1_produce_start": c1["produce_start"], "c1_route_published": c1["route_published"],
+                   "c0_blocks_done": c0["blocks_done"], "forward_us": tl["tail"]["combine_done"], "timeline": tl}
+            print(f"{policy:<12} prio={prio!s:<5} {mode:<5}: chunk 1 produce start {c1['produce_start']:8.1f} us, "
+                  f"route published {c1['route_published']:8.1f} us; chunk 0 blocks done {c0['blocks_done']:8.1f} us; "
+                  f"forward {tl['tail']['combine_done']:8.1f} us", flush=True)
+        except Exception as exc:  # noqa: BLE001
+            rec = {"policy": policy, "high_priority": prio, "mode": mode, "error": f"{type(exc).__name__}: {exc}"}
+            print(rec, flush=True)
+        finally:
+            sm.close()
+        out.append(rec)
+        Path(args.json).write_text(json.dumps(out, indent=1, default=str))
+    heap.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
