@@ -29,6 +29,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--chunks", type=int, default=2)
+    ap.add_argument("--batch", action="store_true", help="also time the batch path graph")
     ap.add_argument("--json", default="probe.json")
     args = ap.parse_args()
     from streamring.device.nvshmem import NvshmemHeap
@@ -41,18 +42,30 @@ def main() -> int:
     x = torch.randn(T, shape.hidden, device="cuda").to(torch.bfloat16)
     y = torch.empty_like(x)
     out = []
-    for policy, prio, mode in (("spin_kernel", True, "eager"), ("spin_kernel", True, "graph"),
-                               ("spin_kernel", False, "eager"), ("spin_kernel", False, "graph"),
-                               ("serialized", None, "graph")):
+    for policy, prio, mode in (("spin_kernel", True, "graph+node-prio"), ("spin_kernel", True, "eager"),
+                               ("spin_kernel", True, "graph"), ("spin_kernel", False, "graph")):
         plan = PlanChoice(chunk_tokens=-(-T // args.chunks), num_slots=2, block_m=64, policy=policy,
                           high_priority=prio)
         sm = StreamedMoE(heap, shape, fw, T, plan, timeline=True)
         try:
             sm.warm_up(x, y)
-            if mode == "graph":
-                g = capture(lambda: sm.enqueue(x, y))
+            report = ""
+            if mode.startswith("graph"):
+                if mode == "graph+node-prio":
+                    g = sm.capture(x, y, node_priority=True)
+                    report = sm.node_priority_report
+                else:
+                    g = capture(lambda: sm.enqueue(x, y))
                 for _ in range(3):
                     g.replay()
+                torch.cuda.synchronize()
+                ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(10)]
+                for a, b in ev:
+                    a.record()
+                    g.replay()
+                    b.record()
+                torch.cuda.synchronize()
+                report += f"; graph median {sorted(a.elapsed_time(b) for a, b in ev)[5]:.3f} ms"
             else:
                 for _ in range(3):
                     sm.enqueue(x, y)
@@ -61,10 +74,11 @@ def main() -> int:
             c0, c1 = tl["chunks"][0], tl["chunks"][1]
             rec = {"policy": policy, "high_priority": prio, "mode": mode,
                    "c1_produce_start": c1["produce_start"], "c1_route_published": c1["route_published"],
-                   "c0_blocks_done": c0["blocks_done"], "forward_us": tl["tail"]["combine_done"], "timeline": tl}
+                   "c0_blocks_done": c0["blocks_done"], "forward_us": tl["tail"]["combine_done"], "timeline": tl,
+                   "report": report}
             print(f"{policy:<12} prio={prio!s:<5} {mode:<5}: chunk 1 produce start {c1['produce_start']:8.1f} us, "
                   f"route published {c1['route_published']:8.1f} us; chunk 0 blocks done {c0['blocks_done']:8.1f} us; "
-                  f"forward {tl['tail']['combine_done']:8.1f} us", flush=True)
+                  f"forward {tl['tail']['combine_done']:8.1f} us {report}", flush=True)
         except Exception as exc:  # noqa: BLE001
             rec = {"policy": policy, "high_priority": prio, "mode": mode, "error": f"{type(exc).__name__}: {exc}"}
             print(rec, flush=True)
@@ -72,6 +86,21 @@ def main() -> int:
             sm.close()
         out.append(rec)
         Path(args.json).write_text(json.dumps(out, indent=1, default=str))
+    # the batch path in the same run, for reference
+    prod = B.Producer(shape, fw, T, "cuda")
+    bc = B.BlockConsumer(shape, T, 1, 64, "cuda")
+    sc = B.scratch_buffers(shape, T, "cuda")
+    g = capture(lambda: B.batch_forward(x, fw, shape, prod, bc, sc, y))
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(10)]
+    for a, b in ev:
+        a.record()
+        g.replay()
+        b.record()
+    torch.cuda.synchronize()
+    med = sorted(a.elapsed_time(b) for a, b in ev)[5]
+    print(f"batch path graph median {med:.3f} ms", flush=True)
+    out.append({"mode": "batch graph", "median_ms": med})
+    Path(args.json).write_text(json.dumps(out, indent=1, default=str))
     heap.close()
     return 0
 

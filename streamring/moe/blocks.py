@@ -186,6 +186,7 @@ class BlockConsumer:
         self.row_weight = torch.zeros(rows, dtype=torch.float32, device=device)
         self.y = torch.zeros(rows, H, dtype=torch.bfloat16, device=device)
         self.tok_row = torch.zeros(max_tokens * Kk, dtype=torch.int64, device=device)
+        self.gemm_kernels: set = set()  # compiled GEMM kernels launched so far (graph node priorities)
 
     def max_ready(self, tokens: int) -> int:
         """Most blocks one dispatch of ``tokens`` tokens can make ready (the GEMM grid bound)."""
@@ -227,10 +228,11 @@ class BlockConsumer:
         SM slots to other streams); None: one CTA per tile.
         """
         h1 = self.h1.view(FP8)
-        K.expert_l1(self.ready_list, self.ready_hi, lo_index, hi_index, max_items, self.block_expert, self.a.view(FP8), self.a_sf, fw.w1,
+        k1 = K.expert_l1(self.ready_list, self.ready_hi, lo_index, hi_index, max_items, self.block_expert, self.a.view(FP8), self.a_sf, fw.w1,
                     fw.w1_sf, h1, self.h1_sf, block_m=self.block_m, pdl=pdl, max_ctas=max_ctas)
-        K.expert_l2(self.ready_list, self.ready_hi, lo_index, hi_index, max_items, self.block_expert, h1, self.h1_sf, fw.w2, fw.w2_sf,
+        k2 = K.expert_l2(self.ready_list, self.ready_hi, lo_index, hi_index, max_items, self.block_expert, h1, self.h1_sf, fw.w2, fw.w2_sf,
                     self.row_weight, self.y, block_m=self.block_m, pdl=pdl, max_ctas=max_ctas)
+        self.gemm_kernels.update(k for k in (k1, k2) if k is not None)
 
     def combine(self, out: torch.Tensor) -> None:
         """``out [T, H]`` bf16: the sum of each token's k weighted expert rows."""

@@ -295,6 +295,30 @@ class StreamedMoE:
         self._ring(origin, "ring_drain", 1, 1, r.desc, r.buf, np.int32(0))
         self._ring(origin, "ring_advance_epoch", 1, 1, r.desc)
 
+    def capture(self, x: torch.Tensor, out: torch.Tensor, *, node_priority: bool = True):
+        """Capture one forward into a CUDA graph and return it (instantiated).
+
+        Call :meth:`warm_up` first. With ``node_priority`` (and a policy whose producer/dispatch
+        streams are high-priority) every kernel node except the expert GEMMs is given the high
+        launch priority explicitly: a captured kernel node does not keep its stream's priority
+        (measured on the H200: ``scripts/probe_overlap.py``), and torch instantiates graphs with
+        ``cudaGraphInstantiateFlagUseNodePriority``, so the node attribute is what counts.
+        ``self.node_priority_report`` says how many nodes were changed (or why none).
+        """
+        prio = self.plan.high_priority if self.plan.high_priority is not None else self.plan.policy == "spin_kernel"
+        want = node_priority and prio and self.events != []
+        g = torch.cuda.CUDAGraph(keep_graph=want)
+        side = torch.cuda.Stream(device=self.heap.device)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.graph(g, stream=side, capture_error_mode="thread_local"):
+            self.enqueue(x, out)
+        self.node_priority_report = "not asked" if not want else _prioritize_nodes(
+            g, {int(k.function) for k in self.bc.gemm_kernels}, self.pstream.priority)
+        if want:
+            g.instantiate()
+        torch.cuda.current_stream().wait_stream(side)
+        return g
+
     def status(self) -> dict:
         """The ring's device status words (violations, timeouts, published, consumed, ...)."""
         return self.ring.status()
@@ -317,3 +341,38 @@ class StreamedMoE:
 
     def close(self) -> None:
         self.ring.close()
+
+
+def _prioritize_nodes(graph, low_funcs: set, priority: int) -> str:
+    """Give every kernel node of the captured ``graph`` whose function is not in ``low_funcs``
+    the launch priority ``priority`` (CUDA driver graph API). Returns a one-line report."""
+    from cuda.bindings import driver as drv
+
+    def ok(res, what):
+        err = res[0] if isinstance(res, tuple) else res
+        if err != drv.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"{what}: {err}")
+        return res[1:] if isinstance(res, tuple) else ()
+
+    try:
+        cg = drv.CUgraph(int(graph.raw_cuda_graph()))
+        _, count = ok(drv.cuGraphGetNodes(cg, 0), "cuGraphGetNodes(count)")
+        nodes, _ = ok(drv.cuGraphGetNodes(cg, count), "cuGraphGetNodes")
+        kernel_type = drv.CUgraphNodeType.CU_GRAPH_NODE_TYPE_KERNEL
+        attr = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PRIORITY
+        changed = kept = 0
+        for node in nodes:
+            (ntype,) = ok(drv.cuGraphNodeGetType(node), "cuGraphNodeGetType")
+            if ntype != kernel_type:
+                continue
+            (params,) = ok(drv.cuGraphKernelNodeGetParams(node), "cuGraphKernelNodeGetParams")
+            if int(params.func) in low_funcs:
+                kept += 1
+                continue
+            val = drv.CUlaunchAttributeValue()
+            val.priority = int(priority)
+            ok(drv.cuGraphKernelNodeSetAttribute(node, attr, val), "cuGraphKernelNodeSetAttribute")
+            changed += 1
+        return f"{changed} kernel nodes set to priority {priority}, {kept} GEMM nodes left at the default"
+    except Exception as exc:  # noqa: BLE001 - the graph still runs, without node priorities
+        return f"node priorities not set: {type(exc).__name__}: {exc}"
