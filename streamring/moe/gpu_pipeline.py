@@ -359,7 +359,11 @@ def _prioritize_nodes(graph, low_funcs: set, priority: int) -> str:
         _, count = ok(drv.cuGraphGetNodes(cg, 0), "cuGraphGetNodes(count)")
         nodes, _ = ok(drv.cuGraphGetNodes(cg, count), "cuGraphGetNodes")
         kernel_type = drv.CUgraphNodeType.CU_GRAPH_NODE_TYPE_KERNEL
-        attr = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PRIORITY
+        # the node-attribute flavour of the launch attribute (cuda-bindings wants these types)
+        attr = getattr(drv, "CUkernelNodeAttrID", drv.CUlaunchAttributeID).CU_LAUNCH_ATTRIBUTE_PRIORITY \
+            if not hasattr(getattr(drv, "CUkernelNodeAttrID", None), "CU_KERNEL_NODE_ATTRIBUTE_PRIORITY") \
+            else drv.CUkernelNodeAttrID.CU_KERNEL_NODE_ATTRIBUTE_PRIORITY
+        value_type = getattr(drv, "CUkernelNodeAttrValue", drv.CUlaunchAttributeValue)
         changed = kept = 0
         for node in nodes:
             (ntype,) = ok(drv.cuGraphNodeGetType(node), "cuGraphNodeGetType")
@@ -369,7 +373,7 @@ def _prioritize_nodes(graph, low_funcs: set, priority: int) -> str:
             if int(params.func) in low_funcs:
                 kept += 1
                 continue
-            val = drv.CUlaunchAttributeValue()
+            val = value_type()
             val.priority = int(priority)
             ok(drv.cuGraphKernelNodeSetAttribute(node, attr, val), "cuGraphKernelNodeSetAttribute")
             changed += 1
