@@ -360,9 +360,10 @@ def _prioritize_nodes(graph, low_funcs: set, priority: int) -> str:
         nodes, _ = ok(drv.cuGraphGetNodes(cg, count), "cuGraphGetNodes")
         kernel_type = drv.CUgraphNodeType.CU_GRAPH_NODE_TYPE_KERNEL
         # the node-attribute flavour of the launch attribute (cuda-bindings wants these types)
-        attr = getattr(drv, "CUkernelNodeAttrID", drv.CUlaunchAttributeID).CU_LAUNCH_ATTRIBUTE_PRIORITY \
-            if not hasattr(getattr(drv, "CUkernelNodeAttrID", None), "CU_KERNEL_NODE_ATTRIBUTE_PRIORITY") \
-            else drv.CUkernelNodeAttrID.CU_KERNEL_NODE_ATTRIBUTE_PRIORITY
+        ids = getattr(drv, "CUkernelNodeAttrID", drv.CUlaunchAttributeID)
+        attr = getattr(ids, "CU_KERNEL_NODE_ATTRIBUTE_PRIORITY", None)
+        if attr is None:
+            attr = ids.CU_LAUNCH_ATTRIBUTE_PRIORITY
         value_type = getattr(drv, "CUkernelNodeAttrValue", drv.CUlaunchAttributeValue)
         changed = kept = 0
         for node in nodes:
