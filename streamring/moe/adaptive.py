@@ -1,0 +1,101 @@
+"""Adaptive choice between the batch path and a streamed plan, per token count.
+
+The choice comes from a tuned table measured on the target GPU (``adaptive_table.json`` next
+to this module, produced by ``scripts/make_adaptive_table.py`` from the layer benchmark; the
+command is recorded in the table). A token count uses the row of the largest measured token
+count not above it (the smallest row below every measured count). A row says ``batch`` where
+no streamed configuration beat the batch path in the same interleaved run - so the adaptive
+policy is never slower than batch at a measured size; between measured sizes it extrapolates.
+
+No GPU import here: an engine can read the plan anywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+DEFAULT_TABLE = Path(__file__).with_name("adaptive_table.json")
+PATHS = ("batch", "streamed")
+
+
+class AdaptiveTableError(ValueError):
+    """The tuned table is missing or malformed (the message names the field)."""
+
+
+@dataclass(frozen=True)
+class AdaptiveChoice:
+    """What to run for ``tokens`` tokens: ``path`` is 'batch' or 'streamed'; for 'streamed',
+    ``chunk_tokens``, ``num_slots`` and ``policy`` (a ``gpu_pipeline.POLICIES`` name)."""
+
+    tokens: int
+    path: str
+    block_m: int
+    chunk_tokens: int
+    num_slots: int = 1
+    policy: Optional[str] = None
+    table_tokens: int = 0
+    note: str = ""
+
+    def plan(self):
+        """A :class:`~streamring.moe.gpu_pipeline.PlanChoice` for a streamed choice, else None."""
+        if self.path != "streamed":
+            return None
+        from .gpu_pipeline import PlanChoice
+
+        return PlanChoice(chunk_tokens=self.chunk_tokens, num_slots=self.num_slots, block_m=self.block_m,
+                          policy=self.policy)
+
+
+def load_table(path: str | Path = DEFAULT_TABLE) -> dict:
+    """Read and validate a tuned table (see ``scripts/make_adaptive_table.py``)."""
+    p = Path(path)
+    if not p.is_file():
+        raise AdaptiveTableError(f"adaptive table {p} not found (make it with scripts/make_adaptive_table.py)")
+    try:
+        t = json.loads(p.read_text())
+    except json.JSONDecodeError as exc:
+        raise AdaptiveTableError(f"adaptive table {p} is not JSON: {exc}") from exc
+    rows = t.get("rows") if isinstance(t, dict) else None
+    if not rows:
+        raise AdaptiveTableError(f"adaptive table {p}: 'rows' is missing or empty")
+    for i, r in enumerate(rows):
+        for key in ("tokens", "path", "block_m"):
+            if key not in r:
+                raise AdaptiveTableError(f"adaptive table {p}: rows[{i}] has no '{key}'")
+        if r["path"] not in PATHS:
+            raise AdaptiveTableError(f"adaptive table {p}: rows[{i}].path is {r['path']!r}, allowed: {PATHS}")
+        if r["path"] == "streamed":
+            for key in ("chunks", "num_slots", "policy"):
+                if key not in r:
+                    raise AdaptiveTableError(f"adaptive table {p}: rows[{i}] (streamed) has no '{key}'")
+            if int(r["chunks"]) < 2:
+                raise AdaptiveTableError(f"adaptive table {p}: rows[{i}].chunks must be >= 2 for a streamed row, "
+                                         f"got {r['chunks']}")
+    return t
+
+
+def choose(tokens: int, table: dict | None = None) -> AdaptiveChoice:
+    """The batch path or a streamed plan for ``tokens`` tokens, from ``table`` (default: the
+    repo's tuned table)."""
+    if not isinstance(tokens, int) or tokens < 1:
+        raise ValueError(f"tokens must be a positive int, got {tokens!r}")
+    t = table if table is not None else load_table()
+    rows = sorted(t["rows"], key=lambda r: r["tokens"])
+    row = rows[0]
+    for r in rows:
+        if r["tokens"] <= tokens:
+            row = r
+    if row["path"] == "batch":
+        return AdaptiveChoice(tokens, "batch", int(row["block_m"]), tokens, table_tokens=int(row["tokens"]),
+                              note=row.get("reason", ""))
+    chunks = int(row["chunks"])
+    chunk_tokens = math.ceil(tokens / chunks)
+    if chunk_tokens < 16:  # too small to stream: the batch path
+        return AdaptiveChoice(tokens, "batch", int(row["block_m"]), tokens, table_tokens=int(row["tokens"]),
+                              note=f"{chunks} chunks of {tokens} tokens would be under 16 tokens each")
+    return AdaptiveChoice(tokens, "streamed", int(row["block_m"]), chunk_tokens, num_slots=int(row["num_slots"]),
+                          policy=row["policy"], table_tokens=int(row["tokens"]))

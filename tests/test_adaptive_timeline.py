@@ -1,0 +1,117 @@
+"""The adaptive table/choice and the `streamring timeline` command (no GPU needed)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from streamring.moe import adaptive
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_repo_table_loads_and_choices_are_consistent():
+    t = adaptive.load_table()
+    assert "produced_by" in t and t["rows"]
+    for r in t["rows"]:
+        c = adaptive.choose(r["tokens"], t)
+        assert c.path == r["path"]
+        # a streamed row in the repo table must come with a measured win over batch
+        if r["path"] == "streamed":
+            assert r["streamed_over_batch"] < 1.0
+
+
+def test_choice_between_and_below_measured_sizes():
+    table = {"rows": [{"tokens": 128, "path": "batch", "block_m": 16},
+                      {"tokens": 8192, "path": "streamed", "block_m": 64, "chunks": 4, "num_slots": 4,
+                       "policy": "spin_kernel", "streamed_over_batch": 0.96}]}
+    assert adaptive.choose(64, table).path == "batch"  # below every row: the smallest row
+    assert adaptive.choose(4096, table).path == "batch"
+    c = adaptive.choose(10000, table)
+    assert (c.path, c.chunk_tokens, c.num_slots, c.policy, c.block_m) == ("streamed", 2500, 4, "spin_kernel", 64)
+    assert adaptive.choose(8192 * 4, table).table_tokens == 8192
+
+
+def test_bad_tables_name_the_field(tmp_path):
+    p = tmp_path / "t.json"
+    p.write_text(json.dumps({"rows": [{"tokens": 1, "path": "fast", "block_m": 64}]}))
+    with pytest.raises(adaptive.AdaptiveTableError, match=r"rows\[0\].path is 'fast', allowed"):
+        adaptive.load_table(p)
+    p.write_text(json.dumps({"rows": [{"tokens": 1, "path": "streamed", "block_m": 64, "chunks": 2}]}))
+    with pytest.raises(adaptive.AdaptiveTableError, match="has no 'num_slots'"):
+        adaptive.load_table(p)
+    with pytest.raises(adaptive.AdaptiveTableError, match="not found"):
+        adaptive.load_table(tmp_path / "missing.json")
+    with pytest.raises(ValueError, match="tokens must be a positive int"):
+        adaptive.choose(0, {"rows": []})
+
+
+def test_make_adaptive_table_picks_batch_unless_streaming_wins(tmp_path):
+    bench = {"device": "x", "rows": [
+        {"tokens": 1024, "block_m": 64, "batch": {"median_ms": 3.0},
+         "streamed": [{"ok": True, "streamed_over_batch": 1.05, "chunks": 2, "num_slots": 2, "policy": "spin_kernel"}]},
+        {"tokens": 8192, "block_m": 64, "batch": {"median_ms": 11.0},
+         "streamed": [{"ok": True, "streamed_over_batch": 0.95, "chunks": 4, "num_slots": 4, "policy": "spin_kernel"},
+                      {"ok": False, "streamed_over_batch": 0.5, "chunks": 8, "num_slots": 4, "policy": "pdl"}]}]}
+    src = tmp_path / "bench.json"
+    src.write_text(json.dumps(bench))
+    out = tmp_path / "table.json"
+    r = subprocess.run([sys.executable, str(ROOT / "scripts/make_adaptive_table.py"), str(src), "--out", str(out)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    t = adaptive.load_table(out)
+    by = {row["tokens"]: row for row in t["rows"]}
+    assert by[1024]["path"] == "batch" and "1.050x" in by[1024]["reason"]
+    assert by[8192]["path"] == "streamed" and by[8192]["chunks"] == 4  # the failed 0.5x config is ignored
+
+
+def _timeline(tokens=1024):
+    chunks = []
+    t = 0.0
+    for c in range(2):
+        chunks.append({"produce_start": t, "route_published": t + 50, "layout_published": t + 60, "acquired": t + 61,
+                       "dispatched_acked": t + 90, "blocks_done": t + 400, "blocks_ready": 10 + c})
+        t += 60
+    return {"tokens": tokens, "policy": "spin_kernel", "chunk_tokens": tokens // 2, "num_slots": 2, "block_m": 64,
+            "chunks": chunks, "tail": {"start": 0.0, "producer_done": 120.0, "seal_blocks_done": 900.0,
+                                       "combine_done": 950.0, "seal_blocks": 7},
+            "batch_ms": {"producer": 0.1, "moe": 0.9, "total": 1.0}, "streamed_ms": 0.95}
+
+
+def test_timeline_command_draws_a_png(tmp_path):
+    src = tmp_path / "layer.json"
+    src.write_text(json.dumps({"timelines": [_timeline(1024), _timeline(8192), {"tokens": 5, "error": "x"}]}))
+    png = tmp_path / "t.png"
+    r = subprocess.run([sys.executable, "-m", "streamring", "timeline", str(src), "--out", str(png), "--tokens", "8192"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    # chunk 1 was published (120 us) while chunk 0's blocks computed (until 400 us): lead +280 us
+    assert "1 of 1 later chunks published" in r.stdout and "+280" in r.stdout
+
+
+def test_timeline_command_rejects_bad_input(tmp_path):
+    bad = _timeline()
+    del bad["chunks"][1]["blocks_done"]
+    src = tmp_path / "bad.json"
+    src.write_text(json.dumps(bad))
+    r = subprocess.run([sys.executable, "-m", "streamring", "timeline", str(src), "--out", str(tmp_path / "x.png")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert "chunk 1 lacks events ['blocks_done']" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "streamring", "timeline", str(tmp_path / "none.json")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "no such file" in r.stderr
+
+
+def test_committed_results_draw():
+    """The committed benchmark result has timelines the command can draw."""
+    from streamring.timeline import lanes, load_timelines
+
+    tls = load_timelines(ROOT / "docs/results/gpu-layer-2026-11-29.json")
+    assert {t["tokens"] for t in tls} >= {8192, 32768}
+    assert all(len(lanes(t)) == 3 * len(t["chunks"]) + 2 for t in tls)
