@@ -31,6 +31,7 @@ def main() -> int:
     ap.add_argument("--chunks", type=int, default=2)
     ap.add_argument("--eager-chunks", type=lambda v: [int(c) for c in v.split(",") if c], default=[2, 4])
     ap.add_argument("--eager-reps", type=int, default=15)
+    ap.add_argument("--skip-timelines", action="store_true")
     ap.add_argument("--json", default="probe.json")
     args = ap.parse_args()
     from streamring.device.nvshmem import NvshmemHeap
@@ -43,8 +44,9 @@ def main() -> int:
     x = torch.randn(T, shape.hidden, device="cuda").to(torch.bfloat16)
     y = torch.empty_like(x)
     out = []
-    for policy, prio, mode in (("spin_kernel", True, "graph+node-prio"), ("spin_kernel", True, "eager"),
-                               ("spin_kernel", True, "graph"), ("spin_kernel", False, "graph")):
+    modes = () if args.skip_timelines else (("spin_kernel", True, "graph+node-prio"), ("spin_kernel", True, "eager"),
+                                            ("spin_kernel", True, "graph"), ("spin_kernel", False, "graph"))
+    for policy, prio, mode in modes:
         plan = PlanChoice(chunk_tokens=-(-T // args.chunks), num_slots=2, block_m=64, policy=policy,
                           high_priority=prio)
         sm = StreamedMoE(heap, shape, fw, T, plan, timeline=True)
