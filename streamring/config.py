@@ -92,6 +92,8 @@ class RunConfig(_Strict):
     )
     mode: Literal["both", "batch", "stream"] = "both"
     scheduler: Literal["chunk_local", "reservation"] = "chunk_local"
+    source_order: Literal["rank", "ready"] = Field(
+        "rank", description="streamed consumer: sources of a chunk in rank order, or any ready source first")
     block_m: int = Field(16, ge=1, description="rows per expert block")
     epochs: int = Field(2, ge=1, description="forward calls (one stream epoch each) on the same buffers")
     routing: Literal["router", "uniform", "hot_expert", "one_rank"] = "router"
@@ -139,6 +141,9 @@ class StressConfig(_Strict):
     inject: Literal[("none",) + INJECT_MODES] = "none"  # type: ignore[valid-type]
     inject_delay_s: float = Field(0.002, ge=0)
     fault: Optional[Fault] = Field(None, description="kill or hang one rank mid-stream (rank-failure tests)")
+    source_order: Literal["rank", "ready"] = Field(
+        "rank", description="consumer: wait for the sources of a chunk in rank order, or handle any ready source "
+                            "first ('ready', an RFC later optimisation; the model checker explores 'rank' only)")
 
 
 class Config(_Strict):

@@ -130,7 +130,7 @@ def run_layer(heap: SymmetricHeap, cfg: Config) -> dict:
                 continue
             t0 = time.monotonic()
             outs[mode] = buf.forward(x, weights, streaming=(mode == "stream"), scheduler=cfg.run.scheduler,
-                                     routing=routing)
+                                     routing=routing, source_order=cfg.run.source_order)
             row[f"{mode}_wall_s"] += time.monotonic() - t0
             if mode == "stream":
                 row["chunks"] = buf.last_stats.num_chunks

@@ -100,6 +100,7 @@ class RankResult:
     violations: int = 0
     violation_kinds: dict = field(default_factory=dict)
     first_violations: list = field(default_factory=list)
+    sources_out_of_rank_order: int = 0  # source_order='ready': chunks handled before a lower rank's
     acquire_wait_median_s: float = 0.0
     acquire_wait_max_s: float = 0.0
     reuse_wait_median_s: float = 0.0
@@ -220,38 +221,56 @@ class _Roles:
 
     def consumer(self, plan):
         ring, R = self.ring, self.ring.layout.num_ranks
+        by_ready = self.cfg.stress.source_order == "ready"
         for c in range(plan.num_chunks):
             yield from self.delay(self.cfg.stress.consumer_delay)
-            for src in range(R):
+            pending = list(range(R))
+            while pending:
                 t0 = time.monotonic()
 
-                def ready(src=src):
+                def ready(src):
                     try:
                         return ring.gen_state(src, c) is GenState.READY
                     except ProtocolViolation as exc:
                         self.res.add_violation("generation", str(exc))
                         return True
 
-                yield from self.wait(ready, f"generations of source {src} chunk {c}")
+                if by_ready:
+                    # RFC later optimisation: handle every source whose chunk c is ready, in any
+                    # order, instead of waiting for the sources in rank order
+                    yield from self.wait(lambda: any(ready(s) for s in pending),
+                                         f"generations of any of sources {pending} chunk {c}")
+                    batch = [s for s in pending if ready(s)]
+                    if batch and batch[0] != pending[0]:
+                        self.res.sources_out_of_rank_order += 1  # a later rank's chunk went first
+                else:
+                    yield from self.wait(lambda s=pending[0]: ready(s), f"generations of source {pending[0]} chunk {c}")
+                    batch = [pending[0]]
                 t_acq = time.monotonic()
-                self.acquire_waits.append(t_acq - t0)
-                self.maybe_fault("consume", c)
-                meta, arrays = self._read(src, c, plan)
-                pub_ns = max(int(meta[4]), int(meta[6]))
-                if pub_ns:
-                    self.publish_to_acquire.append(max(0.0, t_acq - pub_ns / 1e9))
-                ok = self._check(src, c, plan, meta, arrays, "read")
-                yield from self.delay(self.cfg.stress.read_hold)
-                if ok and self.cfg.stress.read_hold.max_s > 0:
-                    meta2, arrays2 = self._read(src, c, plan)
-                    self._check(src, c, plan, meta2, arrays2, "after hold")
-                self.res.tokens_checked += int(arrays[0].shape[0])
-                self.maybe_fault("ack", c)
-                ring.ack(src, c)
-                if src == self.me:
-                    self.own_acked = c
-                self.res.chunks_consumed += 1
-                yield
+                for src in batch:
+                    pending.remove(src)
+                    self.acquire_waits.append(t_acq - t0)
+                    yield from self._consume_one(src, c, plan, t_acq)
+
+    def _consume_one(self, src, c, plan, t_acq):
+        ring = self.ring
+        self.maybe_fault("consume", c)
+        meta, arrays = self._read(src, c, plan)
+        pub_ns = max(int(meta[4]), int(meta[6]))
+        if pub_ns:
+            self.publish_to_acquire.append(max(0.0, t_acq - pub_ns / 1e9))
+        ok = self._check(src, c, plan, meta, arrays, "read")
+        yield from self.delay(self.cfg.stress.read_hold)
+        if ok and self.cfg.stress.read_hold.max_s > 0:
+            meta2, arrays2 = self._read(src, c, plan)
+            self._check(src, c, plan, meta2, arrays2, "after hold")
+        self.res.tokens_checked += int(arrays[0].shape[0])
+        self.maybe_fault("ack", c)
+        ring.ack(src, c)
+        if src == self.me:
+            self.own_acked = c
+        self.res.chunks_consumed += 1
+        yield
 
 
 def run_stress(heap: SymmetricHeap, cfg: Config) -> RankResult:

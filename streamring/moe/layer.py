@@ -87,6 +87,9 @@ class ForwardStats:
     acquire_waits_s: list = field(default_factory=list)
 
 
+SOURCE_ORDERS = ("rank", "ready")
+
+
 class MoEBuffer:
     """One rank's symmetric buffers for the MoE layer, batch and streamed.
 
@@ -133,7 +136,8 @@ class MoEBuffer:
     # ------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, weights: MoEWeights, *, streaming: bool = False,
                 stream_epoch: Optional[int] = None, scheduler: str = "chunk_local",
-                block_m: Optional[int] = None, routing: Optional[RoutingFn] = None) -> torch.Tensor:
+                block_m: Optional[int] = None, routing: Optional[RoutingFn] = None,
+                source_order: str = "rank") -> torch.Tensor:
         """Run the MoE layer on this rank's tokens ``x`` ``[T, hidden]``; returns ``y`` float32 ``[T, hidden]``.
 
         Collective: every rank calls it (a rank with no tokens passes ``T = 0``).
@@ -150,7 +154,12 @@ class MoEBuffer:
             scheduler: ``"chunk_local"`` or ``"reservation"`` (see module doc).
             block_m: rows per expert block (default ``shape.block_m``).
             routing: optional routing override (tests, replays of recorded routing).
+            source_order: ``"rank"`` (wait for the sources of a chunk in rank order) or
+                ``"ready"`` (pull from any source whose chunk is ready first; an RFC later
+                optimisation, off by default: the model checker explores ``"rank"`` only).
         """
+        if source_order not in SOURCE_ORDERS:
+            raise ValueError(f"source_order must be one of {SOURCE_ORDERS}, got {source_order!r}")
         if self.broken:
             raise RuntimeError(f"this MoEBuffer is unusable after an error in the middle of a stream ({self.broken}); "
                                f"close() it and build a new MoEBuffer on every rank (collective)")
@@ -175,7 +184,7 @@ class MoEBuffer:
         routing_out = (torch.full((x.shape[0], self.shape.topk), -1, dtype=torch.int64, device=x.device),
                        torch.zeros(x.shape[0], self.shape.topk, dtype=torch.float32, device=x.device))
         run = _Forward(self, ring, plan, x, weights, bm, routing, y, routing_out, stats,
-                       scheduler if streaming else "chunk_local")
+                       scheduler if streaming else "chunk_local", source_order)
         try:
             run_roles([run.route_producer(), run.layout_producer(), run.consumer(), run.combiner()], self.heap)
             ring.end_stream()
@@ -250,13 +259,14 @@ class _Forward:
     """The roles of one forward call on one rank."""
 
     def __init__(self, buf: MoEBuffer, ring: Ring, plan: StreamPlan, x, weights, block_m, routing, y,
-                 routing_out, stats: ForwardStats, scheduler: str):
+                 routing_out, stats: ForwardStats, scheduler: str, source_order: str = "rank"):
         self.buf, self.ring, self.plan = buf, ring, plan
         self.L = ring.layout
         self.x, self.block_m, self.routing, self.y = x, block_m, routing, y
         self.idx_out, self.w_out = routing_out
         self.stats = stats
         self.scheduler = scheduler
+        self.source_order = source_order
         self.me = buf.rank
         self.sh = buf.shape
         self.weights = weights
@@ -310,8 +320,30 @@ class _Forward:
             yield from wait_for(self.ring, lambda s=src: self.ring.try_acquire(s, c),
                                 f"route+layout of source rank {src} chunk {c}", self.stats.acquire_waits_s)
 
-    def _pull(self, c):
-        """Read every source's chunk c routing; pull the rows routed to my experts.
+    def _sources(self, c):
+        """Groups of sources of chunk ``c``, acquired: all at once in rank order (``rank``),
+        or every group of sources that is ready, as soon as it is (``ready``). Each group is
+        yielded as ``('group', [src, ...])``; other yields are cooperative waits."""
+        if self.source_order == "rank":
+            yield from self._acquire_all(c)
+            yield ("group", list(range(self.L.num_ranks)))
+            return
+        pending = list(range(self.L.num_ranks))
+        while pending:
+            got = []
+
+            def any_ready():
+                got[:] = [s for s in pending if self.ring.try_acquire(s, c)]
+                return bool(got)
+
+            yield from wait_for(self.ring, any_ready, f"route+layout of any of source ranks {pending} chunk {c}",
+                                self.stats.acquire_waits_s)
+            for s in got:
+                pending.remove(s)
+            yield ("group", list(got))
+
+    def _pull(self, c, sources=None):
+        """Read the chunk c routing of ``sources`` (default every source); pull the rows routed to my experts.
 
         Returns a list of rows ``(src, chunk, t, k, expert)`` in (src, t, k)
         order with their x/x_sf, and per-source counts of my rows.
@@ -319,7 +351,7 @@ class _Forward:
         lo, hi = self.buf.local_experts.start, self.buf.local_experts.stop
         slot = c % self.L.num_slots
         rows = []
-        for src in range(self.L.num_ranks):
+        for src in (range(self.L.num_ranks) if sources is None else sources):
             view = self.ring.read_chunk(src, c, payload=False)
             if not view.valid:
                 continue
@@ -366,17 +398,21 @@ class _Forward:
     def _consumer_chunk_local(self):
         hit = set()
         for c in range(self.plan.num_chunks):
-            yield from self._acquire_all(c)
-            rows = self._pull(c)
-            by_expert: dict[int, list] = {}
-            for r in rows:
-                by_expert.setdefault(r[4], []).append(r)
-            for e in sorted(by_expert):
-                self._run_block(e, by_expert[e])
-                hit.add(e)
-            # Every result of chunk c is put: acknowledge (release after the puts).
-            for src in range(self.L.num_ranks):
-                self.ring.ack(src, c)
+            for item in self._sources(c):
+                if not (isinstance(item, tuple) and item and item[0] == "group"):
+                    yield item
+                    continue
+                srcs = item[1]
+                rows = self._pull(c, srcs)
+                by_expert: dict[int, list] = {}
+                for r in rows:
+                    by_expert.setdefault(r[4], []).append(r)
+                for e in sorted(by_expert):
+                    self._run_block(e, by_expert[e])
+                    hit.add(e)
+                # Every result of these sources' chunk c is put: acknowledge (release after the puts).
+                for src in srcs:
+                    self.ring.ack(src, c)
             yield
         self.stats.experts_hit = len(hit)
 
@@ -413,22 +449,26 @@ class _Forward:
             if n - S >= 0:
                 seal(lambda rows, lim=n - S: min(r[1] for r in rows) <= lim)
                 ack_ready(n - S)
-            yield from self._acquire_all(n)
-            rows = self._pull(n)
-            for src in range(R):
-                outstanding[(src, n)] = 0
-                pending.append((src, n))
-            for r in rows:
-                outstanding[(r[0], n)] += 1
-            for r in rows:
-                blk = open_blocks.setdefault(r[4], [])
-                blk.append(r)
-                hit.add(r[4])
-                if len(blk) == self.block_m:  # completion rule (a): the block is full
-                    self._run_block(r[4], blk)
-                    finish(blk)
-                    open_blocks[r[4]] = []
-            ack_ready(n)
+            for item in self._sources(n):
+                if not (isinstance(item, tuple) and item and item[0] == "group"):
+                    yield item
+                    continue
+                srcs = item[1]
+                rows = self._pull(n, srcs)
+                for src in srcs:
+                    outstanding[(src, n)] = 0
+                    pending.append((src, n))
+                for r in rows:
+                    outstanding[(r[0], n)] += 1
+                for r in rows:
+                    blk = open_blocks.setdefault(r[4], [])
+                    blk.append(r)
+                    hit.add(r[4])
+                    if len(blk) == self.block_m:  # completion rule (a): the block is full
+                        self._run_block(r[4], blk)
+                        finish(blk)
+                        open_blocks[r[4]] = []
+                ack_ready(n)
             yield
         # End of stream: seal every partial block (completion rule (b)).
         seal(lambda rows: True)
