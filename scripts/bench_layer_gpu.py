@@ -45,7 +45,7 @@ import torch  # noqa: E402
 
 from streamring.device import moe_triton as K  # noqa: E402
 from streamring.moe import blocks as B  # noqa: E402
-from streamring.moe.gpu_pipeline import PlanChoice, StreamedMoE  # noqa: E402
+from streamring.host.moe_gpu import PlanChoice, StreamedMoE  # noqa: E402
 from streamring.moe.math import MoEShape  # noqa: E402
 
 HBM_PEAK_GBS = 4800.0  # H200 nominal

@@ -22,7 +22,7 @@ import torch  # noqa: E402
 from scripts.bench_layer_gpu import capture, dsv3_shape  # noqa: E402
 from streamring.device import moe_triton as K  # noqa: E402
 from streamring.moe import blocks as B  # noqa: E402
-from streamring.moe.gpu_pipeline import PlanChoice, StreamedMoE  # noqa: E402
+from streamring.host.moe_gpu import PlanChoice, StreamedMoE  # noqa: E402
 
 
 def main() -> int:

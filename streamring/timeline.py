@@ -2,7 +2,7 @@
 
 Input: the JSON written by ``scripts/bench_layer_gpu.py --timeline-json`` (its ``timelines``
 list), or one timeline object as returned by
-:meth:`streamring.moe.gpu_pipeline.StreamedMoE.timeline`. Every time is in microseconds from
+:meth:`streamring.host.moe_gpu.StreamedMoE.timeline`. Every time is in microseconds from
 the forward's start, read from the GPU's ``%globaltimer`` by stamp kernels on the streams.
 
 One figure per timeline, one row per lane:

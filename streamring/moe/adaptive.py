@@ -29,7 +29,7 @@ class AdaptiveTableError(ValueError):
 @dataclass(frozen=True)
 class AdaptiveChoice:
     """What to run for ``tokens`` tokens: ``path`` is 'batch' or 'streamed'; for 'streamed',
-    ``chunk_tokens``, ``num_slots`` and ``policy`` (a ``gpu_pipeline.POLICIES`` name)."""
+    ``chunk_tokens``, ``num_slots`` and ``policy`` (a ``streamring.moe.plan.POLICIES`` name)."""
 
     tokens: int
     path: str
@@ -41,10 +41,10 @@ class AdaptiveChoice:
     note: str = ""
 
     def plan(self):
-        """A :class:`~streamring.moe.gpu_pipeline.PlanChoice` for a streamed choice, else None."""
+        """A :class:`~streamring.moe.plan.PlanChoice` for a streamed choice, else None."""
         if self.path != "streamed":
             return None
-        from .gpu_pipeline import PlanChoice
+        from .plan import PlanChoice
 
         return PlanChoice(chunk_tokens=self.chunk_tokens, num_slots=self.num_slots, block_m=self.block_m,
                           policy=self.policy)

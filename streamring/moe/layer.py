@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import numpy as np
+from ..device.ranges import annotate as nvtx_range
 import torch
 
 from ..coop import run_roles, wait_for
@@ -186,7 +187,9 @@ class MoEBuffer:
         run = _Forward(self, ring, plan, x, weights, bm, routing, y, routing_out, stats,
                        scheduler if streaming else "chunk_local", source_order)
         try:
-            run_roles([run.route_producer(), run.layout_producer(), run.consumer(), run.combiner()], self.heap)
+            with nvtx_range(f"streamring forward {'stream' if streaming else 'batch'} epoch {epoch} "
+                               f"({plan.num_chunks} chunks)", color="purple"):
+                run_roles([run.route_producer(), run.layout_producer(), run.consumer(), run.combiner()], self.heap)
             ring.end_stream()
         except BaseException as exc:
             ring.abort_stream(f"{type(exc).__name__}")

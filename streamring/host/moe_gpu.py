@@ -43,47 +43,21 @@ order with programmatic dependent launch of the GEMMs).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from ..device import moe_triton as K
+from ..device.ranges import annotate as nvtx_range
+from ..moe.blocks import FP8, BlockConsumer, FastWeights, Producer
+from ..moe.math import MoEShape
+from ..moe.plan import POLICIES, PlanChoice  # noqa: F401  (re-exported)
 from ..protocol import RingLayout
-from .blocks import FP8, BlockConsumer, FastWeights, Producer
-from .math import MoEShape
 
-POLICIES = ("serialized", "stream_wait", "spin_kernel", "green_ctx", "pdl")
 RING_ROUTE, RING_LAYOUT = 0, 1
 
 # per-chunk device timestamps (ns, %globaltimer): row c of ``stamps`` is chunk c, the last row the tail
-from .timeline_events import CHUNK_EVENTS, STAMP_STRIDE, TAIL_EVENTS  # noqa: E402
-
-
-@dataclass
-class PlanChoice:
-    """How one forward is streamed: ``chunk_tokens`` per chunk (``>= tokens``: batch path)."""
-
-    chunk_tokens: int
-    num_slots: int
-    block_m: int
-    policy: str
-    # producer + dispatch streams at high priority; None: the policy's default (spin_kernel: on,
-    # stream_wait: off - a forward with high-priority streams and a consumer blocked in
-    # cuStreamWaitValue64 hung once on the H200, see docs/results/gpu-layer-2026-11-29.md)
-    high_priority: bool | None = None
-    # persistent grid size of the per-chunk GEMMs (None: one CTA per tile). Fewer CTAs than the
-    # GPU holds leave slots free for the producer and dispatch kernels of later chunks.
-    chunk_gemm_ctas: int | None = None
-
-    def validate(self) -> "PlanChoice":
-        if self.policy not in POLICIES:
-            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
-        if self.chunk_tokens < 1:
-            raise ValueError(f"chunk_tokens must be >= 1, got {self.chunk_tokens}")
-        if self.num_slots < 1:
-            raise ValueError(f"num_slots must be >= 1, got {self.num_slots}")
-        return self
+from ..moe.timeline_events import CHUNK_EVENTS, STAMP_STRIDE, TAIL_EVENTS  # noqa: E402
 
 
 class StreamedMoE:
@@ -97,7 +71,7 @@ class StreamedMoE:
 
     def __init__(self, heap, shape: MoEShape, fw: FastWeights, tokens: int, plan: PlanChoice, *,
                  timeline: bool = False, producer_sms: int = 16, deadline_s: float = 10.0):
-        from ..host.gpu import GpuRing
+        from .gpu import GpuRing
 
         plan.validate()
         if heap.num_ranks != 1:
@@ -132,7 +106,7 @@ class StreamedMoE:
         self.xport = "nv"
         self.events = []
         if plan.policy == "green_ctx":
-            from ..host.gpu import make_green_pair
+            from .gpu import make_green_pair
 
             if not self.ring.p2p_ok:
                 raise RuntimeError("green_ctx needs P2P access to the ring (nvshmem_ptr was NULL)")
@@ -184,6 +158,10 @@ class StreamedMoE:
         return both()
 
     def _produce(self, x, c):
+        with nvtx_range(f"streamring produce chunk {c}", color="blue"):
+            self._produce_inner(x, c)
+
+    def _produce_inner(self, x, c):
         r = self.ring
         me = np.int32(0)
         st = torch.cuda.current_stream()
@@ -203,7 +181,11 @@ class StreamedMoE:
         self._stamp(c, 1)
 
     def _dispatch(self, c):
-        from ..host.gpu import stream_wait_geq
+        with nvtx_range(f"streamring acquire+dispatch+ack chunk {c}", color="orange"):
+            self._dispatch_inner(c)
+
+    def _dispatch_inner(self, c):
+        from .gpu import stream_wait_geq
 
         r = self.ring
         st = torch.cuda.current_stream()
@@ -222,12 +204,20 @@ class StreamedMoE:
         self._stamp(c, 3)
 
     def _gemms(self, c):
+        with nvtx_range(f"streamring block GEMMs chunk {c}", color="green"):
+            self._gemms_inner(c)
+
+    def _gemms_inner(self, c):
         n = min(self.tokens, (c + 1) * self.chunk) - c * self.chunk
         self.bc.compute(c, c + 1, self.bc.max_ready(n), self.fw, pdl=self.plan.policy == "pdl",
                         max_ctas=self.plan.chunk_gemm_ctas)
         self._stamp(c, 4)
 
     def _finish(self, out):
+        with nvtx_range("streamring seal+combine", color="red"):
+            self._finish_inner(out)
+
+    def _finish_inner(self, out):
         C = self.num_chunks
         self.bc.seal(C)
         self.bc.compute(C, C + 1, self.bc.max_ready(0), self.fw, pdl=self.plan.policy == "pdl")
@@ -251,6 +241,11 @@ class StreamedMoE:
 
         ``order='serialized'`` forces the one-stream chunk-by-chunk order (used by :meth:`warm_up`).
         """
+        with nvtx_range(f"streamring StreamedMoE.enqueue ({self.num_chunks} chunks, {self.plan.policy})",
+                           color="purple"):
+            self._enqueue(x, out, order)
+
+    def _enqueue(self, x, out, order):
         if x.shape != (self.tokens, self.shape.hidden) or out.shape != x.shape:
             raise ValueError(f"x and out must have shape [{self.tokens}, {self.shape.hidden}], "
                              f"got {list(x.shape)} and {list(out.shape)}")

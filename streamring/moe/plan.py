@@ -1,0 +1,38 @@
+"""How a streamed MoE forward is scheduled on a GPU (plain data; no GPU imports).
+
+Used by the adaptive policy (``streamring.moe.adaptive``) and executed by
+``streamring.host.moe_gpu.StreamedMoE``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# progress policies of the GPU streamed path (see streamring.host.moe_gpu)
+POLICIES = ("serialized", "stream_wait", "spin_kernel", "green_ctx", "pdl")
+
+
+@dataclass
+class PlanChoice:
+    """How one forward is streamed: ``chunk_tokens`` per chunk (``>= tokens``: batch path)."""
+
+    chunk_tokens: int
+    num_slots: int
+    block_m: int
+    policy: str
+    # producer + dispatch streams at high priority; None: the policy's default (spin_kernel: on,
+    # stream_wait: off - a forward with high-priority streams and a consumer blocked in
+    # cuStreamWaitValue64 hung once on the H200, see docs/results/gpu-layer-2026-11-29.md)
+    high_priority: bool | None = None
+    # persistent grid size of the per-chunk GEMMs (None: one CTA per tile). Fewer CTAs than the
+    # GPU holds leave slots free for the producer and dispatch kernels of later chunks.
+    chunk_gemm_ctas: int | None = None
+
+    def validate(self) -> "PlanChoice":
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens must be >= 1, got {self.chunk_tokens}")
+        if self.num_slots < 1:
+            raise ValueError(f"num_slots must be >= 1, got {self.num_slots}")
+        return self

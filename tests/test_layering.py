@@ -1,0 +1,66 @@
+"""The package's arrows point one way: launch/CLI -> host -> protocol/MoE -> device (backend verbs).
+
+Parsed from the source (no imports run): a module may import from its own layer or below,
+never from above.
+"""
+
+import ast
+from pathlib import Path
+
+PKG = Path(__file__).resolve().parents[1] / "streamring"
+
+# rank: higher may import lower. The stress harness and the layer runner drive the protocol and
+# the MoE layer (host starts them on every rank); the other top-level tools (cli, model, timeline)
+# sit with launch; host above moe/protocol; device at the bottom.
+RANK = {"device": 0, "protocol": 1, "coop": 1, "config": 1, "moe": 2, "stress": 2, "runner": 2, "host": 3}
+TOP = 4
+
+
+def layer_of(module: str) -> int:
+    parts = module.split(".")
+    if parts[0] != "streamring" or len(parts) < 2:
+        return TOP
+    return RANK.get(parts[1], TOP)
+
+
+def imports(path: Path, root: Path = PKG):
+    mod = "streamring." + ".".join(path.relative_to(root).with_suffix("").parts)
+    pkg = mod.rsplit(".", 1)[0] if path.name != "__init__.py" else mod.rsplit(".", 1)[0]
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = pkg.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if target.startswith("streamring"):
+                yield mod, target, node.lineno
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.startswith("streamring"):
+                    yield mod, a.name, node.lineno
+
+
+def violations(root: Path = PKG) -> list[str]:
+    bad = []
+    for path in root.rglob("*.py"):
+        for mod, target, line in imports(path, root):
+            if layer_of(target) > layer_of(mod):
+                bad.append(f"{mod}:{line} imports {target}")
+    return bad
+
+
+def test_no_module_imports_from_a_layer_above():
+    bad = violations()
+    assert not bad, "imports against the arrows:\n" + "\n".join(bad)
+
+
+def test_the_checker_catches_a_violation(tmp_path):
+    """Negative control: a moe module importing host (relative and absolute) is reported."""
+    (tmp_path / "moe").mkdir()
+    (tmp_path / "moe" / "bad.py").write_text("from ..host.gpu import GpuRing\nimport streamring.host.launch\n"
+                                             "from ..device import verbs\n")
+    assert violations(tmp_path) == ["streamring.moe.bad:1 imports streamring.host.gpu",
+                                    "streamring.moe.bad:2 imports streamring.host.launch"]
