@@ -297,7 +297,7 @@ def bench_tokens(T, shape, fw, args, timer, out, save):
             row["l1_gemm"] = {"error": f"{type(exc).__name__}: {exc}"}
             log(f"  T={T}: L1 comparison failed: {exc}")
     save()
-    del g_moe, g_prod
+    del g_moe
     # --- streamed ------------------------------------------------------------------------------
     row["streamed"] = []
     configs = []  # (chunks, policy, producer_sms, high_priority, chunk_gemm_ctas)

@@ -25,6 +25,17 @@ from streamring.moe import blocks as B  # noqa: E402
 from streamring.host.moe_gpu import PlanChoice, StreamedMoE  # noqa: E402
 
 
+def median_replay_ms(fn, n: int = 10) -> float:
+    """Median of ``n`` calls of ``fn`` timed with CUDA events on the current stream."""
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
+    for a, b in ev:
+        a.record()
+        fn()
+        b.record()
+    torch.cuda.synchronize()
+    return sorted(a.elapsed_time(b) for a, b in ev)[n // 2]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=8192)
@@ -62,13 +73,7 @@ def main() -> int:
                 for _ in range(3):
                     g.replay()
                 torch.cuda.synchronize()
-                ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(10)]
-                for a, b in ev:
-                    a.record()
-                    g.replay()
-                    b.record()
-                torch.cuda.synchronize()
-                report += f"; graph median {sorted(a.elapsed_time(b) for a, b in ev)[5]:.3f} ms"
+                report += f"; graph median {median_replay_ms(g.replay):.3f} ms"
             else:
                 for _ in range(3):
                     sm.enqueue(x, y)
@@ -94,13 +99,7 @@ def main() -> int:
     bc = B.BlockConsumer(shape, T, 1, 64, "cuda")
     sc = B.scratch_buffers(shape, T, "cuda")
     g = capture(lambda: B.batch_forward(x, fw, shape, prod, bc, sc, y))
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(10)]
-    for a, b in ev:
-        a.record()
-        g.replay()
-        b.record()
-    torch.cuda.synchronize()
-    med = sorted(a.elapsed_time(b) for a, b in ev)[5]
+    med = median_replay_ms(g.replay)
     print(f"batch path graph median {med:.3f} ms", flush=True)
     out.append({"mode": "batch graph", "median_ms": med})
     # eager streamed forwards (high-priority producer/dispatch streams overlap there) against the

@@ -115,3 +115,15 @@ def test_committed_results_draw():
     tls = load_timelines(ROOT / "docs/results/gpu-layer-2026-11-29.json")
     assert {t["tokens"] for t in tls} >= {8192, 32768}
     assert all(len(lanes(t)) == 3 * len(t["chunks"]) + 2 for t in tls)
+
+
+def test_plan_validation_names_fields():
+    from streamring.moe.plan import PlanChoice
+
+    with pytest.raises(ValueError, match="policy must be one of"):
+        PlanChoice(chunk_tokens=64, num_slots=2, block_m=64, policy="fast").validate()
+    with pytest.raises(ValueError, match="refused with policy 'stream_wait'"):
+        PlanChoice(chunk_tokens=64, num_slots=2, block_m=64, policy="stream_wait", high_priority=True).validate()
+    with pytest.raises(ValueError, match="num_slots must be >= 1"):
+        PlanChoice(chunk_tokens=64, num_slots=0, block_m=64, policy="spin_kernel").validate()
+    assert PlanChoice(chunk_tokens=64, num_slots=2, block_m=64, policy="stream_wait").validate()

@@ -59,6 +59,17 @@ def run_batch(shape, fw, x, block_m):
     return y, bc, sc
 
 
+def fresh(shape, fw, x, max_chunks):
+    """Producer, block consumer, scratch and an output buffer for ``x``; routing and layout produced."""
+    T = x.shape[0]
+    prod = B.Producer(shape, fw, T, DEV)
+    bc = B.BlockConsumer(shape, T, max_chunks, 16, DEV)
+    sc = B.scratch_buffers(shape, T, DEV)
+    prod.route(x, sc["idx"], sc["w"])
+    prod.layout(x, sc["q"], sc["sf"])
+    return prod, bc, sc, torch.zeros_like(x)
+
+
 def run_streamed(shape, fw, x, block_m, chunk):
     T = x.shape[0]
     prod = B.Producer(shape, fw, T, DEV)
@@ -159,13 +170,7 @@ def test_negative_control_truncated_grid_is_caught(setup):
     """A GEMM launch bounded below the number of ready blocks (a wrong max_ready) must show."""
     shape, fw, x = setup
     yb, _, _ = run_batch(shape, fw, x, 16)
-    T = x.shape[0]
-    prod = B.Producer(shape, fw, T, DEV)
-    bc = B.BlockConsumer(shape, T, 2, 16, DEV)
-    sc = B.scratch_buffers(shape, T, DEV)
-    y = torch.zeros_like(x)
-    prod.route(x, sc["idx"], sc["w"])
-    prod.layout(x, sc["q"], sc["sf"])
+    _, bc, sc, y = fresh(shape, fw, x, 2)
     bc.begin()
     bc.dispatch(0, sc["idx"], sc["w"], sc["q"], sc["sf"], 0)
     bc.seal(1)
@@ -195,13 +200,7 @@ def test_persistent_gemm_grid_equals_one_cta_per_tile(setup, max_ctas):
     """The persistent GEMM grid (a few CTAs looping over the tiles) gives the same bits."""
     shape, fw, x = setup
     yb, _, _ = run_batch(shape, fw, x, 16)
-    T = x.shape[0]
-    prod = B.Producer(shape, fw, T, DEV)
-    bc = B.BlockConsumer(shape, T, 2, 16, DEV)
-    sc = B.scratch_buffers(shape, T, DEV)
-    y = torch.zeros_like(x)
-    prod.route(x, sc["idx"], sc["w"])
-    prod.layout(x, sc["q"], sc["sf"])
+    _, bc, sc, y = fresh(shape, fw, x, 2)
     bc.begin()
     bc.dispatch(0, sc["idx"], sc["w"], sc["q"], sc["sf"], 0)
     bc.seal(1)

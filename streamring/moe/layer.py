@@ -345,6 +345,14 @@ class _Forward:
                 pending.remove(s)
             yield ("group", list(got))
 
+    def _each_source_group(self, c, handle):
+        """Call ``handle(srcs)`` for each group of acquired sources of chunk ``c`` (see :meth:`_sources`)."""
+        for item in self._sources(c):
+            if isinstance(item, tuple) and item and item[0] == "group":
+                handle(item[1])
+            else:
+                yield item
+
     def _pull(self, c, sources=None):
         """Read the chunk c routing of ``sources`` (default every source); pull the rows routed to my experts.
 
@@ -401,11 +409,7 @@ class _Forward:
     def _consumer_chunk_local(self):
         hit = set()
         for c in range(self.plan.num_chunks):
-            for item in self._sources(c):
-                if not (isinstance(item, tuple) and item and item[0] == "group"):
-                    yield item
-                    continue
-                srcs = item[1]
+            def handle(srcs, c=c):
                 rows = self._pull(c, srcs)
                 by_expert: dict[int, list] = {}
                 for r in rows:
@@ -416,11 +420,13 @@ class _Forward:
                 # Every result of these sources' chunk c is put: acknowledge (release after the puts).
                 for src in srcs:
                     self.ring.ack(src, c)
+
+            yield from self._each_source_group(c, handle)
             yield
         self.stats.experts_hit = len(hit)
 
     def _consumer_reservation(self):
-        S, R = self.L.num_slots, self.L.num_ranks
+        S = self.L.num_slots
         open_blocks: dict[int, list] = {}  # expert -> rows reserved in its open block
         outstanding: dict[tuple, int] = {}  # (src, chunk) -> my rows not yet put back
         acked: set = set()
@@ -452,11 +458,7 @@ class _Forward:
             if n - S >= 0:
                 seal(lambda rows, lim=n - S: min(r[1] for r in rows) <= lim)
                 ack_ready(n - S)
-            for item in self._sources(n):
-                if not (isinstance(item, tuple) and item and item[0] == "group"):
-                    yield item
-                    continue
-                srcs = item[1]
+            def handle(srcs, n=n):
                 rows = self._pull(n, srcs)
                 for src in srcs:
                     outstanding[(src, n)] = 0
@@ -472,6 +474,8 @@ class _Forward:
                         finish(blk)
                         open_blocks[r[4]] = []
                 ack_ready(n)
+
+            yield from self._each_source_group(n, handle)
             yield
         # End of stream: seal every partial block (completion rule (b)).
         seal(lambda rows: True)

@@ -35,4 +35,11 @@ class PlanChoice:
             raise ValueError(f"chunk_tokens must be >= 1, got {self.chunk_tokens}")
         if self.num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {self.num_slots}")
+        if self.policy == "stream_wait" and self.high_priority:
+            # cuStreamWaitValue64 has no deadline: a forward of this combination hung on the H200
+            raise ValueError("high_priority=True is refused with policy 'stream_wait' (a consumer blocked in "
+                             "cuStreamWaitValue64 has no deadline, and this combination hung once on the H200); "
+                             "use policy 'spin_kernel' (waits with a deadline) or high_priority=None/False")
+        if self.chunk_gemm_ctas is not None and self.chunk_gemm_ctas < 1:
+            raise ValueError(f"chunk_gemm_ctas must be None or >= 1, got {self.chunk_gemm_ctas}")
         return self
