@@ -241,8 +241,8 @@ class _Roles:
                     yield from self.wait(lambda: any(ready(s) for s in pending),
                                          f"generations of any of sources {pending} chunk {c}")
                     batch = [s for s in pending if ready(s)]
-                    if batch and batch[0] != pending[0]:
-                        self.res.sources_out_of_rank_order += 1  # a later rank's chunk went first
+                    if batch and any(p < batch[-1] and p not in batch for p in pending):
+                        self.res.sources_out_of_rank_order += 1  # a later rank's chunk went before a lower one
                 else:
                     yield from self.wait(lambda s=pending[0]: ready(s), f"generations of source {pending[0]} chunk {c}")
                     batch = [pending[0]]

@@ -14,8 +14,7 @@ def test_default_is_rank_order():
 
 
 def test_stress_ready_order_with_stragglers_passes_and_reorders(cli):
-    r = cli("stress", "--config", CONFIGS / "stress-stragglers.yaml", "--set", "stress.source_order=ready",
-            timeout=300)
+    r = cli("stress", "--config", CONFIGS / "stress-ready-order.yaml", timeout=300)
     assert r.rc == 0, r
     assert r.json["violations"] == 0
     ranks = r.json["ranks"]
