@@ -47,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--slots", type=int, default=2)
     p.add_argument("--chunks", type=int, default=3)
     p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--source-order", choices=["rank", "ready"], default="rank",
+                   help="consumer order over the sources of a chunk (stress.source_order)")
     sub.add_parser("check-env", help="print what streamring finds on this machine")
     p = sub.add_parser("timeline", help="draw the device timeline of a streamed forward as a PNG")
     p.add_argument("input", metavar="JSON", help="scripts/bench_layer_gpu.py output (--timeline-json) or one timeline")

@@ -143,7 +143,7 @@ class StressConfig(_Strict):
     fault: Optional[Fault] = Field(None, description="kill or hang one rank mid-stream (rank-failure tests)")
     source_order: Literal["rank", "ready"] = Field(
         "rank", description="consumer: wait for the sources of a chunk in rank order, or handle any ready source "
-                            "first ('ready', an RFC later optimisation; the model checker explores 'rank' only)")
+                            "first ('ready', an RFC later optimisation, model-checked at 2 ranks only: off by default)")
 
 
 class Config(_Strict):

@@ -195,3 +195,41 @@ def test_por_can_be_forced_on_the_default_sizes(tmp_path, monkeypatch):
 def test_bad_sizes_are_usage_errors(capsys):
     assert main(["model-check", "--ranks", "0"]) == 2
     assert "--ranks" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------------------
+# source_order='ready': the consumer takes any ready source of its chunk (RFC later optimisation)
+# --------------------------------------------------------------------------------------
+def test_ready_order_passes_at_the_default_sizes_and_explores_more(tmp_path, capsys):
+    rc, data = _cli(tmp_path, "--source-order", "ready")
+    assert rc == 0, capsys.readouterr().out
+    assert data["config"]["source_order"] == "ready"
+    assert data["properties"] == {p: "PASS" for p in PROPERTIES}
+    rank = check(ModelConfig())
+    # both orders of the two sources are explored: strictly more states than the rank order
+    assert data["states"] > rank.states
+
+
+@pytest.mark.parametrize("mode", P.INJECT_MODES)
+def test_ready_order_mutations_give_counterexamples(mode):
+    res = check(ModelConfig(inject=P.Inject(mode), source_order="ready"))
+    assert not res.ok and res.counterexample["properties"]
+
+
+@pytest.mark.parametrize("mode", ("none", "skip-ack-wait", "signal-before-payload"))
+def test_ready_order_reduction_preserves_verdict(mode):
+    kw = dict(ranks=2, slots=1, chunks=2, epochs=1, inject=P.Inject(mode), stop_at_first=False, source_order="ready")
+    full = check(ModelConfig(por=False, **kw))
+    red = check(ModelConfig(por=True, **kw))
+    assert bool(full._violation_set) == bool(red._violation_set)
+    assert red._violation_set <= full._violation_set
+    assert full._terminal_set == red._terminal_set
+    assert red.states <= full.states
+
+
+def test_bad_source_order_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as info:  # argparse names the allowed values
+        main(["model-check", "--source-order", "random"])
+    assert info.value.code == 2 and "'rank', 'ready'" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="--source-order must be one of"):
+        ModelConfig(source_order="random").validate()

@@ -1,5 +1,6 @@
 """RFC later optimisation: consumers handle the sources of a chunk in readiness order
-(``source_order: ready``), behind a flag that is off by default."""
+(``source_order: ready``), behind a flag that is off by default. The model-checker side is in
+tests/test_model.py."""
 
 import pytest
 

@@ -157,7 +157,7 @@ class MoEBuffer:
             routing: optional routing override (tests, replays of recorded routing).
             source_order: ``"rank"`` (wait for the sources of a chunk in rank order) or
                 ``"ready"`` (pull from any source whose chunk is ready first; an RFC later
-                optimisation, off by default: the model checker explores ``"rank"`` only).
+                optimisation, off by default: model-checked at 2 ranks only, see ``streamring.model``).
         """
         if source_order not in SOURCE_ORDERS:
             raise ValueError(f"source_order must be one of {SOURCE_ORDERS}, got {source_order!r}")
