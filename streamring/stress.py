@@ -237,11 +237,17 @@ class _Roles:
 
                 if by_ready:
                     # RFC later optimisation: handle every source whose chunk c is ready, in any
-                    # order, instead of waiting for the sources in rank order
-                    yield from self.wait(lambda: any(ready(s) for s in pending),
-                                         f"generations of any of sources {pending} chunk {c}")
-                    batch = [s for s in pending if ready(s)]
-                    if batch and any(p < batch[-1] and p not in batch for p in pending):
+                    # order, instead of waiting for the sources in rank order. The ready set is
+                    # taken from the poll that ended the wait (each generation read once, so a
+                    # violating word is recorded once).
+                    batch = []
+
+                    def any_ready():
+                        batch[:] = [s for s in pending if ready(s)]
+                        return bool(batch)
+
+                    yield from self.wait(any_ready, f"generations of any of sources {pending} chunk {c}")
+                    if any(p < batch[-1] and p not in batch for p in pending):
                         self.res.sources_out_of_rank_order += 1  # a later rank's chunk went before a lower one
                 else:
                     yield from self.wait(lambda s=pending[0]: ready(s), f"generations of source {pending[0]} chunk {c}")
