@@ -18,7 +18,7 @@ import argparse
 import sys
 
 from .config import ConfigError, load_config
-from .protocol import INJECT_MODES
+from .protocol import INJECT_MODES, SOURCE_ORDERS
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 
@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--slots", type=int, default=2)
     p.add_argument("--chunks", type=int, default=3)
     p.add_argument("--epochs", type=int, default=2)
-    p.add_argument("--source-order", choices=["rank", "ready"], default="rank",
+    p.add_argument("--source-order", choices=SOURCE_ORDERS, default="rank",
                    help="consumer order over the sources of a chunk (stress.source_order)")
     sub.add_parser("check-env", help="print what streamring finds on this machine")
     p = sub.add_parser("timeline", help="draw the device timeline of a streamed forward as a PNG")

@@ -13,7 +13,7 @@ from typing import Literal, Optional, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, ValidationError, field_validator, model_validator
 
-from .protocol import INJECT_MODES, SF_BLOCK
+from .protocol import INJECT_MODES, SF_BLOCK, SOURCE_ORDERS
 
 
 class ConfigError(ValueError):
@@ -92,7 +92,7 @@ class RunConfig(_Strict):
     )
     mode: Literal["both", "batch", "stream"] = "both"
     scheduler: Literal["chunk_local", "reservation"] = "chunk_local"
-    source_order: Literal["rank", "ready"] = Field(
+    source_order: Literal[SOURCE_ORDERS] = Field(  # type: ignore[valid-type]
         "rank", description="streamed consumer: sources of a chunk in rank order, or any ready source first")
     block_m: int = Field(16, ge=1, description="rows per expert block")
     epochs: int = Field(2, ge=1, description="forward calls (one stream epoch each) on the same buffers")
@@ -141,7 +141,7 @@ class StressConfig(_Strict):
     inject: Literal[("none",) + INJECT_MODES] = "none"  # type: ignore[valid-type]
     inject_delay_s: float = Field(0.002, ge=0)
     fault: Optional[Fault] = Field(None, description="kill or hang one rank mid-stream (rank-failure tests)")
-    source_order: Literal["rank", "ready"] = Field(
+    source_order: Literal[SOURCE_ORDERS] = Field(  # type: ignore[valid-type]
         "rank", description="consumer: wait for the sources of a chunk in rank order, or handle any ready source "
                             "first ('ready', an RFC later optimisation, model-checked at 2 ranks only: off by default)")
 

@@ -208,13 +208,10 @@ class ModelConfig:
             self.por = not (self.ranks <= 2 and self.slots <= 2 and self.chunks <= 3 and self.epochs <= 2)
         if not isinstance(self.inject, P.Inject):
             problems.append(f"inject must be a protocol.Inject, got {self.inject!r}")
-        if self.source_order not in SOURCE_ORDERS:
-            problems.append(f"--source-order must be one of {SOURCE_ORDERS}, got {self.source_order!r}")
+        if self.source_order not in P.SOURCE_ORDERS:
+            problems.append(f"--source-order must be one of {P.SOURCE_ORDERS}, got {self.source_order!r}")
         if problems:
             raise ValueError("; ".join(problems))
-
-
-SOURCE_ORDERS = ("rank", "ready")
 
 
 @dataclass

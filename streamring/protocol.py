@@ -117,6 +117,11 @@ class Inject(enum.Enum):
 
 INJECT_MODES = tuple(m.value for m in Inject if m is not Inject.NONE)
 
+# The order in which a consumer takes the sources of one chunk: rank order (the default, model-
+# checked up to 3 ranks), or any source whose chunk is ready first (an RFC later optimisation,
+# model-checked at 2 ranks; see streamring.model).
+SOURCE_ORDERS = ("rank", "ready")
+
 
 def classify_gen(observed: int, expected: int, num_slots: int, ignore_epoch: bool = False) -> GenState:
     """Compare a generation word with the expected one (rule 6 of the module doc).

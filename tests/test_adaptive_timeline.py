@@ -127,3 +127,12 @@ def test_plan_validation_names_fields():
     with pytest.raises(ValueError, match="num_slots must be >= 1"):
         PlanChoice(chunk_tokens=64, num_slots=0, block_m=64, policy="spin_kernel").validate()
     assert PlanChoice(chunk_tokens=64, num_slots=2, block_m=64, policy="stream_wait").validate()
+
+
+def test_priority_streams_default_follows_the_policy():
+    from streamring.moe.plan import PlanChoice
+
+    plan = lambda policy, prio=None: PlanChoice(chunk_tokens=64, num_slots=2, block_m=64, policy=policy,  # noqa: E731
+                                                high_priority=prio)
+    assert plan("spin_kernel").priority_streams() and not plan("stream_wait").priority_streams()
+    assert not plan("spin_kernel", False).priority_streams() and plan("serialized", True).priority_streams()

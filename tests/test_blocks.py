@@ -201,9 +201,5 @@ def test_persistent_gemm_grid_equals_one_cta_per_tile(setup, max_ctas):
     shape, fw, x = setup
     yb, _, _ = run_batch(shape, fw, x, 16)
     _, bc, sc, y = fresh(shape, fw, x, 2)
-    bc.begin()
-    bc.dispatch(0, sc["idx"], sc["w"], sc["q"], sc["sf"], 0)
-    bc.seal(1)
-    bc.compute(0, 2, bc.max_blocks, fw, max_ctas=max_ctas)
-    bc.combine(y)
+    B.moe_forward(sc["idx"], sc["w"], sc["q"], sc["sf"], fw, bc, y, max_ctas=max_ctas)
     assert torch.equal(yb, y)

@@ -122,8 +122,7 @@ class StreamedMoE:
             # the blocks of chunk c compute (without it the GPU's block scheduler drains the GEMM
             # grid first and nothing overlaps). Captured graphs keep the priority per kernel node
             # (torch instantiates with cudaGraphInstantiateFlagUseNodePriority).
-            prio = plan.high_priority if plan.high_priority is not None else plan.policy == "spin_kernel"
-            hi = -10 if prio else 0
+            hi = -10 if plan.priority_streams() else 0
             self.pstream = torch.cuda.Stream(device=dev, priority=hi)
             self.dstream = torch.cuda.Stream(device=dev, priority=hi)
             self.gstream = torch.cuda.Stream(device=dev, priority=0)
@@ -159,71 +158,59 @@ class StreamedMoE:
 
     def _produce(self, x, c):
         with nvtx_range(f"streamring produce chunk {c}", color="blue"):
-            self._produce_inner(x, c)
-
-    def _produce_inner(self, x, c):
-        r = self.ring
-        me = np.int32(0)
-        st = torch.cuda.current_stream()
-        s = c % self.plan.num_slots
-        a, b = c * self.chunk, min(self.tokens, (c + 1) * self.chunk)
-        n = b - a
-        self._stamp(c, 5)
-        if c >= self.plan.num_slots:
-            self._ring(st, "ring_reuse_wait", 1, 1, r.desc, r.buf, me, np.int64(c), np.int32(0))
-        self.prod.route(x[a:b], self.slot_idx[s][:n], self.slot_w[s][:n])
-        self._ring(st, f"ring_publish_{self.xport}", 1, 1, r.desc, r.buf, r.peers, me, np.int64(c),
-                   np.int32(RING_ROUTE))
-        self._stamp(c, 0)
-        self.prod.layout(x[a:b], self.slot_x[s][:n], self.slot_sf[s][:n])
-        self._ring(st, f"ring_publish_{self.xport}", 1, 1, r.desc, r.buf, r.peers, me, np.int64(c),
-                   np.int32(RING_LAYOUT))
-        self._stamp(c, 1)
+            r = self.ring
+            me = np.int32(0)
+            st = torch.cuda.current_stream()
+            s = c % self.plan.num_slots
+            a, b = c * self.chunk, min(self.tokens, (c + 1) * self.chunk)
+            n = b - a
+            self._stamp(c, 5)
+            if c >= self.plan.num_slots:
+                self._ring(st, "ring_reuse_wait", 1, 1, r.desc, r.buf, me, np.int64(c), np.int32(0))
+            self.prod.route(x[a:b], self.slot_idx[s][:n], self.slot_w[s][:n])
+            self._ring(st, f"ring_publish_{self.xport}", 1, 1, r.desc, r.buf, r.peers, me, np.int64(c),
+                       np.int32(RING_ROUTE))
+            self._stamp(c, 0)
+            self.prod.layout(x[a:b], self.slot_x[s][:n], self.slot_sf[s][:n])
+            self._ring(st, f"ring_publish_{self.xport}", 1, 1, r.desc, r.buf, r.peers, me, np.int64(c),
+                       np.int32(RING_LAYOUT))
+            self._stamp(c, 1)
 
     def _dispatch(self, c):
         with nvtx_range(f"streamring acquire+dispatch+ack chunk {c}", color="orange"):
-            self._dispatch_inner(c)
+            from .gpu import stream_wait_geq
 
-    def _dispatch_inner(self, c):
-        from .gpu import stream_wait_geq
-
-        r = self.ring
-        st = torch.cuda.current_stream()
-        s = c % self.plan.num_slots
-        a, b = c * self.chunk, min(self.tokens, (c + 1) * self.chunk)
-        n = b - a
-        if self.plan.policy == "stream_wait":
-            lap = c // self.plan.num_slots + 1
-            for kind in (RING_ROUTE, RING_LAYOUT):
-                stream_wait_geq(st, r.wake_addr(kind, 0, s), lap)
-        # acquire + exact (epoch, chunk) generation check; the wait itself under spin_kernel
-        self._ring(st, "ring_spin_wait", 1, 1, r.desc, r.buf, np.int64(0), np.int64(c), np.int32(0))
-        self._stamp(c, 2)
-        self.bc.dispatch(c, self.slot_idx[s][:n], self.slot_w[s][:n], self.slot_x[s][:n], self.slot_sf[s][:n], a)
-        self._ring(st, f"ring_ack_{self.xport}", 1, 1, r.desc, r.buf, r.peers, np.int32(0), np.int64(0), np.int64(c))
-        self._stamp(c, 3)
+            r = self.ring
+            st = torch.cuda.current_stream()
+            s = c % self.plan.num_slots
+            a, b = c * self.chunk, min(self.tokens, (c + 1) * self.chunk)
+            n = b - a
+            if self.plan.policy == "stream_wait":
+                lap = c // self.plan.num_slots + 1
+                for kind in (RING_ROUTE, RING_LAYOUT):
+                    stream_wait_geq(st, r.wake_addr(kind, 0, s), lap)
+            # acquire + exact (epoch, chunk) generation check; the wait itself under spin_kernel
+            self._ring(st, "ring_spin_wait", 1, 1, r.desc, r.buf, np.int64(0), np.int64(c), np.int32(0))
+            self._stamp(c, 2)
+            self.bc.dispatch(c, self.slot_idx[s][:n], self.slot_w[s][:n], self.slot_x[s][:n], self.slot_sf[s][:n], a)
+            self._ring(st, f"ring_ack_{self.xport}", 1, 1, r.desc, r.buf, r.peers, np.int32(0), np.int64(0), np.int64(c))
+            self._stamp(c, 3)
 
     def _gemms(self, c):
         with nvtx_range(f"streamring block GEMMs chunk {c}", color="green"):
-            self._gemms_inner(c)
-
-    def _gemms_inner(self, c):
-        n = min(self.tokens, (c + 1) * self.chunk) - c * self.chunk
-        self.bc.compute(c, c + 1, self.bc.max_ready(n), self.fw, pdl=self.plan.policy == "pdl",
-                        max_ctas=self.plan.chunk_gemm_ctas)
-        self._stamp(c, 4)
+            n = min(self.tokens, (c + 1) * self.chunk) - c * self.chunk
+            self.bc.compute(c, c + 1, self.bc.max_ready(n), self.fw, pdl=self.plan.policy == "pdl",
+                            max_ctas=self.plan.chunk_gemm_ctas)
+            self._stamp(c, 4)
 
     def _finish(self, out):
         with nvtx_range("streamring seal+combine", color="red"):
-            self._finish_inner(out)
-
-    def _finish_inner(self, out):
-        C = self.num_chunks
-        self.bc.seal(C)
-        self.bc.compute(C, C + 1, self.bc.max_ready(0), self.fw, pdl=self.plan.policy == "pdl")
-        self._stamp(C, 2)
-        self.bc.combine(out)
-        self._stamp(C, 3)
+            C = self.num_chunks
+            self.bc.seal(C)
+            self.bc.compute(C, C + 1, self.bc.max_ready(0), self.fw, pdl=self.plan.policy == "pdl")
+            self._stamp(C, 2)
+            self.bc.combine(out)
+            self._stamp(C, 3)
 
     # -- the forward ---------------------------------------------------------------------------
     def warm_up(self, x: torch.Tensor, out: torch.Tensor) -> None:
@@ -243,65 +230,62 @@ class StreamedMoE:
         """
         with nvtx_range(f"streamring StreamedMoE.enqueue ({self.num_chunks} chunks, {self.plan.policy})",
                            color="purple"):
-            self._enqueue(x, out, order)
-
-    def _enqueue(self, x, out, order):
-        if x.shape != (self.tokens, self.shape.hidden) or out.shape != x.shape:
-            raise ValueError(f"x and out must have shape [{self.tokens}, {self.shape.hidden}], "
-                             f"got {list(x.shape)} and {list(out.shape)}")
-        r = self.ring
-        origin = torch.cuda.current_stream()
-        C = self.num_chunks
-        if self.pstream is None or order == "serialized":  # one stream, chunk by chunk
-            self._stamp(C, 0)
-            self.bc.begin()
-            for c in range(C):
-                self._produce(x, c)
-                self._dispatch(c)
-                self._gemms(c)
-            self._stamp(C, 1)
-            self._finish(out)
-        else:
-            for st in {self.pstream, self.dstream, self.gstream}:
-                st.wait_stream(origin)
-            # the consumer is enqueued FIRST: the progress policy must keep it from blocking producers
-            with self._side("d"):
+            if x.shape != (self.tokens, self.shape.hidden) or out.shape != x.shape:
+                raise ValueError(f"x and out must have shape [{self.tokens}, {self.shape.hidden}], "
+                                 f"got {list(x.shape)} and {list(out.shape)}")
+            r = self.ring
+            origin = torch.cuda.current_stream()
+            C = self.num_chunks
+            if self.pstream is None or order == "serialized":  # one stream, chunk by chunk
                 self._stamp(C, 0)
                 self.bc.begin()
                 for c in range(C):
-                    self._dispatch(c)
-                    if self.events:
-                        self.events[c].record()
-                    else:
-                        self._gemms(c)  # green_ctx: dispatch and GEMMs share the consumer's stream
-            if self.events:
-                with self._side("g"):
-                    for c in range(C):
-                        self.gstream.wait_event(self.events[c])
-                        self._gemms(c)
-            with self._side("g"):
-                self._finish(out)
-            with self._side("p"):
-                for c in range(C):
                     self._produce(x, c)
+                    self._dispatch(c)
+                    self._gemms(c)
                 self._stamp(C, 1)
-            for st in {self.pstream, self.dstream, self.gstream}:
-                origin.wait_stream(st)
-        self._ring(origin, "ring_drain", 1, 1, r.desc, r.buf, np.int32(0))
-        self._ring(origin, "ring_advance_epoch", 1, 1, r.desc)
+                self._finish(out)
+            else:
+                for st in {self.pstream, self.dstream, self.gstream}:
+                    st.wait_stream(origin)
+                # the consumer is enqueued FIRST: the progress policy must keep it from blocking producers
+                with self._side("d"):
+                    self._stamp(C, 0)
+                    self.bc.begin()
+                    for c in range(C):
+                        self._dispatch(c)
+                        if self.events:
+                            self.events[c].record()
+                        else:
+                            self._gemms(c)  # green_ctx: dispatch and GEMMs share the consumer's stream
+                if self.events:
+                    with self._side("g"):
+                        for c in range(C):
+                            self.gstream.wait_event(self.events[c])
+                            self._gemms(c)
+                with self._side("g"):
+                    self._finish(out)
+                with self._side("p"):
+                    for c in range(C):
+                        self._produce(x, c)
+                    self._stamp(C, 1)
+                for st in {self.pstream, self.dstream, self.gstream}:
+                    origin.wait_stream(st)
+            self._ring(origin, "ring_drain", 1, 1, r.desc, r.buf, np.int32(0))
+            self._ring(origin, "ring_advance_epoch", 1, 1, r.desc)
 
     def capture(self, x: torch.Tensor, out: torch.Tensor, *, node_priority: bool = True):
         """Capture one forward into a CUDA graph and return it (instantiated).
 
         Call :meth:`warm_up` first. With ``node_priority`` (and a policy whose producer/dispatch
         streams are high-priority) every kernel node except the expert GEMMs is given the high
-        launch priority explicitly: a captured kernel node does not keep its stream's priority
-        (measured on the H200: ``scripts/probe_overlap.py``), and torch instantiates graphs with
-        ``cudaGraphInstantiateFlagUseNodePriority``, so the node attribute is what counts.
+        launch priority explicitly (a captured kernel node does not keep its stream's priority).
+        Measured on the H200 (``scripts/probe_overlap.py``): neither this nor
+        ``CUDA_GRAPHS_USE_NODE_PRIORITY=1`` made the next chunk's producer run beside the current
+        chunk's GEMMs inside the graph; high-priority streams do it in eager mode.
         ``self.node_priority_report`` says how many nodes were changed (or why none).
         """
-        prio = self.plan.high_priority if self.plan.high_priority is not None else self.plan.policy == "spin_kernel"
-        want = node_priority and prio and self.events != []
+        want = node_priority and self.plan.priority_streams() and self.events != []
         g = torch.cuda.CUDAGraph(keep_graph=want)
         side = torch.cuda.Stream(device=self.heap.device)
         side.wait_stream(torch.cuda.current_stream())

@@ -250,12 +250,14 @@ def batch_forward(x, fw: FastWeights, shape: MoEShape, prod: Producer, bc: Block
     moe_forward(idx, w, q, sf, fw, bc, out)
 
 
-def moe_forward(idx, w, q, sf, fw: FastWeights, bc: BlockConsumer, out: torch.Tensor) -> None:
-    """The MoE alone on already produced routing/layout (batch structure)."""
+def moe_forward(idx, w, q, sf, fw: FastWeights, bc: BlockConsumer, out: torch.Tensor,
+                max_ctas: int | None = None) -> None:
+    """The MoE alone on already produced routing/layout (batch structure); ``max_ctas`` as in
+    :meth:`BlockConsumer.compute`."""
     bc.begin()
     bc.dispatch(0, idx, w, q, sf, 0)
     bc.seal(1)
-    bc.compute(0, 2, bc.max_blocks, fw)
+    bc.compute(0, 2, bc.max_blocks, fw, max_ctas=max_ctas)
     bc.combine(out)
 
 

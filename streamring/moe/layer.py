@@ -51,12 +51,12 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import numpy as np
-from ..device.ranges import annotate as nvtx_range
 import torch
 
 from ..coop import run_roles, wait_for
+from ..device.ranges import annotate as nvtx_range
 from ..device.verbs import SymmetricHeap
-from ..protocol import Inject, Ring, RingLayout, StreamPlan
+from ..protocol import SOURCE_ORDERS, Inject, Ring, RingLayout, StreamPlan
 from .math import (
     FP8_DTYPE,
     MoEShape,
@@ -86,9 +86,6 @@ class ForwardStats:
     blocks_run: int = 0
     wall_s: float = 0.0
     acquire_waits_s: list = field(default_factory=list)
-
-
-SOURCE_ORDERS = ("rank", "ready")
 
 
 class MoEBuffer:
@@ -323,13 +320,13 @@ class _Forward:
             yield from wait_for(self.ring, lambda s=src: self.ring.try_acquire(s, c),
                                 f"route+layout of source rank {src} chunk {c}", self.stats.acquire_waits_s)
 
-    def _sources(self, c):
-        """Groups of sources of chunk ``c``, acquired: all at once in rank order (``rank``),
-        or every group of sources that is ready, as soon as it is (``ready``). Each group is
-        yielded as ``('group', [src, ...])``; other yields are cooperative waits."""
+    def _each_source_group(self, c, handle):
+        """Acquire the sources of chunk ``c`` and call ``handle(srcs)`` per group: once with every
+        source, acquired in rank order (``rank``), or with each group of sources that is ready,
+        as soon as it is (``ready``). Yields while it waits (cooperative)."""
         if self.source_order == "rank":
             yield from self._acquire_all(c)
-            yield ("group", list(range(self.L.num_ranks)))
+            handle(list(range(self.L.num_ranks)))
             return
         pending = list(range(self.L.num_ranks))
         while pending:
@@ -343,15 +340,7 @@ class _Forward:
                                 self.stats.acquire_waits_s)
             for s in got:
                 pending.remove(s)
-            yield ("group", list(got))
-
-    def _each_source_group(self, c, handle):
-        """Call ``handle(srcs)`` for each group of acquired sources of chunk ``c`` (see :meth:`_sources`)."""
-        for item in self._sources(c):
-            if isinstance(item, tuple) and item and item[0] == "group":
-                handle(item[1])
-            else:
-                yield item
+            handle(list(got))
 
     def _pull(self, c, sources=None):
         """Read the chunk c routing of ``sources`` (default every source); pull the rows routed to my experts.

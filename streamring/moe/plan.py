@@ -28,6 +28,11 @@ class PlanChoice:
     # GPU holds leave slots free for the producer and dispatch kernels of later chunks.
     chunk_gemm_ctas: int | None = None
 
+    def priority_streams(self) -> bool:
+        """Whether the producer and dispatch streams run at high priority (``high_priority``, or
+        the policy's default when it is None: on for spin_kernel only)."""
+        return self.high_priority if self.high_priority is not None else self.policy == "spin_kernel"
+
     def validate(self) -> "PlanChoice":
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
