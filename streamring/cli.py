@@ -3,6 +3,7 @@
     streamring run         [--config PATH] [--set k=v ...] [--ranks N] [--backend cpu|nvshmem] [--json PATH]
     streamring stress      ... [--inject MODE]
     streamring model-check [--inject MODE]
+    streamring gpu-check   [--policies P,..] [--replays N] [--controls] [--ranks N] [--json PATH]
     streamring check-env
     streamring timeline    JSON [--out PNG] [--tokens N ...]
 
@@ -18,7 +19,7 @@ import argparse
 import sys
 
 from .config import ConfigError, load_config
-from .protocol import INJECT_MODES, SOURCE_ORDERS
+from .protocol import INJECT_MODES, PROGRESS_POLICIES, SOURCE_ORDERS
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 
@@ -49,9 +50,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--source-order", choices=SOURCE_ORDERS, default="rank",
                    help="consumer order over the sources of a chunk (stress.source_order)")
+    p = sub.add_parser("gpu-check", help="GPU self-test: the device ring under every progress policy, 10^4 CUDA-graph "
+                                         "replays each, negative controls (needs a GPU and nvshmem4py)")
+    p.add_argument("--policies", default="all", help=f"comma list of {list(PROGRESS_POLICIES)} or 'all'")
+    p.add_argument("--replays", type=int, default=10000, help="graph replays per policy (each one ring epoch)")
+    p.add_argument("--slots", type=int, default=4, help="ring slots")
+    p.add_argument("--chunks", type=int, default=6, help="chunks per epoch")
+    p.add_argument("--producer-sms", type=int, default=16, help="green_ctx: SMs of the producer (multiple of 8)")
+    p.add_argument("--controls", action="store_true",
+                   help="also run the negative controls (each inject mode must be detected)")
+    p.add_argument("--control-replays", type=int, default=40, help="replays of each negative control")
+    p.add_argument("--deadline-s", type=float, default=10.0, help="deadline of every device wait")
+    p.add_argument("--ranks", type=int, default=1,
+                   help="PEs to start when no launcher is used (under mpirun/torchrun: the job's ranks)")
+    p.add_argument("--json", metavar="PATH", help="write every check's result as JSON")
     sub.add_parser("check-env", help="print what streamring finds on this machine")
     p = sub.add_parser("timeline", help="draw the device timeline of a streamed forward as a PNG")
-    p.add_argument("input", metavar="JSON", help="scripts/bench_layer_gpu.py output (--timeline-json) or one timeline")
+    p.add_argument("input", metavar="JSON", help="bench/layer_gpu.py output (--timeline-json) or one timeline")
     p.add_argument("--out", metavar="PNG", default="timeline.png")
     p.add_argument("--tokens", type=int, action="append", help="only the timelines of these token counts")
     return ap
@@ -90,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
         from .model import model_check_main
 
         return model_check_main(args)
+    if args.command == "gpu-check":
+        return _gpu_check(args, argv)
     try:
         overrides = list(args.overrides)
         if getattr(args, "inject", None):
@@ -119,6 +136,36 @@ def main(argv: list[str] | None = None) -> int:
     from .host.rank_main import rank_main
 
     return rank_main(args.command, cfg, json_path=args.json)
+
+
+def _gpu_check(args, argv: list[str]) -> int:
+    """``streamring gpu-check``: start ``--ranks`` PEs (no launcher) or run on this rank."""
+    policies = PROGRESS_POLICIES if args.policies == "all" else tuple(p.strip() for p in args.policies.split(","))
+    bad = [p for p in policies if p not in PROGRESS_POLICIES]
+    if bad:
+        print(f"streamring gpu-check: --policies: unknown {bad}; allowed: {list(PROGRESS_POLICIES)} or 'all'",
+              file=sys.stderr)
+        return EXIT_USAGE
+    from .device.nvshmem_boot import gpu_unavailable_reason
+
+    reason = gpu_unavailable_reason()
+    if reason:  # knowable before any rank starts: say it once
+        print(f"streamring gpu-check: {reason}", file=sys.stderr)
+        return EXIT_USAGE
+    from .host.launch import LaunchError, Launcher, detect_launcher, spawn_local
+
+    launcher = detect_launcher()
+    if launcher is Launcher.LOCAL and args.ranks > 1:
+        try:
+            return spawn_local(args.ranks, argv)
+        except LaunchError as exc:
+            print(f"streamring: {exc}", file=sys.stderr)
+            return EXIT_USAGE
+    from .host.rank_main import gpu_check_main
+
+    return gpu_check_main(launcher, policies=policies, replays=args.replays, slots=args.slots, chunks=args.chunks,
+                          producer_sms=args.producer_sms, controls=args.controls,
+                          control_replays=args.control_replays, deadline_s=args.deadline_s, json_path=args.json)
 
 
 def entry() -> None:

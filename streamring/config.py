@@ -13,7 +13,7 @@ from typing import Literal, Optional, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, ValidationError, field_validator, model_validator
 
-from .protocol import INJECT_MODES, SF_BLOCK, SOURCE_ORDERS
+from .protocol import INJECT_MODES, PROGRESS_POLICIES, SF_BLOCK, SOURCE_ORDERS
 
 
 class ConfigError(ValueError):
@@ -42,8 +42,12 @@ class CpuConfig(_Strict):
 class NvshmemConfig(_Strict):
     """NVSHMEM backend options."""
 
-    progress: Literal["stream_wait", "spin_kernel", "green_ctx", "serialized"] = "stream_wait"
+    progress: Literal[PROGRESS_POLICIES] = Field(  # type: ignore[valid-type]
+        "spin_kernel", description="progress policy of the GPU layer and gpu-check (streamring.protocol)")
     producer_sms: int = Field(16, ge=8, description="green_ctx: SMs of the producer context (multiple of 8)")
+    symmetric_size: Optional[int] = Field(
+        None, ge=1 << 20, description="bytes of NVSHMEM's symmetric heap per PE (sets NVSHMEM_SYMMETRIC_SIZE); "
+                                      "null: the environment's value, else NVSHMEM's default of 1 GiB")
 
     @field_validator("producer_sms")
     @classmethod

@@ -63,14 +63,16 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .device.ringdesc import LAYOUT_FIELDS as DESC_LAYOUT_FIELDS
+from .device.ringdesc import (  # noqa: F401  (one definition, shared with the CUDA side)
+    META_BASE, META_CHUNK, META_LAYOUT_GEN, META_LAYOUT_NS, META_ROUTE_GEN, META_ROUTE_NS, META_VALID,
+    META_WORDS, SEQ_BITS, SEQ_MASK,
+)
 from .device.verbs import Region, SignalOp, SymmetricHeap, WaitTimeout, spin_pause
 
 # --------------------------------------------------------------------------------------
 # Generations
 # --------------------------------------------------------------------------------------
-SEQ_BITS = 32
 EPOCH_BITS = 31  # keep generations below 2**63 (signed 64-bit on every side)
-SEQ_MASK = (1 << SEQ_BITS) - 1
 MAX_EPOCH = (1 << EPOCH_BITS) - 1
 MAX_SEQ = SEQ_MASK
 
@@ -122,6 +124,18 @@ INJECT_MODES = tuple(m.value for m in Inject if m is not Inject.NONE)
 # model-checked at 2 ranks; see streamring.model).
 SOURCE_ORDERS = ("rank", "ready")
 
+# How a consumer that is enqueued on a GPU *before* its producers still lets them run (the RFC's
+# "progress mechanism"); one definition for the config, the device ring, its self-test and the
+# GPU MoE layer:
+#   serialized  - producer then consumer, chunk by chunk, on one stream: no overlap, always valid;
+#   stream_wait - the consumer stream blocks in cuStreamWaitValue64 on the ring's doorbell words
+#                 (no SM held while it waits), then the exact generation check runs;
+#   spin_kernel - a one-thread-per-source kernel polls the generations (acquire, with a deadline);
+#   green_ctx   - producer and consumer on disjoint green-context SM partitions (P2P transport);
+#   pdl         - the serialized order with programmatic dependent launch of the expert GEMMs
+#                 (the ring kernels themselves run as in serialized).
+PROGRESS_POLICIES = ("serialized", "stream_wait", "spin_kernel", "green_ctx", "pdl")
+
 
 def classify_gen(observed: int, expected: int, num_slots: int, ignore_epoch: bool = False) -> GenState:
     """Compare a generation word with the expected one (rule 6 of the module doc).
@@ -164,8 +178,6 @@ class WatchdogError(RuntimeError):
 # Layout
 # --------------------------------------------------------------------------------------
 ALIGN = 128
-META_WORDS = 8
-META_CHUNK, META_BASE, META_VALID, META_ROUTE_GEN, META_ROUTE_NS, META_LAYOUT_GEN, META_LAYOUT_NS = range(7)
 SF_BLOCK = 128  # one float32 scale per token per 128 columns of x
 
 
@@ -677,7 +689,7 @@ class Ring:
             view.topk_weights = self.get_rows(src, "topk_weights", slot, 0, v)
             view.x = self.get_rows(src, "x", slot, 0, v)
             view.x_sf = self.get_rows(src, "x_sf", slot, 0, v)
-            self._check_topk(src, view.topk_idx)
+            self.check_topk(src, view.topk_idx)
         return view
 
     def get_rows(self, src: int, what: str, slot: int, first: int, count: int) -> np.ndarray:
@@ -718,13 +730,29 @@ class Ring:
         return ChunkView(src=src, chunk=chunk, gen=g, token_base=exp_base, valid=exp_valid,
                          publish_ns=max(int(meta[META_ROUTE_NS]), int(meta[META_LAYOUT_NS])))
 
-    def _check_topk(self, src: int, topk_idx: np.ndarray) -> None:
+    def check_topk(self, src: int, topk_idx: np.ndarray) -> None:
+        """Consumer: raise :class:`ProtocolViolation` (naming ``src``) unless every entry of a peer's
+        ``topk_idx`` is an expert or -1 (a masked route): a hostile value never indexes anything."""
         E = self.layout.num_experts
         if topk_idx.size and (topk_idx.min() < -1 or topk_idx.max() >= E):
             bad = topk_idx[(topk_idx < -1) | (topk_idx >= E)]
             raise ProtocolViolation(
                 f"rank {self.me}: topk_idx from source rank {src} holds {int(bad.flat[0])}, outside [-1, {E})"
             )
+
+    def put_combine_row(self, src: int, slot: int, token: int, k: int, row: np.ndarray) -> None:
+        """Consumer: put one float32 result row (``hidden`` values) into source ``src``'s combine
+        area at ``(slot, token, k)``. Complete on return; the later :meth:`ack` (a release) makes
+        it visible to the owner together with the acknowledgement."""
+        self.heap.put(self.buf, self.layout.combine_off(slot, token, k), row, src)
+
+    def read_combine(self, slot: int, valid: int) -> np.ndarray:
+        """Owner: my combine area of ``slot`` (``[valid, topk, hidden]`` float32); call only after
+        :meth:`acks_complete` (every consumer's puts are complete before its acknowledgement)."""
+        out = np.empty((valid, self.layout.topk, self.layout.hidden), dtype=np.float32)
+        if valid:
+            self.heap.get(self.buf, self.layout.combine_off(slot, 0, 0), out, self.me)
+        return out
 
     def ack(self, src: int, chunk: int) -> None:
         """Consumer: acknowledge ``(src, chunk)``: our reads (and combine puts) are complete (release)."""

@@ -1,8 +1,8 @@
 """Draw the device timeline of a streamed forward (``streamring timeline``).
 
-Input: the JSON written by ``scripts/bench_layer_gpu.py --timeline-json`` (its ``timelines``
+Input: the JSON written by ``bench/layer_gpu.py --timeline-json`` (its ``timelines``
 list), or one timeline object as returned by
-:meth:`streamring.host.moe_gpu.StreamedMoE.timeline`. Every time is in microseconds from
+:meth:`streamring.moe.gpu_layer.StreamedMoE.timeline`. Every time is in microseconds from
 the forward's start, read from the GPU's ``%globaltimer`` by stamp kernels on the streams.
 
 One figure per timeline, one row per lane:

@@ -60,8 +60,8 @@ def test_make_adaptive_table_picks_batch_unless_streaming_wins(tmp_path):
     src = tmp_path / "bench.json"
     src.write_text(json.dumps(bench))
     out = tmp_path / "table.json"
-    r = subprocess.run([sys.executable, str(ROOT / "scripts/make_adaptive_table.py"), str(src), "--out", str(out)],
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run([sys.executable, "-m", "bench.make_adaptive_table", str(src), "--out", str(out)],
+                       capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert r.returncode == 0, r.stderr
     t = adaptive.load_table(out)
     by = {row["tokens"]: row for row in t["rows"]}

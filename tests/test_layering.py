@@ -9,10 +9,12 @@ from pathlib import Path
 
 PKG = Path(__file__).resolve().parents[1] / "streamring"
 
-# rank: higher may import lower. The stress harness and the layer runner drive the protocol and
-# the MoE layer (host starts them on every rank); the other top-level tools (cli, model, timeline)
-# sit with launch; host above moe/protocol; device at the bottom.
-RANK = {"device": 0, "protocol": 1, "coop": 1, "config": 1, "moe": 2, "stress": 2, "runner": 2, "host": 3}
+# rank: higher may import lower. The device ring sits beside the protocol (its device form); the
+# stress harness, the GPU self-test and the layer runner drive the protocol and the MoE layer (host
+# starts them on every rank); the other top-level tools (cli, model, timeline) sit with launch;
+# host above moe/protocol; device at the bottom.
+RANK = {"device": 0, "protocol": 1, "device_ring": 1, "coop": 1, "config": 1, "moe": 2, "stress": 2,
+        "gpu_selftest": 2, "runner": 2, "host": 3}
 TOP = 4
 
 
@@ -60,7 +62,22 @@ def test_no_module_imports_from_a_layer_above():
 def test_the_checker_catches_a_violation(tmp_path):
     """Negative control: a moe module importing host (relative and absolute) is reported."""
     (tmp_path / "moe").mkdir()
-    (tmp_path / "moe" / "bad.py").write_text("from ..host.gpu import GpuRing\nimport streamring.host.launch\n"
-                                             "from ..device import verbs\n")
-    assert violations(tmp_path) == ["streamring.moe.bad:1 imports streamring.host.gpu",
+    (tmp_path / "moe" / "bad.py").write_text("from ..host.rank_main import rank_main\nimport streamring.host.launch\n"
+                                             "from ..device import verbs\nfrom ..device_ring import DeviceRing\n")
+    assert violations(tmp_path) == ["streamring.moe.bad:1 imports streamring.host.rank_main",
                                     "streamring.moe.bad:2 imports streamring.host.launch"]
+
+
+def test_host_is_job_hosting_only():
+    """host/ holds launchers, bootstrap, ranks and job state; nothing there launches device work
+    itself (no CUDA, Triton or NVSHMEM import at module level)."""
+    host = PKG / "host"
+    assert sorted(p.name for p in host.glob("*.py")) == [
+        "__init__.py", "bootstrap.py", "envcheck.py", "jobstate.py", "launch.py", "rank_main.py"]
+    for path in host.glob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in tree.body:  # module level only: lazy imports inside functions are the bootstrap's job
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            for n in names:
+                assert not n.split(".")[0] in ("triton", "cuda", "nvshmem"), f"{path.name} imports {n}"

@@ -1,10 +1,20 @@
-"""Build the streamring CUDA library (``csrc/ring.cu``) into a cubin, cached.
+"""Build the streamring CUDA library (every ``csrc/*.cu``) into one cubin, cached.
 
 The recipe is the one that works with libnvshmem 3.4.5 (NVRTC + nvJitLink
 does not: undefined ``nvshmemi_transfer_put_signal_dispatch``)::
 
-    nvcc -arch=sm_90 -rdc=true -I$INC -c ring.cu -o ring.o
-    nvcc -arch=sm_90 -dlink --cubin -o ring.cubin ring.o -L$LIB -lnvshmem_device
+    nvcc -arch=sm_90 -rdc=true -I$INC -I$GEN -I csrc -c X.cu -o X.o     (each csrc/*.cu)
+    nvcc -arch=sm_90 -dlink --cubin -o ring.cubin *.o -L$LIB -lnvshmem_device
+
+Before compiling, the build checks ``csrc/ring_desc.cuh`` against the Python descriptor
+(:func:`streamring.device.ringdesc.check_header`) and writes the generated header
+``ring_consts.cuh`` (every constant shared with Python, from ``ringdesc.py``) into ``$GEN``,
+so no constant is copied by hand.
+
+The sources are split by concern: ``ptx.cuh`` (memory-model helpers), ``transport.cuh``
+(NVSHMEM and P2P transports), ``ring_protocol.cuh`` (the device-side protocol steps),
+``verbs.cu`` (the heap's verb kernels), ``ring_kernels.cu`` (the ring kernels a layer
+enqueues) and ``selftest.cu`` (the synthetic producer/consumer of ``streamring gpu-check``).
 
 ``INC`` is NVSHMEM's header directory (``cuda.pathfinder.find_nvidia_header_directory("nvshmem")``,
 or ``$STREAMRING_NVSHMEM_INC`` / ``$NVSHMEM_HOME/include``, or the ``nvidia-nvshmem-cu13``
@@ -30,8 +40,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("ring.cu", "ring_desc.cuh")
+from .ringdesc import CSRC, check_header, consts_header
+
+GENERATED_HEADER = "ring_consts.cuh"
 DEFAULT_ARCH = "sm_90"
 # Last-resort places to look for nvcc when it is not on PATH (tests may clear this).
 FALLBACK_CUDA_HOMES: list[str] = ["/usr/local/cuda"]
@@ -151,6 +162,8 @@ def source_digest(arch: str, nvcc_ver: str, inc: Path | None) -> str:
         h.update(b"\0")
         h.update((CSRC / name).read_bytes())
         h.update(b"\0")
+    h.update(consts_header().encode())
+    h.update(b"\0")
     h.update(arch.encode())
     h.update(b"\0")
     h.update(nvcc_ver.encode())
@@ -174,14 +187,24 @@ def _run(cmd: list[str], what: str, timeout: float) -> None:
                          f"{out.stdout.strip()}")
 
 
-def build_cubin(arch: str | None = None, force: bool = False, verbose: bool = False, timeout: float = 300.0) -> Path:
-    """Build (or reuse from the cache) the cubin of ``csrc/ring.cu``; returns its path.
+def kernel_sources() -> list[Path]:
+    """Every translation unit of the library (``csrc/*.cu``), in a stable order."""
+    return sorted(CSRC.glob("*.cu"))
 
-    Raises :class:`BuildError` naming what is missing (nvcc, NVSHMEM headers or device library).
+
+def build_cubin(arch: str | None = None, force: bool = False, verbose: bool = False, timeout: float = 300.0) -> Path:
+    """Build (or reuse from the cache) the cubin of every ``csrc/*.cu``; returns its path.
+
+    Raises :class:`BuildError` naming what is missing (nvcc, NVSHMEM headers or device library)
+    or what is inconsistent (the descriptor header against the Python layout).
     """
     arch = arch or os.environ.get("STREAMRING_CUDA_ARCH") or DEFAULT_ARCH
     if not arch.startswith("sm_"):
         raise BuildError(f"arch must look like 'sm_90', got {arch!r}")
+    try:
+        check_header()
+    except ValueError as exc:
+        raise BuildError(f"csrc/ring_desc.cuh does not match the Python descriptor: {exc}") from exc
     nvcc = find_nvcc()
     inc = find_nvshmem_include()
     lib = find_nvshmem_lib(inc)
@@ -194,15 +217,23 @@ def build_cubin(arch: str | None = None, force: bool = False, verbose: bool = Fa
             print(f"streamring build: cached {target}", file=sys.stderr)
         return target
     with tempfile.TemporaryDirectory(prefix="streamring-build-", dir=out_dir) as tmp:
-        obj = Path(tmp) / "ring.o"
-        cub = Path(tmp) / "ring.cubin"
-        cc = [nvcc, f"-arch={arch}", "-rdc=true", "-O3", "-std=c++17", f"-I{inc}", f"-I{CSRC}",
-              "-c", str(CSRC / "ring.cu"), "-o", str(obj)]
-        link = [nvcc, f"-arch={arch}", "-dlink", "--cubin", "-o", str(cub), str(obj), f"-L{lib}", "-lnvshmem_device"]
-        for cmd, what in ((cc, "nvcc compile of ring.cu"), (link, "nvcc device link (-dlink --cubin)")):
+        gen = Path(tmp) / "gen"
+        gen.mkdir()
+        (gen / GENERATED_HEADER).write_text(consts_header())
+        objs = []
+        for src in kernel_sources():
+            obj = Path(tmp) / (src.stem + ".o")
+            cc = [nvcc, f"-arch={arch}", "-rdc=true", "-O3", "-std=c++17", f"-I{inc}", f"-I{gen}", f"-I{CSRC}",
+                  "-c", str(src), "-o", str(obj)]
             if verbose:
-                print("streamring build: " + " ".join(cmd), file=sys.stderr)
-            _run(cmd, what, timeout)
+                print("streamring build: " + " ".join(cc), file=sys.stderr)
+            _run(cc, f"nvcc compile of {src.name}", timeout)
+            objs.append(str(obj))
+        cub = Path(tmp) / "ring.cubin"
+        link = [nvcc, f"-arch={arch}", "-dlink", "--cubin", "-o", str(cub), *objs, f"-L{lib}", "-lnvshmem_device"]
+        if verbose:
+            print("streamring build: " + " ".join(link), file=sys.stderr)
+        _run(link, "nvcc device link (-dlink --cubin)", timeout)
         # Atomic publish: concurrent builders (several ranks) each replace with an identical file.
         os.replace(cub, target)
     if verbose:

@@ -1,26 +1,15 @@
 """NVSHMEM backend: the symmetric heap on GPU memory through nvshmem4py + our CUDA library.
 
-Bootstrap (``NvshmemHeap.bootstrap(launcher, cfg)``):
+Start it with :meth:`NvshmemHeap.bootstrap` (``streamring.device.nvshmem_boot``: launcher,
+GPU choice, UID bootstrap, cubin build). The library's kernels are launched only through the
+typed launchers of :mod:`streamring.device.kernels`.
 
-* ``mpi``: rank/size from mpi4py; PE 0 makes an NVSHMEM unique id and broadcasts it
-  over ``MPI.COMM_WORLD`` (UID bootstrap; nvshmem's own MPI plugin is not used, so
-  any MPI that mpi4py is bound to works);
-* ``torchrun``: ``torch.distributed`` (gloo) from the environment; the id travels
-  with ``broadcast_object_list``;
-* ``local``: one PE, a fresh id.
-
-One GPU per local rank (``local_rank % torch.cuda.device_count()``); several PEs
-on one GPU work under MPS (docs/gpu.md). ``NVSHMEM_DISABLE_NVLS=1``,
-``NCCL_NVLS_ENABLE=0`` and ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1`` are always set
-before NVSHMEM starts: NVLink multicast is never used.
-
-Verbs. Every one-sided verb is one tiny kernel of ``csrc/ring.cu`` (nvshmem device
-API) launched with cuda.core on this heap's stream, followed by a stream sync, so
-each verb is complete (in the sense of verbs.py) when it returns:
+Verbs. Every one-sided verb is one tiny kernel of ``csrc/verbs.cu`` (NVSHMEM device API)
+launched on this heap's stream, followed by a stream sync, so each verb is complete (in the
+sense of verbs.py) when it returns:
 
 * ``put``         -> host bytes -> pinned staging -> symmetric staging (same stream) ->
-                     ``nvshmemx_putmem_block``. Not ordered with later ops without fence/quiet
-                     (we are stricter: the kernel has finished).
+                     ``nvshmemx_putmem_block``.
 * ``put_signal``  -> staging + ``nvshmemx_putmem_signal_block`` (payload, fence, signal).
 * ``signal_op``   -> ``nvshmem_quiet`` + ``__threadfence_system`` + ``nvshmemx_signal_op``:
                      release (libnvshmem 3.4.5's device signal_op has no leading fence).
@@ -31,100 +20,33 @@ each verb is complete (in the sense of verbs.py) when it returns:
 * ``fence``/``quiet`` -> ``nvshmem_fence``/``nvshmem_quiet`` kernels.
 * ``barrier``     -> quiet, then a host barrier over MPI or torch.distributed (with deadline), quiet.
 
-nvshmem4py's own RMA calls are avoided on the data path (they only accept pointers at
-the start of an allocation). ``Region.local`` is a torch uint8 CUDA tensor viewing
-this PE's copy (the protocol never touches it directly).
+nvshmem4py's own RMA calls are avoided on the data path (they only accept pointers at the
+start of an allocation). ``Region.local`` is a torch uint8 CUDA tensor viewing this PE's copy
+(the protocol never touches it directly).
 """
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from . import kernels as K
+from .kernels import DeviceLibrary, StreamRef
+from .nvshmem_boot import SAFE_ENV, set_safe_env  # noqa: F401  (re-exported)
 from .verbs import Region, SignalOp, SymmetricHeap, VerbError, WaitTimeout, check_span, spin_pause
 
-#: always exported before NVSHMEM / NCCL / torch symmetric memory start
-SAFE_ENV = {"NVSHMEM_DISABLE_NVLS": "1", "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
 STAGE_BYTES = 4 << 20
 ALLOC_ALIGN = 128
-
-VERB_KERNELS = (
-    "sr_put", "sr_get", "sr_put_signal", "sr_signal_op", "sr_signal_fetch", "sr_atomic_fetch_or",
-    "sr_atomic_fetch_add", "sr_fence", "sr_quiet", "sr_peer_table", "sr_my_pe",
-)
-RING_KERNELS = (
-    "ring_reuse_wait", "ring_drain", "ring_advance_epoch", "ring_spin_wait",
-    "ring_publish_nv", "ring_produce_nv", "ring_consume_nv",
-    "ring_publish_p2p", "ring_produce_p2p", "ring_consume_p2p", "ring_ack_nv", "ring_ack_p2p",
-)
-ALL_KERNELS = VERB_KERNELS + RING_KERNELS
 _OPS = {SignalOp.SET: 0, SignalOp.ADD: 1}
-
-
-def set_safe_env() -> None:
-    """Export the multicast-off variables (always, overriding anything set before)."""
-    for k, v in SAFE_ENV.items():
-        os.environ[k] = v
-
-
-class StreamRef:
-    """A torch stream seen by cuda.core (``core``, a borrowed ``cuda.core.Stream``) and by
-    nvshmem4py (``__cuda_stream__``). The torch stream must outlive this object."""
-
-    def __init__(self, torch_stream):
-        self.torch = torch_stream
-        self.handle = int(torch_stream.cuda_stream)
-        try:
-            from cuda.core import Stream
-
-            self.core = Stream.from_handle(self.handle)
-        except Exception:  # noqa: BLE001 - older cuda.core: launch() takes the protocol object itself
-            self.core = None
-
-    def __cuda_stream__(self):
-        return (0, self.handle)
-
-
-class DeviceLibrary:
-    """The cubin of ``csrc/ring.cu`` loaded with cuda.core and registered with NVSHMEM.
-
-    Every kernel handle is fetched here; :meth:`NvshmemHeap.warm_up` launches each once so
-    the module is loaded in the context before any wait is enqueued (loading synchronises).
-    """
-
-    def __init__(self, nv, cubin_path: str | Path):
-        from cuda.core import LaunchConfig, ObjectCode, launch
-
-        self.path = Path(cubin_path)
-        self.obj = ObjectCode.from_cubin(self.path.read_bytes())
-        self.kernels = {name: self.obj.get_kernel(name) for name in ALL_KERNELS}
-        # A cuda.core ObjectCode is a CUlibrary: library_init, not module_init.
-        self.nvobj = nv.NvshmemKernelObject.from_obj(self.obj)
-        nv.library_init(self.nvobj)
-        self._LaunchConfig = LaunchConfig
-        self._launch = launch
-        self._configs: dict = {}
-
-    def launch(self, stream, name: str, grid: int, block: int, *args) -> None:
-        cfg = self._configs.get((grid, block))
-        if cfg is None:
-            cfg = self._configs[(grid, block)] = self._LaunchConfig(grid=grid, block=block)
-        core = getattr(stream, "core", None)
-        self._launch(core if core is not None else stream, cfg, self.kernels[name], *args)
 
 
 @dataclass
 class _Handle:
     tensor: object  # torch uint8 CUDA tensor (nvshmem4py allocation)
     ptr: int  # symmetric address of this PE's copy
-
-
-def _u64(v: int) -> np.uint64:
-    return np.uint64(int(v) & 0xFFFFFFFFFFFFFFFF)
 
 
 class NvshmemHeap(SymmetricHeap):
@@ -165,87 +87,16 @@ class NvshmemHeap(SymmetricHeap):
 
     # -- bootstrap -----------------------------------------------------------------------------
     @classmethod
-    def bootstrap(cls, launcher: str = "local", cfg=None, cubin: str | Path | None = None) -> "NvshmemHeap":
-        """Start NVSHMEM for this process under ``launcher`` ('local' | 'mpi' | 'torchrun')."""
-        set_safe_env()
-        import torch
+    def bootstrap(cls, launcher: str = "local", cubin: str | Path | None = None,
+                  symmetric_size: int | None = None) -> "NvshmemHeap":
+        """Start NVSHMEM for this process under ``launcher`` ('local' | 'mpi' | 'torchrun') and
+        return its heap (see :mod:`streamring.device.nvshmem_boot`). ``symmetric_size`` (bytes)
+        sets ``NVSHMEM_SYMMETRIC_SIZE``; None keeps the environment's (NVSHMEM's default 1 GiB)."""
+        from .nvshmem_boot import bootstrap
 
-        if not torch.cuda.is_available():
-            raise RuntimeError("the nvshmem backend needs a CUDA GPU, and torch sees none "
-                               "(torch.cuda.is_available() is False)")
-        try:
-            import nvshmem.core as nv
-        except ImportError as exc:
-            raise RuntimeError(
-                "the nvshmem backend needs nvshmem4py (`pip install nvshmem4py-cu13`; on the test machine install "
-                f"the carried wheel, see docs/gpu.md): {exc}") from exc
-        from cuda.core import Device
-
-        comm = dist = None
-        owns_dist = False
-        if launcher == "mpi":
-            from mpi4py import MPI
-
-            comm = MPI.COMM_WORLD
-            rank, size = comm.Get_rank(), comm.Get_size()
-            node = comm.Split_type(MPI.COMM_TYPE_SHARED)
-            local_rank = node.Get_rank()
-            node.Free()
-        elif launcher == "torchrun":
-            import torch.distributed as td
-
-            if not td.is_initialized():
-                td.init_process_group(backend="gloo")
-                owns_dist = True
-            dist = td
-            rank, size = td.get_rank(), td.get_world_size()
-            local_rank = int(os.environ.get("LOCAL_RANK", rank))
-        elif launcher == "local":
-            rank, size, local_rank = 0, 1, 0
-        else:
-            raise ValueError(f"launcher {launcher!r} is not one of ['local', 'mpi', 'torchrun']")
-
-        ndev = torch.cuda.device_count()
-        dev = local_rank % ndev
-        torch.cuda.set_device(dev)
-        device = Device(dev)
-        device.set_current()
-        cubin = cubin or cls._build_collectively(rank, local_rank, comm, dist)
-
-        uid = nv.get_unique_id(empty=(rank != 0))
-        raw = np.asarray(uid._data).view(np.uint8)
-        if comm is not None:
-            comm.Bcast(raw, root=0)
-        elif dist is not None:
-            box = [raw.tobytes() if rank == 0 else None]
-            dist.broadcast_object_list(box, src=0)
-            raw[:] = np.frombuffer(box[0], dtype=np.uint8)
-        nv.init(device=device, uid=uid, rank=rank, nranks=size, initializer_method="uid")
-        return cls(rank, size, dev, nv, cubin, comm=comm, dist=dist, owns_dist=owns_dist)
-
-    @staticmethod
-    def _build_collectively(rank: int, local_rank: int, comm, dist) -> Path:
-        """Local rank 0 builds the cubin (or hits the cache), then the others load it."""
-        from .build import BuildError, build_cubin
-
-        err = None
-        path = None
-        if local_rank == 0:
-            try:
-                path = build_cubin()
-            except BuildError as exc:
-                err = str(exc)
-        if comm is not None:
-            errs = comm.allgather(err)
-        elif dist is not None:
-            errs = [None] * dist.get_world_size()
-            dist.all_gather_object(errs, err)
-        else:
-            errs = [err]
-        bad = [e for e in errs if e]
-        if bad:
-            raise BuildError(bad[0])
-        return path if path is not None else build_cubin()
+        st = bootstrap(launcher, cubin=cubin, symmetric_size=symmetric_size)
+        return cls(st.rank, st.npes, st.device_index, st.nv, st.cubin, comm=st.comm, dist=st.dist,
+                   owns_dist=st.owns_dist)
 
     # -- identity ---------------------------------------------------------------------------------
     @property
@@ -261,10 +112,6 @@ class NvshmemHeap(SymmetricHeap):
             raise VerbError(f"{what}: pe {pe} outside [0, {self._npes})")
 
     # -- device plumbing ------------------------------------------------------------------------
-    def launch(self, name: str, grid: int, block: int, *args, stream=None) -> None:
-        """Launch a kernel of our library on ``stream`` (a StreamRef / cuda.core stream; default ours)."""
-        self.lib.launch(stream if stream is not None else self.sref, name, grid, block, *args)
-
     def sync(self) -> None:
         self.stream.synchronize()
 
@@ -273,33 +120,6 @@ class NvshmemHeap(SymmetricHeap):
             self._res_host[:n].copy_(self._res_dev[:n], non_blocking=True)
         self.sync()
         return self._res_np[:n].copy()
-
-    def warm_up(self, stream=None) -> None:
-        """Launch every kernel once, harmlessly, so each is loaded before any wait is enqueued."""
-        torch = self._torch
-        me = np.int32(self._rank)
-        s = self._stage_ptr
-        scratch = torch.zeros(64 + self._npes, dtype=torch.int64, device=self.device)
-        sp = int(scratch.data_ptr())
-        L = self.launch
-        kw = {"stream": stream}
-        L("sr_quiet", 1, 1, **kw)
-        L("sr_fence", 1, 1, **kw)
-        L("sr_signal_fetch", 1, 1, s, self._res_ptr, **kw)
-        L("sr_put", 1, 128, s + 64, s, _u64(0), me, **kw)
-        L("sr_get", 1, 128, s + 64, s, _u64(0), me, **kw)
-        L("sr_put_signal", 1, 128, s + 64, s, _u64(0), s + 8, _u64(0), np.int32(0), me, **kw)
-        L("sr_signal_op", 1, 1, s + 8, _u64(0), np.int32(0), me, **kw)
-        L("sr_atomic_fetch_or", 1, 1, s + 8, _u64(0), me, self._res_ptr, **kw)
-        L("sr_atomic_fetch_add", 1, 1, s + 8, _u64(0), me, self._res_ptr, **kw)
-        L("sr_peer_table", 1, 32, s, sp + 64 * 8, np.int32(self._npes), **kw)
-        L("sr_my_pe", 1, 1, sp, **kw)
-        self.warm_up_ring(scratch, stream=stream)
-        self.sync() if stream is None else stream.torch.synchronize()
-        mine = scratch.cpu().numpy()[:1].view(np.int32)
-        if stream is None and (int(mine[0]) != self._rank or int(mine[1]) != self._npes):
-            raise RuntimeError(f"NVSHMEM says this is PE {int(mine[0])} of {int(mine[1])}, the launcher says "
-                               f"{self._rank} of {self._npes}: the UID bootstrap mixed up ranks")
 
     def dummy_desc(self, scratch):
         """A RingDesc with num_chunks = 0 (ring kernels return at once) for warm-up launches."""
@@ -312,41 +132,58 @@ class NvshmemHeap(SymmetricHeap):
         fields[DESC_INDEX["off_wake"]] = -1
         return self._torch.from_numpy(fields).to(self.device)
 
-    def warm_up_ring(self, scratch, stream=None, kernels=RING_KERNELS, dummy=None) -> None:
-        """Launch the ring kernels once on a dummy descriptor (they return at once) and sync.
+    def warm_up(self, stream=None) -> None:
+        """Launch every kernel of the library once, harmlessly, and sync: each is then loaded in
+        this context before any wait is enqueued (a module load synchronises the context, and a
+        wait enqueued before it can hang). Checks that NVSHMEM's PE numbering is the launcher's."""
+        torch = self._torch
+        scratch = torch.zeros(64 + self._npes, dtype=torch.int64, device=self.device)
+        sp = int(scratch.data_ptr())
+        s, res, me = self._stage_ptr, self._res_ptr, self._rank
+        st = stream if stream is not None else self.sref
+        lib = self.lib
+        K.sr_quiet(lib, st)
+        K.sr_fence(lib, st)
+        K.sr_signal_fetch(lib, st, sig=s, out=res)
+        K.sr_put(lib, st, dst=s + 64, src=s, nbytes=0, pe=me)
+        K.sr_get(lib, st, dst=s + 64, src=s, nbytes=0, pe=me)
+        K.sr_put_signal(lib, st, dst=s + 64, src=s, nbytes=0, sig=s + 8, value=0, op=0, pe=me)
+        K.sr_signal_op(lib, st, sig=s + 8, value=0, op=0, pe=me)
+        K.sr_atomic_fetch_or(lib, st, dst=s + 8, value=0, pe=me, out=res)
+        K.sr_atomic_fetch_add(lib, st, dst=s + 8, value=0, pe=me, out=res)
+        K.sr_peer_table(lib, st, base=s, out=sp + 64 * 8, npes=self._npes)
+        K.sr_my_pe(lib, st, out=sp)
+        self.warm_up_ring(scratch, stream=st)
+        mine = scratch.cpu().numpy()[:1].view(np.int32)
+        if stream is None and (int(mine[0]) != self._rank or int(mine[1]) != self._npes):
+            raise RuntimeError(f"NVSHMEM says this is PE {int(mine[0])} of {int(mine[1])}, the launcher says "
+                               f"{self._rank} of {self._npes}: the UID bootstrap mixed up ranks")
 
-        Only launches (no torch allocation), so it may run with a green context current.
-        """
+    def warm_up_ring(self, scratch, stream=None, dummy=None) -> None:
+        """Launch every ring and self-test kernel once on a dummy descriptor (they return at once)
+        and sync. Only launches (no torch allocation), so it may run with a green context current."""
         if dummy is None:
             dummy = self.dummy_desc(scratch)
-        dp = int(dummy.data_ptr())
-        sp = int(scratch.data_ptr())
-        z = np.int64(0)
-        me = np.int32(self._rank)
-        kw = {"stream": stream}
-        for name in kernels:
-            if name == "ring_reuse_wait":
-                self.launch(name, 1, 1, dp, self._stage_ptr, me, z, np.int32(0), **kw)
-            elif name == "ring_drain":
-                self.launch(name, 1, 1, dp, self._stage_ptr, me, **kw)
-            elif name == "ring_advance_epoch":
-                self.launch(name, 1, 1, dp, **kw)
-            elif name == "ring_spin_wait":
-                self.launch(name, 1, 1, dp, self._stage_ptr, z, z, np.int32(0), **kw)
-            elif name.startswith("ring_publish"):
-                self.launch(name, 1, 1, dp, self._stage_ptr, sp, me, z, np.int32(0), **kw)
-            elif name.startswith("ring_produce"):
-                self.launch(name, 1, 128, dp, self._stage_ptr, sp, me, z, np.int32(0), np.int32(0), z, 0, **kw)
-            elif name.startswith("ring_consume"):
-                self.launch(name, 1, 128, dp, self._stage_ptr, sp, me, z, z, np.int32(0), z, 0, **kw)
-            elif name.startswith("ring_ack"):
-                self.launch(name, 1, 1, dp, self._stage_ptr, sp, me, z, z, **kw)
-        (stream.torch if stream is not None else self.stream).synchronize()
+        d, b, sp, me = int(dummy.data_ptr()), self._stage_ptr, int(scratch.data_ptr()), self._rank
+        st = stream if stream is not None else self.sref
+        lib = self.lib
+        for peers in (0, sp):  # both transports (NVSHMEM and P2P) of the kernels that have two
+            K.ring_publish(lib, st, d=d, buf=b, peers=peers, me=me, chunk=0, kind=0)
+            K.ring_ack(lib, st, d=d, buf=b, peers=peers, me=me, src0=0, chunk=0, sources=1)
+            K.ring_produce(lib, st, d=d, buf=b, peers=peers, me=me, chunk=0, kind=0, inject=0, delay_cycles=0,
+                           t_pub=0, block=128)
+            K.ring_consume(lib, st, d=d, buf=b, peers=peers, me=me, src0=0, chunk=0, inject=0, hold_cycles=0,
+                           t_acq=0, sources=1, block=128)
+        K.ring_reuse_wait(lib, st, d=d, buf=b, me=me, chunk=0, inject=0)
+        K.ring_drain(lib, st, d=d, buf=b, me=me)
+        K.ring_advance_epoch(lib, st, d=d)
+        K.ring_spin_wait(lib, st, d=d, buf=b, src0=0, chunk=0, inject=0, sources=1)
+        (st.torch if isinstance(st, StreamRef) else st).synchronize()
 
     def peer_table(self, region: Region):
         """Device int64 tensor: ``[pe] -> pe's copy of region`` in our address space (0: not P2P)."""
         t = self._torch.zeros(self._npes, dtype=self._torch.int64, device=self.device)
-        self.launch("sr_peer_table", 1, 32, region.handle.ptr, int(t.data_ptr()), np.int32(self._npes))
+        K.sr_peer_table(self.lib, self.sref, base=region.handle.ptr, out=int(t.data_ptr()), npes=self._npes)
         self.sync()
         return t
 
@@ -396,11 +233,11 @@ class NvshmemHeap(SymmetricHeap):
             if last and signal is not None:
                 sig, value, op = signal
                 if pos:
-                    self.launch("sr_quiet", 1, 1)  # earlier pieces complete before the signal
-                self.launch("sr_put_signal", 1, 256, dst + pos, self._stage_ptr, _u64(k), sig, _u64(value),
-                            np.int32(op), np.int32(pe))
+                    K.sr_quiet(self.lib, self.sref)  # earlier pieces complete before the signal
+                K.sr_put_signal(self.lib, self.sref, dst=dst + pos, src=self._stage_ptr, nbytes=k, sig=sig,
+                                value=value, op=op, pe=pe)
             elif k:
-                self.launch("sr_put", 1, 256, dst + pos, self._stage_ptr, _u64(k), np.int32(pe))
+                K.sr_put(self.lib, self.sref, dst=dst + pos, src=self._stage_ptr, nbytes=k, pe=pe)
             self.sync()  # the staging buffers are reused by the next piece
             pos += k
             if last:
@@ -423,7 +260,7 @@ class NvshmemHeap(SymmetricHeap):
         n, pos = raw.nbytes, 0
         while pos < n:
             k = min(self.stage_bytes, n - pos)
-            self.launch("sr_get", 1, 256, self._stage_ptr, src + pos, _u64(k), np.int32(pe))
+            K.sr_get(self.lib, self.sref, dst=self._stage_ptr, src=src + pos, nbytes=k, pe=pe)
             with self._torch.cuda.stream(self.stream):
                 self._hstage[:k].copy_(self._stage[:k], non_blocking=True)
             self.sync()
@@ -451,38 +288,37 @@ class NvshmemHeap(SymmetricHeap):
         check_span(sig_region, sig_offset, 8, "signal_op")
         self._check_pe(pe, "signal_op")
         code = self._op(op)
-        self.launch("sr_signal_op", 1, 1, sig_region.handle.ptr + sig_offset, _u64(value), np.int32(code),
-                    np.int32(pe))
+        K.sr_signal_op(self.lib, self.sref, sig=sig_region.handle.ptr + sig_offset, value=value, op=code, pe=pe)
         self.sync()
 
     def signal_fetch(self, sig_region: Region, sig_offset: int) -> int:
         check_span(sig_region, sig_offset, 8, "signal_fetch")
         if sig_offset % 8:
             raise VerbError(f"signal_fetch: offset {sig_offset} is not 8-byte aligned")
-        self.launch("sr_signal_fetch", 1, 1, sig_region.handle.ptr + sig_offset, self._res_ptr)
+        K.sr_signal_fetch(self.lib, self.sref, sig=sig_region.handle.ptr + sig_offset, out=self._res_ptr)
         return int(self._read_result(1)[0])
 
-    def _fetch_op(self, kernel: str, region: Region, offset: int, value: int, pe: int, what: str) -> int:
+    def _fetch_op(self, kernel, region: Region, offset: int, value: int, pe: int, what: str) -> int:
         check_span(region, offset, 8, what)
         self._check_pe(pe, what)
         if offset % 8:
             raise VerbError(f"{what}: offset {offset} is not 8-byte aligned")
-        self.launch(kernel, 1, 1, region.handle.ptr + offset, _u64(value), np.int32(pe), self._res_ptr)
+        kernel(self.lib, self.sref, dst=region.handle.ptr + offset, value=value, pe=pe, out=self._res_ptr)
         return int(self._read_result(1)[0])
 
     def atomic_fetch_or(self, region, offset, value, pe) -> int:
-        return self._fetch_op("sr_atomic_fetch_or", region, offset, value, pe, "atomic_fetch_or")
+        return self._fetch_op(K.sr_atomic_fetch_or, region, offset, value, pe, "atomic_fetch_or")
 
     def atomic_fetch_add(self, region, offset, value, pe) -> int:
-        return self._fetch_op("sr_atomic_fetch_add", region, offset, value, pe, "atomic_fetch_add")
+        return self._fetch_op(K.sr_atomic_fetch_add, region, offset, value, pe, "atomic_fetch_add")
 
     # -- ordering -------------------------------------------------------------------------------------
     def fence(self) -> None:
-        self.launch("sr_fence", 1, 1)
+        K.sr_fence(self.lib, self.sref)
         self.sync()
 
     def quiet(self) -> None:
-        self.launch("sr_quiet", 1, 1)
+        K.sr_quiet(self.lib, self.sref)
         self.sync()
 
     def barrier(self, deadline: float | None = None) -> None:

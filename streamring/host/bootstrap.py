@@ -31,7 +31,7 @@ def make_heap(cfg: Config, launcher: Launcher | None = None) -> SymmetricHeap:
     if cfg.backend == "nvshmem":
         from ..device.nvshmem import NvshmemHeap  # noqa: WPS433 (GPU-only import)
 
-        return NvshmemHeap.bootstrap(launcher=launcher.value, cfg=cfg)
+        return NvshmemHeap.bootstrap(launcher=launcher.value, symmetric_size=cfg.nvshmem.symmetric_size)
     raise LaunchError(f"backend {cfg.backend!r} is not one of ['cpu', 'nvshmem']")
 
 

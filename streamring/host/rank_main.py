@@ -117,3 +117,25 @@ def report_run(results: list[dict], cfg: Config, wall_s: float, json_path: str |
         Path(json_path).write_text(json.dumps({"command": "run", "config": cfg.model_dump(), "ranks": results,
                                                "ok": ok, "wall_s": wall_s}, indent=2, default=str))
     return 0 if ok else 1
+
+
+def gpu_check_main(launcher, **checks) -> int:
+    """``streamring gpu-check`` on this rank: start NVSHMEM, run the self-test, report (rank 0)."""
+    try:
+        from ..device.nvshmem import NvshmemHeap
+        from ..gpu_selftest import run_checks
+
+        heap = NvshmemHeap.bootstrap(launcher=launcher.value)
+        register_rank(heap.rank)
+        DIAGNOSTIC_HOOKS.append(lambda n=heap.num_ranks: peer_report(n))
+        code = run_checks(heap, echo=lambda text: console.print(text, markup=False, highlight=False), **checks)
+        codes = heap.allgather_int(code)
+        report_status(heap.rank, "ok")
+        heap.close()
+        sys.stdout.flush()
+        return max(codes)
+    except BaseException as exc:  # noqa: BLE001 - any failure must end the whole job
+        if isinstance(exc, SystemExit) and exc.code == 0:
+            raise
+        abort_job(exc, 1)
+        return 1

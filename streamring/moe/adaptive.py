@@ -1,7 +1,7 @@
 """Adaptive choice between the batch path and a streamed plan, per token count.
 
 The choice comes from a tuned table measured on the target GPU (``adaptive_table.json`` next
-to this module, produced by ``scripts/make_adaptive_table.py`` from the layer benchmark; the
+to this module, produced by ``python -m bench.make_adaptive_table`` from the layer benchmark; the
 command is recorded in the table). A token count uses the row of the largest measured token
 count not above it (the smallest row below every measured count). A row says ``batch`` where
 no streamed configuration beat the batch path in the same interleaved run - so the adaptive
@@ -51,10 +51,10 @@ class AdaptiveChoice:
 
 
 def load_table(path: str | Path = DEFAULT_TABLE) -> dict:
-    """Read and validate a tuned table (see ``scripts/make_adaptive_table.py``)."""
+    """Read and validate a tuned table (see ``python -m bench.make_adaptive_table``)."""
     p = Path(path)
     if not p.is_file():
-        raise AdaptiveTableError(f"adaptive table {p} not found (make it with scripts/make_adaptive_table.py)")
+        raise AdaptiveTableError(f"adaptive table {p} not found (make it with `python -m bench.make_adaptive_table`)")
     try:
         t = json.loads(p.read_text())
     except json.JSONDecodeError as exc:

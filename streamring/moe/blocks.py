@@ -12,7 +12,7 @@ Everything is enqueued on the current torch stream with no host synchronisation:
 counts live on the device and the GEMM launches read their ``[lo, hi)`` range of the ready
 list from device memory, with a grid sized for the largest range possible. A whole forward -
 per-chunk dispatch and GEMMs included - is therefore one captured CUDA graph that the host does
-not relaunch per chunk (``streamring.host.moe_gpu``).
+not relaunch per chunk (``streamring.moe.gpu_layer``).
 
 Bitwise contract: rows of an expert are appended in chunk order and, inside a chunk, in
 (token, k) order (stable sort), which is the batch path's order; the kernels compute every row
@@ -32,7 +32,7 @@ from typing import Optional
 import torch
 
 from ..device import moe_triton as K
-from .math import MoEShape, MoEWeights
+from .math import MoEShape, MoEWeights, select_experts
 
 FP8 = torch.float8_e4m3fn
 
@@ -90,46 +90,6 @@ class FastWeights:
         router = (torch.randn(e, h, generator=g, device=device) / math.sqrt(h)).to(torch.bfloat16)
         bias = torch.randn(e, generator=g, device=device) * 0.1 if shape.router == "deepseek_v3" else None
         return cls(w1, w1_sf, w2, w2_sf, router, bias)
-
-
-def select_experts(logits: torch.Tensor, bias: Optional[torch.Tensor], shape: MoEShape):
-    """Top-k selection on float32 logits ``[n, E]`` (row-local ops only: a token's choice and
-    weights never depend on the other tokens of the launch). Returns ``(idx int64, w float32)``.
-
-    Same rule as :func:`streamring.moe.math.route` (deepseek_v3: sigmoid, bias for selection,
-    top-2-sum group scores, ``topk_group`` groups; softmax_topk: softmax, top-k, renormalise).
-    """
-    n, e = logits.shape
-    k = shape.topk
-    if shape.router == "softmax_topk":
-        w, idx = torch.topk(torch.softmax(logits, dim=-1), k, dim=-1, sorted=True)
-        if shape.renormalize:
-            w = w / _ordered_sum(w)
-        return idx, w
-    scores = torch.sigmoid(logits)
-    sel = scores + bias[None, :] if bias is not None else scores
-    g = shape.n_group
-    grouped = sel.view(n, g, e // g)
-    if e // g == 1:
-        gs = grouped[..., 0]
-    else:
-        top2 = torch.topk(grouped, 2, dim=-1, sorted=True).values
-        gs = top2[..., 0] + top2[..., 1]
-    gidx = torch.topk(gs, shape.topk_group, dim=-1, sorted=True).indices
-    gmask = torch.zeros(n, g, dtype=torch.bool, device=logits.device).scatter_(1, gidx, True)
-    sel = sel.masked_fill(~gmask[:, :, None].expand(n, g, e // g).reshape(n, e), float("-inf"))
-    idx = torch.topk(sel, k, dim=-1, sorted=True).indices
-    w = scores.gather(1, idx)
-    if shape.norm_topk_prob:
-        w = w / (_ordered_sum(w) + 1e-20)
-    return idx, w * shape.routed_scaling_factor
-
-
-def _ordered_sum(w: torch.Tensor) -> torch.Tensor:
-    acc = w[:, 0:1].clone()
-    for j in range(1, w.shape[1]):
-        acc = acc + w[:, j:j + 1]
-    return acc
 
 
 class Producer:

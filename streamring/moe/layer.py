@@ -356,7 +356,7 @@ class _Forward:
             if not view.valid:
                 continue
             idx = self.ring.get_rows(src, "topk_idx", slot, 0, view.valid)
-            self.ring._check_topk(src, idx)
+            self.ring.check_topk(src, idx)
             mine = (idx >= lo) & (idx < hi)
             toks = np.nonzero(mine.any(axis=1))[0]
             if not len(toks):
@@ -384,8 +384,7 @@ class _Forward:
         out = expert_pool_forward(x_fp8, x_sf, e - self.expert_offset, self.full_weights, self.block_m)
         out_np = out.cpu().numpy()
         for n, (src, c, t, k, _, _, _) in enumerate(rows):
-            slot = c % self.L.num_slots
-            self.ring.heap.put(self.ring.buf, self.L.combine_off(slot, t, k), out_np[n], src)
+            self.ring.put_combine_row(src, c % self.L.num_slots, t, k, out_np[n])
         self.stats.rows_computed += len(rows)
         self.stats.blocks_run += -(-len(rows) // self.block_m)
 
@@ -483,8 +482,7 @@ class _Forward:
                                 f"every rank's contributions to my chunk {c} (slot {slot})")
             base, valid = self.plan.chunk_tokens(self.me, c)
             if valid:
-                contrib = np.empty((valid, self.L.topk, self.L.hidden), dtype=np.float32)
-                self.ring.heap.get(self.ring.buf, self.L.combine_off(slot, 0, 0), contrib, self.me)
+                contrib = self.ring.read_combine(slot, valid)
                 idx, w = self.my_routing[c]
                 self.y[base:base + valid] = combine(torch.from_numpy(contrib).to(self.dev), w, idx)
             del self.my_routing[c]

@@ -63,6 +63,7 @@ __all__ = [
     "WEIGHT_DTYPES",
     "MoEShape",
     "MoEWeights",
+    "select_experts",
     "quantize_weight_fp8_block",
     "dequantize_weight_fp8_block",
     "quantize_act_fp8",
@@ -631,6 +632,62 @@ def _ordered_row_sum(w: torch.Tensor) -> torch.Tensor:
     return acc
 
 
+def select_experts(logits: torch.Tensor, correction_bias: Optional[torch.Tensor], shape: MoEShape
+                   ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The routing rule: top-k experts and their weights from router ``logits`` ``[T, E]``.
+
+    The one definition of the rule, used by :func:`route` (CPU/torch path, float32 or float64
+    logits) and by the GPU producers (``streamring.moe.blocks.Producer``: Triton router logits).
+    Row-local operations only, so a token's choice never depends on the other rows.
+
+    * ``softmax_topk``: ``p = softmax(logits)``; ``topk_idx, w = topk(p, k)``; if
+      ``shape.renormalize``, ``w /= sum(w)``.
+    * ``deepseek_v3``: ``s = sigmoid(logits)``; ``sel = s + correction_bias`` (0 if None);
+      group score = sum of the top-2 ``sel`` of each of ``n_group`` groups (the single value if
+      a group holds one expert); keep the ``topk_group`` best groups, mask the other experts'
+      ``sel`` to -inf; ``topk_idx = topk(sel, k)``; ``w = s[topk_idx]``; if ``norm_topk_prob``
+      ``w /= (sum(w) + 1e-20)``; ``w *= routed_scaling_factor``.
+
+    Sums over the k weights run in the fixed order j = 0..k-1. Returns ``(topk_idx int64 [T, k],
+    topk_weights [T, k])`` in the dtype of ``logits``.
+    """
+    t, e = logits.shape
+    k = shape.topk
+    dev, dtype = logits.device, logits.dtype
+    if shape.router == "softmax_topk":
+        probs = torch.softmax(logits, dim=-1)
+        topk_w, topk_idx = torch.topk(probs, k, dim=-1, sorted=True)
+        if shape.renormalize:
+            topk_w = topk_w / _ordered_row_sum(topk_w)
+        return topk_idx.to(torch.int64), topk_w.contiguous()
+
+    # deepseek_v3
+    scores = _rowwise(torch.sigmoid, logits)
+    if correction_bias is not None:
+        sel = scores + correction_bias.to(device=dev, dtype=dtype)[None, :]
+    else:
+        sel = scores
+    g = shape.n_group
+    epg = e // g
+    grouped = sel.reshape(t, g, epg)
+    if epg == 1:
+        group_scores = grouped[..., 0]
+    else:
+        top2 = torch.topk(grouped, 2, dim=-1, sorted=True).values
+        group_scores = top2[..., 0] + top2[..., 1]
+    group_idx = torch.topk(group_scores, shape.topk_group, dim=-1, sorted=True).indices
+    group_mask = torch.zeros(t, g, dtype=torch.bool, device=dev)
+    group_mask.scatter_(1, group_idx, True)
+    expert_mask = group_mask[:, :, None].expand(t, g, epg).reshape(t, e)
+    sel_masked = sel.masked_fill(~expert_mask, float("-inf"))
+    topk_idx = torch.topk(sel_masked, k, dim=-1, sorted=True).indices
+    topk_w = scores.gather(1, topk_idx)
+    if shape.norm_topk_prob:
+        topk_w = topk_w / (_ordered_row_sum(topk_w) + 1e-20)
+    topk_w = topk_w * shape.routed_scaling_factor
+    return topk_idx.to(torch.int64), topk_w.contiguous()
+
+
 def route(x: torch.Tensor, weights: MoEWeights, shape: MoEShape,
           dtype: torch.dtype = torch.float32) -> Tuple[torch.Tensor, torch.Tensor]:
     """Select experts and routing weights for each token.
@@ -690,38 +747,7 @@ def route(x: torch.Tensor, weights: MoEWeights, shape: MoEShape,
         blocks.append(_fixed_rows_matmul(buf, rw_t)[:chunk.shape[0]])
     logits = torch.cat(blocks, dim=0)  # [T, E]
 
-    if shape.router == "softmax_topk":
-        probs = torch.softmax(logits, dim=-1)
-        topk_w, topk_idx = torch.topk(probs, k, dim=-1, sorted=True)
-        if shape.renormalize:
-            topk_w = topk_w / _ordered_row_sum(topk_w)
-        return topk_idx.to(torch.int64), topk_w.contiguous()
-
-    # deepseek_v3
-    scores = _rowwise(torch.sigmoid, logits)
-    if weights.correction_bias is not None:
-        sel = scores + weights.correction_bias.to(device=dev, dtype=dtype)[None, :]
-    else:
-        sel = scores
-    g = shape.n_group
-    epg = e // g
-    grouped = sel.reshape(t, g, epg)
-    if epg == 1:
-        group_scores = grouped[..., 0]
-    else:
-        top2 = torch.topk(grouped, 2, dim=-1, sorted=True).values
-        group_scores = top2[..., 0] + top2[..., 1]
-    group_idx = torch.topk(group_scores, shape.topk_group, dim=-1, sorted=True).indices
-    group_mask = torch.zeros(t, g, dtype=torch.bool, device=dev)
-    group_mask.scatter_(1, group_idx, True)
-    expert_mask = group_mask[:, :, None].expand(t, g, epg).reshape(t, e)
-    sel_masked = sel.masked_fill(~expert_mask, float("-inf"))
-    topk_idx = torch.topk(sel_masked, k, dim=-1, sorted=True).indices
-    topk_w = scores.gather(1, topk_idx)
-    if shape.norm_topk_prob:
-        topk_w = topk_w / (_ordered_row_sum(topk_w) + 1e-20)
-    topk_w = topk_w * shape.routed_scaling_factor
-    return topk_idx.to(torch.int64), topk_w.contiguous()
+    return select_experts(logits, weights.correction_bias, shape)
 
 
 def route_f64(x: torch.Tensor, weights: MoEWeights, shape: MoEShape

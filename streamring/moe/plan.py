@@ -1,15 +1,14 @@
 """How a streamed MoE forward is scheduled on a GPU (plain data; no GPU imports).
 
 Used by the adaptive policy (``streamring.moe.adaptive``) and executed by
-``streamring.host.moe_gpu.StreamedMoE``.
+``streamring.moe.gpu_layer``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-# progress policies of the GPU streamed path (see streamring.host.moe_gpu)
-POLICIES = ("serialized", "stream_wait", "spin_kernel", "green_ctx", "pdl")
+from ..protocol import PROGRESS_POLICIES as POLICIES  # the one definition of the progress policies
 
 
 @dataclass

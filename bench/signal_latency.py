@@ -1,16 +1,16 @@
 #!/usr/bin/env python3
 """Per-chunk publish -> acquire latency of each progress policy vs raw nvshmem4py put_signal -> signal_wait.
 
-Run one process per PE (the GPU check runs it with one PE)::
+Run one process per PE, from the repo root (the GPU check runs it with 1 and 2 PEs)::
 
-    mpiexec -n 1 python3 scripts/bench_signal_latency.py --json out/bench.json
+    mpiexec -n 2 python3 -m bench.signal_latency --json out/bench.json
 
 What is measured, in one run:
 
 * ``raw``: nvshmem4py host-enqueued ``put_signal`` (8 bytes, SIGNAL_SET of i to the next PE)
-  then ``signal_wait(EQ i)`` on our own signal, on one stream, host clock around
+  then ``signal_wait(GE i)`` on our own signal, on one stream, host clock around
   enqueue + stream sync; median over ``--iters`` (the notes measured ~19 us on one PE).
-* per policy: the synthetic stream (``streamring.host.gpu``) of ``--chunks`` chunks captured in
+* per policy: the synthetic stream (``streamring.gpu_selftest``) of ``--chunks`` chunks captured in
   a CUDA graph and replayed ``--replays`` times with the device epoch. Two numbers:
   - ``pub->acq``: device %globaltimer from the producer's publish to the consumer's
     successful acquire of the same chunk (our own PE's chunks; the consumer is enqueued
@@ -31,10 +31,9 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from streamring.host.gpu import POLICIES, GpuRing, StreamedSequence, _agree  # noqa: E402
-from streamring.protocol import RingLayout  # noqa: E402
+from streamring.device_ring import DeviceRing
+from streamring.gpu_selftest import POLICIES, StreamedSequence, _agree
+from streamring.protocol import RingLayout
 
 
 def bench_raw(heap, iters: int) -> dict:
@@ -50,14 +49,16 @@ def bench_raw(heap, iters: int) -> dict:
     heap.barrier()
     sig_buf = nv.tensor_get_buffer(sig_t)[0]
     SET = nv.SignalOp.SIGNAL_SET
-    EQ = nv.ComparisonType.CMP_EQ
+    # GE, not EQ: the peer may already have SET i+1 (it runs ahead once it saw our i), and an EQ
+    # wait would then never see i (this hung with 2 PEs, one per GPU)
+    GE = nv.ComparisonType.CMP_GE
     s = heap.sref
     times = []
     peer = (me + 1) % R
     for i in range(1, iters + 1):
         t0 = time.perf_counter()
         nv.put_signal(dst_t, src_t, sig_buf, i, SET, peer, stream=s)
-        nv.signal_wait(sig_buf, i, EQ, stream=s)
+        nv.signal_wait(sig_buf, i, GE, stream=s)
         heap.stream.synchronize()
         times.append(time.perf_counter() - t0)
     heap.barrier()
@@ -72,7 +73,8 @@ def bench_policy(heap, policy: str, replays: int, chunks: int, slots: int, produ
 
     R = heap.num_ranks
     layout = RingLayout(num_ranks=R, num_slots=slots, tokens_per_slot=32, hidden=128, topk=4, num_experts=64)
-    ring = GpuRing(heap, layout, chunks, wake=(policy == "stream_wait"), timestamps=True)
+    ring = DeviceRing(heap, layout, chunks, transport="p2p" if policy == "green_ctx" else "nv",
+                      wake=(policy == "stream_wait"), timestamps=True, name="latency-ring")
     out = {"policy": policy}
     try:
         err = None

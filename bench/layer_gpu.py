@@ -3,9 +3,9 @@
 
 DeepSeek-V3-shaped layer (hidden 7168, intermediate 2048, 256 experts, top-8, n_group 8,
 topk_group 4, FP8 weights with 128x128 block scales), all experts on this GPU, one NVSHMEM PE.
-Run through ``scripts/gpu_layer.sh`` (one device call); by hand::
+Run through ``launch/gpu_layer.sh`` (one device call); by hand, from the repo root::
 
-    python3 scripts/bench_layer_gpu.py --tokens 128,1024,8192,32768 --json out/layer.json
+    python3 -m bench.layer_gpu --tokens 128,1024,8192,32768 --json out/layer.json
 
 For every token count T, in one run, with CUDA events around every replay of a captured CUDA
 graph and ``--sets`` different input sets (medians over sets x replays):
@@ -39,14 +39,13 @@ import time
 import traceback
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from streamring.device import moe_triton as K  # noqa: E402
-from streamring.moe import blocks as B  # noqa: E402
-from streamring.host.moe_gpu import PlanChoice, StreamedMoE  # noqa: E402
-from streamring.moe.math import MoEShape  # noqa: E402
+from streamring.device import moe_triton as K
+from streamring.moe import blocks as B
+from streamring.moe.gpu_layer import StreamedMoE
+from streamring.moe.math import MoEShape, select_experts
+from streamring.moe.plan import PlanChoice
 
 HBM_PEAK_GBS = 4800.0  # H200 nominal
 
@@ -115,7 +114,7 @@ def reference_rows(x, fw: B.FastWeights, shape: MoEShape, tokens) -> torch.Tenso
 
     xs = x[tokens]
     logits = (xs.double() @ fw.router.double().t()).float()
-    idx, w = B.select_experts(logits, fw.bias, shape)
+    idx, w = select_experts(logits, fw.bias, shape)
     q, sf = quantize_act_fp8(xs.float())
     xd = dequantize_act_fp8(q, sf).double()
     I = shape.intermediate
@@ -319,7 +318,16 @@ def bench_tokens(T, shape, fw, args, timer, out, save):
                     configs.append((C, policy, args.producer_sms, False, None))
             else:
                 configs.append((C, policy, args.producer_sms, True, None))
+    # only plans PlanChoice accepts (stream_wait refuses high-priority streams: no deadline there)
+    accepted = []
     for C, policy, psms, prio, ctas in configs:
+        try:
+            PlanChoice(chunk_tokens=max(1, math.ceil(T / C)), num_slots=min(args.slots, C), block_m=bm, policy=policy,
+                       high_priority=prio, chunk_gemm_ctas=ctas).validate()
+            accepted.append((C, policy, psms, prio, ctas))
+        except ValueError as exc:
+            log(f"  T={T}: skipped {policy} chunks={C} high_priority={prio}: {exc}")
+    for C, policy, psms, prio, ctas in accepted:
             faulthandler.dump_traceback_later(args.config_watchdog_s)  # a hang prints where it is
             chunk = math.ceil(T / C)
             rec = {"chunks": C, "chunk_tokens": chunk, "policy": policy, "num_slots": min(args.slots, C)}
@@ -435,7 +443,7 @@ def main(argv=None) -> int:
     ap.add_argument("--idle-check-tokens", type=ints, default=[1024, 8192])
     ap.add_argument("--producer-sms", type=int, default=16)
     ap.add_argument("--green-sms", type=ints, default=[8, 16, 32], help="producer SMs swept for green_ctx")
-    ap.add_argument("--prio-policies", type=lambda s: s.split(","), default=["spin_kernel", "stream_wait"],
+    ap.add_argument("--prio-policies", type=lambda s: s.split(","), default=["spin_kernel"],
                     help="policies whose producer/dispatch streams run at high priority")
     ap.add_argument("--extra-at-chunks", type=ints, default=[4],
                     help="chunk counts that also run pdl, green_ctx (each --green-sms) and the normal-priority variant")

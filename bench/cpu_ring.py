@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """CPU benchmark: the ring's publish->acquire latency and chunk rate against raw verbs, in one run.
 
-    python scripts/bench_cpu_ring.py                # runs 2 and 4 ranks itself
-    mpiexec -n 4 python scripts/bench_cpu_ring.py   # one size, under your launcher
+    python -m bench.cpu_ring                  # (from the repo root) runs 2 and 4 ranks itself
+    mpiexec -n 4 python -m bench.cpu_ring     # one size, under your launcher
 
 Baseline (same run, same ranks): a raw ``put_signal`` of one chunk's bytes
 followed by a ``signal_wait_until`` on the receiver, timed as half a ping-pong
@@ -27,7 +27,6 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 
 def bench(args) -> None:
@@ -116,9 +115,9 @@ def main():
         return bench(args)
     mpiexec = Path(sys.executable).parent / "mpiexec"
     for n in args.ranks:
-        cmd = [str(mpiexec if mpiexec.exists() else "mpiexec"), "-n", str(n), sys.executable, __file__,
+        cmd = [str(mpiexec if mpiexec.exists() else "mpiexec"), "-n", str(n), sys.executable, "-m", "bench.cpu_ring",
                *sys.argv[1:]]
-        subprocess.run(cmd, check=True)
+        subprocess.run(cmd, check=True, cwd=ROOT)
 
 
 if __name__ == "__main__":

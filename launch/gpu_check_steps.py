@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The GPU check's steps, each with a timeout, under one time budget; prints a table.
 
-Started by ``scripts/gpu_check.sh`` (which installs the carried wheels, sets PYTHONPATH
+Started by ``launch/gpu_check.sh`` (which installs the carried wheels, sets PYTHONPATH
 and starts/stops the MPS daemon around the multi-PE phase). Writes under ``$OUT``
 (default ./out): ``gpu_check.log`` (every step's output), ``summary.json``,
 ``bench.json``. Exit 0 iff every expectation held (a step skipped for lack of time
@@ -193,7 +193,7 @@ def phase_single(state: dict) -> None:
     run_step(state, "build cubin", [PY, "-m", "streamring.device.build", "-v"], 240, pes=0)
     gj = TMP / "graph-1.json"
     run_step(state, "graph replay x1e4, all policies + negative controls", mpiexec(
-        1, "-m", "streamring.host.gpu", "graph", "--policies", "all", "--replays", "10000", "--controls",
+        1, "-m", "streamring", "gpu-check", "--policies", "all", "--replays", "10000", "--controls",
         "--json", str(gj)), 150, pes=1, judge=judge_graph, json_path=gj)
     sj = TMP / "stress-1.json"
     run_step(state, "stress default", stress_cmd(1, sj, "--set", "stress.chunks_per_rank=16"), 90, pes=1,
@@ -204,7 +204,7 @@ def phase_single(state: dict) -> None:
     run_step(state, "pytest tests/test_gpu.py", [PY, "-m", "pytest", "-q", "-rs", "tests/test_gpu.py",
                                                  "-p", "no:cacheprovider"], 150, pes=1, judge=judge_pytest)
     bj = OUT / "bench.json"
-    run_step(state, "bench_signal_latency", mpiexec(1, "scripts/bench_signal_latency.py", "--json", str(bj)), 120,
+    run_step(state, "bench_signal_latency", mpiexec(1, "-m", "bench.signal_latency", "--json", str(bj)), 120,
              pes=1, json_path=bj)
 
 
@@ -214,7 +214,7 @@ def phase_multi(state: dict) -> None:
     # 2 PEs
     gj = TMP / "graph-2.json"
     run_step(state, "graph replay x1e4, all policies", mpiexec(
-        2, "-m", "streamring.host.gpu", "graph", "--policies", "all", "--replays", "10000", "--json", str(gj)),
+        2, "-m", "streamring", "gpu-check", "--policies", "all", "--replays", "10000", "--json", str(gj)),
         150, pes=2, judge=judge_graph, json_path=gj, env=mps(2))
     sj = TMP / "stress-2.json"
     run_step(state, "stress default", stress_cmd(2, sj, "--set", "stress.chunks_per_rank=16"), 90, pes=2,
@@ -237,7 +237,7 @@ def phase_multi(state: dict) -> None:
         json_path=rj, env=mps(4))
     gj = TMP / "graph-4.json"
     run_step(state, "graph replay x1e4, all policies", mpiexec(
-        4, "-m", "streamring.host.gpu", "graph", "--policies", "all", "--replays", "10000", "--json", str(gj)),
+        4, "-m", "streamring", "gpu-check", "--policies", "all", "--replays", "10000", "--json", str(gj)),
         150, pes=4, judge=judge_graph, json_path=gj, env=mps(4))
     # 3 PEs: every inject mode must be caught (as the CPU suite does), then the 3-rank configs
     for mode, cfg, chunks in (("skip-acquire", "stress-basic.yaml", 16),

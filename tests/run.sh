@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The test command (README, CI): installs into ./.venv when needed, then runs pytest.
-# Extra arguments go to pytest (e.g. `bash scripts/test.sh -k stress`).
+# Extra arguments go to pytest (e.g. `bash tests/run.sh -k stress`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || python3 -m venv .venv

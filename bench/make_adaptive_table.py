@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Build the adaptive policy's tuned table from layer-benchmark results.
 
-    python3 scripts/make_adaptive_table.py docs/results/gpu-layer-2026-11-29.json \
+    python3 -m bench.make_adaptive_table docs/results/gpu-layer-2026-11-29.json \
         --out streamring/moe/adaptive_table.json
 
 For every token count in the benchmark JSON: the fastest streamed configuration that passed
@@ -37,7 +37,7 @@ def build(bench: dict, source: str, margin: float) -> dict:
     if not rows:
         raise SystemExit("no benchmark rows with a batch timing in the input")
     return {"device": bench.get("device"), "source": source, "margin": margin,
-            "produced_by": f"python3 scripts/make_adaptive_table.py {source}",
+            "produced_by": f"python3 -m bench.make_adaptive_table {source}",
             "rows": sorted(rows, key=lambda x: x["tokens"])}
 
 

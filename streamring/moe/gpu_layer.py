@@ -49,15 +49,15 @@ import torch
 
 from ..device import moe_triton as K
 from ..device.ranges import annotate as nvtx_range
-from ..moe.blocks import FP8, BlockConsumer, FastWeights, Producer
-from ..moe.math import MoEShape
-from ..moe.plan import POLICIES, PlanChoice  # noqa: F401  (re-exported)
+from ..device.ringdesc import RING_LAYOUT, RING_ROUTE
+from ..device_ring import DeviceRing
+from ..protocol import PROGRESS_POLICIES as POLICIES  # noqa: F401  (re-exported)
 from ..protocol import RingLayout
-
-RING_ROUTE, RING_LAYOUT = 0, 1
-
+from .blocks import FP8, BlockConsumer, FastWeights, Producer
+from .math import MoEShape
+from .plan import PlanChoice
 # per-chunk device timestamps (ns, %globaltimer): row c of ``stamps`` is chunk c, the last row the tail
-from ..moe.timeline_events import CHUNK_EVENTS, STAMP_STRIDE, TAIL_EVENTS  # noqa: E402
+from .timeline_events import CHUNK_EVENTS, STAMP_STRIDE, TAIL_EVENTS
 
 
 class StreamedMoE:
@@ -71,8 +71,6 @@ class StreamedMoE:
 
     def __init__(self, heap, shape: MoEShape, fw: FastWeights, tokens: int, plan: PlanChoice, *,
                  timeline: bool = False, producer_sms: int = 16, deadline_s: float = 10.0):
-        from .gpu import GpuRing
-
         plan.validate()
         if heap.num_ranks != 1:
             raise ValueError("StreamedMoE drives one PE (all experts local); "
@@ -84,8 +82,8 @@ class StreamedMoE:
         dev = heap.device
         layout = RingLayout(num_ranks=1, num_slots=plan.num_slots, tokens_per_slot=self.chunk, hidden=shape.hidden,
                             topk=shape.topk, num_experts=shape.num_experts)
-        self.ring = GpuRing(heap, layout, self.num_chunks, wake=(plan.policy == "stream_wait"),
-                            deadline_s=deadline_s)
+        self.ring = DeviceRing(heap, layout, self.num_chunks, transport="p2p" if plan.policy == "green_ctx" else "nv",
+                               wake=(plan.policy == "stream_wait"), deadline_s=deadline_s, name="moe-ring")
         L, H, Kk = layout, shape.hidden, shape.topk
         buf = self.ring.region.local
         n = self.chunk
@@ -103,17 +101,13 @@ class StreamedMoE:
         self.stamps = torch.zeros((self.num_chunks + 1) * STAMP_STRIDE, dtype=torch.int64, device=dev) \
             if timeline else None
         self.green = None
-        self.xport = "nv"
         self.events = []
         if plan.policy == "green_ctx":
-            from .gpu import make_green_pair
+            from ..device.green import make_green_pair
 
-            if not self.ring.p2p_ok:
-                raise RuntimeError("green_ctx needs P2P access to the ring (nvshmem_ptr was NULL)")
             self.green = make_green_pair(heap.device_index, producer_sms)
             self.pstream = self.green[0].stream
             self.dstream = self.gstream = self.green[1].stream
-            self.xport = "p2p"
         elif plan.policy in ("serialized", "pdl"):
             self.pstream = self.dstream = self.gstream = None
         else:
@@ -130,11 +124,6 @@ class StreamedMoE:
         self.ring.set_epoch(1)
 
     # -- pieces --------------------------------------------------------------------------------
-    def _ring(self, stream, name, grid, block, *args):
-        from ..device.nvshmem import StreamRef
-
-        self.heap.launch(name, grid, block, *args, stream=StreamRef(stream))
-
     def _stamp(self, row, col):
         if self.stamps is not None:
             K.stamp(self.stamps, row * STAMP_STRIDE + col)
@@ -159,41 +148,34 @@ class StreamedMoE:
     def _produce(self, x, c):
         with nvtx_range(f"streamring produce chunk {c}", color="blue"):
             r = self.ring
-            me = np.int32(0)
             st = torch.cuda.current_stream()
             s = c % self.plan.num_slots
             a, b = c * self.chunk, min(self.tokens, (c + 1) * self.chunk)
             n = b - a
             self._stamp(c, 5)
             if c >= self.plan.num_slots:
-                self._ring(st, "ring_reuse_wait", 1, 1, r.desc, r.buf, me, np.int64(c), np.int32(0))
+                r.reuse_wait(st, c)
             self.prod.route(x[a:b], self.slot_idx[s][:n], self.slot_w[s][:n])
-            self._ring(st, f"ring_publish_{self.xport}", 1, 1, r.desc, r.buf, r.peers, me, np.int64(c),
-                       np.int32(RING_ROUTE))
+            r.publish(st, c, RING_ROUTE)
             self._stamp(c, 0)
             self.prod.layout(x[a:b], self.slot_x[s][:n], self.slot_sf[s][:n])
-            self._ring(st, f"ring_publish_{self.xport}", 1, 1, r.desc, r.buf, r.peers, me, np.int64(c),
-                       np.int32(RING_LAYOUT))
+            r.publish(st, c, RING_LAYOUT)
             self._stamp(c, 1)
 
     def _dispatch(self, c):
         with nvtx_range(f"streamring acquire+dispatch+ack chunk {c}", color="orange"):
-            from .gpu import stream_wait_geq
-
             r = self.ring
             st = torch.cuda.current_stream()
             s = c % self.plan.num_slots
             a, b = c * self.chunk, min(self.tokens, (c + 1) * self.chunk)
             n = b - a
             if self.plan.policy == "stream_wait":
-                lap = c // self.plan.num_slots + 1
-                for kind in (RING_ROUTE, RING_LAYOUT):
-                    stream_wait_geq(st, r.wake_addr(kind, 0, s), lap)
+                r.wait_doorbells(st, c)
             # acquire + exact (epoch, chunk) generation check; the wait itself under spin_kernel
-            self._ring(st, "ring_spin_wait", 1, 1, r.desc, r.buf, np.int64(0), np.int64(c), np.int32(0))
+            r.spin_wait(st, c)
             self._stamp(c, 2)
             self.bc.dispatch(c, self.slot_idx[s][:n], self.slot_w[s][:n], self.slot_x[s][:n], self.slot_sf[s][:n], a)
-            self._ring(st, f"ring_ack_{self.xport}", 1, 1, r.desc, r.buf, r.peers, np.int32(0), np.int64(0), np.int64(c))
+            r.ack(st, c)
             self._stamp(c, 3)
 
     def _gemms(self, c):
@@ -271,8 +253,8 @@ class StreamedMoE:
                     self._stamp(C, 1)
                 for st in {self.pstream, self.dstream, self.gstream}:
                     origin.wait_stream(st)
-            self._ring(origin, "ring_drain", 1, 1, r.desc, r.buf, np.int32(0))
-            self._ring(origin, "ring_advance_epoch", 1, 1, r.desc)
+            r.drain(origin)
+            r.advance_epoch(origin)
 
     def capture(self, x: torch.Tensor, out: torch.Tensor, *, node_priority: bool = True):
         """Capture one forward into a CUDA graph and return it (instantiated).
@@ -280,7 +262,7 @@ class StreamedMoE:
         Call :meth:`warm_up` first. With ``node_priority`` (and a policy whose producer/dispatch
         streams are high-priority) every kernel node except the expert GEMMs is given the high
         launch priority explicitly (a captured kernel node does not keep its stream's priority).
-        Measured on the H200 (``scripts/probe_overlap.py``): neither this nor
+        Measured on the H200 (``bench/probe_overlap.py``): neither this nor
         ``CUDA_GRAPHS_USE_NODE_PRIORITY=1`` made the next chunk's producer run beside the current
         chunk's GEMMs inside the graph; high-priority streams do it in eager mode.
         ``self.node_priority_report`` says how many nodes were changed (or why none).

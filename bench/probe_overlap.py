@@ -5,7 +5,7 @@ One PE, DeepSeek-V3 shape, 8192 tokens in 2 chunks (spin_kernel policy), device 
 (StreamedMoE timeline). For each mode prints when chunk 1's production started, when its
 route was published and when chunk 0's blocks finished (us from the forward's start)::
 
-    python3 scripts/probe_overlap.py --json out/probe.json
+    python3 -m bench.probe_overlap --json out/probe.json
 """
 
 from __future__ import annotations
@@ -15,14 +15,13 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from scripts.bench_layer_gpu import capture, dsv3_shape  # noqa: E402
-from streamring.device import moe_triton as K  # noqa: E402
-from streamring.moe import blocks as B  # noqa: E402
-from streamring.host.moe_gpu import PlanChoice, StreamedMoE  # noqa: E402
+from bench.layer_gpu import capture, dsv3_shape
+from streamring.device import moe_triton as K
+from streamring.moe import blocks as B
+from streamring.moe.gpu_layer import StreamedMoE
+from streamring.moe.plan import PlanChoice
 
 
 def median_replay_ms(fn, n: int = 10) -> float:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole GPU check in ONE call on the GPU machine (see docs/gpu.md):
 #
-#   bash scripts/gpu_check.sh            # logs and JSON under $OUT (default ./out)
+#   bash launch/gpu_check.sh            # logs and JSON under $OUT (default ./out)
 #
 # 1. installs the carried wheels (.whl/: nvshmem4py, pydantic, ...) into .site, puts .site and the
 #    repo on PYTHONPATH (no pip install of the project: the machine has no network);
@@ -71,7 +71,7 @@ print("pydantic", pydantic.VERSION)
 EOF
 } | tee -a "$LOG"
 
-python3 scripts/gpu_check.py --phase single
+python3 launch/gpu_check_steps.py --phase single
 
 # -- several PEs on the one GPU: MPS ------------------------------------------------------------
 MPS_STARTED=0
@@ -88,15 +88,15 @@ if nvidia-cuda-mps-control -d >>"$LOG" 2>&1; then
   MPS_STARTED=1
   sleep 1
   say "gpu_check: MPS daemon started (pipe dir $CUDA_MPS_PIPE_DIRECTORY)"
-  python3 scripts/gpu_check.py --phase multi
+  python3 launch/gpu_check_steps.py --phase multi
 else
   say "gpu_check: could not start the MPS daemon: multi-PE steps not run"
-  python3 scripts/gpu_check.py --phase mps-failed
+  python3 launch/gpu_check_steps.py --phase mps-failed
 fi
 stop_mps
 unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
 
-python3 scripts/gpu_check.py --phase report
+python3 launch/gpu_check_steps.py --phase report
 rc=$?
 say "gpu_check: exit $rc (elapsed $(( $(date +%s) - GPU_CHECK_T0 ))s)"
 exit $rc

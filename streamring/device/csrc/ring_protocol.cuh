@@ -1,0 +1,173 @@
+// streamring: the chunk-ready ring protocol on the device, using only the descriptor's offsets.
+//
+// The steps and their ordering argument are those of streamring/protocol.py (rules 1-8 of its
+// module docstring); this file is their device form:
+//  * publish      - rule 1: payload stores, release, then the generation SET at every PE;
+//  * acquire_wait - rule 2: ld.acquire.sys of both generations (with a deadline) before any read;
+//  * ack_slot     - rule 3: every read done (caller's fence + barrier), release, fetch_or of my bit;
+//  * owner_collect- rules 3/4: full mask (acquire) before reuse; record, then clear the mask;
+//  * classify     - rule 6: epoch-tagged generations (no ABA across wraps or graph replays).
+// libnvshmem 3.4.5's nvshmem_signal_wait_until has no trailing fence and no deadline, so the
+// waits here are our own acquire loops with a clock64 deadline.
+#pragma once
+
+#include "ring_desc.cuh"
+#include "transport.cuh"
+
+static __device__ __forceinline__ uint64_t* word_at(uint8_t* buf, int64_t off) { return (uint64_t*)(buf + off); }
+static __device__ __forceinline__ uint64_t* route_gen_word(const RingDesc* d, uint8_t* buf, int64_t src,
+                                                           int64_t slot) {
+    return word_at(buf, d->off_route_ready_gen + (src * d->num_slots + slot) * 8);
+}
+static __device__ __forceinline__ uint64_t* layout_gen_word(const RingDesc* d, uint8_t* buf, int64_t src,
+                                                            int64_t slot) {
+    return word_at(buf, d->off_layout_ready_gen + (src * d->num_slots + slot) * 8);
+}
+static __device__ __forceinline__ uint64_t* consumed_gen_word(const RingDesc* d, uint8_t* buf, int64_t src,
+                                                              int64_t slot) {
+    return word_at(buf, d->off_consumed_gen + (src * d->num_slots + slot) * 8);
+}
+static __device__ __forceinline__ uint64_t* ack_word(const RingDesc* d, uint8_t* buf, int64_t slot, int64_t w) {
+    return word_at(buf, d->off_ack_mask + (slot * d->mask_words + w) * 8);
+}
+static __device__ __forceinline__ uint64_t* meta_words(const RingDesc* d, uint8_t* buf, int64_t slot) {
+    return word_at(buf, d->off_meta + slot * d->meta_words * 8);
+}
+static __device__ __forceinline__ uint64_t* wake_word(const RingDesc* d, uint8_t* buf, int kind, int64_t src,
+                                                      int64_t slot) {
+    return word_at(buf, d->off_wake + ((kind * d->num_ranks + src) * d->num_slots + slot) * 8);
+}
+static __device__ __forceinline__ uint64_t full_mask(const RingDesc* d, int64_t w) {
+    int64_t n = d->num_ranks - 64 * w;
+    if (n >= 64) return ~0ull;
+    return (1ull << n) - 1ull;
+}
+static __device__ __forceinline__ uint64_t cur_epoch(const RingDesc* d) { return ld_relaxed_sys_u64(d->epoch); }
+
+static __device__ void record_error(const RingDesc* d, int code, int64_t src, int64_t chunk, uint64_t seen,
+                                    uint64_t want) {
+    unsigned long long packed = (unsigned long long)code | ((unsigned long long)(src & 0xffff) << 8) |
+                                ((unsigned long long)(chunk & 0xffffffffll) << 24);
+    if (atomicCAS(&d->status[RS_FIRST_ERROR], 0ull, packed) == 0ull) {
+        d->status[RS_BAD_SEEN] = seen;
+        d->status[RS_BAD_WANT] = want;
+    }
+    if (code == RE_ACQUIRE_TIMEOUT || code == RE_REUSE_TIMEOUT || code == RE_DRAIN_TIMEOUT) {
+        atomicAdd(&d->status[RS_TIMEOUTS], 1ull);
+        atomicExch(&d->status[RS_ABORT], 1ull);
+    } else {
+        atomicAdd(&d->status[RS_VIOLATIONS], 1ull);
+    }
+    __threadfence_system();
+}
+
+static __device__ __forceinline__ bool aborted(const RingDesc* d) {
+    return ld_relaxed_sys_u64((const uint64_t*)&d->status[RS_ABORT]) != 0;
+}
+
+// Is the generation `seen` ready, older, or a violation, compared with `want`? (protocol.classify_gen)
+static __device__ __forceinline__ int classify(const RingDesc* d, uint64_t seen, uint64_t want, int inject) {
+    if (inject & INJ_IGNORE_EPOCH) {
+        seen &= RING_SEQ_MASK;
+        want &= RING_SEQ_MASK;
+    }
+    if (seen == want) return GEN_READY;
+    if (seen == 0) return GEN_OLDER;
+    uint64_t se = seen >> RING_SEQ_BITS, we = want >> RING_SEQ_BITS;
+    uint64_t ss = seen & RING_SEQ_MASK, ws = want & RING_SEQ_MASK;
+    if (se < we) return GEN_OLDER;
+    if (se == we && ss < ws && (ws - ss) % (uint64_t)d->num_slots == 0) return GEN_OLDER;
+    return GEN_VIOLATION;
+}
+
+// Acquire: wait until both generations of (src, chunk) equal `g` (one thread).
+// Returns true when ready; on a deadline or a violation it records the error and returns false.
+static __device__ bool acquire_wait(const RingDesc* d, uint8_t* buf, int64_t src, int64_t chunk, uint64_t g,
+                                    int inject) {
+    int64_t slot = chunk % d->num_slots;
+    const uint64_t* words[2] = {route_gen_word(d, buf, src, slot), layout_gen_word(d, buf, src, slot)};
+    long long start = clock64();
+    for (int k = 0; k < 2; ++k) {
+        while (true) {
+            uint64_t seen = ld_acquire_sys_u64(words[k]);  // acquire (system scope)
+            int st = classify(d, seen, g, inject);
+            if (st == GEN_READY) break;
+            if (st == GEN_VIOLATION) {
+                record_error(d, RE_NEWER_GEN, src, chunk, seen, g);
+                return false;
+            }
+            if (aborted(d) || clock64() - start > d->deadline_cycles) {
+                record_error(d, RE_ACQUIRE_TIMEOUT, src, chunk, seen, g);
+                return false;
+            }
+            __nanosleep(32);
+        }
+    }
+    __threadfence_system();  // belt and braces: no later load is satisfied before the acquire
+    return true;
+}
+
+// Owner: wait until every PE acknowledged the chunk `prev_chunk` held in `slot`, record
+// consumed_gen[me][slot] := gen(prev), then clear the mask (rule 4). One thread.
+static __device__ bool owner_collect(const RingDesc* d, uint8_t* buf, int me, int64_t slot, int64_t prev_chunk,
+                                     uint64_t epoch, int inject, int err_code) {
+    if (!(inject & INJ_SKIP_ACK_WAIT)) {
+        long long start = clock64();
+        for (int64_t w = 0; w < d->mask_words; ++w) {
+            uint64_t want = full_mask(d, w);
+            while (true) {
+                uint64_t seen = ld_acquire_sys_u64(ack_word(d, buf, slot, w));
+                if (seen == want) break;
+                if (aborted(d) || clock64() - start > d->deadline_cycles) {
+                    record_error(d, err_code, me, prev_chunk, seen, want);
+                    return false;
+                }
+                __nanosleep(32);
+            }
+        }
+    }
+    st_relaxed_sys_u64(consumed_gen_word(d, buf, me, slot), ring_make_gen(epoch, prev_chunk));
+    for (int64_t w = 0; w < d->mask_words; ++w) atomicExch((unsigned long long*)ack_word(d, buf, slot, w), 0ull);
+    __threadfence_system();
+    return true;
+}
+
+// Publish one readiness generation of my slot at every PE (payload already in the slot).
+// Called by one thread after the block's payload stores and a block barrier.
+template <class X>
+__device__ void publish(const RingDesc* d, const X& x, int kind, int64_t chunk, uint64_t g) {
+    int64_t slot = chunk % d->num_slots;
+    uint64_t* gw = kind == RING_ROUTE ? route_gen_word(d, x.buf, x.me, slot) : layout_gen_word(d, x.buf, x.me, slot);
+    x.release();  // rule 1: payload before generation
+    for (int pe = 0; pe < d->num_ranks; ++pe) x.signal_set(gw, g, pe);
+    if (d->off_wake >= 0) {
+        // Doorbell for the stream_wait policy: the lap of this slot within the stream (1, 2, ...),
+        // epoch-free so that a value baked into a captured cuStreamWaitValue64 stays right.
+        x.release();
+        uint64_t lap = (uint64_t)(chunk / d->num_slots) + 1;
+        uint64_t* ww = wake_word(d, x.buf, kind, x.me, slot);
+        for (int pe = 0; pe < d->num_ranks; ++pe) x.signal_set(ww, lap, pe);
+    }
+    atomicAdd(&d->status[RS_PUBLISHED], 1ull);
+}
+
+// Acknowledge (src, chunk) at the owner: one thread, after every read of the slot by this PE
+// is complete (the caller's fence/barrier). Resets this PE's doorbells of the slot on its
+// last lap first (stream_wait policy), then release + fetch_or of my bit in the owner's mask.
+template <class X>
+__device__ void ack_slot(const RingDesc* d, const X& x, int64_t src, int64_t chunk, uint64_t g, int inject) {
+    const int64_t slot = chunk % d->num_slots;
+    if (d->off_wake >= 0 && chunk + d->num_slots >= d->num_chunks) {
+        // Last lap of this slot in the stream: reset our doorbells of (src, slot) BEFORE the
+        // ack, so the owner's next-epoch doorbell (which needs this ack first) cannot be lost.
+        st_relaxed_sys_u64(wake_word(d, x.buf, RING_ROUTE, src, slot), 0);
+        st_relaxed_sys_u64(wake_word(d, x.buf, RING_LAYOUT, src, slot), 0);
+    }
+    x.release();
+    int64_t w = x.me / 64;
+    uint64_t bit = 1ull << (x.me % 64);
+    uint64_t old = x.fetch_or(ack_word(d, x.buf, slot, w), bit, (int)src);
+    if ((old & bit) && !(inject & INJ_SKIP_ACK_WAIT)) record_error(d, RE_DOUBLE_ACK, src, chunk, old, bit);
+    st_relaxed_sys_u64(consumed_gen_word(d, x.buf, src, slot), g);  // own record (diagnostics)
+    atomicAdd(&d->status[RS_CONSUMED], 1ull);
+}

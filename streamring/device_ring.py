@@ -1,0 +1,214 @@
+"""The chunk-ready ring on a GPU: the protocol's device form, one typed method per ring kernel.
+
+:class:`DeviceRing` owns one ring in NVSHMEM symmetric memory (laid out by
+:class:`~streamring.protocol.RingLayout`, the same layout the host-verb ring uses), its device
+descriptor (``RingDesc``: every offset and stride from ``RingLayout.descriptor()``, so the
+CUDA side re-derives nothing), the device epoch word and the status words. Its methods enqueue
+the ring kernels of ``streamring/device/csrc/ring_kernels.cu`` on a stream; they are the steps of
+the protocol (``streamring.protocol``, rules 1-8) done by the device:
+
+====================  ======================================================================
+``reuse_wait(c)``     owner: every ack of chunk ``c - S`` (acquire) before slot ``c % S`` is
+                      rewritten; records ``consumed_gen`` and clears the mask (rules 3, 4)
+``publish(c, kind)``  producer: release, then the route or layout generation of ``c`` at every
+                      PE (rule 1); the payload was written by earlier kernels of the stream
+``spin_wait(c)``      consumer: acquire both generations of ``c`` of every source, exact
+                      (epoch, chunk) check, deadline (rules 2, 6)
+``ack(c)``            consumer: release, then my bit in every source's mask (rule 3); the
+                      reads of the slot were done by earlier kernels of the stream
+``drain()``           owner, end of stream: the last acks of every slot (rule 8)
+``advance_epoch()``   the next CUDA-graph replay is the next epoch (no ABA across replays)
+====================  ======================================================================
+
+The transport is chosen once per ring: ``"nv"`` (NVSHMEM device API; works for any peer) or
+``"p2p"`` (plain loads/stores through peer pointers; needed in green contexts, where NVSHMEM's
+device state does not exist, and only possible when every peer is load/store reachable).
+
+Waits never hang: every device wait has a deadline (``deadline_s``) and records what it waited
+for in the status words (:meth:`status`: source, chunk, seen and wanted generation). Imports of
+torch / cuda.* are lazy: the module imports without a GPU.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .device import kernels as K
+from .device.kernels import as_stream_ref
+from .device.ringdesc import CLOCK_HZ, RING_LAYOUT, RING_ROUTE, RS_WORDS, decode_status, pack_desc
+from .protocol import RingLayout, make_gen
+
+TRANSPORTS = ("nv", "p2p")
+
+
+class DeviceRing:
+    """A ring buffer in symmetric memory + its device descriptor, epoch and status words.
+
+    Collective (allocates a region on every PE). Args:
+        heap: a started :class:`~streamring.device.nvshmem.NvshmemHeap`.
+        layout: the ring's layout (``layout.num_ranks`` must equal the heap's PEs).
+        num_chunks: chunks per stream (the same on every PE; baked into the descriptor).
+        transport: ``"nv"`` or ``"p2p"`` (see the module doc).
+        wake: also ring the doorbell words of the ``stream_wait`` progress policy.
+        deadline_s: every device wait gives up after this long and records a timeout.
+        timestamps: keep per-chunk publish/acquire ``%globaltimer`` stamps (latency benchmark).
+    """
+
+    def __init__(self, heap, layout: RingLayout, num_chunks: int, *, transport: str = "nv", wake: bool = False,
+                 deadline_s: float = 10.0, timestamps: bool = False, name: str = "gpu-ring"):
+        import torch
+
+        if layout.num_ranks != heap.num_ranks:
+            raise ValueError(f"layout.num_ranks={layout.num_ranks} but the heap has {heap.num_ranks} PEs")
+        if num_chunks < 1:
+            raise ValueError(f"num_chunks must be >= 1, got {num_chunks}")
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+        if deadline_s <= 0:
+            raise ValueError(f"deadline_s must be > 0, got {deadline_s}")
+        self.heap = heap
+        self.lib = heap.lib
+        self.layout = layout
+        self.num_chunks = int(num_chunks)
+        self.me = heap.rank
+        R = layout.num_ranks
+        # the doorbell words are a region of the one RingLayout; -1 tells the kernels not to ring them
+        self.off_wake = layout.offsets["wake"] if wake else -1
+        self.region = heap.alloc(name, layout.nbytes)
+        self.buf = self.region.handle.ptr
+        dev = heap.device
+        self.epoch_t = torch.zeros(1, dtype=torch.int64, device=dev)
+        self.status_t = torch.zeros(RS_WORDS, dtype=torch.int64, device=dev)
+        self.deadline_cycles = int(deadline_s * CLOCK_HZ)
+        desc = pack_desc(layout, epoch_ptr=self.epoch_t.data_ptr(), num_chunks=self.num_chunks,
+                         status_ptr=self.status_t.data_ptr(), deadline_cycles=self.deadline_cycles,
+                         off_wake=self.off_wake)
+        self.desc_t = torch.from_numpy(desc).to(dev)
+        self.desc = int(self.desc_t.data_ptr())
+        self.peers_t = heap.peer_table(self.region)
+        self.p2p_ok = bool((self.peers_t != 0).all().item())
+        if transport == "p2p" and not self.p2p_ok:
+            raise RuntimeError("transport 'p2p' needs load/store access to every PE's ring (nvshmem_ptr was NULL "
+                               "for some PE: another node?); use transport 'nv'")
+        self.transport = transport
+        # what the kernels receive as `peers`: the table (P2P) or nullptr (NVSHMEM device API)
+        self.peers = int(self.peers_t.data_ptr()) if transport == "p2p" else 0
+        if timestamps:
+            self.t_pub_t = torch.zeros(self.num_chunks, dtype=torch.int64, device=dev)
+            self.t_acq_t = torch.zeros(R * self.num_chunks, dtype=torch.int64, device=dev)
+            self.t_pub, self.t_acq = int(self.t_pub_t.data_ptr()), int(self.t_acq_t.data_ptr())
+        else:
+            self.t_pub = self.t_acq = 0
+        self._refs: dict = {}
+        heap.sync()
+
+    # -- streams ---------------------------------------------------------------------------------
+    def _ref(self, stream):
+        """A cached StreamRef of a torch stream (or the StreamRef itself)."""
+        key = id(stream)
+        ref = self._refs.get(key)
+        if ref is None or ref.torch is not stream:
+            ref = self._refs[key] = as_stream_ref(stream)
+        return ref
+
+    def _sources(self, sources):
+        return self.layout.num_ranks if sources is None else int(sources)
+
+    # -- the ring kernels, one method each ----------------------------------------------------------
+    def reuse_wait(self, stream, chunk: int, inject: int = 0) -> None:
+        """Owner: enqueue the reuse wait of my slot before writing ``chunk`` (no-op below S)."""
+        K.ring_reuse_wait(self.lib, self._ref(stream), d=self.desc, buf=self.buf, me=self.me, chunk=chunk,
+                          inject=inject)
+
+    def publish(self, stream, chunk: int, kind: int) -> None:
+        """Producer: enqueue the release of my ``kind`` (RING_ROUTE/RING_LAYOUT) generation of ``chunk``."""
+        if kind not in (RING_ROUTE, RING_LAYOUT):
+            raise ValueError(f"kind must be RING_ROUTE ({RING_ROUTE}) or RING_LAYOUT ({RING_LAYOUT}), got {kind}")
+        K.ring_publish(self.lib, self._ref(stream), d=self.desc, buf=self.buf, peers=self.peers, me=self.me,
+                       chunk=chunk, kind=kind)
+
+    def spin_wait(self, stream, chunk: int, inject: int = 0, src0: int = 0, sources: int | None = None) -> None:
+        """Consumer: enqueue the acquire of both generations of ``chunk`` of sources ``src0 ..``."""
+        K.ring_spin_wait(self.lib, self._ref(stream), d=self.desc, buf=self.buf, src0=src0, chunk=chunk,
+                         inject=inject, sources=self._sources(sources))
+
+    def ack(self, stream, chunk: int, src0: int = 0, sources: int | None = None) -> None:
+        """Consumer: enqueue the acknowledgement of ``chunk`` of sources ``src0 ..`` (after their reads)."""
+        K.ring_ack(self.lib, self._ref(stream), d=self.desc, buf=self.buf, peers=self.peers, me=self.me,
+                   src0=src0, chunk=chunk, sources=self._sources(sources))
+
+    def drain(self, stream) -> None:
+        """Owner: enqueue the end-of-stream drain (every slot's last acks; masks left zero)."""
+        K.ring_drain(self.lib, self._ref(stream), d=self.desc, buf=self.buf, me=self.me)
+
+    def advance_epoch(self, stream) -> None:
+        """Enqueue the device epoch increment (last in a captured forward)."""
+        K.ring_advance_epoch(self.lib, self._ref(stream), d=self.desc)
+
+    def produce(self, stream, chunk: int, kind: int, inject: int = 0, delay_cycles: int = 0, block: int = 256):
+        """Self-test producer: fill my slot's ``kind`` payload of ``chunk`` with the pattern, publish."""
+        K.ring_produce(self.lib, self._ref(stream), d=self.desc, buf=self.buf, peers=self.peers, me=self.me,
+                       chunk=chunk, kind=kind, inject=inject, delay_cycles=delay_cycles, t_pub=self.t_pub,
+                       block=block)
+
+    def consume(self, stream, chunk: int, inject: int = 0, hold_cycles: int = 0, src0: int = 0,
+                sources: int | None = None, block: int = 256) -> None:
+        """Self-test consumer: acquire, check the pattern and ack ``chunk`` of sources ``src0 ..``."""
+        K.ring_consume(self.lib, self._ref(stream), d=self.desc, buf=self.buf, peers=self.peers, me=self.me,
+                       src0=src0, chunk=chunk, inject=inject, hold_cycles=hold_cycles, t_acq=self.t_acq,
+                       sources=self._sources(sources), block=block)
+
+    def wait_doorbells(self, torch_stream, chunk: int, src0: int = 0, sources: int | None = None) -> None:
+        """Progress policy ``stream_wait``: block ``torch_stream`` (no SM held) until every source's
+        route and layout doorbells of ``chunk``'s slot show its lap. Needs ``wake=True``. The exact
+        generation check still follows (:meth:`spin_wait`, which then finds them ready)."""
+        from .device.streams import stream_wait_geq
+
+        if self.off_wake < 0:
+            raise RuntimeError("wait_doorbells needs a ring made with wake=True")
+        S = self.layout.num_slots
+        lap = chunk // S + 1
+        for src in range(src0, src0 + self._sources(sources)):
+            for kind in (RING_ROUTE, RING_LAYOUT):
+                stream_wait_geq(torch_stream, self.wake_addr(kind, src, chunk % S), lap)
+
+    # -- host side ---------------------------------------------------------------------------------
+    def set_epoch(self, epoch: int) -> None:
+        """Set the device epoch word (before the first forward; later forwards advance it)."""
+        self.epoch_t.fill_(int(epoch))
+        self.heap._torch.cuda.synchronize(self.heap.device)
+
+    def epoch(self) -> int:
+        return int(self.epoch_t.item())
+
+    def status(self) -> dict:
+        """The device status words: violations, timeouts, aborted, consumed, published, first error."""
+        return decode_status(self.status_t.cpu().tolist())
+
+    def wake_addr(self, kind: int, src: int, slot: int) -> int:
+        L = self.layout
+        return self.buf + self.off_wake + ((kind * L.num_ranks + src) * L.num_slots + slot) * 8
+
+    def words(self, off: int, count: int) -> np.ndarray:
+        """This PE's copy of ``count`` uint64 words at byte offset ``off`` (device -> host)."""
+        t = self.region.local[off: off + 8 * count].cpu().numpy()
+        return t.view(np.uint64)
+
+    def check_quiescent(self, last_epoch: int) -> list[str]:
+        """After a drained stream: my ack masks are 0 and consumed_gen[me][s] = the last chunk of each slot."""
+        L, me, n = self.layout, self.me, self.num_chunks
+        problems = []
+        masks = self.words(L.offsets["ack_mask"], L.num_slots * L.mask_words)
+        if masks.any():
+            problems.append(f"ack masks not cleared after drain: {[hex(int(x)) for x in masks]}")
+        cons = self.words(L.consumed_gen_off(me, 0), L.num_slots)
+        for s in range(min(L.num_slots, n)):
+            last = s + ((n - 1 - s) // L.num_slots) * L.num_slots
+            want = make_gen(last_epoch, last + 1)
+            if int(cons[s]) != want:
+                problems.append(f"consumed_gen[me][{s}] = {int(cons[s]):#x}, expected {want:#x}")
+        return problems
+
+    def close(self) -> None:
+        """Free the ring's symmetric region (collective)."""
+        self.heap.free(self.region)
