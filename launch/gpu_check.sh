@@ -29,7 +29,10 @@ export PYTHONUNBUFFERED=1
 export NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 export OMPI_MCA_osc="^ucx"
-export STREAMRING_CACHE="${STREAMRING_CACHE:-/tmp/streamring-cache}"
+# a cubin built ahead on the CPU machine (same nvcc and NVSHMEM: same cache key) travels in .cache/
+export STREAMRING_CACHE="${STREAMRING_CACHE:-$PWD/.cache/streamring}"
+# every stream its own hardware queue (a blocked cuStreamWaitValue64 must not share one with its producer)
+export CUDA_DEVICE_MAX_CONNECTIONS=32
 
 say() { echo "$*" | tee -a "$LOG"; }
 
@@ -71,9 +74,14 @@ print("pydantic", pydantic.VERSION)
 EOF
 } | tee -a "$LOG"
 
-python3 launch/gpu_check_steps.py --phase single
+# Phases (GPU_CHECK_PHASES, default: single, then gpus on a machine with several GPUs, else mps):
+#   single - 1 PE;  gpus - one PE per GPU (no MPS);  mps - 2, 3 and 4 PEs on one GPU under MPS
+NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ')
+if [ -z "${GPU_CHECK_PHASES:-}" ]; then
+  if [ "$NGPU" -ge 2 ]; then GPU_CHECK_PHASES="single gpus"; else GPU_CHECK_PHASES="single mps"; fi
+fi
+say "gpu_check: $NGPU GPU(s), phases: $GPU_CHECK_PHASES"
 
-# -- several PEs on the one GPU: MPS ------------------------------------------------------------
 MPS_STARTED=0
 stop_mps() {
   if [ "$MPS_STARTED" = 1 ]; then
@@ -83,18 +91,28 @@ stop_mps() {
   fi
 }
 trap stop_mps EXIT
-export CUDA_MPS_PIPE_DIRECTORY="$(mktemp -d)" CUDA_MPS_LOG_DIRECTORY="$(mktemp -d)"
-if nvidia-cuda-mps-control -d >>"$LOG" 2>&1; then
-  MPS_STARTED=1
-  sleep 1
-  say "gpu_check: MPS daemon started (pipe dir $CUDA_MPS_PIPE_DIRECTORY)"
-  python3 launch/gpu_check_steps.py --phase multi
-else
-  say "gpu_check: could not start the MPS daemon: multi-PE steps not run"
-  python3 launch/gpu_check_steps.py --phase mps-failed
-fi
-stop_mps
-unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+for phase in $GPU_CHECK_PHASES; do
+  case "$phase" in
+    single) python3 launch/gpu_check_steps.py --phase single ;;
+    gpus) python3 launch/gpu_check_steps.py --phase gpus ;;
+    mps)
+      # -- several PEs on the one GPU: MPS --------------------------------------------------------
+      export CUDA_MPS_PIPE_DIRECTORY="$(mktemp -d)" CUDA_MPS_LOG_DIRECTORY="$(mktemp -d)"
+      if CUDA_VISIBLE_DEVICES=0 nvidia-cuda-mps-control -d >>"$LOG" 2>&1; then
+        MPS_STARTED=1
+        sleep 1
+        say "gpu_check: MPS daemon started (pipe dir $CUDA_MPS_PIPE_DIRECTORY)"
+        CUDA_VISIBLE_DEVICES=0 python3 launch/gpu_check_steps.py --phase multi
+      else
+        say "gpu_check: could not start the MPS daemon: multi-PE steps not run"
+        python3 launch/gpu_check_steps.py --phase mps-failed
+      fi
+      stop_mps
+      unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+      ;;
+    *) say "gpu_check: unknown phase $phase (single | gpus | mps)"; exit 2 ;;
+  esac
+done
 
 python3 launch/gpu_check_steps.py --phase report
 rc=$?

@@ -201,8 +201,12 @@ def phase_single(state: dict) -> None:
     rj = TMP / "run-1.json"
     run_step(state, "MoE run (router, chunk_local) streamed vs batch", run_cmd(
         1, rj, "--set", "run.tokens_per_rank=200"), 120, pes=1, judge=judge_run, json_path=rj)
-    run_step(state, "pytest tests/test_gpu.py", [PY, "-m", "pytest", "-q", "-rs", "tests/test_gpu.py",
-                                                 "-p", "no:cacheprovider"], 150, pes=1, judge=judge_pytest)
+    fj = TMP / "fast-1.json"
+    run_step(state, "EP layer run (1 PE, spin_kernel)", run_cmd(1, fj, *FAST), 150, pes=1, judge=judge_run,
+             json_path=fj)
+    run_step(state, "pytest tests/test_gpu.py tests/test_ep_kernels.py tests/test_blocks.py (native)",
+             [PY, "-m", "pytest", "-q", "-rs", "tests/test_gpu.py", "tests/test_ep_kernels.py", "tests/test_blocks.py",
+              "-p", "no:cacheprovider"], 240, pes=1, judge=judge_pytest)
     bj = OUT / "bench.json"
     run_step(state, "bench_signal_latency", mpiexec(1, "-m", "bench.signal_latency", "--json", str(bj)), 120,
              pes=1, json_path=bj)
@@ -271,6 +275,81 @@ def phase_multi(state: dict) -> None:
                  stress_cmd(n, cj, *extra), 90, pes=n, judge=judge_stress, json_path=cj, env=mps(n))
 
 
+def gpu_count() -> int:
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    return sum(1 for ln in out.splitlines() if ln.startswith("GPU "))
+
+
+FAST = ["--set", "layer.weight_dtype=fp8", "--set", "layer.router=deepseek_v3", "--set", "layer.num_experts=16",
+        "--set", "layer.n_group=4", "--set", "layer.topk_group=2", "--set", "layer.topk=4", "--set", "layer.hidden=512",
+        "--set", "layer.intermediate=256", "--set", "layer.routed_scaling_factor=2.5", "--set", "run.block_m=16",
+        "--set", "run.tokens_per_rank=300", "--set", "ring.num_slots=2", "--set", "ring.tokens_per_slot=64",
+        "--set", "run.epochs=3"]
+
+
+def phase_gpus(state: dict) -> None:
+    """One PE per GPU (no MPS) on a machine with several GPUs: the device ring, the expert-parallel
+    GPU layer (every progress policy, both transports, uneven and empty ranks, a straggler, the
+    protocol mutations) and the host-verb backend across GPUs."""
+    n = gpu_count()
+    if n < 2:
+        state["steps"].append({"name": "one PE per GPU", "pes": n, "expect": "pass", "verdict": "SKIP",
+                               "note": f"{n} GPU(s): the one-PE-per-GPU phase needs 2 or more"})
+        save_state(state)
+        return
+    TMP.mkdir(parents=True, exist_ok=True)
+    gj = TMP / f"graph-{n}gpu.json"
+    run_step(state, "gpu-check x1e4, all policies + negative controls (one PE per GPU)", mpiexec(
+        n, "-m", "streamring", "gpu-check", "--policies", "all", "--replays", "10000", "--controls",
+        "--json", str(gj)), 150, pes=n, judge=judge_graph, json_path=gj)
+    for policy in ("spin_kernel", "serialized", "stream_wait", "pdl", "green_ctx"):
+        rj = TMP / f"fast-{policy}.json"
+        run_step(state, f"EP layer run: policy {policy}", run_cmd(
+            n, rj, *FAST, "--set", f"nvshmem.progress={policy}"), 150, pes=n, judge=judge_run, json_path=rj)
+    for name, extra in (("transport nv (NVSHMEM RMA between GPUs)", ["--set", "nvshmem.transport=nv"]),
+                        ("uneven tokens, an empty rank", ["--set", "run.tokens_per_rank=[0, 301]"
+                                                          if n == 2 else f"run.tokens_per_rank={[0] + [301] * (n - 1)}"]),
+                        ("straggler 5 ms on rank 1", ["--set", "run.straggler={rank: 1, ms: 5}"]),
+                        ("reservation-size blocks of 64, 8 chunks", ["--set", "run.block_m=64", "--set",
+                                                                     "ring.tokens_per_slot=40"])):
+        rj = TMP / f"fast-{len(state['steps'])}.json"
+        run_step(state, f"EP layer run: {name}", run_cmd(n, rj, *FAST, *extra), 150, pes=n, judge=judge_run,
+                 json_path=rj)
+    for mode in ("skip-acquire", "signal-before-payload", "ignore-epoch", "skip-ack-wait"):
+        ij = TMP / f"fast-inject-{mode}.json"
+        extra = ["--set", f"run.inject={mode}", "--set", "run.straggler={rank: 1, ms: 3}", "--set", "wait_timeout_s=3"]
+        if mode == "skip-ack-wait":
+            extra += ["--set", "ring.num_slots=1", "--set", "ring.tokens_per_slot=16"]
+        run_step(state, f"EP layer run --inject {mode} (must fail)", run_cmd(n, ij, *FAST, *extra), 120, pes=n,
+                 expect="fail", json_path=ij)
+    rj = TMP / "hostverbs.json"
+    run_step(state, "host-verb layer run (torch ops, reference path)", run_cmd(
+        n, rj, "--set", "run.gpu_path=host_verbs", "--set", "run.tokens_per_rank=120"), 150, pes=n,
+        judge=judge_run, json_path=rj)
+    sj = TMP / f"stress-{n}gpu.json"
+    run_step(state, "stress default (host verbs)", stress_cmd(n, sj, "--set", "stress.chunks_per_rank=16"), 90, pes=n,
+             judge=judge_stress, json_path=sj)
+    for mode, cfg, chunks in (("skip-acquire", "stress-basic.yaml", 16),
+                              ("signal-before-payload", "stress-basic.yaml", 16),
+                              ("skip-ack-wait", "stress-basic.yaml", 16),
+                              ("ignore-epoch", "stress-aba.yaml", 2)):
+        ij = TMP / f"inject-{mode}-{n}gpu.json"
+        run_step(state, f"stress --inject {mode} ({cfg})", stress_cmd(
+            n, ij, "--config", str(CONFIGS / cfg), "--inject", mode, "--set", "wait_timeout_s=5",
+            "--set", f"stress.chunks_per_rank={chunks}", "--set", f"ranks={n}"), 60, pes=n, expect="fail",
+            json_path=ij)
+    tj = TMP / f"torchrun-{n}gpu.json"
+    run_step(state, "torchrun bootstrap: stress", ["torchrun", "--nproc-per-node", str(n), "-m", "streamring", "stress",
+                                                   "--backend", "nvshmem", "--set", "stress.chunks_per_rank=8",
+                                                   "--json", str(tj)], 90, pes=n, judge=judge_stress, json_path=tj)
+    bj = OUT / f"signal-latency-{n}gpu.json"
+    run_step(state, "bench_signal_latency", mpiexec(n, "-m", "bench.signal_latency", "--json", str(bj)), 120,
+             pes=n, json_path=bj)
+
+
 def report(state: dict) -> int:
     lines = ["", "GPU check summary (elapsed %.0fs)" % elapsed(),
              f"{'step':<66} {'PEs':>3} {'expect':<6} {'verdict':<7} {'wall s':>7}  note", "-" * 140]
@@ -304,7 +383,7 @@ def report(state: dict) -> int:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--phase", choices=["single", "multi", "report", "mps-failed"], required=True)
+    ap.add_argument("--phase", choices=["single", "multi", "gpus", "report", "mps-failed"], required=True)
     args = ap.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
     state = load_state()
@@ -312,6 +391,8 @@ def main() -> int:
         phase_single(state)
     elif args.phase == "multi":
         phase_multi(state)
+    elif args.phase == "gpus":
+        phase_gpus(state)
     elif args.phase == "mps-failed":
         state["steps"].append({"name": "start the MPS daemon (multi-PE steps)", "pes": 0, "expect": "pass",
                                "verdict": "FAIL", "note": "nvidia-cuda-mps-control -d failed: no multi-PE step ran"})

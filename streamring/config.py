@@ -45,6 +45,9 @@ class NvshmemConfig(_Strict):
     progress: Literal[PROGRESS_POLICIES] = Field(  # type: ignore[valid-type]
         "spin_kernel", description="progress policy of the GPU layer and gpu-check (streamring.protocol)")
     producer_sms: int = Field(16, ge=8, description="green_ctx: SMs of the producer context (multiple of 8)")
+    transport: Literal["auto", "p2p", "nv"] = Field(
+        "auto", description="GPU layer between PEs: auto (NVLink pointers when every peer has one, else NVSHMEM "
+                            "RMA), p2p, or nv (forces NVSHMEM device RMA, as between nodes)")
     symmetric_size: Optional[int] = Field(
         None, ge=1 << 20, description="bytes of NVSHMEM's symmetric heap per PE (sets NVSHMEM_SYMMETRIC_SIZE); "
                                       "null: the environment's value, else NVSHMEM's default of 1 GiB")
@@ -103,6 +106,18 @@ class RunConfig(_Strict):
     routing: Literal["router", "uniform", "hot_expert", "one_rank"] = "router"
     inject: Literal[("none",) + INJECT_MODES] = Field(  # type: ignore[valid-type]
         "none", description="break one protocol step of the streamed ring (proves the output check can fail)")
+    gpu_path: Literal["auto", "fast", "host_verbs"] = Field(
+        "auto", description="backend nvshmem: fast = the expert-parallel FP8 GPU layer (EPMoE: device-side ring, "
+                            "Triton kernels, CUDA graphs; needs layer.weight_dtype=fp8); host_verbs = the reference "
+                            "layer (MoEBuffer through host verbs, torch ops); auto = fast for fp8 weights")
+    straggler: Optional["Straggler"] = Field(None, description="fast GPU path: delay one rank's producer (device side)")
+
+
+class Straggler(_Strict):
+    """A slow rank on purpose: rank ``rank``'s producer starts ``ms`` milliseconds late (device side)."""
+
+    rank: int = Field(ge=0)
+    ms: float = Field(gt=0, le=10_000)
 
 
 class Delay(_Strict):

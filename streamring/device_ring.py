@@ -38,7 +38,7 @@ from .device.kernels import as_stream_ref
 from .device.ringdesc import CLOCK_HZ, RING_LAYOUT, RING_ROUTE, RS_WORDS, decode_status, pack_desc
 from .protocol import RingLayout, make_gen
 
-TRANSPORTS = ("nv", "p2p")
+TRANSPORTS = ("nv", "p2p", "auto")
 
 
 class DeviceRing:
@@ -48,7 +48,8 @@ class DeviceRing:
         heap: a started :class:`~streamring.device.nvshmem.NvshmemHeap`.
         layout: the ring's layout (``layout.num_ranks`` must equal the heap's PEs).
         num_chunks: chunks per stream (the same on every PE; baked into the descriptor).
-        transport: ``"nv"`` or ``"p2p"`` (see the module doc).
+        transport: ``"nv"``, ``"p2p"`` or ``"auto"`` (P2P when every PE is load/store reachable,
+            else NVSHMEM; see the module doc). The choice is in :attr:`transport`.
         wake: also ring the doorbell words of the ``stream_wait`` progress policy.
         deadline_s: every device wait gives up after this long and records a timeout.
         timestamps: keep per-chunk publish/acquire ``%globaltimer`` stamps (latency benchmark).
@@ -87,6 +88,8 @@ class DeviceRing:
         self.desc = int(self.desc_t.data_ptr())
         self.peers_t = heap.peer_table(self.region)
         self.p2p_ok = bool((self.peers_t != 0).all().item())
+        if transport == "auto":
+            transport = "p2p" if self.p2p_ok else "nv"
         if transport == "p2p" and not self.p2p_ok:
             raise RuntimeError("transport 'p2p' needs load/store access to every PE's ring (nvshmem_ptr was NULL "
                                "for some PE: another node?); use transport 'nv'")
@@ -103,8 +106,9 @@ class DeviceRing:
         heap.sync()
 
     # -- streams ---------------------------------------------------------------------------------
-    def _ref(self, stream):
-        """A cached StreamRef of a torch stream (or the StreamRef itself)."""
+    def stream_ref(self, stream):
+        """A cached :class:`~streamring.device.kernels.StreamRef` of a torch stream (or the StreamRef
+        itself), for launching kernels of the library on that stream."""
         key = id(stream)
         ref = self._refs.get(key)
         if ref is None or ref.torch is not stream:
@@ -117,44 +121,56 @@ class DeviceRing:
     # -- the ring kernels, one method each ----------------------------------------------------------
     def reuse_wait(self, stream, chunk: int, inject: int = 0) -> None:
         """Owner: enqueue the reuse wait of my slot before writing ``chunk`` (no-op below S)."""
-        K.ring_reuse_wait(self.lib, self._ref(stream), d=self.desc, buf=self.buf, me=self.me, chunk=chunk,
+        K.ring_reuse_wait(self.lib, self.stream_ref(stream), d=self.desc, buf=self.buf, me=self.me, chunk=chunk,
                           inject=inject)
 
-    def publish(self, stream, chunk: int, kind: int) -> None:
-        """Producer: enqueue the release of my ``kind`` (RING_ROUTE/RING_LAYOUT) generation of ``chunk``."""
+    def publish(self, stream, chunk: int, kind: int, valid: int) -> None:
+        """Producer: enqueue the metadata words of my slot (``valid`` tokens of ``chunk``) and the
+        release of my ``kind`` (RING_ROUTE/RING_LAYOUT) generation of ``chunk`` at every PE."""
         if kind not in (RING_ROUTE, RING_LAYOUT):
             raise ValueError(f"kind must be RING_ROUTE ({RING_ROUTE}) or RING_LAYOUT ({RING_LAYOUT}), got {kind}")
-        K.ring_publish(self.lib, self._ref(stream), d=self.desc, buf=self.buf, peers=self.peers, me=self.me,
-                       chunk=chunk, kind=kind)
+        if not 0 <= valid <= self.layout.tokens_per_slot:
+            raise ValueError(f"valid must be in [0, tokens_per_slot={self.layout.tokens_per_slot}], got {valid}")
+        K.ring_publish(self.lib, self.stream_ref(stream), d=self.desc, buf=self.buf, peers=self.peers, me=self.me,
+                       chunk=chunk, kind=kind, valid=valid)
+
+    def acquire_checked(self, stream, chunk: int, valid_tab, inject: int = 0, src0: int = 0,
+                        sources: int | None = None) -> None:
+        """Consumer: enqueue the acquire of ``chunk`` of sources ``src0 ..`` and the check of their
+        metadata words against ``valid_tab`` (device int32 ``[num_chunks, num_ranks]``: the tokens
+        each source's chunk must hold); a mismatch is recorded in :meth:`status`."""
+        K.ring_acquire_checked(self.lib, self.stream_ref(stream), d=self.desc, buf=self.buf, peers=self.peers, me=self.me,
+                               src0=src0, chunk=chunk, valid_tab=int(valid_tab.data_ptr()), inject=inject,
+                               sources=self._sources(sources))
 
     def spin_wait(self, stream, chunk: int, inject: int = 0, src0: int = 0, sources: int | None = None) -> None:
         """Consumer: enqueue the acquire of both generations of ``chunk`` of sources ``src0 ..``."""
-        K.ring_spin_wait(self.lib, self._ref(stream), d=self.desc, buf=self.buf, src0=src0, chunk=chunk,
+        K.ring_spin_wait(self.lib, self.stream_ref(stream), d=self.desc, buf=self.buf, src0=src0, chunk=chunk,
                          inject=inject, sources=self._sources(sources))
 
     def ack(self, stream, chunk: int, src0: int = 0, sources: int | None = None) -> None:
         """Consumer: enqueue the acknowledgement of ``chunk`` of sources ``src0 ..`` (after their reads)."""
-        K.ring_ack(self.lib, self._ref(stream), d=self.desc, buf=self.buf, peers=self.peers, me=self.me,
+        K.ring_ack(self.lib, self.stream_ref(stream), d=self.desc, buf=self.buf, peers=self.peers, me=self.me,
                    src0=src0, chunk=chunk, sources=self._sources(sources))
 
     def drain(self, stream) -> None:
         """Owner: enqueue the end-of-stream drain (every slot's last acks; masks left zero)."""
-        K.ring_drain(self.lib, self._ref(stream), d=self.desc, buf=self.buf, me=self.me)
+        K.ring_drain(self.lib, self.stream_ref(stream), d=self.desc, buf=self.buf, me=self.me)
 
     def advance_epoch(self, stream) -> None:
         """Enqueue the device epoch increment (last in a captured forward)."""
-        K.ring_advance_epoch(self.lib, self._ref(stream), d=self.desc)
+        K.ring_advance_epoch(self.lib, self.stream_ref(stream), d=self.desc)
 
     def produce(self, stream, chunk: int, kind: int, inject: int = 0, delay_cycles: int = 0, block: int = 256):
         """Self-test producer: fill my slot's ``kind`` payload of ``chunk`` with the pattern, publish."""
-        K.ring_produce(self.lib, self._ref(stream), d=self.desc, buf=self.buf, peers=self.peers, me=self.me,
+        K.ring_produce(self.lib, self.stream_ref(stream), d=self.desc, buf=self.buf, peers=self.peers, me=self.me,
                        chunk=chunk, kind=kind, inject=inject, delay_cycles=delay_cycles, t_pub=self.t_pub,
                        block=block)
 
     def consume(self, stream, chunk: int, inject: int = 0, hold_cycles: int = 0, src0: int = 0,
                 sources: int | None = None, block: int = 256) -> None:
         """Self-test consumer: acquire, check the pattern and ack ``chunk`` of sources ``src0 ..``."""
-        K.ring_consume(self.lib, self._ref(stream), d=self.desc, buf=self.buf, peers=self.peers, me=self.me,
+        K.ring_consume(self.lib, self.stream_ref(stream), d=self.desc, buf=self.buf, peers=self.peers, me=self.me,
                        src0=src0, chunk=chunk, inject=inject, hold_cycles=hold_cycles, t_acq=self.t_acq,
                        sources=self._sources(sources), block=block)
 

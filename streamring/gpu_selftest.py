@@ -77,7 +77,7 @@ class StreamedSequence:
         """Load every kernel in every context used, before any wait is enqueued."""
         if self.green is None:
             return
-        scratch = self.heap._torch.zeros(64 + self.heap.num_ranks, dtype=self.heap._torch.int64,
+        scratch = self.heap._torch.zeros(128 + self.heap.num_ranks, dtype=self.heap._torch.int64,
                                          device=self.heap.device)
         dummy = self.heap.dummy_desc(scratch)
         for side in self.green:

@@ -349,6 +349,49 @@ class RingLayout:
         return d
 
 
+@dataclass(frozen=True)
+class CombineLayout:
+    """The owner's combine area of the expert-parallel GPU layer (one symmetric buffer per PE).
+
+    Unlike the ring's slot-indexed ``combine`` region (the CPU layer, whose consumers acknowledge
+    only after their results are back), these rows are indexed by the owner's *logical token*, so
+    a consumer may acknowledge a slot right after copying its rows out (the RFC's early
+    ``input_consumed``) and deliver the results whenever its expert blocks run:
+
+        arrived[max_chunks] uint64    rows of chunk c delivered (consumers ADD with release; the
+                                      owner waits for its expected count with acquire, then resets
+                                      the word to 0 before its next epoch publishes anything)
+        rows[max_tokens][topk][hidden] bf16   the result of (token, k), routing weight applied
+    """
+
+    max_tokens: int
+    topk: int
+    hidden: int
+    max_chunks: int
+
+    def __post_init__(self):
+        for name in ("max_tokens", "topk", "hidden", "max_chunks"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"CombineLayout.{name} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def off_arrived(self) -> int:
+        return 0
+
+    @property
+    def off_rows(self) -> int:
+        return _align(self.max_chunks * 8)
+
+    @property
+    def rows_bytes(self) -> int:
+        return self.max_tokens * self.topk * self.hidden * 2
+
+    @property
+    def nbytes(self) -> int:
+        """Total bytes of the symmetric combine buffer per PE."""
+        return self.off_rows + _align(self.rows_bytes)
+
+
 # --------------------------------------------------------------------------------------
 # Stream plan
 # --------------------------------------------------------------------------------------

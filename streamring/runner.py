@@ -99,8 +99,19 @@ def make_tokens(cfg: Config, rank: int, epoch: int, num_tokens: int) -> torch.Te
     return torch.randn(num_tokens, cfg.layer.hidden, generator=g, dtype=torch.float32)
 
 
+def use_fast_gpu_path(cfg: Config) -> bool:
+    """Whether ``run`` takes the expert-parallel FP8 GPU layer (see ``run.gpu_path``)."""
+    if cfg.backend != "nvshmem":
+        return False
+    if cfg.run.gpu_path == "auto":
+        return cfg.layer.weight_dtype == "fp8"
+    return cfg.run.gpu_path == "fast"
+
+
 def run_layer(heap: SymmetricHeap, cfg: Config) -> dict:
     """Run ``cfg`` on this rank; returns this rank's row of the report."""
+    if use_fast_gpu_path(cfg):
+        return run_layer_gpu(heap, cfg)
     R, me = heap.num_ranks, heap.rank
     shape = shape_from_config(cfg)
     try:
@@ -155,4 +166,104 @@ def run_layer(heap: SymmetricHeap, cfg: Config) -> dict:
             row["ref_max_err_ratio"] = max(row["ref_max_err_ratio"], float(cmp.max_err_ratio))
             row["ref_excluded"] = max(row["ref_excluded"], int(cmp.num_excluded))
     buf.close()
+    return row
+
+
+def run_layer_gpu(heap, cfg: Config) -> dict:
+    """``run`` on the expert-parallel FP8 GPU layer (:class:`streamring.moe.gpu_layer.EPMoE`).
+
+    Every rank builds the same random FP8 layer and keeps its own experts; its tokens go through
+    the batch-ready path and the streamed path (``ring.*``, ``run.block_m``, ``nvshmem.progress``,
+    ``nvshmem.transport``, ``run.straggler``), each captured once as a CUDA graph and replayed for
+    every epoch with new tokens. Checked: streamed == batch bitwise, no ring violation, timeout or
+    corrupt route, and the batch output against a float64 reference of sampled tokens (relative
+    error below ``blocks.FAST_PATH_REL_TOL``).
+    """
+    from .moe import blocks as B
+    from .moe.gpu_layer import EPMoE
+    from .moe.plan import PlanChoice
+
+    R, me = heap.num_ranks, heap.rank
+    shape = shape_from_config(cfg)
+    if cfg.layer.weight_dtype != "fp8":
+        raise ConfigError(f"run.gpu_path=fast needs layer.weight_dtype=fp8 (got {cfg.layer.weight_dtype!r}); "
+                          f"use --set layer.weight_dtype=fp8, or run.gpu_path=host_verbs for the bf16 reference layer")
+    if cfg.run.block_m not in (16, 32, 64, 128):
+        raise ConfigError(f"run.block_m must be one of [16, 32, 64, 128] on the fast GPU path, got {cfg.run.block_m}")
+    try:
+        shape.validate(R)
+    except ValueError as exc:
+        raise ConfigError(f"layer: {exc}") from None
+    tokens = per_rank(cfg.run.tokens_per_rank, R, "run.tokens_per_rank")
+    dev = heap.device
+    fw = B.FastWeights.random(shape, cfg.layer.seed, dev).local(me, R)
+    full = B.FastWeights.random(shape, cfg.layer.seed, dev)  # every expert, for this rank's reference
+    st = cfg.run.straggler
+    straggler_ns = int(st.ms * 1e6) if st is not None and st.rank == me else 0
+    bm = cfg.run.block_m
+    plan = PlanChoice(chunk_tokens=cfg.ring.tokens_per_slot, num_slots=cfg.ring.num_slots, block_m=bm,
+                      policy=cfg.nvshmem.progress)
+    layers = {"batch": EPMoE(heap, shape, fw, tokens, PlanChoice.batch(bm), transport=cfg.nvshmem.transport,
+                             deadline_s=cfg.wait_timeout_s, name="run-batch"),
+              "stream": EPMoE(heap, shape, fw, tokens, plan, transport=cfg.nvshmem.transport,
+                              deadline_s=cfg.wait_timeout_s, straggler_ns=straggler_ns,
+                              producer_sms=cfg.nvshmem.producer_sms, inject=cfg.run.inject, name="run-stream")}
+    T = tokens[me]
+    x_buf = torch.zeros(T, shape.hidden, dtype=torch.bfloat16, device=dev)
+    outs = {m: torch.zeros_like(x_buf) for m in layers}
+    row = dict(rank=me, tokens=T, chunks=layers["stream"].num_chunks, experts_hit=0, bitwise_equal=True,
+               max_abs_stream_minus_batch=0.0, ref_ok=True, ref_max_abs_err=0.0, ref_max_err_ratio=0.0,
+               ref_excluded=0, batch_wall_s=0.0, stream_wall_s=0.0, epochs=cfg.run.epochs, scheduler="blocks",
+               rtol=B.FAST_PATH_REL_TOL, atol=0.0, path="fast", transport=layers["stream"].transport,
+               policy=cfg.nvshmem.progress, ring_errors={})
+    graphs = {}
+    for m, layer in layers.items():
+        x_buf.copy_(make_tokens(cfg, me, 0, T).to(dev, torch.bfloat16))
+        if layer.inject != "none":  # a mutated ring: the eager warm-up forward may already see its errors
+            layer.enqueue(x_buf, outs[m], order="serialized")
+            torch.cuda.synchronize(dev)
+        else:
+            layer.warm_up(x_buf, outs[m])
+        heap.barrier()
+        graphs[m] = layer.capture(x_buf, outs[m])
+        heap.barrier()
+    for ep in range(cfg.run.epochs):
+        x = make_tokens(cfg, me, ep, T).to(dev, torch.bfloat16)
+        x_buf.copy_(x)
+        for m in ("batch", "stream"):
+            if cfg.run.mode not in ("both", m):
+                continue
+            torch.cuda.synchronize(dev)
+            heap.barrier()
+            t0 = time.monotonic()
+            graphs[m].replay()
+            torch.cuda.synchronize(dev)
+            row[f"{m}_wall_s"] += time.monotonic() - t0
+        if cfg.run.mode == "both" and T:
+            a, b = outs["stream"], outs["batch"]
+            row["bitwise_equal"] &= bool(torch.equal(a.view(torch.int16), b.view(torch.int16)))
+            row["max_abs_stream_minus_batch"] = max(row["max_abs_stream_minus_batch"],
+                                                    float((a.float() - b.float()).abs().max()))
+        if T:
+            y = outs["batch" if cfg.run.mode != "stream" else "stream"]
+            sample = torch.linspace(0, T - 1, min(T, 8), device=dev).round().long().unique()
+            ref = B.reference_tokens_f64(x, full, shape, sample)
+            rel = float((y[sample].double() - ref).norm() / ref.norm().clamp_min(1e-30))
+            row["ref_max_abs_err"] = max(row["ref_max_abs_err"], float((y[sample].double() - ref).abs().max()))
+            row["ref_max_err_ratio"] = max(row["ref_max_err_ratio"], rel / B.FAST_PATH_REL_TOL)
+            row["ref_ok"] &= rel < B.FAST_PATH_REL_TOL
+            row["experts_hit"] = max(row["experts_hit"], int(layers["batch"].my_idx[:T].unique().numel()))
+    for m, layer in layers.items():
+        status = layer.status()
+        errors = {k: status[k] for k in ("violations", "timeouts", "bad_routes") if status[k]}
+        if status["first_error"]:
+            errors["first_error"] = status["first_error"]
+        if errors:
+            row["ring_errors"][m] = errors
+            row["ref_ok"] = False
+    del graphs
+    torch.cuda.synchronize(dev)
+    heap.barrier()
+    for layer in layers.values():
+        layer.close()
     return row

@@ -135,7 +135,7 @@ def test_check_header_refuses_a_hand_copied_constant(tmp_path):
 def test_every_kernel_has_one_typed_launcher_with_its_c_parameters():
     sigs = kernels.kernel_signatures()
     assert set(sigs) == set(kernels.LAUNCHERS), (set(sigs) ^ set(kernels.LAUNCHERS))
-    launch_shape = {"grid", "block", "sources"}  # Python-only: the launch configuration
+    launch_shape = {"grid", "block", "sources", "max_items"}  # Python-only: the launch configuration
     for name, fn in kernels.LAUNCHERS.items():
         params = inspect.signature(fn).parameters
         kw = [n for n, p in params.items() if p.kind is p.KEYWORD_ONLY and n not in launch_shape]
@@ -164,16 +164,16 @@ def test_marshal_checks_names_and_ranges():
             self.calls.append((name, grid, block, kernels.marshal(name, params)))
 
     rec = Recorder()
-    kernels.ring_publish(rec, None, d=1, buf=2, peers=0, me=1, chunk=7, kind=1)
+    kernels.ring_publish(rec, None, d=1, buf=2, peers=0, me=1, chunk=7, kind=1, valid=5)
     name, grid, block, args = rec.calls[0]
     assert name == "ring_publish" and (grid, block) == (1, 1)
-    assert [type(a) for a in args] == [int, int, int, np.int32, np.int64, np.int32] and args[4] == 7
-    with pytest.raises(TypeError, match="missing \\['kind'\\]"):
-        kernels.marshal("ring_publish", dict(d=1, buf=2, peers=0, me=1, chunk=7))
+    assert [type(a) for a in args] == [int, int, int, np.int32, np.int64, np.int32, np.int64] and args[4] == 7
+    with pytest.raises(TypeError, match="missing \\['valid'\\]"):
+        kernels.marshal("ring_publish", dict(d=1, buf=2, peers=0, me=1, chunk=7, kind=0))
     with pytest.raises(TypeError, match="unexpected \\['kindd'\\]"):
-        kernels.marshal("ring_publish", dict(d=1, buf=2, peers=0, me=1, chunk=7, kind=0, kindd=0))
+        kernels.marshal("ring_publish", dict(d=1, buf=2, peers=0, me=1, chunk=7, kind=0, valid=1, kindd=0))
     with pytest.raises(ValueError, match="does not fit int"):
-        kernels.marshal("ring_publish", dict(d=1, buf=2, peers=0, me=1 << 40, chunk=7, kind=0))
+        kernels.marshal("ring_publish", dict(d=1, buf=2, peers=0, me=1 << 40, chunk=7, kind=0, valid=1))
     with pytest.raises(KeyError, match="no kernel"):
         kernels.marshal("ring_publish_nv", {})
 

@@ -223,9 +223,18 @@ def ring_spin_wait(lib, stream, *, d: int, buf: int, src0: int, chunk: int, inje
     lib.launch(stream, "ring_spin_wait", sources, 1, d=d, buf=buf, src0=src0, chunk=chunk, inject=inject)
 
 
-def ring_publish(lib, stream, *, d: int, buf: int, peers: int, me: int, chunk: int, kind: int) -> None:
-    """Release my slot's ``kind`` (RING_ROUTE / RING_LAYOUT) generation of ``chunk`` at every PE."""
-    lib.launch(stream, "ring_publish", 1, 1, d=d, buf=buf, peers=peers, me=me, chunk=chunk, kind=kind)
+def ring_publish(lib, stream, *, d: int, buf: int, peers: int, me: int, chunk: int, kind: int, valid: int) -> None:
+    """Write the kind's slot metadata (``valid`` tokens), then release my slot's ``kind``
+    (RING_ROUTE / RING_LAYOUT) generation of ``chunk`` at every PE."""
+    lib.launch(stream, "ring_publish", 1, 1, d=d, buf=buf, peers=peers, me=me, chunk=chunk, kind=kind, valid=valid)
+
+
+def ring_acquire_checked(lib, stream, *, d: int, buf: int, peers: int, me: int, src0: int, chunk: int,
+                         valid_tab: int, inject: int, sources: int) -> None:
+    """Acquire ``chunk`` of sources ``src0 ..`` and check their metadata words (``valid_tab``:
+    device int32 ``[num_chunks][num_ranks]`` valid tokens per source chunk)."""
+    lib.launch(stream, "ring_acquire_checked", sources, 1, d=d, buf=buf, peers=peers, me=me, src0=src0, chunk=chunk,
+               valid_tab=valid_tab, inject=inject)
 
 
 def ring_ack(lib, stream, *, d: int, buf: int, peers: int, me: int, src0: int, chunk: int, sources: int) -> None:
@@ -250,9 +259,66 @@ def ring_consume(lib, stream, *, d: int, buf: int, peers: int, me: int, src0: in
                inject=inject, hold_cycles=hold_cycles, t_acq=t_acq)
 
 
+# ----------------------------------------------------------------------------------------------
+# ep_kernels.cu: the cross-PE handoffs of the expert-parallel layer
+# ----------------------------------------------------------------------------------------------
+def ep_signal_arrivals(lib, stream, *, d: int, comb: int, comb_peers: int, me: int, off_arrived: int,
+                       ready_list: int, ready_hi: int, lo_index: int, hi_index: int, row_src: int, row_chunk: int,
+                       block_m: int, max_items: int) -> None:
+    """After an L2 that stored into the owners: add each ready block's (owner, chunk) row counts."""
+    if max_items > 0:
+        lib.launch(stream, "ep_signal_arrivals", max_items, 32, d=d, comb=comb, comb_peers=comb_peers, me=me,
+                   off_arrived=off_arrived, ready_list=ready_list, ready_hi=ready_hi, lo_index=lo_index,
+                   hi_index=hi_index, row_src=row_src, row_chunk=row_chunk, block_m=block_m)
+
+
+def ep_put_rows(lib, stream, *, d: int, comb: int, me: int, off_arrived: int, off_rows: int, y_stage: int,
+                hidden: int, ready_list: int, ready_hi: int, lo_index: int, hi_index: int, row_src: int,
+                row_tok: int, row_chunk: int, block_m: int, max_items: int, block: int = 256) -> None:
+    """NVSHMEM path: put the ready blocks' rows into their owners' combine rows, then add the counts."""
+    if max_items > 0:
+        lib.launch(stream, "ep_put_rows", max_items, block, d=d, comb=comb, me=me, off_arrived=off_arrived,
+                   off_rows=off_rows, y_stage=y_stage, hidden=hidden, ready_list=ready_list, ready_hi=ready_hi,
+                   lo_index=lo_index, hi_index=hi_index, row_src=row_src, row_tok=row_tok, row_chunk=row_chunk,
+                   block_m=block_m)
+
+
+def ep_pull_slots(lib, stream, *, d: int, buf: int, mirror: int, mirror_stride: int, src0: int, chunk: int,
+                  sources: int, block: int = 256) -> None:
+    """NVSHMEM path: get the slot of ``chunk`` of sources ``src0 ..`` into the local mirror."""
+    lib.launch(stream, "ep_pull_slots", sources, block, d=d, buf=buf, mirror=mirror, mirror_stride=mirror_stride,
+               src0=src0, chunk=chunk)
+
+
+def ep_wait_arrivals(lib, stream, *, d: int, comb: int, off_arrived: int, expected: int, num_chunks: int) -> None:
+    """Owner: wait (acquire, deadline) until every chunk's rows arrived."""
+    lib.launch(stream, "ep_wait_arrivals", 1, 1, d=d, comb=comb, off_arrived=off_arrived, expected=expected,
+               num_chunks=num_chunks)
+
+
+def ep_delay(lib, stream, *, ns: int) -> None:
+    """A device-side straggler: one thread spins for as many nanoseconds as the int64 at ``ns`` holds."""
+    lib.launch(stream, "ep_delay", 1, 1, ns=ns)
+
+
+def ring_pingpong(lib, stream, *, d: int, buf: int, peers: int, me: int, peer: int, initiator: int, nchunks: int,
+                  out_ns: int) -> None:
+    """Ring publish/acquire ping-pong of chunks 0 .. nchunks-1 between ``me`` and ``peer``."""
+    lib.launch(stream, "ring_pingpong", 1, 1, d=d, buf=buf, peers=peers, me=me, peer=peer, initiator=initiator,
+               nchunks=nchunks, out_ns=out_ns)
+
+
+def flag_pingpong(lib, stream, *, my_flag: int, peer_flag: int, initiator: int, iters: int, base: int,
+                  deadline_cycles: int, out_ns: int) -> None:
+    """The floor: one flag st.release.sys / ld.acquire.sys ping-pong with the peer."""
+    lib.launch(stream, "flag_pingpong", 1, 1, my_flag=my_flag, peer_flag=peer_flag, initiator=initiator, iters=iters,
+               base=base, deadline_cycles=deadline_cycles, out_ns=out_ns)
+
+
 #: every typed launcher, by kernel name (tests check it covers kernel_signatures() exactly)
 LAUNCHERS = {f.__name__: f for f in (
     sr_put, sr_get, sr_put_signal, sr_signal_op, sr_signal_fetch, sr_atomic_fetch_or, sr_atomic_fetch_add, sr_fence,
     sr_quiet, sr_peer_table, sr_my_pe, ring_reuse_wait, ring_drain, ring_advance_epoch, ring_spin_wait,
-    ring_publish, ring_ack, ring_produce, ring_consume,
+    ring_publish, ring_acquire_checked, ring_ack, ring_produce, ring_consume, ep_signal_arrivals, ep_put_rows,
+    ep_pull_slots, ep_wait_arrivals, ep_delay, ring_pingpong, flag_pingpong,
 )}

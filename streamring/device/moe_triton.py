@@ -225,6 +225,134 @@ def place_rows(sorted_e, order, counts, cstart, state, expert_blocks, xq_u8, xsf
 
 
 # ----------------------------------------------------------------------------------------------
+# expert-parallel dispatch: pull the rows routed to this PE's experts out of every source's slot
+# ----------------------------------------------------------------------------------------------
+# A source's slot is read through `ring_* + delta_*[src]`: the ring's local base plus the byte
+# (or element) distance to that source's copy in our address space (a P2P peer mapping of the
+# symmetric ring, 0 for ourselves, or a local mirror filled by NVSHMEM gets where the peer has no
+# mapping). Offsets come from RingLayout.descriptor() (the host passes them); nothing is re-derived.
+@triton.jit(do_not_specialize=["chunk", "e_lo", "off_idx", "off_w"])
+def _ep_gather_kernel(ring_i64_ptr, ring_f32_ptr, delta_i64_ptr, delta_f32_ptr, src_list_ptr, valid_tab_ptr, chunk,
+                      e_lo, off_idx, off_w, out_e_ptr, out_w_ptr, bad_ptr, R: tl.constexpr, C: tl.constexpr,
+                      K: tl.constexpr, E_LOC: tl.constexpr, E: tl.constexpr, BLOCK: tl.constexpr):
+    j = tl.program_id(0)
+    p = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    pm = p < C * K
+    src = tl.load(src_list_ptr + j)
+    valid = tl.load(valid_tab_ptr + chunk * R + src)
+    d64 = tl.load(delta_i64_ptr + src)
+    d32 = tl.load(delta_f32_ptr + src)
+    tok = p // K
+    live = pm & (tok < valid)
+    idx = tl.load(ring_i64_ptr + d64 + off_idx + p, mask=live, other=-1)
+    w = tl.load(ring_f32_ptr + d32 + off_w + p, mask=live, other=0.0)
+    # a hostile or corrupt peer: anything outside [-1, E) is counted and dropped, never indexed
+    bad = live & ((idx < -1) | (idx >= E))
+    loc = idx - e_lo
+    mine = live & (loc >= 0) & (loc < E_LOC) & (idx < E)
+    out = tl.where(mine, loc, E_LOC).to(tl.int32)
+    tl.store(out_e_ptr + j * (C * K) + p, out, mask=pm)
+    tl.store(out_w_ptr + j * (C * K) + p, w, mask=pm)
+    nbad = tl.sum(bad.to(tl.int32), axis=0)
+    tl.atomic_add(bad_ptr, nbad)
+
+
+def ep_gather(ring_i64, ring_f32, delta_i64, delta_f32, src_list, valid_tab, chunk: int, e_lo: int, off_idx: int,
+              off_w: int, out_e, out_w, bad, *, num_ranks: int, tokens_per_slot: int, topk: int, local_experts: int,
+              num_experts: int) -> None:
+    """Read the routing of ``chunk`` of every source in ``src_list`` (int32, device) into
+    ``out_e [n_src * C * K]`` (int32: the local expert, or ``local_experts`` for a route this PE
+    does not serve, a masked route, a row past the source's ``valid_tab[chunk][src]`` tokens, or a
+    corrupt id, counted in ``bad``) and ``out_w`` (float32 routing weights). ``off_*`` are element
+    offsets of the slot's ``topk_idx`` (int64) and ``topk_weights`` (float32) in the ring."""
+    n_src = src_list.shape[0]
+    blk = 256
+    grid = (n_src, triton.cdiv(tokens_per_slot * topk, blk))
+    _ep_gather_kernel[grid](ring_i64, ring_f32, delta_i64, delta_f32, src_list, valid_tab, chunk, e_lo, off_idx,
+                            off_w, out_e, out_w, bad, R=num_ranks, C=tokens_per_slot, K=topk, E_LOC=local_experts,
+                            E=num_experts, BLOCK=blk, num_warps=4)
+
+
+@triton.jit(do_not_specialize=["chunk", "off_x", "off_sf"])
+def _ep_place_rows_kernel(sorted_e_ptr, order_ptr, counts_ptr, cstart_ptr, state_ptr, expert_blocks_ptr, src_list_ptr,
+                          ring_u8_ptr, ring_f32_ptr, delta_u8_ptr, delta_f32_ptr, off_x, off_sf, flat_w_ptr, a_ptr,
+                          asf_ptr, roww_ptr, row_src_ptr, row_tok_ptr, row_chunk_ptr, chunk, C: tl.constexpr,
+                          K: tl.constexpr, H: tl.constexpr, SFC: tl.constexpr, SFCP: tl.constexpr,
+                          E_LOC: tl.constexpr, BM: tl.constexpr, MAXB: tl.constexpr, BH: tl.constexpr):
+    i = tl.program_id(0)
+    e = tl.load(sorted_e_ptr + i).to(tl.int32)
+    if e < E_LOC:  # routes of other PEs sort last (e == E_LOC) and are skipped
+        f = tl.load(order_ptr + i).to(tl.int32)
+        j = f // (C * K)
+        r = f % (C * K)
+        tok = r // K
+        k = r % K
+        src = tl.load(src_list_ptr + j)
+        rank = i - tl.load(cstart_ptr + e)
+        # state holds the fill *after* this dispatch's allocation: its rows of e start at fill - count
+        pos = tl.load(state_ptr + e) - tl.load(counts_ptr + e) + rank
+        bid = tl.load(expert_blocks_ptr + e * MAXB + pos // BM)
+        row = (bid * BM + pos % BM).to(tl.int64)
+        tok64 = tok.to(tl.int64)
+        xs = ring_u8_ptr + tl.load(delta_u8_ptr + src) + off_x + tok64 * H
+        hh = tl.arange(0, BH)
+        for h0 in range(0, H, BH):
+            tl.store(a_ptr + row * H + h0 + hh, tl.load(xs + h0 + hh))
+        ss = tl.arange(0, SFCP)
+        sfs = ring_f32_ptr + tl.load(delta_f32_ptr + src) + off_sf + tok64 * SFC
+        tl.store(asf_ptr + row * SFC + ss, tl.load(sfs + ss, mask=ss < SFC), mask=ss < SFC)
+        tl.store(roww_ptr + row, tl.load(flat_w_ptr + f))
+        tl.store(row_src_ptr + row, src)
+        tl.store(row_tok_ptr + row, (chunk * C + tok64) * K + k)
+        tl.store(row_chunk_ptr + row, chunk)
+
+
+def ep_place_rows(sorted_e, order, counts, cstart, state, expert_blocks, src_list, ring_u8, ring_f32, delta_u8,
+                  delta_f32, off_x: int, off_sf: int, flat_w, a_u8, asf, roww, row_src, row_tok, row_chunk,
+                  chunk: int, *, tokens_per_slot: int, topk: int, hidden: int, local_experts: int,
+                  block_m: int) -> None:
+    """The dispatch copy: each route of ``chunk`` to a local expert (sorted by expert, stable) goes
+    from its source's slot (``x`` row and its ``x_sf`` scales) into its expert block row, with the
+    routing weight and where its result must go (``row_src``: owner PE, ``row_tok``: owner's
+    combine row ``token * K + k``, ``row_chunk``). ``off_x`` is a byte offset, ``off_sf`` an
+    element offset of the slot in the ring."""
+    n = sorted_e.shape[0]
+    if n == 0:
+        return
+    sfc = hidden // 128
+    bh = 1024 if hidden % 1024 == 0 else 128
+    _ep_place_rows_kernel[(n,)](sorted_e, order, counts, cstart, state, expert_blocks, src_list, ring_u8, ring_f32,
+                                delta_u8, delta_f32, off_x, off_sf, flat_w, a_u8, asf, roww, row_src, row_tok,
+                                row_chunk, chunk, C=tokens_per_slot, K=topk, H=hidden, SFC=sfc,
+                                SFCP=triton.next_power_of_2(sfc), E_LOC=local_experts, BM=block_m,
+                                MAXB=expert_blocks.shape[1], BH=bh, num_warps=4)
+
+
+@triton.jit
+def _combine_owner_kernel(rows_ptr, idx_ptr, out_ptr, H: tl.constexpr, K: tl.constexpr, BH: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    hb = tl.program_id(1)
+    cols = hb * BH + tl.arange(0, BH)
+    acc = tl.zeros((BH,), dtype=tl.float32)
+    for k in tl.static_range(K):
+        e = tl.load(idx_ptr + t * K + k) + tl.zeros((BH,), dtype=tl.int64)  # broadcast: a vector mask
+        v = tl.load(rows_ptr + (t * K + k) * H + cols, mask=(cols < H) & (e >= 0), other=0.0)
+        acc += v.to(tl.float32)
+    tl.store(out_ptr + t * H + cols, acc.to(tl.bfloat16))
+
+
+def combine_owner(rows, topk_idx, out, *, topk: int) -> None:
+    """Owner's reduce: ``out[t] = sum_k rows[t * K + k]`` over the routed ``k`` (``topk_idx >= 0``),
+    in the order k = 0..K-1 (bf16 rows, float32 sum, bf16 out): the same order whatever the
+    chunking, so the streamed and the batch outputs are bitwise equal."""
+    t, h = out.shape
+    if t == 0:
+        return
+    bh = 1024 if h % 1024 == 0 else 128
+    _combine_owner_kernel[(t, h // bh)](rows, topk_idx, out, H=h, K=topk, BH=bh, num_warps=4)
+
+
+# ----------------------------------------------------------------------------------------------
 # expert GEMMs over ready blocks
 # ----------------------------------------------------------------------------------------------
 @triton.jit
@@ -305,7 +433,8 @@ def _l1_swiglu_kernel(ready_list_ptr, ready_hi_ptr, lo_index, hi_index, max_item
 
 @triton.jit
 def _l2_tile(i, nt, lo, ready_list_ptr, block_expert_ptr, h1_ptr, h1sf_ptr, w2_ptr, w2sf_ptr, roww_ptr, y_ptr,
-             H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, STAGES: tl.constexpr):
+             row_src_ptr, row_tok_ptr, comb_delta_ptr, H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr,
+             STAGES: tl.constexpr, DIRECT: tl.constexpr):
     BN: tl.constexpr = 128
     BK: tl.constexpr = 128
     NT: tl.constexpr = H // BN
@@ -325,14 +454,24 @@ def _l2_tile(i, nt, lo, ready_list_ptr, block_expert_ptr, h1_ptr, h1sf_ptr, w2_p
         ws = tl.load(s_e + nt * KS + ks)
         acc += tl.dot(a, tl.trans(w)) * (a_s[:, None] * ws)
     rw = tl.load(roww_ptr + rows)
-    y = acc * rw[:, None]
-    tl.store(y_ptr + rows[:, None] * H + ncol[None, :], y.to(tl.bfloat16))
+    y = (acc * rw[:, None]).to(tl.bfloat16)
+    if DIRECT:
+        # straight into the owner's combine rows (P2P): owner = row_src, combine row = row_tok;
+        # padding rows of a sealed partial block (row_src < 0) are not stored anywhere
+        rs = tl.load(row_src_ptr + rows)
+        rt = tl.load(row_tok_ptr + rows)
+        dd = tl.load(comb_delta_ptr + tl.maximum(rs, 0))
+        dst = y_ptr + dd[:, None] + rt[:, None] * H + ncol[None, :]
+        tl.store(dst, y, mask=(rs >= 0)[:, None])
+    else:
+        tl.store(y_ptr + rows[:, None] * H + ncol[None, :], y)
 
 
 @triton.jit(do_not_specialize=["lo_index", "hi_index", "max_items"])
 def _l2_kernel(ready_list_ptr, ready_hi_ptr, lo_index, hi_index, max_items, block_expert_ptr, h1_ptr, h1sf_ptr, w2_ptr,
-               w2sf_ptr, roww_ptr, y_ptr, H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, GROUP: tl.constexpr,
-               STAGES: tl.constexpr, PDL: tl.constexpr, PERSIST: tl.constexpr):
+               w2sf_ptr, roww_ptr, y_ptr, row_src_ptr, row_tok_ptr, comb_delta_ptr, H: tl.constexpr, I: tl.constexpr,
+               BM: tl.constexpr, GROUP: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr, PERSIST: tl.constexpr,
+               DIRECT: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_wait()
     NT: tl.constexpr = H // 128
@@ -346,13 +485,13 @@ def _l2_kernel(ready_list_ptr, ready_hi_ptr, lo_index, hi_index, max_items, bloc
             i, nt, ok = _tile_of(t, NT, GROUP, n_items)
             if (i < n_items) & ok:
                 _l2_tile(i, nt, lo, ready_list_ptr, block_expert_ptr, h1_ptr, h1sf_ptr, w2_ptr, w2sf_ptr, roww_ptr,
-                         y_ptr, H, I, BM, STAGES)
+                         y_ptr, row_src_ptr, row_tok_ptr, comb_delta_ptr, H, I, BM, STAGES, DIRECT)
             t += tl.num_programs(0)
     else:
         i, nt, ok = _tile_of(tl.program_id(0), NT, GROUP, n_items)
         if (i < n_items) & ok:
             _l2_tile(i, nt, lo, ready_list_ptr, block_expert_ptr, h1_ptr, h1sf_ptr, w2_ptr, w2sf_ptr, roww_ptr, y_ptr,
-                     H, I, BM, STAGES)
+                     row_src_ptr, row_tok_ptr, comb_delta_ptr, H, I, BM, STAGES, DIRECT)
 
 
 def _gemm_cfg(block_m: int) -> dict:
@@ -393,15 +532,27 @@ def expert_l1(ready_list, ready_hi, lo_index: int, hi_index: int, max_items: int
 
 
 def expert_l2(ready_list, ready_hi, lo_index: int, hi_index: int, max_items: int, block_expert, h1, h1sf, w2, w2sf,
-              roww, y, *, block_m: int, group: int = 8, pdl: bool = False, max_ctas: int | None = None):
-    """L2 of the ready blocks, times the routing weight; bf16 ``y`` rows (returns the kernel handle)."""
+              roww, y, *, block_m: int, group: int = 8, pdl: bool = False, max_ctas: int | None = None,
+              direct=None):
+    """L2 of the ready blocks, times the routing weight, as bf16 rows (returns the kernel handle).
+
+    ``direct=None``: row ``r`` goes to ``y[r]``. ``direct=(row_src, row_tok, comb_delta)``: row ``r``
+    goes straight into its owner's combine rows, ``y + comb_delta[row_src[r]] + row_tok[r] * H``
+    (``y`` is then this PE's combine rows, ``comb_delta`` int64 element distances to each PE's copy);
+    rows with ``row_src < 0`` (padding of a sealed block) are not stored.
+    """
     if max_items <= 0:
         return None
     e, h, i = w2.shape
     nt = h // 128
     grid, persist = _grid(max_items, group, nt, max_ctas)
-    return _l2_kernel[grid](ready_list, ready_hi, lo_index, hi_index, max_items, block_expert, h1, h1sf, w2, w2sf, roww, y, H=h, I=i,
-                     BM=block_m, GROUP=group, **_gemm_cfg(block_m), **_pdl_kw(pdl), **persist)
+    if direct is None:
+        row_src = row_tok = comb_delta = roww  # unused (DIRECT is a constexpr False)
+    else:
+        row_src, row_tok, comb_delta = direct
+    return _l2_kernel[grid](ready_list, ready_hi, lo_index, hi_index, max_items, block_expert, h1, h1sf, w2, w2sf, roww,
+                            y, row_src, row_tok, comb_delta, H=h, I=i, BM=block_m, GROUP=group, **_gemm_cfg(block_m),
+                            **_pdl_kw(pdl), **persist, DIRECT=direct is not None)
 
 
 @triton.jit

@@ -137,7 +137,8 @@ class NvshmemHeap(SymmetricHeap):
         this context before any wait is enqueued (a module load synchronises the context, and a
         wait enqueued before it can hang). Checks that NVSHMEM's PE numbering is the launcher's."""
         torch = self._torch
-        scratch = torch.zeros(64 + self._npes, dtype=torch.int64, device=self.device)
+        # words: 0 my_pe, 32 dummy epoch, 40.. dummy status, 64.. peer table, then zeros for the warm-ups
+        scratch = torch.zeros(128 + self._npes, dtype=torch.int64, device=self.device)
         sp = int(scratch.data_ptr())
         s, res, me = self._stage_ptr, self._res_ptr, self._rank
         st = stream if stream is not None else self.sref
@@ -168,7 +169,9 @@ class NvshmemHeap(SymmetricHeap):
         st = stream if stream is not None else self.sref
         lib = self.lib
         for peers in (0, sp):  # both transports (NVSHMEM and P2P) of the kernels that have two
-            K.ring_publish(lib, st, d=d, buf=b, peers=peers, me=me, chunk=0, kind=0)
+            K.ring_publish(lib, st, d=d, buf=b, peers=peers, me=me, chunk=0, kind=0, valid=0)
+            K.ring_acquire_checked(lib, st, d=d, buf=b, peers=peers, me=me, src0=0, chunk=0, valid_tab=sp, inject=0,
+                                   sources=1)
             K.ring_ack(lib, st, d=d, buf=b, peers=peers, me=me, src0=0, chunk=0, sources=1)
             K.ring_produce(lib, st, d=d, buf=b, peers=peers, me=me, chunk=0, kind=0, inject=0, delay_cycles=0,
                            t_pub=0, block=128)
@@ -178,6 +181,19 @@ class NvshmemHeap(SymmetricHeap):
         K.ring_drain(lib, st, d=d, buf=b, me=me)
         K.ring_advance_epoch(lib, st, d=d)
         K.ring_spin_wait(lib, st, d=d, buf=b, src0=0, chunk=0, inject=0, sources=1)
+        # the expert-parallel layer's kernels: an empty ready range (ready_hi[0] == ready_hi[1] == 0 in the
+        # zeroed scratch) or num_chunks = 0 makes each return at once
+        z = sp + 8 * (64 + self._npes)  # zero words after the peer table
+        K.ep_signal_arrivals(lib, st, d=d, comb=b, comb_peers=0, me=me, off_arrived=0, ready_list=z, ready_hi=z,
+                             lo_index=0, hi_index=1, row_src=z, row_chunk=z, block_m=16, max_items=1)
+        K.ep_put_rows(lib, st, d=d, comb=b, me=me, off_arrived=0, off_rows=0, y_stage=z, hidden=128, ready_list=z,
+                      ready_hi=z, lo_index=0, hi_index=1, row_src=z, row_tok=z, row_chunk=z, block_m=16, max_items=1)
+        K.ep_pull_slots(lib, st, d=d, buf=b, mirror=z, mirror_stride=0, src0=0, chunk=0, sources=1)
+        K.ep_wait_arrivals(lib, st, d=d, comb=b, off_arrived=0, expected=z, num_chunks=0)
+        K.ep_delay(lib, st, ns=z)
+        K.ring_pingpong(lib, st, d=d, buf=b, peers=0, me=me, peer=me, initiator=0, nchunks=0, out_ns=z)
+        K.flag_pingpong(lib, st, my_flag=z, peer_flag=z, initiator=0, iters=0, base=0, deadline_cycles=0,
+                        out_ns=z + 8 * 16)
         (st.torch if isinstance(st, StreamRef) else st).synchronize()
 
     def peer_table(self, region: Region):

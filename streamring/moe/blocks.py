@@ -64,6 +64,16 @@ class FastWeights:
                    router=w.router_weight.to(torch.bfloat16).contiguous(),
                    bias=None if w.correction_bias is None else w.correction_bias.float().contiguous())
 
+    def local(self, rank: int, num_ranks: int) -> "FastWeights":
+        """This PE's experts of a full set (rank ``r`` holds experts ``[r * E/R, (r+1) * E/R)``);
+        the router and bias stay global (every PE routes its own tokens over all experts)."""
+        e = self.w1.shape[0]
+        if e % num_ranks or not 0 <= rank < num_ranks:
+            raise ValueError(f"cannot split {e} experts over {num_ranks} ranks for rank {rank}")
+        lo, hi = rank * e // num_ranks, (rank + 1) * e // num_ranks
+        return FastWeights(w1=self.w1[lo:hi], w1_sf=self.w1_sf[lo:hi], w2=self.w2[lo:hi], w2_sf=self.w2_sf[lo:hi],
+                           router=self.router, bias=self.bias)
+
     @classmethod
     def random(cls, shape: MoEShape, seed: int, device) -> "FastWeights":
         """Random FP8 weights generated *on* ``device`` (the full DeepSeek-V3 shape in seconds).
@@ -123,7 +133,15 @@ class BlockConsumer:
     so the blocks made ready by dispatch c are ``ready_list[ready_hi[c] : ready_hi[c+1]]``.
     """
 
-    def __init__(self, shape: MoEShape, max_tokens: int, max_chunks: int, block_m: int, device):
+    def __init__(self, shape: MoEShape, max_tokens: int, max_chunks: int, block_m: int, device, *,
+                 ep_entries: int = 0, local_y: bool = True):
+        """``shape``: the experts this consumer serves (all of them, or a PE's local ones).
+        ``max_tokens``: most tokens whose rows can reach it in one forward (every source's).
+        ``ep_entries``: >0 for the expert-parallel dispatch (:meth:`dispatch_ep`): the routes of one
+        chunk of every source (``num_ranks * tokens_per_slot * topk``); it also keeps, per row, the
+        owner PE, the owner's combine row and the chunk (``row_src``, ``row_tok``, ``row_chunk``).
+        ``local_y``: keep the local bf16 L2 output ``y`` (not needed when L2 writes straight into
+        the owners' combine rows)."""
         if block_m not in (16, 32, 64, 128):
             raise ValueError(f"block_m must be one of (16, 32, 64, 128), got {block_m}")
         self.shape, self.block_m, self.device = shape, block_m, device
@@ -137,15 +155,21 @@ class BlockConsumer:
         self.block_expert = torch.zeros(self.max_blocks, **i32)
         self.ready_list = torch.zeros(self.max_blocks, **i32)
         self.ready_hi = torch.zeros(max_chunks + 2, **i32)
-        self.ones = torch.ones(max_tokens * Kk, **i32)
+        self.ones = torch.ones(max(max_tokens * Kk, ep_entries), **i32)
         # zero-filled once: rows of a partial block past its fill are computed but never read
         self.a = torch.zeros(rows, H, dtype=torch.uint8, device=device)
         self.a_sf = torch.zeros(rows, H // 128, dtype=torch.float32, device=device)
         self.h1 = torch.zeros(rows, I, dtype=torch.uint8, device=device)
         self.h1_sf = torch.zeros(rows, I // 128, dtype=torch.float32, device=device)
         self.row_weight = torch.zeros(rows, dtype=torch.float32, device=device)
-        self.y = torch.zeros(rows, H, dtype=torch.bfloat16, device=device)
+        self.y = torch.zeros(rows, H, dtype=torch.bfloat16, device=device) if local_y else None
         self.tok_row = torch.zeros(max_tokens * Kk, dtype=torch.int64, device=device)
+        self.ep = ep_entries > 0
+        if self.ep:
+            self.row_src = torch.full((rows,), -1, **i32)  # -1: no result row (padding)
+            self.row_tok = torch.zeros(rows, dtype=torch.int64, device=device)
+            self.row_chunk = torch.zeros(rows, **i32)
+            self.sorted_e = torch.zeros(ep_entries, **i32)
         self.gemm_kernels: set = set()  # compiled GEMM kernels launched so far (graph node priorities)
 
     def max_ready(self, tokens: int) -> int:
@@ -153,8 +177,11 @@ class BlockConsumer:
         return min(self.max_blocks, tokens * self.shape.topk // self.block_m + self.shape.num_experts)
 
     def begin(self) -> None:
+        """Start a forward: no block allocated or ready (and, expert-parallel, no result row)."""
         self.state.zero_()
         self.ready_hi.zero_()
+        if self.ep:
+            self.row_src.fill_(-1)
 
     def dispatch(self, c: int, topk_idx, topk_w, x_q, x_sf, token_base: int) -> None:
         """Append chunk ``c``'s routed rows (slot views, ``n`` tokens) to the expert blocks.
@@ -174,24 +201,50 @@ class BlockConsumer:
                      topk_w.reshape(-1), self.a, self.a_sf, self.row_weight, self.tok_row, token_base, topk=Kk,
                      block_m=self.block_m)
 
+    def dispatch_ep(self, c: int, flat_e, flat_w, src_list, ring, deltas, offs) -> None:
+        """Expert-parallel dispatch of chunk ``c``: append the routes of ``flat_e`` (int32 local
+        expert per route of every source in ``src_list``, ``local experts`` for routes this PE does
+        not serve; see :func:`~streamring.device.moe_triton.ep_gather`) to the expert blocks and copy
+        each routed row out of its source's slot: ``ring = (ring_u8, ring_f32)`` views of the ring,
+        ``deltas = (delta_u8, delta_f32)`` per-source distances, ``offs = (x byte offset, x_sf
+        element offset)`` of the slot. After this (in stream order) nothing reads the slot again:
+        the slot may be acknowledged right here (the RFC's early ``input_consumed``).
+        """
+        E, Kk = self.shape.num_experts, self.shape.topk
+        n = flat_e.shape[0]
+        sorted_e, order = torch.sort(flat_e, stable=True)
+        counts = torch.zeros(E + 1, dtype=torch.int32, device=self.device).scatter_add_(0, flat_e.long(),
+                                                                                         self.ones[:n])
+        cstart = torch.cumsum(counts, 0, dtype=torch.int32) - counts
+        K.alloc_blocks(counts, self.state, self.expert_blocks, self.block_expert, self.ready_list, self.ready_hi,
+                       c + 1, num_experts=E, block_m=self.block_m, seal=False)
+        K.ep_place_rows(sorted_e, order, counts, cstart, self.state, self.expert_blocks, src_list, ring[0], ring[1],
+                        deltas[0], deltas[1], offs[0], offs[1], flat_w, self.a, self.a_sf, self.row_weight,
+                        self.row_src, self.row_tok, self.row_chunk, c, tokens_per_slot=n // (src_list.shape[0] * Kk),
+                        topk=Kk, hidden=self.shape.hidden, local_experts=E, block_m=self.block_m)
+
     def seal(self, c: int) -> None:
         """End of stream: every partial block becomes ready (``ready_hi[c + 1]``)."""
         K.alloc_blocks(self.ready_hi, self.state, self.expert_blocks, self.block_expert, self.ready_list,
                        self.ready_hi, c + 1, num_experts=self.shape.num_experts, block_m=self.block_m, seal=True)
 
     def compute(self, lo_index: int, hi_index: int, max_items: int, fw: FastWeights, pdl: bool = False,
-                max_ctas: int | None = None) -> None:
+                max_ctas: int | None = None, out=None, direct=None) -> None:
         """L1+SwiGLU and L2 of the blocks ``ready_list[ready_hi[lo_index] : ready_hi[hi_index]]``.
 
         ``pdl``: launch both GEMMs with programmatic dependent launch (they wait in-kernel).
         ``max_ctas``: a persistent grid of at most this many CTAs looping over the tiles (leaves
-        SM slots to other streams); None: one CTA per tile.
+        SM slots to other streams); None: one CTA per tile. ``out``/``direct``: where L2 stores
+        (default the local ``y``; ``direct=(row_src, row_tok, comb_delta)`` with ``out`` = this
+        PE's combine rows: straight into each row's owner, see ``moe_triton.expert_l2``).
         """
         h1 = self.h1.view(FP8)
-        k1 = K.expert_l1(self.ready_list, self.ready_hi, lo_index, hi_index, max_items, self.block_expert, self.a.view(FP8), self.a_sf, fw.w1,
-                    fw.w1_sf, h1, self.h1_sf, block_m=self.block_m, pdl=pdl, max_ctas=max_ctas)
-        k2 = K.expert_l2(self.ready_list, self.ready_hi, lo_index, hi_index, max_items, self.block_expert, h1, self.h1_sf, fw.w2, fw.w2_sf,
-                    self.row_weight, self.y, block_m=self.block_m, pdl=pdl, max_ctas=max_ctas)
+        k1 = K.expert_l1(self.ready_list, self.ready_hi, lo_index, hi_index, max_items, self.block_expert,
+                         self.a.view(FP8), self.a_sf, fw.w1, fw.w1_sf, h1, self.h1_sf, block_m=self.block_m, pdl=pdl,
+                         max_ctas=max_ctas)
+        k2 = K.expert_l2(self.ready_list, self.ready_hi, lo_index, hi_index, max_items, self.block_expert, h1,
+                         self.h1_sf, fw.w2, fw.w2_sf, self.row_weight, self.y if out is None else out,
+                         block_m=self.block_m, pdl=pdl, max_ctas=max_ctas, direct=direct)
         self.gemm_kernels.update(k for k in (k1, k2) if k is not None)
 
     def combine(self, out: torch.Tensor) -> None:
@@ -252,6 +305,38 @@ def emulate_forward(x, fw: FastWeights, shape: MoEShape) -> torch.Tensor:
             y = (dequantize_act_fp8(hq, hs)[0] @ w2[e].t()) * w[tok, j]
             out[tok] += y.to(torch.bfloat16).float()
     return out.to(torch.bfloat16)
+
+
+def reference_tokens_f64(x, fw: FastWeights, shape: MoEShape, tokens) -> torch.Tensor:
+    """Float64 reference of the layer for the tokens ``tokens`` of ``x`` (all experts in ``fw``):
+    router from the same bf16 weights (float64 logits), activations quantized as the ring carries
+    them, expert weights dequantized, the intermediate kept in float64 (no FP8 re-quantization).
+    The kernels' distance to it is the FP8 re-quantization of the intermediate and the bf16
+    outputs (a few per cent, relative): see :data:`FAST_PATH_REL_TOL`."""
+    from .math import dequantize_act_fp8, quantize_act_fp8
+
+    xs = x[tokens]
+    logits = (xs.double() @ fw.router.double().t()).float()
+    idx, w = select_experts(logits, fw.bias, shape)
+    q, sf = quantize_act_fp8(xs.float())
+    xd = dequantize_act_fp8(q, sf).double()
+    I = shape.intermediate
+    out = torch.zeros(len(tokens), shape.hidden, dtype=torch.float64, device=x.device)
+    for r in range(len(tokens)):
+        for j in range(shape.topk):
+            e = int(idx[r, j])
+            w1 = (fw.w1[e].double().view(2 * I // 128, 128, -1, 128) * fw.w1_sf[e].double()[:, None, :, None]).view(2 * I, -1)
+            w2 = (fw.w2[e].double().view(-1, 128, I // 128, 128) * fw.w2_sf[e].double()[:, None, :, None]).view(-1, I)
+            gu = w1 @ xd[r]
+            h = torch.nn.functional.silu(gu[:I]) * gu[I:]
+            out[r] += (w2 @ h) * float(w[r, j])
+    return out
+
+
+#: relative Frobenius error of the FP8 fast path against :func:`reference_tokens_f64` that a run
+#: accepts: the intermediate is re-quantized to FP8 e4m3 (3 mantissa bits: up to 2^-4 relative per
+#: element, about 1.4 % measured over a layer) and every output row is rounded to bf16.
+FAST_PATH_REL_TOL = 0.03
 
 
 def streamed_forward_serial(x, fw: FastWeights, shape: MoEShape, prod: Producer, bc: BlockConsumer,

@@ -1,105 +1,229 @@
-"""The streamed FP8 MoE layer on a GPU: producers publish chunks through the NVSHMEM ring,
-the block-granular consumer (``streamring.moe.blocks``) acquires them, dispatches their rows
-into per-expert blocks, acknowledges the slot, and runs every block that became ready.
+"""The expert-parallel FP8 MoE layer on GPUs: one PE per GPU (any number, one included).
 
-One forward is enqueued without host synchronisation and captured as one CUDA graph; the
-device epoch (``ring_advance_epoch`` at the end) makes every replay a new ring epoch, so the
-generation checks stay exact across replays (RFC: ABA across CUDA-graph replay).
+Each PE holds ``E / R`` experts (only its own weights), produces its own tokens' chunks into
+its ring slot, dispatches every source's chunks to its experts by device code, runs the
+block-granular FP8 expert GEMMs, and sends every result row straight back to the owner of the
+token. One forward is enqueued with no host synchronisation and captured as one CUDA graph; the
+device epoch (``advance_epoch`` at the end) makes every replay a new ring epoch, so the generation
+checks stay exact across replays (RFC: ABA across CUDA-graph replay). The batch-ready path is the
+same kernels on a one-slot ring whose slot holds the whole batch (``PlanChoice.batch``): the
+default and the correctness fallback.
 
-Per chunk c (slot s = c % num_slots)::
+Per chunk c (slot s = c % S) on every PE::
 
-    producer stream (high priority)         dispatch stream (high priority, enqueued first)
-    ring_reuse_wait(c)  (c >= num_slots)    [policy wait for route+layout of c]
-    router + top-k -> slot s idx/weights    ring_spin_wait(c): acquire + exact generation check
-    ring_publish(ROUTE, c)                  dispatch(c): sort, alloc blocks, copy rows out of s
-    FP8 quant -> slot s x / x_sf            ring_ack(c)   <- early input_consumed: the slot is no
-    ring_publish(LAYOUT, c)                               longer referenced after the dispatch
-                                            event(c)
-                                            GEMM stream: wait event(c); L1+SwiGLU, L2 of the
-                                            blocks dispatch c made ready
-    after the last chunk (GEMM stream): seal -> GEMMs of the partial blocks -> combine
-    after every stream joined: ring_drain, ring_advance_epoch
+    producer stream                          dispatch stream (enqueued first)
+    reuse_wait(c)  (every ack of c - S)      [stream_wait: doorbells of c]
+    router + top-k -> slot s idx/weights     acquire_checked(c): both generations of every
+    publish(ROUTE, c)  (+ metadata words)      source (acquire, deadline) + their metadata words
+    FP8 quant -> slot s x / x_sf             [transport nv: RMA-get every source's slot s]
+    publish(LAYOUT, c)                       ep_gather: every source's routes to my experts
+                                             dispatch_ep: rows copied into my expert blocks
+                                             ack(c)  <- early input_consumed: the slot is not
+                                                        referenced after the copy
+                                             event(c)
+                                             GEMM stream: wait event(c); L1+SwiGLU, L2 of the
+                                             blocks dispatch c made ready; L2 stores each row in
+                                             its owner's combine rows[token][k] (P2P), then
+                                             ep_signal_arrivals ADDs the row counts to the
+                                             owners' arrived[chunk] (release)
+    after the last chunk: seal -> GEMMs of the partial blocks -> signal; then (as owner)
+    ep_wait_arrivals (arrived == expected, acquire) -> combine_owner (k-ordered sum) ->
+    arrived := 0; after every stream joined: ring drain, advance_epoch.
 
-A block made ready by dispatch c is never written by a later dispatch (later rows go to
-blocks that are not full yet), so the GEMMs of chunk c and the dispatch of chunk c+1 touch
-disjoint rows and may run concurrently.
+Ordering argument (the RFC's release/acquire, each step in one place):
 
-Memory ordering: the producers' payload writes (torch/Triton kernels on the producer stream)
-complete before ``ring_publish`` (stream order), whose release (fence) precedes the generation
-store; the consumer's ``ring_spin_wait`` acquire-loads the generations and every later kernel
-on the consumer stream starts after it (stream order), so the dispatch reads the published
-payload. The consumer's last read of slot s is in the dispatch kernel, which completes before
-``ring_ack`` (stream order; the ack kernel fences before its fetch_or); the owner's
-``ring_reuse_wait`` acquires the full mask before the next write of slot s.
+* producer -> consumer: the payload kernels complete before ``ring_publish`` (stream order), whose
+  release precedes the generation SET; ``acquire_checked`` acquire-loads the generations and the
+  data kernels follow it in stream order (``streamring.device_ring``).
+* early ``input_consumed``: the dispatch kernels are the last readers of the slot; ``ring_ack``
+  follows them in stream order and releases before its fetch_or; the owner's ``reuse_wait``
+  acquires the full mask before the next write of the slot (rules 3 and 4 of the protocol).
+* consumer -> owner (results): see ``csrc/ep_kernels.cu``: the rows are stored before the
+  release ADD of their count; the owner acquires the full count before reading; the count is
+  reset before the owner's next epoch publishes, and a consumer writes an owner's rows of epoch
+  e+1 only after acquiring that owner's epoch-(e+1) chunks, so neither rows nor counts are
+  carried across epochs.
+* bitwise: every GEMM row depends only on its own data (fixed tiles, fixed K order) and the owner
+  sums the k results of a token in the order k = 0..K-1, so the streamed output equals the batch
+  output bitwise whatever the chunking, the progress policy or the arrival order.
 
-Progress policies (the consumer is enqueued before the producer, so its waits must not keep
-the producer from running): ``serialized`` (one stream, chunk by chunk: no overlap, always
-valid), ``stream_wait`` (cuStreamWaitValue64 on the ring's doorbells: no SM held while
-waiting), ``spin_kernel`` (the one-thread ``ring_spin_wait`` kernel polls), ``green_ctx``
-(producer and consumer on disjoint green-context SM partitions), ``pdl`` (the serialized
-order with programmatic dependent launch of the GEMMs).
+Progress policies (``streamring.protocol.PROGRESS_POLICIES``): the dispatch stream is enqueued
+before the producer and must not block it: ``serialized`` (one stream, chunk by chunk), ``pdl``
+(serialized, GEMMs with programmatic dependent launch), ``spin_kernel`` (one-thread acquire kernels
+with a deadline; producer and dispatch streams at high priority), ``stream_wait``
+(``cuStreamWaitValue64`` on the ring's doorbells, no SM held), ``green_ctx`` (producer and consumer
+on disjoint SM partitions; P2P transport).
+
+Transports (chosen once per layer): ``p2p`` (NVLink loads/stores through peer pointers: the
+dispatch pulls rows from the peers' slots, L2 stores into the peers' combine rows) or ``nv``
+(NVSHMEM device RMA, for peers without a pointer, e.g. on another node: every source's slot is
+fetched with gets into a local mirror, L2 writes locally and ``ep_put_rows`` puts the rows).
+``transport='nv'`` forces that path between GPUs of one host, so it is tested there.
 """
 
 from __future__ import annotations
 
-import math
+import contextlib
+from typing import Sequence
 
 import numpy as np
 import torch
 
+from ..device import kernels as DK
 from ..device import moe_triton as K
 from ..device.ranges import annotate as nvtx_range
 from ..device.ringdesc import RING_LAYOUT, RING_ROUTE
 from ..device_ring import DeviceRing
 from ..protocol import PROGRESS_POLICIES as POLICIES  # noqa: F401  (re-exported)
-from ..protocol import RingLayout
+from ..protocol import CombineLayout, RingLayout, StreamPlan
 from .blocks import FP8, BlockConsumer, FastWeights, Producer
 from .math import MoEShape
 from .plan import PlanChoice
 # per-chunk device timestamps (ns, %globaltimer): row c of ``stamps`` is chunk c, the last row the tail
 from .timeline_events import CHUNK_EVENTS, STAMP_STRIDE, TAIL_EVENTS
 
+TRANSPORTS = ("auto", "p2p", "nv")
 
-class StreamedMoE:
-    """One single-PE streamed MoE forward of exactly ``tokens`` tokens under ``plan``.
 
-    ``heap``: a started :class:`~streamring.device.nvshmem.NvshmemHeap` (one PE: the layer's
-    experts all live on this GPU). Collective over the heap's PEs (allocates the ring).
-    :meth:`enqueue` puts one forward on the current stream (capturable);
-    :meth:`status` returns the ring's device status (violations, timeouts, counters).
+class EPMoE:
+    """One expert-parallel FP8 MoE forward per call, on every PE of ``heap`` (collective).
+
+    Args:
+        heap: a started :class:`~streamring.device.nvshmem.NvshmemHeap` (one PE per GPU; several
+            PEs on one GPU work under MPS).
+        shape: the whole layer (``num_experts`` a multiple of the PEs; ``hidden`` and
+            ``intermediate`` multiples of 128; FP8 weights).
+        fw: this PE's experts only: :class:`FastWeights` with ``w1 [E/R, 2I, H]`` and
+            ``w2 [E/R, H, I]`` (float8_e4m3fn, 128x128 block scales) and the *global* router
+            ``[E, H]`` (bf16) and bias ``[E]`` (float32 or None) — every PE routes its own tokens
+            over all experts. :meth:`FastWeights.local` slices a full set.
+        tokens_per_rank: the token count of every PE's forward (``x.shape[0]`` on PE r); fixed for
+            this object (graphs have fixed shapes). 0 is allowed (an empty rank publishes empty
+            chunks, nobody waits on it).
+        plan: chunk size, slots, ``block_m`` and progress policy (:meth:`PlanChoice.batch` for the
+            batch-ready path).
+        transport: ``"auto"`` (P2P when every peer is load/store reachable, else NVSHMEM RMA),
+            ``"p2p"`` or ``"nv"`` (forces RMA; see the module doc).
+        deadline_s: every device wait gives up after this long and records where it waited
+            (:meth:`status`); nothing hangs.
+        straggler_ns: a device-side delay before this PE's first produced chunk (benchmarks and
+            tests of a slow rank); a device word, changed with :meth:`set_straggler` between replays
+            of a captured graph.
+        timeline: record per-chunk ``%globaltimer`` stamps (:meth:`timeline`).
+        producer_sms: green_ctx only: SMs of the producer partition.
+        inject: a deliberate protocol mutation (``streamring.protocol.INJECT_MODES``; tests and the GPU
+            check): ``skip-acquire`` (the consumer does not wait for the generations),
+            ``signal-before-payload`` (the producer publishes before it writes the slot),
+            ``skip-ack-wait`` (the producer reuses a slot without waiting for every ack),
+            ``ignore-epoch`` (generations compared without their epoch). With a straggler the window
+            is wide open; the run's bitwise and status checks must then fail.
+
+    Use: :meth:`warm_up` once (compiles every kernel, checks the ring), then :meth:`enqueue`
+    eagerly or :meth:`capture` one forward into a CUDA graph and replay it. :meth:`status`
+    after a forward: ring violations, timeouts and dropped corrupt routes (all must be 0).
     """
 
-    def __init__(self, heap, shape: MoEShape, fw: FastWeights, tokens: int, plan: PlanChoice, *,
-                 timeline: bool = False, producer_sms: int = 16, deadline_s: float = 10.0):
+    def __init__(self, heap, shape: MoEShape, fw: FastWeights, tokens_per_rank: Sequence[int], plan: PlanChoice, *,
+                 transport: str = "auto", deadline_s: float = 10.0, straggler_ns: int = 0, timeline: bool = False,
+                 producer_sms: int = 16, inject: str = "none", name: str = "ep"):
+        from ..device.ringdesc import INJECT_BITS
+
         plan.validate()
-        if heap.num_ranks != 1:
-            raise ValueError("StreamedMoE drives one PE (all experts local); "
-                             f"the heap has {heap.num_ranks} PEs")
+        if inject not in INJECT_BITS:
+            raise ValueError(f"inject must be one of {list(INJECT_BITS)}, got {inject!r}")
+        self.inject = inject
+        self.inject_bits = INJECT_BITS[inject]
+        R, me = heap.num_ranks, heap.rank
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+        if shape.num_experts % R:
+            raise ValueError(f"shape.num_experts={shape.num_experts} must be a multiple of the {R} PEs")
+        tokens = [int(t) for t in tokens_per_rank]
+        if len(tokens) != R or any(t < 0 for t in tokens):
+            raise ValueError(f"tokens_per_rank must hold {R} counts >= 0 (one per PE), got {list(tokens_per_rank)}")
+        E_loc = shape.num_experts // R
+        if fw.w1.shape[0] != E_loc or fw.w2.shape[0] != E_loc:
+            raise ValueError(f"fw must hold this PE's {E_loc} experts (w1 [{E_loc}, 2I, H]), got w1 "
+                             f"{list(fw.w1.shape)}; FastWeights.local(rank, num_ranks) slices a full set")
+        if tuple(fw.router.shape) != (shape.num_experts, shape.hidden):
+            raise ValueError(f"fw.router must be the global router [{shape.num_experts}, {shape.hidden}], "
+                             f"got {list(fw.router.shape)}")
         self.heap, self.shape, self.fw, self.plan = heap, shape, fw, plan
-        self.tokens = int(tokens)
-        self.chunk = min(plan.chunk_tokens, self.tokens)
-        self.num_chunks = max(1, math.ceil(self.tokens / self.chunk))
+        self.R, self.me, self.E_loc, self.e_lo = R, me, E_loc, me * E_loc
+        self.tokens_per_rank = tokens
+        self.tokens = tokens[me]
+        t_max = max(tokens)
+        self.chunk = max(1, min(plan.chunk_tokens, max(t_max, 1)))
+        sp = StreamPlan(epoch=1, tokens_per_rank=tuple(tokens), tokens_per_slot=self.chunk)
+        self.num_chunks = max(1, sp.num_chunks)
+        S = min(plan.num_slots, self.num_chunks)
+        self.num_slots = S
+        H, Kk = shape.hidden, shape.topk
         dev = heap.device
-        layout = RingLayout(num_ranks=1, num_slots=plan.num_slots, tokens_per_slot=self.chunk, hidden=shape.hidden,
-                            topk=shape.topk, num_experts=shape.num_experts)
-        self.ring = DeviceRing(heap, layout, self.num_chunks, transport="p2p" if plan.policy == "green_ctx" else "nv",
-                               wake=(plan.policy == "stream_wait"), deadline_s=deadline_s, name="moe-ring")
-        L, H, Kk = layout, shape.hidden, shape.topk
-        buf = self.ring.region.local
+        self.dev = dev
+        layout = RingLayout(num_ranks=R, num_slots=S, tokens_per_slot=self.chunk, hidden=H, topk=Kk,
+                            num_experts=shape.num_experts)
+        self.layout = layout
+        self.ring = DeviceRing(heap, layout, self.num_chunks, transport="p2p" if plan.policy == "green_ctx" else transport,
+                               wake=(plan.policy == "stream_wait"), deadline_s=deadline_s, name=f"{name}-ring")
+        self.transport = self.ring.transport
+        # -- the owner's combine area (symmetric) ------------------------------------------------
+        self.comb_layout = CombineLayout(max_tokens=max(t_max, 1), topk=Kk, hidden=H, max_chunks=self.num_chunks)
+        CL = self.comb_layout
+        self.comb_region = heap.alloc(f"{name}-combine", CL.nbytes)
+        self.comb_base = self.comb_region.handle.ptr
+        loc = self.comb_region.local
+        self.arrived = loc[CL.off_arrived: CL.off_arrived + 8 * self.num_chunks].view(torch.int64)
+        self.comb_rows = loc[CL.off_rows: CL.off_rows + CL.rows_bytes].view(torch.bfloat16).view(-1, H)
+        if self.transport == "p2p":
+            comb_peers = heap.peer_table(self.comb_region)
+            self.comb_peers = int(comb_peers.data_ptr())
+            self.comb_delta = ((comb_peers - self.comb_base) // 2).contiguous()  # bf16 elements
+            self._comb_peers_t = comb_peers
+        # -- where each source's slot is read from -------------------------------------------------
+        ring_u8 = self.ring.region.local
+        self.ring_u8, self.ring_f32, self.ring_i64 = ring_u8, ring_u8.view(torch.float32), ring_u8.view(torch.int64)
+        base = self.ring.buf
+        if self.transport == "p2p":
+            delta = self.ring.peers_t - base
+        else:  # NVSHMEM gets into a local mirror laid out like the ring, one copy per source
+            self.mirror = torch.zeros(R, layout.nbytes, dtype=torch.uint8, device=dev)
+            self.mirror_stride = layout.nbytes
+            delta = torch.arange(R, dtype=torch.int64, device=dev) * layout.nbytes + (
+                int(self.mirror.data_ptr()) - base)
+        self.delta_u8 = delta.contiguous()
+        self.delta_f32 = (delta // 4).contiguous()
+        self.delta_i64 = (delta // 8).contiguous()
+        self.src_all = torch.arange(R, dtype=torch.int32, device=dev)
+        self.valid_tab = torch.tensor([[sp.chunk_tokens(r, c)[1] for r in range(R)] for c in range(self.num_chunks)],
+                                      dtype=torch.int32, device=dev)
+        # -- my slot, written by my producers ------------------------------------------------------
         n = self.chunk
 
         def view(off, nbytes, dtype, shape_):
-            return buf[off: off + nbytes].view(dtype).view(*shape_)
+            return ring_u8[off: off + nbytes].view(dtype).view(*shape_)
 
-        S = plan.num_slots
+        L = layout
         self.slot_x = [view(L.x_off(s), n * H, FP8, (n, H)) for s in range(S)]
         self.slot_sf = [view(L.x_sf_off(s), n * L.sf_cols * 4, torch.float32, (n, L.sf_cols)) for s in range(S)]
         self.slot_idx = [view(L.topk_idx_off(s), n * Kk * 8, torch.int64, (n, Kk)) for s in range(S)]
         self.slot_w = [view(L.topk_weights_off(s), n * Kk * 4, torch.float32, (n, Kk)) for s in range(S)]
-        self.prod = Producer(shape, fw, self.chunk, dev)
-        self.bc = BlockConsumer(shape, self.tokens, self.num_chunks, plan.block_m, dev)
+        # my routing kept for my reduce (the slot is reused before the results are back), -1 padded
+        self.my_idx = torch.full((self.num_chunks * n, Kk), -1, dtype=torch.int64, device=dev)
+        self.expected = torch.zeros(self.num_chunks, dtype=torch.int64, device=dev)
+        self.prod = Producer(shape, fw, n, dev)
+        local_shape = MoEShape(**{**shape.__dict__, "num_experts": E_loc, "n_group": 1, "topk_group": 1,
+                                  "router": "softmax_topk", "block_m": plan.block_m})
+        self.entries = R * n * Kk
+        self.bc = BlockConsumer(local_shape, max(sum(tokens), 1), self.num_chunks, plan.block_m, dev,
+                                ep_entries=self.entries, local_y=self.transport == "nv")
+        self.flat_e = torch.zeros(self.entries, dtype=torch.int32, device=dev)
+        self.flat_w = torch.zeros(self.entries, dtype=torch.float32, device=dev)
+        self.bad_routes = torch.zeros(1, dtype=torch.int32, device=dev)
+        self.straggler_t = torch.full((1,), int(straggler_ns), dtype=torch.int64, device=dev)
         self.stamps = torch.zeros((self.num_chunks + 1) * STAMP_STRIDE, dtype=torch.int64, device=dev) \
             if timeline else None
+        # -- streams -------------------------------------------------------------------------------
         self.green = None
         self.events = []
         if plan.policy == "green_ctx":
@@ -111,27 +235,24 @@ class StreamedMoE:
         elif plan.policy in ("serialized", "pdl"):
             self.pstream = self.dstream = self.gstream = None
         else:
-            # Producer and dispatch run at high priority: a waiting CTA of theirs is scheduled before
-            # the next pending CTA of a big GEMM grid, so chunk c+1 is produced and dispatched while
-            # the blocks of chunk c compute (without it the GPU's block scheduler drains the GEMM
-            # grid first and nothing overlaps). Captured graphs keep the priority per kernel node
-            # (torch instantiates with cudaGraphInstantiateFlagUseNodePriority).
+            # Producer and dispatch at high priority: their CTAs are scheduled before the next
+            # pending CTA of a big GEMM grid, so chunk c+1 is produced and dispatched while chunk c's
+            # blocks compute.
             hi = -10 if plan.priority_streams() else 0
             self.pstream = torch.cuda.Stream(device=dev, priority=hi)
             self.dstream = torch.cuda.Stream(device=dev, priority=hi)
             self.gstream = torch.cuda.Stream(device=dev, priority=0)
             self.events = [torch.cuda.Event() for _ in range(self.num_chunks)]
         self.ring.set_epoch(1)
+        heap.barrier()
 
-    # -- pieces --------------------------------------------------------------------------------
+    # -- pieces ------------------------------------------------------------------------------------
     def _stamp(self, row, col):
         if self.stamps is not None:
             K.stamp(self.stamps, row * STAMP_STRIDE + col)
 
     def _side(self, which):
         """Context manager making side ``which`` ('p' producer, 'd' dispatch, 'g' GEMMs) current."""
-        import contextlib
-
         stream = {"p": self.pstream, "d": self.dstream, "g": self.gstream}[which]
         if stream is None:
             return contextlib.nullcontext()
@@ -145,76 +266,138 @@ class StreamedMoE:
                 yield
         return both()
 
+    def _rows(self, c):
+        a = c * self.chunk
+        b = min(self.tokens, (c + 1) * self.chunk)
+        return a, max(a, b)
+
     def _produce(self, x, c):
         with nvtx_range(f"streamring produce chunk {c}", color="blue"):
-            r = self.ring
-            st = torch.cuda.current_stream()
-            s = c % self.plan.num_slots
-            a, b = c * self.chunk, min(self.tokens, (c + 1) * self.chunk)
+            r, st = self.ring, torch.cuda.current_stream()
+            s = c % self.num_slots
+            a, b = self._rows(c)
             n = b - a
             self._stamp(c, 5)
-            if c >= self.plan.num_slots:
-                r.reuse_wait(st, c)
-            self.prod.route(x[a:b], self.slot_idx[s][:n], self.slot_w[s][:n])
-            r.publish(st, c, RING_ROUTE)
+            if c == 0:
+                DK.ep_delay(self.heap.lib, self.ring.stream_ref(st), ns=int(self.straggler_t.data_ptr()))
+            if c >= self.num_slots:
+                r.reuse_wait(st, c, inject=self.inject_bits)
+            early = self.inject == "signal-before-payload"  # mutation: the generations before the payload
+            if early:
+                r.publish(st, c, RING_ROUTE, valid=n)
+                r.publish(st, c, RING_LAYOUT, valid=n)
+                DK.ep_delay(self.heap.lib, self.ring.stream_ref(st), ns=int(self.straggler_t.data_ptr()))
+            if n:
+                self.prod.route(x[a:b], self.slot_idx[s][:n], self.slot_w[s][:n])
+                self.my_idx[a:b].copy_(self.slot_idx[s][:n])
+            if not early:
+                r.publish(st, c, RING_ROUTE, valid=n)
             self._stamp(c, 0)
-            self.prod.layout(x[a:b], self.slot_x[s][:n], self.slot_sf[s][:n])
-            r.publish(st, c, RING_LAYOUT)
+            if n:
+                self.prod.layout(x[a:b], self.slot_x[s][:n], self.slot_sf[s][:n])
+            if not early:
+                r.publish(st, c, RING_LAYOUT, valid=n)
             self._stamp(c, 1)
+
+    def _expected(self):
+        # the owner's expected row count per chunk: its routed (token, k) pairs
+        self.expected.copy_((self.my_idx >= 0).view(self.num_chunks, -1).sum(dim=1))
 
     def _dispatch(self, c):
         with nvtx_range(f"streamring acquire+dispatch+ack chunk {c}", color="orange"):
-            r = self.ring
-            st = torch.cuda.current_stream()
-            s = c % self.plan.num_slots
-            a, b = c * self.chunk, min(self.tokens, (c + 1) * self.chunk)
-            n = b - a
+            r, st = self.ring, torch.cuda.current_stream()
+            s = c % self.num_slots
+            L = self.layout
             if self.plan.policy == "stream_wait":
                 r.wait_doorbells(st, c)
-            # acquire + exact (epoch, chunk) generation check; the wait itself under spin_kernel
-            r.spin_wait(st, c)
+            r.acquire_checked(st, c, self.valid_tab, inject=self.inject_bits)
+            if self.transport == "nv":
+                DK.ep_pull_slots(self.heap.lib, r.stream_ref(st), d=r.desc, buf=r.buf, mirror=int(self.mirror.data_ptr()),
+                                 mirror_stride=self.mirror_stride, src0=0, chunk=c, sources=self.R)
             self._stamp(c, 2)
-            self.bc.dispatch(c, self.slot_idx[s][:n], self.slot_w[s][:n], self.slot_x[s][:n], self.slot_sf[s][:n], a)
-            r.ack(st, c)
+            K.ep_gather(self.ring_i64, self.ring_f32, self.delta_i64, self.delta_f32, self.src_all, self.valid_tab, c,
+                        self.e_lo, L.topk_idx_off(s) // 8, L.topk_weights_off(s) // 4, self.flat_e, self.flat_w,
+                        self.bad_routes, num_ranks=self.R, tokens_per_slot=self.chunk, topk=self.shape.topk,
+                        local_experts=self.E_loc, num_experts=self.shape.num_experts)
+            self.bc.dispatch_ep(c, self.flat_e, self.flat_w, self.src_all, (self.ring_u8, self.ring_f32),
+                                (self.delta_u8, self.delta_f32), (L.x_off(s), L.x_sf_off(s) // 4))
+            r.ack(st, c)  # early input_consumed: nothing reads slot s of this chunk after the copy
             self._stamp(c, 3)
 
-    def _gemms(self, c):
+    def _gemms(self, lo, hi, max_items, max_ctas=None):
+        bc, r = self.bc, self.ring
+        st = torch.cuda.current_stream()
+        pdl = self.plan.policy == "pdl"
+        if self.transport == "p2p":
+            bc.compute(lo, hi, max_items, self.fw, pdl=pdl, max_ctas=max_ctas, out=self.comb_rows,
+                       direct=(bc.row_src, bc.row_tok, self.comb_delta))
+            DK.ep_signal_arrivals(self.heap.lib, r.stream_ref(st), d=r.desc, comb=self.comb_base, comb_peers=self.comb_peers,
+                                  me=self.me, off_arrived=self.comb_layout.off_arrived,
+                                  ready_list=int(bc.ready_list.data_ptr()), ready_hi=int(bc.ready_hi.data_ptr()),
+                                  lo_index=lo, hi_index=hi, row_src=int(bc.row_src.data_ptr()),
+                                  row_chunk=int(bc.row_chunk.data_ptr()), block_m=bc.block_m, max_items=max_items)
+        else:
+            bc.compute(lo, hi, max_items, self.fw, pdl=pdl, max_ctas=max_ctas)
+            DK.ep_put_rows(self.heap.lib, r.stream_ref(st), d=r.desc, comb=self.comb_base, me=self.me,
+                           off_arrived=self.comb_layout.off_arrived, off_rows=self.comb_layout.off_rows,
+                           y_stage=int(bc.y.data_ptr()), hidden=self.shape.hidden,
+                           ready_list=int(bc.ready_list.data_ptr()), ready_hi=int(bc.ready_hi.data_ptr()),
+                           lo_index=lo, hi_index=hi, row_src=int(bc.row_src.data_ptr()),
+                           row_tok=int(bc.row_tok.data_ptr()), row_chunk=int(bc.row_chunk.data_ptr()),
+                           block_m=bc.block_m, max_items=max_items)
+
+    def _chunk_gemms(self, c):
         with nvtx_range(f"streamring block GEMMs chunk {c}", color="green"):
-            n = min(self.tokens, (c + 1) * self.chunk) - c * self.chunk
-            self.bc.compute(c, c + 1, self.bc.max_ready(n), self.fw, pdl=self.plan.policy == "pdl",
-                            max_ctas=self.plan.chunk_gemm_ctas)
+            self._gemms(c, c + 1, self.max_ready_per_chunk(), self.plan.chunk_gemm_ctas)
             self._stamp(c, 4)
 
-    def _finish(self, out):
-        with nvtx_range("streamring seal+combine", color="red"):
+    def max_ready_per_chunk(self) -> int:
+        """Most blocks one chunk's dispatch can make ready (the GEMM grid bound)."""
+        return min(self.bc.max_blocks, self.entries // self.bc.block_m + self.E_loc)
+
+    def _seal(self):
+        with nvtx_range("streamring seal + GEMMs", color="red"):
             C = self.num_chunks
             self.bc.seal(C)
-            self.bc.compute(C, C + 1, self.bc.max_ready(0), self.fw, pdl=self.plan.policy == "pdl")
+            self._gemms(C, C + 1, min(self.bc.max_blocks, self.E_loc))
             self._stamp(C, 2)
-            self.bc.combine(out)
-            self._stamp(C, 3)
 
-    # -- the forward ---------------------------------------------------------------------------
+    def _combine(self, out):
+        with nvtx_range("streamring wait arrivals + combine", color="red"):
+            r, st = self.ring, torch.cuda.current_stream()
+            DK.ep_wait_arrivals(self.heap.lib, r.stream_ref(st), d=r.desc, comb=self.comb_base,
+                                off_arrived=self.comb_layout.off_arrived, expected=int(self.expected.data_ptr()),
+                                num_chunks=self.num_chunks)
+            T = self.tokens
+            K.combine_owner(self.comb_rows[: T * self.shape.topk], self.my_idx[:T], out, topk=self.shape.topk)
+            # reset before my next epoch publishes anything: no count carried across epochs
+            self.arrived.zero_()
+            self._stamp(self.num_chunks, 3)
+
+    # -- the forward --------------------------------------------------------------------------------
     def warm_up(self, x: torch.Tensor, out: torch.Tensor) -> None:
-        """One eager forward in the serialized order (no wait is enqueued before its producer),
-        then a device sync: compiles and loads every kernel the policy's order will use, so no
-        module load can happen while a consumer stream waits on the ring."""
+        """One eager forward in the serialized order (no wait enqueued before its producer), then a
+        device sync: compiles and loads every kernel the plan's order uses, so no module load can
+        happen while a stream waits on the ring. Raises if the ring reports any error."""
         self.enqueue(x, out, order="serialized")
-        torch.cuda.synchronize(self.heap.device)
+        torch.cuda.synchronize(self.dev)
         st = self.status()
-        if st.get("violations") or st.get("timeouts"):
+        if st["violations"] or st["timeouts"] or st["bad_routes"]:
             raise RuntimeError(f"ring errors in the warm-up forward: {st}")
 
     def enqueue(self, x: torch.Tensor, out: torch.Tensor, order: str | None = None) -> None:
-        """Enqueue one streamed forward of ``x [tokens, H]`` (bf16) into ``out`` (bf16).
+        """Enqueue one forward of this PE's ``x [tokens, H]`` (bf16) into ``out [tokens, H]`` (bf16).
 
+        Collective: every PE enqueues its forward (each replay of a captured graph likewise).
         ``order='serialized'`` forces the one-stream chunk-by-chunk order (used by :meth:`warm_up`).
         """
-        with nvtx_range(f"streamring StreamedMoE.enqueue ({self.num_chunks} chunks, {self.plan.policy})",
-                           color="purple"):
-            if x.shape != (self.tokens, self.shape.hidden) or out.shape != x.shape:
-                raise ValueError(f"x and out must have shape [{self.tokens}, {self.shape.hidden}], "
-                                 f"got {list(x.shape)} and {list(out.shape)}")
+        with nvtx_range(f"streamring EPMoE.enqueue ({self.num_chunks} chunks, {self.plan.policy})", color="purple"):
+            H = self.shape.hidden
+            if tuple(x.shape) != (self.tokens, H) or tuple(out.shape) != (self.tokens, H):
+                raise ValueError(f"x and out must have shape [{self.tokens}, {H}] (tokens_per_rank[{self.me}], "
+                                 f"hidden), got {list(x.shape)} and {list(out.shape)}")
+            if x.dtype != torch.bfloat16 or out.dtype != torch.bfloat16:
+                raise ValueError(f"x and out must be bfloat16, got {x.dtype} and {out.dtype}")
             r = self.ring
             origin = torch.cuda.current_stream()
             C = self.num_chunks
@@ -224,9 +407,11 @@ class StreamedMoE:
                 for c in range(C):
                     self._produce(x, c)
                     self._dispatch(c)
-                    self._gemms(c)
+                    self._chunk_gemms(c)
                 self._stamp(C, 1)
-                self._finish(out)
+                self._expected()
+                self._seal()
+                self._combine(out)
             else:
                 for st in {self.pstream, self.dstream, self.gstream}:
                     st.wait_stream(origin)
@@ -239,37 +424,36 @@ class StreamedMoE:
                         if self.events:
                             self.events[c].record()
                         else:
-                            self._gemms(c)  # green_ctx: dispatch and GEMMs share the consumer's stream
+                            self._chunk_gemms(c)  # green_ctx: dispatch and GEMMs share the consumer's stream
                 if self.events:
                     with self._side("g"):
                         for c in range(C):
                             self.gstream.wait_event(self.events[c])
-                            self._gemms(c)
+                            self._chunk_gemms(c)
                 with self._side("g"):
-                    self._finish(out)
+                    self._seal()
                 with self._side("p"):
                     for c in range(C):
                         self._produce(x, c)
+                    self._expected()
                     self._stamp(C, 1)
+                self.gstream.wait_stream(self.pstream)
+                with self._side("g"):
+                    self._combine(out)
                 for st in {self.pstream, self.dstream, self.gstream}:
                     origin.wait_stream(st)
             r.drain(origin)
             r.advance_epoch(origin)
 
     def capture(self, x: torch.Tensor, out: torch.Tensor, *, node_priority: bool = True):
-        """Capture one forward into a CUDA graph and return it (instantiated).
+        """Capture one forward into a CUDA graph and return it (call :meth:`warm_up` first).
 
-        Call :meth:`warm_up` first. With ``node_priority`` (and a policy whose producer/dispatch
-        streams are high-priority) every kernel node except the expert GEMMs is given the high
-        launch priority explicitly (a captured kernel node does not keep its stream's priority).
-        Measured on the H200 (``bench/probe_overlap.py``): neither this nor
-        ``CUDA_GRAPHS_USE_NODE_PRIORITY=1`` made the next chunk's producer run beside the current
-        chunk's GEMMs inside the graph; high-priority streams do it in eager mode.
-        ``self.node_priority_report`` says how many nodes were changed (or why none).
-        """
+        With ``node_priority`` (and high-priority producer/dispatch streams) every kernel node but
+        the expert GEMMs gets the high launch priority explicitly (a captured node does not keep
+        its stream's priority); ``self.node_priority_report`` says how many nodes were changed."""
         want = node_priority and self.plan.priority_streams() and self.events != []
         g = torch.cuda.CUDAGraph(keep_graph=want)
-        side = torch.cuda.Stream(device=self.heap.device)
+        side = torch.cuda.Stream(device=self.dev)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.graph(g, stream=side, capture_error_mode="thread_local"):
             self.enqueue(x, out)
@@ -280,14 +464,21 @@ class StreamedMoE:
         torch.cuda.current_stream().wait_stream(side)
         return g
 
+    def set_straggler(self, ns: int) -> None:
+        """Delay this PE's producer by ``ns`` nanoseconds (device side) in the next forwards (0: none)."""
+        self.straggler_t.fill_(int(ns))
+
     def status(self) -> dict:
-        """The ring's device status words (violations, timeouts, published, consumed, ...)."""
-        return self.ring.status()
+        """The ring's device status (violations, timeouts, published, consumed, first error) and the
+        number of corrupt routes dropped by the dispatch (``bad_routes``)."""
+        st = self.ring.status()
+        st["bad_routes"] = int(self.bad_routes.item())
+        return st
 
     def timeline(self) -> dict:
         """Per-chunk device timestamps of the last forward (needs ``timeline=True``), in us from start."""
         if self.stamps is None:
-            raise ValueError("this StreamedMoE was made without timeline=True")
+            raise ValueError("this EPMoE was made without timeline=True")
         st = self.stamps.view(-1, STAMP_STRIDE).cpu().numpy().astype(np.int64)
         t0 = int(st[self.num_chunks, 0])
         chunks = [{ev: (int(st[c, j]) - t0) / 1e3 for j, ev in enumerate(CHUNK_EVENTS)}
@@ -298,9 +489,12 @@ class StreamedMoE:
             chunks[c]["blocks_ready"] = ready[c + 1] - ready[c]
         tail["seal_blocks"] = ready[self.num_chunks + 1] - ready[self.num_chunks]
         return {"chunks": chunks, "tail": tail, "policy": self.plan.policy, "tokens": self.tokens,
-                "chunk_tokens": self.chunk, "num_slots": self.plan.num_slots, "block_m": self.plan.block_m}
+                "chunk_tokens": self.chunk, "num_slots": self.num_slots, "block_m": self.plan.block_m,
+                "rank": self.me, "ranks": self.R}
 
     def close(self) -> None:
+        """Free the ring and the combine area (collective)."""
+        self.heap.free(self.comb_region)
         self.ring.close()
 
 

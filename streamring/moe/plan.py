@@ -27,6 +27,11 @@ class PlanChoice:
     # GPU holds leave slots free for the producer and dispatch kernels of later chunks.
     chunk_gemm_ctas: int | None = None
 
+    @classmethod
+    def batch(cls, block_m: int = 64) -> "PlanChoice":
+        """The batch-ready path: one slot holding the whole batch, one chunk, one stream."""
+        return cls(chunk_tokens=1 << 30, num_slots=1, block_m=block_m, policy="serialized")
+
     def priority_streams(self) -> bool:
         """Whether the producer and dispatch streams run at high priority (``high_priority``, or
         the policy's default when it is None: on for spin_kernel only)."""

@@ -44,13 +44,54 @@ extern "C" __global__ void ring_spin_wait(const RingDesc* d, uint8_t* buf, int64
 }
 
 // Publish one readiness generation (kind RING_ROUTE or RING_LAYOUT) of my slot's chunk `chunk`
-// at every PE; the payload was written by earlier kernels of this stream (stream order), the
-// release inside publish() orders it before the generation.
+// at every PE; the payload was written by earlier kernels of this stream (stream order). Before
+// the release it writes the kind's metadata words of the slot (route: chunk index, token base,
+// `valid` tokens, generation, time; layout: generation, time), so a consumer can check them
+// (ring_acquire_checked); the release inside publish() orders payload and metadata before the
+// generation.
 extern "C" __global__ void ring_publish(const RingDesc* d, uint8_t* buf, const uint64_t* peers, int me,
-                                        int64_t chunk, int kind) {
+                                        int64_t chunk, int kind, int64_t valid) {
     if (d->num_chunks <= 0 || threadIdx.x != 0) return;
     const uint64_t g = ring_make_gen(cur_epoch(d), chunk);
+    uint64_t* m = meta_words(d, buf, chunk % d->num_slots);
+    if (kind == RING_ROUTE) {
+        m[META_CHUNK] = (uint64_t)chunk;
+        m[META_BASE] = (uint64_t)(chunk * d->tokens_per_slot);
+        m[META_VALID] = (uint64_t)valid;
+        m[META_ROUTE_GEN] = g;
+        m[META_ROUTE_NS] = global_timer_ns();
+    } else {
+        m[META_LAYOUT_GEN] = g;
+        m[META_LAYOUT_NS] = global_timer_ns();
+    }
     SR_WITH_TRANSPORT(buf, me, peers, publish(d, x, kind, chunk, g));
+}
+
+// Consumer: acquire both generations of (src0 + blockIdx.x, chunk), then check the source's
+// metadata words before anything of the slot is used: chunk index, token base, valid count
+// (`valid_tab[chunk * num_ranks + src]`, what the plan says that source holds) and both
+// generations. A mismatch records RE_META (source, chunk, seen, wanted) and counts a violation;
+// the data kernels then treat the source's rows as absent. Grid = #sources, one thread works.
+extern "C" __global__ void ring_acquire_checked(const RingDesc* d, uint8_t* buf, const uint64_t* peers, int me,
+                                                int64_t src0, int64_t chunk, const int* valid_tab, int inject) {
+    if (threadIdx.x != 0 || d->num_chunks <= 0) return;
+    const int64_t src = src0 + blockIdx.x;
+    const uint64_t g = ring_make_gen(cur_epoch(d), chunk);
+    if (!(inject & INJ_SKIP_ACQUIRE) && !acquire_wait(d, buf, src, chunk, g, inject)) return;
+    SR_WITH_TRANSPORT(buf, me, peers, {
+        const uint8_t* pb = x.peer_base((int)src);
+        const uint64_t* m = meta_words(d, buf, chunk % d->num_slots);
+        const uint64_t want[5] = {(uint64_t)chunk, (uint64_t)(chunk * d->tokens_per_slot),
+                                  (uint64_t)valid_tab[chunk * d->num_ranks + src], g, g};
+        const int word[5] = {META_CHUNK, META_BASE, META_VALID, META_ROUTE_GEN, META_LAYOUT_GEN};
+        for (int i = 0; i < 5; ++i) {
+            uint64_t seen = x.load64(m + word[i], (int)src, pb);
+            if (seen != want[i] && !(inject & INJ_IGNORE_EPOCH && i >= 3)) {
+                record_error(d, RE_META, src, chunk, seen, want[i]);
+                break;
+            }
+        }
+    });
 }
 
 // Acknowledge (src0 + blockIdx.x, chunk): the caller's earlier kernels on this stream acquired

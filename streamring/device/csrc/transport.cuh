@@ -32,6 +32,10 @@ struct NvX {
     __device__ uint64_t fetch_or(uint64_t* sym, uint64_t v, int pe) const {
         return nvshmem_uint64_atomic_fetch_or(sym, v, pe);
     }
+    // release-ordered ADD on a signal word (the caller released its data first)
+    __device__ void signal_add(uint64_t* sym, uint64_t v, int pe) const {
+        nvshmemx_signal_op(sym, v, NVSHMEM_SIGNAL_ADD, pe);
+    }
     __device__ uint32_t load32(const uint32_t* sym, int pe, const uint8_t* pb) const {
         if (pb) return ld_relaxed_sys_u32((const uint32_t*)(pb + ((const uint8_t*)sym - buf)));
         return nvshmem_uint32_g(sym, pe);
@@ -55,6 +59,7 @@ struct P2pX {
     __device__ uint64_t fetch_or(uint64_t* sym, uint64_t v, int pe) const {
         return atom_or_release_sys(translate(sym, pe), v);
     }
+    __device__ void signal_add(uint64_t* sym, uint64_t v, int pe) const { atom_add_release_sys(translate(sym, pe), v); }
     __device__ uint32_t load32(const uint32_t* sym, int, const uint8_t* pb) const {
         return ld_relaxed_sys_u32((const uint32_t*)(pb + ((const uint8_t*)sym - buf)));
     }
@@ -63,14 +68,15 @@ struct P2pX {
     }
 };
 
-// Run `body(x)` with the transport the host chose: P2P when `peers` is given, else NVSHMEM.
-#define SR_WITH_TRANSPORT(buf, me, peers, body) \
-    do {                                        \
-        if (peers) {                            \
-            P2pX x{(buf), (me), (peers)};       \
-            body;                               \
-        } else {                                \
-            NvX x{(buf), (me)};                 \
-            body;                               \
-        }                                       \
+// Run the statement(s) after the first three arguments with `x` bound to the transport the host
+// chose: P2P when `peers` is given, else NVSHMEM (variadic, so the body may contain commas).
+#define SR_WITH_TRANSPORT(buf, me, peers, ...) \
+    do {                                       \
+        if (peers) {                           \
+            P2pX x{(buf), (me), (peers)};      \
+            __VA_ARGS__;                       \
+        } else {                               \
+            NvX x{(buf), (me)};                \
+            __VA_ARGS__;                       \
+        }                                      \
     } while (0)
