@@ -6,43 +6,28 @@
 # 1. installs the carried wheels (.whl/: nvshmem4py, pydantic, ...) into .site, puts .site and the
 #    repo on PYTHONPATH (no pip install of the project: the machine has no network);
 # 2. builds the cubin (nvcc -rdc + -dlink --cubin against the image's NVSHMEM 3.4.5);
-# 3. one PE, no MPS: device-side graph replay (10^4 replays per progress policy + negative
-#    controls), stress through the host verbs, tests/test_gpu.py, the latency benchmark;
-# 4. starts the MPS daemon; 2, 3 and 4 PEs (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=100/N) through
-#    `mpiexec --allow-run-as-root --oversubscribe -n N python3 -m streamring ...`: graph replay,
-#    stress on configs/stress-*.yaml, every --inject mode (must fail); stops MPS;
+# 3. phase single (1 PE, no MPS): `streamring gpu-check` (10^4 graph replays per progress policy +
+#    negative controls), stress through the host verbs, the EP layer run, the native GPU tests,
+#    the latency benchmark;
+# 4. phase gpus (one PE per GPU when the machine has several; no MPS): gpu-check, the
+#    expert-parallel layer under every policy and transport, uneven/empty ranks, a straggler,
+#    every protocol mutation (must fail), host-verb layer and stress, torchrun bootstrap;
+#    or phase mps (one GPU): 2, 3 and 4 PEs under MPS (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=100/N);
 # 5. prints a table. Every step has a timeout; the steps share a time budget (default 520 s)
 #    so the script ends within 9 minutes. Exit status 0 iff every expectation held.
 # Env: GPU_CHECK_BUDGET_S (default 520), GPU_CHECK_ONLY=REGEX (run only matching steps),
-#      STREAMRING_CACHE (cubin cache, default /tmp/streamring-cache).
+#      GPU_CHECK_PHASES ("single gpus" on several GPUs, else "single mps"),
+#      STREAMRING_CACHE (cubin cache, default .cache/streamring: built ahead and carried).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export OUT="${OUT:-$PWD/out}"
-mkdir -p "$OUT"
-LOG="$OUT/gpu_check.log"
+LOG="${OUT:-$PWD/out}/gpu_check.log"
+mkdir -p "$(dirname "$LOG")"
 : > "$LOG"
+say() { echo "$*" | tee -a "$LOG"; }
+. launch/device_env.sh
 rm -f "$OUT/summary.json"
 export GPU_CHECK_T0="$(date +%s)"
 export GPU_CHECK_BUDGET_S="${GPU_CHECK_BUDGET_S:-520}"
-export PYTHONUNBUFFERED=1
-# NVLink multicast stays off everywhere (shared machines): never remove these.
-export NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
-export OMPI_MCA_osc="^ucx"
-# a cubin built ahead on the CPU machine (same nvcc and NVSHMEM: same cache key) travels in .cache/
-export STREAMRING_CACHE="${STREAMRING_CACHE:-$PWD/.cache/streamring}"
-# every stream its own hardware queue (a blocked cuStreamWaitValue64 must not share one with its producer)
-export CUDA_DEVICE_MAX_CONNECTIONS=32
-
-say() { echo "$*" | tee -a "$LOG"; }
-
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target .site .whl/*.whl >>"$LOG" 2>&1 \
-    || { say "gpu_check: installing the carried wheels failed (see $LOG)"; exit 3; }
-else
-  say "gpu_check: no .whl/*.whl carried (run /work/shared/device/fetch-wheels.sh and carry .whl)"
-fi
-export PYTHONPATH="$PWD/.site:$PWD:${PYTHONPATH:-}"
 
 {
   echo "=== environment"
@@ -76,7 +61,6 @@ EOF
 
 # Phases (GPU_CHECK_PHASES, default: single, then gpus on a machine with several GPUs, else mps):
 #   single - 1 PE;  gpus - one PE per GPU (no MPS);  mps - 2, 3 and 4 PEs on one GPU under MPS
-NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ')
 if [ -z "${GPU_CHECK_PHASES:-}" ]; then
   if [ "$NGPU" -ge 2 ]; then GPU_CHECK_PHASES="single gpus"; else GPU_CHECK_PHASES="single mps"; fi
 fi

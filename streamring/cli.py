@@ -66,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="PATH", help="write every check's result as JSON")
     sub.add_parser("check-env", help="print what streamring finds on this machine")
     p = sub.add_parser("timeline", help="draw the device timeline of a streamed forward as a PNG")
-    p.add_argument("input", metavar="JSON", help="bench/layer_gpu.py output (--timeline-json) or one timeline")
+    p.add_argument("input", metavar="JSON", help="bench/ep_layer.py --timeline-json output, or one timeline")
     p.add_argument("--out", metavar="PNG", default="timeline.png")
     p.add_argument("--tokens", type=int, action="append", help="only the timelines of these token counts")
     return ap

@@ -1,6 +1,6 @@
 """Draw the device timeline of a streamed forward (``streamring timeline``).
 
-Input: the JSON written by ``bench/layer_gpu.py --timeline-json`` (its ``timelines``
+Input: the JSON written by ``bench/ep_layer.py --timeline-json`` (its ``timelines``
 list), or one timeline object as returned by
 :meth:`streamring.moe.gpu_layer.EPMoE.timeline`. Every time is in microseconds from
 the forward's start, read from the GPU's ``%globaltimer`` by stamp kernels on the streams.

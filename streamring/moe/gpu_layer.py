@@ -223,6 +223,7 @@ class EPMoE:
         self.straggler_t = torch.full((1,), int(straggler_ns), dtype=torch.int64, device=dev)
         self.stamps = torch.zeros((self.num_chunks + 1) * STAMP_STRIDE, dtype=torch.int64, device=dev) \
             if timeline else None
+        self._recording = True
         # -- streams -------------------------------------------------------------------------------
         self.green = None
         self.events = []
@@ -248,7 +249,7 @@ class EPMoE:
 
     # -- pieces ------------------------------------------------------------------------------------
     def _stamp(self, row, col):
-        if self.stamps is not None:
+        if self.stamps is not None and self._recording:
             K.stamp(self.stamps, row * STAMP_STRIDE + col)
 
     def _side(self, which):
@@ -385,12 +386,21 @@ class EPMoE:
         if st["violations"] or st["timeouts"] or st["bad_routes"]:
             raise RuntimeError(f"ring errors in the warm-up forward: {st}")
 
-    def enqueue(self, x: torch.Tensor, out: torch.Tensor, order: str | None = None) -> None:
+    def enqueue(self, x: torch.Tensor, out: torch.Tensor, order: str | None = None, stamps: bool = True) -> None:
         """Enqueue one forward of this PE's ``x [tokens, H]`` (bf16) into ``out [tokens, H]`` (bf16).
 
         Collective: every PE enqueues its forward (each replay of a captured graph likewise).
         ``order='serialized'`` forces the one-stream chunk-by-chunk order (used by :meth:`warm_up`).
+        ``stamps=False`` leaves the timeline stamp kernels out (a layer made with ``timeline=True``
+        can capture one graph for timing and one for its timeline).
         """
+        self._recording = stamps
+        try:
+            self._enqueue(x, out, order)
+        finally:
+            self._recording = True
+
+    def _enqueue(self, x, out, order):
         with nvtx_range(f"streamring EPMoE.enqueue ({self.num_chunks} chunks, {self.plan.policy})", color="purple"):
             H = self.shape.hidden
             if tuple(x.shape) != (self.tokens, H) or tuple(out.shape) != (self.tokens, H):
@@ -445,7 +455,7 @@ class EPMoE:
             r.drain(origin)
             r.advance_epoch(origin)
 
-    def capture(self, x: torch.Tensor, out: torch.Tensor, *, node_priority: bool = True):
+    def capture(self, x: torch.Tensor, out: torch.Tensor, *, node_priority: bool = True, stamps: bool = True):
         """Capture one forward into a CUDA graph and return it (call :meth:`warm_up` first).
 
         With ``node_priority`` (and high-priority producer/dispatch streams) every kernel node but
@@ -456,7 +466,7 @@ class EPMoE:
         side = torch.cuda.Stream(device=self.dev)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.graph(g, stream=side, capture_error_mode="thread_local"):
-            self.enqueue(x, out)
+            self.enqueue(x, out, stamps=stamps)
         self.node_priority_report = "not asked" if not want else _prioritize_nodes(
             g, {int(k.function) for k in self.bc.gemm_kernels}, self.pstream.priority)
         if want:
