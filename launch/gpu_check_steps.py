@@ -204,9 +204,9 @@ def phase_single(state: dict) -> None:
     fj = TMP / "fast-1.json"
     run_step(state, "EP layer run (1 PE, spin_kernel)", run_cmd(1, fj, *FAST), 150, pes=1, judge=judge_run,
              json_path=fj)
-    run_step(state, "pytest tests/test_gpu.py tests/test_ep_kernels.py tests/test_blocks.py (native)",
-             [PY, "-m", "pytest", "-q", "-rs", "tests/test_gpu.py", "tests/test_ep_kernels.py", "tests/test_blocks.py",
-              "-p", "no:cacheprovider"], 240, pes=1, judge=judge_pytest)
+    run_step(state, "pytest test_gpu, test_gpu_ep, test_ep_kernels, test_blocks (native)",
+             [PY, "-m", "pytest", "-q", "-rs", "tests/test_gpu.py", "tests/test_gpu_ep.py", "tests/test_ep_kernels.py",
+              "tests/test_blocks.py", "-p", "no:cacheprovider"], 300, pes=1, judge=judge_pytest)
     bj = OUT / "bench.json"
     run_step(state, "bench_signal_latency", mpiexec(1, "-m", "bench.signal_latency", "--json", str(bj)), 120,
              pes=1, json_path=bj)
