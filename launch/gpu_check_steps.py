@@ -38,6 +38,7 @@ def _now() -> float:
 
 T_START = float(os.environ.get("GPU_CHECK_T0", "0")) or time.time()
 BUDGET_S = float(os.environ.get("GPU_CHECK_BUDGET_S", "520"))
+REPLAYS = os.environ.get("GPU_CHECK_REPLAYS", "10000")  # graph replays per policy in gpu-check steps
 
 
 def elapsed() -> float:
@@ -192,8 +193,8 @@ def phase_single(state: dict) -> None:
     TMP.mkdir(parents=True, exist_ok=True)
     run_step(state, "build cubin", [PY, "-m", "streamring.device.build", "-v"], 240, pes=0)
     gj = TMP / "graph-1.json"
-    run_step(state, "graph replay x1e4, all policies + negative controls", mpiexec(
-        1, "-m", "streamring", "gpu-check", "--policies", "all", "--replays", "10000", "--controls",
+    run_step(state, f"gpu-check x{REPLAYS} replays, all policies + negative controls", mpiexec(
+        1, "-m", "streamring", "gpu-check", "--policies", "all", "--replays", REPLAYS, "--controls",
         "--json", str(gj)), 150, pes=1, judge=judge_graph, json_path=gj)
     sj = TMP / "stress-1.json"
     run_step(state, "stress default", stress_cmd(1, sj, "--set", "stress.chunks_per_rank=16"), 90, pes=1,
@@ -217,8 +218,8 @@ def phase_multi(state: dict) -> None:
     mps = lambda n: {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(100 // n)}  # noqa: E731
     # 2 PEs
     gj = TMP / "graph-2.json"
-    run_step(state, "graph replay x1e4, all policies", mpiexec(
-        2, "-m", "streamring", "gpu-check", "--policies", "all", "--replays", "10000", "--json", str(gj)),
+    run_step(state, f"gpu-check x{REPLAYS} replays, all policies", mpiexec(
+        2, "-m", "streamring", "gpu-check", "--policies", "all", "--replays", REPLAYS, "--json", str(gj)),
         150, pes=2, judge=judge_graph, json_path=gj, env=mps(2))
     sj = TMP / "stress-2.json"
     run_step(state, "stress default", stress_cmd(2, sj, "--set", "stress.chunks_per_rank=16"), 90, pes=2,
@@ -240,8 +241,8 @@ def phase_multi(state: dict) -> None:
         "--set", "ring.num_slots=2", "--set", "ring.tokens_per_slot=16"), 150, pes=4, judge=judge_run,
         json_path=rj, env=mps(4))
     gj = TMP / "graph-4.json"
-    run_step(state, "graph replay x1e4, all policies", mpiexec(
-        4, "-m", "streamring", "gpu-check", "--policies", "all", "--replays", "10000", "--json", str(gj)),
+    run_step(state, f"gpu-check x{REPLAYS} replays, all policies", mpiexec(
+        4, "-m", "streamring", "gpu-check", "--policies", "all", "--replays", REPLAYS, "--json", str(gj)),
         150, pes=4, judge=judge_graph, json_path=gj, env=mps(4))
     # 3 PEs: every inject mode must be caught (as the CPU suite does), then the 3-rank configs
     for mode, cfg, chunks in (("skip-acquire", "stress-basic.yaml", 16),
@@ -302,8 +303,8 @@ def phase_gpus(state: dict) -> None:
         return
     TMP.mkdir(parents=True, exist_ok=True)
     gj = TMP / f"graph-{n}gpu.json"
-    run_step(state, "gpu-check x1e4, all policies + negative controls (one PE per GPU)", mpiexec(
-        n, "-m", "streamring", "gpu-check", "--policies", "all", "--replays", "10000", "--controls",
+    run_step(state, f"gpu-check x{REPLAYS} replays, all policies + negative controls (one PE per GPU)", mpiexec(
+        n, "-m", "streamring", "gpu-check", "--policies", "all", "--replays", REPLAYS, "--controls",
         "--json", str(gj)), 150, pes=n, judge=judge_graph, json_path=gj)
     for policy in ("spin_kernel", "serialized", "stream_wait", "pdl", "green_ctx"):
         rj = TMP / f"fast-{policy}.json"
