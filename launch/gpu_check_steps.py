@@ -359,7 +359,7 @@ def report(state: dict) -> int:
                      f"{s.get('wall_s', 0):>7.1f}  {s.get('note', '')[:120]}")
     # graph rows and bench, in short
     for s in state["steps"]:
-        if s["name"].startswith("graph") and isinstance(s.get("json"), list):
+        if s["name"].startswith("gpu-check") and isinstance(s.get("json"), list):
             for r in s["json"]:
                 lines.append(f"   graph PEs={r.get('pes')} {r.get('policy'):<12} inject={r.get('inject'):<22} "
                              f"{r.get('verdict'):<5} mode={str(r.get('mode'))[:40]:<40} replays={r.get('replays')} "
