@@ -109,9 +109,9 @@ class DeviceRing:
     def stream_ref(self, stream):
         """A cached :class:`~streamring.device.kernels.StreamRef` of a torch stream (or the StreamRef
         itself), for launching kernels of the library on that stream."""
-        key = id(stream)
+        key = stream.handle if hasattr(stream, "handle") and hasattr(stream, "core") else int(stream.cuda_stream)
         ref = self._refs.get(key)
-        if ref is None or ref.torch is not stream:
+        if ref is None:
             ref = self._refs[key] = as_stream_ref(stream)
         return ref
 
@@ -147,6 +147,21 @@ class DeviceRing:
         """Consumer: enqueue the acquire of both generations of ``chunk`` of sources ``src0 ..``."""
         K.ring_spin_wait(self.lib, self.stream_ref(stream), d=self.desc, buf=self.buf, src0=src0, chunk=chunk,
                          inject=inject, sources=self._sources(sources))
+
+    def wait_any(self, stream, chunk: int, valid_tab, pending, first: bool, chosen, inject: int = 0) -> None:
+        """Consumer, ready order: enqueue the acquire (and metadata check) of whichever source of
+        ``chunk`` still in the device bitmask ``pending`` (uint64) is ready first; its index goes to
+        the device int32 ``chosen``. ``first`` resets ``pending`` to every source."""
+        if self.layout.num_ranks > 64:
+            raise ValueError(f"ready order supports up to 64 PEs, the ring has {self.layout.num_ranks}")
+        K.ring_wait_any(self.lib, self.stream_ref(stream), d=self.desc, buf=self.buf, peers=self.peers, me=self.me,
+                        chunk=chunk, valid_tab=int(valid_tab.data_ptr()), pending=int(pending.data_ptr()),
+                        first=int(first), chosen=int(chosen.data_ptr()), inject=inject)
+
+    def ack_chosen(self, stream, chunk: int, chosen) -> None:
+        """Consumer, ready order: enqueue the acknowledgement of ``chunk`` of the source in ``chosen``."""
+        K.ring_ack_chosen(self.lib, self.stream_ref(stream), d=self.desc, buf=self.buf, peers=self.peers, me=self.me,
+                          chosen=int(chosen.data_ptr()), chunk=chunk)
 
     def ack(self, stream, chunk: int, src0: int = 0, sources: int | None = None) -> None:
         """Consumer: enqueue the acknowledgement of ``chunk`` of sources ``src0 ..`` (after their reads)."""

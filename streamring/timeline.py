@@ -100,11 +100,15 @@ def draw(timelines: list[dict], out: str | Path) -> Path:
         labels = []
         y = 0
         bm = t.get("batch_ms")
-        if bm:
+        if isinstance(bm, dict):
             ax.barh(y, bm["producer"] * 1e3, left=0, color=COLORS["batch-producer"], height=0.6)
             ax.barh(y, bm["total"] * 1e3 - bm["producer"] * 1e3, left=bm["producer"] * 1e3, color=COLORS["batch-moe"],
                     height=0.6)
             labels.append(f"batch path ({bm['total']:.2f} ms)")
+            y += 1
+        elif bm:  # the batch forward's median time only
+            ax.barh(y, bm * 1e3, left=0, color=COLORS["batch-moe"], height=0.6)
+            labels.append(f"batch path ({bm:.2f} ms)")
             y += 1
         for label, a, b, kind in bars:
             ax.barh(y, max(b - a, 0.5), left=a, color=COLORS[kind], height=0.6)
@@ -119,7 +123,8 @@ def draw(timelines: list[dict], out: str | Path) -> Path:
         ax.invert_yaxis()
         ax.set_xlabel("device time since the forward's start (us, %globaltimer)")
         sm = t.get("streamed_ms")
-        ax.set_title(f"{t['tokens']} tokens, {len(t['chunks'])} chunks of {t.get('chunk_tokens')}, "
+        who = f"PE {t['rank']} of {t['ranks']}: " if "rank" in t else ""
+        ax.set_title(who + f"{t['tokens']} tokens, {len(t['chunks'])} chunks of {t.get('chunk_tokens')}, "
                      f"{t.get('num_slots')} slots, block_m {t.get('block_m')}, policy {t['policy']}"
                      + (f" - streamed {sm:.2f} ms (graph median)" if sm else ""), fontsize=9)
         ax.grid(axis="x", alpha=0.3)

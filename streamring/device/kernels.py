@@ -242,6 +242,19 @@ def ring_ack(lib, stream, *, d: int, buf: int, peers: int, me: int, src0: int, c
     lib.launch(stream, "ring_ack", sources, 1, d=d, buf=buf, peers=peers, me=me, src0=src0, chunk=chunk)
 
 
+def ring_wait_any(lib, stream, *, d: int, buf: int, peers: int, me: int, chunk: int, valid_tab: int, pending: int,
+                  first: int, chosen: int, inject: int) -> None:
+    """Ready order: acquire (and check) whichever pending source of ``chunk`` is ready first; its
+    index goes to the device int32 ``chosen`` (``pending``: a device uint64 bitmask of sources)."""
+    lib.launch(stream, "ring_wait_any", 1, 1, d=d, buf=buf, peers=peers, me=me, chunk=chunk, valid_tab=valid_tab,
+               pending=pending, first=first, chosen=chosen, inject=inject)
+
+
+def ring_ack_chosen(lib, stream, *, d: int, buf: int, peers: int, me: int, chosen: int, chunk: int) -> None:
+    """Acknowledge ``chunk`` of the source in the device int32 ``chosen``."""
+    lib.launch(stream, "ring_ack_chosen", 1, 1, d=d, buf=buf, peers=peers, me=me, chosen=chosen, chunk=chunk)
+
+
 # ----------------------------------------------------------------------------------------------
 # selftest.cu: the synthetic producer/consumer of `streamring gpu-check`
 # ----------------------------------------------------------------------------------------------
@@ -319,6 +332,6 @@ def flag_pingpong(lib, stream, *, my_flag: int, peer_flag: int, initiator: int, 
 LAUNCHERS = {f.__name__: f for f in (
     sr_put, sr_get, sr_put_signal, sr_signal_op, sr_signal_fetch, sr_atomic_fetch_or, sr_atomic_fetch_add, sr_fence,
     sr_quiet, sr_peer_table, sr_my_pe, ring_reuse_wait, ring_drain, ring_advance_epoch, ring_spin_wait,
-    ring_publish, ring_acquire_checked, ring_ack, ring_produce, ring_consume, ep_signal_arrivals, ep_put_rows,
+    ring_publish, ring_acquire_checked, ring_wait_any, ring_ack_chosen, ring_ack, ring_produce, ring_consume, ep_signal_arrivals, ep_put_rows,
     ep_pull_slots, ep_wait_arrivals, ep_delay, ring_pingpong, flag_pingpong,
 )}

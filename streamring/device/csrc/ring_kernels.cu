@@ -104,3 +104,76 @@ extern "C" __global__ void ring_ack(const RingDesc* d, uint8_t* buf, const uint6
     const uint64_t g = ring_make_gen(cur_epoch(d), chunk);
     SR_WITH_TRANSPORT(buf, me, peers, ack_slot(d, x, src0 + blockIdx.x, chunk, g, 0));
 }
+
+// Consumer, ready order (the RFC's later optimisation: process sources independently): wait
+// (acquire, deadline) until ANY source still pending for `chunk` has both generations ready, check
+// its metadata as ring_acquire_checked does, remove it from *pending (one bit per source; reset to
+// every source when `first`), and write it to *chosen. The data kernels that follow read the source
+// from *chosen, so the order is decided on the device at run time (a CUDA graph stays fixed).
+// One thread. On a violation or the deadline the error is recorded and the lowest pending source
+// is chosen (the forward then fails its checks; nothing waits forever). num_ranks <= 64.
+extern "C" __global__ void ring_wait_any(const RingDesc* d, uint8_t* buf, const uint64_t* peers, int me, int64_t chunk,
+                                         const int* valid_tab, uint64_t* pending, int first, int* chosen, int inject) {
+    if (threadIdx.x != 0 || blockIdx.x != 0 || d->num_chunks <= 0) return;
+    const uint64_t all = full_mask(d, 0);
+    if (first) *pending = all;
+    const uint64_t g = ring_make_gen(cur_epoch(d), chunk);
+    const int64_t slot = chunk % d->num_slots;
+    const long long start = clock64();
+    uint64_t m = *pending;
+    int pick = m ? __ffsll((long long)m) - 1 : 0;
+    bool ok = false;
+    for (int64_t spins = 0; m && !ok; ++spins) {
+        for (uint64_t left = m; left; left &= left - 1) {
+            const int src = __ffsll((long long)left) - 1;
+            const uint64_t r = ld_acquire_sys_u64(route_gen_word(d, buf, src, slot));
+            const uint64_t l = ld_acquire_sys_u64(layout_gen_word(d, buf, src, slot));
+            const int cr = classify(d, r, g, inject), cl = classify(d, l, g, inject);
+            if (cr == GEN_VIOLATION || cl == GEN_VIOLATION) {
+                record_error(d, RE_NEWER_GEN, src, chunk, cr == GEN_VIOLATION ? r : l, g);
+                pick = src;
+                m = 0;
+                break;
+            }
+            if (cr == GEN_READY && cl == GEN_READY) {
+                pick = src;
+                ok = true;
+                break;
+            }
+        }
+        if (!ok && m && (aborted(d) || clock64() - start > d->deadline_cycles)) {
+            record_error(d, RE_ACQUIRE_TIMEOUT, pick, chunk, m, 0);
+            break;
+        }
+        if (spins > 4096) __nanosleep(64);
+    }
+    __threadfence_system();
+    if (ok) {
+        SR_WITH_TRANSPORT(buf, me, peers, {
+            const uint8_t* pb = x.peer_base(pick);
+            const uint64_t* mw = meta_words(d, buf, slot);
+            const uint64_t want[5] = {(uint64_t)chunk, (uint64_t)(chunk * d->tokens_per_slot),
+                                      (uint64_t)valid_tab[chunk * d->num_ranks + pick], g, g};
+            const int word[5] = {META_CHUNK, META_BASE, META_VALID, META_ROUTE_GEN, META_LAYOUT_GEN};
+            for (int i = 0; i < 5; ++i) {
+                uint64_t seen = x.load64(mw + word[i], pick, pb);
+                if (seen != want[i] && !(inject & INJ_IGNORE_EPOCH && i >= 3)) {
+                    record_error(d, RE_META, pick, chunk, seen, want[i]);
+                    break;
+                }
+            }
+        });
+    }
+    *pending &= ~(1ull << pick);
+    *chosen = pick;
+}
+
+// Acknowledge (*chosen, chunk): the ready-order form of ring_ack (the source was picked on the
+// device by ring_wait_any; the reads of its slot are earlier kernels of this stream).
+extern "C" __global__ void ring_ack_chosen(const RingDesc* d, uint8_t* buf, const uint64_t* peers, int me,
+                                           const int* chosen, int64_t chunk) {
+    if (d->num_chunks <= 0 || threadIdx.x != 0 || blockIdx.x != 0) return;
+    __threadfence_system();
+    const uint64_t g = ring_make_gen(cur_epoch(d), chunk);
+    SR_WITH_TRANSPORT(buf, me, peers, ack_slot(d, x, (int64_t)*chosen, chunk, g, 0));
+}

@@ -88,7 +88,7 @@ static __device__ bool acquire_wait(const RingDesc* d, uint8_t* buf, int64_t src
     const uint64_t* words[2] = {route_gen_word(d, buf, src, slot), layout_gen_word(d, buf, src, slot)};
     long long start = clock64();
     for (int k = 0; k < 2; ++k) {
-        while (true) {
+        for (int64_t spins = 0;; ++spins) {
             uint64_t seen = ld_acquire_sys_u64(words[k]);  // acquire (system scope)
             int st = classify(d, seen, g, inject);
             if (st == GEN_READY) break;
@@ -100,7 +100,9 @@ static __device__ bool acquire_wait(const RingDesc* d, uint8_t* buf, int64_t src
                 record_error(d, RE_ACQUIRE_TIMEOUT, src, chunk, seen, g);
                 return false;
             }
-            __nanosleep(32);
+            // poll flat out first (the publish->acquire latency is what the ring is for), then back
+            // off so a long wait does not hammer the memory system
+            if (spins > 4096) __nanosleep(64);
         }
     }
     __threadfence_system();  // belt and braces: no later load is satisfied before the acquire
