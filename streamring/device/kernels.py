@@ -296,11 +296,12 @@ def ep_put_rows(lib, stream, *, d: int, comb: int, me: int, off_arrived: int, of
                    block_m=block_m)
 
 
-def ep_pull_slots(lib, stream, *, d: int, buf: int, mirror: int, mirror_stride: int, src0: int, chunk: int,
+def ep_pull_slots(lib, stream, *, d: int, buf: int, mirror: int, mirror_stride: int, src_list: int, chunk: int,
                   sources: int, block: int = 256) -> None:
-    """NVSHMEM path: get the slot of ``chunk`` of sources ``src0 ..`` into the local mirror."""
+    """NVSHMEM path: get the slot of ``chunk`` of the ``sources`` sources listed in the device int32
+    ``src_list`` into the local mirror."""
     lib.launch(stream, "ep_pull_slots", sources, block, d=d, buf=buf, mirror=mirror, mirror_stride=mirror_stride,
-               src0=src0, chunk=chunk)
+               src_list=src_list, chunk=chunk)
 
 
 def ep_wait_arrivals(lib, stream, *, d: int, comb: int, off_arrived: int, expected: int, num_chunks: int) -> None:
