@@ -277,24 +277,25 @@ def bench_tokens(heap, T, shape, fw, full, base, args, rows, timelines):
                  "bitwise_equal_to_batch": True})
     # -- streamed -------------------------------------------------------------------------------
     best = None
-    for C in args.chunks:
-        chunk = math.ceil(T / C)
-        if C < 2 or chunk < 8:
-            continue
-        for policy in args.policies:
-            cfg = {"chunks": C, "chunk_tokens": chunk, "policy": policy, "num_slots": min(args.slots, C)}
+    tls_of = {}  # timelines of each streamed plan (every PE's); the best plan's are kept
+    plans = [(C, policy, ctas, order) for C in args.chunks for policy in args.policies for ctas in args.ctas
+             for order in args.orders if C >= 2 and math.ceil(T / C) >= 8]
+    for C, policy, ctas, order in plans:
+            chunk = math.ceil(T / C)
+            cfg = {"chunks": C, "chunk_tokens": chunk, "policy": policy, "num_slots": min(args.slots, C),
+                   "chunk_gemm_ctas": ctas, "source_order": order}
             y_s = torch.zeros_like(x)
             sm = None
             try:
                 plan = PlanChoice(chunk_tokens=chunk, num_slots=cfg["num_slots"], block_m=args.block_m, policy=policy,
-                                  chunk_gemm_ctas=args.chunk_gemm_ctas)
+                                  chunk_gemm_ctas=ctas)
                 sm = EPMoE(heap, shape, fw, tokens, plan, transport=args.transport, deadline_s=args.deadline_s,
-                           timeline=True, name="bench-stream")
+                           timeline=True, source_order=order, name="bench-stream")
                 sm.warm_up(x, y_s)
                 heap.barrier()
                 gs = sm.capture(x, y_s, stamps=False)  # timed without the stamp kernels
                 heap.barrier()
-                gt = sm.capture(x, y_s, stamps=True) if best is None else None
+                gt = sm.capture(x, y_s, stamps=True)
                 heap.barrier()
                 ms_s = timed(heap, gs.replay, args.replays)
                 same = bool(torch.equal(y_s.view(torch.int16), ref_out.view(torch.int16)))
@@ -314,7 +315,7 @@ def bench_tokens(heap, T, shape, fw, full, base, args, rows, timelines):
                     torch.cuda.synchronize()
                     tl = sm.timeline()
                     tl.update(batch_ms=row_b["median_ms"], streamed_ms=r["median_ms"], tokens=T)
-                    timelines += heap.allgather_obj(tl)
+                    tls_of[id(r)] = heap.allgather_obj(tl)
                     del gt
                 sm.set_straggler(straggler_ns if me == 1 else 0)
                 ms_ss = timed(heap, gs.replay, args.replays)
@@ -333,6 +334,8 @@ def bench_tokens(heap, T, shape, fw, full, base, args, rows, timelines):
                 heap.barrier()
                 if sm is not None:
                     sm.close()
+    if best is not None:
+        timelines += tls_of[id(best)]
     del gb
     torch.cuda.synchronize()
     heap.barrier()
@@ -372,7 +375,8 @@ def table(rows, pub) -> str:
         T, sg = r["tokens_per_rank"], r["straggler_ms"]
         b = by.get((T, "batch", sg), [{}])[0].get("median_ms")
         t = by.get((T, "torch_nccl", sg), [{}])[0].get("median_ms")
-        cfg = f"{r.get('chunks', '')}x{r.get('chunk_tokens', '')} {r.get('policy', '')}" if r["path"] == "streamed" else ""
+        cfg = (f"{r.get('chunks', '')}x{r.get('chunk_tokens', '')} {r.get('policy', '')[:5]} "
+               f"c{r.get('chunk_gemm_ctas') or '-'} {r.get('source_order', '')}") if r["path"] == "streamed" else ""
         out.append(f"{T:>7} {r['path']:<10} {sg:>8.1f} {cfg:<28} {r['median_ms']:>10.3f} "
                    f"{(r['median_ms'] / b if b else float('nan')):>9.3f} {(r['median_ms'] / t if t else float('nan')):>9.3f} "
                    f"{str(r.get('bitwise_equal_to_batch')):>8}")
@@ -388,7 +392,10 @@ def main(argv=None) -> int:
     ap.add_argument("--policies", type=lambda s: s.split(","), default=["spin_kernel"])
     ap.add_argument("--slots", type=int, default=4)
     ap.add_argument("--block-m", type=int, default=64)
-    ap.add_argument("--chunk-gemm-ctas", type=int, default=None)
+    ap.add_argument("--ctas", type=lambda s: [None if v == "none" else int(v) for v in s.split(",")],
+                    default=[None, 116], help="persistent grid sizes of the per-chunk GEMMs ('none': one CTA per tile)")
+    ap.add_argument("--orders", type=lambda s: s.split(","), default=["rank", "ready"],
+                    help="source orders of the streamed dispatch (rank, ready)")
     ap.add_argument("--transport", default="auto", choices=["auto", "p2p", "nv"])
     ap.add_argument("--replays", type=int, default=10)
     ap.add_argument("--ref-tokens", type=int, default=4)

@@ -207,7 +207,8 @@ def run_layer_gpu(heap, cfg: Config) -> dict:
                              deadline_s=cfg.wait_timeout_s, name="run-batch"),
               "stream": EPMoE(heap, shape, fw, tokens, plan, transport=cfg.nvshmem.transport,
                               deadline_s=cfg.wait_timeout_s, straggler_ns=straggler_ns,
-                              producer_sms=cfg.nvshmem.producer_sms, inject=cfg.run.inject, name="run-stream")}
+                              producer_sms=cfg.nvshmem.producer_sms, inject=cfg.run.inject,
+                              source_order=cfg.run.source_order, name="run-stream")}
     T = tokens[me]
     x_buf = torch.zeros(T, shape.hidden, dtype=torch.bfloat16, device=dev)
     outs = {m: torch.zeros_like(x_buf) for m in layers}

@@ -69,15 +69,16 @@ class FakePE:
                 u8[L.x_sf_off(s): L.x_sf_off(s) + n * L.sf_cols * 4].view(torch.float32).view(n, L.sf_cols))
 
 
-def run_ep(shape, fw, xs, chunk, corrupt=None):
-    """Every fake PE produces its chunks, dispatches every source's chunk, runs its blocks (L2
-    straight into the owners' combine rows), then every owner reduces. Returns the outputs."""
+def run_ep(shape, fw, xs, chunk, corrupt=None, per_source=False):
+    """Every fake PE produces its chunks, dispatches every source's chunk (at once, or one source per
+    dispatch step in a PE-specific order: the ready-order path), runs its blocks (L2 straight into
+    the owners' combine rows), then every owner reduces. Returns the outputs."""
     tokens = [x.shape[0] for x in xs]
     plan = StreamPlan(epoch=1, tokens_per_rank=tuple(tokens), tokens_per_slot=chunk)
     C = max(1, plan.num_chunks)
     layout = RingLayout(num_ranks=R, num_slots=C, tokens_per_slot=chunk, hidden=shape.hidden, topk=shape.topk,
                         num_experts=shape.num_experts)
-    pes = [FakePE(r, shape, fw, layout, tokens, chunk, C) for r in range(R)]
+    pes = [FakePE(r, shape, fw, layout, tokens, chunk, C * (R if per_source else 1)) for r in range(R)]
     valid_tab = torch.tensor([[plan.chunk_tokens(r, c)[1] for r in range(R)] for c in range(C)], dtype=torch.int32,
                              device=DEV)
     src_all = torch.arange(R, dtype=torch.int32, device=DEV)
@@ -97,19 +98,27 @@ def run_ep(shape, fw, xs, chunk, corrupt=None):
         for p in pes:
             L = layout
             delta = torch.tensor([q.ring.data_ptr() - p.ring.data_ptr() for q in pes], dtype=torch.int64, device=DEV)
-            K.ep_gather(p.ring.view(torch.int64), p.ring.view(torch.float32), delta // 8, delta // 4, src_all,
-                        valid_tab, c, p.me * p.E_loc, L.topk_idx_off(c) // 8, L.topk_weights_off(c) // 4, p.flat_e,
-                        p.flat_w, p.bad, num_ranks=R, tokens_per_slot=chunk, topk=shape.topk,
-                        local_experts=p.E_loc, num_experts=shape.num_experts)
-            p.bc.dispatch_ep(c, p.flat_e, p.flat_w, src_all, (p.ring, p.ring.view(torch.float32)),
-                             (delta, delta // 4), (L.x_off(c), L.x_sf_off(c) // 4))
             comb_delta = torch.tensor([(q.comb.data_ptr() - p.comb.data_ptr()) // 2 for q in pes], dtype=torch.int64,
                                       device=DEV)
             p.comb_delta = comb_delta
-            p.bc.compute(c, c + 1, p.bc.max_blocks, p.fw, out=p.comb, direct=(p.bc.row_src, p.bc.row_tok, comb_delta))
+            # rank order: one dispatch of every source; per source: one step per source, the PE's
+            # own chunk last on PE 0 and first on PE 1 (an arbitrary order, as the device decides)
+            groups = [src_all] if not per_source else [src_all[j:j + 1] for j in (range(R) if p.me else range(R - 1, -1, -1))]
+            for j, srcs in enumerate(groups):
+                n = srcs.shape[0] * chunk * shape.topk
+                step = c * len(groups) + j
+                K.ep_gather(p.ring.view(torch.int64), p.ring.view(torch.float32), delta // 8, delta // 4, srcs,
+                            valid_tab, c, p.me * p.E_loc, L.topk_idx_off(c) // 8, L.topk_weights_off(c) // 4,
+                            p.flat_e[:n], p.flat_w[:n], p.bad, num_ranks=R, tokens_per_slot=chunk, topk=shape.topk,
+                            local_experts=p.E_loc, num_experts=shape.num_experts)
+                p.bc.dispatch_ep(c, p.flat_e[:n], p.flat_w[:n], srcs, (p.ring, p.ring.view(torch.float32)),
+                                 (delta, delta // 4), (L.x_off(c), L.x_sf_off(c) // 4), step=step)
+                p.bc.compute(step, step + 1, p.bc.max_blocks, p.fw, out=p.comb,
+                             direct=(p.bc.row_src, p.bc.row_tok, comb_delta))
     for p in pes:
-        p.bc.seal(C)
-        p.bc.compute(C, C + 1, p.bc.max_blocks, p.fw, out=p.comb, direct=(p.bc.row_src, p.bc.row_tok, p.comb_delta))
+        n = C * (R if per_source else 1)
+        p.bc.seal(n)
+        p.bc.compute(n, n + 1, p.bc.max_blocks, p.fw, out=p.comb, direct=(p.bc.row_src, p.bc.row_tok, p.comb_delta))
     outs = []
     for r, p in enumerate(pes):
         out = torch.zeros(tokens[r], shape.hidden, dtype=torch.bfloat16, device=DEV)
@@ -140,10 +149,10 @@ def _bits(t):
     return t.contiguous().view(torch.int16)
 
 
-@pytest.mark.parametrize("chunk", [9, 4, 1])
-def test_ep_data_path_equals_the_single_process_batch_bitwise(setup, chunk):
+@pytest.mark.parametrize("chunk,per_source", [(9, False), (4, False), (1, False), (4, True)])
+def test_ep_data_path_equals_the_single_process_batch_bitwise(setup, chunk, per_source):
     shape, fw, xs, refs = setup
-    outs, pes = run_ep(shape, fw, xs, chunk)
+    outs, pes = run_ep(shape, fw, xs, chunk, per_source=per_source)
     for r in range(R):
         assert torch.equal(_bits(outs[r]), _bits(refs[r])), f"owner {r}, chunk {chunk}: differs from the batch path"
         assert int(pes[r].bad.item()) == 0
@@ -181,3 +190,19 @@ def test_rows_past_valid_and_other_pes_routes_are_not_dispatched(setup):
         for s in range(R):
             sel = srcs == s
             assert (toks[sel] < xs[s].shape[0] * shape.topk).all()
+
+
+def test_the_bitwise_check_catches_a_wrong_owner_distance(setup, monkeypatch):
+    """Negative control: L2 rows stored with the owner distances of the wrong PE (every row into the
+    consumer's own combine rows) are caught by the comparison above."""
+    shape, fw, xs, refs = setup
+    real = K.expert_l2
+
+    def wrong_owner(*a, direct=None, **kw):
+        if direct is not None:
+            direct = (direct[0], direct[1], torch.zeros_like(direct[2]))
+        return real(*a, direct=direct, **kw)
+
+    monkeypatch.setattr(K, "expert_l2", wrong_owner)
+    outs, _ = run_ep(shape, fw, xs, 9)
+    assert not all(torch.equal(_bits(outs[r]), _bits(refs[r])) for r in range(R))

@@ -63,24 +63,29 @@ def _bits(t):
     return t.contiguous().view(torch.int16)
 
 
-@pytest.mark.parametrize("policy,transport", [("serialized", "p2p"), ("spin_kernel", "p2p"), ("stream_wait", "p2p"),
-                                              ("pdl", "p2p"), ("spin_kernel", "nv"), ("serialized", "nv")])
-def test_streamed_equals_batch_equals_single_process(env, policy, transport):
+@pytest.mark.parametrize("policy,transport,order", [
+    ("serialized", "p2p", "rank"), ("spin_kernel", "p2p", "rank"), ("stream_wait", "p2p", "rank"),
+    ("pdl", "p2p", "rank"), ("spin_kernel", "nv", "rank"), ("serialized", "nv", "rank"), ("spin_kernel", "p2p", "ready"),
+    ("spin_kernel", "nv", "ready")])
+def test_streamed_equals_batch_equals_single_process(env, policy, transport, order):
     from streamring.moe.gpu_layer import EPMoE
     from streamring.moe.plan import PlanChoice
 
     heap, shape, fw = env
     T = 157
-    x = _x(shape, T, 1, heap.device)
-    ref = _single_batch(shape, fw, x)
+    x0 = _x(shape, T, 1, heap.device)
+    ref = _single_batch(shape, fw, x0)
     layers = {"batch": EPMoE(heap, shape, fw, [T], PlanChoice.batch(16), transport=transport),
               "stream": EPMoE(heap, shape, fw, [T], PlanChoice(chunk_tokens=40, num_slots=2, block_m=16, policy=policy),
-                              transport=transport)}
+                              transport=transport, source_order=order)}
     try:
         for name, layer in layers.items():
+            x = x0.clone()  # the graph's input buffer (its replays below overwrite it)
             y = torch.full_like(x, float("nan"))
             layer.warm_up(x, y)
-            assert torch.equal(_bits(y), _bits(ref)), f"{name} ({policy}, {transport}) eager != single-process batch"
+            st = layer.status()
+            assert torch.equal(_bits(y), _bits(ref)), \
+                f"{name} ({policy}, {transport}, {order}) eager != single-process batch; status {st}"
             g = layer.capture(x, y)
             for seed in (2, 3):  # new inputs through the same graph: new ring epochs
                 x2 = _x(shape, T, seed, heap.device)
@@ -88,9 +93,10 @@ def test_streamed_equals_batch_equals_single_process(env, policy, transport):
                 y.fill_(float("nan"))
                 g.replay()
                 torch.cuda.synchronize()
-                assert torch.equal(_bits(y), _bits(_single_batch(shape, fw, x2))), f"{name} replay, seed {seed}"
+                assert torch.equal(_bits(y), _bits(_single_batch(shape, fw, x2))), \
+                    f"{name} replay, seed {seed}; status {layer.status()}"
             st = layer.status()
-            assert not (st["violations"] or st["timeouts"] or st["bad_routes"]), st
+            assert not (st["violations"] or st["timeouts"] or st["bad_routes"]), f"{st}"
             assert layer.transport == transport
     finally:
         for layer in layers.values():
@@ -120,6 +126,6 @@ def test_a_missing_arrival_is_reported_not_hung(env):
         layer.enqueue(x, y)
         torch.cuda.synchronize()
         st = layer.status()
-        assert st["timeouts"] >= 1 and st["first_error"]["what"] == "combine arrival timeout", st
+        assert st["timeouts"] >= 1 and st["first_error"]["what"] == "combine arrival timeout", f"{st}"
     finally:
         layer.close()

@@ -201,8 +201,10 @@ class BlockConsumer:
                      topk_w.reshape(-1), self.a, self.a_sf, self.row_weight, self.tok_row, token_base, topk=Kk,
                      block_m=self.block_m)
 
-    def dispatch_ep(self, c: int, flat_e, flat_w, src_list, ring, deltas, offs) -> None:
-        """Expert-parallel dispatch of chunk ``c``: append the routes of ``flat_e`` (int32 local
+    def dispatch_ep(self, c: int, flat_e, flat_w, src_list, ring, deltas, offs, step: int | None = None) -> None:
+        """Expert-parallel dispatch of chunk ``c`` (dispatch number ``step``, default ``c``: the
+        blocks it makes ready are ``ready_list[ready_hi[step] : ready_hi[step + 1]]``; several
+        dispatches per chunk in the ready source order): append the routes of ``flat_e`` (int32 local
         expert per route of every source in ``src_list``, ``local experts`` for routes this PE does
         not serve; see :func:`~streamring.device.moe_triton.ep_gather`) to the expert blocks and copy
         each routed row out of its source's slot: ``ring = (ring_u8, ring_f32)`` views of the ring,
@@ -217,7 +219,7 @@ class BlockConsumer:
                                                                                          self.ones[:n])
         cstart = torch.cumsum(counts, 0, dtype=torch.int32) - counts
         K.alloc_blocks(counts, self.state, self.expert_blocks, self.block_expert, self.ready_list, self.ready_hi,
-                       c + 1, num_experts=E, block_m=self.block_m, seal=False)
+                       (c if step is None else step) + 1, num_experts=E, block_m=self.block_m, seal=False)
         K.ep_place_rows(sorted_e, order, counts, cstart, self.state, self.expert_blocks, src_list, ring[0], ring[1],
                         deltas[0], deltas[1], offs[0], offs[1], flat_w, self.a, self.a_sf, self.row_weight,
                         self.row_src, self.row_tok, self.row_chunk, c, tokens_per_slot=n // (src_list.shape[0] * Kk),

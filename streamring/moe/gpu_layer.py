@@ -75,7 +75,7 @@ from ..device.ranges import annotate as nvtx_range
 from ..device.ringdesc import RING_LAYOUT, RING_ROUTE
 from ..device_ring import DeviceRing
 from ..protocol import PROGRESS_POLICIES as POLICIES  # noqa: F401  (re-exported)
-from ..protocol import CombineLayout, RingLayout, StreamPlan
+from ..protocol import SOURCE_ORDERS, CombineLayout, RingLayout, StreamPlan
 from .blocks import FP8, BlockConsumer, FastWeights, Producer
 from .math import MoEShape
 from .plan import PlanChoice
@@ -111,6 +111,10 @@ class EPMoE:
             of a captured graph.
         timeline: record per-chunk ``%globaltimer`` stamps (:meth:`timeline`).
         producer_sms: green_ctx only: SMs of the producer partition.
+        source_order: ``"rank"`` (each chunk of every source acquired together, then one dispatch)
+            or ``"ready"`` (the RFC's later optimisation: per chunk, R steps, each taking whichever
+            source is ready first, decided on the device by ``ring_wait_any``; its rows are dispatched
+            and their full blocks computed at once, so a late source delays only its own rows).
         inject: a deliberate protocol mutation (``streamring.protocol.INJECT_MODES``; tests and the GPU
             check): ``skip-acquire`` (the consumer does not wait for the generations),
             ``signal-before-payload`` (the producer publishes before it writes the slot),
@@ -125,7 +129,7 @@ class EPMoE:
 
     def __init__(self, heap, shape: MoEShape, fw: FastWeights, tokens_per_rank: Sequence[int], plan: PlanChoice, *,
                  transport: str = "auto", deadline_s: float = 10.0, straggler_ns: int = 0, timeline: bool = False,
-                 producer_sms: int = 16, inject: str = "none", name: str = "ep"):
+                 producer_sms: int = 16, inject: str = "none", source_order: str = "rank", name: str = "ep"):
         from ..device.ringdesc import INJECT_BITS
 
         plan.validate()
@@ -133,6 +137,11 @@ class EPMoE:
             raise ValueError(f"inject must be one of {list(INJECT_BITS)}, got {inject!r}")
         self.inject = inject
         self.inject_bits = INJECT_BITS[inject]
+        if source_order not in SOURCE_ORDERS:
+            raise ValueError(f"source_order must be one of {SOURCE_ORDERS}, got {source_order!r}")
+        if source_order == "ready" and heap.num_ranks > 64:
+            raise ValueError(f"source_order 'ready' supports up to 64 PEs, got {heap.num_ranks}")
+        self.source_order = source_order
         R, me = heap.num_ranks, heap.rank
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
@@ -215,8 +224,12 @@ class EPMoE:
         local_shape = MoEShape(**{**shape.__dict__, "num_experts": E_loc, "n_group": 1, "topk_group": 1,
                                   "router": "softmax_topk", "block_m": plan.block_m})
         self.entries = R * n * Kk
-        self.bc = BlockConsumer(local_shape, max(sum(tokens), 1), self.num_chunks, plan.block_m, dev,
+        # dispatch steps per chunk: one (every source at once) or R (one source each, ready order)
+        self.steps = R if source_order == "ready" else 1
+        self.bc = BlockConsumer(local_shape, max(sum(tokens), 1), self.num_chunks * self.steps, plan.block_m, dev,
                                 ep_entries=self.entries, local_y=self.transport == "nv")
+        self.pending = torch.zeros(1, dtype=torch.int64, device=dev)  # ready order: sources not yet taken
+        self.chosen = torch.zeros(R, dtype=torch.int32, device=dev)  # ready order: the source of step j
         self.flat_e = torch.zeros(self.entries, dtype=torch.int32, device=dev)
         self.flat_w = torch.zeros(self.entries, dtype=torch.float32, device=dev)
         self.bad_routes = torch.zeros(1, dtype=torch.int32, device=dev)
@@ -243,7 +256,7 @@ class EPMoE:
             self.pstream = torch.cuda.Stream(device=dev, priority=hi)
             self.dstream = torch.cuda.Stream(device=dev, priority=hi)
             self.gstream = torch.cuda.Stream(device=dev, priority=0)
-            self.events = [torch.cuda.Event() for _ in range(self.num_chunks)]
+            self.events = [torch.cuda.Event() for _ in range(self.num_chunks * self.steps)]
         self.ring.set_epoch(1)
         heap.barrier()
 
@@ -304,26 +317,42 @@ class EPMoE:
         # the owner's expected row count per chunk: its routed (token, k) pairs
         self.expected.copy_((self.my_idx >= 0).view(self.num_chunks, -1).sum(dim=1))
 
-    def _dispatch(self, c):
-        with nvtx_range(f"streamring acquire+dispatch+ack chunk {c}", color="orange"):
+    def _dispatch(self, c, j=0):
+        """Dispatch step j of chunk c: every source (rank order) or the j-th ready source."""
+        with nvtx_range(f"streamring acquire+dispatch+ack chunk {c} step {j}", color="orange"):
             r, st = self.ring, torch.cuda.current_stream()
             s = c % self.num_slots
             L = self.layout
-            if self.plan.policy == "stream_wait":
+            ready = self.source_order == "ready"
+            if self.plan.policy == "stream_wait" and j == 0:
                 r.wait_doorbells(st, c)
-            r.acquire_checked(st, c, self.valid_tab, inject=self.inject_bits)
+            if ready:
+                srcs = self.chosen[j:j + 1]
+                r.wait_any(st, c, self.valid_tab, self.pending, j == 0, srcs, inject=self.inject_bits)
+            else:
+                srcs = self.src_all
+                r.acquire_checked(st, c, self.valid_tab, inject=self.inject_bits)
             if self.transport == "nv":
-                DK.ep_pull_slots(self.heap.lib, r.stream_ref(st), d=r.desc, buf=r.buf, mirror=int(self.mirror.data_ptr()),
-                                 mirror_stride=self.mirror_stride, src0=0, chunk=c, sources=self.R)
-            self._stamp(c, 2)
-            K.ep_gather(self.ring_i64, self.ring_f32, self.delta_i64, self.delta_f32, self.src_all, self.valid_tab, c,
-                        self.e_lo, L.topk_idx_off(s) // 8, L.topk_weights_off(s) // 4, self.flat_e, self.flat_w,
+                DK.ep_pull_slots(self.heap.lib, r.stream_ref(st), d=r.desc, buf=r.buf,
+                                 mirror=int(self.mirror.data_ptr()), mirror_stride=self.mirror_stride,
+                                 src_list=int(srcs.data_ptr()), chunk=c, sources=srcs.shape[0])
+            if j == 0:
+                self._stamp(c, 2)
+            n = srcs.shape[0] * self.chunk * self.shape.topk
+            flat_e, flat_w = self.flat_e[:n], self.flat_w[:n]
+            K.ep_gather(self.ring_i64, self.ring_f32, self.delta_i64, self.delta_f32, srcs, self.valid_tab, c,
+                        self.e_lo, L.topk_idx_off(s) // 8, L.topk_weights_off(s) // 4, flat_e, flat_w,
                         self.bad_routes, num_ranks=self.R, tokens_per_slot=self.chunk, topk=self.shape.topk,
                         local_experts=self.E_loc, num_experts=self.shape.num_experts)
-            self.bc.dispatch_ep(c, self.flat_e, self.flat_w, self.src_all, (self.ring_u8, self.ring_f32),
-                                (self.delta_u8, self.delta_f32), (L.x_off(s), L.x_sf_off(s) // 4))
-            r.ack(st, c)  # early input_consumed: nothing reads slot s of this chunk after the copy
-            self._stamp(c, 3)
+            self.bc.dispatch_ep(c, flat_e, flat_w, srcs, (self.ring_u8, self.ring_f32), (self.delta_u8, self.delta_f32),
+                                (L.x_off(s), L.x_sf_off(s) // 4), step=c * self.steps + j)
+            # early input_consumed: nothing reads this slot of these sources after the copy
+            if ready:
+                r.ack_chosen(st, c, srcs)
+            else:
+                r.ack(st, c)
+            if j == self.steps - 1:
+                self._stamp(c, 3)
 
     def _gemms(self, lo, hi, max_items, max_ctas=None):
         bc, r = self.bc, self.ring
@@ -347,21 +376,23 @@ class EPMoE:
                            row_tok=int(bc.row_tok.data_ptr()), row_chunk=int(bc.row_chunk.data_ptr()),
                            block_m=bc.block_m, max_items=max_items)
 
-    def _chunk_gemms(self, c):
-        with nvtx_range(f"streamring block GEMMs chunk {c}", color="green"):
-            self._gemms(c, c + 1, self.max_ready_per_chunk(), self.plan.chunk_gemm_ctas)
-            self._stamp(c, 4)
+    def _chunk_gemms(self, c, j=0):
+        with nvtx_range(f"streamring block GEMMs chunk {c} step {j}", color="green"):
+            i = c * self.steps + j
+            self._gemms(i, i + 1, self.max_ready_per_step(), self.plan.chunk_gemm_ctas)
+            if j == self.steps - 1:
+                self._stamp(c, 4)
 
-    def max_ready_per_chunk(self) -> int:
-        """Most blocks one chunk's dispatch can make ready (the GEMM grid bound)."""
-        return min(self.bc.max_blocks, self.entries // self.bc.block_m + self.E_loc)
+    def max_ready_per_step(self) -> int:
+        """Most blocks one dispatch step can make ready (the GEMM grid bound)."""
+        return min(self.bc.max_blocks, self.entries // self.steps // self.bc.block_m + self.E_loc)
 
     def _seal(self):
         with nvtx_range("streamring seal + GEMMs", color="red"):
-            C = self.num_chunks
-            self.bc.seal(C)
-            self._gemms(C, C + 1, min(self.bc.max_blocks, self.E_loc))
-            self._stamp(C, 2)
+            n = self.num_chunks * self.steps  # dispatch steps so far: the seal is the next ready index
+            self.bc.seal(n)
+            self._gemms(n, n + 1, min(self.bc.max_blocks, self.E_loc))
+            self._stamp(self.num_chunks, 2)
 
     def _combine(self, out):
         with nvtx_range("streamring wait arrivals + combine", color="red"):
@@ -416,8 +447,9 @@ class EPMoE:
                 self.bc.begin()
                 for c in range(C):
                     self._produce(x, c)
-                    self._dispatch(c)
-                    self._chunk_gemms(c)
+                    for j in range(self.steps):
+                        self._dispatch(c, j)
+                        self._chunk_gemms(c, j)
                 self._stamp(C, 1)
                 self._expected()
                 self._seal()
@@ -430,16 +462,18 @@ class EPMoE:
                     self._stamp(C, 0)
                     self.bc.begin()
                     for c in range(C):
-                        self._dispatch(c)
-                        if self.events:
-                            self.events[c].record()
-                        else:
-                            self._chunk_gemms(c)  # green_ctx: dispatch and GEMMs share the consumer's stream
+                        for j in range(self.steps):
+                            self._dispatch(c, j)
+                            if self.events:
+                                self.events[c * self.steps + j].record()
+                            else:
+                                self._chunk_gemms(c, j)  # green_ctx: dispatch and GEMMs share the consumer's stream
                 if self.events:
                     with self._side("g"):
                         for c in range(C):
-                            self.gstream.wait_event(self.events[c])
-                            self._chunk_gemms(c)
+                            for j in range(self.steps):
+                                self.gstream.wait_event(self.events[c * self.steps + j])
+                                self._chunk_gemms(c, j)
                 with self._side("g"):
                     self._seal()
                 with self._side("p"):
@@ -494,11 +528,13 @@ class EPMoE:
         chunks = [{ev: (int(st[c, j]) - t0) / 1e3 for j, ev in enumerate(CHUNK_EVENTS)}
                   for c in range(self.num_chunks)]
         tail = {ev: (int(st[self.num_chunks, j]) - t0) / 1e3 for j, ev in enumerate(TAIL_EVENTS)}
-        ready = self.bc.ready_hi.cpu().tolist()[: self.num_chunks + 2]
-        for c in range(self.num_chunks):
-            chunks[c]["blocks_ready"] = ready[c + 1] - ready[c]
-        tail["seal_blocks"] = ready[self.num_chunks + 1] - ready[self.num_chunks]
-        return {"chunks": chunks, "tail": tail, "policy": self.plan.policy, "tokens": self.tokens,
+        n, k = self.num_chunks, self.steps
+        ready = self.bc.ready_hi.cpu().tolist()[: n * k + 2]
+        for c in range(n):
+            chunks[c]["blocks_ready"] = ready[(c + 1) * k] - ready[c * k]
+        tail["seal_blocks"] = ready[n * k + 1] - ready[n * k]
+        return {"chunks": chunks, "tail": tail, "policy": self.plan.policy, "source_order": self.source_order,
+                "tokens": self.tokens,
                 "chunk_tokens": self.chunk, "num_slots": self.num_slots, "block_m": self.plan.block_m,
                 "rank": self.me, "ranks": self.R}
 
