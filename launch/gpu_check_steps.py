@@ -318,6 +318,10 @@ def phase_gpus(state: dict) -> None:
                         ("uneven tokens, an empty rank", ["--set", "run.tokens_per_rank=[0, 301]"
                                                           if n == 2 else f"run.tokens_per_rank={[0] + [301] * (n - 1)}"]),
                         ("straggler 5 ms on rank 1", ["--set", "run.straggler={rank: 1, ms: 5}"]),
+                        ("ready source order + straggler 5 ms on rank 1",
+                         ["--set", "run.source_order=ready", "--set", "run.straggler={rank: 1, ms: 5}"]),
+                        ("ready source order, transport nv", ["--set", "run.source_order=ready", "--set",
+                                                              "nvshmem.transport=nv"]),
                         ("reservation-size blocks of 64, 8 chunks", ["--set", "run.block_m=64", "--set",
                                                                      "ring.tokens_per_slot=40"])):
         rj = TMP / f"fast-{len(state['steps'])}.json"
