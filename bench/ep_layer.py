@@ -195,7 +195,11 @@ class TorchNcclBaseline:
 # publish -> acquire across PEs
 # ----------------------------------------------------------------------------------------------
 def pub_acq_latency(heap, launches: int = 20, nchunks: int = 64, flag_iters: int = 20000) -> dict:
-    """Round trip / 2 of the ring's publish->acquire (ring_pingpong) and of a bare flag (the floor)."""
+    """Round trip / 2 of the ring's publish->acquire (``ring_pingpong``) and of a bare flag (the floor).
+
+    ``p50``/``p99``: the producer publishes route and layout as two publications (two releases), as
+    the layer's producer does; ``p50_one_release``/``p99_one_release``: both under one release
+    (``publish_both``); ``floor``: one flag, ``st.release.sys`` / ``ld.acquire.sys``."""
     from streamring.device_ring import DeviceRing
     from streamring.protocol import RingLayout
 
@@ -206,18 +210,22 @@ def pub_acq_latency(heap, launches: int = 20, nchunks: int = 64, flag_iters: int
     ring = DeviceRing(heap, lay, nchunks, transport="auto", deadline_s=5.0, name="pingpong")
     dev = heap.device
     out = torch.zeros(nchunks, dtype=torch.int64, device=dev)
-    samples = []
+    samples = {0: [], 1: []}
     role = me in (0, 1)
     peer = 1 - me if role else me
-    for i in range(launches):
-        ring.set_epoch(i + 1)
-        heap.barrier()
-        if role:
-            DK.ring_pingpong(heap.lib, heap.sref, d=ring.desc, buf=ring.buf, peers=ring.peers, me=me, peer=peer,
-                             initiator=int(me == 0), nchunks=nchunks, out_ns=int(out.data_ptr()))
-        heap.sync()
-        if me == 0:
-            samples += (out.cpu().numpy() / 2 / 1e3).tolist()
+    epoch = 0
+    for together in (0, 1):
+        for i in range(launches):
+            epoch += 1
+            ring.set_epoch(epoch)
+            heap.barrier()
+            if role:
+                DK.ring_pingpong(heap.lib, heap.sref, d=ring.desc, buf=ring.buf, peers=ring.peers, me=me, peer=peer,
+                                 initiator=int(me == 0), together=together, nchunks=nchunks,
+                                 out_ns=int(out.data_ptr()))
+            heap.sync()
+            if me == 0:
+                samples[together] += (out.cpu().numpy() / 2 / 1e3).tolist()
     st = ring.status()
     # the floor: one flag word per PE in a symmetric region, written through the peer pointer
     reg = heap.alloc("flag", 256)
@@ -236,13 +244,17 @@ def pub_acq_latency(heap, launches: int = 20, nchunks: int = 64, flag_iters: int
     heap.free(reg)
     ring.close()
     info = heap.allgather_obj({"samples": samples, "floor": floor, "errors": st["violations"] + st["timeouts"]})[0]
-    s = info["samples"]
-    return {"p50": float(np.percentile(s, 50)) if s else None, "p99": float(np.percentile(s, 99)) if s else None,
-            "floor": info["floor"], "n": len(s), "ring_errors": info["errors"], "transport": ring.transport}
+
+    def pct(v, q):
+        return float(np.percentile(v, q)) if v else None
+
+    s2, s1 = info["samples"][0], info["samples"][1]
+    return {"p50": pct(s2, 50), "p99": pct(s2, 99), "p50_one_release": pct(s1, 50), "p99_one_release": pct(s1, 99),
+            "floor": info["floor"], "n": len(s2), "ring_errors": info["errors"], "transport": ring.transport}
 
 
 # ----------------------------------------------------------------------------------------------
-def bench_tokens(heap, T, shape, fw, full, base, args, rows, timelines):
+def bench_tokens(heap, T, shape, fw, full, base, args, rows, timelines, all_tls):
     R, me, dev = heap.num_ranks, heap.rank, heap.device
     g = torch.Generator(device=dev)
     g.manual_seed(1000 + 7 * me + T)
@@ -298,6 +310,8 @@ def bench_tokens(heap, T, shape, fw, full, base, args, rows, timelines):
                 gt = sm.capture(x, y_s, stamps=True)
                 heap.barrier()
                 ms_s = timed(heap, gs.replay, args.replays)
+                # the same plan enqueued eagerly (no graph): high-priority streams overlap there
+                ms_e = timed(heap, lambda: sm.enqueue(x, y_s, stamps=False), args.replays) if args.eager else None
                 same = bool(torch.equal(y_s.view(torch.int16), ref_out.view(torch.int16)))
                 st = sm.status()
                 ok = all(heap.allgather_obj(same and not (st["violations"] or st["timeouts"] or st["bad_routes"])))
@@ -306,6 +320,10 @@ def bench_tokens(heap, T, shape, fw, full, base, args, rows, timelines):
                      "bitwise_equal_to_batch": eq_all, "ok": ok, "streamed_over_batch": 0.0}
                 r["streamed_over_batch"] = r["median_ms"] / row_b["median_ms"]
                 rows.append(r)
+                if ms_e is not None:
+                    same_e = all(heap.allgather_obj(bool(torch.equal(y_s.view(torch.int16), ref_out.view(torch.int16)))))
+                    rows.append({**common, "path": "streamed_eager", "straggler_ms": 0.0, **cfg, **stats(ms_e),
+                                 "bitwise_equal_to_batch": same_e})
                 log(f"T={T}: streamed {cfg} {r['median_ms']:.3f} ms ({r['streamed_over_batch']:.3f}x batch), "
                     f"bitwise {eq_all}, ok {ok}")
                 if gt is not None:  # one replay of the stamped graph: the device timeline
@@ -316,6 +334,7 @@ def bench_tokens(heap, T, shape, fw, full, base, args, rows, timelines):
                     tl = sm.timeline()
                     tl.update(batch_ms=row_b["median_ms"], streamed_ms=r["median_ms"], tokens=T)
                     tls_of[id(r)] = heap.allgather_obj(tl)
+                    all_tls.extend(tls_of[id(r)])
                     del gt
                 sm.set_straggler(straggler_ns if me == 1 else 0)
                 ms_ss = timed(heap, gs.replay, args.replays)
@@ -361,7 +380,8 @@ def bench_tokens(heap, T, shape, fw, full, base, args, rows, timelines):
 
 
 def table(rows, pub) -> str:
-    out = [f"pub->acq across PEs: p50 {pub.get('p50')} us, p99 {pub.get('p99')} us, flag floor {pub.get('floor')} us",
+    out = [f"pub->acq across PEs: p50 {pub.get('p50')} us, p99 {pub.get('p99')} us (one release for both "
+           f"generations: p50 {pub.get('p50_one_release')} us), flag floor {pub.get('floor')} us",
            f"{'T/rank':>7} {'path':<10} {'strag ms':>8} {'config':<28} {'median ms':>10} {'vs batch':>9} "
            f"{'vs torch':>9} {'bitwise':>8}"]
     by = {}
@@ -402,6 +422,7 @@ def main(argv=None) -> int:
     ap.add_argument("--straggler-ms", type=float, default=1.0)
     ap.add_argument("--deadline-s", type=float, default=20.0)
     ap.add_argument("--no-baseline", action="store_true", help="skip the torch + NCCL baseline")
+    ap.add_argument("--eager", action="store_true", help="also time each streamed plan enqueued eagerly (no graph)")
     ap.add_argument("--budget-s", type=float, default=420.0, help="stop starting new sizes after this long")
     ap.add_argument("--symmetric-size", default="24G", help="NVSHMEM_SYMMETRIC_SIZE")
     ap.add_argument("--json", default=None)
@@ -430,23 +451,25 @@ def main(argv=None) -> int:
     pub = pub_acq_latency(heap)
     if me == 0:
         log(f"pub->acq across PEs: {pub}")
-    rows, timelines = [], []
+    rows, timelines, all_tls = [], [], []
     for T in args.tokens:
         if time.monotonic() - t_start > args.budget_s:
             rows.append({"ranks": R, "tokens_per_rank": T, "path": "skipped", "error": "time budget spent"})
             log(f"T={T}: skipped (time budget)")
             continue
-        bench_tokens(heap, T, shape, fw, full, base, args, rows, timelines)
+        bench_tokens(heap, T, shape, fw, full, base, args, rows, timelines, all_tls)
         if me == 0 and args.json:
             Path(args.json).write_text(json.dumps({"rows": [{**r, "pub_acq_us": pub} for r in rows]}, indent=1))
     if me == 0:
         for r in rows:
-            r["pub_acq_us"] = {"p50": pub.get("p50"), "p99": pub.get("p99"), "floor": pub.get("floor")}
+            r["pub_acq_us"] = {k: pub.get(k) for k in ("p50", "p99", "p50_one_release", "p99_one_release", "floor")}
         log(table(rows, pub))
         if args.json:
             Path(args.json).write_text(json.dumps({"rows": rows, "pub_acq": pub, "args": vars(args)}, indent=1))
         if args.timeline_json:
-            Path(args.timeline_json).write_text(json.dumps({"timelines": timelines}, indent=1))
+            # "timelines": the best streamed plan per size (drawn); "all_timelines": every plan's
+            Path(args.timeline_json).write_text(json.dumps({"timelines": timelines, "all_timelines": all_tls},
+                                                           indent=1))
     bad = [r for r in rows if r.get("path") == "streamed" and r.get("bitwise_equal_to_batch") is False]
     heap.barrier()
     if base is not None:

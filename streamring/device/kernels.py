@@ -315,11 +315,12 @@ def ep_delay(lib, stream, *, ns: int) -> None:
     lib.launch(stream, "ep_delay", 1, 1, ns=ns)
 
 
-def ring_pingpong(lib, stream, *, d: int, buf: int, peers: int, me: int, peer: int, initiator: int, nchunks: int,
-                  out_ns: int) -> None:
-    """Ring publish/acquire ping-pong of chunks 0 .. nchunks-1 between ``me`` and ``peer``."""
+def ring_pingpong(lib, stream, *, d: int, buf: int, peers: int, me: int, peer: int, initiator: int, together: int,
+                  nchunks: int, out_ns: int) -> None:
+    """Ring publish/acquire ping-pong of chunks 0 .. nchunks-1 between ``me`` and ``peer``
+    (``together``: both generations under one release; else two publications, as the layer does)."""
     lib.launch(stream, "ring_pingpong", 1, 1, d=d, buf=buf, peers=peers, me=me, peer=peer, initiator=initiator,
-               nchunks=nchunks, out_ns=out_ns)
+               together=together, nchunks=nchunks, out_ns=out_ns)
 
 
 def flag_pingpong(lib, stream, *, my_flag: int, peer_flag: int, initiator: int, iters: int, base: int,

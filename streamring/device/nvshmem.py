@@ -194,7 +194,8 @@ class NvshmemHeap(SymmetricHeap):
         K.ep_pull_slots(lib, st, d=d, buf=b, mirror=z, mirror_stride=0, src_list=z, chunk=0, sources=1)
         K.ep_wait_arrivals(lib, st, d=d, comb=b, off_arrived=0, expected=z, num_chunks=0)
         K.ep_delay(lib, st, ns=z)
-        K.ring_pingpong(lib, st, d=d, buf=b, peers=0, me=me, peer=me, initiator=0, nchunks=0, out_ns=z)
+        K.ring_pingpong(lib, st, d=d, buf=b, peers=0, me=me, peer=me, initiator=0, together=0, nchunks=0,
+                        out_ns=z)
         K.flag_pingpong(lib, st, my_flag=z, peer_flag=z, initiator=0, iters=0, base=0, deadline_cycles=0,
                         out_ns=z + 8 * 16)
         (st.torch if isinstance(st, StreamRef) else st).synchronize()

@@ -147,12 +147,12 @@ extern "C" __global__ void ep_delay(const int64_t* ns) {
 
 // Latency benchmark of the ring across PEs: PE `me` and PE `peer` bounce chunks 0 .. nchunks-1
 // (nchunks <= num_slots: no slot is reused, so no acknowledgement is needed). The initiator
-// publishes both generations of chunk c (publish(): release + SET at every PE, as the layer's
-// producer does) and acquires the peer's chunk c (acquire_wait, as the layer's consumer does);
-// the responder acquires, then publishes. out_ns[c] = the initiator's round trip of chunk c.
-// One thread; advance the epoch between launches.
+// publishes both generations of chunk c (`together`: one release for both, publish_both(); else two
+// publish() calls, as the layer's producer does) and acquires the peer's chunk c (acquire_wait, as
+// the layer's consumer does); the responder acquires, then publishes. out_ns[c] = the initiator's
+// round trip of chunk c. One thread; advance the epoch between launches.
 extern "C" __global__ void ring_pingpong(const RingDesc* d, uint8_t* buf, const uint64_t* peers, int me, int peer,
-                                         int initiator, int64_t nchunks, uint64_t* out_ns) {
+                                         int initiator, int together, int64_t nchunks, uint64_t* out_ns) {
     if (threadIdx.x != 0 || blockIdx.x != 0 || d->num_chunks <= 0) return;
     const uint64_t e = cur_epoch(d);
     SR_WITH_TRANSPORT(buf, me, peers, {
@@ -160,14 +160,22 @@ extern "C" __global__ void ring_pingpong(const RingDesc* d, uint8_t* buf, const 
             const uint64_t g = ring_make_gen(e, c);
             if (initiator) {
                 const uint64_t t0 = global_timer_ns();
-                publish(d, x, RING_ROUTE, c, g);
-                publish(d, x, RING_LAYOUT, c, g);
+                if (together) {
+                    publish_both(d, x, c, g);
+                } else {
+                    publish(d, x, RING_ROUTE, c, g);
+                    publish(d, x, RING_LAYOUT, c, g);
+                }
                 if (!acquire_wait(d, buf, peer, c, g, 0)) return;
                 out_ns[c] = global_timer_ns() - t0;
             } else {
                 if (!acquire_wait(d, buf, peer, c, g, 0)) return;
-                publish(d, x, RING_ROUTE, c, g);
-                publish(d, x, RING_LAYOUT, c, g);
+                if (together) {
+                    publish_both(d, x, c, g);
+                } else {
+                    publish(d, x, RING_ROUTE, c, g);
+                    publish(d, x, RING_LAYOUT, c, g);
+                }
             }
         }
     });

@@ -52,7 +52,8 @@ static __device__ void record_error(const RingDesc* d, int code, int64_t src, in
         d->status[RS_BAD_SEEN] = seen;
         d->status[RS_BAD_WANT] = want;
     }
-    if (code == RE_ACQUIRE_TIMEOUT || code == RE_REUSE_TIMEOUT || code == RE_DRAIN_TIMEOUT) {
+    if (code == RE_ACQUIRE_TIMEOUT || code == RE_REUSE_TIMEOUT || code == RE_DRAIN_TIMEOUT ||
+        code == RE_COMBINE_TIMEOUT) {
         atomicAdd(&d->status[RS_TIMEOUTS], 1ull);
         atomicExch(&d->status[RS_ABORT], 1ull);
     } else {
@@ -151,6 +152,21 @@ __device__ void publish(const RingDesc* d, const X& x, int kind, int64_t chunk, 
         for (int pe = 0; pe < d->num_ranks; ++pe) x.signal_set(ww, lap, pe);
     }
     atomicAdd(&d->status[RS_PUBLISHED], 1ull);
+}
+
+// Publish both readiness generations of my slot with one release (a producer whose routing and
+// layout are ready together): the same ordering as two publish() calls, one fence instead of two.
+template <class X>
+__device__ void publish_both(const RingDesc* d, const X& x, int64_t chunk, uint64_t g) {
+    const int64_t slot = chunk % d->num_slots;
+    uint64_t* rw = route_gen_word(d, x.buf, x.me, slot);
+    uint64_t* lw = layout_gen_word(d, x.buf, x.me, slot);
+    x.release();  // rule 1: payload before generation
+    for (int pe = 0; pe < d->num_ranks; ++pe) {
+        x.signal_set(rw, g, pe);
+        x.signal_set(lw, g, pe);
+    }
+    atomicAdd(&d->status[RS_PUBLISHED], 2ull);
 }
 
 // Acknowledge (src, chunk) at the owner: one thread, after every read of the slot by this PE
