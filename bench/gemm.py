@@ -19,7 +19,7 @@ distinct experts per token out of 256), rows = 8 T, block_m 64, the batch path's
 Before any timing every kernel of ours is checked on input set 0, outputs poisoned with NaN first:
 (1) sampled rows against a float64 reference of the dequantized operands, elementwise
 ``|ours - ref| <= 2^-9 * sum_k |a_k w_k| (+ the output rounding)`` and a relative Frobenius error
-below 1e-3; (2) CUTLASS against Triton on every routed row (L1: the FP8 ``h1`` within one e4m3 step
+below 1e-3 (+ 2^-8 for a bf16 output); (2) CUTLASS against Triton on every routed row (L1: the FP8 ``h1`` within one e4m3 step
 and >= 90 % bitwise equal; L2: relative Frobenius error < 2^-8). A kernel that fails is reported
 with its error and NOT timed.
 
@@ -85,7 +85,7 @@ def check_sampled(out_rows: torch.Tensor, a_rows: torch.Tensor, experts: torch.T
 
     Elementwise bound ``2^-9 * sum_k |a_k w_k| * |scale| + out_round * |ref|`` (the fp32/tensor-core
     accumulation of FP8 products is far inside 2^-9 of the absolute sum; a wrong row, expert, scale
-    or K block is not) and relative Frobenius error < 1e-3.
+    or K block is not) and relative Frobenius error < 1e-3 (+ ``out_round`` for a rounded output).
     """
     worst, bad = 0.0, 0
     num, den = 0.0, 0.0
@@ -106,7 +106,9 @@ def check_sampled(out_rows: torch.Tensor, a_rows: torch.Tensor, experts: torch.T
         num += float(torch.nan_to_num((got - ref) ** 2, nan=float("inf")).sum())
         den += float((ref ** 2).sum())
     rel = math.sqrt(num / max(den, 1e-300))
-    return {"ok": bad == 0 and rel < 1e-3, "bad_elements": bad, "worst_err_over_tol": worst, "rel_fro": rel}
+    limit = 1e-3 + out_round  # a bf16 output alone is ~2^-9 off (RMS) the float64 value
+    return {"ok": bad == 0 and rel < limit, "bad_elements": bad, "worst_err_over_tol": worst, "rel_fro": rel,
+            "rel_fro_limit": limit}
 
 
 def fp8_step(q: torch.Tensor) -> torch.Tensor:

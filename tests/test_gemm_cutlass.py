@@ -632,10 +632,15 @@ def test_consumer_cutlass_matches_triton(l1_dtype):
         outs[impl] = out.float()
         real = bc.tok_row.view(-1)
         h1s[impl] = (bc.h1.view(FP8)[real].float().view(real.numel(), -1, 128) * bc.h1_sf[real][:, :, None]).flatten(1)
+    # fp32 L1 output: the two paths' accumulators differ in the last bits, an e4m3 rounding of h
+    # flips very rarely; bf16: g and u are rounded to 2^-9 first, which flips ~5 % of the h
+    # values by one e4m3 step (2^-3..2^-4 relative): ~2 % relative error
+    limit = 5e-3 if l1_dtype == torch.float32 else 4e-2
     ht, hc = h1s["triton"], h1s["cutlass"]
-    assert float((hc - ht).norm() / ht.norm()) < 2e-2
+    rel_h = float((hc - ht).norm() / ht.norm())
+    assert rel_h < limit, rel_h
     rel = float((outs["cutlass"] - outs["triton"]).norm() / outs["triton"].norm())
-    assert rel < 2e-2, rel
+    assert rel < limit, rel
 
 
 @needs_gpu
