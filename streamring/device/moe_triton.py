@@ -462,7 +462,7 @@ def stamp(buf, idx: int) -> None:
 # ----------------------------------------------------------------------------------------------
 @triton.jit(do_not_specialize=["lo_index", "hi_index", "max_items"])
 def _swiglu_quant_kernel(ready_list_ptr, ready_hi_ptr, lo_index, hi_index, max_items, gu_ptr, h1_ptr, h1sf_ptr,
-                         roww_ptr, h1sfw_ptr, I: tl.constexpr, BM: tl.constexpr):
+                         roww_ptr, h1sfw_ptr, I: tl.constexpr, BM: tl.constexpr, RB: tl.constexpr):
     NT: tl.constexpr = I // 128
     pid = tl.program_id(0)
     i = pid // NT
@@ -472,21 +472,22 @@ def _swiglu_quant_kernel(ready_list_ptr, ready_hi_ptr, lo_index, hi_index, max_i
     n_items = tl.minimum(hi - lo, max_items)
     if i < n_items:
         bid = tl.load(ready_list_ptr + lo + i)
-        rows = bid.to(tl.int64) * BM + tl.arange(0, BM)
         cols = nt * 128 + tl.arange(0, 128)
-        g = tl.load(gu_ptr + rows[:, None] * (2 * I) + cols[None, :]).to(tl.float32)
-        u = tl.load(gu_ptr + rows[:, None] * (2 * I) + I + cols[None, :]).to(tl.float32)
-        # exactly the fused epilogue of _l1_tile: SwiGLU in float32, per-row 128-column FP8 group
-        h = g / (1.0 + tl.exp(-g)) * u
-        amax = tl.maximum(tl.max(tl.abs(h), axis=1), 1e-12)
-        s = amax / 448.0
-        q = _to_fp8(tl.clamp(h / s[:, None], -448.0, 448.0))
-        tl.store(h1_ptr + rows[:, None] * I + cols[None, :], q)
-        tl.store(h1sf_ptr + rows * NT + nt, s)
-        # the routing weight, folded into L2's activation scales: L2 = sum_k (q . w) * (s * rw) * w_sf
-        # gives the weighted row in one rounding to bf16, as the Triton L2's epilogue multiply does
-        rw = tl.load(roww_ptr + rows)
-        tl.store(h1sfw_ptr + rows * NT + nt, s * rw)
+        for r0 in tl.static_range(0, BM, RB):  # RB rows at a time: the tile stays in registers
+            rows = bid.to(tl.int64) * BM + r0 + tl.arange(0, RB)
+            g = tl.load(gu_ptr + rows[:, None] * (2 * I) + cols[None, :]).to(tl.float32)
+            u = tl.load(gu_ptr + rows[:, None] * (2 * I) + I + cols[None, :]).to(tl.float32)
+            # exactly the fused epilogue of _l1_tile: SwiGLU in float32, per-row 128-column FP8 group
+            h = g / (1.0 + tl.exp(-g)) * u
+            amax = tl.maximum(tl.max(tl.abs(h), axis=1), 1e-12)
+            s = amax / 448.0
+            q = _to_fp8(tl.clamp(h / s[:, None], -448.0, 448.0))
+            tl.store(h1_ptr + rows[:, None] * I + cols[None, :], q)
+            tl.store(h1sf_ptr + rows * NT + nt, s)
+            # the routing weight, folded into L2's activation scales: L2 = sum_k (q . w) * (s * rw) * w_sf
+            # gives the weighted row in one rounding to bf16, as the Triton L2's epilogue multiply does
+            rw = tl.load(roww_ptr + rows)
+            tl.store(h1sfw_ptr + rows * NT + nt, s * rw)
 
 
 def swiglu_quant_blocks(ready_list, ready_hi, lo_index: int, hi_index: int, max_items: int, gu, h1, h1sf, roww, h1sf_w,
@@ -508,5 +509,5 @@ def swiglu_quant_blocks(ready_list, ready_hi, lo_index: int, hi_index: int, max_
         raise ValueError(f"swiglu_quant_blocks: gu {tuple(gu.shape)}, h1 {tuple(h1.shape)}, h1sf {tuple(h1sf.shape)}, "
                          f"h1sf_w {tuple(h1sf_w.shape)} do not fit [rows, 2I] -> [rows, I], [rows, I/128]")
     _swiglu_quant_kernel[(max_items * (i // 128),)](ready_list, ready_hi, lo_index, hi_index, max_items, gu, h1, h1sf,
-                                                    roww, h1sf_w, I=i, BM=block_m,
-                                                    num_warps=8 if block_m >= 64 else 4)
+                                                    roww, h1sf_w, I=i, BM=block_m, RB=min(block_m, 32),
+                                                    num_warps=4)
