@@ -1,0 +1,1 @@
+"""Benchmarks: scripts run as ``python -m bench.NAME`` from the repository root."""

@@ -606,3 +606,59 @@ def stamp(buf, idx: int) -> None:
     Pass the whole buffer and an index (a sliced view would change the pointer's alignment
     and with it Triton's specialization)."""
     _stamp_kernel[(1,)](buf, idx, num_warps=1)
+
+
+# ----------------------------------------------------------------------------------------------
+# CUTLASS path helpers (streamring.device.cutlass_gemm computes the GEMMs; these kernels do the rest)
+# ----------------------------------------------------------------------------------------------
+@triton.jit(do_not_specialize=["lo_index", "hi_index", "max_items"])
+def _swiglu_quant_kernel(ready_list_ptr, ready_hi_ptr, lo_index, hi_index, max_items, gu_ptr, h1_ptr, h1sf_ptr,
+                         roww_ptr, h1sfw_ptr, I: tl.constexpr, BM: tl.constexpr, RB: tl.constexpr):
+    NT: tl.constexpr = I // 128
+    pid = tl.program_id(0)
+    i = pid // NT
+    nt = pid % NT
+    lo = tl.load(ready_hi_ptr + lo_index)
+    hi = tl.load(ready_hi_ptr + hi_index)
+    n_items = tl.minimum(hi - lo, max_items)
+    if i < n_items:
+        bid = tl.load(ready_list_ptr + lo + i)
+        cols = nt * 128 + tl.arange(0, 128)
+        for r0 in tl.static_range(0, BM, RB):  # RB rows at a time: the tile stays in registers
+            rows = bid.to(tl.int64) * BM + r0 + tl.arange(0, RB)
+            g = tl.load(gu_ptr + rows[:, None] * (2 * I) + cols[None, :]).to(tl.float32)
+            u = tl.load(gu_ptr + rows[:, None] * (2 * I) + I + cols[None, :]).to(tl.float32)
+            # exactly the fused epilogue of _l1_tile: SwiGLU in float32, per-row 128-column FP8 group
+            h = g / (1.0 + tl.exp(-g)) * u
+            amax = tl.maximum(tl.max(tl.abs(h), axis=1), 1e-12)
+            s = amax / 448.0
+            q = _to_fp8(tl.clamp(h / s[:, None], -448.0, 448.0))
+            tl.store(h1_ptr + rows[:, None] * I + cols[None, :], q)
+            tl.store(h1sf_ptr + rows * NT + nt, s)
+            # the routing weight, folded into L2's activation scales: L2 = sum_k (q . w) * (s * rw) * w_sf
+            # gives the weighted row in one rounding to bf16, as the Triton L2's epilogue multiply does
+            rw = tl.load(roww_ptr + rows)
+            tl.store(h1sfw_ptr + rows * NT + nt, s * rw)
+
+
+def swiglu_quant_blocks(ready_list, ready_hi, lo_index: int, hi_index: int, max_items: int, gu, h1, h1sf, roww, h1sf_w,
+                        *, block_m: int) -> None:
+    """SwiGLU + FP8 re-quantization of the ready blocks' L1 output (the CUTLASS path's L1 epilogue).
+
+    ``gu [rows, 2I]`` (float32 or bfloat16: gate columns ``[0, I)``, up ``[I, 2I)``) ->
+    ``h1 [rows, I]`` float8_e4m3fn and ``h1sf [rows, I/128]`` exactly as the fused Triton L1 epilogue
+    computes them from its accumulators, plus ``h1sf_w = h1sf * roww[row]`` (L2's activation scales
+    with the routing weight folded in). Only the rows of the blocks
+    ``ready_list[ready_hi[lo_index] : ready_hi[hi_index]]`` (at most ``max_items``) are touched; the
+    range is read on the device.
+    """
+    if max_items <= 0:
+        return
+    two_i = gu.shape[1]
+    i = two_i // 2
+    if two_i % 256 or h1.shape[1] != i or h1sf.shape[1] != i // 128 or h1sf_w.shape != h1sf.shape:
+        raise ValueError(f"swiglu_quant_blocks: gu {tuple(gu.shape)}, h1 {tuple(h1.shape)}, h1sf {tuple(h1sf.shape)}, "
+                         f"h1sf_w {tuple(h1sf_w.shape)} do not fit [rows, 2I] -> [rows, I], [rows, I/128]")
+    _swiglu_quant_kernel[(max_items * (i // 128),)](ready_list, ready_hi, lo_index, hi_index, max_items, gu, h1, h1sf,
+                                                    roww, h1sf_w, I=i, BM=block_m, RB=min(block_m, 32),
+                                                    num_warps=4)

@@ -253,6 +253,30 @@ class BlockConsumer:
         """``out [T, H]`` bf16: the sum of each token's k weighted expert rows."""
         K.combine(self.tok_row, self.y, out, topk=self.shape.topk)
 
+    def use_cutlass(self, *, tile_l1: str = "coop128", tile_l2: str = "coop128", l1_out_dtype=torch.float32,
+                    trap_on_error: bool = True):
+        """Set up (once; allocates) the CUTLASS expert GEMMs that :meth:`compute_cutlass` runs:
+        a :class:`streamring.moe.cutlass_experts.CutlassExperts` (returned). Call it before a CUDA
+        graph capture so that its buffers are not allocated inside the capture."""
+        from .cutlass_experts import CutlassExperts
+
+        self.cutlass = CutlassExperts(self, tile_l1=tile_l1, tile_l2=tile_l2, l1_out_dtype=l1_out_dtype,
+                                      trap_on_error=trap_on_error)
+        return self.cutlass
+
+    def compute_cutlass(self, lo_index: int, hi_index: int, max_items: int, fw: FastWeights, pdl: bool = False,
+                        max_ctas: int | None = None) -> None:
+        """:meth:`compute` through CUTLASS's FP8 blockwise grouped GEMM (same buffers, same numerics
+        contract; L1's SwiGLU/requant and the routing weight as in ``streamring.moe.cutlass_experts``).
+
+        ``pdl`` is not supported on this path (raises); ``max_ctas`` caps the persistent grids.
+        """
+        if pdl:
+            raise ValueError("pdl=True: programmatic dependent launch is not implemented for the CUTLASS GEMMs")
+        if getattr(self, "cutlass", None) is None:
+            self.use_cutlass()
+        self.cutlass.compute(lo_index, hi_index, max_items, fw, max_ctas=max_ctas)
+
 
 def batch_forward(x, fw: FastWeights, shape: MoEShape, prod: Producer, bc: BlockConsumer, scratch: dict,
                   out: torch.Tensor) -> None:
@@ -358,4 +382,49 @@ def streamed_forward_serial(x, fw: FastWeights, shape: MoEShape, prod: Producer,
         bc.compute(c, c + 1, bc.max_ready(b - a), fw)
     bc.seal(n_chunks)
     bc.compute(n_chunks, n_chunks + 1, bc.max_ready(0), fw)
+    bc.combine(out)
+
+
+GEMM_IMPLS = ("triton", "cutlass")
+
+
+def compute_blocks(bc: BlockConsumer, lo_index: int, hi_index: int, max_items: int, fw: FastWeights,
+                   gemm_impl: str = "triton", pdl: bool = False, max_ctas: int | None = None) -> None:
+    """:meth:`BlockConsumer.compute` (``gemm_impl="triton"``) or :meth:`BlockConsumer.compute_cutlass`
+    (``"cutlass"``) of the blocks ``ready_list[ready_hi[lo_index] : ready_hi[hi_index]]``."""
+    if gemm_impl == "triton":
+        bc.compute(lo_index, hi_index, max_items, fw, pdl=pdl, max_ctas=max_ctas)
+    elif gemm_impl == "cutlass":
+        bc.compute_cutlass(lo_index, hi_index, max_items, fw, pdl=pdl, max_ctas=max_ctas)
+    else:
+        raise ValueError(f"gemm_impl must be one of {GEMM_IMPLS}, got {gemm_impl!r}")
+
+
+def moe_forward_impl(idx, w, q, sf, fw: FastWeights, bc: BlockConsumer, out: torch.Tensor, gemm_impl: str = "triton",
+                     max_ctas: int | None = None) -> None:
+    """:func:`moe_forward` with the expert GEMMs of ``gemm_impl`` (``"triton"`` or ``"cutlass"``)."""
+    bc.begin()
+    bc.dispatch(0, idx, w, q, sf, 0)
+    bc.seal(1)
+    compute_blocks(bc, 0, 2, bc.max_blocks, fw, gemm_impl, max_ctas=max_ctas)
+    bc.combine(out)
+
+
+def streamed_forward_serial_impl(x, fw: FastWeights, shape: MoEShape, prod: Producer, bc: BlockConsumer,
+                                 scratch: dict, chunk_tokens: int, out: torch.Tensor,
+                                 gemm_impl: str = "triton") -> None:
+    """:func:`streamed_forward_serial` with the expert GEMMs of ``gemm_impl``."""
+    t = x.shape[0]
+    n_chunks = max(1, -(-t // chunk_tokens))
+    bc.begin()
+    for c in range(n_chunks):
+        a, b = c * chunk_tokens, min(t, (c + 1) * chunk_tokens)
+        idx, w = scratch["idx"][a:b], scratch["w"][a:b]
+        q, sf = scratch["q"][a:b], scratch["sf"][a:b]
+        prod.route(x[a:b], idx, w)
+        prod.layout(x[a:b], q, sf)
+        bc.dispatch(c, idx, w, q, sf, a)
+        compute_blocks(bc, c, c + 1, bc.max_ready(b - a), fw, gemm_impl)
+    bc.seal(n_chunks)
+    compute_blocks(bc, n_chunks, n_chunks + 1, bc.max_ready(0), fw, gemm_impl)
     bc.combine(out)

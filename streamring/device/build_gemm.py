@@ -1,0 +1,201 @@
+"""Build the CUTLASS FP8 blockwise grouped GEMM (``csrc/gemm/gemm_blockwise_fp8.cu``) into a shared library.
+
+The library has plain ``extern "C"`` entry points (``streamring.device.cutlass_gemm`` loads it with
+ctypes: no Python extension build). It is compiled for ``sm_90a`` only (``wgmma`` and ``setmaxnreg``
+need the arch-specific target) with the CUDA runtime linked statically, so at run time it needs
+nothing but the driver (``libcuda``, which the static runtime opens itself) - it can be built on a
+machine without a GPU and carried to one::
+
+    nvcc -gencode=arch=compute_90a,code=sm_90a -std=c++17 -O3 --expt-relaxed-constexpr -DNDEBUG
+         -lineinfo -Xcompiler=-fPIC -shared -cudart static -DSR_GEMM_SOURCE_HASH="<sha256 of the .cu>"
+         -I$CUTLASS/include -I$CUTLASS/tools/util/include gemm_blockwise_fp8.cu -o libsr_gemm-<key>.so
+
+``$CUTLASS`` is the CUTLASS source tree that the ``nvidia-cutlass`` wheel ships
+(``cutlass_library/source``; found as ``$STREAMRING_CUTLASS_DIR``, the installed ``cutlass_library``
+package, or the wheel unpacked under ``.whl/cutlass/`` of the repository:
+``pip download --no-deps nvidia-cutlass==4.2.0.0 -d .whl && unzip -q -o .whl/nvidia_cutlass-4.2.0.0-py3-none-any.whl -d .whl/cutlass``).
+
+The library is cached under ``$STREAMRING_CACHE/gemm/`` (default ``~/.cache/streamring/gemm``) keyed
+by the sha256 of the source, the flags, the ``nvcc --version`` text and CUTLASS's version header; a
+JSON file beside it records what it was built from. ``--out DIR`` also copies both into ``DIR`` (the
+repository's ``.gemm-build/`` is where :mod:`streamring.device.cutlass_gemm` looks first).
+
+Run ``python -m streamring.device.build_gemm [--out .gemm-build]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from .build import BuildError, cache_dir, find_nvcc, nvcc_version
+
+CSRC = Path(__file__).resolve().parent / "csrc" / "gemm"  # apart from the NVSHMEM library (csrc/*.cu)
+SOURCE = CSRC / "gemm_blockwise_fp8.cu"
+REPO = Path(__file__).resolve().parents[2]
+REPO_BUILD_DIR = REPO / ".gemm-build"
+ARCH_FLAGS = ["-gencode=arch=compute_90a,code=sm_90a"]
+NVCC_FLAGS = ["-std=c++17", "-O3", "--expt-relaxed-constexpr", "-DNDEBUG", "-lineinfo", "-Xcompiler=-fPIC",
+              "-shared", "-cudart", "static"]
+LIB_PREFIX = "libsr_gemm-"
+
+
+def source_sha256(path: Path = SOURCE) -> str:
+    """sha256 of the CUDA source: embedded in the library (``sr_gemm_build_info``) and checked at load."""
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _valid_cutlass(root) -> Path | None:
+    if not root:
+        return None
+    p = Path(root)
+    ok = (p / "include" / "cutlass" / "cutlass.h").is_file() and (p / "tools" / "util" / "include" / "cutlass" /
+                                                                  "util" / "packed_stride.hpp").is_file()
+    return p if ok else None
+
+
+def find_cutlass() -> Path:
+    """CUTLASS's source tree: ``include/`` and ``tools/util/include/`` (see the module doc for the order)."""
+    tried = []
+    env = os.environ.get("STREAMRING_CUTLASS_DIR")
+    if env:
+        tried.append(f"$STREAMRING_CUTLASS_DIR={env}")
+        if _valid_cutlass(env):
+            return Path(env)
+    try:
+        spec = importlib.util.find_spec("cutlass_library")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is not None and spec.origin:
+        cand = Path(spec.origin).parent / "source"
+        tried.append(str(cand))
+        if _valid_cutlass(cand):
+            return cand
+    else:
+        tried.append("python package cutlass_library not installed")
+    cand = REPO / ".whl" / "cutlass" / "cutlass_library" / "source"
+    tried.append(str(cand))
+    if _valid_cutlass(cand):
+        return cand
+    raise BuildError(
+        "cannot build the CUTLASS grouped GEMM: CUTLASS's headers were not found. Tried: " + "; ".join(tried)
+        + ". Get them from the nvidia-cutlass wheel: `pip download --no-deps nvidia-cutlass==4.2.0.0 -d .whl && "
+        "unzip -q -o .whl/nvidia_cutlass-4.2.0.0-py3-none-any.whl -d .whl/cutlass` in the repository root, or "
+        "point STREAMRING_CUTLASS_DIR at a CUTLASS checkout (the folder holding include/ and tools/).")
+
+
+def cutlass_version(root: Path) -> str:
+    text = (root / "include" / "cutlass" / "version.h").read_text()
+    parts = {}
+    for key in ("CUTLASS_MAJOR", "CUTLASS_MINOR", "CUTLASS_PATCH"):
+        for line in text.splitlines():
+            if line.startswith(f"#define {key} "):
+                parts[key] = line.split()[2]
+    return ".".join(parts.get(k, "?") for k in ("CUTLASS_MAJOR", "CUTLASS_MINOR", "CUTLASS_PATCH"))
+
+
+def build_command(nvcc: str, cutlass_root: Path, out: Path, src_hash: str, source: Path = SOURCE) -> list[str]:
+    """The nvcc command line that builds the shared library ``out``."""
+    return [nvcc, *ARCH_FLAGS, *NVCC_FLAGS, f"-DSR_GEMM_SOURCE_HASH=\"{src_hash}\"",
+            f"-I{cutlass_root / 'include'}", f"-I{cutlass_root / 'tools' / 'util' / 'include'}",
+            str(source), "-o", str(out)]
+
+
+def cache_key(src_hash: str, nvcc_ver: str, cutlass_ver: str) -> str:
+    h = hashlib.sha256()
+    for part in (src_hash, " ".join(ARCH_FLAGS + NVCC_FLAGS), nvcc_ver, cutlass_ver):
+        h.update(part.encode())
+        h.update(b"\0")
+    return h.hexdigest()[:16]
+
+
+def library_name(key: str) -> str:
+    return f"{LIB_PREFIX}{key}.so"
+
+
+def needed_libraries(so: Path) -> list[str] | None:
+    """The DT_NEEDED entries of a shared library (None when readelf is not available)."""
+    readelf = shutil.which("readelf")
+    if not readelf:
+        return None
+    out = subprocess.run([readelf, "-d", str(so)], capture_output=True, text=True)
+    if out.returncode != 0:
+        return None
+    return [line.split("[", 1)[1].split("]", 1)[0] for line in out.stdout.splitlines() if "(NEEDED)" in line]
+
+
+def build(out_dir: str | os.PathLike | None = None, force: bool = False, verbose: bool = False) -> Path:
+    """Build (or take from the cache) the library; returns its path (in ``out_dir`` if given)."""
+    nvcc = find_nvcc()
+    root = find_cutlass()
+    src_hash = source_sha256()
+    nv_ver = nvcc_version(nvcc)
+    cut_ver = cutlass_version(root)
+    key = cache_key(src_hash, nv_ver, cut_ver)
+    cdir = cache_dir() / "gemm"
+    cdir.mkdir(parents=True, exist_ok=True)
+    lib = cdir / library_name(key)
+    meta = lib.with_suffix(".json")
+    if force or not lib.is_file() or not meta.is_file():
+        with tempfile.TemporaryDirectory(dir=cdir) as tmp:
+            tmp_lib = Path(tmp) / lib.name
+            cmd = build_command(nvcc, root, tmp_lib, src_hash)
+            if verbose:
+                print(" ".join(cmd), flush=True)
+            t0 = time.monotonic()
+            res = subprocess.run(cmd, capture_output=True, text=True)
+            seconds = time.monotonic() - t0
+            if res.returncode != 0:
+                raise BuildError(f"nvcc failed ({res.returncode}) building {SOURCE.name}:\n{' '.join(cmd)}\n"
+                                 f"{res.stderr[-8000:]}")
+            needed = needed_libraries(tmp_lib)
+            if needed is not None and any("cudart" in n for n in needed):
+                raise BuildError(f"{tmp_lib.name} links the CUDA runtime dynamically ({needed}); it must be static")
+            os.replace(tmp_lib, lib)
+        meta.write_text(json.dumps({
+            "library": lib.name, "source": SOURCE.name, "source_sha256": src_hash, "cache_key": key,
+            "nvcc_version": nv_ver.splitlines()[-1] if nv_ver else "", "cutlass_version": cut_ver,
+            "command": build_command("nvcc", Path("$CUTLASS"), Path(lib.name), src_hash),
+            "build_seconds": round(seconds, 1), "size_bytes": lib.stat().st_size, "needed": needed,
+            "built_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }, indent=1) + "\n")
+    if out_dir is None:
+        return lib
+    od = Path(out_dir)
+    od.mkdir(parents=True, exist_ok=True)
+    dst = od / lib.name
+    if not dst.is_file() or dst.stat().st_size != lib.stat().st_size or force:
+        shutil.copy2(lib, dst)
+    shutil.copy2(meta, od / meta.name)
+    return dst
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", help="also copy the library (and its .json) into this folder, e.g. .gemm-build")
+    ap.add_argument("--force", action="store_true", help="rebuild even when cached")
+    ap.add_argument("-v", "--verbose", action="store_true", help="print the nvcc command")
+    args = ap.parse_args(argv)
+    try:
+        t0 = time.monotonic()
+        path = build(args.out, force=args.force, verbose=args.verbose)
+    except BuildError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    meta = json.loads(path.with_suffix(".json").read_text())
+    print(f"{path}  ({path.stat().st_size / 1e6:.1f} MB; compiled in {meta['build_seconds']} s"
+          f"{'' if time.monotonic() - t0 > 5 else ', from the cache'}; needs {meta.get('needed')})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,427 @@
+"""ctypes launcher of the CUTLASS FP8 blockwise grouped GEMM over ready blocks (``csrc/gemm/gemm_blockwise_fp8.cu``).
+
+One :class:`GroupedGemm` is one CUTLASS plan: a kernel variant (tile configuration and output dtype),
+the GEMM's ``N`` and ``K``, and a capacity (the most ready items one run may cover). Its
+:meth:`GroupedGemm.run` computes, on the current torch stream, for every ready block ``b`` of
+``ready_list[ready_hi[lo_index] : ready_hi[hi_index]]``::
+
+    d[b*block_m : (b+1)*block_m, :] = (a ⊙ a_sf)[rows] @ (w[e] ⊙ w_sf[e])^T,   e = block_expert[b]
+
+with FP8 e4m3 operands, ``a_sf`` one float32 scale per row per 128 columns of K, ``w_sf`` one per
+128x128 block, fp32 accumulation, ``d`` bfloat16 or float32. The range is read on the device, nothing
+is allocated and nothing is read back, so runs can be captured in a CUDA graph. Rows of blocks not in
+the range are not written.
+
+The library is found (and, where nvcc and CUTLASS's headers are available, built) lazily by
+:func:`load_library`: ``$STREAMRING_GEMM_LIB``, then the repository's ``.gemm-build/``, then the build
+cache of :mod:`streamring.device.build_gemm`. A library built from another version of the source is
+refused (its embedded sha256 must match the source next to this file).
+
+Device-side range errors (a range longer than ``max_items``, a negative range, a block or expert id
+out of range) set bits of the plan's status word (:data:`STATUS_BITS`); with ``trap_on_error`` (the
+default) the setup kernel also prints them and traps, so the next CUDA synchronisation fails.
+:meth:`GroupedGemm.check` reads the word (it synchronises) and raises.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+FP8 = torch.float8_e4m3fn
+SF_BLOCK = 128
+
+# variant = 2 * tile + (1 if the output is float32 else 0), as in gemm_blockwise_fp8.cu
+TILES = {"coop128": 0, "pingpong64": 1}
+TILE_DOC = {"coop128": "128x128x128 tile, cooperative (2 consumer warpgroups), cluster 1x2",
+            "pingpong64": "64x128x128 tile, ping-pong (2 consumer warpgroups on alternate tiles), cluster 1x1"}
+OUT_DTYPES = {torch.bfloat16: 0, torch.float32: 1}
+
+STATUS_BITS = {
+    1: "the ready range is longer than max_items (blocks past max_items were dropped)",
+    2: "the ready range is negative (ready_hi[hi_index] < ready_hi[lo_index])",
+    4: "a ready block id is outside [0, num_blocks) (skipped)",
+    8: "a ready block's expert id is outside [0, num_experts) (skipped)",
+    16: "the ready range lies outside the ready list (ready_hi[lo_index] < 0 or ready_hi[hi_index] > its length)",
+}
+
+_c_int, _c_void_p, _c_char_p = ctypes.c_int, ctypes.c_void_p, ctypes.c_char_p
+_p_int, _p_i64, _p_void_p = ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_void_p)
+_RUN_ARGS = [_c_void_p,  # plan
+             _c_void_p, _c_int, _c_void_p, _c_int, _c_int,  # ready_list, ready_len, ready_hi, lo_index, hi_index
+             _c_int,  # max_items
+             _c_void_p, _c_int, _c_int, _c_int,  # block_expert, num_blocks, num_experts, block_m
+             _c_void_p, _c_void_p, _c_void_p, _c_void_p, _c_void_p,  # a, a_sf, w, w_sf, d
+             _c_void_p, _c_int, _c_void_p]  # status, max_ctas, stream
+# name -> (restype, argtypes): the C signatures of gemm_blockwise_fp8.cu (tests compare the two)
+SIGNATURES = {
+    "sr_gemm_last_error": (_c_char_p, []),
+    "sr_gemm_build_info": (_c_char_p, []),
+    "sr_gemm_num_variants": (_c_int, []),
+    "sr_gemm_variant_info": (_c_int, [_c_int, _p_int]),
+    "sr_gemm_create": (_c_int, [_c_int, _c_int, _c_int, _c_int, _c_int, _c_int, _p_void_p]),
+    "sr_gemm_destroy": (_c_int, [_c_void_p]),
+    "sr_gemm_run": (_c_int, _RUN_ARGS),
+    "sr_gemm_setup_only": (_c_int, _RUN_ARGS),
+    "sr_gemm_read_groups": (_c_int, [_c_void_p, _c_int, _p_int, _p_i64, _p_i64, _p_i64, _p_i64, _p_i64]),
+}
+
+
+class GemmLibraryError(RuntimeError):
+    """The CUTLASS GEMM library cannot be found, built, loaded, or returned an error."""
+
+
+# ----------------------------------------------------------------------------------------------
+# the library
+# ----------------------------------------------------------------------------------------------
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_lib_path: Path | None = None
+
+
+def _source_sha256() -> str:
+    from .build_gemm import source_sha256
+
+    return source_sha256()
+
+
+def candidate_libraries() -> list[Path]:
+    """Libraries built from this source, best first: ``$STREAMRING_GEMM_LIB``, ``.gemm-build/``, the cache."""
+    from .build import cache_dir
+    from .build_gemm import LIB_PREFIX, REPO_BUILD_DIR
+
+    want = _source_sha256()
+    out = []
+    for folder in (REPO_BUILD_DIR, cache_dir() / "gemm"):
+        if not folder.is_dir():
+            continue
+        for meta in sorted(folder.glob(f"{LIB_PREFIX}*.json"), key=lambda p: p.stat().st_mtime, reverse=True):
+            try:
+                info = json.loads(meta.read_text())
+            except (OSError, ValueError):
+                continue
+            lib = meta.with_suffix(".so")
+            if info.get("source_sha256") == want and lib.is_file():
+                out.append(lib)
+    return out
+
+
+def library_path(build: bool = True) -> Path:
+    """The library to load (builds it when none matches the source and ``build`` is true)."""
+    env = os.environ.get("STREAMRING_GEMM_LIB")
+    if env:
+        p = Path(env)
+        if not p.is_file():
+            raise GemmLibraryError(f"$STREAMRING_GEMM_LIB={env} is not a file")
+        return p
+    found = candidate_libraries()
+    if found:
+        return found[0]
+    if not build:
+        raise GemmLibraryError("no CUTLASS GEMM library built from the current gemm_blockwise_fp8.cu in .gemm-build/ "
+                               "or the build cache; run `python -m streamring.device.build_gemm --out .gemm-build`")
+    from .build import BuildError
+    from .build_gemm import build as build_library
+
+    try:
+        return build_library()
+    except BuildError as exc:
+        raise GemmLibraryError(f"the CUTLASS GEMM library is not built and cannot be built here: {exc}") from exc
+
+
+def load_library(path: str | os.PathLike | None = None, build: bool = True) -> ctypes.CDLL:
+    """Load the library once per process (``path`` overrides the search); declares every signature and
+    checks the embedded source hash against ``csrc/gemm/gemm_blockwise_fp8.cu``."""
+    global _lib, _lib_path
+    with _lock:
+        if _lib is not None:
+            if path is not None and Path(path).resolve() != _lib_path:
+                raise GemmLibraryError(f"a CUTLASS GEMM library is already loaded from {_lib_path}")
+            return _lib
+        p = Path(path) if path is not None else library_path(build=build)
+        try:
+            lib = ctypes.CDLL(str(p))
+        except OSError as exc:
+            raise GemmLibraryError(f"cannot load {p}: {exc}") from exc
+        for name, (res, args) in SIGNATURES.items():
+            try:
+                fn = getattr(lib, name)
+            except AttributeError as exc:
+                raise GemmLibraryError(f"{p} has no entry point {name} (built from another source?)") from exc
+            fn.restype, fn.argtypes = res, args
+        info = lib.sr_gemm_build_info().decode()
+        want = _source_sha256()
+        if f"source_sha256={want}" not in info and not os.environ.get("STREAMRING_GEMM_ANY_SOURCE"):
+            raise GemmLibraryError(f"{p} was built from another gemm_blockwise_fp8.cu ({info}); this source has sha256 "
+                                   f"{want}. Rebuild: python -m streamring.device.build_gemm --out .gemm-build")
+        _lib, _lib_path = lib, p.resolve()
+        return lib
+
+
+def library_info() -> dict:
+    """Path and build info of the loaded library, and what each variant is (tile, shared memory...)."""
+    lib = load_library()
+    variants = {}
+    for tile, t in TILES.items():
+        for dt, o in OUT_DTYPES.items():
+            arr = (ctypes.c_int * 9)()
+            _check(lib, lib.sr_gemm_variant_info(2 * t + o, arr), "sr_gemm_variant_info")
+            v = list(arr)
+            variants[f"{tile}:{str(dt).split('.')[-1]}"] = {
+                "tile_mnk": v[0:3], "cluster_mn": v[3:5], "smem_bytes": v[5], "threads": v[6], "out_bytes": v[7],
+                "stages": v[8]}
+    return {"path": str(_lib_path), "build_info": lib.sr_gemm_build_info().decode(), "variants": variants}
+
+
+def _check(lib, rc: int, what: str) -> None:
+    if rc != 0:
+        msg = lib.sr_gemm_last_error().decode(errors="replace")
+        raise GemmLibraryError(f"{what} failed (code {rc}): {msg}")
+
+
+# ----------------------------------------------------------------------------------------------
+# argument checks (pure Python: run before the library is touched)
+# ----------------------------------------------------------------------------------------------
+def _check_tensor(name: str, t, dtype, ndim: int, device=None, require_cuda: bool = True) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if require_cuda and t.device.type != "cuda":
+        raise ValueError(f"{name} must be a CUDA tensor, got device {t.device}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} is on {t.device}, the other tensors on {device}")
+    if t.dtype != dtype:
+        raise ValueError(f"{name} must be {dtype}, got {t.dtype}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (shape {tuple(t.shape)}, strides {t.stride()})")
+
+
+@dataclass(frozen=True)
+class RunShape:
+    """What :func:`check_run_args` derived from the tensors."""
+
+    num_blocks: int
+    num_experts: int
+    rows: int
+
+
+def check_run_args(n: int, k: int, out_dtype, capacity: int, ready_list, ready_hi, lo_index, hi_index, max_items,
+                   block_expert, a, a_sf, w, w_sf, d, block_m, max_ctas, require_cuda: bool = True) -> RunShape:
+    """Every check of :meth:`GroupedGemm.run`; the messages name the argument and what it must be.
+    (``require_cuda=False``: the same checks on CPU tensors, for tests on machines without a GPU.)"""
+
+    def _tensor(*a, **kw):
+        return _check_tensor(*a, require_cuda=require_cuda, **kw)
+
+    for name, v in (("lo_index", lo_index), ("hi_index", hi_index), ("max_items", max_items), ("block_m", block_m)):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise TypeError(f"{name} must be an int, got {type(v).__name__}")
+    if max_ctas is not None and (isinstance(max_ctas, bool) or not isinstance(max_ctas, int) or max_ctas <= 0):
+        raise ValueError(f"max_ctas must be None or a positive int, got {max_ctas!r}")
+    if block_m <= 0:
+        raise ValueError(f"block_m must be positive, got {block_m}")
+    if not 0 <= max_items <= capacity:
+        raise ValueError(f"max_items must be in [0, capacity={capacity}] of this plan, got {max_items}")
+    _tensor("ready_list", ready_list, torch.int32, 1)
+    dev = ready_list.device
+    _tensor("ready_hi", ready_hi, torch.int32, 1, dev)
+    for name, v in (("lo_index", lo_index), ("hi_index", hi_index)):
+        if not 0 <= v < ready_hi.numel():
+            raise ValueError(f"{name}={v} outside ready_hi's {ready_hi.numel()} entries")
+    _tensor("block_expert", block_expert, torch.int32, 1, dev)
+    num_blocks = block_expert.numel()
+    if num_blocks == 0:
+        raise ValueError("block_expert is empty (no blocks)")
+    rows = num_blocks * block_m
+    _tensor("w", w, FP8, 3, dev)
+    e, wn, wk = w.shape
+    if (wn, wk) != (n, k):
+        raise ValueError(f"w must be [E, N={n}, K={k}] (this plan's N and K), got {tuple(w.shape)}")
+    _tensor("w_sf", w_sf, torch.float32, 3, dev)
+    if tuple(w_sf.shape) != (e, n // SF_BLOCK, k // SF_BLOCK):
+        raise ValueError(f"w_sf must be [E={e}, N/128={n // SF_BLOCK}, K/128={k // SF_BLOCK}], got {tuple(w_sf.shape)}")
+    _tensor("a", a, FP8, 2, dev)
+    if a.shape[1] != k or a.shape[0] < rows:
+        raise ValueError(f"a must be [rows >= num_blocks*block_m = {rows}, K={k}] float8_e4m3fn, got {tuple(a.shape)}")
+    _tensor("a_sf", a_sf, torch.float32, 2, dev)
+    if a_sf.shape[1] != k // SF_BLOCK or a_sf.shape[0] < rows:
+        raise ValueError(f"a_sf must be [rows >= {rows}, K/128={k // SF_BLOCK}] float32, got {tuple(a_sf.shape)}")
+    _tensor("d", d, out_dtype, 2, dev)
+    if d.shape[1] != n or d.shape[0] < rows:
+        raise ValueError(f"d must be [rows >= {rows}, N={n}] {out_dtype}, got {tuple(d.shape)}")
+    for name, t in (("a", a), ("w", w), ("d", d)):
+        if require_cuda and t.data_ptr() % 16:
+            raise ValueError(f"{name} must start 16-byte aligned (TMA), got address {t.data_ptr():#x}")
+    return RunShape(num_blocks, e, rows)
+
+
+# ----------------------------------------------------------------------------------------------
+# pure-Python reference of the device-side range -> groups conversion
+# ----------------------------------------------------------------------------------------------
+def ready_groups(ready_list, ready_hi, lo_index: int, hi_index: int, max_items: int, block_expert, block_m: int,
+                 num_experts: int) -> tuple[list[tuple[int, int, int]], int]:
+    """What the setup kernel makes of a ready range: ``([(m_rows, row0, expert), ...], status)``.
+
+    Runs of consecutive block ids of one expert become one group; invalid items set a status bit
+    and break runs. Groups ``len(result) .. max_items-1`` have ``m = 0``. Takes lists or CPU tensors.
+    """
+    rl = [int(v) for v in ready_list]
+    be = [int(v) for v in block_expert]
+    hi_v = [int(v) for v in ready_hi]
+    lo, hi = hi_v[lo_index], hi_v[hi_index]
+    status, n = 0, hi - lo
+    if n > 0 and (lo < 0 or hi > len(rl)):
+        status |= 16
+        n = 0
+    if n < 0:
+        status |= 2
+        n = 0
+    if n > max_items:
+        status |= 1
+        n = max_items
+    items = []
+    for i in range(n):
+        b = rl[lo + i]
+        if not 0 <= b < len(be):
+            status |= 4
+            items.append(None)
+        elif not 0 <= be[b] < num_experts:
+            status |= 8
+            items.append(None)
+        else:
+            items.append((b, be[b]))
+    groups: list[list[int]] = []  # [first_bid, expert, blocks]
+    prev = None
+    for it in items:
+        if it is not None and prev is not None and it[0] == prev[0] + 1 and it[1] == prev[1]:
+            groups[-1][2] += 1
+        elif it is not None:
+            groups.append([it[0], it[1], 1])
+        prev = it
+    return [(nb * block_m, b * block_m, e) for b, e, nb in groups], status
+
+
+def status_text(status: int) -> str:
+    return "; ".join(msg for bit, msg in STATUS_BITS.items() if status & bit) or "ok"
+
+
+# ----------------------------------------------------------------------------------------------
+# plans
+# ----------------------------------------------------------------------------------------------
+class GroupedGemm:
+    """One CUTLASS grouped-GEMM plan (created on first use, on the tensors' device).
+
+    ``n``, ``k``: the GEMM's output width and reduction length (multiples of 128);
+    ``out_dtype``: ``torch.bfloat16`` or ``torch.float32``; ``tile``: ``"coop128"`` or
+    ``"pingpong64"`` (:data:`TILE_DOC`); ``capacity``: the largest ``max_items`` of a run (sizes the
+    problem arrays). A plan must not run concurrently with itself (one stream at a time).
+    """
+
+    def __init__(self, n: int, k: int, *, out_dtype=torch.bfloat16, tile: str = "coop128", capacity: int,
+                 trap_on_error: bool = True):
+        if tile not in TILES:
+            raise ValueError(f"tile must be one of {sorted(TILES)}, got {tile!r}")
+        if out_dtype not in OUT_DTYPES:
+            raise ValueError(f"out_dtype must be torch.bfloat16 or torch.float32, got {out_dtype}")
+        for name, v in (("n", n), ("k", k)):
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0 or v % SF_BLOCK:
+                raise ValueError(f"{name} must be a positive multiple of 128 (the scale block), got {v!r}")
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity <= 0:
+            raise ValueError(f"capacity must be a positive int, got {capacity!r}")
+        self.n, self.k, self.out_dtype, self.tile, self.capacity = n, k, out_dtype, tile, capacity
+        self.variant = 2 * TILES[tile] + OUT_DTYPES[out_dtype]
+        self.trap_on_error = bool(trap_on_error)
+        self._plan = None
+        self._lib = None
+        self.device: torch.device | None = None
+        self.status_word: torch.Tensor | None = None
+
+    def __repr__(self):
+        return (f"GroupedGemm(n={self.n}, k={self.k}, out_dtype={self.out_dtype}, tile={self.tile!r}, "
+                f"capacity={self.capacity})")
+
+    def _ensure(self, device: torch.device) -> None:
+        if self._plan is not None:
+            if device != self.device:
+                raise ValueError(f"this plan lives on {self.device}, the tensors are on {device}")
+            return
+        lib = load_library()
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        with torch.cuda.device(idx):
+            plan = ctypes.c_void_p()
+            _check(lib, lib.sr_gemm_create(self.variant, self.n, self.k, self.capacity, idx, int(self.trap_on_error),
+                                           ctypes.byref(plan)), f"sr_gemm_create({self!r})")
+        self._lib, self._plan, self.device = lib, plan, torch.device("cuda", idx)
+        self.status_word = torch.zeros(1, dtype=torch.int32, device=self.device)
+
+    def _call(self, fn_name: str, ready_list, ready_hi, lo_index, hi_index, max_items, block_expert, a, a_sf, w, w_sf,
+              d, block_m, max_ctas) -> None:
+        rs = check_run_args(self.n, self.k, self.out_dtype, self.capacity, ready_list, ready_hi, lo_index, hi_index,
+                            max_items, block_expert, a, a_sf, w, w_sf, d, block_m, max_ctas)
+        self._ensure(ready_list.device)
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        with torch.cuda.device(self.device):
+            rc = getattr(self._lib, fn_name)(
+                self._plan, ready_list.data_ptr(), ready_list.numel(), ready_hi.data_ptr(), lo_index, hi_index, max_items,
+                block_expert.data_ptr(), rs.num_blocks, rs.num_experts, block_m, a.data_ptr(), a_sf.data_ptr(),
+                w.data_ptr(), w_sf.data_ptr(), d.data_ptr(), self.status_word.data_ptr(), max_ctas or 0, stream)
+        _check(self._lib, rc, fn_name)
+
+    def run(self, ready_list, ready_hi, lo_index: int, hi_index: int, max_items: int, block_expert, a, a_sf, w, w_sf,
+            d, *, block_m: int, max_ctas: int | None = None) -> None:
+        """Grouped GEMM of the ready blocks ``ready_list[ready_hi[lo_index] : ready_hi[hi_index]]`` into ``d``
+        on the current stream (see the module doc); ``max_items`` bounds the range (≤ capacity);
+        ``max_ctas``: a persistent grid of at most this many CTAs (None: one per SM)."""
+        self._call("sr_gemm_run", ready_list, ready_hi, lo_index, hi_index, max_items, block_expert, a, a_sf, w, w_sf,
+                   d, block_m, max_ctas)
+
+    def setup_only(self, ready_list, ready_hi, lo_index: int, hi_index: int, max_items: int, block_expert, a, a_sf, w,
+                   w_sf, d, *, block_m: int) -> None:
+        """Only the range -> problem-array kernel (tests read the arrays with :meth:`read_groups`)."""
+        self._call("sr_gemm_setup_only", ready_list, ready_hi, lo_index, hi_index, max_items, block_expert, a, a_sf, w,
+                   w_sf, d, block_m, None)
+
+    def read_groups(self, count: int) -> dict:
+        """Synchronises; the first ``count`` problems: ``m`` and the raw A/B/SFA/SFB/D pointers."""
+        if self._plan is None:
+            raise RuntimeError("the plan has not run yet")
+        m = (ctypes.c_int * count)()
+        ptrs = [(ctypes.c_int64 * count)() for _ in range(5)]
+        with torch.cuda.device(self.device):
+            _check(self._lib, self._lib.sr_gemm_read_groups(self._plan, count, m, *ptrs), "sr_gemm_read_groups")
+        names = ("a", "b", "sfa", "sfb", "d")
+        return {"m": list(m), **{nm: list(p) for nm, p in zip(names, ptrs)}}
+
+    def status(self) -> int:
+        """The device status word (synchronises the stream); 0 = every range was fine."""
+        if self.status_word is None:
+            return 0
+        return int(self.status_word.item())
+
+    def reset_status(self) -> None:
+        if self.status_word is not None:
+            self.status_word.zero_()
+
+    def check(self) -> None:
+        """Raise :class:`GemmLibraryError` if any run so far found a bad ready range."""
+        s = self.status()
+        if s:
+            raise GemmLibraryError(f"{self!r}: status {s:#x}: {status_text(s)}")
+
+    def close(self) -> None:
+        if self._plan is not None:
+            self._lib.sr_gemm_destroy(self._plan)
+            self._plan = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
