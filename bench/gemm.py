@@ -125,21 +125,28 @@ def check_h1_sampled(h1q, h1sf, a_rows, experts, w1, w1_sf) -> dict:
     i = h1q.shape[1]
     for e in torch.unique(experts).tolist():
         sel = (experts == e).nonzero().flatten()
-        gu = a_rows[sel] @ deq_weight(w1[e], w1_sf[e]).t()
+        wd = deq_weight(w1[e], w1_sf[e])
+        gu = a_rows[sel] @ wd.t()
         h_ref = torch.nn.functional.silu(gu[:, :i]) * gu[:, i:]
+        # the float32 GEMM's absolute accumulation error (2^-9 of the sum of |terms|, as check_sampled
+        # allows) through SwiGLU: |silu(g)| * err(u) + |silu'(g)| (<= 1.1) * |u| * err(g). A value near
+        # zero after cancellation in u or g cannot be held to a relative bound.
+        absum = a_rows[sel].abs() @ wd.abs().t()
+        acc = 2.0 ** -9 * (torch.nn.functional.silu(gu[:, :i]).abs() * absum[:, i:] + 1.1 * gu[:, i:].abs() * absum[:, :i])
         q = h1q[sel].float()
         sc = h1sf[sel].double().repeat_interleave(128, dim=1)
         h = q.double() * sc
-        tol = fp8_step(q).double() * sc + 2.0 ** -8 * h_ref.abs() + 1e-30
+        tol = fp8_step(q).double() * sc + 2.0 ** -8 * h_ref.abs() + acc + 1e-30
         err = (h - h_ref).abs()
         bad += int((~(err <= tol)).sum())
         worst = max(worst, float(torch.nan_to_num(err / tol, nan=float("inf")).max()))
     return {"ok": bad == 0, "bad_elements": bad, "worst_err_over_tol": worst}
 
 
-def compare_h1(h1_c, sf_c, h1_t, sf_t, rows, chunk=16384) -> dict:
-    """CUTLASS vs Triton ``h1`` on ``rows``: dequantized values within one e4m3 step, and the share of
-    bitwise equal FP8 values."""
+def compare_h1(h1_c, sf_c, h1_t, sf_t, rows, chunk=16384, steps: float = 1.001) -> dict:
+    """CUTLASS vs Triton ``h1`` on ``rows``: dequantized values within ``steps`` e4m3 steps (one for a
+    float32 L1 output; a bf16 output rounds the SwiGLU input first, two), and the share of bitwise
+    equal FP8 values."""
     bad, equal, total, worst = 0, 0, 0, 0.0
     for s in range(0, rows.numel(), chunk):
         r = rows[s:s + chunk]
@@ -148,7 +155,7 @@ def compare_h1(h1_c, sf_c, h1_t, sf_t, rows, chunk=16384) -> dict:
         scc = sf_c[r].repeat_interleave(128, dim=1)
         sct = sf_t[r].repeat_interleave(128, dim=1)
         hc, ht = qc * scc, qt * sct
-        tol = torch.maximum(fp8_step(qc) * scc, fp8_step(qt) * sct) * 1.001 + 1e-30
+        tol = torch.maximum(fp8_step(qc) * scc, fp8_step(qt) * sct) * steps + 1e-30
         err = (hc - ht).abs()
         ok = err <= tol
         bad += int((~ok).sum())
@@ -353,7 +360,8 @@ def run_size(T, shape, fw, args, plans_l1, plans_l2, dev) -> tuple[list, dict]:
         plan.check()
         rnd = 2.0 ** -8 if plan.out_dtype == torch.bfloat16 else 0.0
         r1 = check_sampled(gu[rows_s], a_s, experts_s, fw.w1, fw.w1_sf, out_round=rnd)
-        r2 = compare_h1(c.h1c, c.h1c_sf, bc.h1.view(FP8), bc.h1_sf, c.real_rows)
+        r2 = compare_h1(c.h1c, c.h1c_sf, bc.h1.view(FP8), bc.h1_sf, c.real_rows,
+                        steps=2.001 if plan.out_dtype == torch.bfloat16 else 1.001)
         r3 = check_h1_sampled(c.h1c[rows_s], c.h1c_sf[rows_s], a_s, experts_s, fw.w1, fw.w1_sf)
         checks[("l1", name)] = {"ok": r1["ok"] and r2["ok"] and r3["ok"], "gemm_vs_float64": r1, "h1_vs_triton": r2,
                                 "h1_vs_float64": r3}

@@ -42,9 +42,9 @@ class CutlassExperts:
         H, I = shape.hidden, shape.intermediate
         rows = bc.max_blocks * bc.block_m
         self.bc = bc
-        self.l1 = CG.GroupedGemm(2 * I, H, out_dtype=l1_out_dtype, tile=tile_l1, capacity=bc.max_blocks,
+        self.gemm1 = CG.GroupedGemm(2 * I, H, out_dtype=l1_out_dtype, tile=tile_l1, capacity=bc.max_blocks,
                                  trap_on_error=trap_on_error)
-        self.l2 = CG.GroupedGemm(H, I, out_dtype=torch.bfloat16, tile=tile_l2, capacity=bc.max_blocks,
+        self.gemm2 = CG.GroupedGemm(H, I, out_dtype=torch.bfloat16, tile=tile_l2, capacity=bc.max_blocks,
                                  trap_on_error=trap_on_error)
         self.gu = torch.zeros(rows, 2 * I, dtype=l1_out_dtype, device=bc.device)
         self.h1_sf_w = torch.zeros(rows, I // 128, dtype=torch.float32, device=bc.device)
@@ -52,7 +52,7 @@ class CutlassExperts:
     def l1_swiglu(self, lo_index: int, hi_index: int, max_items: int, fw, max_ctas: int | None = None) -> None:
         """L1 GEMM + SwiGLU/requant of the ready blocks (into ``bc.h1``, ``bc.h1_sf``, ``h1_sf_w``)."""
         bc = self.bc
-        self.l1.run(bc.ready_list, bc.ready_hi, lo_index, hi_index, max_items, bc.block_expert, bc.a.view(FP8),
+        self.gemm1.run(bc.ready_list, bc.ready_hi, lo_index, hi_index, max_items, bc.block_expert, bc.a.view(FP8),
                     bc.a_sf, fw.w1, fw.w1_sf, self.gu, block_m=bc.block_m, max_ctas=max_ctas)
         K.swiglu_quant_blocks(bc.ready_list, bc.ready_hi, lo_index, hi_index, max_items, self.gu, bc.h1.view(FP8),
                               bc.h1_sf, bc.row_weight, self.h1_sf_w, block_m=bc.block_m)
@@ -60,7 +60,7 @@ class CutlassExperts:
     def l2(self, lo_index: int, hi_index: int, max_items: int, fw, max_ctas: int | None = None) -> None:
         """L2 GEMM (routing weight folded into the scales) of the ready blocks into ``bc.y``."""
         bc = self.bc
-        self.l2.run(bc.ready_list, bc.ready_hi, lo_index, hi_index, max_items, bc.block_expert, bc.h1.view(FP8),
+        self.gemm2.run(bc.ready_list, bc.ready_hi, lo_index, hi_index, max_items, bc.block_expert, bc.h1.view(FP8),
                     self.h1_sf_w, fw.w2, fw.w2_sf, bc.y, block_m=bc.block_m, max_ctas=max_ctas)
 
     def compute(self, lo_index: int, hi_index: int, max_items: int, fw, max_ctas: int | None = None) -> None:
@@ -69,5 +69,5 @@ class CutlassExperts:
 
     def check(self) -> None:
         """Raise if any run met a bad ready range (synchronises)."""
-        self.l1.check()
-        self.l2.check()
+        self.gemm1.check()
+        self.gemm2.check()

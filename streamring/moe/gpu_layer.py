@@ -379,7 +379,10 @@ class EPMoE:
     def _chunk_gemms(self, c, j=0):
         with nvtx_range(f"streamring block GEMMs chunk {c} step {j}", color="green"):
             i = c * self.steps + j
-            self._gemms(i, i + 1, self.max_ready_per_step(), self.plan.chunk_gemm_ctas)
+            # the persistent (SM-sparing) grid only while later chunks are still being produced; the
+            # last chunk's blocks, like the sealed ones, take the whole GPU
+            ctas = self.plan.chunk_gemm_ctas if c < self.num_chunks - 1 else None
+            self._gemms(i, i + 1, self.max_ready_per_step(), ctas)
             if j == self.steps - 1:
                 self._stamp(c, 4)
 
