@@ -262,10 +262,30 @@ def bench_tokens(heap, T, shape, fw, full, base, args, rows, timelines, all_tls)
     tokens = [T] * R
     common = dict(ranks=R, tokens_per_rank=T, shape=args.shape, block_m=args.block_m)
     straggler_ns = int(args.straggler_ms * 1e6)
-    # -- batch ----------------------------------------------------------------------------------
+    # -- batch (one row per GEMM implementation; the first is the reference of the streamed plans) --
+    for gemm in args.gemms[1:]:
+        y_g = torch.zeros_like(x)
+        other = EPMoE(heap, shape, fw, tokens, PlanChoice.batch(args.block_m), transport=args.transport,
+                      deadline_s=args.deadline_s, gemm=gemm, name=f"bench-batch-{gemm}")
+        try:
+            other.warm_up(x, y_g)
+            heap.barrier()
+            g_o = other.capture(x, y_g)
+            heap.barrier()
+            rows.append({**common, "path": "batch", "gemm": gemm, "straggler_ms": 0.0,
+                         **stats(timed(heap, g_o.replay, args.replays)), "bitwise_equal_to_batch": None})
+            log(f"T={T}: batch ({gemm} GEMMs) {rows[-1]['median_ms']:.3f} ms")
+            del g_o
+        except Exception as exc:  # noqa: BLE001
+            rows.append({**common, "path": "batch", "gemm": gemm, "error": f"{type(exc).__name__}: {exc}"[:400]})
+            log(f"T={T}: batch ({gemm}) FAILED: {type(exc).__name__}: {exc}")
+        finally:
+            torch.cuda.synchronize()
+            heap.barrier()
+            other.close()
     y_b = torch.zeros_like(x)
     batch = EPMoE(heap, shape, fw, tokens, PlanChoice.batch(args.block_m), transport=args.transport,
-                  deadline_s=args.deadline_s, name="bench-batch")
+                  deadline_s=args.deadline_s, gemm=args.gemms[0], name="bench-batch")
     batch.warm_up(x, y_b)
     heap.barrier()
     gb = batch.capture(x, y_b)
@@ -278,7 +298,8 @@ def bench_tokens(heap, T, shape, fw, full, base, args, rows, timelines, all_tls)
     rel = float((ref_out[samp].double() - ref).norm() / ref.norm().clamp_min(1e-30))
     rels = heap.allgather_obj(rel)
     st_b = batch.status()
-    row_b = {**common, "path": "batch", "straggler_ms": 0.0, **stats(ms_b), "bitwise_equal_to_batch": True,
+    row_b = {**common, "path": "batch", "gemm": args.gemms[0], "straggler_ms": 0.0, **stats(ms_b),
+             "bitwise_equal_to_batch": True,
              "rel_err_vs_f64_max": max(rels), "ring_ok": not (st_b["violations"] or st_b["timeouts"])}
     rows.append(row_b)
     log(f"T={T}: batch {row_b['median_ms']:.3f} ms (rel err vs f64 {max(rels):.4f})")
@@ -302,7 +323,7 @@ def bench_tokens(heap, T, shape, fw, full, base, args, rows, timelines, all_tls)
                 plan = PlanChoice(chunk_tokens=chunk, num_slots=cfg["num_slots"], block_m=args.block_m, policy=policy,
                                   chunk_gemm_ctas=ctas)
                 sm = EPMoE(heap, shape, fw, tokens, plan, transport=args.transport, deadline_s=args.deadline_s,
-                           timeline=True, source_order=order, name="bench-stream")
+                           timeline=True, source_order=order, gemm=args.gemms[0], name="bench-stream")
                 sm.warm_up(x, y_s)
                 heap.barrier()
                 gs = sm.capture(x, y_s, stamps=False)  # timed without the stamp kernels
@@ -422,6 +443,8 @@ def main(argv=None) -> int:
     ap.add_argument("--straggler-ms", type=float, default=1.0)
     ap.add_argument("--deadline-s", type=float, default=20.0)
     ap.add_argument("--no-baseline", action="store_true", help="skip the torch + NCCL baseline")
+    ap.add_argument("--gemms", type=lambda s: s.split(","), default=["triton"],
+                    help="expert GEMMs (triton, cutlass): the first runs every path; the others the batch path")
     ap.add_argument("--eager", action="store_true", help="also time each streamed plan enqueued eagerly (no graph)")
     ap.add_argument("--budget-s", type=float, default=420.0, help="stop starting new sizes after this long")
     ap.add_argument("--symmetric-size", default="24G", help="NVSHMEM_SYMMETRIC_SIZE")

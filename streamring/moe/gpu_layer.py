@@ -83,6 +83,7 @@ from .plan import PlanChoice
 from .timeline_events import CHUNK_EVENTS, STAMP_STRIDE, TAIL_EVENTS
 
 TRANSPORTS = ("auto", "p2p", "nv")
+GEMMS = ("triton", "cutlass")
 
 
 class EPMoE:
@@ -115,6 +116,11 @@ class EPMoE:
             or ``"ready"`` (the RFC's later optimisation: per chunk, R steps, each taking whichever
             source is ready first, decided on the device by ``ring_wait_any``; its rows are dispatched
             and their full blocks computed at once, so a late source delays only its own rows).
+        gemm: the expert GEMMs: ``"triton"`` (``moe_triton``; L2 stores straight into the owners over
+            P2P) or ``"cutlass"`` (CUTLASS's SM90 FP8 blockwise grouped GEMM, ``device/cutlass_gemm``,
+            faster at every size measured; L2 writes locally and ``ep_put_rows`` puts the rows). Both
+            keep the bitwise streamed == batch contract; their outputs differ from each other by
+            rounding (the CUTLASS L1 output is rounded to bf16 before SwiGLU).
         inject: a deliberate protocol mutation (``streamring.protocol.INJECT_MODES``; tests and the GPU
             check): ``skip-acquire`` (the consumer does not wait for the generations),
             ``signal-before-payload`` (the producer publishes before it writes the slot),
@@ -129,7 +135,8 @@ class EPMoE:
 
     def __init__(self, heap, shape: MoEShape, fw: FastWeights, tokens_per_rank: Sequence[int], plan: PlanChoice, *,
                  transport: str = "auto", deadline_s: float = 10.0, straggler_ns: int = 0, timeline: bool = False,
-                 producer_sms: int = 16, inject: str = "none", source_order: str = "rank", name: str = "ep"):
+                 producer_sms: int = 16, inject: str = "none", source_order: str = "rank", gemm: str = "triton",
+                 name: str = "ep"):
         from ..device.ringdesc import INJECT_BITS
 
         plan.validate()
@@ -142,6 +149,11 @@ class EPMoE:
         if source_order == "ready" and heap.num_ranks > 64:
             raise ValueError(f"source_order 'ready' supports up to 64 PEs, got {heap.num_ranks}")
         self.source_order = source_order
+        if gemm not in GEMMS:
+            raise ValueError(f"gemm must be one of {GEMMS}, got {gemm!r}")
+        if gemm == "cutlass" and plan.policy == "pdl":
+            raise ValueError("gemm='cutlass' has no programmatic dependent launch: use a policy other than 'pdl'")
+        self.gemm = gemm
         R, me = heap.num_ranks, heap.rank
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
@@ -226,8 +238,16 @@ class EPMoE:
         self.entries = R * n * Kk
         # dispatch steps per chunk: one (every source at once) or R (one source each, ready order)
         self.steps = R if source_order == "ready" else 1
+        # L2 stores straight into the owners only with the Triton GEMMs over P2P; else a local y + puts
+        self.direct_l2 = self.transport == "p2p" and gemm == "triton"
         self.bc = BlockConsumer(local_shape, max(sum(tokens), 1), self.num_chunks * self.steps, plan.block_m, dev,
-                                ep_entries=self.entries, local_y=self.transport == "nv")
+                                ep_entries=self.entries, local_y=not self.direct_l2)
+        if gemm == "cutlass":
+            # tiles as measured (docs/results/gemm-2026-11-30.json): 64-row ping-pong while experts see
+            # few rows (weight-read bound), 128x128 cooperative beyond; bf16 L1 output (fastest)
+            per_expert = sum(tokens) * Kk / shape.num_experts
+            tile = "pingpong64" if per_expert < 128 else "coop128"
+            self.bc.use_cutlass(tile_l1=tile, tile_l2=tile, l1_out_dtype=torch.bfloat16)
         self.pending = torch.zeros(1, dtype=torch.int64, device=dev)  # ready order: sources not yet taken
         self.chosen = torch.zeros(R, dtype=torch.int32, device=dev)  # ready order: the source of step j
         self.flat_e = torch.zeros(self.entries, dtype=torch.int32, device=dev)
@@ -358,7 +378,7 @@ class EPMoE:
         bc, r = self.bc, self.ring
         st = torch.cuda.current_stream()
         pdl = self.plan.policy == "pdl"
-        if self.transport == "p2p":
+        if self.direct_l2:
             bc.compute(lo, hi, max_items, self.fw, pdl=pdl, max_ctas=max_ctas, out=self.comb_rows,
                        direct=(bc.row_src, bc.row_tok, self.comb_delta))
             DK.ep_signal_arrivals(self.heap.lib, r.stream_ref(st), d=r.desc, comb=self.comb_base, comb_peers=self.comb_peers,
@@ -367,7 +387,10 @@ class EPMoE:
                                   lo_index=lo, hi_index=hi, row_src=int(bc.row_src.data_ptr()),
                                   row_chunk=int(bc.row_chunk.data_ptr()), block_m=bc.block_m, max_items=max_items)
         else:
-            bc.compute(lo, hi, max_items, self.fw, pdl=pdl, max_ctas=max_ctas)
+            if self.gemm == "cutlass":
+                bc.compute_cutlass(lo, hi, max_items, self.fw, max_ctas=max_ctas)
+            else:
+                bc.compute(lo, hi, max_items, self.fw, pdl=pdl, max_ctas=max_ctas)
             DK.ep_put_rows(self.heap.lib, r.stream_ref(st), d=r.desc, comb=self.comb_base, me=self.me,
                            off_arrived=self.comb_layout.off_arrived, off_rows=self.comb_layout.off_rows,
                            y_stage=int(bc.y.data_ptr()), hidden=self.shape.hidden,
