@@ -443,7 +443,7 @@ def main(argv=None) -> int:
     ap.add_argument("--straggler-ms", type=float, default=1.0)
     ap.add_argument("--deadline-s", type=float, default=20.0)
     ap.add_argument("--no-baseline", action="store_true", help="skip the torch + NCCL baseline")
-    ap.add_argument("--gemms", type=lambda s: s.split(","), default=["triton"],
+    ap.add_argument("--gemms", type=lambda s: s.split(","), default=["auto"],
                     help="expert GEMMs (triton, cutlass): the first runs every path; the others the batch path")
     ap.add_argument("--eager", action="store_true", help="also time each streamed plan enqueued eagerly (no graph)")
     ap.add_argument("--budget-s", type=float, default=420.0, help="stop starting new sizes after this long")

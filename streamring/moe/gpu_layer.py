@@ -83,7 +83,18 @@ from .plan import PlanChoice
 from .timeline_events import CHUNK_EVENTS, STAMP_STRIDE, TAIL_EVENTS
 
 TRANSPORTS = ("auto", "p2p", "nv")
-GEMMS = ("triton", "cutlass")
+GEMMS = ("auto", "triton", "cutlass")
+
+
+def cutlass_available() -> bool:
+    """Whether the CUTLASS GEMM library loads here (built ahead: ``python -m streamring.device.build_gemm``)."""
+    try:
+        from ..device import cutlass_gemm as CG
+
+        CG.library_info()
+        return True
+    except Exception:  # noqa: BLE001 - not built, no toolchain, no GPU: the Triton GEMMs serve
+        return False
 
 
 class EPMoE:
@@ -117,8 +128,9 @@ class EPMoE:
             source is ready first, decided on the device by ``ring_wait_any``; its rows are dispatched
             and their full blocks computed at once, so a late source delays only its own rows).
         gemm: the expert GEMMs: ``"triton"`` (``moe_triton``; L2 stores straight into the owners over
-            P2P) or ``"cutlass"`` (CUTLASS's SM90 FP8 blockwise grouped GEMM, ``device/cutlass_gemm``,
-            faster at every size measured; L2 writes locally and ``ep_put_rows`` puts the rows). Both
+            P2P), ``"cutlass"`` (CUTLASS's SM90 FP8 blockwise grouped GEMM, ``device/cutlass_gemm``,
+            faster at every size measured; L2 writes locally and ``ep_put_rows`` puts the rows) or
+            ``"auto"`` (CUTLASS when its library loads, else Triton; see :attr:`gemm`). Both
             keep the bitwise streamed == batch contract; their outputs differ from each other by
             rounding (the CUTLASS L1 output is rounded to bf16 before SwiGLU).
         inject: a deliberate protocol mutation (``streamring.protocol.INJECT_MODES``; tests and the GPU
@@ -135,7 +147,7 @@ class EPMoE:
 
     def __init__(self, heap, shape: MoEShape, fw: FastWeights, tokens_per_rank: Sequence[int], plan: PlanChoice, *,
                  transport: str = "auto", deadline_s: float = 10.0, straggler_ns: int = 0, timeline: bool = False,
-                 producer_sms: int = 16, inject: str = "none", source_order: str = "rank", gemm: str = "triton",
+                 producer_sms: int = 16, inject: str = "none", source_order: str = "rank", gemm: str = "auto",
                  name: str = "ep"):
         from ..device.ringdesc import INJECT_BITS
 
@@ -151,6 +163,8 @@ class EPMoE:
         self.source_order = source_order
         if gemm not in GEMMS:
             raise ValueError(f"gemm must be one of {GEMMS}, got {gemm!r}")
+        if gemm == "auto":
+            gemm = "cutlass" if plan.policy != "pdl" and cutlass_available() else "triton"
         if gemm == "cutlass" and plan.policy == "pdl":
             raise ValueError("gemm='cutlass' has no programmatic dependent launch: use a policy other than 'pdl'")
         self.gemm = gemm
