@@ -75,9 +75,10 @@ def test_streamed_equals_batch_equals_single_process(env, policy, transport, ord
     T = 157
     x0 = _x(shape, T, 1, heap.device)
     ref = _single_batch(shape, fw, x0)
-    layers = {"batch": EPMoE(heap, shape, fw, [T], PlanChoice.batch(16), transport=transport),
+    # the Triton GEMMs: the single-process block path runs them too (bitwise comparable)
+    layers = {"batch": EPMoE(heap, shape, fw, [T], PlanChoice.batch(16), transport=transport, gemm="triton"),
               "stream": EPMoE(heap, shape, fw, [T], PlanChoice(chunk_tokens=40, num_slots=2, block_m=16, policy=policy),
-                              transport=transport, source_order=order)}
+                              transport=transport, source_order=order, gemm="triton")}
     try:
         for name, layer in layers.items():
             x = x0.clone()  # the graph's input buffer (its replays below overwrite it)
@@ -112,7 +113,7 @@ def test_a_missing_arrival_is_reported_not_hung(env):
     heap, shape, fw = env
     T = 33
     x = _x(shape, T, 4, heap.device)
-    layer = EPMoE(heap, shape, fw, [T], PlanChoice.batch(16), deadline_s=0.5)
+    layer = EPMoE(heap, shape, fw, [T], PlanChoice.batch(16), deadline_s=0.5, gemm="triton")
     try:
         y = torch.zeros_like(x)
         layer.warm_up(x, y)
