@@ -100,7 +100,11 @@ def spawn_local(num_ranks: int, argv: list[str], extra_env: dict | None = None, 
     env.setdefault("PYTHONUNBUFFERED", "1")
     if extra_env:
         env.update(extra_env)
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    try:
+        proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    except OSError as exc:
+        shutil.rmtree(jdir, ignore_errors=True)
+        raise LaunchError(f"cannot start {mpiexec}: {exc}") from exc
     files = JobFiles(proc.pid)
     rc = 1
     interrupted = ""
