@@ -43,11 +43,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--inject", choices=INJECT_MODES, help="deliberately break one protocol step")
     p = sub.add_parser("model-check", help="explore every interleaving of the protocol model")
     p.add_argument("--inject", choices=INJECT_MODES, help="check a deliberately broken protocol")
-    p.add_argument("--json", metavar="PATH")
-    p.add_argument("--ranks", type=int, default=2)
-    p.add_argument("--slots", type=int, default=2)
-    p.add_argument("--chunks", type=int, default=3)
-    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--json", metavar="PATH", help="write the result (states, properties, counter-example) as JSON")
+    p.add_argument("--ranks", type=int, default=2,
+                   help="ranks in the model, each a producer, a consumer and a slot owner (default 2; the state space grows fast with every size)")
+    p.add_argument("--slots", type=int, default=2, help="ring slots per rank (default 2)")
+    p.add_argument("--chunks", type=int, default=3, help="chunks each rank publishes per epoch (default 3)")
+    p.add_argument("--epochs", type=int, default=2, help="streams on the same buffers, for ABA (default 2)")
     p.add_argument("--source-order", choices=SOURCE_ORDERS, default="rank",
                    help="consumer order over the sources of a chunk (stress.source_order)")
     p = sub.add_parser("gpu-check", help="GPU self-test: the device ring under every progress policy, 10^4 CUDA-graph "
@@ -120,6 +121,14 @@ def main(argv: list[str] | None = None) -> int:
 
     launcher = detect_launcher()
     if launcher is Launcher.LOCAL:
+        from .host.prelaunch import job_problems
+
+        # Everything knowable now is reported once, here, before a rank starts (exit 2).
+        problems = job_problems(args.command, cfg, cfg.ranks, args.json, ranks_on_this_node=cfg.ranks)
+        for p in problems:
+            print(f"streamring: {p}", file=sys.stderr)
+        if problems:
+            return EXIT_USAGE
         try:
             return spawn_local(cfg.ranks, argv)
         except LaunchError as exc:

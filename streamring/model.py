@@ -1227,38 +1227,39 @@ def summary_lines(res: CheckResult) -> list[str]:
 
 
 def print_result(res: CheckResult) -> None:
-    from rich.console import Console
-    from rich.table import Table
+    from rich.text import Text
 
-    console = Console(highlight=False, width=None if sys.stdout.isatty() else 200)
+    from .host.report import Column, Report
+
+    out = Report()
     for line in summary_lines(res):
-        console.print(line, markup=False)
-    table = Table(title="properties")
-    table.add_column("property")
-    table.add_column("meaning")
-    table.add_column("result")
+        out.line(line)
+    rows = []
     for p, v in res.properties.items():
         style = "green" if v == "PASS" else ("red" if v == "FAIL" else "yellow")
-        table.add_row(p, PROPERTY_TEXT[p], f"[{style}]{v}[/{style}]")
-    console.print(table)
+        rows.append([p, PROPERTY_TEXT[p], Text(v, style=style)])
+    out.table("properties", [Column("property", justify="left"), Column("meaning", justify="left", wrap=True),
+                             Column("result", justify="left")], rows)
     ce = res.counterexample
     if ce:
-        console.print(f"counter-example [{', '.join(ce['properties'])}]: {ce['message']}", markup=False)
+        out.line(f"counter-example [{', '.join(ce['properties'])}]: {ce['message']}")
         how = ("shortest path (BFS)" if not res.config["por"] else
                "path in the reduced graph, then shortened until no single step can be dropped")
-        console.print(f"  {how}, {ce['steps']} steps:", markup=False)
+        out.line(f"  {how}, {ce['steps']} steps:")
         trace = ce["trace"]
         first = max(0, len(trace) - TRACE_PRINT_MAX)
         if first:
-            console.print(f"  ... {first} earlier steps not shown (all in --json)", markup=False)
+            out.line(f"  ... {first} earlier steps not shown (all in --json)")
         for i, line in enumerate(trace[first:], start=first + 1):
-            console.print(f"  {i:3d}. {line}", markup=False)
+            out.line(f"  {i:3d}. {line}")
     ser = res.serialised
     if ser and ser["result"] != "PASS":
-        console.print(f"serialised schedule: {ser['error']}", markup=False)
+        out.line(f"serialised schedule: {ser['error']}")
         for line in ser["trace_tail"]:
-            console.print(f"    {line}", markup=False)
-    console.print("PASS: every property holds" if res.ok else "FAIL", markup=False)
+            out.line(f"    {line}")
+    n = len(res.properties)
+    out.line(f"PASS: every property holds ({n} checked in {res.states} states)" if res.ok else
+             f"FAIL: {', '.join(p for p, v in res.properties.items() if v == 'FAIL') or 'the check'} failed")
 
 
 def model_check_main(args) -> int:

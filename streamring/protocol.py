@@ -524,6 +524,12 @@ class Ring:
 
     def end_stream(self) -> None:
         """Drain: wait until every chunk this rank published was acknowledged by every rank."""
+        for _ in self.drain_steps():
+            self.heap.progress()
+            spin_pause()
+
+    def drain_steps(self):
+        """Generator form of :meth:`end_stream` (yields while it would wait; cooperative roles step it)."""
         plan = self._need_plan()
         deadline = time.monotonic() + self.wait_timeout_s
         for slot, chunk in enumerate(self._slot_chunk):
@@ -532,8 +538,9 @@ class Ring:
                                    f"role (owner_release=True needs try_collect_acks(slot, chunk) for every "
                                    f"chunk)")
             if chunk >= 0:
-                self.wait_until(lambda s=slot, c=chunk: self.try_collect_acks(s, c),
-                                f"drain: acknowledgements of my chunk {chunk} (slot {slot})", deadline=deadline)
+                yield from self.wait_steps(lambda s=slot, c=chunk: self.try_collect_acks(s, c),
+                                           f"drain: acknowledgements of my chunk {chunk} (slot {slot})",
+                                           deadline=deadline)
         self.plan = None
 
     def abort_stream(self, reason: str = "aborted") -> None:

@@ -17,7 +17,7 @@ import torch
 from .config import Config, ConfigError, per_rank
 from .device.verbs import SymmetricHeap
 from .moe.layer import MoEBuffer
-from .protocol import Inject
+from .protocol import Inject, RingLayout
 from .moe.math import (
     MoEShape,
     MoEWeights,
@@ -108,17 +108,42 @@ def use_fast_gpu_path(cfg: Config) -> bool:
     return cfg.run.gpu_path == "fast"
 
 
+def check_run_job(cfg: Config, num_ranks: int) -> None:
+    """Every check of the ``run`` config that needs the number of ranks; raises :class:`ConfigError`.
+
+    The same checks run before the ranks start (the CLI) and on every rank.
+    """
+    R = num_ranks
+    try:
+        shape_from_config(cfg).validate(R)
+    except ValueError as exc:
+        raise ConfigError(f"layer: {exc} (layer.num_experts must be a multiple of the {R} ranks; see also "
+                          f"layer.topk, layer.n_group, layer.topk_group)") from None
+    per_rank(cfg.run.tokens_per_rank, R, "run.tokens_per_rank")
+
+
+def run_layouts(cfg: Config, num_ranks: int) -> dict[str, RingLayout]:
+    """The two rings every rank of ``streamring run`` allocates (``MoEBuffer``): streamed and batch."""
+    L = cfg.layer
+    tokens = per_rank(cfg.run.tokens_per_rank, num_ranks, "run.tokens_per_rank")
+    lay = dict(num_ranks=num_ranks, hidden=L.hidden, topk=L.topk, num_experts=L.num_experts, with_combine=True)
+    return {"moe-stream-ring": RingLayout(num_slots=cfg.ring.num_slots, tokens_per_slot=cfg.ring.tokens_per_slot,
+                                          **lay),
+            "moe-batch-ring": RingLayout(num_slots=1, tokens_per_slot=max(max(tokens), 1), **lay)}
+
+
+def run_heap_bytes(cfg: Config, num_ranks: int) -> int:
+    """Symmetric bytes every rank of ``streamring run`` allocates."""
+    return sum(lay.nbytes for lay in run_layouts(cfg, num_ranks).values())
+
+
 def run_layer(heap: SymmetricHeap, cfg: Config) -> dict:
     """Run ``cfg`` on this rank; returns this rank's row of the report."""
     if use_fast_gpu_path(cfg):
         return run_layer_gpu(heap, cfg)
     R, me = heap.num_ranks, heap.rank
+    check_run_job(cfg, R)
     shape = shape_from_config(cfg)
-    try:
-        shape.validate(R)
-    except ValueError as exc:
-        raise ConfigError(f"layer: {exc} (layer.num_experts must be a multiple of the {R} ranks; see also "
-                          f"layer.topk, layer.n_group, layer.topk_group)") from None
     tokens = per_rank(cfg.run.tokens_per_rank, R, "run.tokens_per_rank")
     # Expert math on the rank's GPU with the NVSHMEM backend (torch ops), on the CPU otherwise.
     device = getattr(heap, "device", None) or "cpu"
@@ -216,7 +241,7 @@ def run_layer_gpu(heap, cfg: Config) -> dict:
                max_abs_stream_minus_batch=0.0, ref_ok=True, ref_max_abs_err=0.0, ref_max_err_ratio=0.0,
                ref_excluded=0, batch_wall_s=0.0, stream_wall_s=0.0, epochs=cfg.run.epochs, scheduler="blocks",
                rtol=B.FAST_PATH_REL_TOL, atol=0.0, path="fast", transport=layers["stream"].transport,
-               policy=cfg.nvshmem.progress, ring_errors={})
+               policy=cfg.nvshmem.progress, gemm=layers["stream"].gemm, ring_errors={})
     graphs = {}
     for m, layer in layers.items():
         x_buf.copy_(make_tokens(cfg, me, 0, T).to(dev, torch.bfloat16))

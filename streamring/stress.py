@@ -47,7 +47,7 @@ from .protocol import (
     make_gen,
 )
 from .coop import run_roles, sleep_for, wait_for
-from .device.verbs import SymmetricHeap
+from .device.verbs import SignalOp, SymmetricHeap
 
 STRESS_EXPERTS = 64
 STRESS_TOPK = 4
@@ -101,6 +101,10 @@ class RankResult:
     violation_kinds: dict = field(default_factory=dict)
     first_violations: list = field(default_factory=list)
     sources_out_of_rank_order: int = 0  # source_order='ready': chunks handled before a lower rank's
+    reuses_checked: int = 0  # slot overwrites checked against the acknowledgements (early-reuse checker)
+    tokens_published: int = 0  # this rank's own tokens (chunks_published counts empty chunks too)
+    chunks_with_tokens: int = 0
+    stopped_early: str = ""  # why the run stopped before its last epoch ('' = it ran them all)
     acquire_wait_median_s: float = 0.0
     acquire_wait_max_s: float = 0.0
     reuse_wait_median_s: float = 0.0
@@ -125,8 +129,9 @@ def _med(xs):
 # Cooperative roles
 # --------------------------------------------------------------------------------------
 class _Roles:
-    def __init__(self, ring: Ring, cfg: Config, result: RankResult, rng: random.Random):
+    def __init__(self, ring: Ring, cfg: Config, result: RankResult, rng: random.Random, stop: "_StopFlag"):
         self.ring = ring
+        self.stop = stop
         self.cfg = cfg
         self.res = result
         self.rng = rng
@@ -148,7 +153,24 @@ class _Roles:
         yield from sleep_for(self.rng.uniform(d.min_s, d.max_s) * self.factor)
 
     def wait(self, pred, what: str, waits: list | None = None):
-        yield from wait_for(self.ring, pred, what, waits)
+        def pred_or_stop():
+            if self.stop.is_set():
+                raise StressStopped(what)
+            return pred()
+
+        yield from wait_for(self.ring, pred_or_stop, what, waits)
+
+    def violation(self, kind: str, text: str) -> None:
+        """Record a violation and stop every rank's epoch (see :class:`_StopFlag`)."""
+        self.res.add_violation(kind, text)
+        self.stop.raise_everywhere()
+
+    def drain(self):
+        """The end of an epoch: wait for every acknowledgement of my chunks (``Ring.end_stream``)."""
+        for _ in self.ring.drain_steps():
+            if self.stop.is_set():
+                raise StressStopped("drain")
+            yield
 
     # -- producers ----------------------------------------------------------------------
     def producer(self, kind: str, plan):
@@ -160,6 +182,7 @@ class _Roles:
             yield from self.wait(lambda: ring.try_reserve(c), f"reuse of my slot {c % S} for chunk {c}",
                                  self.reuse_waits)
             if c >= S:
+                self.res.reuses_checked += 1
                 # Early-reuse checker, independent of the owner's mask logic: every
                 # consumer's own record of what it finished reading from us (its
                 # consumed_gen[me][slot], read remotely; our own consumer's progress
@@ -171,7 +194,7 @@ class _Roles:
                 if self.own_acked < c - S:
                     behind.append(self.me)
                 if behind:
-                    self.res.add_violation(
+                    self.violation(
                         "early_reuse",
                         f"rank {self.me} {kind} producer overwrote slot {slot} with chunk {c} before ranks "
                         f"{sorted(behind)} acknowledged chunk {c - S}",
@@ -185,6 +208,8 @@ class _Roles:
                 ring.publish_layout(c, x, x_sf)
             if kind == "route":
                 self.res.chunks_published += 1
+                self.res.tokens_published += valid
+                self.res.chunks_with_tokens += valid > 0
             yield
 
     # -- consumer -----------------------------------------------------------------------
@@ -200,7 +225,7 @@ class _Roles:
                 bad.append(name)
         if bad:
             kind = "stale_or_torn" if when == "read" else "changed_while_held"
-            self.res.add_violation(
+            self.violation(
                 kind,
                 f"rank {self.me} read of source {src} chunk {c} (epoch {plan.epoch}) {when}: {', '.join(bad)} "
                 f"differ from the pattern of that generation",
@@ -232,7 +257,7 @@ class _Roles:
                     try:
                         return ring.gen_state(src, c) is GenState.READY
                     except ProtocolViolation as exc:
-                        self.res.add_violation("generation", str(exc))
+                        self.violation("generation", str(exc))
                         return True
 
                 if by_ready:
@@ -266,11 +291,11 @@ class _Roles:
         if pub_ns:
             self.publish_to_acquire.append(max(0.0, t_acq - pub_ns / 1e9))
         ok = self._check(src, c, plan, meta, arrays, "read")
+        self.res.tokens_checked += int(arrays[0].shape[0])
         yield from self.delay(self.cfg.stress.read_hold)
         if ok and self.cfg.stress.read_hold.max_s > 0:
             meta2, arrays2 = self._read(src, c, plan)
             self._check(src, c, plan, meta2, arrays2, "after hold")
-        self.res.tokens_checked += int(arrays[0].shape[0])
         self.maybe_fault("ack", c)
         ring.ack(src, c)
         if src == self.me:
@@ -279,15 +304,29 @@ class _Roles:
         yield
 
 
-def run_stress(heap: SymmetricHeap, cfg: Config) -> RankResult:
-    """Run the stress configuration on this rank; collective over all ranks."""
-    st = cfg.stress
-    R, me = heap.num_ranks, heap.rank
-    layout = RingLayout(num_ranks=R, num_slots=cfg.ring.num_slots, tokens_per_slot=cfg.ring.tokens_per_slot,
-                        hidden=STRESS_HIDDEN, topk=STRESS_TOPK, num_experts=STRESS_EXPERTS)
-    ring = Ring(heap, layout, wait_timeout_s=cfg.wait_timeout_s, inject=Inject(st.inject),
-                inject_delay_s=st.inject_delay_s)
-    chunks = per_rank(st.chunks_per_rank, R, "stress.chunks_per_rank")
+def stress_layout(cfg: Config, num_ranks: int) -> RingLayout:
+    """The ring of ``streamring stress`` for ``num_ranks`` ranks (its ``nbytes`` is the symmetric heap per rank)."""
+    return RingLayout(num_ranks=num_ranks, num_slots=cfg.ring.num_slots, tokens_per_slot=cfg.ring.tokens_per_slot,
+                      hidden=STRESS_HIDDEN, topk=STRESS_TOPK, num_experts=STRESS_EXPERTS)
+
+
+#: Bytes of the stop word region (one uint64, see :class:`_StopFlag`).
+STOP_REGION_BYTES = 8
+
+
+def stress_heap_bytes(cfg: Config, num_ranks: int) -> int:
+    """Symmetric bytes every rank of ``streamring stress`` allocates (ring + stop word)."""
+    return stress_layout(cfg, num_ranks).nbytes + STOP_REGION_BYTES
+
+
+
+def check_stress_job(cfg: Config, num_ranks: int) -> None:
+    """Every check of ``cfg.stress`` that needs the number of ranks; raises :class:`ConfigError`.
+
+    The same checks run before the ranks start (the CLI) and on every rank (a library caller).
+    """
+    st, R = cfg.stress, num_ranks
+    per_rank(st.chunks_per_rank, R, "stress.chunks_per_rank")
     tpc = per_rank(st.tokens_per_chunk if st.tokens_per_chunk is not None else cfg.ring.tokens_per_slot, R,
                    "stress.tokens_per_chunk")
     if any(t > cfg.ring.tokens_per_slot or t < 0 for t in tpc):
@@ -300,6 +339,68 @@ def run_stress(heap: SymmetricHeap, cfg: Config) -> RankResult:
         raise ConfigError(f"stress.fault.rank must be in [0, {R}) (the job has {R} ranks), got {st.fault.rank}")
     if any(r >= R for r in st.stragglers):
         raise ConfigError(f"stress.stragglers keys must be ranks in [0, {R}), got {sorted(st.stragglers)}")
+
+
+class StressStopped(Exception):
+    """Another rank (or this one) recorded a violation: the epoch stops instead of running into the watchdog."""
+
+
+class _StopFlag:
+    """One symmetric word per rank: set on every rank by the first rank that records a violation.
+
+    A mutated protocol often wedges the ring after its first bad read (an early
+    acknowledgement is cleared with the previous chunk's mask, so a later drain never
+    completes). Without this word every rank would sit in a wait until the watchdog and
+    the violations it had recorded would never be reported. Each rank's waits poll its
+    own word (rate-limited) and stop the epoch when it is set; all ranks then meet at the
+    epoch's barrier and report.
+    """
+
+    POLL_S = 0.005
+
+    def __init__(self, heap: SymmetricHeap):
+        self.heap = heap
+        self.region = heap.alloc("stress-stop", STOP_REGION_BYTES)
+        self.raised = False
+        self._next_poll = 0.0
+
+    def raise_everywhere(self) -> None:
+        """Set the word on every rank (once)."""
+        if self.raised:
+            return
+        self.raised = True
+        for pe in range(self.heap.num_ranks):
+            self.heap.signal_op(self.region, 0, 1, SignalOp.SET, pe)
+
+    def is_set(self, force: bool = False) -> bool:
+        now = time.monotonic()
+        if not force and now < self._next_poll:
+            return self.raised
+        self._next_poll = now + self.POLL_S
+        self.raised |= self.heap.signal_fetch(self.region, 0) != 0
+        return self.raised
+
+    def close(self) -> None:
+        self.heap.free(self.region)
+
+
+def run_stress(heap: SymmetricHeap, cfg: Config) -> RankResult:
+    """Run the stress configuration on this rank; collective over all ranks.
+
+    A violation on any rank stops every rank at the end of the current epoch's work
+    that does not wait on the broken protocol, and the results are reported (the
+    ``stopped_early`` field), instead of every rank waiting for its watchdog.
+    """
+    st = cfg.stress
+    R, me = heap.num_ranks, heap.rank
+    check_stress_job(cfg, R)
+    layout = stress_layout(cfg, R)
+    ring = Ring(heap, layout, wait_timeout_s=cfg.wait_timeout_s, inject=Inject(st.inject),
+                inject_delay_s=st.inject_delay_s)
+    stop = _StopFlag(heap)
+    chunks = per_rank(st.chunks_per_rank, R, "stress.chunks_per_rank")
+    tpc = per_rank(st.tokens_per_chunk if st.tokens_per_chunk is not None else cfg.ring.tokens_per_slot, R,
+                   "stress.tokens_per_chunk")
     # A rank's tokens: full chunks of tpc tokens (0 tokens -> zero-token chunks) and a partial last one.
     # The ring packs tokens densely, so a rank with tpc < tokens_per_slot simply has fewer chunks of
     # tokens; to keep "chunks_per_rank" meaning what it says we give it chunks*C tokens (then trim).
@@ -308,19 +409,27 @@ def run_stress(heap: SymmetricHeap, cfg: Config) -> RankResult:
     my_tokens = 0 if n == 0 or tpc[me] == 0 else (n - 1) * cfg.ring.tokens_per_slot + min(last, tpc[me])
     res = RankResult(rank=me)
     rng = random.Random(st.seed * 1000003 + me)
-    roles = _Roles(ring, cfg, res, rng)
+    roles = _Roles(ring, cfg, res, rng, stop)
     t0 = time.monotonic()
     for e in range(1, st.epochs + 1):
         epoch = ring.last_epoch + 1
         plan = ring.begin_stream(epoch, my_tokens)
         roles.own_acked = -1
+        published_before = res.chunks_published
         order = ["route", "layout"]
         rng.shuffle(order)
-        run_roles([roles.producer(order[0], plan), roles.producer(order[1], plan), roles.consumer(plan)], heap)
-        ring.end_stream()
-        res.ring_wraps += plan.num_chunks // layout.num_slots
+        try:
+            run_roles([roles.producer(order[0], plan), roles.producer(order[1], plan), roles.consumer(plan)], heap)
+            run_roles([roles.drain()], heap)  # ring.end_stream(), stepped so that a stop word ends it
+        except StressStopped:
+            ring.abort_stream("a violation stopped the stress run")
+        res.ring_wraps += (res.chunks_published - published_before) // layout.num_slots
         # The next epoch starts on the same buffers without clearing them (ABA check).
+        # Every rank, stopped or not, meets here: the stop word is then visible to all.
         heap.barrier(time.monotonic() + cfg.wait_timeout_s)
+        if stop.is_set(force=True):
+            res.stopped_early = f"epoch {e} of {st.epochs}: a rank recorded a violation"
+            break
     res.wall_s = time.monotonic() - t0
     res.bytes_read = ring.stats.bytes_read
     res.acquire_wait_median_s = _med(roles.acquire_waits)
@@ -329,6 +438,7 @@ def run_stress(heap: SymmetricHeap, cfg: Config) -> RankResult:
     res.reuse_wait_max_s = max(roles.reuse_waits, default=0.0)
     res.publish_to_acquire_median_s = _med(roles.publish_to_acquire)
     res.publish_to_acquire_max_s = max(roles.publish_to_acquire, default=0.0)
+    stop.close()
     ring.close()
     return res
 

@@ -7,6 +7,8 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -84,3 +86,92 @@ def mpirun():
         return Result(_run(cmd, timeout, env), None)
 
     return run
+
+
+# ----------------------------------------------------------------------------------------
+# Leftover MPI files: an observer independent of streamring.host.jobfiles (it finds a
+# process tree through the ppid of every /proc/PID/stat, not the children files).
+# ----------------------------------------------------------------------------------------
+def _is_mpi_file(path: str) -> bool:
+    d, name = os.path.split(path)
+    return (d == "/dev/shm" and name.startswith(("mpich_", "sm_segment.", "vader_segment."))) or \
+        (d == "/tmp" and name.startswith("hydra_hwloc_xmlfile_"))
+
+
+def descendants(root: int) -> set[int]:
+    """``root``'s live descendants (not ``root``), from the ppid of every process."""
+    parent = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                parent[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+    out, todo = set(), [root]
+    while todo:
+        p = todo.pop()
+        for c, pp in parent.items():
+            if pp == p and c not in out:
+                out.add(c)
+                todo.append(c)
+    return out
+
+
+def files_held(pid: int) -> set[str]:
+    """MPI files (see :func:`_is_mpi_file`) that ``pid`` has open or mapped."""
+    found = set()
+    try:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                t = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if _is_mpi_file(t):
+                found.add(t)
+        for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+            path = line.split(None, 5)[-1] if line.count(" ") >= 5 else ""
+            if _is_mpi_file(path.strip()):
+                found.add(path.strip())
+    except OSError:
+        pass
+    return found
+
+
+class FileWatcher:
+    """Records, every ``period_s``, the MPI files held by the descendants of ``root``."""
+
+    def __init__(self, root: int, period_s: float = 0.2):
+        self.root, self.period_s = root, period_s
+        self.files: set[str] = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        while not self._stop.is_set():
+            self.poll()
+            self._stop.wait(self.period_s)
+
+    def poll(self):
+        for pid in descendants(self.root):
+            self.files |= files_held(pid)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+    def leftovers(self) -> list[str]:
+        return sorted(f for f in self.files if os.path.exists(f))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def suite_leaves_no_mpi_files():
+    """The whole suite: every MPI file held by a process the tests started is gone at the end."""
+    with FileWatcher(os.getpid(), period_s=0.25) as w:
+        yield w
+    time.sleep(0.5)
+    left = w.leftovers()
+    assert not left, f"the test suite left MPI files behind: {left}"

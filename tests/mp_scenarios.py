@@ -250,9 +250,30 @@ def fuzz_forward(heap):
     check()
 
 
+def alloc_size_check(heap):
+    """A region the node cannot hold is refused on every rank before anything is taken; the heap stays usable.
+    And the CLI's byte count of `streamring run` equals what MoEBuffer allocates."""
+    from streamring.config import load_config
+    from streamring.device.memcheck import HeapSizeError
+    from streamring.runner import run_heap_bytes, shape_from_config
+
+    e = expect(HeapSizeError, lambda: heap.alloc("too-big", 1 << 50), " per rank x ")
+    assert ", but " in str(e) and ("/dev/shm" in str(e) or "MemAvailable" in str(e)), e
+    assert heap.allgather_obj(str(e)) == [str(e)] * heap.num_ranks  # the same error everywhere
+    small = heap.alloc("after", 64)
+    heap.barrier()
+    heap.free(small)
+    cfg = load_config(None, ["run.tokens_per_rank=[3, 50]", "ring.num_slots=3", "ring.tokens_per_slot=7",
+                             "layer.topk=3"])
+    before = {id(r) for r in heap._regions}
+    buf = MoEBuffer(heap, shape_from_config(cfg), num_slots=3, tokens_per_slot=7, max_tokens_per_rank=50)
+    got = sum(r.nbytes for r in heap._regions if id(r) not in before)
+    assert got == run_heap_bytes(cfg, heap.num_ranks), (got, run_heap_bytes(cfg, heap.num_ranks))
+    buf.close()
+
 
 SCENARIOS = {f.__name__: f for f in (publish_bad_inputs, hostile_metadata, moe_api, recovery_after_watchdog,
-                                     fuzz_forward)}
+                                     fuzz_forward, alloc_size_check)}
 
 if __name__ == "__main__":
     heap = MpiHeap(window=sys.argv[2] if len(sys.argv) > 2 else "auto")

@@ -1,31 +1,33 @@
-"""Rank failure: a rank killed or hung mid-stream ends the job promptly, named, with no orphan or leak."""
+"""Rank failure: a rank killed or hung mid-stream ends the job promptly, named, with no orphan or leftover file."""
 
 import os
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
 
-SHM = Path("/dev/shm")
-
-
-def _segments():
-    return {p.name for p in SHM.glob("mpich_shm_*")} if SHM.is_dir() else set()
+from conftest import FileWatcher
 
 
 @pytest.mark.parametrize("at,kind", [("publish", "kill"), ("consume", "kill"), ("ack", "kill"), ("consume", "hang"),
                                      ("publish", "hang")])
 def test_rank_failure_is_named_and_cleaned_up(cli, at, kind):
-    before = _segments()
     marker = f"stress.seed={os.getpid()}{len(at)}{len(kind)}"  # unique in this job's command lines
     t0 = time.monotonic()
-    r = cli("stress", "--ranks", 3, "--set", "wait_timeout_s=3", "--set", "stress.chunks_per_rank=60",
-            "--set", f"stress.fault={{rank: 1, at: {at}, after_chunks: 4, kind: {kind}}}",
-            "--set", marker, timeout=120)
+    with FileWatcher(os.getpid(), period_s=0.1) as job_files:  # the MPI files this job's processes hold
+        r = cli("stress", "--ranks", 3, "--set", "wait_timeout_s=3", "--set", "stress.chunks_per_rank=60",
+                "--set", f"stress.fault={{rank: 1, at: {at}, after_chunks: 4, kind: {kind}}}",
+                "--set", marker, timeout=120)
     elapsed = time.monotonic() - t0
     assert r.rc != 0, r
     assert elapsed < 3 + 60, elapsed  # the watchdog deadline plus start-up on a loaded machine
+    # no orphan rank, no leaked shared-memory segment or launcher temporary file
+    time.sleep(0.5)
+    left = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout
+    assert left.strip() == "", left
+    assert any(f.startswith("/dev/shm/") for f in job_files.files) and \
+        any(f.startswith("/tmp/hydra_hwloc_xmlfile_") for f in job_files.files), job_files.files  # the observer works
+    assert job_files.leftovers() == [], job_files.leftovers()
     launcher = [ln for ln in r.err.splitlines() if ln.startswith("streamring launcher:")]
     failed = [ln for ln in launcher if "the failed rank" in ln]
     together = [ln for ln in failed if "at the same moment" in ln or "within one poll" in ln]
@@ -39,14 +41,3 @@ def test_rank_failure_is_named_and_cleaned_up(cli, at, kind):
         assert "route_ready_gen" in r.err and "ack_mask" in r.err, r
         assert "rank 1 (pid" in r.err and ("zombie" in r.err or "not running" in r.err or "stopped" in r.err), r
         assert len(failed) == 1, r
-    # no orphan rank, no leaked shared-memory segment
-    time.sleep(0.5)
-    left = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout
-    assert left.strip() == "", left
-    leaked = _segments() - before
-    if leaked:  # another job's segments may appear meanwhile: only unmapped ones are leaks
-        from streamring.host.launch import _mapped_paths
-
-        mapped = _mapped_paths()
-        leaked = {n for n in leaked if str(SHM / n) not in mapped}
-    assert leaked == set(), leaked

@@ -32,6 +32,7 @@ import time
 
 import numpy as np
 
+from .memcheck import HeapSizeError, check_fits
 from .verbs import Region, SignalOp, SymmetricHeap, VerbError, WaitTimeout, check_span, check_word, spin_pause
 
 _WINDOW_MODES = ("auto", "shared", "separate")
@@ -98,11 +99,25 @@ class MpiHeap(SymmetricHeap):
         MPI = self._MPI
         if nbytes <= 0:
             raise VerbError(f"alloc {name!r}: nbytes must be > 0, got {nbytes}")
-        sizes = self.allgather_int(int(nbytes))
+        # Round up to 8 bytes so the last signal word is whole.
+        rounded = (int(nbytes) + 7) // 8 * 8
+        # Size check before any byte is taken (a shared window the node cannot hold
+        # fills /dev/shm, then the ranks die of SIGBUS). Every rank checks its own
+        # node and the verdicts are exchanged, so all ranks raise the same error.
+        try:
+            check_fits(rounded, self._node.Get_size(), what=f"alloc {name!r} (symmetric heap region)")
+            problem = ""
+        except HeapSizeError as exc:
+            problem = str(exc)
+        shared = self.allgather_obj((int(nbytes), problem))
+        sizes = [n for n, _ in shared]
         if len(set(sizes)) != 1:
             raise VerbError(f"alloc {name!r}: ranks asked for different sizes {sizes} (must be symmetric)")
-        # Round up to 8 bytes so the last signal word is whole.
-        nbytes = (int(nbytes) + 7) // 8 * 8
+        bad = [(r, p) for r, (_, p) in enumerate(shared) if p]
+        if bad:
+            r, p = bad[0]
+            raise HeapSizeError(f"{p} (on the node of rank {r})")
+        nbytes = rounded
         if self.shared:
             win = MPI.Win.Allocate_shared(nbytes, 1, comm=self._node)
             buf, _ = win.Shared_query(self.rank)

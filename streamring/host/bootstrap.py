@@ -8,6 +8,7 @@ import traceback
 
 from ..config import Config
 from ..device.verbs import SymmetricHeap
+from .jobfiles import unlink_own_job_files
 from .launch import Launcher, LaunchError, detect_launcher
 
 
@@ -53,6 +54,12 @@ def abort_job(exc: BaseException, code: int = 1) -> None:
         traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
     sys.stderr.flush()
     sys.stdout.flush()
+    # MPI_Abort leaves the job's shared-memory segments and the launcher's temporary
+    # files behind (under a plain mpirun nothing else would remove them).
+    try:
+        unlink_own_job_files()
+    except Exception:  # noqa: BLE001 - best effort, the abort matters more
+        pass
     time.sleep(0.3)  # let mpiexec forward our last lines before the abort tears the job down
     if MPI is not None and MPI.Is_initialized() and not MPI.Is_finalized() and MPI.COMM_WORLD.Get_size() > 1:
         MPI.COMM_WORLD.Abort(code)

@@ -84,8 +84,11 @@ def ranks_down(d: Path, num_ranks: int) -> list:
     return down
 
 
-def summarize(d: Path, num_ranks: int, first_down=None) -> list[str]:
+def summarize(d: Path, num_ranks: int, first_down=None, interrupted: str = "") -> list[str]:
     """After a failed job: how each rank ended, and which rank failed first.
+
+    ``interrupted`` (e.g. ``"Ctrl-C"``) says the launcher itself ended the job: then no
+    rank is blamed; only errors that ranks had reported before are shown.
 
     The launcher polls the ranks while the job runs and records the ranks first
     seen dead or stopped without having reported (``first_down``: a list; more
@@ -99,6 +102,15 @@ def summarize(d: Path, num_ranks: int, first_down=None) -> list[str]:
     for r in range(num_ranks):
         st = d / f"rank-{r}.status"
         statuses[r] = st.read_text() if st.exists() else None
+    if interrupted:
+        running = [r for r in range(num_ranks) if statuses[r] is None]
+        failed = [r for r in range(num_ranks) if statuses[r] not in (None, "ok")]
+        out.append(f"interrupted ({interrupted}): the launcher stopped the job" +
+                   (f"; ranks {running} were still running and were ended with it" if running else "") +
+                   ("" if failed else "; no rank had failed"))
+        for r in failed:
+            out.append(f"rank {r} had already stopped with: {(statuses[r].splitlines() or ['(no message)'])[0]}")
+        return out
         for line in (statuses[r] or "").splitlines():
             line = line.strip()
             if line.startswith("rank ") and "(pid " in line and "):" in line:

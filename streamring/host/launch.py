@@ -18,7 +18,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from .jobfiles import JobFiles
 from .jobstate import JOB_DIR_ENV, ranks_down, summarize
+from .report import TERMINAL_COLUMNS_ENV, terminal_columns
 
 SPAWNED_ENV = "STREAMRING_SPAWNED"
 
@@ -67,6 +69,9 @@ def spawn_local(num_ranks: int, argv: list[str], extra_env: dict | None = None, 
 
     One rank raising aborts the whole MPI job (the rank calls ``MPI_Abort``), so
     the launcher returns promptly with a non-zero code and no rank is left behind.
+    However the job ends (normally, aborted, a rank killed, Ctrl-C or SIGTERM to the
+    launcher), the shared-memory segments and temporary files that its processes held
+    are removed afterwards (:mod:`streamring.host.jobfiles`), and nothing else.
     """
     if num_ranks < 1:
         raise LaunchError(f"--ranks must be >= 1, got {num_ranks}")
@@ -81,25 +86,37 @@ def spawn_local(num_ranks: int, argv: list[str], extra_env: dict | None = None, 
     cmd += [sys.executable, "-m", "streamring", *argv]
     env = dict(os.environ)
     env[SPAWNED_ENV] = "1"
+    # The ranks' stdout is a pipe to mpiexec: tell them how wide our terminal is (none: a log).
+    columns = terminal_columns()
+    if columns is None:
+        env.pop(TERMINAL_COLUMNS_ENV, None)
+    else:
+        env[TERMINAL_COLUMNS_ENV] = str(columns)
     jdir = Path(tempfile.mkdtemp(prefix="streamring-job-"))
     env[JOB_DIR_ENV] = str(jdir)
-    shm_before = _shm_segments()
     env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
     env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
     env.setdefault("OMPI_MCA_osc", "^ucx")
     env.setdefault("PYTHONUNBUFFERED", "1")
     if extra_env:
         env.update(extra_env)
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    try:
+        proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    except OSError as exc:
+        shutil.rmtree(jdir, ignore_errors=True)
+        raise LaunchError(f"cannot start {mpiexec}: {exc}") from exc
+    files = JobFiles(proc.pid)
     rc = 1
+    interrupted = ""
 
     def _terminated(signum, frame):  # SIGTERM to the launcher: take the MPI job down with us
-        raise KeyboardInterrupt
+        raise KeyboardInterrupt("SIGTERM")
 
     previous = signal.signal(signal.SIGTERM, _terminated)
     first_down: list = []  # [(rank, pid, state)] first seen not running normally (one poll)
     try:
         end = None if timeout_s is None else time.monotonic() + timeout_s
+        next_scan = 0.0
         while True:
             try:
                 rc = proc.wait(timeout=0.05)
@@ -109,73 +126,55 @@ def spawn_local(num_ranks: int, argv: list[str], extra_env: dict | None = None, 
                     raise
                 if not first_down:
                     first_down = ranks_down(jdir, num_ranks)
+                if time.monotonic() >= next_scan:
+                    files.scan()
+                    next_scan = time.monotonic() + FILE_SCAN_PERIOD_S
         return rc
-    except (KeyboardInterrupt, subprocess.TimeoutExpired):
+    except (KeyboardInterrupt, subprocess.TimeoutExpired) as exc:
+        interrupted = ("SIGTERM" if str(exc) == "SIGTERM" else "Ctrl-C") if isinstance(exc, KeyboardInterrupt) \
+            else f"the launcher's timeout ({timeout_s}s)"
+        files.scan()
         _kill_group(proc)
         rc = 130 if timeout_s is None else 124
         return rc
     finally:
         signal.signal(signal.SIGTERM, previous)
         if proc.poll() is None:
+            files.scan()
             _kill_group(proc)
+        _reap_tree(files)
         if rc != 0:
-            for line in summarize(jdir, num_ranks, first_down):
+            for line in summarize(jdir, num_ranks, first_down, interrupted=interrupted):
                 print(f"streamring launcher: {line}", file=sys.stderr)
         shutil.rmtree(jdir, ignore_errors=True)
-        _remove_orphan_segments(shm_before)
+        files.remove_leftovers()
 
 
-_SHM_DIR = Path("/dev/shm")
+#: How often the launcher records the files its job holds (a few /proc reads per process).
+FILE_SCAN_PERIOD_S = 0.25
 
 
-def _shm_segments() -> set[str]:
-    try:
-        return {p.name for p in _SHM_DIR.iterdir() if p.name.startswith(("mpich_shm_", "sm_segment."))}
-    except OSError:
-        return set()
+def _reap_tree(files: JobFiles, patience_s: float = 3.0) -> None:
+    """Wait (a little) until no process of the job is left, then SIGKILL the stragglers.
 
-
-def _mapped_paths() -> set[str]:
-    paths = set()
-    for maps in Path("/proc").glob("[0-9]*/maps"):
-        try:
-            for line in maps.read_text().splitlines():
-                if "/dev/shm/" in line:
-                    paths.add(line.rsplit(None, 1)[-1].replace(" (deleted)", ""))
-        except OSError:
-            continue
-    return paths
-
-
-def _remove_orphan_segments(before: set[str], patience_s: float = 3.0) -> None:
-    """Remove shared-memory segments this job created and no live process maps.
-
-    MPICH (``mpich_shm_*``) and Open MPI (``sm_segment.*``) leave their segments in
-    /dev/shm when ranks are killed or abort. Ranks still exiting may map them for
-    a moment, so this retries for ``patience_s``; a segment younger than a second
-    is left alone (it may belong to another job being set up).
+    ``mpiexec`` is gone, but its proxy and ranks run in sessions of their own (Hydra's
+    proxy calls ``setsid``), so the process group kill does not reach them; they normally
+    exit when ``mpiexec`` does. A stopped rank (SIGSTOP) would not. Only processes recorded
+    in the job's tree while it ran are touched (pid and start time must match).
     """
     deadline = time.monotonic() + patience_s
-    pending = _shm_segments() - before
-    while pending:
-        mapped = _mapped_paths()
-        now = time.time()
-        for name in list(pending):
-            path = _SHM_DIR / name
-            try:
-                young = now - path.stat().st_ctime < 1.0
-            except OSError:
-                pending.discard(name)
-                continue
-            if str(path) not in mapped and not young:
+    while True:
+        alive = files.alive()
+        if not alive:
+            return
+        if time.monotonic() > deadline:
+            for pid in alive:
                 try:
-                    path.unlink()
+                    os.kill(pid, signal.SIGKILL)
                 except OSError:
                     pass
-                pending.discard(name)
-        if not pending or time.monotonic() > deadline:
             return
-        time.sleep(0.2)
+        time.sleep(0.05)
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

@@ -3,47 +3,80 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
 
-from rich.console import Console
-from rich.table import Table
+from rich.text import Text
 
 from ..config import Config, ConfigError
+from ..device.memcheck import HeapSizeError
 from ..protocol import DIAGNOSTIC_HOOKS
 from .bootstrap import abort_job, make_heap
-from .jobstate import peer_report, register_rank, report_status
-
-console = Console(highlight=False, width=None if sys.stdout.isatty() else 180)
+from .jobstate import job_dir, peer_report, register_rank, report_status
+from .launch import SPAWNED_ENV, Launcher, detect_launcher
+from .prelaunch import agree_on_problems, job_problems
+from .report import Column, Report
 
 
 def _ms(s: float) -> str:
     return f"{s * 1e3:.3f}"
 
 
-def report_stress(results: list[dict], cfg: Config, wall_s: float, json_path: str | None) -> int:
+def _med_max(r: dict, name: str) -> str:
+    return f"{_ms(r[name + '_median_s'])}/{_ms(r[name + '_max_s'])}"
+
+
+STRESS_COLUMNS = [
+    Column("rank"), Column("chunks published", "chunks_pub"), Column("tokens published", "tokens_pub"),
+    Column("chunks consumed", "chunks_cons"), Column("tokens checked", "tokens_checked"), Column("MB read", "MB_read"),
+    Column("wraps"), Column("violations"), Column("acquire wait med/max ms", "acq_wait_ms"),
+    Column("reuse wait med/max ms", "reuse_wait_ms"), Column("publish->acquire med/max ms", "pub_to_acq_ms"),
+    Column("chunks/s", "chunks_per_s"),
+]
+
+
+def report_stress(results: list[dict], cfg: Config, wall_s: float, json_path: str | None,
+                  out: Report | None = None) -> int:
     """Print the stress table on rank 0, write JSON; return the exit code (0 iff no violation)."""
-    t = Table(title=f"streamring stress: {len(results)} ranks, {cfg.ring.num_slots} slots x "
-                    f"{cfg.ring.tokens_per_slot} tokens, {cfg.stress.epochs} epochs, inject={cfg.stress.inject}")
-    for col in ("rank", "published", "consumed", "tokens checked", "MB read", "wraps", "violations",
-                "acq wait med/max ms", "reuse wait med/max ms", "pub->acq med/max ms", "chunks/s"):
-        t.add_column(col, justify="right")
-    total_viol = 0
+    out = out or Report()
+    rows, total_viol = [], 0
     for r in results:
         total_viol += r["violations"]
-        t.add_row(str(r["rank"]), str(r["chunks_published"]), str(r["chunks_consumed"]), str(r["tokens_checked"]),
-                  f"{r['bytes_read'] / 1e6:.2f}", str(r["ring_wraps"]), str(r["violations"]),
-                  f"{_ms(r['acquire_wait_median_s'])}/{_ms(r['acquire_wait_max_s'])}",
-                  f"{_ms(r['reuse_wait_median_s'])}/{_ms(r['reuse_wait_max_s'])}",
-                  f"{_ms(r['publish_to_acquire_median_s'])}/{_ms(r['publish_to_acquire_max_s'])}",
-                  f"{r['chunks_consumed'] / r['wall_s']:.0f}" if r["wall_s"] else "-")
-    console.print(t)
+        rows.append([str(r["rank"]), str(r["chunks_published"]), str(r["tokens_published"]),
+                     str(r["chunks_consumed"]), str(r["tokens_checked"]), f"{r['bytes_read'] / 1e6:.2f}",
+                     str(r["ring_wraps"]),
+                     Text(str(r["violations"]), style="red" if r["violations"] else ""),
+                     _med_max(r, "acquire_wait"), _med_max(r, "reuse_wait"), _med_max(r, "publish_to_acquire"),
+                     f"{r['chunks_consumed'] / r['wall_s']:.0f}" if r["wall_s"] else "-"])
+    title = (f"streamring stress: {len(results)} ranks, ring {cfg.ring.num_slots} slots x {cfg.ring.tokens_per_slot} "
+             f"tokens, {cfg.stress.epochs} epochs, source order {cfg.stress.source_order}, inject "
+             f"{cfg.stress.inject}")
+    out.table(title, STRESS_COLUMNS, rows)
     for r in results:
         for text in r["first_violations"]:
-            console.print(f"[red]violation[/red] {text}")
-    verdict = "PASS: no violation" if total_viol == 0 else f"FAIL: {total_viol} violations"
-    console.print(f"{verdict} (wall {wall_s:.2f}s)")
+            out.line(Text.assemble(("violation ", "red"), text))
+    reads = sum(r["tokens_checked"] for r in results)
+    reuses = sum(r["reuses_checked"] for r in results)
+    compared = (f"{reads} token reads compared with the pattern of their (source, generation, token) after "
+                f"acquire (and again after a hold), {reuses} slot overwrites checked against every consumer's "
+                f"acknowledgement")
+    if total_viol == 0:
+        verdict = Text.assemble(("PASS", "green"), f": no violation: {compared} (wall {wall_s:.2f}s)")
+    else:
+        kinds: dict = {}
+        for r in results:
+            for k, n in r["violation_kinds"].items():
+                kinds[k] = kinds.get(k, 0) + n
+        ranks = [r["rank"] for r in results if r["violations"]]
+        stopped = next((r["stopped_early"] for r in results if r["stopped_early"]), "")
+        verdict = Text.assemble(("FAIL", "red"), f": {total_viol} violation{'s' if total_viol != 1 else ''} ("
+                                f"{', '.join(f'{k}: {n}' for k, n in sorted(kinds.items()))}) seen by ranks "
+                                f"{ranks}; {compared}"
+                                + (f"; stopped in {stopped}, every rank ended that epoch early" if stopped else "")
+                                + f" (wall {wall_s:.2f}s)")
+    out.line(verdict)
     if json_path:
         Path(json_path).write_text(json.dumps({
             "command": "stress", "config": cfg.model_dump(), "ranks": results, "violations": total_viol,
@@ -51,9 +84,40 @@ def report_stress(results: list[dict], cfg: Config, wall_s: float, json_path: st
     return 0 if total_viol == 0 else 1
 
 
+def _early_problems(command: str, cfg: Config, json_path: str | None) -> list[str]:
+    """Under a launcher other than ours (mpirun, srun): the pre-launch check, agreed on by every rank."""
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    ranks_on_node = node.Get_size()
+    node.Free()
+    mine = job_problems(command, cfg, comm.Get_size(), json_path if comm.Get_rank() == 0 else None,
+                        ranks_on_this_node=ranks_on_node)
+    return agree_on_problems(comm, mine, cfg.wait_timeout_s)
+
+
 def rank_main(command: str, cfg: Config, json_path: str | None = None) -> int:
-    """Run ``command`` on this rank; any exception takes the whole job down."""
+    """Run ``command`` on this rank; any exception takes the whole job down.
+
+    Problems knowable before the heap exists (see :mod:`streamring.host.prelaunch`) are
+    printed once, by rank 0, and every rank returns 2. The local launcher has checked
+    them already, before starting the ranks.
+    """
     try:
+        if job_dir() is not None:  # our launcher: record the pid first, so a failure can name it
+            from mpi4py import MPI
+
+            register_rank(MPI.COMM_WORLD.Get_rank())
+        if detect_launcher() is Launcher.MPI and not os.environ.get(SPAWNED_ENV):
+            problems = _early_problems(command, cfg, json_path)
+            if problems:
+                from mpi4py import MPI
+
+                if MPI.COMM_WORLD.Get_rank() == 0:
+                    for p in problems:
+                        print(f"streamring: {p}", file=sys.stderr)
+                return 2
         heap = make_heap(cfg)
         register_rank(heap.rank)
         DIAGNOSTIC_HOOKS.append(lambda n=heap.num_ranks: peer_report(n))
@@ -89,30 +153,74 @@ def rank_main(command: str, cfg: Config, json_path: str | None = None) -> int:
             report_status(MPI.COMM_WORLD.Get_rank(), f"{type(exc).__name__}: {exc}")
         except Exception:  # noqa: BLE001
             pass
-        abort_job(exc, 2 if isinstance(exc, ConfigError) else 1)
+        abort_job(exc, 2 if isinstance(exc, (ConfigError, HeapSizeError)) else 1)
         return 1
 
 
-def report_run(results: list[dict], cfg: Config, wall_s: float, json_path: str | None) -> int:
-    """Rank 0's table and JSON; exit code 1 when an output is outside its tolerance."""
-    L = cfg.layer
-    t = Table(title=f"streamring run: {len(results)} ranks, {L.num_experts} experts top-{L.topk} ({L.router}, "
-                    f"{L.weight_dtype}), hidden {L.hidden}, ring {cfg.ring.num_slots}x{cfg.ring.tokens_per_slot}, "
-                    f"scheduler {cfg.run.scheduler}, {cfg.run.epochs} epochs, routing {cfg.run.routing}")
-    for col in ("rank", "tokens", "chunks", "experts hit", "stream==batch", "max |stream-batch|",
-                "max err vs f64 ref", "err/tol", "batch s", "stream s"):
-        t.add_column(col, justify="right")
-    ok = True
+RUN_COLUMNS = [
+    Column("rank"), Column("tokens"), Column("chunks"), Column("experts hit", "experts_hit"),
+    Column("stream vs batch", "stream_vs_batch"), Column("max |stream-batch|", "max_abs_diff"),
+    Column("max err vs f64 ref", "max_err_f64"), Column("err/tol", "err_over_tol"),
+    Column("batch s", "batch_s"), Column("stream s", "stream_s"),
+]
+
+
+def report_run(results: list[dict], cfg: Config, wall_s: float, json_path: str | None,
+               out: Report | None = None) -> int:
+    """Rank 0's table and JSON; exit code 1 when an output is outside its tolerance.
+
+    The verdict names what was compared: with ``run.mode=both`` the streamed output
+    against the batch output (bitwise) and both against the float64 reference; with
+    ``batch`` or ``stream`` only that path against the reference.
+    """
+    out = out or Report()
+    L, mode = cfg.layer, cfg.run.mode
+    both = mode == "both"
+    rows = []
     for r in results:
-        ok &= r["ref_ok"] and (cfg.run.mode != "both" or r["bitwise_equal"])
-        t.add_row(str(r["rank"]), str(r["tokens"]), str(r["chunks"]), str(r["experts_hit"]),
-                  ("bitwise" if r["bitwise_equal"] else "[red]NO[/red]") if cfg.run.mode == "both" else "-",
-                  f"{r['max_abs_stream_minus_batch']:.3g}", f"{r['ref_max_abs_err']:.3g}",
-                  f"{r['ref_max_err_ratio']:.3f}" + ("" if r["ref_ok"] else " [red]FAIL[/red]"),
-                  f"{r['batch_wall_s']:.3f}", f"{r['stream_wall_s']:.3f}")
-    console.print(t)
-    console.print(f"{'PASS' if ok else 'FAIL'}: streamed {'==' if ok else '!='} batch bitwise, both within the "
-                  f"float64 reference tolerance (rtol=atol={results[0]['rtol']:.2e}); wall {wall_s:.2f}s")
+        same = (Text("bitwise ==") if r["bitwise_equal"] else Text("differ", style="red")) if both else "-"
+        rows.append([str(r["rank"]), str(r["tokens"]), str(r["chunks"]) if mode != "batch" else "-",
+                     str(r["experts_hit"]), same, f"{r['max_abs_stream_minus_batch']:.3g}" if both else "-",
+                     f"{r['ref_max_abs_err']:.3g}",
+                     Text(f"{r['ref_max_err_ratio']:.3f}") if r["ref_ok"] else
+                     Text(f"{r['ref_max_err_ratio']:.3f} FAIL", style="red"),
+                     f"{r['batch_wall_s']:.3f}" if mode != "stream" else "-",
+                     f"{r['stream_wall_s']:.3f}" if mode != "batch" else "-"])
+    title = (f"streamring run: {len(results)} ranks, {L.num_experts} experts top-{L.topk} ({L.router}, "
+             f"{L.weight_dtype}), hidden {L.hidden}, ring {cfg.ring.num_slots}x{cfg.ring.tokens_per_slot}, "
+             f"scheduler {cfg.run.scheduler}, {cfg.run.epochs} epochs, routing {cfg.run.routing}, mode {mode}")
+    fast = results[0].get("path") == "fast"
+    if fast:  # the expert-parallel GPU layer (runner.run_layer_gpu)
+        r0 = results[0]
+        title = (f"streamring run (GPU layer EPMoE: transport {r0['transport']}, policy {r0['policy']}, "
+                 f"{r0['gemm']} GEMMs): {len(results)} ranks, {L.num_experts} experts top-{L.topk} ({L.router}, "
+                 f"fp8), hidden {L.hidden}, ring {cfg.ring.num_slots}x{cfg.ring.tokens_per_slot}, "
+                 f"{cfg.run.epochs} epochs, mode {mode}")
+    out.table(title, RUN_COLUMNS, rows)
+    differ = [r["rank"] for r in results if both and not r["bitwise_equal"]]
+    outside = [r["rank"] for r in results if not r["ref_ok"]]
+    ring_errors = {r["rank"]: r["ring_errors"] for r in results if r.get("ring_errors")}
+    ok = not differ and not outside
+    tol = (f"float64 reference bound (relative error < {results[0]['rtol']:.0%}: FP8 re-quantized intermediate)"
+           if fast else f"float64 reference tolerance (rtol=atol={results[0]['rtol']:.2e})")
+    paths = {"both": "the streamed and the batch outputs", "batch": "the batch output",
+             "stream": "the streamed output"}[mode]
+    not_run = {"both": "", "batch": "; the streamed path was not run (run.mode=batch)",
+               "stream": "; the batch path was not run (run.mode=stream)"}[mode]
+    if ok:
+        what = (f"streamed == batch bitwise on all {len(results)} ranks, and both within the {tol}" if both else
+                f"{paths} within the {tol} on all {len(results)} ranks{not_run}")
+        verdict = Text.assemble(("PASS", "green"), f": {what}; wall {wall_s:.2f}s")
+    else:
+        parts = []
+        if differ:
+            parts.append(f"streamed != batch on ranks {differ}")
+        if outside:
+            parts.append(f"{paths} outside the {tol} on ranks {outside}")
+        if ring_errors:
+            parts.append(f"device ring errors {ring_errors}")
+        verdict = Text.assemble(("FAIL", "red"), f": {'; '.join(parts)}{not_run}; wall {wall_s:.2f}s")
+    out.line(verdict)
     if json_path:
         Path(json_path).write_text(json.dumps({"command": "run", "config": cfg.model_dump(), "ranks": results,
                                                "ok": ok, "wall_s": wall_s}, indent=2, default=str))
@@ -128,7 +236,7 @@ def gpu_check_main(launcher, **checks) -> int:
         heap = NvshmemHeap.bootstrap(launcher=launcher.value)
         register_rank(heap.rank)
         DIAGNOSTIC_HOOKS.append(lambda n=heap.num_ranks: peer_report(n))
-        code = run_checks(heap, echo=lambda text: console.print(text, markup=False, highlight=False), **checks)
+        code = run_checks(heap, echo=lambda text: print(text, flush=True), **checks)
         codes = heap.allgather_int(code)
         report_status(heap.rank, "ok")
         heap.close()
