@@ -126,9 +126,11 @@ class MpiHeap(SymmetricHeap):
     def free(self, region: Region) -> None:
         win, _ = region.handle
         self._meet(f"free {region.name!r}")
+        # Forget the region (by identity) before its memory goes: nothing may look at
+        # region.local once the window is freed.
+        self._regions[:] = [r for r in self._regions if r is not region]
         win.Unlock_all()
         win.Free()
-        self._regions.remove(region)
 
     # -- RMA --------------------------------------------------------------------------------
     @staticmethod
