@@ -89,6 +89,11 @@ class MpiHeap(SymmetricHeap):
     def num_ranks(self) -> int:
         return self.comm.Get_size()
 
+    @property
+    def memory_kind(self) -> str:
+        """``cpu/shared`` (Allocate_shared: plain loads and stores) or ``cpu/separate`` (Win.Allocate: RMA calls)."""
+        return f"cpu/{'shared' if self.shared else 'separate'}"
+
     def _check_pe(self, pe: int, what: str) -> None:
         if not 0 <= pe < self.num_ranks:
             raise VerbError(f"{what}: pe {pe} outside [0, {self.num_ranks})")

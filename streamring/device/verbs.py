@@ -148,6 +148,11 @@ class SymmetricHeap(abc.ABC):
     def num_ranks(self) -> int:
         """Number of PEs."""
 
+    @property
+    def memory_kind(self) -> str:
+        """What the regions live in, for reports (the backend name unless it has several kinds)."""
+        return self.name
+
     # -- allocation ---------------------------------------------------------------
     @abc.abstractmethod
     def alloc(self, name: str, nbytes: int) -> Region:
