@@ -385,11 +385,14 @@ def waiting_gives_core_away(heap):
     control), interleaved in rounds so that load on the machine hits all three alike.
 
     The claim (``verbs.spin_pause``): ranks may outnumber cores, and a waiting rank gives its core to
-    the rank it waits for. Then a handoff costs the waiter a few polls (tens of microseconds of CPU
-    here); a waiter that never yields burns its whole scheduler slice (milliseconds) before the peer
-    it waits for can run. The shipped pause runs the very same loop as the baseline, so a correct
-    build measures about 1x the baseline; the bound allows 3x. The control must come out at least 10x
-    the baseline (about 100x here), or the measurement could not tell the two apart and says so.
+    the rank it waits for instead of burning its scheduler slice. The no-pause control burns a whole
+    slice per handoff (4 ms here: a 250 Hz tick). The sched_yield baseline burns tens of microseconds
+    on an idle machine and about 1 ms under a load average of 10 on 2 cores (the scheduler does not
+    always hand the core to the peer at once). The shipped pause runs the very same loop as the
+    baseline, so a correct build measures about 1x it (0.85-1.3x seen under that load); the bound is
+    2x. A build whose waiter never yields measures as the control, >= 3.4x the baseline even under
+    that load. The control must exceed the bound, or the run could not tell the two apart: then
+    the test fails as inconclusive rather than pass.
     """
     R, me = heap.num_ranks, heap.rank
     check(R == 2, "needs exactly 2 ranks")
@@ -427,13 +430,13 @@ def waiting_gives_core_away(heap):
     if me == 0:
         print("CPU time a waiter burns per handoff, 2 ranks on one core (median): "
               + ", ".join(f"{n} {v * 1e6:.0f} us" for n, v in med.items()))
-    base = med["sched_yield"]
-    check(med["no_pause"] >= 10 * base,
-          f"inconclusive: a waiter without any pause burned {med['no_pause'] * 1e6:.0f} us per handoff, not >= 10x "
-          f"the yielding baseline {base * 1e6:.0f} us (were the ranks really sharing one core?)")
-    check(med["shipped"] <= 3 * base,
+    base, bound = med["sched_yield"], 2.0
+    check(med["no_pause"] > bound * base,
+          f"inconclusive: a waiter without any pause burned {med['no_pause'] * 1e6:.0f} us per handoff, not more "
+          f"than {bound}x the yielding baseline {base * 1e6:.0f} us (were the ranks really sharing one core?)")
+    check(med["shipped"] <= bound * base,
           f"a waiting rank does not give its core away: {med['shipped'] * 1e6:.0f} us of CPU per handoff against "
-          f"{base * 1e6:.0f} us with sched_yield (bound 3x; without any pause {med['no_pause'] * 1e6:.0f} us)")
+          f"{base * 1e6:.0f} us with sched_yield (bound {bound}x; without any pause {med['no_pause'] * 1e6:.0f} us)")
     heap.barrier()
     heap.free(words)
     ring.close()
