@@ -265,7 +265,8 @@ def hostile_table(heap):
     heap.barrier()
     # Every rank's verdicts together: one readable failure naming each row that went wrong.
     every = [f for fs in heap.allgather_obj(failures) for f in fs]
-    check(not every, f"{len(every)} hostile-peer rows not handled as required:\n  " + "\n  ".join(every))
+    check(not every, f"{len(every)} hostile-peer rows not handled as required, first: {every[0] if every else ''}"
+                     f"\n  " + "\n  ".join(every))
     # Restored: the same chunk reads correctly, and the stream ends normally (the checks broke nothing).
     for src in range(R):
         for c in range(plan.num_chunks):

@@ -273,7 +273,8 @@ def bitwise_oracle(heap):
             if diff:
                 failures.append(f"rank {me}, {name} ({tokens} tokens): {diff}")
     every = [f for fs in heap.allgather_obj(failures) for f in fs]
-    assert not every, "outputs differ from the single-process batch:\n  " + "\n  ".join(every)
+    assert not every, (f"{len(every)} outputs differ from the single-process batch, first: {every[0] if every else ''}"
+                       "\n  " + "\n  ".join(every))
 
 
 SCENARIOS = {f.__name__: f for f in (publish_bad_inputs, moe_api, recovery_after_watchdog,

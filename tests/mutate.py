@@ -167,7 +167,8 @@ def check_imports_copy(copy: Path) -> None:
 
 def run_tests(copy: Path, tests, timeout_s: int) -> tuple[int, str, float]:
     t0 = time.monotonic()
-    cmd = [PY, "-m", "pytest", "-q", "-rf", "-p", "no:cacheprovider", *tests]
+    # -vv: assertion messages in full (they carry the ranks' stdout and stderr)
+    cmd = [PY, "-m", "pytest", "-q", "-vv", "-rf", "--tb=short", "-p", "no:cacheprovider", *tests]
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, cwd=copy, env=env_for(copy), timeout=timeout_s)
         return p.returncode, p.stdout + p.stderr, time.monotonic() - t0
@@ -179,12 +180,24 @@ def failed_tests(output: str) -> list[str]:
     return re.findall(r"^FAILED (\S+)", output, flags=re.M)
 
 
+def first_reason(output: str) -> str:
+    """The most telling line of a failed run: a rank's error line, a crash, or an assertion's message."""
+    lines = [re.sub(r"^E\s+", "", ln).strip() for ln in output.splitlines()]
+    patterns = (r"\] error: \w+: ", r"EXIT STRING: ", r"^\w*(Error|Violation|Exception): (?!rc=)")
+    for pat in patterns:
+        for ln in lines:
+            if re.search(pat, ln):
+                return ln
+    return next((ln for ln in lines if ln.startswith("FAILED ")), "")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", nargs="+", metavar="NAME", help="run only these mutations")
     ap.add_argument("--list", action="store_true", help="list the mutations and exit")
     ap.add_argument("--no-baseline", action="store_true", help="skip the unmutated run of the same tests")
     ap.add_argument("--timeout", type=int, default=900, help="seconds per pytest run (default 900)")
+    ap.add_argument("--logs", metavar="DIR", help="write each mutation's pytest output to DIR/NAME.log")
     args = ap.parse_args(argv)
     from rich.console import Console
     from rich.table import Table
@@ -221,8 +234,8 @@ def main(argv=None) -> int:
             console.print(f"baseline passed in {secs:.0f}s")
             shutil.rmtree(base)
         table = Table(title="streamring mutations: each planted in a temporary copy, its tests run there")
-        for col in ("mutation", "breaks", "file", "tests failed", "verdict", "first failure", "s"):
-            table.add_column(col, overflow="fold")
+        for col in ("mutation", "breaks", "file", "tests failed", "verdict", "how it was caught", "s"):
+            table.add_column(col, overflow="fold", ratio=4 if col == "how it was caught" else None)
         results = []
         for m in chosen:
             copy = copy_repo(tmp / m.name)
@@ -238,14 +251,12 @@ def main(argv=None) -> int:
             else:
                 verdict = f"[yellow]ERROR (pytest exit {rc})[/yellow]"
             results.append("caught" in verdict)
-            first = ""
-            m_fail = re.search(r"^FAILED \S+ - (.*)$", out, flags=re.M)
-            if m_fail:
-                first = m_fail.group(1)[:160]
-            elif rc not in (0, 1):
-                first = out.strip().splitlines()[-1][:160] if out.strip() else ""
+            first = first_reason(out) if rc == 1 else (out.strip().splitlines() or [""])[-1]
+            if args.logs:
+                Path(args.logs).mkdir(parents=True, exist_ok=True)
+                (Path(args.logs) / f"{m.name}.log").write_text(out)
             table.add_row(m.name, m.rule, ", ".join(sorted({e[0].split("/")[-1] for e in m.edits})),
-                          f"{len(failed)}/{len(m.tests)}", verdict, first, f"{secs:.0f}")
+                          f"{len(failed)}/{len(m.tests)}", verdict, first[:240], f"{secs:.0f}")
             shutil.rmtree(copy)
         console.print(table)
         console.print(f"{sum(results)} of {len(results)} mutations caught")
