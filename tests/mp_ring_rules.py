@@ -474,4 +474,5 @@ if __name__ == "__main__":
         traceback.print_exc()
         sys.stderr.flush()
         MPI.COMM_WORLD.Abort(1)
+        os._exit(1)  # MPICH's Abort has been seen to return
     heap.close()

@@ -286,11 +286,13 @@ if __name__ == "__main__":
         SCENARIOS[sys.argv[1]](heap)
         heap.barrier()
     except BaseException:
+        import os
         import traceback
 
         traceback.print_exc()
         sys.stderr.flush()
         MPI.COMM_WORLD.Abort(1)
+        os._exit(1)  # MPICH's Abort has been seen to return here (the rank then went on to report OK)
     if heap.rank == 0:
         print("SCENARIO OK", sys.argv[1])
     heap.close()
