@@ -16,6 +16,7 @@ import torch
 
 from .config import Config, ConfigError, per_rank
 from .device.verbs import SymmetricHeap
+from .moe.bitwise import same_bits
 from .moe.layer import MoEBuffer
 from .protocol import Inject, RingLayout
 from .moe.math import (
@@ -175,7 +176,7 @@ def run_layer(heap: SymmetricHeap, cfg: Config) -> dict:
         if "batch" in outs and "stream" in outs:
             diff = (outs["stream"] - outs["batch"]).abs().max().item() if x.shape[0] else 0.0
             row["max_abs_stream_minus_batch"] = max(row["max_abs_stream_minus_batch"], diff)
-            row["bitwise_equal"] &= bool(torch.equal(outs["stream"], outs["batch"]))
+            row["bitwise_equal"] &= same_bits(outs["stream"], outs["batch"])  # bytes: -0.0 != +0.0
         # Independent float64 reference of the same math.
         if routing is None:
             y_ref, idx64, _ = reference_forward_f64(x, weights, shape, return_routing=True)

@@ -93,6 +93,7 @@ class RankResult:
     """What one rank measured."""
 
     rank: int
+    heap: str = ""  # the heap's memory kind, e.g. cpu/shared or cpu/separate
     chunks_published: int = 0
     chunks_consumed: int = 0
     tokens_checked: int = 0
@@ -407,7 +408,7 @@ def run_stress(heap: SymmetricHeap, cfg: Config) -> RankResult:
     n = chunks[me]
     last = st.partial_last if st.partial_last >= 0 else cfg.ring.tokens_per_slot
     my_tokens = 0 if n == 0 or tpc[me] == 0 else (n - 1) * cfg.ring.tokens_per_slot + min(last, tpc[me])
-    res = RankResult(rank=me)
+    res = RankResult(rank=me, heap=heap.memory_kind)
     rng = random.Random(st.seed * 1000003 + me)
     roles = _Roles(ring, cfg, res, rng, stop)
     t0 = time.monotonic()

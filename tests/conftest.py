@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -15,6 +16,45 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
+
+
+def missing_test_dependencies(pyproject: Path = ROOT / "pyproject.toml") -> list[str]:
+    """The declared test dependencies (``[project.optional-dependencies] test``) that are not installed
+    in a matching version (for this platform's markers)."""
+    import importlib.metadata as md
+
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10: pytest itself depends on tomli there
+        import tomli as tomllib
+    from packaging.requirements import Requirement  # a dependency of pytest
+
+    missing = []
+    for spec in tomllib.loads(pyproject.read_text())["project"]["optional-dependencies"]["test"]:
+        req = Requirement(spec)
+        if req.marker is not None and not req.marker.evaluate():
+            continue
+        try:
+            version = md.version(req.name)
+        except md.PackageNotFoundError:
+            missing.append(f"{spec} (not installed)")
+            continue
+        if not req.specifier.contains(version, prereleases=True):
+            missing.append(f"{spec} (found {version})")
+    return missing
+
+
+def pytest_configure(config):
+    # A missing test dependency fails the run: a module that needs it must not be skipped silently.
+    missing = missing_test_dependencies()
+    if missing:
+        raise pytest.UsageError("declared test dependencies are missing: " + ", ".join(missing)
+                                + " (pip install -e '.[test]')")
+
+
+def error_types(stderr: str) -> set[str]:
+    """The exception types the ranks died with (``[streamring rank N] error: TYPE: ...`` lines)."""
+    return set(re.findall(r"^\[streamring rank \S+\] error: (\w+):", stderr, flags=re.M))
 
 
 def _env(extra=None):
@@ -175,3 +215,30 @@ def suite_leaves_no_mpi_files():
     time.sleep(0.5)
     left = w.leftovers()
     assert not left, f"the test suite left MPI files behind: {left}"
+
+# How each `streamring stress --inject MODE` must fail, in rank order and in ready order alike: the
+# violation kinds its checkers must report in the JSON; or, where a consumer reads before the publish
+# (skip-acquire, ignore-epoch), the owner's drain waiting forever. Such a consumer may acknowledge a chunk
+# before its owner cleared the mask for it (rule 4 assumes the acquire); the owner's clearing then wipes
+# the acknowledgement and its watchdog fires in the drain. Nothing else counts: a crash is not a catch.
+STRESS_INJECT_EXPECTED = {
+    "skip-acquire": ({"stale_or_torn"}, "for drain: acknowledgements"),
+    "signal-before-payload": ({"stale_or_torn"}, None),
+    "skip-ack-wait": ({"early_reuse"}, None),
+    "ignore-epoch": ({"stale_or_torn"}, "for drain: acknowledgements"),
+}
+
+
+def assert_stress_mutation_caught(r: Result, mode: str) -> None:
+    """``r`` (a stress run with ``--inject mode``) failed the way ``mode`` must fail, and no other way."""
+    kinds_needed, drain_wait = STRESS_INJECT_EXPECTED[mode]
+    assert r.rc == 1, r
+    if r.json is not None:
+        assert r.json["config"]["stress"]["inject"] == mode and r.json["violations"] > 0, r
+        kinds = set().union(*(x["violation_kinds"] for x in r.json["ranks"]))
+        assert kinds_needed <= kinds, (mode, kinds, r)
+        return
+    died = error_types(r.err)
+    # WaitTimeout: a rank whose peer died first times out in a collective; it is never the only error.
+    assert drain_wait and "WatchdogError" in died and died <= {"WatchdogError", "WaitTimeout"}, (mode, died, r)
+    assert drain_wait in r.err and "route_ready_gen" in r.err and "missing acks" in r.err, r

@@ -12,9 +12,10 @@ from mpi4py import MPI
 
 from streamring.device.cpu import MpiHeap
 from streamring.device.verbs import VerbError
+from streamring.moe.bitwise import bit_difference
 from streamring.moe.layer import MoEBuffer
 from streamring.moe.math import MoEShape, MoEWeights, batch_forward_single
-from streamring.protocol import ProtocolViolation, Ring, RingLayout, WatchdogError, make_gen
+from streamring.protocol import ProtocolViolation, Ring, RingLayout, WatchdogError
 
 
 def expect(exc, fn, needle):
@@ -24,6 +25,12 @@ def expect(exc, fn, needle):
         assert needle in str(e), f"message {str(e)!r} lacks {needle!r}"
         return e
     raise AssertionError(f"{fn} did not raise {exc.__name__} ({needle})")
+
+
+def same(a, b, a_name, b_name):
+    """Bitwise (bytes, so -0.0 != +0.0); the failure names the first differing element and its bits."""
+    diff = bit_difference(a, b, a_name, b_name)
+    assert diff is None, diff
 
 
 def publish_bad_inputs(heap):
@@ -77,52 +84,6 @@ def publish_bad_inputs(heap):
     ring.close()
 
 
-def hostile_metadata(heap):
-    """A peer's corrupted metadata is rejected, naming the source rank and field."""
-    L = RingLayout(num_ranks=heap.num_ranks, num_slots=1, tokens_per_slot=4, hidden=128, topk=1, num_experts=4)
-    ring = Ring(heap, L, wait_timeout_s=10)
-    ring.begin_stream(1, 4)
-    ring.reserve(0)
-    ring.publish_route(0, np.zeros((4, 1), np.int64), np.ones((4, 1), np.float32))
-    ring.publish_layout(0, np.zeros((4, 128), np.uint8), np.ones((4, 1), np.float32))
-    heap.barrier()
-    if heap.rank == 1:  # rank 1 corrupts its own valid count after publishing
-        heap.put(ring.buf, L.meta_off(0) + 2 * 8, np.array([999], np.int64), 1)
-        heap.put(ring.buf, L.topk_idx_off(0), np.array([77], np.int64), 1)
-    heap.barrier()
-    ring.acquire(1, 0)
-    expect(ProtocolViolation, lambda: ring.read_chunk(1, 0), "source rank 1 slot 0 chunk 0: valid_count = 999")
-    heap.barrier()
-    if heap.rank == 1:
-        heap.put(ring.buf, L.meta_off(0) + 2 * 8, np.array([4], np.int64), 1)
-    heap.barrier()
-    expect(ProtocolViolation, lambda: ring.read_chunk(1, 0), "topk_idx from source rank 1 holds 77")
-    heap.barrier()
-    if heap.rank == 1:
-        heap.put(ring.buf, L.topk_idx_off(0), np.array([0], np.int64), 1)
-    heap.barrier()
-    for word, field, value in ((1, "token_base", 4096), (0, "chunk_index", 3), (3, "route_gen", 5)):
-        if heap.rank == 1:
-            good = np.empty(1, np.int64)
-            heap.get(ring.buf, L.meta_off(0) + word * 8, good, 1)
-            heap.put(ring.buf, L.meta_off(0) + word * 8, np.array([value], np.int64), 1)
-        heap.barrier()
-        expect(ProtocolViolation, lambda: ring.read_chunk(1, 0), f"source rank 1 slot 0 chunk 0: {field} = {value}")
-        heap.barrier()
-        if heap.rank == 1:
-            heap.put(ring.buf, L.meta_off(0) + word * 8, good, 1)
-        heap.barrier()
-    assert ring.read_chunk(1, 0).valid == 4  # restored: accepted again
-    heap.barrier()
-    # a generation from the future is a violation, not a wait
-    heap.signal_op(ring.buf, L.route_gen_off(0, 0), make_gen(5, 1), __import__("streamring").device.verbs.SignalOp.SET,
-                   heap.rank)
-    expect(ProtocolViolation, lambda: ring.try_acquire(0, 0), "route_ready_gen[src=0][slot=0] = e5:c0")
-    heap.barrier()
-    ring.abort_stream()
-    ring.close()
-
-
 def moe_api(heap):
     """The library API an engine calls: caller weights, repeated epochs, local-only weights, bad inputs."""
     R, me = heap.num_ranks, heap.rank
@@ -135,18 +96,22 @@ def moe_api(heap):
         y_b = buf.forward(x, w)
         y_s = buf.forward(x, w, streaming=True)
         y_r = buf.forward(x, w, streaming=True, scheduler="reservation", block_m=3)
-        assert torch.equal(y_b, y_s) and torch.equal(y_b, y_r), (ep, (y_b - y_s).abs().max())
-        assert torch.equal(y_b, batch_forward_single(x, w, shape)) if tokens else y_b.shape == (0, 256)
+        same(y_s, y_b, f"epoch {ep} streamed", "batch")
+        same(y_r, y_b, f"epoch {ep} streamed (reservation)", "batch")
+        if tokens:
+            same(y_b, batch_forward_single(x, w, shape), f"epoch {ep} batch", "single-process batch")
+        else:
+            assert y_b.shape == (0, 256)
     # explicit epochs must grow
     last = buf.stream_ring.last_epoch
     expect(ValueError, lambda: buf.forward(x, w, streaming=True, stream_epoch=last), "stream_epoch")
     y_e = buf.forward(x, w, streaming=True, stream_epoch=last + 10)
-    assert torch.equal(y_e, y_b)
+    same(y_e, y_b, "streamed (explicit epoch)", "batch")
     # local-only expert weights give the same result
     lo = buf.local_experts
     wl = MoEWeights(router_weight=w.router_weight, correction_bias=None, w1=w.w1[lo.start:lo.stop],
                     w3=w.w3[lo.start:lo.stop], w2=w.w2[lo.start:lo.stop])
-    assert torch.equal(buf.forward(x, wl, streaming=True), y_b)
+    same(buf.forward(x, wl, streaming=True), y_b, "streamed (local-only weights)", "batch")
     # bad input on ONE rank: that rank gets the real message, every other rank a clean error; no hang
     bad_x = x.clone()
     if me == R - 1:
@@ -163,7 +128,7 @@ def moe_api(heap):
     wbad = MoEWeights(router_weight=w.router_weight, correction_bias=None, w1=w.w1[:, :, :128], w3=w.w3, w2=w.w2)
     expect(ValueError, lambda: buf.forward(x, wbad), "w1")
     # the buffers still work after all those errors (recovery)
-    assert torch.equal(buf.forward(x, w, streaming=True), y_b)
+    same(buf.forward(x, w, streaming=True), y_b, "streamed (after the errors)", "batch")
     # a shape that does not fit the ranks is refused at construction
     expect(ValueError, lambda: MoEBuffer(heap, MoEShape(hidden=256, intermediate=128, num_experts=4 * R + 1, topk=2),
                                          num_slots=2, tokens_per_slot=8, max_tokens_per_rank=4), "num_experts")
@@ -199,20 +164,33 @@ def recovery_after_watchdog(heap):
     _t.sleep(3.0)  # let rank 1 come out of its stall and fail too
     buf.close()
     buf2 = MoEBuffer(heap, shape, num_slots=2, tokens_per_slot=4, max_tokens_per_rank=10, wait_timeout_s=10.0)
-    assert torch.equal(buf2.forward(x, w, streaming=True), good)
-    assert torch.equal(buf2.forward(x, w), good)
+    same(buf2.forward(x, w, streaming=True), good, "rebuilt buffer, streamed", "before the failure")
+    same(buf2.forward(x, w), good, "rebuilt buffer, batch", "before the failure")
     buf2.close()
+
+
+def collective_verdict(heap, err, what):
+    """Every rank's error of one step together: all ranks raise the same AssertionError or none does,
+    so the ranks' next collective calls stay matched (a failure on one rank alone would desync them)."""
+    bad = [(r, e) for r, e in enumerate(heap.allgather_obj(err)) if e]
+    if bad:
+        raise AssertionError(f"{what}: " + "; ".join(f"rank {r}: {e}" for r, e in bad))
 
 
 def fuzz_forward(heap):
     """Random shapes, token counts, top-k, magnitudes, NaN/Inf, on every rank (same examples everywhere)."""
-    from hypothesis import HealthCheck, given, settings
+    from hypothesis import HealthCheck, Phase, given, settings
     from hypothesis import strategies as st
 
     R, me = heap.num_ranks, heap.rank
 
+    # No shrinking: hypothesis bounds the shrink phase by wall time, so ranks could stop shrinking at
+    # different examples and their collectives would go out of step; the first failing example is
+    # reported as it is. Every example's verdict is collective (collective_verdict), so every rank sees
+    # the same outcomes and draws the same next example.
     @settings(max_examples=int(sys.argv[3]) if len(sys.argv) > 3 else 12, deadline=None, derandomize=True,
-              suppress_health_check=list(HealthCheck), database=None)
+              suppress_health_check=list(HealthCheck), database=None,
+              phases=(Phase.explicit, Phase.reuse, Phase.generate))
     @given(hidden=st.sampled_from([128, 256]), per_rank_experts=st.integers(1, 3), topk_frac=st.floats(0, 1),
            tokens=st.lists(st.integers(0, 30), min_size=R, max_size=R), slots=st.integers(1, 3),
            tps=st.integers(1, 9), router=st.sampled_from(["softmax_topk", "deepseek_v3"]),
@@ -222,30 +200,40 @@ def fuzz_forward(heap):
            xdtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float64]))
     def check(hidden, per_rank_experts, topk_frac, tokens, slots, tps, router, wdt, scheduler, block_m, scale,
               poison, poison_rank, xdtype):
-        E = per_rank_experts * R
-        topk = max(1, round(topk_frac * E))
-        kw = dict(n_group=1, topk_group=1) if router == "softmax_topk" else dict(n_group=R, topk_group=R,
-                                                                                   routed_scaling_factor=1.5)
-        shape = MoEShape(hidden=hidden, intermediate=128, num_experts=E, topk=topk, router=router, weight_dtype=wdt,
-                         block_m=block_m, **kw)
-        w = MoEWeights.random(shape, seed=hidden + E)
-        buf = MoEBuffer(heap, shape, num_slots=slots, tokens_per_slot=tps, max_tokens_per_rank=max(max(tokens), 1),
-                        wait_timeout_s=30)
-        g = torch.Generator().manual_seed(me * 1000 + tokens[me])
-        x = (torch.randn(tokens[me], hidden, generator=g, dtype=torch.float64) * scale).to(xdtype)
-        if poison and tokens[poison_rank]:
-            bad = x.clone()
-            if me == poison_rank:
-                bad[tokens[me] // 2, 3] = float(poison)
-            expect(ValueError, lambda: buf.forward(bad, w, streaming=True, scheduler=scheduler), "NaN/Inf")
-        y_b = buf.forward(x, w)
-        y_s = buf.forward(x, w, streaming=True, scheduler=scheduler)
-        assert torch.equal(y_b, y_s) or torch.equal(y_b.isnan(), y_s.isnan()) and torch.equal(
-            torch.nan_to_num(y_b), torch.nan_to_num(y_s)), "streamed != batch"
-        if tokens[me] and scale <= 1e3:
-            y_ref = batch_forward_single(x, w, shape)
-            assert torch.equal(y_b, y_ref), "distributed batch != single-process batch"
-        buf.close()
+        example = (hidden, per_rank_experts, topk_frac, tokens, slots, tps, router, wdt, scheduler, block_m, scale,
+                   poison, poison_rank, str(xdtype))
+        drawn = heap.allgather_obj(repr(example))
+        if len(set(drawn)) != 1:
+            raise AssertionError(f"the ranks drew different examples (out of step): {drawn}")
+        err, buf = None, None
+        try:
+            E = per_rank_experts * R
+            topk = max(1, round(topk_frac * E))
+            kw = dict(n_group=1, topk_group=1) if router == "softmax_topk" else dict(n_group=R, topk_group=R,
+                                                                                       routed_scaling_factor=1.5)
+            shape = MoEShape(hidden=hidden, intermediate=128, num_experts=E, topk=topk, router=router,
+                             weight_dtype=wdt, block_m=block_m, **kw)
+            w = MoEWeights.random(shape, seed=hidden + E)
+            buf = MoEBuffer(heap, shape, num_slots=slots, tokens_per_slot=tps,
+                            max_tokens_per_rank=max(max(tokens), 1), wait_timeout_s=30)
+            g = torch.Generator().manual_seed(me * 1000 + tokens[me])
+            x = (torch.randn(tokens[me], hidden, generator=g, dtype=torch.float64) * scale).to(xdtype)
+            if poison and tokens[poison_rank]:
+                bad = x.clone()
+                if me == poison_rank:
+                    bad[tokens[me] // 2, 3] = float(poison)
+                expect(ValueError, lambda: buf.forward(bad, w, streaming=True, scheduler=scheduler), "NaN/Inf")
+            y_b = buf.forward(x, w)
+            y_s = buf.forward(x, w, streaming=True, scheduler=scheduler)
+            same(y_s, y_b, f"streamed ({scheduler})", "batch")
+            if tokens[me] and scale <= 1e3:
+                same(y_b, batch_forward_single(x, w, shape), "distributed batch", "single-process batch")
+        except Exception as exc:  # noqa: BLE001 - reported collectively below
+            err = f"{type(exc).__name__}: {exc}"
+        finally:
+            if buf is not None:
+                buf.close()  # collective; also after a failed forward (a leaked buffer is a leaked window)
+        collective_verdict(heap, err, f"example {example}")
 
     check()
 
@@ -272,8 +260,47 @@ def alloc_size_check(heap):
     buf.close()
 
 
-SCENARIOS = {f.__name__: f for f in (publish_bad_inputs, hostile_metadata, moe_api, recovery_after_watchdog,
-                                     fuzz_forward, alloc_size_check)}
+def bitwise_oracle(heap):
+    """Fixed inputs, top-k >= 3: the batch path, the streamed path with each scheduler and the
+    single-process batch (moe.math.batch_forward_single) give the same bytes on every rank.
+
+    With three or more terms the combine's order shows in the bits ((a + b) + c is not (c + b) + a),
+    so this catches a combiner that sums the top-k contributions in another order than the reference;
+    bytes, not torch.equal, so a -0.0 for a +0.0 shows too.
+    """
+    R, me = heap.num_ranks, heap.rank
+    cases = [  # name, MoEShape fields
+        ("softmax-bf16-top3", dict(num_experts=2 * R, topk=3)),
+        ("deepseek-fp8-top5", dict(num_experts=3 * R, topk=5, router="deepseek_v3", n_group=R, topk_group=2,
+                                   routed_scaling_factor=2.5, weight_dtype="fp8")),
+        ("softmax-bf16-every-expert", dict(num_experts=2 * R, topk=2 * R)),
+    ]
+    counts = [0, 11, 26, 5]
+    failures = []
+    for n, (name, kw) in enumerate(cases):
+        shape = MoEShape(hidden=256, intermediate=128, block_m=8, **kw)
+        w = MoEWeights.random(shape, seed=11 + n)
+        tokens = counts[(me + n) % len(counts)]  # uneven; a rank without tokens; partial chunks
+        x = torch.randn(tokens, 256, generator=torch.Generator().manual_seed(1000 * n + me))
+        buf = MoEBuffer(heap, shape, num_slots=2, tokens_per_slot=4, max_tokens_per_rank=max(counts))
+        try:
+            outs = {"batch": buf.forward(x, w),
+                    "streamed (chunk_local)": buf.forward(x, w, streaming=True),
+                    "streamed (reservation)": buf.forward(x, w, streaming=True, scheduler="reservation", block_m=3)}
+        finally:
+            buf.close()
+        ref = batch_forward_single(x, w, shape) if tokens else torch.zeros(0, 256)
+        for path, y in outs.items():
+            diff = bit_difference(y, ref, path, "single-process batch")
+            if diff:
+                failures.append(f"rank {me}, {name} ({tokens} tokens): {diff}")
+    every = [f for fs in heap.allgather_obj(failures) for f in fs]
+    assert not every, (f"{len(every)} outputs differ from the single-process batch, first: {every[0] if every else ''}"
+                       "\n  " + "\n  ".join(every))
+
+
+SCENARIOS = {f.__name__: f for f in (publish_bad_inputs, moe_api, recovery_after_watchdog,
+                                     fuzz_forward, alloc_size_check, bitwise_oracle)}
 
 if __name__ == "__main__":
     heap = MpiHeap(window=sys.argv[2] if len(sys.argv) > 2 else "auto")
@@ -281,11 +308,13 @@ if __name__ == "__main__":
         SCENARIOS[sys.argv[1]](heap)
         heap.barrier()
     except BaseException:
+        import os
         import traceback
 
         traceback.print_exc()
         sys.stderr.flush()
         MPI.COMM_WORLD.Abort(1)
+        os._exit(1)  # MPICH's Abort has been seen to return here (the rank then went on to report OK)
     if heap.rank == 0:
         print("SCENARIO OK", sys.argv[1])
     heap.close()

@@ -1,14 +1,14 @@
 """The block-granular FP8 consumer (streamring.moe.blocks + device/moe_triton.py).
 
 On a machine with a CUDA GPU the kernels run natively; elsewhere under Triton's CPU
-interpreter (``TRITON_INTERPRET=1``, set here before Triton is imported). Skipped, with the
-reason, when Triton is not installed.
+interpreter (``TRITON_INTERPRET=1``, set here before Triton is imported). Triton is a declared
+test dependency: without it this module fails to import (never a silent skip).
 
 What is checked:
 * streamed (chunk by chunk, blocks filled across chunks, sealed at the end) == batch, bitwise,
   for several chunk sizes (uneven last chunk, one-token chunks) and block sizes;
-* the batch output against a float32 torch emulation of the same numerics (FP8 rounding
-  differences only: relative Frobenius error < 3 %);
+* the batch output against a float32 torch emulation of the same numerics (rounding differences
+  only: relative Frobenius error < 2 %);
 * the block bookkeeping: every (token, k) row sits in a block of its expert, blocks are
   ceil(rows_e / block_m) per expert, and the ready list holds every block exactly once;
 * negative controls: a forward without the end-of-stream seal, and one whose L2 skips the
@@ -25,9 +25,10 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-triton = pytest.importorskip("triton", reason="Triton is not installed (pip install triton)")
+import triton  # noqa: E402,F401 - a declared test dependency: missing means failing, not skipping
 
 from streamring.moe import blocks as B  # noqa: E402
+from streamring.moe.bitwise import bit_difference, same_bits  # noqa: E402
 from streamring.moe.math import MoEShape  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -85,7 +86,8 @@ def test_streamed_equals_batch_bitwise(setup, block_m, chunk):
     shape, fw, x = setup
     yb, _, _ = run_batch(shape, fw, x, block_m)
     ys, bc = run_streamed(shape, fw, x, block_m, chunk)
-    assert torch.equal(yb, ys), f"streamed (chunk {chunk}) differs from batch at block_m {block_m}"
+    diff = bit_difference(ys, yb, f"streamed (chunk {chunk}, block_m {block_m})", "batch")
+    assert diff is None, diff
     # the ready list grew chunk by chunk and ended at the number of blocks allocated
     n_chunks = math.ceil(x.shape[0] / chunk)
     hi = bc.ready_hi.cpu().tolist()[: n_chunks + 2]
@@ -98,7 +100,10 @@ def test_batch_matches_float32_emulation(setup):
     yb, _, _ = run_batch(shape, fw, x, 16)
     ye = B.emulate_forward(x.cpu(), _cpu(fw), shape)
     rel = float((yb.cpu().float() - ye.float()).norm() / ye.float().norm())
-    assert rel < 0.03, f"relative error {rel:.4f} against the float32 emulation"
+    # Measured for this fixture: 1.37 % under the CPU interpreter, 0.50 % on an H200 (1.2-1.6 % and
+    # 0.5-0.9 % over 12 weight/input seeds). 2 % sits above both; a lost row or a wrong scale gives
+    # > 10 % (the negative controls below).
+    assert rel < 0.02, f"relative error {rel:.4f} against the float32 emulation"
 
 
 def _cpu(fw):
@@ -140,7 +145,7 @@ def test_hot_expert_many_blocks_and_empty_experts():
     assert bc.state[:shape.num_experts].cpu().tolist() == [40, 40] + [0] * (shape.num_experts - 2)
     assert int(bc.state[shape.num_experts]) == 2 * math.ceil(40 / 16)
     ys, _ = run_streamed(shape, fw, x, 16, 6)
-    assert torch.equal(yb, ys)
+    assert same_bits(yb, ys), bit_difference(ys, yb, "streamed", "batch")
 
 
 def test_negative_control_missing_seal_is_caught(setup):
@@ -160,7 +165,7 @@ def test_negative_control_missing_seal_is_caught(setup):
         bc.dispatch(c, sc["idx"][a:b], sc["w"][a:b], sc["q"][a:b], sc["sf"][a:b], a)
         bc.compute(c, c + 1, bc.max_ready(b - a), fw)
     bc.combine(y)  # BROKEN: no seal, no GEMMs of the partial blocks
-    assert not torch.equal(yb, y)
+    assert not same_bits(yb, y)
     ye = B.emulate_forward(x.cpu(), _cpu(fw), shape)
     rel = float((y.cpu().float() - ye.float()).norm() / ye.float().norm())
     assert rel > 0.1, f"the unsealed forward went unnoticed (relative error {rel:.4f})"
@@ -176,7 +181,7 @@ def test_negative_control_truncated_grid_is_caught(setup):
     bc.seal(1)
     bc.compute(0, 2, 1, fw)  # BROKEN: grid for one block only
     bc.combine(y)
-    assert not torch.equal(yb, y)
+    assert not same_bits(yb, y)
 
 
 def test_block_m_is_validated():
@@ -202,4 +207,4 @@ def test_persistent_gemm_grid_equals_one_cta_per_tile(setup, max_ctas):
     yb, _, _ = run_batch(shape, fw, x, 16)
     _, bc, sc, y = fresh(shape, fw, x, 2)
     B.moe_forward(sc["idx"], sc["w"], sc["q"], sc["sf"], fw, bc, y, max_ctas=max_ctas)
-    assert torch.equal(yb, y)
+    assert same_bits(yb, y), bit_difference(y, yb, f"persistent grid ({max_ctas} CTAs)", "one CTA per tile")

@@ -18,6 +18,10 @@ from streamring.model import (
     run_serialised,
 )
 
+from conftest import ROOT
+
+README = (ROOT / "README.md").read_text()
+
 
 @pytest.fixture(autouse=True)
 def _no_por_override(monkeypatch):
@@ -41,7 +45,10 @@ def test_correct_protocol_passes_exhaustively(tmp_path, capsys):
     assert data["config"] == {**data["config"], "ranks": 2, "slots": 2, "chunks": 3, "epochs": 2, "inject": "none"}
     assert data["exhaustive"] is True
     assert data["config"]["por"] is False  # default sizes: every interleaving, no partial-order reduction
-    assert data["states"] > 1000 and data["transitions"] > data["states"]
+    # Exhaustive means every interleaving: the README quotes the exact counts of the default sizes,
+    # and a model that explores fewer states (a pruning bug, a step that never fires) must not pass.
+    quoted = f"{data['states']:,} states, {data['transitions']:,} transitions"
+    assert quoted in README, f"the check explored {quoted}; README.md quotes other numbers"
     assert data["time_s"] > 0
     assert data["final_reachable"] is True
     assert data["counterexample"] is None
@@ -206,8 +213,10 @@ def test_ready_order_passes_at_the_default_sizes_and_explores_more(tmp_path, cap
     assert data["config"]["source_order"] == "ready"
     assert data["properties"] == {p: "PASS" for p in PROPERTIES}
     rank = check(ModelConfig())
-    # both orders of the two sources are explored: strictly more states than the rank order
+    # both orders of the two sources are explored: strictly more states than the rank order, and
+    # exactly as many as the README quotes
     assert data["states"] > rank.states
+    assert f"2 ranks, {data['states']:,} states" in README, f"{data['states']:,} states; README.md quotes others"
 
 
 @pytest.mark.parametrize("mode", P.INJECT_MODES)

@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from conftest import CONFIGS
+from conftest import CONFIGS, assert_stress_mutation_caught
 
 STRESS_CONFIGS = sorted(CONFIGS.glob("stress-*.yaml"))
 QUICK = ["--set", "stress.route_delay.max_s=0.001", "--set", "stress.layout_delay.max_s=0.001",
@@ -24,6 +24,8 @@ def test_shipped_stress_config_passes(cli, path):
     published = sum(x["chunks_published"] for x in ranks)
     assert consumed[0] == published, (consumed, published)  # each rank reads every published chunk
     assert len(ranks) == cfg["ranks"]
+    window = cfg["cpu"]["window"]
+    assert {x["heap"] for x in ranks} == {f"cpu/{'separate' if window == 'separate' else 'shared'}"}, window
 
 
 @pytest.mark.parametrize("ranks", [2, 3, 4])
@@ -44,11 +46,13 @@ def test_ring_wraps_over_ten_thousand(cli):
     assert min(x["ring_wraps"] for x in r.json["ranks"]) >= 10_000
 
 
-def test_more_ranks_than_cores_is_fast(cli):
-    t0 = time.monotonic()
+def test_more_ranks_than_cores(cli):
+    """8 ranks on the machine's cores. That a waiting rank gives its core away (what makes this fast) is
+    measured, against a baseline, by test_ring_rules.py::test_waiting_rank_gives_its_core_away."""
     r = cli("stress", "--ranks", 8, "--set", "stress.chunks_per_rank=30", "--set", "ring.num_slots=2")
     assert r.rc == 0, r
-    assert time.monotonic() - t0 < 240  # without sched_yield in the spin loops this takes far longer
+    consumed = {x["chunks_consumed"] for x in r.json["ranks"]}
+    assert consumed == {8 * 30 * 2}, consumed  # every rank read every rank's every chunk, both epochs
 
 
 def test_more_than_64_ranks_use_two_mask_words(cli):
@@ -62,6 +66,10 @@ def test_separate_windows_path(cli):
     """Win.Allocate (the multi-node code path) on one node."""
     r = cli("stress", "--config", CONFIGS / "stress-uneven.yaml", "--set", "cpu.window=separate")
     assert r.rc == 0, r
+    ranks = r.json["ranks"]
+    assert {x["heap"] for x in ranks} == {"cpu/separate"}, [x["heap"] for x in ranks]  # that path really ran
+    assert r.json["violations"] == 0 and len({x["chunks_consumed"] for x in ranks}) == 1
+    assert ranks[0]["chunks_consumed"] == sum(x["chunks_published"] for x in ranks) > 0
 
 
 INJECT_CASES = [
@@ -76,16 +84,7 @@ INJECT_CASES = [
 def test_every_inject_mode_is_caught(cli, mode, path):
     r = cli("stress", "--config", path, "--inject", mode, "--set", "wait_timeout_s=5", "--set", "ranks=3",
             "--set", "stress.chunks_per_rank=" + ("2" if mode == "ignore-epoch" else "16"), timeout=120)
-    assert r.rc == 1, r
-    if r.json is None:
-        # the mutation wedged the ring: caught by the watchdog or a generation check, with the slot dump
-        assert ("watchdog" in r.err or "ProtocolViolation" in r.err) and "route_ready_gen" in r.err, r
-        return
-    assert r.json["violations"] > 0 and r.json["config"]["stress"]["inject"] == mode
-    kinds = set().union(*(x["violation_kinds"] for x in r.json["ranks"]))
-    expected = {"skip-acquire": {"stale_or_torn"}, "signal-before-payload": {"stale_or_torn"},
-                "skip-ack-wait": {"early_reuse"}, "ignore-epoch": {"stale_or_torn"}}[mode]
-    assert expected <= kinds, (mode, kinds)
+    assert_stress_mutation_caught(r, mode)
 
 
 def test_watchdog_names_stalled_rank_and_slot_states(cli):

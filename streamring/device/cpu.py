@@ -90,6 +90,11 @@ class MpiHeap(SymmetricHeap):
     def num_ranks(self) -> int:
         return self.comm.Get_size()
 
+    @property
+    def memory_kind(self) -> str:
+        """``cpu/shared`` (Allocate_shared: plain loads and stores) or ``cpu/separate`` (Win.Allocate: RMA calls)."""
+        return f"cpu/{'shared' if self.shared else 'separate'}"
+
     def _check_pe(self, pe: int, what: str) -> None:
         if not 0 <= pe < self.num_ranks:
             raise VerbError(f"{what}: pe {pe} outside [0, {self.num_ranks})")
@@ -141,9 +146,11 @@ class MpiHeap(SymmetricHeap):
     def free(self, region: Region) -> None:
         win, _ = region.handle
         self._meet(f"free {region.name!r}")
+        # Forget the region (by identity) before its memory goes: nothing may look at
+        # region.local once the window is freed.
+        self._regions[:] = [r for r in self._regions if r is not region]
         win.Unlock_all()
         win.Free()
-        self._regions.remove(region)
 
     # -- RMA --------------------------------------------------------------------------------
     @staticmethod

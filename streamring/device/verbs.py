@@ -85,7 +85,7 @@ class WaitTimeout(TimeoutError):
         self.waited_s = waited_s
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Region:
     """A collectively allocated symmetric region.
 
@@ -93,6 +93,10 @@ class Region:
     host-memory backends, a torch CUDA tensor on NVSHMEM); ``nbytes`` is the same
     on every rank. ``handle`` is backend-private. The protocol never touches
     ``local``: it goes through the verbs, so it runs unchanged on every backend.
+
+    Regions compare by identity (``eq=False``): two allocations with the same name and
+    size are different regions, and comparing field by field would read ``local``,
+    whose memory may already be freed (a segfault, not an error).
     """
 
     name: str
@@ -143,6 +147,11 @@ class SymmetricHeap(abc.ABC):
     @abc.abstractmethod
     def num_ranks(self) -> int:
         """Number of PEs."""
+
+    @property
+    def memory_kind(self) -> str:
+        """What the regions live in, for reports (the backend name unless it has several kinds)."""
+        return self.name
 
     # -- allocation ---------------------------------------------------------------
     @abc.abstractmethod

@@ -45,7 +45,9 @@ def abort_job(exc: BaseException, code: int = 1) -> None:
         rank = MPI.COMM_WORLD.Get_rank()
     except Exception:  # pragma: no cover
         MPI = None
-    sys.stderr.write(f"[streamring rank {rank}] error: {exc}\n")
+    # The type is part of the line: a caller (or a test) can tell a protocol violation or a
+    # watchdog from a crash without a traceback.
+    sys.stderr.write(f"[streamring rank {rank}] error: {type(exc).__name__}: {exc}\n")
     # Expected failures (bad input, protocol violation, watchdog) carry their own
     # diagnostics; anything else gets a traceback.
     from ..protocol import ProtocolViolation, WatchdogError

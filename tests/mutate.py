@@ -1,0 +1,267 @@
+"""Does the test suite bite? Plant each deliberate bug in a temporary copy and run the tests that must catch it.
+
+    python tests/mutate.py                  # every mutation (several minutes; on demand, not in CI)
+    python tests/mutate.py --only NAME ...  # some of them (--list shows the names)
+    python tests/mutate.py --no-baseline    # skip the run of the same tests on the unmutated copy
+
+Each mutation is a list of edits ``(file, exact original snippet, replacement)`` and the tests that must
+catch it. An edit whose snippet is not found exactly once stops the script: a mutation cannot rot
+silently when the code it breaks changes. Per mutation the script copies the repository to a
+temporary directory, applies the edits there, checks that the pytest process and MPI ranks started
+from the copy import the copy's ``streamring`` (PYTHONPATH points at the copy; tests/conftest.py puts
+its own root first for the ranks it starts), and runs the tests with pytest in the copy.
+
+A mutation is *caught* when pytest reports failed tests (exit 1) - all of its tests when the entry
+says so. Any other pytest exit (usage or collection error, nothing collected, a timeout) is an ERROR:
+the mutation did not get a fair run. First, the union of all selected tests runs on an unmutated
+copy and must pass, so a failure below is the mutation's doing. Exit status 0 iff every mutation is
+caught.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = sys.executable
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    rule: str  # what it breaks
+    edits: tuple  # (file relative to the repository root, exact original snippet, replacement)
+    tests: tuple  # pytest node ids
+    need_all: bool = False  # caught only if every listed test fails (else: at least one)
+
+
+RING = "tests/test_ring_rules.py::test_scripted_ring_rules[shared]"
+HOSTILE = "tests/test_ring_rules.py::test_hostile_peer_table[shared]"
+READY = tuple(f"tests/test_source_order.py::test_stress_ready_order_still_catches_mutations[{m}]"
+              for m in ("skip-ack-wait-stress-basic.yaml", "ignore-epoch-stress-aba.yaml",
+                        "skip-acquire-stress-basic.yaml"))
+
+MUTATIONS = [
+    # -- the ring's own rules (before: caught only by timing-dependent stress runs) --------------------
+    Mutation("skip-acquire", "a consumer reads before the generations are published",
+             (("streamring/protocol.py", "        return self.gen_state(src, chunk) is GenState.READY\n",
+               "        return self.gen_state(src, chunk) is not GenState.VIOLATION\n"),), (RING,)),
+    Mutation("acquire-route-only", "a consumer needs both generations before a read (rule 5)",
+             (("streamring/protocol.py",
+               '        for field_name, off in (("route_ready_gen", L.route_gen_off(src, slot)),\n'
+               '                                ("layout_ready_gen", L.layout_gen_off(src, slot))):\n',
+               '        for field_name, off in (("route_ready_gen", L.route_gen_off(src, slot)),):\n'),), (RING,)),
+    Mutation("signal-before-payload", "payload before generation (rule 1)",
+             (("streamring/protocol.py",
+               "            write()\n"
+               "            # Rule 1: signal_op is a release; the payload stores above are ordered before it.\n"
+               "            self._publish(offset_fn, gen)\n",
+               "            self._publish(offset_fn, gen)\n            write()\n"),), (RING,)),
+    Mutation("skip-ack-wait", "reuse only after every acknowledgement (rule 3): first lap unguarded",
+             (("streamring/protocol.py", "        if prev >= 0 and self.inject is not Inject.SKIP_ACK_WAIT:\n",
+               "        if prev > 0 and self.inject is not Inject.SKIP_ACK_WAIT:\n"),), (RING,)),
+    Mutation("full-mask-off-by-one", "the full acknowledgement mask misses the last rank",
+             (("streamring/protocol.py", "        n = min(64, self.num_ranks - lo)\n",
+               "        n = min(64, self.num_ranks - lo - 1)\n"),), (RING,)),
+    Mutation("ignore-epoch", "the epoch in the generation comparison (rule 6, ABA)",
+             (("streamring/protocol.py", "    if ignore_epoch:\n        observed &= SEQ_MASK\n",
+               "    if True:\n        observed &= SEQ_MASK\n"),), (RING, HOSTILE)),
+    Mutation("mask-not-cleared", "the owner clears the mask before reuse (rule 4)",
+             (("streamring/protocol.py", "        for w in range(L.mask_words):\n"
+                                         "            self.heap.signal_op(self.buf, L.ack_word_off(slot, w), 0, "
+                                         "SignalOp.SET, self.me)\n",
+               "        for w in range(0):\n"
+               "            self.heap.signal_op(self.buf, L.ack_word_off(slot, w), 0, SignalOp.SET, self.me)\n"),),
+             (RING,)),
+    Mutation("end-stream-without-drain", "the stream end drains every acknowledgement (rule 8)",
+             (("streamring/protocol.py", "            if chunk >= 0:\n                self.wait_until(",
+               "            if chunk >= 0 and False:\n                self.wait_until("),), (RING,)),
+    # -- hostile peers (before: missed) -----------------------------------------------------------------
+    Mutation("topk-accepts-E", "peer topk_idx validated: E is out of range",
+             (("streamring/protocol.py",
+               "        if topk_idx.size and (topk_idx.min() < -1 or topk_idx.max() >= E):\n",
+               "        if topk_idx.size and (topk_idx.min() < -1 or topk_idx.max() > E):\n"),), (HOSTILE,)),
+    Mutation("layout-gen-unchecked", "peer metadata validated: layout generation",
+             (("streamring/protocol.py",
+               '            checks += [("route_gen", int(meta[META_ROUTE_GEN]), g), '
+               '("layout_gen", int(meta[META_LAYOUT_GEN]), g)]\n',
+               '            checks += [("route_gen", int(meta[META_ROUTE_GEN]), g)]\n'),), (HOSTILE,)),
+    # -- the MoE layer (before: caught by luck) ---------------------------------------------------------
+    Mutation("combine-topk-reversed", "the combiner sums the top-k terms in the reference's order",
+             (("streamring/moe/layer.py",
+               "                self.y[base:base + valid] = combine(torch.from_numpy(contrib).to(self.dev), w, idx)\n",
+               "                self.y[base:base + valid] = combine(torch.from_numpy(contrib).flip(1).to(self.dev), "
+               "w.flip(1), idx.flip(1))\n"),),
+             ("tests/test_scenarios.py::test_bitwise_oracle", "tests/test_scenarios.py::test_fuzzed_forward_inputs[3]")),
+    Mutation("reservation-without-seal", "the reservation scheduler's seal rule (no deadlock on reuse)",
+             (("streamring/moe/layer.py",
+               "                seal(lambda rows, lim=n - S: min(r[1] for r in rows) <= lim)\n", ""),),
+             ("tests/test_moe_run.py::test_streamed_equals_batch[tokens-0-1-odd-many-wraps-reservation]",)),
+    # -- progress and harness (before: missed) ----------------------------------------------------------
+    Mutation("spin-pause-never-yields", "a waiting rank gives its core away",
+             (("streamring/device/verbs.py", "    os.sched_yield()\n", "    pass\n"),),
+             ("tests/test_ring_rules.py::test_waiting_rank_gives_its_core_away",)),
+    Mutation("ready-order-consumer-crashes", "the ready-order mutation tests demand the expected failure",
+             (("streamring/stress.py", "if any(p < batch[-1] and p not in batch for p in pending):",
+               "if any(p < batch and p not in batch for p in pending):"),), READY, need_all=True),
+    # -- found on the way -------------------------------------------------------------------------------
+    Mutation("region-compare-after-free", "freeing a region next to a leaked one (was a segfault)",
+             (("streamring/device/verbs.py", "@dataclass(frozen=True, eq=False)\nclass Region:",
+               "@dataclass(frozen=True)\nclass Region:"),
+              ("streamring/device/cpu.py",
+               "        self._regions[:] = [r for r in self._regions if r is not region]\n"
+               "        win.Unlock_all()\n        win.Free()\n",
+               "        win.Unlock_all()\n        win.Free()\n        self._regions.remove(region)\n")), (RING,)),
+]
+
+IGNORE = shutil.ignore_patterns(".git", ".venv", "__pycache__", "*.egg-info", ".pytest_cache", ".hypothesis",
+                                "docs", "*.png")
+
+
+def copy_repo(dest: Path) -> Path:
+    shutil.copytree(ROOT, dest, ignore=IGNORE)
+    return dest
+
+
+def apply(copy: Path, m: Mutation) -> None:
+    """Apply ``m``'s edits under ``copy``; stop the script if a snippet is not there exactly once."""
+    for rel, old, new in m.edits:
+        path = copy / rel
+        text = path.read_text()
+        n = text.count(old)
+        if n != 1:
+            raise SystemExit(f"mutation {m.name}: the snippet to replace occurs {n} times in {rel} (expected "
+                             f"once); update tests/mutate.py to the current code:\n{old}")
+        path.write_text(text.replace(old, new))
+
+
+def env_for(copy: Path) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "HYDRA_", "OMPI_", "PMIX_"))}
+    env["PYTHONPATH"] = str(copy)
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    return env
+
+
+def check_imports_copy(copy: Path) -> None:
+    """The pytest process and MPI ranks started from the copy must import the copy's package."""
+    code = "import os, streamring; print(os.path.realpath(streamring.__file__))"
+    mpiexec = Path(PY).parent / "mpiexec"
+    runs = {"python": [PY, "-c", code],
+            "2 MPI ranks": [str(mpiexec) if mpiexec.exists() else "mpiexec", "-n", "2", PY, "-c", code]}
+    want = os.path.realpath(copy)
+    for what, cmd in runs.items():
+        p = subprocess.run(cmd, capture_output=True, text=True, cwd=copy, env=env_for(copy), timeout=120)
+        paths = p.stdout.split()
+        if p.returncode or not paths or not all(x.startswith(want + os.sep) for x in paths):
+            raise SystemExit(f"{what} started in {copy} did not import its streamring: {paths or p.stderr[-500:]}")
+
+
+def run_tests(copy: Path, tests, timeout_s: int) -> tuple[int, str, float]:
+    t0 = time.monotonic()
+    # -vv: assertion messages in full (they carry the ranks' stdout and stderr)
+    cmd = [PY, "-m", "pytest", "-q", "-vv", "-rf", "--tb=short", "-p", "no:cacheprovider", *tests]
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, cwd=copy, env=env_for(copy), timeout=timeout_s)
+        return p.returncode, p.stdout + p.stderr, time.monotonic() - t0
+    except subprocess.TimeoutExpired as exc:
+        return -1, f"timed out after {timeout_s}s\n{exc.stdout or ''}", time.monotonic() - t0
+
+
+def failed_tests(output: str) -> list[str]:
+    return re.findall(r"^FAILED (\S+)", output, flags=re.M)
+
+
+def first_reason(output: str) -> str:
+    """The most telling line of a failed run: a rank's error line, a crash, or an assertion's message."""
+    lines = [re.sub(r"^E\s+", "", ln).strip() for ln in output.splitlines()]
+    patterns = (r"\] error: \w+: ", r"EXIT STRING: ", r"^\w*(Error|Violation|Exception): (?!rc=)")
+    for pat in patterns:
+        for ln in lines:
+            if re.search(pat, ln):
+                return ln
+    return next((ln for ln in lines if ln.startswith("FAILED ")), "")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--only", nargs="+", metavar="NAME", help="run only these mutations")
+    ap.add_argument("--list", action="store_true", help="list the mutations and exit")
+    ap.add_argument("--no-baseline", action="store_true", help="skip the unmutated run of the same tests")
+    ap.add_argument("--timeout", type=int, default=900, help="seconds per pytest run (default 900)")
+    ap.add_argument("--logs", metavar="DIR", help="write each mutation's pytest output to DIR/NAME.log")
+    args = ap.parse_args(argv)
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(highlight=False, width=None if sys.stdout.isatty() else 200)
+    chosen = MUTATIONS
+    if args.only:
+        unknown = set(args.only) - {m.name for m in MUTATIONS}
+        if unknown:
+            ap.error(f"unknown mutation(s) {sorted(unknown)}; known: {[m.name for m in MUTATIONS]}")
+        chosen = [m for m in MUTATIONS if m.name in args.only]
+    if args.list:
+        for m in MUTATIONS:
+            console.print(f"{m.name:30} {m.rule}")
+        return 0
+
+    with tempfile.TemporaryDirectory(prefix="streamring-mutate-") as tmp:
+        tmp = Path(tmp)
+        # Every edit must apply to the current code before anything runs (fail loudly, at once).
+        probe = copy_repo(tmp / "probe")
+        for m in chosen:
+            apply(probe, m)
+        shutil.rmtree(probe)
+        if not args.no_baseline:
+            tests = sorted({t for m in chosen for t in m.tests})
+            base = copy_repo(tmp / "baseline")
+            check_imports_copy(base)
+            console.print(f"baseline: {len(tests)} tests on the unmutated copy ...")
+            rc, out, secs = run_tests(base, tests, args.timeout)
+            if rc != 0:
+                console.print(out[-4000:])
+                console.print(f"[red]baseline failed (pytest exit {rc}): fix the suite before judging mutations[/red]")
+                return 2
+            console.print(f"baseline passed in {secs:.0f}s")
+            shutil.rmtree(base)
+        table = Table(title="streamring mutations: each planted in a temporary copy, its tests run there")
+        for col in ("mutation", "breaks", "file", "tests failed", "verdict", "how it was caught", "s"):
+            table.add_column(col, overflow="fold", ratio=4 if col == "how it was caught" else None)
+        results = []
+        for m in chosen:
+            copy = copy_repo(tmp / m.name)
+            apply(copy, m)
+            check_imports_copy(copy)
+            console.print(f"{m.name}: running {len(m.tests)} test(s) ...")
+            rc, out, secs = run_tests(copy, m.tests, args.timeout)
+            failed = failed_tests(out)
+            if rc == 1 and failed and (len(failed) == len(m.tests) or not m.need_all):
+                verdict = "[green]caught[/green]"
+            elif rc == 0 or rc == 1:
+                verdict = "[red]MISSED[/red]"
+            else:
+                verdict = f"[yellow]ERROR (pytest exit {rc})[/yellow]"
+            results.append("caught" in verdict)
+            first = first_reason(out) if rc == 1 else (out.strip().splitlines() or [""])[-1]
+            if args.logs:
+                Path(args.logs).mkdir(parents=True, exist_ok=True)
+                (Path(args.logs) / f"{m.name}.log").write_text(out)
+            table.add_row(m.name, m.rule, ", ".join(sorted({e[0].split("/")[-1] for e in m.edits})),
+                          f"{len(failed)}/{len(m.tests)}", verdict, first[:240], f"{secs:.0f}")
+            shutil.rmtree(copy)
+        console.print(table)
+        console.print(f"{sum(results)} of {len(results)} mutations caught")
+        return 0 if all(results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
