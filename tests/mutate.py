@@ -83,8 +83,8 @@ MUTATIONS = [
                "            self.heap.signal_op(self.buf, L.ack_word_off(slot, w), 0, SignalOp.SET, self.me)\n"),),
              (RING,)),
     Mutation("end-stream-without-drain", "the stream end drains every acknowledgement (rule 8)",
-             (("streamring/protocol.py", "            if chunk >= 0:\n                self.wait_until(",
-               "            if chunk >= 0 and False:\n                self.wait_until("),), (RING,)),
+             (("streamring/protocol.py", "            if chunk >= 0:\n                yield from self.wait_steps(",
+               "            if chunk >= 0 and False:\n                yield from self.wait_steps("),), (RING,)),
     # -- hostile peers (before: missed) -----------------------------------------------------------------
     Mutation("topk-accepts-E", "peer topk_idx validated: E is out of range",
              (("streamring/protocol.py",
