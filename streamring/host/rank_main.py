@@ -12,8 +12,8 @@ from rich.table import Table
 
 from ..config import Config, ConfigError
 from ..protocol import DIAGNOSTIC_HOOKS
-from .bootstrap import abort_job, make_heap
-from .jobstate import peer_report, register_rank, report_status
+from .bootstrap import abort_job, make_heap, watch_blocked_calls
+from .jobstate import failure_notice_report, install_failure_notice, peer_report, register_rank, report_status
 
 console = Console(highlight=False, width=None if sys.stdout.isatty() else 180)
 
@@ -55,8 +55,11 @@ def rank_main(command: str, cfg: Config, json_path: str | None = None) -> int:
     """Run ``command`` on this rank; any exception takes the whole job down."""
     try:
         heap = make_heap(cfg)
+        install_failure_notice()  # after MPI_Init: survive Hydra's SIGUSR1 to report a failed peer
         register_rank(heap.rank)
         DIAGNOSTIC_HOOKS.append(lambda n=heap.num_ranks: peer_report(n))
+        DIAGNOSTIC_HOOKS.append(failure_notice_report)
+        watching = watch_blocked_calls(heap, cfg.wait_timeout_s, DIAGNOSTIC_HOOKS)
         heap.barrier()
         t0 = time.monotonic()
         if command == "stress":
@@ -78,6 +81,7 @@ def rank_main(command: str, cfg: Config, json_path: str | None = None) -> int:
         codes = heap.allgather_int(code)
         report_status(heap.rank, "ok")
         heap.close()
+        watching.set()
         sys.stdout.flush()
         return max(codes)
     except BaseException as exc:  # noqa: BLE001 - any failure must end the whole job
