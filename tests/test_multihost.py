@@ -78,22 +78,23 @@ def _reap(cluster: netns.SimCluster, patience_s: float = 15.0) -> dict:
     return leftovers
 
 
-def run_job(cluster, tmp_path, *args, via="mpiexec", timeout=180, env=None, script=None) -> Job:
+def run_job(cluster, tmp_path, *args, via="mpiexec", timeout=180, env=None, script=None, ranks=RANKS,
+            hydra=()) -> Job:
     """``streamring ARGS`` (or a probe ``script``) on every rank of the cluster.
 
     ``via="mpiexec"``: the cluster user's command, ``mpiexec -f HOSTFILE ... -n 4 python -m streamring ...``;
     ``via="launcher"``: ``streamring ... --ranks 4`` with the hostfile handed to the local launcher through
-    ``STREAMRING_MPIEXEC_ARGS``.
+    ``STREAMRING_MPIEXEC_ARGS``. ``hydra``: more mpiexec options (e.g. ``-ppn 1``).
     """
     jp = tmp_path / f"job-{len(list(tmp_path.iterdir()))}.json"
     prog = [sys.executable, str(script)] if script else [sys.executable, "-m", "streamring"]
     tail = list(map(str, args)) + (["--json", str(jp)] if script is None else [])
     full_env = {**cluster.mpi_env(), **(env or {})}
     if via == "mpiexec":
-        cmd = [find_mpiexec(), *cluster.mpiexec_args(), "-n", str(RANKS), *prog, *tail]
+        cmd = [find_mpiexec(), *cluster.mpiexec_args(), *hydra, "-n", str(ranks), *prog, *tail]
     else:
-        cmd = [*prog, *tail, "--ranks", str(RANKS)]
-        full_env[MPIEXEC_ARGS_ENV] = shlex.join(cluster.mpiexec_args())
+        cmd = [*prog, *tail, "--ranks", str(ranks)]
+        full_env[MPIEXEC_ARGS_ENV] = shlex.join([*cluster.mpiexec_args(), *hydra])
     before = cluster.link_bytes()
     t0 = time.monotonic()
     try:
@@ -238,6 +239,26 @@ def test_rank_failure_on_one_host_is_named_and_leaves_nothing(cluster, tmp_path,
         mapped = _mapped_paths()
         leaked = {n for n in leaked if f"/dev/shm/{n}" not in mapped}
     assert leaked == set(), leaked
+
+
+def test_stopped_peer_alone_on_its_host_is_named_by_the_blocked_call_watchdog(cluster, tmp_path):
+    """One rank per host (``-ppn 1``), rank 1 stopped: rank 0 waits inside MPI_Win_flush for it.
+
+    No host-mate can see the stopped process and the flush has no deadline of its own:
+    before the blocked-call watchdog (host/bootstrap.py) this job hung for ever. Now the
+    watchdog thread names the flush, rank 1 and its host, and the job ends.
+    """
+    wait_s = 5
+    job = run_job(cluster, tmp_path, "stress", "--set", f"wait_timeout_s={wait_s}", "--set", "stress.chunks_per_rank=60",
+                  "--set", "stress.fault={rank: 1, at: consume, after_chunks: 4, kind: hang}", via="launcher",
+                  ranks=2, hydra=["-ppn", "1"], timeout=150)
+    r = job.result
+    host1 = cluster.hosts[1].hostname
+    assert r.rc != 0 and not job.leftovers, job
+    assert job.wall_s < wait_s + 90, job
+    assert f"towards rank 1 (host {host1}): that peer makes no progress" in r.err, job
+    assert any(ln.startswith("streamring launcher: rank 1 (pid") and "the failed rank" in ln
+               for ln in r.err.splitlines()), job
 
 
 def test_cluster_check_catches_a_leftover_process(cluster, tmp_path):
