@@ -11,20 +11,13 @@ means nothing here (on simulated hosts, network namespaces sharing one
 ``/proc``, it would be an answer no real host could give). On a cluster the
 job directory is seen by the ranks of the launcher's host only, unless it
 lies on a shared file system (``TMPDIR``).
-
-Hydra (``-disable-auto-cleanup``) tells the surviving ranks that a process
-of the job failed by sending them SIGUSR1, whose default action kills them;
-:func:`install_failure_notice` turns it into a note for the watchdog report,
-so the survivors live on to report the slot states and the failed peer.
 """
 
 from __future__ import annotations
 
 import os
 import re
-import signal
 import socket
-import time
 from pathlib import Path
 
 JOB_DIR_ENV = "STREAMRING_JOB_DIR"
@@ -32,22 +25,6 @@ JOB_DIR_ENV = "STREAMRING_JOB_DIR"
 # blocked-call watchdog (it makes no progress); the host is the second group.
 _NAMED_PEER = re.compile(r"peer rank (\d+) unreachable \(host ([^,)\s]+)|towards rank (\d+) \(host ([^)\s]+)\): that peer")
 _HOST = socket.gethostname()
-_failure_notices: list[float] = []  # monotonic times of SIGUSR1 from the process manager
-
-
-def install_failure_notice() -> None:
-    """Record SIGUSR1 (the process manager's "a process of this job failed") instead of dying of it."""
-    if hasattr(signal, "SIGUSR1"):
-        signal.signal(signal.SIGUSR1, lambda signum, frame: _failure_notices.append(time.monotonic()))
-
-
-def failure_notice_report() -> str:
-    """A line for the watchdog report when the process manager signalled a failed process; '' otherwise."""
-    if not _failure_notices:
-        return ""
-    ago = time.monotonic() - _failure_notices[0]
-    return (f"the process manager signalled (SIGUSR1) that a process of this job failed, {ago:.1f}s ago "
-            f"({len(_failure_notices)} signal(s))")
 
 
 def job_dir() -> Path | None:

@@ -13,7 +13,7 @@ from rich.table import Table
 from ..config import Config, ConfigError
 from ..protocol import DIAGNOSTIC_HOOKS
 from .bootstrap import abort_job, make_heap, watch_blocked_calls
-from .jobstate import failure_notice_report, install_failure_notice, peer_report, register_rank, report_status
+from .jobstate import peer_report, register_rank, report_status
 
 console = Console(highlight=False, width=None if sys.stdout.isatty() else 180)
 
@@ -55,10 +55,8 @@ def rank_main(command: str, cfg: Config, json_path: str | None = None) -> int:
     """Run ``command`` on this rank; any exception takes the whole job down."""
     try:
         heap = make_heap(cfg)
-        install_failure_notice()  # after MPI_Init: survive Hydra's SIGUSR1 to report a failed peer
         register_rank(heap.rank)
         DIAGNOSTIC_HOOKS.append(lambda n=heap.num_ranks: peer_report(n))
-        DIAGNOSTIC_HOOKS.append(failure_notice_report)
         watching = watch_blocked_calls(heap, cfg.wait_timeout_s, DIAGNOSTIC_HOOKS)
         heap.barrier()
         t0 = time.monotonic()
