@@ -12,6 +12,7 @@ so both measurements of a row come from one MPI job over one link:
   plain mpi4py on a ``Win.Allocate`` window: ``Put`` + ``Flush`` + ``Accumulate`` of a
   signal word + ``Flush``; the receiver polls its own word (``Fetch_and_op(NO_OP)`` +
   ``Flush`` on itself, which also drives MPI's progress). One-way = half a round trip.
+  The other ranks sleep in a barrier meanwhile.
 * ring: every rank streams ``--chunks`` chunks through the full protocol (reserve,
   route + layout publish, acquire every source, read, acknowledge) on the same
   window kind; latency = the consumer's acquire time minus the publish time stamped
@@ -81,10 +82,20 @@ def raw_pingpong(comm, peer_of_0: int, nbytes: int, iters: int) -> list[float]:
         elif me == peer_of_0:
             wait(2 * i - 1, deadline)
             send(0, 2 * i)
-    comm.Barrier()
+    _idle_barrier(comm)
     win.Unlock_all()
     win.Free()
     return one_way
+
+
+def _idle_barrier(comm, timeout_s: float = 300) -> None:
+    """Barrier that sleeps while it waits: ranks outside the ping-pong must leave the cores to it."""
+    req = comm.Ibarrier()
+    end = time.monotonic() + timeout_s
+    while not req.Test():  # bounded by timeout_s
+        if time.monotonic() > end:
+            raise TimeoutError(f"rank {comm.Get_rank()}: barrier after the raw ping-pong took over {timeout_s}s")
+        time.sleep(0.001)
 
 
 def ring_latency(heap, hosts: list[str], args) -> tuple[list[float], float]:

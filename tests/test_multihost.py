@@ -278,3 +278,42 @@ def test_cluster_check_catches_a_leftover_process(cluster, tmp_path):
         if sleeper.poll() is None:
             sleeper.kill()
             sleeper.wait(timeout=10)
+
+
+def test_leftovers_of_a_killed_run_are_removed(cluster):
+    """A namespace and root veth named after a creator that is gone are removed by the next cluster's ``up``."""
+    dead = subprocess.Popen(["true"])
+    dead.wait(timeout=10)
+    ns, veth = f"{netns.PREFIX}-{dead.pid}-h0", f"{netns.PREFIX}{dead.pid}r"
+    subprocess.run(["ip", "netns", "add", ns], check=True, timeout=10)
+    subprocess.run(["ip", "link", "add", veth, "type", "veth", "peer", "name", f"{veth}p"], check=True, timeout=10)
+    try:
+        removed = netns.remove_stale()
+        assert ns in removed and veth in removed, removed
+        assert ns not in netns._netns_list()
+        assert subprocess.run(["ip", "link", "show", veth], capture_output=True, timeout=10).returncode != 0
+        assert all(live in netns._netns_list() for live in cluster.pids())  # the live cluster stays
+    finally:
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)
+        subprocess.run(["ip", "link", "del", veth], capture_output=True, timeout=10)
+
+
+def test_launcher_summary_names_a_lost_host_and_a_stuck_peer(tmp_path):
+    """The job-state summary from rank reports alone (another host's /proc cannot be read)."""
+    from streamring.host.jobstate import summarize
+
+    for r, host in enumerate(["hA", "hA", "hB", "hB"]):
+        (tmp_path / f"rank-{r}.pid").write_text(f"{100 + r} {host}")
+    (tmp_path / "rank-2.status").write_text(
+        "PeerUnreachable: rank 2: get to rank 0 failed: peer rank 0 unreachable (host hA, ranks [0, 1] there): "
+        "Connection reset by remote peer")
+    lines = summarize(tmp_path, 4)
+    assert any(ln.startswith("ranks [0, 1] on host hA became unreachable together") for ln in lines), lines
+    assert any(ln.startswith("rank 1 (pid 101 on hA) died or hung") for ln in lines), lines
+    assert any(ln.startswith("rank 3 (pid 103 on hB) was ended by the job abort") for ln in lines), lines
+    (tmp_path / "rank-2.status").write_text(
+        "WatchdogError: rank 2: watchdog: blocked 5.2s (wait_timeout_s=5.0) inside the transport's completion of get "
+        "towards rank 1 (host hA): that peer makes no progress (a stopped or hung process, ...)")
+    lines = summarize(tmp_path, 4)
+    assert any(ln.startswith("rank 1 (pid 101 on hA) died or hung") and "the failed rank" in ln for ln in lines), lines
+    assert any(ln.startswith("rank 0 (pid 100 on hA) was ended by the job abort") for ln in lines), lines
