@@ -335,12 +335,24 @@ class MpiHeap(SymmetricHeap):
         finally:
             self._blocked = None
 
-    def _unreachable(self, what: str, pe: int, exc) -> PeerUnreachable:
-        """The transport's error (e.g. UCX "Connection reset by remote peer") as an error naming the peer."""
+    def _unreachable(self, what: str, pe: int, exc) -> VerbError:
+        """The transport's error (e.g. UCX "Connection reset by remote peer") as an error naming the peer.
+
+        Only MPI's catch-all classes (ERR_OTHER, ERR_INTERN, and ERR_PROC_FAILED where the
+        library has it) are the transport's; any other class is a misuse, reported as such.
+        """
+        MPI = self._MPI
         lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
         reason = lines[-1] if lines else repr(exc)
         if "):" in reason:  # "FUNC(LINE): message": keep the message
             reason = reason.split("):", 1)[1].strip()
+        transport = {MPI.ERR_OTHER, MPI.ERR_INTERN} | ({MPI.ERR_PROC_FAILED} if hasattr(MPI, "ERR_PROC_FAILED") else set())
+        try:
+            cls = exc.Get_error_class()
+        except Exception:  # noqa: BLE001 - not an MPI exception: treat as the transport's
+            cls = MPI.ERR_OTHER
+        if cls not in transport:
+            return VerbError(f"rank {self.rank}: {what} to rank {pe}: MPI error (class {cls}): {reason}")
         if pe < 0:
             return PeerUnreachable(self.rank, what, pe, ", ".join(sorted(set(self.hostnames))), reason)
         mates = [r for r, h in enumerate(self.hostnames) if h == self.hostnames[pe]]
