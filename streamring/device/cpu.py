@@ -23,6 +23,14 @@ Mapping of the verbs (OSHMPI-style, see ``verbs.py`` for the contract):
   separate: ``Get`` + ``Flush(pe)``.
 * ``fence``/``quiet`` -> ``Win.Sync`` + ``Flush_all`` on every window.
 
+Across nodes (``Win.Allocate`` over UCX or libfabric on TCP, no RDMA) a
+``Flush`` completes only when the target process polls MPI: a stopped peer
+blocks it inside MPI, where no deadline of ours can act. Every flush records
+what it waits for (:meth:`MpiHeap.blocked_call`, read by the host layer's
+watchdog thread), and an MPI error of an RMA call (the transport saw the
+peer's connection reset) becomes a :class:`PeerUnreachable` naming the peer
+and its host.
+
 Every offset is bounds-checked here: shared windows have none of their own.
 """
 
@@ -33,7 +41,17 @@ import time
 import numpy as np
 
 from .memcheck import HeapSizeError, check_fits
-from .verbs import Region, SignalOp, SymmetricHeap, VerbError, WaitTimeout, check_span, check_word, spin_pause
+from .verbs import (
+    PeerUnreachable,
+    Region,
+    SignalOp,
+    SymmetricHeap,
+    VerbError,
+    WaitTimeout,
+    check_span,
+    check_word,
+    spin_pause,
+)
 
 _WINDOW_MODES = ("auto", "shared", "separate")
 
@@ -80,6 +98,10 @@ class MpiHeap(SymmetricHeap):
         self._regions: list[Region] = []
         self._one = np.zeros(1, dtype=np.uint64)
         self._closed = False
+        self._blocked: tuple[str, int, float] | None = None  # (what, pe, since) of the flush in progress
+        self._meet("heap creation")
+        #: every rank's host (MPI processor name), for messages that name a peer
+        self.hostnames: list[str] = self.comm.allgather(MPI.Get_processor_name())
 
     # -- identity -----------------------------------------------------------------------
     @property
@@ -149,7 +171,13 @@ class MpiHeap(SymmetricHeap):
         # Forget the region (by identity) before its memory goes: nothing may look at
         # region.local once the window is freed.
         self._regions[:] = [r for r in self._regions if r is not region]
-        win.Unlock_all()
+        self._blocked = (f"free {region.name!r} (Unlock_all)", -1, time.monotonic())
+        try:
+            win.Unlock_all()
+        except self._MPI.Exception as exc:
+            raise self._unreachable(f"free {region.name!r}", -1, exc) from None
+        finally:
+            self._blocked = None
         win.Free()
 
     # -- RMA --------------------------------------------------------------------------------
@@ -164,7 +192,10 @@ class MpiHeap(SymmetricHeap):
         self._check_pe(pe, "put")
         win, _ = region.handle
         if raw.nbytes:
-            win.Put([raw, self._MPI.BYTE], pe, target=(offset, raw.nbytes, self._MPI.BYTE))
+            try:
+                win.Put([raw, self._MPI.BYTE], pe, target=(offset, raw.nbytes, self._MPI.BYTE))
+            except self._MPI.Exception as exc:
+                raise self._unreachable("put", pe, exc) from None
 
     def get(self, region: Region, offset: int, out: np.ndarray, pe: int) -> np.ndarray:
         if not out.flags.c_contiguous or not out.flags.writeable:
@@ -178,15 +209,21 @@ class MpiHeap(SymmetricHeap):
             raw[:] = peers[pe][offset : offset + raw.nbytes]
             win.Sync()
         elif raw.nbytes:
-            win.Get([raw, self._MPI.BYTE], pe, target=(offset, raw.nbytes, self._MPI.BYTE))
-            win.Flush(pe)
+            try:
+                win.Get([raw, self._MPI.BYTE], pe, target=(offset, raw.nbytes, self._MPI.BYTE))
+            except self._MPI.Exception as exc:
+                raise self._unreachable("get", pe, exc) from None
+            self._flush(win, pe, "get")
         return out
 
     def _accumulate(self, region: Region, offset: int, value: int, mpi_op, pe: int) -> None:
         win, _ = region.handle
         self._one[0] = value
-        win.Accumulate([self._one, self._MPI.UINT64_T], pe, target=(offset, 1, self._MPI.UINT64_T), op=mpi_op)
-        win.Flush(pe)
+        try:
+            win.Accumulate([self._one, self._MPI.UINT64_T], pe, target=(offset, 1, self._MPI.UINT64_T), op=mpi_op)
+        except self._MPI.Exception as exc:
+            raise self._unreachable("signal accumulate", pe, exc) from None
+        self._flush(win, pe, "signal accumulate")
 
     def _signal_mpi_op(self, op: SignalOp):
         if op is SignalOp.SET:
@@ -201,7 +238,7 @@ class MpiHeap(SymmetricHeap):
         self.put(region, offset, data, pe)
         win, _ = region.handle
         # Complete the payload at the target before the signal can land.
-        win.Flush(pe)
+        self._flush(win, pe, "put_signal payload")
         self._release_local()
         self._accumulate(sig_region, sig_offset, value, mpi_op, pe)
 
@@ -212,7 +249,7 @@ class MpiHeap(SymmetricHeap):
         # Release: our earlier local stores and puts (to any window) first.
         self._release_local()
         for r in self._regions:
-            r.handle[0].Flush_all()
+            self._flush(r.handle[0], -1, "signal_op release (Flush_all)")
         self._accumulate(sig_region, sig_offset, value, mpi_op, pe)
 
     def signal_fetch(self, sig_region: Region, sig_offset: int) -> int:
@@ -223,9 +260,12 @@ class MpiHeap(SymmetricHeap):
             value = int(sig_region.local[sig_offset : sig_offset + 8].view(np.uint64)[0])
         else:
             res = np.zeros(1, dtype=np.uint64)
-            win.Fetch_and_op([self._one, self._MPI.UINT64_T], [res, self._MPI.UINT64_T], self.rank, sig_offset,
-                             op=self._MPI.NO_OP)
-            win.Flush(self.rank)
+            try:
+                win.Fetch_and_op([self._one, self._MPI.UINT64_T], [res, self._MPI.UINT64_T], self.rank, sig_offset,
+                                 op=self._MPI.NO_OP)
+            except self._MPI.Exception as exc:
+                raise self._unreachable("signal_fetch", self.rank, exc) from None
+            self._flush(win, self.rank, "signal_fetch")
             value = int(res[0])
         # Acquire: no payload load of ours may be satisfied before the signal load.
         self._acquire_local()
@@ -240,11 +280,14 @@ class MpiHeap(SymmetricHeap):
         # a Put before a later Fetch_and_op without a flush.
         self._release_local()
         for r in self._regions:
-            r.handle[0].Flush(pe)
+            self._flush(r.handle[0], pe, f"{what} release")
         src = np.array([value], dtype=np.uint64)
         res = np.zeros(1, dtype=np.uint64)
-        win.Fetch_and_op([src, self._MPI.UINT64_T], [res, self._MPI.UINT64_T], pe, offset, op=mpi_op)
-        win.Flush(pe)
+        try:
+            win.Fetch_and_op([src, self._MPI.UINT64_T], [res, self._MPI.UINT64_T], pe, offset, op=mpi_op)
+        except self._MPI.Exception as exc:
+            raise self._unreachable(what, pe, exc) from None
+        self._flush(win, pe, what)
         return int(res[0])
 
     def atomic_fetch_or(self, region, offset, value, pe) -> int:
@@ -266,7 +309,7 @@ class MpiHeap(SymmetricHeap):
     def quiet(self) -> None:
         for r in self._regions:
             win = r.handle[0]
-            win.Flush_all()
+            self._flush(win, -1, "quiet (Flush_all)")
             win.Sync()
 
     def barrier(self, deadline: float | None = None) -> None:
@@ -299,6 +342,46 @@ class MpiHeap(SymmetricHeap):
     def allgather_obj(self, obj) -> list:
         self._meet("allgather")
         return self.comm.allgather(obj)
+
+    # -- completions that wait on peers ------------------------------------------------------
+    def _flush(self, win, pe: int, what: str) -> None:
+        """``Flush(pe)`` (``Flush_all`` for pe -1), recorded for the watchdog thread; MPI errors name the peer."""
+        self._blocked = (what, pe, time.monotonic())
+        try:
+            if pe >= 0:
+                win.Flush(pe)
+            else:
+                win.Flush_all()
+        except self._MPI.Exception as exc:
+            raise self._unreachable(what, pe, exc) from None
+        finally:
+            self._blocked = None
+
+    def _unreachable(self, what: str, pe: int, exc) -> VerbError:
+        """The transport's error (e.g. UCX "Connection reset by remote peer") as an error naming the peer.
+
+        Only MPI's catch-all classes (ERR_OTHER, ERR_INTERN, and ERR_PROC_FAILED where the
+        library has it) are the transport's; any other class is a misuse, reported as such.
+        """
+        MPI = self._MPI
+        lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+        reason = lines[-1] if lines else repr(exc)
+        if "):" in reason:  # "FUNC(LINE): message": keep the message
+            reason = reason.split("):", 1)[1].strip()
+        transport = {MPI.ERR_OTHER, MPI.ERR_INTERN} | ({MPI.ERR_PROC_FAILED} if hasattr(MPI, "ERR_PROC_FAILED") else set())
+        try:
+            cls = exc.Get_error_class()
+        except Exception:  # noqa: BLE001 - not an MPI exception: treat as the transport's
+            cls = MPI.ERR_OTHER
+        if cls not in transport:
+            return VerbError(f"rank {self.rank}: {what} to rank {pe}: MPI error (class {cls}): {reason}")
+        if pe < 0:
+            return PeerUnreachable(self.rank, what, pe, ", ".join(sorted(set(self.hostnames))), reason)
+        mates = [r for r, h in enumerate(self.hostnames) if h == self.hostnames[pe]]
+        return PeerUnreachable(self.rank, what, pe, f"{self.hostnames[pe]}, ranks {mates} there", reason)
+
+    def blocked_call(self) -> tuple[str, int, float] | None:
+        return self._blocked
 
     def progress(self) -> None:
         if not self.shared:

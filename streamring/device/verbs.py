@@ -29,7 +29,12 @@ Memory-model contract (the same for every backend; the protocol in
 * ``barrier``: all ranks, with ``quiet`` semantics.
 
 Every blocking call takes a ``deadline`` (absolute ``time.monotonic()``
-seconds) and raises :class:`WaitTimeout` instead of hanging.
+seconds) and raises :class:`WaitTimeout` instead of hanging. A completion
+that waits on a peer inside the transport (an MPI ``Flush`` of RMA over a
+network without RDMA needs the target's progress) cannot take a deadline;
+such a backend reports it through :meth:`SymmetricHeap.blocked_call` for the
+host layer's watchdog thread, and raises :class:`PeerUnreachable` when the
+transport reports the peer gone.
 """
 
 from __future__ import annotations
@@ -74,6 +79,19 @@ class Cmp(enum.Enum):
 
 class VerbError(RuntimeError):
     """A verb was called with arguments outside the region or rank range."""
+
+
+class PeerUnreachable(VerbError):
+    """The transport reports a peer gone (its process or host): names the verb, the peer and its host."""
+
+    def __init__(self, me: int, what: str, pe: int, host: str, reason: str):
+        if pe >= 0:
+            text = f"rank {me}: {what} to rank {pe} failed: peer rank {pe} unreachable (host {host}): {reason}"
+        else:
+            text = f"rank {me}: {what} to every rank failed: a peer is unreachable (hosts: {host}): {reason}"
+        super().__init__(text)
+        self.pe = pe
+        self.host = host
 
 
 class WaitTimeout(TimeoutError):
@@ -250,6 +268,16 @@ class SymmetricHeap(abc.ABC):
 
     def progress(self) -> None:
         """Drive the transport's progress engine inside spin loops (no-op by default)."""
+
+    def blocked_call(self) -> tuple[str, int, float] | None:
+        """``(what, pe, since)``: the transport completion this rank is blocked in now, else None.
+
+        ``pe`` is -1 for a completion towards every peer; ``since`` is ``time.monotonic()``.
+        Read from another thread (the host layer's watchdog): it is the only way to see a
+        wait that has no deadline of ours. Backends whose completions never wait on a
+        peer return None.
+        """
+        return None
 
     def close(self) -> None:
         """Release every resource; safe to call twice."""

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import sys
+import threading
 import time
 import traceback
 
@@ -50,9 +52,11 @@ def abort_job(exc: BaseException, code: int = 1) -> None:
     sys.stderr.write(f"[streamring rank {rank}] error: {type(exc).__name__}: {exc}\n")
     # Expected failures (bad input, protocol violation, watchdog) carry their own
     # diagnostics; anything else gets a traceback.
+    from ..device.verbs import PeerUnreachable
     from ..protocol import ProtocolViolation, WatchdogError
 
-    if not isinstance(exc, (ValueError, TypeError, LaunchError, ProtocolViolation, WatchdogError, TimeoutError)):
+    if not isinstance(exc, (ValueError, TypeError, LaunchError, ProtocolViolation, WatchdogError, TimeoutError,
+                            PeerUnreachable)):
         traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
     sys.stderr.flush()
     sys.stdout.flush()
@@ -66,3 +70,47 @@ def abort_job(exc: BaseException, code: int = 1) -> None:
     if MPI is not None and MPI.Is_initialized() and not MPI.Is_finalized() and MPI.COMM_WORLD.Get_size() > 1:
         MPI.COMM_WORLD.Abort(code)
     sys.exit(code)
+
+
+def watch_blocked_calls(heap: SymmetricHeap, timeout_s: float, diagnostics=()) -> threading.Event:
+    """Start a daemon thread that ends the job when this rank stays blocked in one transport completion.
+
+    The protocol's waits poll with a deadline, but an MPI ``Flush`` towards a peer on
+    another node waits inside MPI for that peer's progress (no RDMA on TCP): a stopped
+    peer would block it for ever. The thread reads :meth:`SymmetricHeap.blocked_call`
+    every ``timeout_s / 4`` (at most 0.5 s); once one call has lasted ``timeout_s`` it
+    prints which completion, towards which rank and host, and the ``diagnostics``
+    (callables returning text), records the status and aborts the job. Set the
+    returned event to stop the thread.
+    """
+    from ..protocol import WatchdogError
+
+    stop = threading.Event()
+    period = min(0.5, timeout_s / 4)
+
+    def watch() -> None:
+        while not stop.wait(period):  # ends with the event or with the process (daemon)
+            blocked = heap.blocked_call()
+            if blocked is None:
+                continue
+            what, pe, since = blocked
+            waited = time.monotonic() - since
+            if waited <= timeout_s:
+                continue
+            hosts = getattr(heap, "hostnames", None)
+            peer = "every rank" if pe < 0 else f"rank {pe}" + (f" (host {hosts[pe]})" if hosts else "")
+            lines = [f"rank {heap.rank}: watchdog: blocked {waited:.1f}s (wait_timeout_s={timeout_s}) inside the "
+                     f"transport's completion of {what} towards {peer}: that peer makes no progress (a stopped or "
+                     f"hung process, or its host or the network is down)"]
+            lines += [text for text in (d() for d in diagnostics) if text]
+            exc = WatchdogError("\n".join(lines))
+            from .jobstate import report_status
+
+            report_status(heap.rank, f"WatchdogError: {exc}")
+            # If MPI_Abort itself hung (it should not), leave anyway: the launcher reports the rank dead.
+            threading.Timer(10.0, os._exit, (1,)).start()
+            abort_job(exc)
+            return
+
+    threading.Thread(target=watch, name="streamring-blocked-call-watchdog", daemon=True).start()
+    return stop

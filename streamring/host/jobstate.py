@@ -1,18 +1,30 @@
-"""Per-job bookkeeping shared by the local launcher and its ranks (one node).
+"""Per-job bookkeeping shared by the local launcher and its ranks.
 
 The launcher creates a job directory (``STREAMRING_JOB_DIR``); every rank
-writes ``rank-R.pid`` at start and ``rank-R.status`` when it ends (``ok`` or
-the error). After the job the launcher names the ranks that never reported
-(killed or crashed), and a rank whose watchdog fires names the peers that are
-not running (dead, zombie or stopped) next to the slot states.
+that can see it writes ``rank-R.pid`` (pid and hostname) at start and
+``rank-R.status`` when it ends (``ok`` or the error). After the job the
+launcher names the ranks that never reported (killed or crashed), and a rank
+whose watchdog fires names the peers that are not running (dead, zombie or
+stopped) next to the slot states. A process's state is read from ``/proc``,
+so only peers on the reader's own host are inspected: another host's pid
+means nothing here (on simulated hosts, network namespaces sharing one
+``/proc``, it would be an answer no real host could give). On a cluster the
+job directory is seen by the ranks of the launcher's host only, unless it
+lies on a shared file system (``TMPDIR``).
 """
 
 from __future__ import annotations
 
 import os
+import re
+import socket
 from pathlib import Path
 
 JOB_DIR_ENV = "STREAMRING_JOB_DIR"
+# A peer on another host, named by the transport (PeerUnreachable: its connection was reset) or by a
+# blocked-call watchdog (it makes no progress); the host is the second group.
+_NAMED_PEER = re.compile(r"peer rank (\d+) unreachable \(host ([^,)\s]+)|towards rank (\d+) \(host ([^)\s]+)\): that peer")
+_HOST = socket.gethostname()
 
 
 def job_dir() -> Path | None:
@@ -24,7 +36,20 @@ def register_rank(rank: int) -> None:
     """Record this rank's pid (no-op outside the local launcher)."""
     d = job_dir()
     if d is not None:
-        (d / f"rank-{rank}.pid").write_text(str(os.getpid()))
+        (d / f"rank-{rank}.pid").write_text(f"{os.getpid()} {_HOST}")
+
+
+def _read_pid_file(p: Path) -> tuple[int, str] | None:
+    """``(pid, hostname)`` from a ``rank-R.pid`` file (hostname '' when absent); None if unreadable."""
+    try:
+        words = p.read_text().split()
+        return int(words[0]), (words[1] if len(words) > 1 else "")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _on_this_host(host: str) -> bool:
+    return host in ("", _HOST)
 
 
 def report_status(rank: int, status: str) -> None:
@@ -60,7 +85,10 @@ def peer_report(num_ranks: int) -> str:
         if not p.exists():
             lines.append(f"  rank {r}: never registered")
             continue
-        pid = int(p.read_text())
+        entry = _read_pid_file(p)
+        if entry is None or not _on_this_host(entry[1]):
+            continue  # another host's process: its state cannot be read from here
+        pid = entry[0]
         state = _proc_state(pid)
         if _is_down(state):
             lines.append(f"  rank {r} (pid {pid}): {state}")
@@ -74,10 +102,10 @@ def ranks_down(d: Path, num_ranks: int) -> list:
         p, st = d / f"rank-{r}.pid", d / f"rank-{r}.status"
         if not p.exists() or st.exists():
             continue
-        try:
-            pid = int(p.read_text())
-        except ValueError:
+        entry = _read_pid_file(p)
+        if entry is None or not _on_this_host(entry[1]):
             continue
+        pid = entry[0]
         state = _proc_state(pid)
         if _is_down(state):
             down.append((r, pid, state))
@@ -98,6 +126,7 @@ def summarize(d: Path, num_ranks: int, first_down=None, interrupted: str = "") -
     the job's abort.
     """
     out, named = [], set()
+    lost_hosts = set()  # hosts whose connection was reset: every rank there may be gone
     statuses = {}
     for r in range(num_ranks):
         st = d / f"rank-{r}.status"
@@ -115,6 +144,10 @@ def summarize(d: Path, num_ranks: int, first_down=None, interrupted: str = "") -
             line = line.strip()
             if line.startswith("rank ") and "(pid " in line and "):" in line:
                 named.add(int(line.split()[1]))
+            for r_reset, host_reset, r_stuck, _ in _NAMED_PEER.findall(line):
+                named.add(int(r_reset or r_stuck))
+                if r_reset:
+                    lost_hosts.add(host_reset)
     first_down = list(first_down or [])
     if len(first_down) == 1:
         r0, pid0, state0 = first_down[0]
@@ -134,8 +167,19 @@ def summarize(d: Path, num_ranks: int, first_down=None, interrupted: str = "") -
         # Nobody reported and the launcher never saw one go first: mpiexec ended them all at once.
         return [f"ranks {silent} ended without reporting, all within one poll (mpiexec tore the job down): "
                 f"the failed rank is among them"]
+    # Under Hydra a rank killed by a signal takes its host's other ranks with it (its proxy
+    # SIGKILLs them), so a peer that became unreachable may not be the one that failed first.
+    hosts = {r: (e[1] if (e := _read_pid_file(d / f"rank-{r}.pid")) else "") for r in range(num_ranks)}
+    lost = {r for r in range(num_ranks) if statuses[r] is None and hosts[r] in lost_hosts}
+    for host in sorted(lost_hosts):
+        on_host = sorted(r for r in lost if hosts[r] == host)
+        if len(on_host) > 1:
+            out.append(f"ranks {on_host} on host {host} became unreachable together (the process manager ends a "
+                       f"host's ranks when one of them is killed): the failed rank is among them")
+    named |= lost
     for r in range(num_ranks):
-        pid = (d / f"rank-{r}.pid").read_text() if (d / f"rank-{r}.pid").exists() else "?"
+        entry = _read_pid_file(d / f"rank-{r}.pid")
+        pid = "?" if entry is None else (f"{entry[0]}" if _on_this_host(entry[1]) else f"{entry[0]} on {entry[1]}")
         text = statuses[r]
         if text is not None:
             if text != "ok":

@@ -4,6 +4,10 @@
 ``mpiexec`` of the MPI that mpi4py is bound to (the ``mpich`` wheel's Hydra in a
 fresh install, or a site MPI) and waits for them. Under ``mpirun``/``srun`` the
 ranks already exist; under ``torchrun`` only the NVSHMEM backend can bootstrap.
+
+``STREAMRING_MPIEXEC_ARGS`` (shell words) is inserted right after ``mpiexec`` in
+the local launcher's command line: e.g. ``-f hosts`` to put the ranks on other
+hosts while this launcher still watches the job (see ``host/netns.py``).
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import enum
 import os
 import shutil
+import shlex
 import signal
 import subprocess
 import sys
@@ -23,6 +28,7 @@ from .jobstate import JOB_DIR_ENV, ranks_down, summarize
 from .report import TERMINAL_COLUMNS_ENV, terminal_columns
 
 SPAWNED_ENV = "STREAMRING_SPAWNED"
+MPIEXEC_ARGS_ENV = "STREAMRING_MPIEXEC_ARGS"  # extra mpiexec arguments of the local launcher (hostfile...)
 
 
 class Launcher(enum.Enum):
@@ -76,7 +82,7 @@ def spawn_local(num_ranks: int, argv: list[str], extra_env: dict | None = None, 
     if num_ranks < 1:
         raise LaunchError(f"--ranks must be >= 1, got {num_ranks}")
     mpiexec = find_mpiexec()
-    cmd = [mpiexec, "-n", str(num_ranks)]
+    cmd = [mpiexec, *shlex.split(os.environ.get(MPIEXEC_ARGS_ENV, "")), "-n", str(num_ranks)]
     if _is_openmpi(mpiexec):
         cmd += ["--oversubscribe"]
     else:

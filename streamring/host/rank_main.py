@@ -13,7 +13,7 @@ from rich.text import Text
 from ..config import Config, ConfigError
 from ..device.memcheck import HeapSizeError
 from ..protocol import DIAGNOSTIC_HOOKS
-from .bootstrap import abort_job, make_heap
+from .bootstrap import abort_job, make_heap, watch_blocked_calls
 from .jobstate import job_dir, peer_report, register_rank, report_status
 from .launch import SPAWNED_ENV, Launcher, detect_launcher
 from .prelaunch import agree_on_problems, job_problems
@@ -121,6 +121,7 @@ def rank_main(command: str, cfg: Config, json_path: str | None = None) -> int:
         heap = make_heap(cfg)
         register_rank(heap.rank)
         DIAGNOSTIC_HOOKS.append(lambda n=heap.num_ranks: peer_report(n))
+        watching = watch_blocked_calls(heap, cfg.wait_timeout_s, DIAGNOSTIC_HOOKS)
         heap.barrier()
         t0 = time.monotonic()
         if command == "stress":
@@ -142,6 +143,7 @@ def rank_main(command: str, cfg: Config, json_path: str | None = None) -> int:
         codes = heap.allgather_int(code)
         report_status(heap.rank, "ok")
         heap.close()
+        watching.set()
         sys.stdout.flush()
         return max(codes)
     except BaseException as exc:  # noqa: BLE001 - any failure must end the whole job
