@@ -27,6 +27,7 @@ start of an allocation). ``Region.local`` is a torch uint8 CUDA tensor viewing t
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -209,13 +210,40 @@ class NvshmemHeap(SymmetricHeap):
 
     # -- allocation ---------------------------------------------------------------------------------
     def alloc(self, name: str, nbytes: int) -> Region:
+        """Collective: a symmetric region of ``nbytes`` (zeroed) on every PE.
+
+        Checked before anything is taken, on every PE, with one verdict for all: the size is the
+        same everywhere, and it fits the GPU's free memory (``HeapSizeError`` naming the bytes);
+        NVSHMEM refusing it (its symmetric heap, ``NVSHMEM_SYMMETRIC_SIZE``, is full) is raised as a
+        ``HeapSizeError`` that names ``nvshmem.symmetric_size`` / ``NVSHMEM_SYMMETRIC_SIZE``."""
+        from .memcheck import Capacity, HeapSizeError, check_fits
+
         if nbytes <= 0:
             raise VerbError(f"alloc {name!r}: nbytes must be > 0, got {nbytes}")
-        sizes = self.allgather_int(int(nbytes))
+        n = (int(nbytes) + ALLOC_ALIGN - 1) // ALLOC_ALIGN * ALLOC_ALIGN
+        try:
+            free, _ = self._torch.cuda.mem_get_info(self.device)
+            check_fits(n, 1, capacities=[Capacity("the free memory of this PE's GPU", int(free), per_rank=True,
+                                                  remedy="free the GPU, or run fewer PEs on it")],
+                       what=f"alloc {name!r} (symmetric heap region)")
+            problem = ""
+        except HeapSizeError as exc:
+            problem = str(exc)
+        shared = self.allgather_obj((int(nbytes), problem))
+        sizes = [v for v, _ in shared]
         if len(set(sizes)) != 1:
             raise VerbError(f"alloc {name!r}: ranks asked for different sizes {sizes} (must be symmetric)")
-        n = (int(nbytes) + ALLOC_ALIGN - 1) // ALLOC_ALIGN * ALLOC_ALIGN
-        t = self._nv.tensor((n,), dtype=self._torch.uint8)
+        bad = [(r, msg) for r, (_, msg) in enumerate(shared) if msg]
+        if bad:
+            raise HeapSizeError(f"{bad[0][1]} (on PE {bad[0][0]})")
+        try:
+            t = self._nv.tensor((n,), dtype=self._torch.uint8)
+        except Exception as exc:  # noqa: BLE001 - NVSHMEM's own refusal: say which knob sizes its heap
+            raise HeapSizeError(
+                f"alloc {name!r}: NVSHMEM could not allocate {n:,} symmetric bytes ({type(exc).__name__}: {exc}); "
+                f"its symmetric heap per PE is NVSHMEM_SYMMETRIC_SIZE="
+                f"{os.environ.get('NVSHMEM_SYMMETRIC_SIZE', 'unset (1 GiB)')}: raise nvshmem.symmetric_size in the "
+                f"config (or NVSHMEM_SYMMETRIC_SIZE) before NVSHMEM starts") from exc
         with self._torch.cuda.stream(self.stream):
             t.zero_()
         self.sync()
