@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import enum
 import os
-import shutil
 import shlex
+import shutil
 import signal
 import subprocess
 import sys

@@ -181,7 +181,9 @@ case $host in
 @CASES@
   *) echo "simulated-host launcher: unknown host '$host' (hosts: @HOSTS@)" >&2; exit 255 ;;
 esac
-exec nsenter --net="/run/netns/$ns" -- unshare --uts -- /bin/sh -c 'hostname "$0" && exec /bin/sh -c "$1"' "$hn" "$*"
+# `exec` all the way down: the proxy is the process Hydra started, so a signal to it reaches the proxy
+# (what closing an ssh connection does to a remote proxy), and no shell is left in between.
+exec nsenter --net="/run/netns/$ns" -- unshare --uts -- /bin/sh -c 'hostname "$0" && exec /bin/sh -c "exec $1"' "$hn" "$*"
 """
 
 
