@@ -382,12 +382,12 @@ def run_size(T, shape, fw, args, plans_l1, plans_l2, dev) -> tuple[list, dict]:
         fns["l1"]["triton"] = c.triton_l1
     for name, plan in plans_l1.items():
         if checks[("l1", name)]["ok"]:
-            fns["l1"][name] = (lambda p=plan: c.cutlass_l1(p))
+            fns["l1"][name] = (lambda p=plan, c=c: c.cutlass_l1(p))
     if checks[("l2", "triton")]["ok"]:
         fns["l2"]["triton"] = c.triton_l2
     for name, plan in plans_l2.items():
         if checks[("l2", name)]["ok"]:
-            fns["l2"][name] = (lambda p=plan: c.cutlass_l2(p))
+            fns["l2"][name] = (lambda p=plan, c=c: c.cutlass_l2(p))
     fns["l1"]["torch_scaled_grouped_mm"] = c.torch_l1
     fns["l2"]["torch_scaled_grouped_mm"] = c.torch_l2
     rows_out = []

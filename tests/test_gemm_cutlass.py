@@ -29,7 +29,6 @@ Needs an sm_90 GPU and the library (skipped otherwise, with the reason):
 from __future__ import annotations
 
 import ctypes
-import math
 import os
 import re
 from pathlib import Path

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import CONFIGS, ROOT, Result, _run
+from conftest import CONFIGS, Result, _run
 
 from streamring.host import netns
 from streamring.host.launch import MPIEXEC_ARGS_ENV, find_mpiexec
@@ -173,7 +173,12 @@ INJECT_CASES = [("skip-acquire", "stress-basic"), ("signal-before-payload", "str
 def test_every_inject_mode_is_caught_across_hosts(cluster, tmp_path, mode, name):
     job = run_job(cluster, tmp_path, "stress", "--config", CONFIGS / f"{name}.yaml", "--inject", mode,
                   "--set", "wait_timeout_s=10",
-                  "--set", "stress.chunks_per_rank=" + ("2" if mode == "ignore-epoch" else "12"), timeout=180)
+                  "--set", "stress.chunks_per_rank=" + ("2" if mode == "ignore-epoch" else "12"),
+                  # The published-but-unwritten window is the only thing a reader can catch; at the
+                  # default 2 ms a reader on a 2-core machine under load can miss all 12 windows (seen
+                  # once at a load average of 20). 50 ms makes a miss need 12 scheduling gaps that long.
+                  *(["--set", "stress.inject_delay_s=0.05"] if mode == "signal-before-payload" else []),
+                  timeout=180)
     r = job.result
     assert r.rc == 1 and not job.leftovers, job
     if r.json is None:

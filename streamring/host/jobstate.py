@@ -140,6 +140,7 @@ def summarize(d: Path, num_ranks: int, first_down=None, interrupted: str = "") -
         for r in failed:
             out.append(f"rank {r} had already stopped with: {(statuses[r].splitlines() or ['(no message)'])[0]}")
         return out
+    for r in range(num_ranks):
         for line in (statuses[r] or "").splitlines():
             line = line.strip()
             if line.startswith("rank ") and "(pid " in line and "):" in line:
