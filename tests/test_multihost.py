@@ -239,9 +239,9 @@ def test_rank_failure_on_one_host_is_named_and_leaves_nothing(cluster, tmp_path,
         assert ("rank 1 (pid" in r.err and "stopped" in r.err) or f"towards rank 1 (host {host0})" in r.err, job
     leaked = {p.name for p in Path("/dev/shm").glob("mpich_shm_*")} - shm_before
     if leaked:  # another job's segments may appear meanwhile: only unmapped ones are leaks
-        from streamring.host.launch import _mapped_paths
+        from streamring.host.jobfiles import held_files
 
-        mapped = _mapped_paths()
+        mapped = set().union(*(held_files(int(p.name)) for p in Path("/proc").glob("[0-9]*")))
         leaked = {n for n in leaked if f"/dev/shm/{n}" not in mapped}
     assert leaked == set(), leaked
 

@@ -72,7 +72,27 @@ def abort_job(exc: BaseException, code: int = 1) -> None:
     sys.exit(code)
 
 
-def watch_blocked_calls(heap: SymmetricHeap, timeout_s: float, diagnostics=()) -> threading.Event:
+class BlockedCallWatch:
+    """Handle of the blocked-call watchdog thread: :meth:`stop` ends it and waits for it."""
+
+    def __init__(self, thread: threading.Thread | None, event: threading.Event):
+        self._thread, self._event = thread, event
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """End the thread and join it.
+
+        Joined, not left to die with the process: a daemon thread still running while the
+        interpreter finalizes is ended by ``pthread_exit`` when it next takes the GIL, and if
+        that happens inside a C++ destructor (the cyclic GC can free a torch tensor over NVSHMEM
+        memory in any thread) the process aborts ("terminate called without an active
+        exception") after a successful run.
+        """
+        self._event.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+
+def watch_blocked_calls(heap: SymmetricHeap, timeout_s: float, diagnostics=()) -> BlockedCallWatch:
     """Start a daemon thread that ends the job when this rank stays blocked in one transport completion.
 
     The protocol's waits poll with a deadline, but an MPI ``Flush`` towards a peer on
@@ -81,11 +101,14 @@ def watch_blocked_calls(heap: SymmetricHeap, timeout_s: float, diagnostics=()) -
     every ``timeout_s / 4`` (at most 0.5 s); once one call has lasted ``timeout_s`` it
     prints which completion, towards which rank and host, and the ``diagnostics``
     (callables returning text), records the status and aborts the job. Set the
-    returned event to stop the thread.
+    returned handle's ``stop()`` ends it. A backend whose completions never wait on a peer
+    (it does not override ``blocked_call``: NVSHMEM) gets no thread.
     """
     from ..protocol import WatchdogError
 
     stop = threading.Event()
+    if type(heap).blocked_call is SymmetricHeap.blocked_call:
+        return BlockedCallWatch(None, stop)
     period = min(0.5, timeout_s / 4)
 
     def watch() -> None:
@@ -112,5 +135,6 @@ def watch_blocked_calls(heap: SymmetricHeap, timeout_s: float, diagnostics=()) -
             abort_job(exc)
             return
 
-    threading.Thread(target=watch, name="streamring-blocked-call-watchdog", daemon=True).start()
-    return stop
+    thread = threading.Thread(target=watch, name="streamring-blocked-call-watchdog", daemon=True)
+    thread.start()
+    return BlockedCallWatch(thread, stop)

@@ -143,7 +143,7 @@ def rank_main(command: str, cfg: Config, json_path: str | None = None) -> int:
         codes = heap.allgather_int(code)
         report_status(heap.rank, "ok")
         heap.close()
-        watching.set()
+        watching.stop()
         sys.stdout.flush()
         return max(codes)
     except BaseException as exc:  # noqa: BLE001 - any failure must end the whole job
