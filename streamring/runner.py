@@ -121,6 +121,11 @@ def check_run_job(cfg: Config, num_ranks: int) -> None:
         raise ConfigError(f"layer: {exc} (layer.num_experts must be a multiple of the {R} ranks; see also "
                           f"layer.topk, layer.n_group, layer.topk_group)") from None
     per_rank(cfg.run.tokens_per_rank, R, "run.tokens_per_rank")
+    if R > 1 and cfg.nvshmem.progress == "pdl" and use_fast_gpu_path(cfg):
+        # EPMoE refuses it (streamed != batch measured on 2 GPUs; see moe/gpu_layer.py): say so before launch
+        raise ConfigError("nvshmem.progress=pdl is refused by the expert-parallel GPU layer with more than one rank "
+                          "(its streamed output differed from batch on 2 GPUs); use serialized, stream_wait, "
+                          "spin_kernel or green_ctx, or run.gpu_path=host_verbs")
 
 
 def run_layouts(cfg: Config, num_ranks: int) -> dict[str, RingLayout]:

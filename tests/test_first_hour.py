@@ -272,3 +272,17 @@ def test_every_model_check_option_has_help():
     sub = next(a for a in build_parser()._actions if a.dest == "command").choices["model-check"]
     missing = [a.option_strings for a in sub._actions if a.option_strings and not a.help]
     assert missing == [], missing
+
+
+def test_pdl_with_several_ranks_is_refused_before_launch():
+    """The EP GPU layer refuses ``pdl`` with more than one PE (streamed != batch on 2 H200s): the
+    run's config check says so before any rank starts; one rank, or the host-verb path, is allowed."""
+    from streamring.config import ConfigError, load_config
+    from streamring.runner import check_run_job
+
+    fp8 = ["backend=nvshmem", "nvshmem.progress=pdl", "layer.weight_dtype=fp8"]
+    with pytest.raises(ConfigError, match=r"nvshmem.progress=pdl is refused .* use serialized, stream_wait"):
+        check_run_job(load_config(None, fp8), 2)
+    check_run_job(load_config(None, fp8), 1)
+    check_run_job(load_config(None, fp8 + ["run.gpu_path=host_verbs"]), 2)
+    check_run_job(load_config(None, ["backend=nvshmem", "nvshmem.progress=spin_kernel", "layer.weight_dtype=fp8"]), 2)
