@@ -424,7 +424,9 @@ class Model:
 
     Processes (pid): for rank ``r``: ``6r`` route producer, ``6r+1`` layout producer,
     ``6r+2`` consumer, ``6r+3``/``6r+4`` pending-store drain of route/layout, ``6r+5`` end of
-    epoch; ``6R`` is the collective begin of the next epoch.
+    epoch; ``6R`` is the collective begin of the next epoch. ``--layer ep`` adds, for rank
+    ``r``, ``CP[r] = 6R+1+3r`` its compute, ``CDP[r]`` the drain of its pending combine store,
+    ``RP[r]`` its reduce as owner; there ``6R`` never moves (each end of epoch begins the next).
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -1794,7 +1796,7 @@ def run_serialised(model: Model) -> dict:
                 err = err or run(6 * d + 2, lambda d=d: st[model.CPC + d] >= (c + 1) * R * model.NPH)
             if model.ep:
                 for d in range(R):
-                    err = err or run(model.CP[d], lambda d=d: computed(d, e, c))
+                    err = err or run(model.CP[d], lambda d=d, e=e, c=c: computed(d, e, c))
                 for r in range(R):
                     err = err or step(model.RP[r])
         for r in range(R):
