@@ -295,6 +295,8 @@ def parse_inject(value: str | None):
     if value in P.INJECT_MODES:
         return P.Inject(value)
     raise ValueError(f"--inject must be one of {MODEL_INJECT_MODES}, got {value!r}")
+
+
 NOT_CHECKED = "NOT CHECKED (stopped at the first violation)"
 TRACE_PRINT_MAX = 40  # console lines of a counter-example; --json has every step
 
@@ -675,7 +677,7 @@ class Model:
         return all(st[self.END + r] == 1 and st[self.EP + r] == self.E for r in range(self.R))
 
     def role_done(self, st: tuple, pid: int) -> bool:
-        if pid >= self.BEGIN:  # ep: compute or reduce of rank r
+        if pid > self.BEGIN:  # ep: compute or reduce of rank r
             r = self.rank_of[pid]
             if st[self.END + r]:
                 return True
@@ -1450,7 +1452,8 @@ class Model:
         """ep: per rank, processes each of which must move before that rank's end of epoch.
 
         Its own unfinished roles; every producer that has still to publish a chunk of this epoch
-        to it, and every consumer that has still to acknowledge its last chunk of this epoch (of
+        to it, and every consumer that has still to acknowledge its last chunk of this epoch (its
+        ack mask holds only that chunk's acks once the producer collected the previous lap's; of
         a rank behind it: all of them); every compute that must still add to one of its arrived
         counters for its reduce to pass."""
         if self._xb_cache[0] is st:
@@ -1466,13 +1469,18 @@ class Model:
                     bl |= 1 << p
             for r2 in range(R):
                 e2 = st[self.EP + r2]
+                # (skip-ack-wait: acks of an earlier chunk of the slot, of this or of the previous
+                # epoch, may still sit in the mask and fill it: no consumer is needed for certain)
+                consumer_needed = not self.skip_ack_wait
                 if e2 < e:
-                    bl |= (1 << (6 * r2)) | (1 << (6 * r2 + 1)) | (1 << (6 * r2 + 2))
+                    bl |= (1 << (6 * r2)) | (1 << (6 * r2 + 1)) | (consumer_needed << (6 * r2 + 2))
                 elif e2 == e and r2 != r and not st[self.END + r2]:
                     for k in (0, 1):
                         # (skip-acquire: a consumer needs the payload, not the publish)
                         if st[self.PPC + 2 * r2 + k] <= last_pub[r] and not self.skip_acquire:
                             bl |= 1 << (6 * r2 + k)
+                    if not consumer_needed:
+                        continue
                     pc = st[self.CPC + r2]
                     if not self.ready_order:
                         acked = pc >= ((C - 1) * R + r) * NPH + 2
