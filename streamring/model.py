@@ -154,7 +154,10 @@ epoch of the owner (property (e)) and ``LRE`` the epoch of the owner's last redu
 Mutations of this layer: :class:`EPInject` / ``EP_INJECT_MODES`` (``--layer ep`` only); every
 ``protocol.Inject`` mode still applies to its ring steps. The default sizes of this layer
 (2 ranks x 2 slots x 3 chunks x 2 epochs) always use reduction 2: their full graph is far
-beyond reach (2 ranks x 1 slot x 2 chunks x 1 epoch alone has 669,240 states).
+beyond reach (2 ranks x 1 slot x 2 chunks x 1 epoch alone has 669,240 states). Reduced, they
+take 2,421 states and 3,771 transitions (0.4 s); 3 ranks take 440,350 states (3.5 minutes);
+``--source-order ready`` takes 553,532 states at the default sizes (its consumer's look-ahead is
+coarse, as in the ring model).
 
 Signal words and ack masks are atomics with release/acquire semantics, so their
 steps are sequentially consistent; weak memory is modelled where it matters,
@@ -2001,6 +2004,7 @@ def summary_lines(res: CheckResult) -> list[str]:
 
 def print_result(res: CheckResult) -> None:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     console = Console(highlight=False, width=None if sys.stdout.isatty() else 200)
@@ -2012,7 +2016,7 @@ def print_result(res: CheckResult) -> None:
     table.add_column("result")
     for p, v in res.properties.items():
         style = "green" if v == "PASS" else ("red" if v == "FAIL" else "yellow")
-        table.add_row(p, PROPERTY_TEXT[p], f"[{style}]{v}[/{style}]")
+        table.add_row(p, escape(PROPERTY_TEXT[p]), f"[{style}]{v}[/{style}]")
     console.print(table)
     ce = res.counterexample
     if ce:
