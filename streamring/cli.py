@@ -2,7 +2,7 @@
 
     streamring run         [--config PATH] [--set k=v ...] [--ranks N] [--backend cpu|nvshmem] [--json PATH]
     streamring stress      ... [--inject MODE]
-    streamring model-check [--layer ring|ep] [--inject MODE] [--ranks R --slots S --chunks C --epochs E]
+    streamring model-check [--layer ring|ep] [--inject MODE] [--ranks R --slots S --chunks C --epochs E] [--topk K]
     streamring check-env
     streamring timeline    JSON [--out PNG] [--tokens N ...]
 
@@ -53,7 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="PATH",
                    help="write the result as JSON (sizes, states, transitions, time, every property, "
                         "the whole counter-example trace)")
-    p.add_argument("--ranks", type=int, default=2, help="ranks, each a producer, consumer and owner (default 2)")
+    p.add_argument("--ranks", type=int, default=2,
+                   help="ranks, each with a route and a layout producer and a consumer (--layer ep: also a "
+                        "compute and the owner's reduce) (default 2)")
     p.add_argument("--slots", type=int, default=2, help="ring slots per rank (default 2)")
     p.add_argument("--chunks", type=int, default=3,
                    help="chunks per rank and epoch, one token each; odd ranks have one token fewer, so "

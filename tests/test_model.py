@@ -390,8 +390,12 @@ EP_SIZES = [(2, 1, 1, 2, 2), (1, 2, 3, 2, 2), (1, 1, 3, 2, 2)]
 EP_SIZE_REUSE = (2, 1, 2, 1, 1)
 
 
-@pytest.mark.parametrize("mode,sizes", [(m, z) for m in ("none",) + MODEL_INJECT_MODES for z in EP_SIZES]
-                         + [(m, EP_SIZE_REUSE) for m in ("none", "skip-ack-wait") + EP_INJECT_MODES])
+EP_REDUCTION_CASES = ([(m, z) for m in ("none",) + MODEL_INJECT_MODES for z in EP_SIZES]
+                      + [(m, EP_SIZE_REUSE) for m in ("none", "skip-ack-wait", "ack-before-copy", "combine-by-slot")])
+
+
+@pytest.mark.parametrize("mode,sizes", EP_REDUCTION_CASES,
+                         ids=[f"{m}-{'x'.join(map(str, z[:4]))}-topk{z[4]}" for m, z in EP_REDUCTION_CASES])
 def test_ep_reduction_preserves_verdict_and_terminal_states(mode, sizes):
     R, S, C, E, K = sizes
     kw = dict(layer="ep", ranks=R, slots=S, chunks=C, epochs=E, topk=K, inject=parse_inject(mode),
