@@ -2,7 +2,7 @@
 
     streamring run         [--config PATH] [--set k=v ...] [--ranks N] [--backend cpu|nvshmem] [--json PATH]
     streamring stress      ... [--inject MODE]
-    streamring model-check [--inject MODE]
+    streamring model-check [--layer ring|ep] [--inject MODE] [--ranks R --slots S --chunks C --epochs E] [--topk K]
     streamring gpu-check   [--policies P,..] [--replays N] [--controls] [--ranks N] [--json PATH]
     streamring check-env
     streamring timeline    JSON [--out PNG] [--tokens N ...]
@@ -19,6 +19,7 @@ import argparse
 import sys
 
 from .config import ConfigError, load_config
+from .model import EP_INJECT_MODES, LAYERS, MODEL_INJECT_MODES
 from .protocol import INJECT_MODES, PROGRESS_POLICIES, SOURCE_ORDERS
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
@@ -42,15 +43,32 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p)
     p.add_argument("--inject", choices=INJECT_MODES, help="deliberately break one protocol step")
     p = sub.add_parser("model-check", help="explore every interleaving of the protocol model")
-    p.add_argument("--inject", choices=INJECT_MODES, help="check a deliberately broken protocol")
-    p.add_argument("--json", metavar="PATH", help="write the result (states, properties, counter-example) as JSON")
+    p.add_argument("--layer", choices=LAYERS, default="ring",
+                   help="ring: the ring protocol as the stress harness runs it (default); ep: plus the "
+                        "expert-parallel GPU layer's handoffs (early input_consumed ack, remote combine and its "
+                        "arrived counters, the owner's reduce; each rank begins its next epoch on its own)")
+    p.add_argument("--inject", choices=MODEL_INJECT_MODES, metavar="MODE",
+                   help="check a deliberately broken protocol; must fail with a counter-example: "
+                        f"{', '.join(INJECT_MODES)} (ring steps, any layer); {', '.join(EP_INJECT_MODES)} "
+                        "(--layer ep only)")
+    p.add_argument("--json", metavar="PATH",
+                   help="write the result as JSON (sizes, states, transitions, time, every property, "
+                        "the whole counter-example trace)")
     p.add_argument("--ranks", type=int, default=2,
-                   help="ranks in the model, each a producer, a consumer and a slot owner (default 2; the state space grows fast with every size)")
+                   help="ranks, each with a route and a layout producer and a consumer (--layer ep: also a "
+                        "compute and the owner's reduce) (default 2)")
     p.add_argument("--slots", type=int, default=2, help="ring slots per rank (default 2)")
-    p.add_argument("--chunks", type=int, default=3, help="chunks each rank publishes per epoch (default 3)")
-    p.add_argument("--epochs", type=int, default=2, help="streams on the same buffers, for ABA (default 2)")
+    p.add_argument("--chunks", type=int, default=3,
+                   help="chunks per rank and epoch, one token each; odd ranks have one token fewer, so "
+                        "their last chunk is empty (default 3)")
+    p.add_argument("--epochs", type=int, default=2,
+                   help="stream epochs over the same buffers, nothing cleared between them (default 2)")
+    p.add_argument("--topk", type=int, default=None,
+                   help="--layer ep: routed entries (token, k) per token, each to the rank "
+                        "(owner + k * (token + epoch)) %% ranks (default 2)")
     p.add_argument("--source-order", choices=SOURCE_ORDERS, default="rank",
-                   help="consumer order over the sources of a chunk (stress.source_order)")
+                   help="consumer order over the sources of a chunk (stress.source_order): rank (default) "
+                        "or ready (any source whose chunk is ready first)")
     p = sub.add_parser("gpu-check", help="GPU self-test: the device ring under every progress policy, 10^4 CUDA-graph "
                                          "replays each, negative controls (needs a GPU and nvshmem4py)")
     p.add_argument("--policies", default="all", help=f"comma list of {list(PROGRESS_POLICIES)} or 'all'")

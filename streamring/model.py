@@ -28,6 +28,20 @@ breadth-first search over hashable states with a visited set, and checks:
     layout producer, then every consumer, in rank order) reaches the final
     state without a violation (one deterministic path, no reduction).
 
+With ``--layer ep`` (the expert-parallel GPU layer's handoffs, section below) also:
+
+``no-stale-combine-read``
+    (c) the owner's reduce of chunk ``c`` reads, for every routed entry
+    ``(token, k)`` of it, exactly the result its consumer wrote in the current
+    epoch (not an older epoch's, not one still pending, not an unwritten one);
+``no-combine-overwrite-before-reduce``
+    (d) no consumer writes an entry of an owner's combine area while it holds a
+    value (of an earlier epoch, or of another chunk) that the owner has not
+    reduced yet;
+``no-counter-carry``
+    (e) the owner's wait ``arrived[c] == expected[c]`` is never satisfied by a
+    count that holds adds of an earlier epoch.
+
 Derived from the runtime
 ========================
 Generations come from ``StreamPlan.gen`` (``make_gen``); the consumer's wait
@@ -90,6 +104,61 @@ Processes and atomic steps (rank ``r``; slot ``s = c % S``; ``g = plan.gen(c)``)
   is collective (its allgather): one step once every rank has ended. No memory
   is cleared between epochs.
 
+Expert-parallel layer (``--layer ep``)
+======================================
+The streamed MoE layer on GPUs (``host/moe_gpu.py`` and what replaces it) changes three
+handoffs; the ring steps above stay as they are, except that each rank begins its next epoch
+on its own (``ring_advance_epoch`` in the captured graph: no allgather, no barrier). Per rank
+``r`` (every rank owns its chunks and consumes every rank's chunks):
+
+* **early ``input_consumed`` acknowledgement**: the consumer's copy of the rows routed to its
+  experts out of ``src``'s slot is the acquire's reads (reduction 1); it acknowledges right
+  after the copy, so nothing waits for the combine any more. ``ack-before-copy``
+  acknowledges first and ends the copy in a later step (``copied``): the slot stays held
+  until then, and a producer that reuses it meanwhile is (2).
+* **compute and remote combine** (process ``compute`` of consumer ``d``, its GEMM stream): for
+  each combine entry ``(owner, token, k)`` routed to ``d`` whose chunk it has copied (any
+  order: blocks fill across chunks and complete when full or at the seal), ``write`` its
+  result into the owner's combine area at ``(token, k)`` (a plain store, pending: invisible
+  to the owner until this thread's release; it may drain early, process ``cdrain``), then
+  ``release, add 1`` to the owner's ``arrived[chunk]`` (one word per chunk index, at the
+  owner). ``signal-before-combine`` adds first and releases in a later step. An entry is one
+  row, so a consumer with ``n`` rows of a chunk adds ``n`` times; one with none adds nothing.
+  Compute steps start only after the acknowledgement: they touch neither the slot nor the
+  ack mask, so starting them between the copy and the acknowledgement adds no outcome.
+* **the owner's reduce** (process ``reduce``), chunk by chunk once its producers published
+  the chunk: wait ``arrived[c] == expected[c]`` (acquire), read every entry of the chunk, reset
+  ``arrived[c] := 0``, in one step (``skip-arrival-wait`` does not wait; ``no-counter-reset``
+  does not reset). One step is exact for the correct protocol: once the count is complete
+  no consumer writes an entry of the chunk or adds to its counter until the owner publishes
+  the chunk in its next epoch, which comes after the reset in program order. The reset is a
+  plain store of the owner, ordered before the next epoch's publish (the streams join before
+  ``ring_advance_epoch``), so it is visible before any add of the next epoch.
+* **end of epoch**: the rank's producers, consumer, compute and reduce are done and the last
+  acks of every slot are collected; it then begins its next epoch. Nothing is cleared: the
+  combine area, the counters and the ack masks keep their values.
+
+The combine area is indexed by logical token: ``combine-by-slot`` indexes it by slot instead (as
+the CPU layer's ``combine[slot][token][k]``, which is why that layer acknowledges only after its
+combine): with the early acknowledgement, the slot's next chunk is computed into the entries of
+the previous one before its owner reduced them (d).
+
+Routing (abstract, new every epoch): entry ``k`` (``--topk``, default 2) of owner ``r``'s logical
+token ``t`` (one token per chunk) goes to rank ``(r + k * (t + e)) % R`` in epoch ``e``; so at the
+default sizes some chunks send both entries to one consumer and none to the other, and odd
+ranks' last chunk has no token (``expected`` 0: its reduce passes at once). Combine entries hold
+``(epoch, chunk, writer)``; the ghost ``ARRO`` counts the adds of ``arrived[c]`` made in an earlier
+epoch of the owner (property (e)) and ``LRE`` the epoch of the owner's last reduce of each chunk
+(property (d)); none of them is visible to the protocol.
+
+Mutations of this layer: :class:`EPInject` / ``EP_INJECT_MODES`` (``--layer ep`` only); every
+``protocol.Inject`` mode still applies to its ring steps. The default sizes of this layer
+(2 ranks x 2 slots x 3 chunks x 2 epochs) always use reduction 2: their full graph is far
+beyond reach (2 ranks x 1 slot x 2 chunks x 1 epoch alone has 669,240 states). Reduced, they
+take 2,421 states and 3,771 transitions (0.4 s); 3 ranks take 440,350 states (3.5 minutes);
+``--source-order ready`` takes 553,532 states (3.6 minutes) at the default sizes (its look-ahead is
+coarse, as in the ring model).
+
 Signal words and ack masks are atomics with release/acquire semantics, so their
 steps are sequentially consistent; weak memory is modelled where it matters,
 on the plain payload stores. Bookkeeping nothing reads (``consumed_gen``,
@@ -133,14 +202,35 @@ Reductions (both sound for these properties)
    or ``0`` (or ``ModelConfig(por=...)``) forces the choice; the tests compare
    both graphs on small sizes (same verdict, same terminal states).
 
+   ``--layer ep`` always uses the reduction, and its look-ahead knows more waits.
+   A compute waits for its consumer's copy; a reduce for its producers' publish and
+   for the adds that only the computes still owing rows of that chunk can make (each
+   of them needed when the others' rows cannot complete the count); a rank's end of
+   epoch, hence everything its processes do in later epochs, for its own roles, the
+   producers that have still to publish to it, the consumers that have still to
+   acknowledge its last chunk and the computes its reduce waits for. Past its end
+   of epoch an outside process may touch anything except what belongs to an owner
+   that the set keeps from ending the same or an earlier epoch (its slots,
+   generation words, ack masks, combine area, counters, reduce): another rank
+   reaches those in a later epoch only by acquiring that owner's chunk of that
+   epoch. That needs an acquire that reads the generation word and classifies every
+   word of an earlier epoch as OLDER; this is checked on the classify in use when a
+   :class:`Model` is built (``skip-acquire``, ``ignore-epoch`` or a patched
+   ``classify_gen`` turn the step off). The graph stays acyclic (per rank: epoch,
+   then program counters, compute progress and empty buffers). The tests compare
+   the reduced and the full graph of the ep layer on small sizes, for the correct
+   protocol and for every mutation.
+
 The search stops at the first violation and prints the shortest counter-example
 from the initial state (BFS parents); under the reduction that path is then
-shortened (replayed without each step in turn while it still ends in the same
-violation) so that no single step can be dropped.
+shortened (replayed without blocks of steps, of halving size from the end
+backwards, while it still ends in the same violation) until no single step can
+be dropped.
 """
 
 from __future__ import annotations
 
+import enum
 import json
 import os
 import sys
@@ -161,21 +251,72 @@ PROP_ABA = "no-aba"
 PROP_PROTOCOL = "no-protocol-violation"
 PROP_DEADLOCK = "no-deadlock"
 PROP_SERIAL = "serialised-schedule"
+# the expert-parallel layer's handoffs (--layer ep)
+PROP_COMBINE_READ = "no-stale-combine-read"
+PROP_COMBINE_OVERWRITE = "no-combine-overwrite-before-reduce"
+PROP_COUNTER = "no-counter-carry"
 PROPERTIES = (PROP_READ, PROP_OVERWRITE, PROP_ABA, PROP_PROTOCOL, PROP_DEADLOCK, PROP_SERIAL)
+EP_PROPERTIES = (PROP_READ, PROP_OVERWRITE, PROP_ABA, PROP_PROTOCOL, PROP_COMBINE_READ, PROP_COMBINE_OVERWRITE,
+                 PROP_COUNTER, PROP_DEADLOCK, PROP_SERIAL)
 PROPERTY_TEXT = {
     PROP_READ: "(1) every read sees exactly the payload of its generation (route and layout)",
     PROP_OVERWRITE: "(2) no slot overwrite while a reader holds its previous chunk",
     PROP_ABA: "(3) no leftovers of an older epoch accepted or read",
     PROP_PROTOCOL: "(4) classify_gen never says VIOLATION; no double acknowledgement",
+    PROP_COMBINE_READ: "(c) the owner's reduce reads only combine entries written this epoch by their consumer",
+    PROP_COMBINE_OVERWRITE: "(d) no combine entry overwritten (later epoch or chunk) before its owner reduced it",
+    PROP_COUNTER: "(e) no arrived[c] satisfied by adds of an earlier epoch",
     PROP_DEADLOCK: "(5) every reachable state can reach the final state",
     PROP_SERIAL: "(6) the serialised schedule completes without violation",
 }
+LAYERS = ("ring", "ep")
+
+
+class EPInject(enum.Enum):
+    """Deliberately broken handoffs of the expert-parallel layer (``--layer ep`` only)."""
+
+    NONE = "none"
+    ACK_BEFORE_COPY = "ack-before-copy"  # input_consumed acknowledged before the copy's reads complete
+    SIGNAL_BEFORE_COMBINE = "signal-before-combine"  # arrived[c] added before the combine writes are released
+    SKIP_ARRIVAL_WAIT = "skip-arrival-wait"  # the owner reduces chunk c without waiting for its count
+    NO_COUNTER_RESET = "no-counter-reset"  # arrived[c] is not reset after the reduce
+    # the combine area indexed by slot (as the CPU layer's combine[slot][token][k]) instead of by
+    # logical token: with the early acknowledgement a later chunk of the slot overwrites entries
+    COMBINE_BY_SLOT = "combine-by-slot"
+
+
+EP_INJECT_MODES = tuple(m.value for m in EPInject if m is not EPInject.NONE)
+MODEL_INJECT_MODES = P.INJECT_MODES + EP_INJECT_MODES
+
+
+def parse_inject(value: str | None):
+    """The ``protocol.Inject`` or :class:`EPInject` named ``value`` (None or "none": no mutation)."""
+    if not value or value == "none":
+        return P.Inject.NONE
+    if value in EP_INJECT_MODES:
+        return EPInject(value)
+    if value in P.INJECT_MODES:
+        return P.Inject(value)
+    raise ValueError(f"--inject must be one of {MODEL_INJECT_MODES}, got {value!r}")
+
+
 NOT_CHECKED = "NOT CHECKED (stopped at the first violation)"
 TRACE_PRINT_MAX = 40  # console lines of a counter-example; --json has every step
 
 
 def _g(gen: int) -> str:
     return P.gen_str(gen) if gen else "0 (never written)"
+
+
+def _cv(v: int) -> str:
+    """A combine entry's value: which epoch, chunk and rank wrote it."""
+    if not v:
+        return "0 (never written)"
+    return f"rank {(v & 0xFF) - 1}'s result for chunk {(v >> 8) & 0xFF} of epoch {v >> 16}"
+
+
+def _cval(e: int, c: int, d: int) -> int:
+    return (e << 16) | (c << 8) | (d + 1)
 
 
 def _older_epoch(seen: int, expected: int) -> bool:
@@ -195,19 +336,31 @@ class ModelConfig:
     max_states: int | None = None  # None: exhaustive
     # consumer: sources of a chunk in rank order, or any ready source first (stress.source_order)
     source_order: str = "rank"
+    # "ring": the ring protocol as the stress harness runs it; "ep": plus the expert-parallel
+    # GPU layer's handoffs (early input_consumed ack, remote combine + arrived counters, reduce)
+    layer: str = "ring"
+    topk: int = 2  # --layer ep: combine entries (token, k) per token of a chunk
 
     def validate(self) -> None:
         problems = []
-        for name in ("ranks", "slots", "chunks", "epochs"):
+        for name in ("ranks", "slots", "chunks", "epochs", "topk"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 problems.append(f"--{name} must be an integer >= 1, got {v!r}")
         if isinstance(self.epochs, int) and self.epochs > P.MAX_EPOCH:
             problems.append(f"--epochs must be <= {P.MAX_EPOCH}")
+        if self.layer not in LAYERS:
+            problems.append(f"--layer must be one of {LAYERS}, got {self.layer!r}")
         if self.por is None:
-            self.por = not (self.ranks <= 2 and self.slots <= 2 and self.chunks <= 3 and self.epochs <= 2)
-        if not isinstance(self.inject, P.Inject):
-            problems.append(f"inject must be a protocol.Inject, got {self.inject!r}")
+            # the ep layer's full graph is far larger (2 ranks x 1 slot x 2 chunks x 1 epoch: 669,240
+            # states): it always uses the reduction unless told otherwise
+            self.por = self.layer == "ep" or not (self.ranks <= 2 and self.slots <= 2 and self.chunks <= 3
+                                                  and self.epochs <= 2)
+        if not isinstance(self.inject, (P.Inject, EPInject)):
+            problems.append(f"inject must be a protocol.Inject or model.EPInject, got {self.inject!r}")
+        elif isinstance(self.inject, EPInject) and self.inject is not EPInject.NONE and self.layer != "ep":
+            problems.append(f"--inject {self.inject.value} breaks a handoff of the expert-parallel layer: "
+                            f"it needs --layer ep")
         if self.source_order not in P.SOURCE_ORDERS:
             problems.append(f"--source-order must be one of {P.SOURCE_ORDERS}, got {self.source_order!r}")
         if problems:
@@ -276,7 +429,9 @@ class Model:
 
     Processes (pid): for rank ``r``: ``6r`` route producer, ``6r+1`` layout producer,
     ``6r+2`` consumer, ``6r+3``/``6r+4`` pending-store drain of route/layout, ``6r+5`` end of
-    epoch; ``6R`` is the collective begin of the next epoch.
+    epoch; ``6R`` is the collective begin of the next epoch. ``--layer ep`` adds, for rank
+    ``r``, ``CP[r] = 6R+1+3r`` its compute, ``CDP[r]`` the drain of its pending combine store,
+    ``RP[r]`` its reduce as owner; there ``6R`` never moves (each end of epoch begins the next).
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -284,12 +439,17 @@ class Model:
         self.cfg = cfg
         R, S, E = cfg.ranks, cfg.slots, cfg.epochs
         self.R, self.S, self.E = R, S, E
-        self.inject = cfg.inject
-        self.skip_acquire = cfg.inject is P.Inject.SKIP_ACQUIRE
-        self.skip_ack_wait = cfg.inject is P.Inject.SKIP_ACK_WAIT
+        # the ring's mutation (protocol.Inject) and the ep layer's (EPInject): at most one is set
+        self.inject = inject = cfg.inject if isinstance(cfg.inject, P.Inject) else P.Inject.NONE
+        self.ep_inject = cfg.inject if isinstance(cfg.inject, EPInject) else EPInject.NONE
+        self.skip_acquire = inject is P.Inject.SKIP_ACQUIRE
+        self.skip_ack_wait = inject is P.Inject.SKIP_ACK_WAIT
         # Looked up now (not at import) so that the function the runtime uses is the one checked.
         self._classify = P.classify_gen
-        self._ignore_epoch = cfg.inject is P.Inject.IGNORE_EPOCH
+        self._ignore_epoch = inject is P.Inject.IGNORE_EPOCH
+        self.ep = cfg.layer == "ep"
+        self.properties = EP_PROPERTIES if self.ep else PROPERTIES
+        self.safety = tuple(p for p in self.properties if p not in (PROP_DEADLOCK, PROP_SERIAL))
         self._cmemo: dict = {}
         layout = P.RingLayout(num_ranks=R, num_slots=S, tokens_per_slot=1, hidden=P.SF_BLOCK, topk=1,
                               num_experts=1)
@@ -305,13 +465,17 @@ class Model:
         self.gens = [None] + [tuple(self.plans[e].gen(c) for c in range(C)) for e in range(1, E + 1)]
         self.last_chunk = [max((c for c in range(C) if c % S == s), default=-1) for s in range(S)]
         pubs = [("publish", t) for t in range(R)]
-        if cfg.inject is P.Inject.SIGNAL_BEFORE_PAYLOAD:
+        if inject is P.Inject.SIGNAL_BEFORE_PAYLOAD:
             self.steps = [("reserve", 0)] + pubs + [("write", 0), ("fence", 0)]
         else:
             self.steps = [("reserve", 0), ("write", 0)] + pubs
         self.nsteps = len(self.steps)
         self.pdone = C * self.nsteps
-        self.cdone = C * R * 2  # per (chunk, src): acquire, ack
+        # consumer steps per (chunk, src): acquire (+ the copy's reads, reduction 1), ack; with
+        # ack-before-copy: acquire, ack, then the copy's reads end (the slot is held until then)
+        self.ack_before_copy = self.ep_inject is EPInject.ACK_BEFORE_COPY
+        self.NPH = NPH = 3 if self.ack_before_copy else 2
+        self.cdone = C * R * NPH
         # flat state layout
         self.EP, self.END, self.PPC, self.CPC = 0, R, 2 * R, 4 * R
         self.PSL, self.PVL = 5 * R, 7 * R  # pending slot (-1: none) / value, index 2r + k
@@ -328,8 +492,80 @@ class Model:
         self.all_src = (1 << R) - 1
         self.NP = 6 * R + 1
         self.BEGIN = 6 * R
+        if self.ep:
+            self._init_ep()
         self._init_bits()
         self._fut_cache: dict = {}
+
+    def _init_ep(self) -> None:
+        """The ep layer's routing, fields and processes (module docstring, "Expert-parallel layer")."""
+        R, C, E, K = self.R, self.C, self.E, self.cfg.topk
+        self.K = K
+        self.sig_before_combine = self.ep_inject is EPInject.SIGNAL_BEFORE_COMBINE
+        self.skip_arrival_wait = self.ep_inject is EPInject.SKIP_ARRIVAL_WAIT
+        self.no_counter_reset = self.ep_inject is EPInject.NO_COUNTER_RESET
+        # Abstract routing, new every epoch (new inputs): entry k of owner r's logical token t
+        # goes to rank (r + k * (t + e)) % R. A chunk without tokens (rule 7) has no entries
+        # (expected 0); a consumer with no entry of a chunk contributes nothing to it.
+        # entries[e][d]: the (owner, chunk, k) that consumer d computes in epoch e;
+        # expected[e][r][c]: the entries of (r, c), known to the owner from its own routing.
+        self.entries = [None]
+        self.expected = [None]
+        self.route = [None]
+        for e in range(1, E + 1):
+            plan = self.plans[e]
+            ents = [[] for _ in range(R)]
+            exp = [[0] * C for _ in range(R)]
+            rt = {}
+            for c in range(C):
+                for r in range(R):
+                    base, valid = plan.chunk_tokens(r, c)
+                    for t in range(base, base + valid):
+                        for k in range(K):
+                            d = (r + k * (t + e)) % R
+                            ents[d].append((r, c, k))
+                            exp[r][c] += 1
+                            rt[(r, c, k)] = d
+            self.entries.append(tuple(tuple(x) for x in ents))
+            self.expected.append(exp)
+            self.route.append(rt)
+        # ent_mask[e][d][r][c]: the bits (indices into entries[e][d]) of the entries of (r, c)
+        self.ent_mask = [None]
+        for e in range(1, E + 1):
+            em = [[[0] * C for _ in range(R)] for _ in range(R)]
+            for d in range(R):
+                for j, (r, c, _k) in enumerate(self.entries[e][d]):
+                    em[d][r][c] |= 1 << j
+            self.ent_mask.append(em)
+        # (chunk c holds the logical token c: tokens_per_slot is 1)
+        self.full_cmp = [None] + [[(1 << len(self.entries[e][d])) - 1 for d in range(R)] for e in range(1, E + 1)]
+        n = self.NFIELDS
+        self.CCUR, self.CPH, self.CMP, self.CPS, self.CPV = n, n + R, n + 2 * R, n + 3 * R, n + 4 * R
+        self.CMB = n + 5 * R  # + cell: combine[owner r][token c][k] (0 or _cval(epoch, chunk, writer))
+        self.ARR = self.CMB + R * C * K  # + r * C + c: arrived[c] at owner r
+        self.ARRO = self.ARR + R * C  # ghost: the part of ARR added in an earlier epoch of the owner
+        self.LRE = self.ARRO + R * C  # ghost, + r * C + c: the epoch of owner r's last reduce of chunk c
+        self.RED = self.LRE + R * C  # + r: the owner's next chunk to reduce
+        self.NFIELDS = self.RED + R
+        # combine entry (r, c, k) -> cell: by logical token (chunk c holds token c), or by slot
+        self.combine_by_slot = self.ep_inject is EPInject.COMBINE_BY_SLOT
+        self.cell_of = {(r, c, k): (r * C + (c % self.S if self.combine_by_slot else c)) * K + k
+                        for r in range(R) for c in range(C) for k in range(K)}
+        # processes: per rank d the compute (GEMM stream), its pending-store drain, the owner's reduce
+        self.CP = [6 * R + 1 + 3 * d for d in range(R)]
+        self.CDP = [6 * R + 2 + 3 * d for d in range(R)]
+        self.RP = [6 * R + 3 + 3 * d for d in range(R)]
+        self.NP = 9 * R + 1
+        self._xb_cache = (None, None)
+        # The reduction assumes, for a rank's later epochs, that nothing of an owner is touched
+        # before that owner publishes a chunk of that epoch: true when the acquire looks at the
+        # generations and classifies every word of an earlier epoch (or 0) as OLDER. Checked here
+        # on the classify in use (a mutation or a patched function turns the assumption off).
+        OLDER = P.GenState.OLDER
+        self.exact_acquire = not self.skip_acquire and all(
+            self.classify(w, g) is OLDER
+            for e in range(2, E + 1) for g in self.gens[e]
+            for w in [0] + [w for e2 in range(1, e) for w in self.gens[e2]])
 
     # -- variables as bits, for the dependency relation -------------------------------------
     def _init_bits(self) -> None:
@@ -349,6 +585,26 @@ class Model:
         self.b_pos = [[[new() for _ in range(S)] for _ in range(R)] for _ in range(R)]  # [d][r][s] held?
         self.b_done = [new() for _ in range(self.NP)]
         self.b_end = [new() for _ in range(R)]
+        if self.ep:
+            C, K = self.C, self.K
+            b_cellidx = [new() for _ in range(R * C * K)]
+            self.b_cpend = [new() for _ in range(R)]
+            self.b_arr = [[new() for _ in range(C)] for _ in range(R)]  # arrived[c] (and its ghost)
+            self.b_red = [[new() for _ in range(C)] for _ in range(R)]  # "owner reduced c" (and its epoch)
+            # b_cell[r][c][k]: the cell of entry (r, c, k); b_cell_red[cell]: the reduce progress of
+            # every chunk that writes the cell (read by the overwrite check)
+            self.b_cell = [[[b_cellidx[self.cell_of[(r, c, k)]] for k in range(K)] for c in range(C)]
+                           for r in range(R)]
+            self.b_cell_red = [0] * (R * C * K)
+            for (r, c, k), cell in self.cell_of.items():
+                self.b_cell_red[cell] |= self.b_red[r][c]
+            self.b_cells_rc = [[sum(set(self.b_cell[r][c])) for c in range(C)] for r in range(R)]
+            self.b_cells_r = [0] * R
+            for r in range(R):
+                for c in range(C):
+                    self.b_cells_r[r] |= self.b_cells_rc[r][c]
+            self.b_arr_r = [sum(self.b_arr[r]) for r in range(R)]
+            self.b_red_r = [sum(self.b_red[r]) for r in range(R)]
         self.ALL = (1 << n) - 1
         self.b_pos_rs = [[0] * S for _ in range(R)]
         for d in range(R):
@@ -366,7 +622,34 @@ class Model:
                 self.b_col_r[r] |= self.b_col[r][s]
                 for k in (0, 1):
                     self.b_pay_rk[r][k] |= self.b_pay[r][k][s]
+        if self.ep:
+            # what belongs to owner r: its slots, their generation words at every rank, its ack
+            # masks, the holders of its slots, its combine area and counters, its reduce, its own
+            # pending stores and progress; in a later epoch another rank touches these only after
+            # r published a chunk of that epoch
+            self.b_owner = []
+            for r in range(R):
+                b = self.b_pay_rk[r][0] | self.b_pay_rk[r][1] | self.b_pend[r][0] | self.b_pend[r][1]
+                b |= self.b_ack_r[r] | self.b_col_r[r] | self.b_pos_r[r] | self.b_cells_r[r] | self.b_arr_r[r]
+                b |= self.b_red_r[r] | self.b_cpend[r] | self.b_end[r]
+                for p in list(range(6 * r, 6 * r + 6)) + [self.CP[r], self.CDP[r], self.RP[r]]:
+                    b |= self.b_done[p]
+                for t in range(R):
+                    for k in (0, 1):
+                        for s in range(S):
+                            b |= self.b_rdy[t][k][r][s]
+                self.b_owner.append(b)
         self.role_pids = [6 * r + i for r in range(R) for i in (0, 1, 2)]
+        self.rank_of = [p // 6 for p in range(6 * R)] + [-1]  # BEGIN: no rank
+        if self.ep:
+            # the producer step that publishes the last chunk to rank t
+            self.last_pub = [(self.C - 1) * self.nsteps + self.steps.index(("publish", t)) for t in range(R)]
+            for r in range(R):
+                self.role_pids += [self.CP[r], self.RP[r]]
+                self.rank_of += [r, r, r]
+            # a rank's own roles: its end of epoch waits for every one of them
+            self.roles_of = [(6 * r, 6 * r + 1, 6 * r + 2, self.CP[r], self.RP[r]) for r in range(R)]
+            self.ALLP = (1 << self.NP) - 1
 
     # -- helpers ---------------------------------------------------------------------------
     def initial(self) -> tuple:
@@ -375,6 +658,8 @@ class Model:
             st[self.EP + r] = 1
             st[self.PSL + 2 * r] = st[self.PSL + 2 * r + 1] = -1
             st[self.HLD + r] = -1
+            if self.ep:
+                st[self.CCUR + r] = st[self.CPS + r] = -1
         return tuple(st)
 
     def classify(self, observed: int, expected: int) -> P.GenState:
@@ -395,6 +680,13 @@ class Model:
         return all(st[self.END + r] == 1 and st[self.EP + r] == self.E for r in range(self.R))
 
     def role_done(self, st: tuple, pid: int) -> bool:
+        if pid > self.BEGIN:  # ep: compute or reduce of rank r
+            r = self.rank_of[pid]
+            if st[self.END + r]:
+                return True
+            if pid == self.RP[r]:
+                return st[self.RED + r] >= self.C
+            return st[self.CCUR + r] < 0 and st[self.CMP + r] == self.full_cmp[st[self.EP + r]][r]
         r, i = divmod(pid, 6)
         if st[self.END + r]:
             return True
@@ -403,12 +695,13 @@ class Model:
         return st[self.PPC + 2 * r + i] >= self.pdone
 
     def _holders(self, st, r: int, s: int):
-        """Consumers holding (acquired, not acked) a chunk of ``r`` in slot ``s``: (d, chunk, epoch)."""
-        R = self.R
+        """Consumers holding (acquired; not acked, or with ack-before-copy not copied) a chunk of ``r``
+        in slot ``s``: (d, chunk, epoch)."""
+        R, NPH = self.R, self.NPH
         for d in range(R):
             pc = st[self.CPC + d]
-            if pc < self.cdone and pc & 1 and not st[self.END + d]:
-                c2, src = divmod(pc >> 1, R)
+            if pc < self.cdone and pc % NPH and not st[self.END + d]:
+                c2, src = divmod(pc // NPH, R)
                 if self.ready_order:
                     src = st[self.HLD + d]
                 if src == r and c2 % self.S == s:
@@ -433,6 +726,80 @@ class Model:
                     f"acknowledged) and the {KINDS[k]} part changes under it to {_g(v)}: its read sees {_g(v)}, "
                     f"expected {P.gen_str(g2)}")), (d, k, r, c2, s, v)
         return None
+
+    # -- the ep layer's helpers ----------------------------------------------------------
+    def _copied(self, st, d: int, src: int, c: int) -> bool:
+        """Has consumer ``d`` finished copying ``src``'s chunk ``c`` (this epoch) out of the slot?
+
+        Its compute may start on those rows from then on. (The correct consumer acknowledges right
+        after the copy; its compute steps touch neither the slot nor the ack mask, so letting them
+        start only after the acknowledgement drops no outcome.)"""
+        pc = st[self.CPC + d]
+        if pc >= self.cdone:
+            return True
+        R, NPH = self.R, self.NPH
+        if not self.ready_order:
+            return pc >= (c * R + src + 1) * NPH
+        cur = pc // (R * NPH)
+        return c < cur or (c == cur and bool((st[self.DNM + d] >> src) & 1))
+
+    def _cflush(self, lst: list, d: int) -> bool:
+        """Make the pending combine store of consumer ``d``'s compute visible (True if there was one)."""
+        cell = lst[self.CPS + d]
+        if cell < 0:
+            return False
+        lst[self.CMB + cell] = lst[self.CPV + d]
+        lst[self.CPS + d] = -1
+        lst[self.CPV + d] = 0
+        return True
+
+    def _cell(self, r: int, c: int, k: int) -> int:
+        return self.cell_of[(r, c, k)]
+
+    def _cname(self, r: int, c: int, k: int) -> str:
+        if self.combine_by_slot:
+            return f"rank {r}'s combine[slot {c % self.S}][k={k}]"
+        return f"rank {r}'s combine[token {c}][k={k}]"
+
+    def _pending_adds(self, st, r: int, c: int, e: int) -> list[int]:
+        """Per consumer: the adds to owner ``r``'s ``arrived[c]`` (owner epoch ``e``) not made yet.
+
+        A consumer one epoch behind the owner may still owe adds of that older epoch (only when
+        the owner did not wait for them: skip-arrival-wait) and owes every add of epoch ``e``; a
+        consumer ahead of the owner has made every add of epoch ``e`` (its end of epoch waited for
+        its compute) and cannot add for a later one before the owner publishes it. (A consumer
+        that accepted a chunk of another epoch stopped there: a violation is terminal.)"""
+        out = []
+        for d in range(self.R):
+            ed = st[self.EP + d]
+            n = 0
+            if not st[self.END + d] and ed <= e:
+                owed = self.ent_mask[ed][d][r][c] & ~st[self.CMP + d]
+                cur = st[self.CCUR + d]
+                if cur >= 0 and st[self.CPH + d] == 2:
+                    owed &= ~(1 << cur)
+                n = owed.bit_count()
+                if ed < e:
+                    n += self.ent_mask[e][d][r][c].bit_count()
+            out.append(n)
+        return out
+
+    def _arrival_blockers(self, st, r: int, c: int, e: int) -> tuple[int, tuple]:
+        """The owner's wait ``arrived[c] == expected[c]``: ``(bl, nes)``: the compute processes each
+        of which must move before it passes (a pid mask), and a necessary enabling set."""
+        a = st[self.ARR + r * self.C + c]
+        need = self.expected[e][r][c] - a
+        if need == 0:
+            return 0, ()
+        pend = self._pending_adds(st, r, c, e)
+        tot = sum(pend)
+        if need < 0 or tot < need:  # adds only grow it: this wait never passes
+            return 0, ()
+        bl = 0
+        for d, n in enumerate(pend):
+            if n and tot - n < need:
+                bl |= 1 << self.CP[d]
+        return bl, ("all",) + tuple((self.CP[d],) for d, n in enumerate(pend) if n)
 
     # -- transitions -----------------------------------------------------------------------
     def _acquire_step(self, st, d, pid, src, c, e, cpc):
@@ -502,6 +869,7 @@ class Model:
         """
         R, S = self.R, self.S
         inject = self.inject
+        ep = self.ep
         procs = [None] * self.NP
         all_ended = True
         for r in range(R):
@@ -511,16 +879,21 @@ class Model:
                 nxt = (self.BEGIN,) if e < self.E else ()
                 for i in range(6):
                     procs[base + i] = ((), 0, 0, 0, nxt)
+                if ep:
+                    procs[self.CP[r]] = procs[self.CDP[r]] = procs[self.RP[r]] = ((), 0, 0, 0, ())
                 continue
             all_ended = False
             gens = self.gens[e]
+            # a finished role moves again in the next epoch: after the collective begin (ring), or
+            # after its own rank's end of epoch (ep: ring_advance_epoch, no barrier)
+            nxt = () if e >= self.E else ((base + 5,) if ep else (self.BEGIN,))
             # ---- producers and their pending stores ------------------------------------
             for k in (0, 1):
                 i = 2 * r + k
                 pid = base + k
                 pc = st[self.PPC + i]
                 if pc >= self.pdone:
-                    procs[pid] = ((), 0, 0, 0, (self.BEGIN,) if e < self.E else ())
+                    procs[pid] = ((), 0, 0, 0, nxt)
                 else:
                     c, j = divmod(pc, self.nsteps)
                     step, t = self.steps[j]
@@ -557,10 +930,11 @@ class Model:
                         viol = None
                         for d, c2, e2 in self._holders(st, r, s):
                             if (e2, c2) != (e, c):
+                                how = ("acquired, not yet acknowledged" if st[self.CPC + d] % self.NPH == 1 else
+                                       "acquired and acknowledged, but its copy out of the slot has not completed")
                                 viol = Violation((PROP_OVERWRITE,), (
                                     f"rank {r} {KINDS[k]} producer overwrites slot {s} with chunk {c} (epoch {e}) "
-                                    f"while rank {d} holds chunk {c2} (epoch {e2}) of that slot: acquired, not "
-                                    f"yet acknowledged"))
+                                    f"while rank {d} holds chunk {c2} (epoch {e2}) of that slot: {how}"))
                                 break
                         if viol is not None:
                             procs[pid] = ((Trans(pid, ("write", r, k, c, s, g), None, viol),), acc_r, acc_w, 0, ())
@@ -609,11 +983,11 @@ class Model:
             pid = base + 2
             cpc = st[self.CPC + d]
             if cpc >= self.cdone:
-                procs[pid] = ((), 0, 0, 0, (self.BEGIN,) if e < self.E else ())
+                procs[pid] = ((), 0, 0, 0, nxt)
             else:
-                item, phase = divmod(cpc, 2)
+                item, phase = divmod(cpc, self.NPH)
                 c, src = divmod(item, R)
-                if self.ready_order and phase == 1:
+                if self.ready_order and phase >= 1:
                     src = st[self.HLD + d]  # the source it holds, whichever rank that is
                 s = c % S
                 done_bit = self.b_done[pid] if cpc + 1 == self.cdone else 0
@@ -633,12 +1007,22 @@ class Model:
                             groups.append(nes2)
                     # disabled: for EVERY pending source one of its blocking producers must move
                     procs[pid] = (tuple(trans), acc_r, acc_w, 0, () if trans else ("all",) + tuple(groups))
+                elif phase == 2:  # ack-before-copy: the copy's reads end after the acknowledgement
+                    lst = list(st)
+                    lst[self.CPC + d] = cpc + 1
+                    if self.ready_order:
+                        done = st[self.DNM + d] | (1 << src)
+                        lst[self.DNM + d] = 0 if done == self.all_src else done  # chunk complete
+                        lst[self.HLD + d] = -1
+                    procs[pid] = ((Trans(pid, ("copied", d, src, c, s), tuple(lst)),), 0,
+                                  self.b_pos[d][src][s] | done_bit, 0, ())
                 else:  # ack
                     ai = self.ACK + src * S + s
                     m = st[ai]
                     bit = 1 << d
                     desc = ("ack", d, src, c, s, m, m | bit)
-                    acc_w = self.b_pos[d][src][s] | done_bit
+                    # (with ack-before-copy the slot stays held: the copy's reads are still running)
+                    acc_w = (self.b_pos[d][src][s] if not self.ack_before_copy else 0) | done_bit
                     if m & bit and inject is P.Inject.NONE:
                         msg = (f"rank {d}: ack bit already set in rank {src}'s ack_mask[slot={s}] when "
                                f"acknowledging chunk {c} (double acknowledgement: Ring.ack raises)")
@@ -648,11 +1032,14 @@ class Model:
                         lst = list(st)
                         lst[ai] = m | bit
                         lst[self.CPC + d] = cpc + 1
-                        if self.ready_order:
+                        if self.ready_order and not self.ack_before_copy:
                             done = st[self.DNM + d] | (1 << src)
                             lst[self.DNM + d] = 0 if done == self.all_src else done  # chunk complete
                             lst[self.HLD + d] = -1
                         procs[pid] = ((Trans(pid, desc, tuple(lst)),), 0, acc_w, self.b_ack[src][s], ())
+            # ---- ep layer: compute, its pending combine store, the owner's reduce ----------
+            if ep:
+                self._expand_ep(st, r, e, nxt, procs)
             # ---- end_stream (drain) -----------------------------------------------------
             pid = base + 5
             # (the rank has not ended here, so a role is done when its program counter is)
@@ -661,6 +1048,8 @@ class Model:
                 unfinished = tuple(p for p, pc_, end_ in ((base, st[self.PPC + 2 * r], self.pdone),
                                                           (base + 1, st[self.PPC + 2 * r + 1], self.pdone),
                                                           (base + 2, cpc, self.cdone)) if pc_ < end_)
+            if ep:
+                unfinished += tuple(p for p in (self.CP[r], self.RP[r]) if not self.role_done(st, p))
             if unfinished:
                 procs[pid] = ((), 0, 0, 0, unfinished)
             else:
@@ -680,13 +1069,21 @@ class Model:
                         if lc >= 0 and lst[self.COL + r * S + s] != gens[lc]:
                             lst[self.COL + r * S + s] = gens[lc]
                             lst[self.ACK + r * S + s] = 0
-                    lst[self.END + r] = 1
                     acc_r = self.b_done[base] | self.b_done[base + 1] | self.b_done[base + 2]
                     acc_w = self.b_ack_r[r] | self.b_col_r[r] | self.b_end[r]
+                    if ep and e < self.E:
+                        self._advance_epoch(lst, r)
+                        acc_r |= self.b_done[self.CP[r]] | self.b_done[self.RP[r]]
+                        acc_w |= (self.b_red_r[r] | self.b_arr_r[r] | self.b_pos_r[r]
+                                  | sum(self.b_done[p] for p in self.roles_of[r]))
+                    else:
+                        lst[self.END + r] = 1
                     procs[pid] = ((Trans(pid, ("end", r, e), tuple(lst)),), acc_r, acc_w, 0, ())
         # ---- begin_stream of the next epoch (collective) ----------------------------------
         e = st[self.EP]
-        if all_ended and e < self.E:
+        if ep:  # each rank begins its next epoch at its end of epoch (above)
+            procs[self.BEGIN] = ((), 0, 0, 0, ())
+        elif all_ended and e < self.E:
             lst = list(st)
             for r in range(R):
                 lst[self.EP + r] += 1
@@ -702,6 +1099,162 @@ class Model:
             procs[self.BEGIN] = ((), 0, 0, 0, tuple(6 * r + 5 for r in range(R) if not st[self.END + r]))
         return procs
 
+    def _advance_epoch(self, lst: list, r: int) -> None:
+        """ep: rank ``r`` begins its next epoch on its own (``ring_advance_epoch``, no barrier).
+
+        Nothing in symmetric memory is cleared; the arrived counters keep whatever is left in
+        them (the correct owner reset each one after its reduce), which the ghost ``ARRO``
+        now marks as added in an earlier epoch."""
+        C = self.C
+        lst[self.EP + r] += 1
+        lst[self.PPC + 2 * r] = lst[self.PPC + 2 * r + 1] = 0
+        lst[self.CPC + r] = 0
+        lst[self.HLD + r] = -1
+        lst[self.DNM + r] = 0
+        lst[self.CCUR + r] = -1
+        lst[self.CPH + r] = 0
+        lst[self.CMP + r] = 0
+        lst[self.RED + r] = 0
+        for c in range(C):
+            lst[self.ARRO + r * C + c] = lst[self.ARR + r * C + c]
+
+    def _expand_ep(self, st: tuple, r: int, e: int, nxt: tuple, procs: list) -> None:
+        """The ep layer's processes of rank ``r`` (epoch ``e``): compute, combine drain, reduce."""
+        C, K = self.C, self.K
+        d = r
+        cp, cdp, rp = self.CP[d], self.CDP[d], self.RP[d]
+        ents = self.entries[e][d]
+        mask = st[self.CMP + d]
+        cur = st[self.CCUR + d]
+        full = self.full_cmp[e][d]
+        # ---- compute of consumer d (its GEMM stream): one combine entry (owner, token, k) at a time,
+        # in any order among the rows it has copied (blocks fill across chunks, complete in any order)
+        if cur >= 0:
+            src, c, k = ents[cur]
+            cell = self._cell(src, c, k)
+            ai = self.ARR + src * C + c
+            bit = 1 << cur
+            done_bit = self.b_done[cp] if (mask | bit) == full else 0
+            ph = st[self.CPH + d]
+            lst = list(st)
+            if ph == 1 and not self.sig_before_combine:
+                # release (the pending combine store becomes visible), then atomic add to arrived[c]
+                flushed = self._cflush(lst, d)
+                a0 = lst[ai]
+                lst[ai] = a0 + 1
+                if e < st[self.EP + src]:  # a late add of an older epoch (ghost)
+                    lst[self.ARRO + src * C + c] += 1
+                lst[self.CMP + d] = mask | bit
+                lst[self.CCUR + d] = -1
+                lst[self.CPH + d] = 0
+                desc = ("csignal", d, src, c, k, a0, flushed)
+                procs[cp] = ((Trans(cp, desc, tuple(lst)),), self.b_cpend[d],
+                             self.b_cpend[d] | self.b_cell[src][c][k] | done_bit, self.b_arr[src][c], ())
+            elif ph == 1:  # signal-before-combine: the add, with the combine store still pending
+                a0 = lst[ai]
+                lst[ai] = a0 + 1
+                if e < st[self.EP + src]:
+                    lst[self.ARRO + src * C + c] += 1
+                lst[self.CPH + d] = 2
+                desc = ("cadd", d, src, c, k, a0, lst[self.CPS + d] >= 0)
+                procs[cp] = ((Trans(cp, desc, tuple(lst)),), 0, 0, self.b_arr[src][c], ())
+            else:  # signal-before-combine: the release, after the add
+                flushed = self._cflush(lst, d)
+                lst[self.CMP + d] = mask | bit
+                lst[self.CCUR + d] = -1
+                lst[self.CPH + d] = 0
+                desc = ("cfence", d, src, c, k, flushed)
+                procs[cp] = ((Trans(cp, desc, tuple(lst)),), self.b_cpend[d],
+                             self.b_cpend[d] | self.b_cell[src][c][k] | done_bit, 0, ())
+        else:
+            trans, acc_r = [], self.b_cpend[d]
+            for j, (src, c, k) in enumerate(ents):
+                if (mask >> j) & 1 or not self._copied(st, d, src, c):
+                    continue
+                cell = self._cell(src, c, k)
+                acc_r |= self.b_cell[src][c][k] | self.b_cell_red[cell]
+                desc = ("cwrite", d, src, c, k, e)
+                old = st[self.CMB + cell]
+                oe, oc = old >> 16, (old >> 8) & 0xFF
+                if old and (oe, oc) != (e, c) and st[self.LRE + src * C + oc] < oe:
+                    msg = (f"rank {d} (epoch {e}) writes its result for chunk {c} into {self._cname(src, c, k)} "
+                           f"while that entry still holds {_cv(old)}, which rank {src} has not reduced yet")
+                    trans.append(Trans(cp, desc, None, Violation((PROP_COMBINE_OVERWRITE,), msg)))
+                    continue
+                lst = list(st)
+                lst[self.CPS + d] = cell  # a plain store: pending until this thread's release
+                lst[self.CPV + d] = _cval(e, c, d)
+                lst[self.CCUR + d] = j
+                lst[self.CPH + d] = 1
+                trans.append(Trans(cp, desc, tuple(lst)))
+            if trans:
+                procs[cp] = (tuple(trans), acc_r, self.b_cpend[d], 0, ())
+            elif mask == full:
+                procs[cp] = ((), 0, 0, 0, nxt)
+            else:
+                procs[cp] = ((), 0, 0, 0, (6 * d + 2,))  # rows not copied yet: its consumer moves first
+        # ---- early drain of the pending combine store (legal) ------------------------------
+        cell = st[self.CPS + d]
+        if self.cfg.early_drain and cell >= 0:
+            lst = list(st)
+            v = lst[self.CPV + d]
+            self._cflush(lst, d)
+            src, c, k = ents[st[self.CCUR + d]]  # (the store belongs to the entry in progress)
+            procs[cdp] = ((Trans(cdp, ("cdrain", d, src, c, k, v), tuple(lst)),), self.b_cpend[d],
+                          self.b_cpend[d] | self.b_cell[src][c][k], 0, ())
+        else:
+            procs[cdp] = ((), 0, 0, 0, (cp,))
+        # ---- the owner's reduce of its chunks, in chunk order -----------------------------
+        red = st[self.RED + r]
+        if red >= C:
+            procs[rp] = ((), 0, 0, 0, nxt)
+            return
+        c = red
+        need = tuple(6 * r + k for k in (0, 1) if st[self.PPC + 2 * r + k] < (c + 1) * self.nsteps)
+        if need:  # only after it published chunk c
+            procs[rp] = ((), 0, 0, 0, need)
+            return
+        ai = self.ARR + r * C + c
+        a, x = st[ai], self.expected[e][r][c]
+        if a != x and not self.skip_arrival_wait:
+            procs[rp] = ((), 0, 0, 0, self._arrival_blockers(st, r, c, e)[1])
+            return
+        seen = tuple(st[self.CMB + self._cell(r, c, k)] for k in range(K))
+        desc = ("reduce", r, c, e, a, x, seen)
+        acc_r = self.b_arr[r][c] | self.b_cells_rc[r][c]
+        acc_w = self.b_arr[r][c] | self.b_red[r][c] | (self.b_done[rp] if c + 1 == C else 0)
+        props, msgs = [], []
+        carried = st[self.ARRO + r * C + c]
+        if a == x and carried and not self.skip_arrival_wait:
+            props.append(PROP_COUNTER)
+            msgs.append(f"rank {r}'s wait arrived[{c}] == {x} (epoch {e}) is satisfied by a count holding "
+                        f"{carried} add(s) of an earlier epoch (arrived[{c}] was not reset)")
+        rt = self.route[e]
+        for k in range(K):
+            want_d = rt.get((r, c, k))
+            if want_d is None:
+                continue
+            v = seen[k]
+            want = _cval(e, c, want_d)
+            if v != want:
+                props.append(PROP_COMBINE_READ)
+                pend = st[self.CPV + want_d] == want and st[self.CPS + want_d] == self._cell(r, c, k)
+                msgs.append(f"rank {r} reduces chunk {c} (epoch {e}) and reads {self._cname(r, c, k)} = "
+                            f"{_cv(v)}, expected {_cv(want)}"
+                            + (f" (rank {want_d}'s store of it is still pending: not released)" if pend else ""))
+                break
+        if props:
+            procs[rp] = ((Trans(rp, desc, None, Violation(tuple(dict.fromkeys(props)), "; ".join(msgs))),),
+                         acc_r, acc_w, 0, ())
+            return
+        lst = list(st)
+        if not self.no_counter_reset:
+            lst[ai] = 0  # (visible before any add of the next epoch: see the module docstring)
+            lst[self.ARRO + r * C + c] = 0
+        lst[self.RED + r] = c + 1
+        lst[self.LRE + r * C + c] = e
+        procs[rp] = ((Trans(rp, desc, tuple(lst)),), acc_r, acc_w, 0, ())
+
     def successors(self, st: tuple) -> list[Trans]:
         return [t for p in self.expand(st) for t in p[0]]
 
@@ -714,9 +1267,12 @@ class Model:
         still; the last entry (blockers 0) holds everything up to the end of the epoch.
         """
         R, S = self.R, self.S
-        r, i = divmod(pid, 6)
         if pid == self.BEGIN:
-            return ((0, 0, 0, 0),)
+            # (ep: never moves; the cut with every process as a blocker keeps it out of the sets)
+            return ((self.ALLP, 0, 0, 0),) if self.ep else ((0, 0, 0, 0),)
+        if pid > self.BEGIN:
+            return self._future_ep(st, pid)
+        r, i = divmod(pid, 6)
         if st[self.END + r]:
             return ((0, 0, 0, 0),)
         e = st[self.EP + r]
@@ -762,8 +1318,9 @@ class Model:
             d = r
             pc = st[self.CPC + d]
             aR = aW = aO = 0
-            for j in range(pc - (pc % (2 * R)), self.cdone):
-                item, phase = divmod(j, 2)
+            NPH = self.NPH
+            for j in range(pc - (pc % (NPH * R)), self.cdone):
+                item, phase = divmod(j, NPH)
                 c, src = divmod(item, R)
                 s = c % S
                 aR |= self.b_rdy[d][0][src][s] | self.b_rdy[d][1][src][s] | self.b_pay[src][0][s] | self.b_pay[src][1][s]
@@ -778,8 +1335,9 @@ class Model:
             if res is not None:
                 return res
             segs, aR, aW, aO = [], 0, 0, 0
+            NPH = self.NPH
             for j in range(pc, self.cdone):
-                item, phase = divmod(j, 2)
+                item, phase = divmod(j, NPH)
                 c, src = divmod(item, R)
                 s = c % S
                 if phase == 0:
@@ -810,11 +1368,20 @@ class Model:
                 aR = self.b_pend[r][k] | self.b_pos_rs[r][ps]
                 aW = self.b_pend[r][k] | self.b_pay[r][k][ps]
             # later drains need a later write of the producer first
+            if self.ep:  # (ep: only of the slots it still writes in this epoch)
+                later_r = later_w = self.b_pend[r][k]
+                pc = st[self.PPC + 2 * r + k]
+                for c in range(pc // self.nsteps, self.C if pc < self.pdone else 0):
+                    later_r |= self.b_pos_rs[r][c % S]
+                    later_w |= self.b_pay[r][k][c % S]
+                return ((1 << (6 * r + k), aR, aW, 0), (0, aR | later_r, aW | later_w, 0))
             return ((1 << (6 * r + k), aR, aW, 0),
                     (0, aR | self.b_pend[r][k] | self.b_pos_r[r], aW | self.b_pend[r][k] | self.b_pay_rk[r][k], 0))
         # end of epoch: waits for the rank's roles, and for the missing ack bits of its last chunks
-        bl = 0
-        for p in (6 * r, 6 * r + 1, 6 * r + 2):
+        # (ep: and for every process its roles need, _cross_blockers)
+        roles = self.roles_of[r] if self.ep else (6 * r, 6 * r + 1, 6 * r + 2)
+        bl = self._cross_blockers(st)[r] if self.ep else 0
+        for p in roles:
             if not self.role_done(st, p):
                 bl |= 1 << p
         for s in range(S):
@@ -822,9 +1389,117 @@ class Model:
             if lc >= 0 and st[self.COL + r * S + s] != gens[lc]:
                 for b in self.missing_bits(st[self.ACK + r * S + s]):
                     bl |= 1 << (6 * b + 2)
-        aR = self.b_done[6 * r] | self.b_done[6 * r + 1] | self.b_done[6 * r + 2]
+        aR = 0
+        for p in roles:
+            aR |= self.b_done[p]
         aW = self.b_ack_r[r] | self.b_col_r[r] | self.b_end[r]
+        if self.ep and e < self.E:  # ... and begins the next epoch (_advance_epoch)
+            aW |= self.b_red_r[r] | self.b_arr_r[r] | self.b_pos_r[r] | aR
         return ((bl, 0, 0, 0), (0, aR, aW, 0)) if bl else ((0, aR, aW, 0),)
+
+    def _future_ep(self, st: tuple, pid: int):
+        """:meth:`_future` of the ep layer's processes: compute, combine drain, reduce."""
+        r = self.rank_of[pid]
+        if st[self.END + r]:
+            return ((0, 0, 0, 0),)
+        e = st[self.EP + r]
+        C = self.C
+        d = r
+        if pid == self.CP[d]:
+            mask, cur = st[self.CMP + d], st[self.CCUR + d]
+            aR = aW = aO = bR = bW = bO = 0  # now available / waiting for the consumer's copy
+            blocked = False
+            for j, (src, c, k) in enumerate(self.entries[e][d]):
+                if (mask >> j) & 1:
+                    continue
+                cR = self.b_cpend[d] | self.b_cell[src][c][k] | self.b_cell_red[self._cell(src, c, k)]
+                cW = self.b_cpend[d] | self.b_cell[src][c][k]
+                if j == cur or self._copied(st, d, src, c):
+                    aR, aW, aO = aR | cR, aW | cW, aO | self.b_arr[src][c]
+                else:
+                    blocked = True
+                    bR, bW, bO = bR | cR, bW | cW, bO | self.b_arr[src][c]
+            done = self.b_done[pid]
+            if blocked:
+                return ((1 << (6 * d + 2), aR, aW, aO), (0, aR | bR, aW | bW | done, aO | bO))
+            return ((0, aR, aW | done, aO),)
+        if pid == self.CDP[d]:
+            aR = aW = 0
+            if st[self.CPS + d] >= 0:
+                src, c, k = self.entries[e][d][st[self.CCUR + d]]
+                aR = aW = self.b_cpend[d] | self.b_cell[src][c][k]
+            later = self.b_cpend[d]
+            mask = st[self.CMP + d]
+            for j, (src, c, k) in enumerate(self.entries[e][d]):
+                if not (mask >> j) & 1:
+                    later |= self.b_cell[src][c][k]
+            # later drains need a later combine write of the compute first
+            return ((1 << self.CP[d], aR, aW, 0), (0, aR | later, aW | later, 0))
+        # the owner's reduce: per chunk, waits for its producers' publish and for arrived == expected
+        segs, aR, aW = [], 0, 0
+        for c in range(st[self.RED + r], C):
+            bl = 0
+            for k in (0, 1):
+                if st[self.PPC + 2 * r + k] < (c + 1) * self.nsteps:
+                    bl |= 1 << (6 * r + k)
+            if not self.skip_arrival_wait:
+                bl |= self._arrival_blockers(st, r, c, e)[0]
+            if bl:
+                segs.append((bl, aR, aW, 0))
+            aR |= self.b_arr[r][c] | self.b_cells_rc[r][c]
+            aW |= self.b_arr[r][c] | self.b_red[r][c]
+        segs.append((0, aR, aW | self.b_done[pid], 0))
+        return tuple(segs)
+
+    def _cross_blockers(self, st: tuple) -> list[int]:
+        """ep: per rank, processes each of which must move before that rank's end of epoch.
+
+        Its own unfinished roles; every producer that has still to publish a chunk of this epoch
+        to it, and every consumer that has still to acknowledge its last chunk of this epoch (its
+        ack mask holds only that chunk's acks once the producer collected the previous lap's; of
+        a rank behind it: all of them); every compute that must still add to one of its arrived
+        counters for its reduce to pass."""
+        if self._xb_cache[0] is st:
+            return self._xb_cache[1]
+        R, C, NPH = self.R, self.C, self.NPH
+        out = []
+        last_pub = self.last_pub
+        for r in range(R):
+            e = st[self.EP + r]
+            bl = 0
+            for p in self.roles_of[r]:
+                if not self.role_done(st, p):
+                    bl |= 1 << p
+            for r2 in range(R):
+                e2 = st[self.EP + r2]
+                # (skip-ack-wait: acks of an earlier chunk of the slot, of this or of the previous
+                # epoch, may still sit in the mask and fill it: no consumer is needed for certain)
+                consumer_needed = not self.skip_ack_wait
+                if e2 < e:
+                    bl |= (1 << (6 * r2)) | (1 << (6 * r2 + 1)) | (consumer_needed << (6 * r2 + 2))
+                elif e2 == e and r2 != r and not st[self.END + r2]:
+                    for k in (0, 1):
+                        # (skip-acquire: a consumer needs the payload, not the publish)
+                        if st[self.PPC + 2 * r2 + k] <= last_pub[r] and not self.skip_acquire:
+                            bl |= 1 << (6 * r2 + k)
+                    if not consumer_needed:
+                        continue
+                    pc = st[self.CPC + r2]
+                    if not self.ready_order:
+                        acked = pc >= ((C - 1) * R + r) * NPH + 2
+                    else:
+                        cur = pc // (R * NPH)
+                        acked = cur > C - 1 or (cur == C - 1 and (bool((st[self.DNM + r2] >> r) & 1)
+                                                                  or st[self.HLD + r2] == r))
+                    if not acked:
+                        bl |= 1 << (6 * r2 + 2)
+            # the computes whose adds its reduce waits for
+            if not self.skip_arrival_wait and not st[self.END + r]:
+                for c in range(st[self.RED + r], C):
+                    bl |= self._arrival_blockers(st, r, c, e)[0]
+            out.append(bl)
+        self._xb_cache = (st, out)
+        return out
 
     def stubborn(self, st: tuple, procs) -> list[Trans]:
         """Enabled steps of a stubborn set of processes (module docstring, reduction 2)."""
@@ -833,10 +1508,18 @@ class Model:
         if len(enabled) <= 1:
             return [t for p in enabled for t in procs[p][0]]
         # crossing into the next epoch needs every role done; a stopped unfinished role blocks it
+        # (ep: each rank crosses on its own; its own blockers, _cross_blockers)
+        ep = self.ep
         cross_bl = 0
-        for p in self.role_pids:
-            if not self.role_done(st, p):
-                cross_bl |= 1 << p
+        if ep:
+            cross_r = self._cross_blockers(st)
+            can_cross = [st[self.EP + r] < self.E for r in range(self.R)]
+            rank_of = self.rank_of
+            exact = self.exact_acquire
+        else:
+            for p in self.role_pids:
+                if not self.role_done(st, p):
+                    cross_bl |= 1 << p
         last_epoch = st[self.EP] >= self.E
         futs = [None] * NP
         best = None
@@ -859,7 +1542,18 @@ class Model:
                             if bl & T:
                                 break
                         else:
-                            if not last_epoch and not (cross_bl & T):
+                            if ep:
+                                rq = rank_of[q]
+                                if can_cross[rq] and not (cross_r[rq] & T):
+                                    # in its later epochs, nothing of an owner that cannot end this
+                                    # epoch (a process it needs is in the set) and is not ahead
+                                    nxt_ = self.ALL
+                                    eq = st[self.EP + rq]
+                                    for r2 in range(self.R if exact else 0):
+                                        if r2 != rq and cross_r[r2] & T and st[self.EP + r2] <= eq:
+                                            nxt_ &= ~self.b_owner[r2]
+                                    fR, fW, fO = fR | nxt_, fW | nxt_, fO | nxt_
+                            elif not last_epoch and not (cross_bl & T):
                                 fR = fW = fO = self.ALL
                         if (aW & (fR | fW | fO)) or (fW & (aR | aO)) or (aR & fO) or (aO & fR):
                             T |= 1 << q
@@ -941,10 +1635,49 @@ class Model:
             return text
         if op == "ack":
             _, dd, src, c, s, m0, m1 = d
-            return f"r{dd}.consumer: ack src {src} chunk {c}: rank {src}'s ack_mask[slot {s}] {m0:#b} -> {m1:#b}"
+            text = f"r{dd}.consumer: ack src {src} chunk {c}: rank {src}'s ack_mask[slot {s}] {m0:#b} -> {m1:#b}"
+            if self.ack_before_copy:
+                text += " BEFORE its copy out of the slot completed [ack-before-copy]"
+            elif self.ep:
+                text += " (input_consumed: right after the copy)"
+            return text
+        if op == "copied":
+            _, dd, src, c, s = d
+            return f"r{dd}.consumer: copy of src {src} chunk {c} (slot {s}) out of the slot complete"
+        if op == "cwrite":
+            _, dd, src, c, k, e = d
+            return (f"r{dd}.compute: write its result for chunk {c} (epoch {e}) into {self._cname(src, c, k)} "
+                    f"(pending store, not yet visible)" + (" [combine-by-slot]" if self.combine_by_slot else ""))
+        if op in ("csignal", "cadd"):
+            _, dd, src, c, k, a0, flag = d
+            if op == "csignal":
+                return (f"r{dd}.compute: release" + (" (pending combine store becomes visible)" if flag else "")
+                        + f", then add 1 to rank {src}'s arrived[{c}]: {a0} -> {a0 + 1}")
+            return (f"r{dd}.compute: add 1 to rank {src}'s arrived[{c}]: {a0} -> {a0 + 1} BEFORE releasing its "
+                    f"combine store{' (still pending)' if flag else ''} [signal-before-combine]")
+        if op == "cfence":
+            _, dd, src, c, k, flag = d
+            return f"r{dd}.compute: release" + (" (pending combine store becomes visible)" if flag else "")
+        if op == "cdrain":
+            _, dd, src, c, k, v = d
+            return f"r{dd}.compute: pending store to {self._cname(src, c, k)} drains to memory early (legal)"
+        if op == "reduce":
+            _, r, c, e, a, x, seen = d
+            head = f"r{r}.owner: "
+            if a != x:
+                head += f"reduce chunk {c} WITHOUT waiting (arrived[{c}] = {a} of {x}) [skip-arrival-wait]"
+            else:
+                head += f"arrived[{c}] = {a} == expected {x} (epoch {e}): reduce chunk {c}"
+            reads = [f"{self._cname(r, c, k)} sees {_cv(v)}" for k, v in enumerate(seen) if (r, c, k) in self.route[e]]
+            tail = (f"; arrived[{c}] NOT reset [no-counter-reset]" if self.no_counter_reset
+                    else f"; reset arrived[{c}] := 0")
+            return head + (": " + ", ".join(reads) if reads else ": no entries") + tail
         if op == "end":
             _, r, e = d
-            return f"r{r}: end_stream epoch {e}: last chunk of every slot acknowledged (drained)"
+            text = f"r{r}: end_stream epoch {e}: last chunk of every slot acknowledged (drained)"
+            if self.ep and e < self.E:
+                text += f"; begins epoch {e + 1} on its own (no barrier)"
+            return text
         if op == "begin":
             return f"all ranks: begin_stream epoch {d[1]} (memory not cleared)"
         return repr(d)
@@ -973,41 +1706,70 @@ def _path(model: Model, states: list, parent: array, sid: int) -> list[Trans]:
     return steps
 
 
-def _replay(model: Model, pids: list[int]):
-    """Run the processes ``pids`` in order (each has at most one step); None if one cannot move.
+def _choice(t: Trans):
+    """Which of its enabled steps a process took: the source a ready-order consumer acquired, the
+    combine entry an ep compute started; None for a process with one step at a time."""
+    op = t.desc[0]
+    if op == "acquire":
+        return t.desc[2]
+    if op == "cwrite":
+        return t.desc[2:5]
+    return None
+
+
+def _replay(model: Model, moves: list, st: tuple | None = None):
+    """Run the moves ``(pid, choice)`` in order (from ``st``, default the initial state); None if
+    one cannot move.
 
     Returns ``(steps, end_state)``; a violation may only be the last step (then end_state is None).
     """
-    st, steps = model.initial(), []
-    for i, pid in enumerate(pids):
-        ts = model.expand(st)[pid][0]
-        if not ts:
+    st, steps = (model.initial() if st is None else st), []
+    for i, (pid, choice) in enumerate(moves):
+        t = next((t for t in model.expand(st)[pid][0] if _choice(t) == choice), None)
+        if t is None:
             return None
-        t = ts[0]
         steps.append(t)
         if t.violation is not None:
-            return (steps, None) if i == len(pids) - 1 else None
+            return (steps, None) if i == len(moves) - 1 else None
         st = t.state
     return steps, st
 
 
 def _minimise(model: Model, steps: list[Trans], goal) -> list[Trans]:
-    """Drop steps of a counter-example while ``goal(steps, end_state)`` still holds (1-minimal)."""
-    pids = [t.pid for t in steps]
-    i = 0
-    while i < len(pids):
-        cand = pids[:i] + pids[i + 1:]
-        rep = _replay(model, cand)
-        if rep is not None and goal(*rep):
-            pids = cand
-        else:
-            i += 1
-    rep = _replay(model, pids)
-    return rep[0]
+    """Drop steps of a counter-example while ``goal(steps, end_state)`` still holds (1-minimal).
+
+    Blocks of halving size, each pass from the end backwards (a step late in the path is often
+    needed only by the steps after it), then single steps until no single step can be dropped."""
+    moves = [(t.pid, _choice(t)) for t in steps]
+    steps = list(steps)
+    # states[i]: the state before moves[i] (a replay without moves[start:end] starts at states[start])
+    states = [model.initial()] + [t.state for t in steps[:-1]]
+
+    size = max(1, len(moves) // 2)
+    while True:
+        changed = False
+        end = len(moves)
+        while end > 0:
+            start = max(0, end - size)
+            rep = _replay(model, moves[end:], states[start])
+            if rep is not None and goal(steps[:start] + rep[0], rep[1]):
+                moves = moves[:start] + moves[end:]
+                steps = steps[:start] + rep[0]
+                states = states[:start + 1] + [t.state for t in rep[0][:-1]]
+                changed = True
+            end = start
+        if size > 1:
+            size //= 2
+        elif not changed:
+            break
+    return steps
 
 
 def run_serialised(model: Model) -> dict:
-    """Property (6): per chunk every route producer, every layout producer, then every consumer."""
+    """Property (6): per chunk every route producer, every layout producer, then every consumer.
+
+    ep layer: then every consumer's compute of its entries of that chunk, then every owner's
+    reduce of it; each rank ends its epoch (and begins the next) in rank order."""
     R, C = model.R, model.C
     st = model.initial()
     trace: list[str] = []
@@ -1029,6 +1791,12 @@ def run_serialised(model: Model) -> dict:
                 return err
         return None
 
+    def computed(d, e, c):  # every entry of chunks <= c computed and signalled
+        if st[model.CCUR + d] >= 0:
+            return False
+        mask = st[model.CMP + d]
+        return all((mask >> j) & 1 for j, ent in enumerate(model.entries[e][d]) if ent[1] <= c)
+
     err = None
     for e in range(1, model.E + 1):
         for c in range(C):
@@ -1036,10 +1804,15 @@ def run_serialised(model: Model) -> dict:
                 for r in range(R):
                     err = err or run(6 * r + k, lambda r=r, k=k: st[model.PPC + 2 * r + k] >= (c + 1) * model.nsteps)
             for d in range(R):
-                err = err or run(6 * d + 2, lambda d=d: st[model.CPC + d] >= (c + 1) * R * 2)
+                err = err or run(6 * d + 2, lambda d=d: st[model.CPC + d] >= (c + 1) * R * model.NPH)
+            if model.ep:
+                for d in range(R):
+                    err = err or run(model.CP[d], lambda d=d, e=e, c=c: computed(d, e, c))
+                for r in range(R):
+                    err = err or step(model.RP[r])
         for r in range(R):
             err = err or step(6 * r + 5)
-        if e < model.E:
+        if e < model.E and not model.ep:
             err = err or step(model.BEGIN)
         if err:
             break
@@ -1052,10 +1825,12 @@ def run_serialised(model: Model) -> dict:
 def check(cfg: ModelConfig, progress=None) -> CheckResult:
     """Explore the model of ``cfg`` breadth-first (stops at the first violation unless told not to)."""
     model = Model(cfg)
-    res = CheckResult(config={"ranks": cfg.ranks, "slots": cfg.slots, "chunks": cfg.chunks, "epochs": cfg.epochs,
-                              "inject": cfg.inject.value, "early_drain": cfg.early_drain, "por": cfg.por,
-                              "source_order": cfg.source_order,
+    res = CheckResult(config={"layer": cfg.layer, "ranks": cfg.ranks, "slots": cfg.slots, "chunks": cfg.chunks,
+                              "epochs": cfg.epochs, "inject": cfg.inject.value, "early_drain": cfg.early_drain,
+                              "por": cfg.por, "source_order": cfg.source_order,
                               "max_states": cfg.max_states})
+    if model.ep:
+        res.config["topk"] = cfg.topk
     res.reduction = ("reads folded into the hold window; stubborn-set partial-order reduction "
                      "(keeps a violation if one is reachable, every deadlock and the final state)" if cfg.por else
                      "reads folded into the hold window; every interleaving (no partial-order reduction)")
@@ -1120,11 +1895,11 @@ def check(cfg: ModelConfig, progress=None) -> CheckResult:
     res._violation_set = {(states[s], t.desc) for s, t in violations}  # for cross-checks
     stopped = cfg.stop_at_first and (violation is not None or deadlocks)
     res.exhaustive = not bounded and not stopped
-    props = {p: NOT_CHECKED for p in PROPERTIES}
+    props = {p: NOT_CHECKED for p in model.properties}
     if not stopped and not (por and violations):
         # (the reduction preserves the existence of a violation, not every violation: with
         # violations found under it the other safety properties stay NOT CHECKED)
-        for p in (PROP_READ, PROP_OVERWRITE, PROP_ABA, PROP_PROTOCOL):
+        for p in model.safety:
             props[p] = "PASS" if not bounded else f"PASS up to {cfg.max_states} states (BOUNDED, not a proof)"
     if violation is not None:
         sid, t = violation
@@ -1218,9 +1993,10 @@ def summary_lines(res: CheckResult) -> list[str]:
         kind = "stopped at the first violation"
     else:
         kind = f"BOUNDED at {c['max_states']} states: not a proof"
+    layer = "" if c.get("layer", "ring") == "ring" else f"layer=ep (topk {c['topk']}), "
     return [
         f"streamring model-check: {c['ranks']} ranks x {c['slots']} slots x {c['chunks']} chunks x "
-        f"{c['epochs']} epochs, inject={c['inject']}",
+        f"{c['epochs']} epochs, {layer}inject={c['inject']}",
         f"explored {res.states} states, {res.transitions} transitions in {res.time_s:.2f}s ({kind})",
         f"reduction: {res.reduction}",
     ]
@@ -1265,14 +2041,20 @@ def print_result(res: CheckResult) -> None:
 def model_check_main(args) -> int:
     """Entry point of ``streamring model-check``: 0 iff every property holds."""
     try:
-        inject = P.Inject(args.inject) if getattr(args, "inject", None) else P.Inject.NONE
+        inject = parse_inject(getattr(args, "inject", None))
         por = getattr(args, "por", None)
         env = os.environ.get("STREAMRING_MODEL_POR", "auto").strip().lower()
         if por is None and env in ("0", "1", "off", "on"):
             por = env in ("1", "on")
         cfg = ModelConfig(ranks=args.ranks, slots=args.slots, chunks=args.chunks, epochs=args.epochs,
                           inject=inject, por=por, max_states=getattr(args, "max_states", None),
-                          source_order=getattr(args, "source_order", "rank") or "rank")
+                          source_order=getattr(args, "source_order", "rank") or "rank",
+                          layer=getattr(args, "layer", "ring") or "ring")
+        topk = getattr(args, "topk", None)
+        if topk is not None:
+            if cfg.layer != "ep":
+                raise ValueError("--topk routes the combine entries of the ep layer: it needs --layer ep")
+            cfg.topk = topk
         cfg.validate()
     except ValueError as exc:
         print(f"streamring model-check: {exc}", file=sys.stderr)

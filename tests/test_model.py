@@ -7,14 +7,22 @@ import pytest
 import streamring.protocol as P
 from streamring.cli import main
 from streamring.model import (
+    EP_INJECT_MODES,
+    EP_PROPERTIES,
+    MODEL_INJECT_MODES,
     PROP_ABA,
+    PROP_COMBINE_OVERWRITE,
+    PROP_COMBINE_READ,
+    PROP_COUNTER,
     PROP_DEADLOCK,
     PROP_OVERWRITE,
     PROP_PROTOCOL,
     PROPERTIES,
+    EPInject,
     Model,
     ModelConfig,
     check,
+    parse_inject,
     run_serialised,
 )
 
@@ -242,3 +250,180 @@ def test_bad_source_order_is_a_usage_error(capsys):
     assert info.value.code == 2 and "'rank', 'ready'" in capsys.readouterr().err
     with pytest.raises(ValueError, match="--source-order must be one of"):
         ModelConfig(source_order="random").validate()
+
+
+# --------------------------------------------------------------------------------------
+# --layer ep: the expert-parallel GPU layer's handoffs (early input_consumed ack, remote
+# combine and its arrived counters, the owner's reduce; each rank begins its next epoch alone)
+# --------------------------------------------------------------------------------------
+def test_ep_layer_passes_at_the_default_sizes(tmp_path, capsys):
+    rc, data = _cli(tmp_path, "--layer", "ep")
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert data["config"] == {**data["config"], "layer": "ep", "ranks": 2, "slots": 2, "chunks": 3, "epochs": 2,
+                              "inject": "none", "topk": 2, "por": True}
+    assert data["exhaustive"] is True and data["final_reachable"] is True
+    assert data["properties"] == {p: "PASS" for p in EP_PROPERTIES}
+    # the reduced graph (2,421 states, 3,771 transitions when written): a change of the model or
+    # of the reduction shows here
+    assert 2_300 <= data["states"] <= 2_550 and 3_600 <= data["transitions"] <= 4_000
+    assert "layer=ep (topk 2)" in out and "PASS: every property holds" in out
+    for p in (PROP_COMBINE_READ, PROP_COMBINE_OVERWRITE, PROP_COUNTER):
+        assert p in out
+
+
+def test_ep_routing_has_empty_contributions_and_an_empty_chunk():
+    m = Model(ModelConfig(layer="ep"))
+    for e in (1, 2):
+        rows = {(r, c, d): 0 for r in range(2) for c in range(3) for d in range(2)}
+        for d in range(2):
+            for r, c, _k in m.entries[e][d]:
+                rows[(r, c, d)] += 1
+        assert m.expected[e][1][2] == 0  # rank 1 has one token fewer: its last chunk is empty
+        # some consumer has no row of a chunk that has rows: it must add nothing, and is not waited for
+        assert any(n == 0 and m.expected[e][r][c] > 0 for (r, c, d), n in rows.items())
+        assert all(m.expected[e][r][c] == sum(rows[(r, c, d)] for d in range(2)) for r in range(2) for c in range(3))
+    assert m.route[1] != m.route[2]  # new inputs, new routing every epoch
+
+
+def test_ep_serialised_schedule_passes():
+    res = run_serialised(Model(ModelConfig(layer="ep")))
+    assert res["result"] == "PASS", res
+    R, C, E, K, tokens = 2, 3, 2, 2, 3 + 2
+    ring = R * 2 * C * (2 + R) + R * C * R * 2 + R  # producers, consumers (acquire, ack), ends
+    ep = K * tokens * 2 + R * C  # per entry: write, release+add; per owner and chunk: reduce
+    assert res["steps"] == E * (ring + ep)  # (no collective begin: each end begins the next epoch)
+
+
+@pytest.mark.parametrize("mode", EP_INJECT_MODES)
+def test_ep_serialised_schedule_of_each_mutation(mode):
+    # Serialised, nothing overlaps: every broken handoff still completes, except the counter that is
+    # never reset, which in epoch 2 counts past its expected value and never matches it.
+    res = run_serialised(Model(ModelConfig(layer="ep", inject=EPInject(mode))))
+    assert res["result"] == ("FAIL" if mode == "no-counter-reset" else "PASS"), res
+    if mode == "no-counter-reset":
+        assert "stuck" in res["error"] and "epoch 2" in "\n".join(res["trace_tail"])
+
+
+EP_EXPECTED = {
+    "ack-before-copy": (PROP_OVERWRITE, "its copy out of the slot has not completed"),
+    "signal-before-combine": (PROP_COMBINE_READ, "still pending"),
+    "skip-arrival-wait": (PROP_COMBINE_READ, "never written"),
+    "no-counter-reset": (PROP_COUNTER, "was not reset"),
+    "combine-by-slot": (PROP_COMBINE_OVERWRITE, "not reduced yet"),
+}
+
+
+@pytest.mark.parametrize("mode", EP_INJECT_MODES)
+def test_ep_each_broken_handoff_gives_a_counterexample(tmp_path, capsys, mode):
+    rc, data = _cli(tmp_path, "--layer", "ep", "--inject", mode)
+    out = capsys.readouterr().out
+    assert rc == 1 and data["ok"] is False
+    ce = data["counterexample"]
+    prop, words = EP_EXPECTED[mode]
+    assert ce["properties"][0] == prop and words in ce["message"]
+    assert data["properties"][prop] == "FAIL"
+    assert ce["steps"] == len(ce["trace"]) and ce["trace"][-1].endswith("<-- VIOLATION")
+    assert f"[{mode}]" in "\n".join(ce["trace"])  # the broken step is in the trace, named
+    assert "counter-example" in out and prop in out and out.rstrip().splitlines()[-1].startswith("FAIL: ") and prop in out.rstrip().splitlines()[-1]
+
+
+def test_ep_counterexamples_are_short():
+    # one epoch suffices for three of them; the counter needs a second epoch of rank 0
+    lens = {m: check(ModelConfig(layer="ep", inject=EPInject(m))).counterexample["steps"] for m in EP_INJECT_MODES}
+    assert lens["ack-before-copy"] <= 20 and lens["signal-before-combine"] <= 20 and lens["skip-arrival-wait"] <= 12
+    assert lens["no-counter-reset"] <= 110 and lens["combine-by-slot"] <= 60
+    res = check(ModelConfig(layer="ep", slots=1, chunks=1, inject=EPInject.NO_COUNTER_RESET))
+    assert res.counterexample["properties"][0] == PROP_COUNTER and res.counterexample["steps"] <= 40
+
+
+def test_no_counter_reset_reads_the_previous_epochs_entries():
+    ce = check(ModelConfig(layer="ep", inject=EPInject.NO_COUNTER_RESET)).counterexample
+    assert ce["properties"] == [PROP_COUNTER, PROP_COMBINE_READ]
+    assert "(epoch 2)" in ce["message"] and "result for chunk 0 of epoch 1" in ce["message"]
+
+
+@pytest.mark.parametrize("mode", P.INJECT_MODES)
+def test_ep_layer_still_catches_every_ring_mutation(mode):
+    # (ignore-epoch at 2 chunks, where the leftover of epoch 1 in slot 0 has the sequence of e2:c0)
+    res = check(ModelConfig(layer="ep", inject=P.Inject(mode), chunks=2 if mode == "ignore-epoch" else 3))
+    assert not res.ok and res.counterexample["properties"]
+    if mode == "ignore-epoch":
+        assert res.counterexample["properties"] == [PROP_ABA]
+
+
+def test_ep_mutations_and_topk_need_the_ep_layer(capsys):
+    assert main(["model-check", "--inject", "ack-before-copy"]) == 2
+    assert "needs --layer ep" in capsys.readouterr().err
+    assert main(["model-check", "--topk", "1"]) == 2
+    assert "needs --layer ep" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["model-check", "--layer", "moe"])
+    assert "'ring', 'ep'" in capsys.readouterr().err
+
+
+def test_ep_owner_waiting_for_an_empty_contribution_deadlocks(monkeypatch):
+    # A broken count: the owner expects at least one row from every consumer, also from one
+    # that has none of the chunk. Nothing ever adds it: the owner, and with it its rank, hangs.
+    original = Model._init_ep
+
+    def counts_empty_contributions(self):
+        original(self)
+        for e in range(1, self.E + 1):
+            for r in range(self.R):
+                for c in range(self.C):
+                    if self.expected[e][r][c]:
+                        self.expected[e][r][c] = sum(max(1, sum(1 for x in self.entries[e][d] if x[:2] == (r, c)))
+                                                     for d in range(self.R))
+
+    monkeypatch.setattr(Model, "_init_ep", counts_empty_contributions)
+    res = check(ModelConfig(layer="ep"))
+    assert res.properties[PROP_DEADLOCK] == "FAIL"
+    assert run_serialised(Model(ModelConfig(layer="ep")))["result"] == "FAIL"
+
+
+def test_ep_exact_acquire_is_checked_on_the_classify_in_use(monkeypatch):
+    assert Model(ModelConfig(layer="ep")).exact_acquire is True
+    assert Model(ModelConfig(layer="ep", inject=P.Inject.IGNORE_EPOCH)).exact_acquire is False
+    assert Model(ModelConfig(layer="ep", inject=P.Inject.SKIP_ACQUIRE)).exact_acquire is False
+    original = P.classify_gen
+    monkeypatch.setattr(P, "classify_gen", lambda o, e, n, ignore_epoch=False: original(o, e, n, True))
+    assert Model(ModelConfig(layer="ep")).exact_acquire is False
+
+
+EP_SIZES = [(2, 1, 1, 2, 2), (1, 2, 3, 2, 2), (1, 1, 3, 2, 2)]
+# 2 chunks of 2 ranks on one slot, one entry per token: the slot reused under the early
+# acknowledgement (full graphs of up to 240,000 states; the sizes above cover the ring mutations;
+# this size caught a reduction that assumed the acks of an earlier lap were gone under skip-ack-wait)
+EP_SIZE_REUSE = (2, 1, 2, 1, 1)
+
+
+EP_REDUCTION_CASES = ([(m, z) for m in ("none",) + MODEL_INJECT_MODES for z in EP_SIZES]
+                      + [(m, EP_SIZE_REUSE) for m in ("none", "skip-ack-wait", "ack-before-copy", "combine-by-slot")])
+
+
+@pytest.mark.parametrize("mode,sizes", EP_REDUCTION_CASES,
+                         ids=[f"{m}-{'x'.join(map(str, z[:4]))}-topk{z[4]}" for m, z in EP_REDUCTION_CASES])
+def test_ep_reduction_preserves_verdict_and_terminal_states(mode, sizes):
+    R, S, C, E, K = sizes
+    kw = dict(layer="ep", ranks=R, slots=S, chunks=C, epochs=E, topk=K, inject=parse_inject(mode),
+              stop_at_first=False)
+    full = check(ModelConfig(por=False, **kw))
+    red = check(ModelConfig(por=True, **kw))
+    assert bool(full._violation_set) == bool(red._violation_set)
+    assert red._violation_set <= full._violation_set
+    assert full._terminal_set == red._terminal_set
+    assert red.states <= full.states
+
+
+@pytest.mark.parametrize("mode", ("none", "ack-before-copy", "signal-before-combine", "skip-arrival-wait"))
+def test_ep_ready_order(mode):
+    kw = dict(layer="ep", ranks=2, slots=1, chunks=1, epochs=2, inject=parse_inject(mode), stop_at_first=False,
+              source_order="ready")
+    full = check(ModelConfig(por=False, **kw))
+    red = check(ModelConfig(por=True, **kw))
+    assert bool(full._violation_set) == bool(red._violation_set) == (mode != "none")
+    assert red._violation_set <= full._violation_set and full._terminal_set == red._terminal_set
+    # (at 3 chunks the ready order's coarse look-ahead leaves far more states: 2 chunks here)
+    assert check(ModelConfig(layer="ep", chunks=2, source_order="ready", inject=parse_inject(mode))).ok is (
+        mode == "none")
