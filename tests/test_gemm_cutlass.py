@@ -625,7 +625,7 @@ def test_consumer_cutlass_matches_triton(l1_dtype):
         if impl == "cutlass":
             bc.use_cutlass(l1_out_dtype=l1_dtype, trap_on_error=False)
         out = torch.zeros_like(x)
-        B.moe_forward_impl(sc["idx"], sc["w"], sc["q"], sc["sf"], fw, bc, out, gemm_impl=impl)
+        B.moe_forward(sc["idx"], sc["w"], sc["q"], sc["sf"], fw, bc, out, gemm_impl=impl)
         if impl == "cutlass":
             bc.cutlass.check()
         outs[impl] = out.float()
@@ -655,11 +655,11 @@ def test_consumer_cutlass_streamed_equals_batch_bitwise(chunk):
         bc.use_cutlass(trap_on_error=False)
         y = torch.zeros_like(x)
         if streamed:
-            B.streamed_forward_serial_impl(x, fw, shape, prod, bc, sc, chunk, y, gemm_impl="cutlass")
+            B.streamed_forward_serial(x, fw, shape, prod, bc, sc, chunk, y, gemm_impl="cutlass")
         else:  # the batch path: produce everything, one dispatch + seal, one GEMM pass
             prod.route(x, sc["idx"], sc["w"])
             prod.layout(x, sc["q"], sc["sf"])
-            B.moe_forward_impl(sc["idx"], sc["w"], sc["q"], sc["sf"], fw, bc, y, gemm_impl="cutlass")
+            B.moe_forward(sc["idx"], sc["w"], sc["q"], sc["sf"], fw, bc, y, gemm_impl="cutlass")
         bc.cutlass.check()
         ys.append(y)
     assert torch.equal(ys[0], ys[1])

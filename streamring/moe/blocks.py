@@ -290,13 +290,13 @@ def batch_forward(x, fw: FastWeights, shape: MoEShape, prod: Producer, bc: Block
 
 
 def moe_forward(idx, w, q, sf, fw: FastWeights, bc: BlockConsumer, out: torch.Tensor,
-                max_ctas: int | None = None) -> None:
+                max_ctas: int | None = None, gemm_impl: str = "triton") -> None:
     """The MoE alone on already produced routing/layout (batch structure); ``max_ctas`` as in
-    :meth:`BlockConsumer.compute`."""
+    :meth:`BlockConsumer.compute`, the expert GEMMs of ``gemm_impl`` (:func:`compute_blocks`)."""
     bc.begin()
     bc.dispatch(0, idx, w, q, sf, 0)
     bc.seal(1)
-    bc.compute(0, 2, bc.max_blocks, fw, max_ctas=max_ctas)
+    compute_blocks(bc, 0, 2, bc.max_blocks, fw, gemm_impl, max_ctas=max_ctas)
     bc.combine(out)
 
 
@@ -366,9 +366,10 @@ FAST_PATH_REL_TOL = 0.03
 
 
 def streamed_forward_serial(x, fw: FastWeights, shape: MoEShape, prod: Producer, bc: BlockConsumer,
-                            scratch: dict, chunk_tokens: int, out: torch.Tensor) -> None:
+                            scratch: dict, chunk_tokens: int, out: torch.Tensor, gemm_impl: str = "triton") -> None:
     """Chunk by chunk on one stream, without a ring (the block logic alone; tests and the
-    ``serialized`` reference): produce chunk c, dispatch it, run the blocks it made ready."""
+    ``serialized`` reference): produce chunk c, dispatch it, run the blocks it made ready with
+    the expert GEMMs of ``gemm_impl`` (:func:`compute_blocks`)."""
     t = x.shape[0]
     n_chunks = max(1, -(-t // chunk_tokens))
     bc.begin()
@@ -379,9 +380,9 @@ def streamed_forward_serial(x, fw: FastWeights, shape: MoEShape, prod: Producer,
         prod.route(x[a:b], idx, w)
         prod.layout(x[a:b], q, sf)
         bc.dispatch(c, idx, w, q, sf, a)
-        bc.compute(c, c + 1, bc.max_ready(b - a), fw)
+        compute_blocks(bc, c, c + 1, bc.max_ready(b - a), fw, gemm_impl)
     bc.seal(n_chunks)
-    bc.compute(n_chunks, n_chunks + 1, bc.max_ready(0), fw)
+    compute_blocks(bc, n_chunks, n_chunks + 1, bc.max_ready(0), fw, gemm_impl)
     bc.combine(out)
 
 
@@ -398,33 +399,3 @@ def compute_blocks(bc: BlockConsumer, lo_index: int, hi_index: int, max_items: i
         bc.compute_cutlass(lo_index, hi_index, max_items, fw, pdl=pdl, max_ctas=max_ctas)
     else:
         raise ValueError(f"gemm_impl must be one of {GEMM_IMPLS}, got {gemm_impl!r}")
-
-
-def moe_forward_impl(idx, w, q, sf, fw: FastWeights, bc: BlockConsumer, out: torch.Tensor, gemm_impl: str = "triton",
-                     max_ctas: int | None = None) -> None:
-    """:func:`moe_forward` with the expert GEMMs of ``gemm_impl`` (``"triton"`` or ``"cutlass"``)."""
-    bc.begin()
-    bc.dispatch(0, idx, w, q, sf, 0)
-    bc.seal(1)
-    compute_blocks(bc, 0, 2, bc.max_blocks, fw, gemm_impl, max_ctas=max_ctas)
-    bc.combine(out)
-
-
-def streamed_forward_serial_impl(x, fw: FastWeights, shape: MoEShape, prod: Producer, bc: BlockConsumer,
-                                 scratch: dict, chunk_tokens: int, out: torch.Tensor,
-                                 gemm_impl: str = "triton") -> None:
-    """:func:`streamed_forward_serial` with the expert GEMMs of ``gemm_impl``."""
-    t = x.shape[0]
-    n_chunks = max(1, -(-t // chunk_tokens))
-    bc.begin()
-    for c in range(n_chunks):
-        a, b = c * chunk_tokens, min(t, (c + 1) * chunk_tokens)
-        idx, w = scratch["idx"][a:b], scratch["w"][a:b]
-        q, sf = scratch["q"][a:b], scratch["sf"][a:b]
-        prod.route(x[a:b], idx, w)
-        prod.layout(x[a:b], q, sf)
-        bc.dispatch(c, idx, w, q, sf, a)
-        compute_blocks(bc, c, c + 1, bc.max_ready(b - a), fw, gemm_impl)
-    bc.seal(n_chunks)
-    compute_blocks(bc, n_chunks, n_chunks + 1, bc.max_ready(0), fw, gemm_impl)
-    bc.combine(out)
