@@ -26,13 +26,14 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.ring_loop import publish_acquire_latencies
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def bench(args) -> None:
     from streamring.device.cpu import MpiHeap
     from streamring.device.verbs import Cmp, SignalOp
-    from streamring.protocol import META_LAYOUT_NS, META_ROUTE_NS, META_WORDS, Ring, RingLayout
 
     heap = MpiHeap()
     R, me = heap.num_ranks, heap.rank
@@ -58,47 +59,20 @@ def bench(args) -> None:
     heap.barrier()
     heap.free(region)
     # -- ring ------------------------------------------------------------------------------
-    L = RingLayout(num_ranks=R, num_slots=S, tokens_per_slot=C, hidden=H, topk=K, num_experts=64)
-    ring = Ring(heap, L, wait_timeout_s=60)
-    idx = np.zeros((C, K), np.int64)
-    w = np.ones((C, K), np.float32)
-    x = np.zeros((C, H), np.uint8)
-    sf = np.ones((C, H // 128), np.float32)
-    lat = []
-    plan = ring.begin_stream(1, args.chunks * C)
-    heap.barrier()
-    t0 = time.perf_counter()
-    meta = np.empty(META_WORDS, np.int64)
-    for c in range(plan.num_chunks):
-        ring.reserve(c)
-        ring.publish_route(c, idx, w)
-        ring.publish_layout(c, x, sf)
-        for src in range(R):
-            ring.acquire(src, c)
-            t_acq = time.monotonic_ns()
-            view = ring.read_chunk(src, c)
-            heap.get(ring.buf, L.meta_off(c % S), meta, src)
-            if src != me:
-                lat.append((t_acq - max(int(meta[META_ROUTE_NS]), int(meta[META_LAYOUT_NS]))) / 1e9)
-            assert view.valid == C
-            ring.ack(src, c)
-    ring.end_stream()
-    dt = time.perf_counter() - t0
-    heap.barrier()
+    lat, dt, num_chunks = publish_acquire_latencies(heap, S, C, H, K, args.chunks, counted=lambda src: src != me)
     res = heap.allgather_obj(dict(rank=me, lat=lat, dt=dt, one_way=one_way))
     if me == 0:
         raw = statistics.median(res[0]["one_way"])
         all_lat = [v for r in res for v in r["lat"]]
         ring_med = statistics.median(all_lat) if all_lat else float("nan")
-        rate = statistics.median([plan.num_chunks * R / r["dt"] for r in res])
-        print(f"ranks={R} chunk={C} tokens x hidden {H} ({chunk_bytes} B) slots={S} chunks/rank={plan.num_chunks}")
+        rate = statistics.median([num_chunks * R / r["dt"] for r in res])
+        print(f"ranks={R} chunk={C} tokens x hidden {H} ({chunk_bytes} B) slots={S} chunks/rank={num_chunks}")
         print(f"  raw put_signal -> wait one-way (ranks 0->1), median : {raw * 1e6:9.1f} us")
         print(f"  ring publish -> acquire (all pairs), median         : {ring_med * 1e6:9.1f} us"
               f"   p90 {np.percentile(all_lat, 90) * 1e6:.1f} us")
         print(f"  ratio ring / raw                                    : {ring_med / raw:9.2f}x")
         print(f"  chunks consumed per second per rank (median)        : {rate:9.0f}"
               f"   ({rate * chunk_bytes / 1e6:.1f} MB/s of chunk payload)")
-    ring.close()
     heap.close()
 
 

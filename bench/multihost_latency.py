@@ -37,6 +37,8 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.ring_loop import publish_acquire_latencies
+
 
 def _pct(values, q) -> float:
     return float(np.percentile(values, q)) if len(values) else float("nan")
@@ -100,35 +102,9 @@ def _idle_barrier(comm, timeout_s: float = 300) -> None:
 
 def ring_latency(heap, hosts: list[str], args) -> tuple[list[float], float]:
     """Publish->acquire latencies (s) of chunks from other hosts, and this rank's wall time."""
-    from streamring.protocol import META_LAYOUT_NS, META_ROUTE_NS, META_WORDS, Ring, RingLayout
-
-    R, me = heap.num_ranks, heap.rank
-    H, K, C, S = args.hidden, 8, args.tokens_per_slot, args.num_slots
-    L = RingLayout(num_ranks=R, num_slots=S, tokens_per_slot=C, hidden=H, topk=K, num_experts=64)
-    ring = Ring(heap, L, wait_timeout_s=60)
-    idx, w = np.zeros((C, K), np.int64), np.ones((C, K), np.float32)
-    x, sf = np.zeros((C, H), np.uint8), np.ones((C, H // 128), np.float32)
-    meta = np.empty(META_WORDS, np.int64)
-    lat = []
-    plan = ring.begin_stream(1, args.chunks * C)
-    heap.barrier()
-    t0 = time.perf_counter()
-    for c in range(plan.num_chunks):
-        ring.reserve(c)
-        ring.publish_route(c, idx, w)
-        ring.publish_layout(c, x, sf)
-        for src in range(R):
-            ring.acquire(src, c)
-            t_acq = time.monotonic_ns()
-            ring.read_chunk(src, c)
-            heap.get(ring.buf, L.meta_off(c % S), meta, src)
-            if hosts[src] != hosts[me]:
-                lat.append((t_acq - max(int(meta[META_ROUTE_NS]), int(meta[META_LAYOUT_NS]))) / 1e9)
-            ring.ack(src, c)
-    ring.end_stream()
-    wall = time.perf_counter() - t0
-    heap.barrier()
-    ring.close()
+    me = heap.rank
+    lat, wall, _ = publish_acquire_latencies(heap, args.num_slots, args.tokens_per_slot, args.hidden, 8, args.chunks,
+                                             counted=lambda src: hosts[src] != hosts[me])
     return lat, wall
 
 
