@@ -179,17 +179,25 @@ def test_consumer_that_never_sees_ready_deadlocks(monkeypatch):
 # --------------------------------------------------------------------------------------
 # The partial-order reduction agrees with the full interleaving graph
 # --------------------------------------------------------------------------------------
+def assert_reduction_agrees(**kw):
+    """The partial-order reduction against the full interleaving graph at the sizes ``kw``: the same
+    verdict, a subset of its violations (the reduced graph is a subgraph), the same terminal states
+    (the final state and every deadlock), no more states. Returns the full graph's result."""
+    full = check(ModelConfig(por=False, **kw))
+    red = check(ModelConfig(por=True, **kw))
+    assert bool(full._violation_set) == bool(red._violation_set)
+    assert red._violation_set <= full._violation_set
+    assert full._terminal_set == red._terminal_set
+    assert red.states <= full.states
+    return full
+
+
 @pytest.mark.parametrize("mode", ("none",) + P.INJECT_MODES)
 @pytest.mark.parametrize("sizes", [(2, 1, 2, 1), (1, 2, 3, 2)])
 def test_reduction_preserves_verdict_and_terminal_states(mode, sizes):
     R, S, C, E = sizes
     kw = dict(ranks=R, slots=S, chunks=C, epochs=E, inject=P.Inject(mode), stop_at_first=False)
-    full = check(ModelConfig(por=False, **kw))
-    red = check(ModelConfig(por=True, **kw))
-    assert bool(full._violation_set) == bool(red._violation_set)
-    assert red._violation_set <= full._violation_set  # the reduced graph is a subgraph
-    assert full._terminal_set == red._terminal_set  # final state and every deadlock
-    assert red.states <= full.states
+    assert_reduction_agrees(**kw)
 
 
 @pytest.mark.parametrize("mode", ("none",) + P.INJECT_MODES)
@@ -236,12 +244,7 @@ def test_ready_order_mutations_give_counterexamples(mode):
 @pytest.mark.parametrize("mode", ("none", "skip-ack-wait", "signal-before-payload"))
 def test_ready_order_reduction_preserves_verdict(mode):
     kw = dict(ranks=2, slots=1, chunks=2, epochs=1, inject=P.Inject(mode), stop_at_first=False, source_order="ready")
-    full = check(ModelConfig(por=False, **kw))
-    red = check(ModelConfig(por=True, **kw))
-    assert bool(full._violation_set) == bool(red._violation_set)
-    assert red._violation_set <= full._violation_set
-    assert full._terminal_set == red._terminal_set
-    assert red.states <= full.states
+    assert_reduction_agrees(**kw)
 
 
 def test_bad_source_order_is_a_usage_error(capsys):
@@ -408,22 +411,15 @@ def test_ep_reduction_preserves_verdict_and_terminal_states(mode, sizes):
     R, S, C, E, K = sizes
     kw = dict(layer="ep", ranks=R, slots=S, chunks=C, epochs=E, topk=K, inject=parse_inject(mode),
               stop_at_first=False)
-    full = check(ModelConfig(por=False, **kw))
-    red = check(ModelConfig(por=True, **kw))
-    assert bool(full._violation_set) == bool(red._violation_set)
-    assert red._violation_set <= full._violation_set
-    assert full._terminal_set == red._terminal_set
-    assert red.states <= full.states
+    assert_reduction_agrees(**kw)
 
 
 @pytest.mark.parametrize("mode", ("none", "ack-before-copy", "signal-before-combine", "skip-arrival-wait"))
 def test_ep_ready_order(mode):
     kw = dict(layer="ep", ranks=2, slots=1, chunks=1, epochs=2, inject=parse_inject(mode), stop_at_first=False,
               source_order="ready")
-    full = check(ModelConfig(por=False, **kw))
-    red = check(ModelConfig(por=True, **kw))
-    assert bool(full._violation_set) == bool(red._violation_set) == (mode != "none")
-    assert red._violation_set <= full._violation_set and full._terminal_set == red._terminal_set
+    full = assert_reduction_agrees(**kw)
+    assert bool(full._violation_set) == (mode != "none")
     # (at 3 chunks the ready order's coarse look-ahead leaves far more states: 2 chunks here)
     assert check(ModelConfig(layer="ep", chunks=2, source_order="ready", inject=parse_inject(mode))).ok is (
         mode == "none")
