@@ -62,6 +62,14 @@ def log(text: str) -> None:
     sys.stdout.flush()
 
 
+#: Every stress --inject mode with the config and chunk count that makes it show (ignore-epoch
+#: needs a wrap onto an old epoch's leftover: the aba config, 2 chunks); each must fail.
+STRESS_INJECT_CASES = (("skip-acquire", "stress-basic.yaml", 16),
+                       ("signal-before-payload", "stress-basic.yaml", 16),
+                       ("skip-ack-wait", "stress-basic.yaml", 16),
+                       ("ignore-epoch", "stress-aba.yaml", 2))
+
+
 def mpiexec(n: int, *args: str) -> list[str]:
     return ["mpiexec", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-n", str(n), PY, *args]
 
@@ -249,10 +257,7 @@ def phase_multi(state: dict) -> None:
         4, "-m", "streamring", "gpu-check", "--policies", "all", "--replays", REPLAYS, "--json", str(gj)),
         150, pes=4, judge=judge_graph, json_path=gj, env=mps(4))
     # 3 PEs: every inject mode must be caught (as the CPU suite does), then the 3-rank configs
-    for mode, cfg, chunks in (("skip-acquire", "stress-basic.yaml", 16),
-                              ("signal-before-payload", "stress-basic.yaml", 16),
-                              ("skip-ack-wait", "stress-basic.yaml", 16),
-                              ("ignore-epoch", "stress-aba.yaml", 2)):
+    for mode, cfg, chunks in STRESS_INJECT_CASES:
         ij = TMP / f"inject-{mode}.json"
         run_step(state, f"stress --inject {mode} ({cfg})", stress_cmd(
             3, ij, "--config", str(CONFIGS / cfg), "--inject", mode, "--set", "wait_timeout_s=5",
@@ -343,10 +348,7 @@ def phase_gpus(state: dict) -> None:
     sj = TMP / f"stress-{n}gpu.json"
     run_step(state, "stress default (host verbs)", stress_cmd(n, sj, "--set", "stress.chunks_per_rank=16"), 90, pes=n,
              judge=judge_stress, json_path=sj)
-    for mode, cfg, chunks in (("skip-acquire", "stress-basic.yaml", 16),
-                              ("signal-before-payload", "stress-basic.yaml", 16),
-                              ("skip-ack-wait", "stress-basic.yaml", 16),
-                              ("ignore-epoch", "stress-aba.yaml", 2)):
+    for mode, cfg, chunks in STRESS_INJECT_CASES:
         ij = TMP / f"inject-{mode}-{n}gpu.json"
         run_step(state, f"stress --inject {mode} ({cfg})", stress_cmd(
             n, ij, "--config", str(CONFIGS / cfg), "--inject", mode, "--set", "wait_timeout_s=5",
