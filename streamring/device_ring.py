@@ -108,7 +108,10 @@ class DeviceRing:
     # -- streams ---------------------------------------------------------------------------------
     def stream_ref(self, stream):
         """A cached :class:`~streamring.device.kernels.StreamRef` of a torch stream (or the StreamRef
-        itself), for launching kernels of the library on that stream."""
+        itself), for launching kernels of the library on that stream (``None``: the heap's library
+        has no streams, e.g. a CPU emulation, and runs kernels in call order)."""
+        if stream is None:
+            return None
         key = stream.handle if hasattr(stream, "handle") and hasattr(stream, "core") else int(stream.cuda_stream)
         ref = self._refs.get(key)
         if ref is None:
@@ -124,21 +127,32 @@ class DeviceRing:
         K.ring_reuse_wait(self.lib, self.stream_ref(stream), d=self.desc, buf=self.buf, me=self.me, chunk=chunk,
                           inject=inject)
 
-    def publish(self, stream, chunk: int, kind: int, valid: int) -> None:
+    def publish(self, stream, chunk: int, kind: int, valid) -> None:
         """Producer: enqueue the metadata words of my slot (``valid`` tokens of ``chunk``) and the
-        release of my ``kind`` (RING_ROUTE/RING_LAYOUT) generation of ``chunk`` at every PE."""
+        release of my ``kind`` (RING_ROUTE/RING_LAYOUT) generation of ``chunk`` at every PE.
+
+        ``valid`` is an int in ``[0, tokens_per_slot]`` or a one-element int64 tensor on the ring's device
+        (read by the kernel when it runs: a count that changes between replays of a captured graph;
+        the producer keeps it in range, consumers check it, see ``check_meta`` in ring_kernels.cu)."""
         if kind not in (RING_ROUTE, RING_LAYOUT):
             raise ValueError(f"kind must be RING_ROUTE ({RING_ROUTE}) or RING_LAYOUT ({RING_LAYOUT}), got {kind}")
-        if not 0 <= valid <= self.layout.tokens_per_slot:
-            raise ValueError(f"valid must be in [0, tokens_per_slot={self.layout.tokens_per_slot}], got {valid}")
+        if isinstance(valid, int):
+            if not 0 <= valid <= self.layout.tokens_per_slot:
+                raise ValueError(f"valid must be in [0, tokens_per_slot={self.layout.tokens_per_slot}], got {valid}")
+            count, ptr = valid, 0
+        else:
+            if valid.dtype != self.heap._torch.int64 or valid.numel() != 1 or valid.device != self.epoch_t.device:
+                raise ValueError(f"valid must be an int or a one-element int64 tensor on {self.epoch_t.device}, got "
+                                 f"{valid.dtype} {list(valid.shape)} on {valid.device}")
+            count, ptr = 0, int(valid.data_ptr())
         K.ring_publish(self.lib, self.stream_ref(stream), d=self.desc, buf=self.buf, peers=self.peers, me=self.me,
-                       chunk=chunk, kind=kind, valid=valid)
+                       chunk=chunk, kind=kind, valid=count, valid_ptr=ptr)
 
     def acquire_checked(self, stream, chunk: int, valid_tab, inject: int = 0, src0: int = 0,
                         sources: int | None = None) -> None:
         """Consumer: enqueue the acquire of ``chunk`` of sources ``src0 ..`` and the check of their
-        metadata words against ``valid_tab`` (device int32 ``[num_chunks, num_ranks]``: the tokens
-        each source's chunk must hold); a mismatch is recorded in :meth:`status`."""
+        metadata words; each source's valid token count goes to ``valid_tab[chunk, src]`` (device
+        int32 ``[num_chunks, num_ranks]``; 0 where a word was wrong, recorded in :meth:`status`)."""
         K.ring_acquire_checked(self.lib, self.stream_ref(stream), d=self.desc, buf=self.buf, peers=self.peers, me=self.me,
                                src0=src0, chunk=chunk, valid_tab=int(valid_tab.data_ptr()), inject=inject,
                                sources=self._sources(sources))
@@ -203,11 +217,42 @@ class DeviceRing:
             for kind in (RING_ROUTE, RING_LAYOUT):
                 stream_wait_geq(torch_stream, self.wake_addr(kind, src, chunk % S), lap)
 
+    # -- typed views of this PE's copy ------------------------------------------------------------
+    def slot_views(self, slot: int) -> dict:
+        """Typed tensor views of my copy of ``slot``, laid out by the ring's :class:`RingLayout`:
+        ``x`` float8_e4m3fn ``[C, hidden]``, ``x_sf`` float32 ``[C, hidden/128]``, ``topk_idx`` int64
+        ``[C, topk]`` and ``topk_weights`` float32 ``[C, topk]`` (C = tokens per slot)."""
+        torch = self.heap._torch
+        L, u8 = self.layout, self.region.local
+        C, H, Kk = L.tokens_per_slot, L.hidden, L.topk
+
+        def view(off, nbytes, dtype, shape):
+            return u8[off: off + nbytes].view(dtype).view(*shape)
+
+        return {"x": view(L.x_off(slot), C * H, torch.float8_e4m3fn, (C, H)),
+                "x_sf": view(L.x_sf_off(slot), C * L.sf_cols * 4, torch.float32, (C, L.sf_cols)),
+                "topk_idx": view(L.topk_idx_off(slot), C * Kk * 8, torch.int64, (C, Kk)),
+                "topk_weights": view(L.topk_weights_off(slot), C * Kk * 4, torch.float32, (C, Kk))}
+
+    def read_distances(self, mirror=None):
+        """Where the data kernels read each source's copy of the ring: int64 tensors ``(bytes,
+        float32 elements, int64 elements)`` ``[num_ranks]`` from my copy's base. Without ``mirror``,
+        the P2P peer mappings (0 for myself); with ``mirror`` (uint8 ``[num_ranks, ring bytes]``, a
+        local copy per source filled by NVSHMEM gets), the rows of the mirror."""
+        torch = self.heap._torch
+        if mirror is None:
+            delta = self.peers_t - self.buf
+        else:
+            rows = torch.arange(self.layout.num_ranks, dtype=torch.int64, device=self.peers_t.device)
+            delta = rows * mirror.stride(0) + (int(mirror.data_ptr()) - self.buf)
+        return delta.contiguous(), (delta // 4).contiguous(), (delta // 8).contiguous()
+
     # -- host side ---------------------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
         """Set the device epoch word (before the first forward; later forwards advance it)."""
         self.epoch_t.fill_(int(epoch))
-        self.heap._torch.cuda.synchronize(self.heap.device)
+        if self.epoch_t.is_cuda:
+            self.heap._torch.cuda.synchronize(self.heap.device)
 
     def epoch(self) -> int:
         return int(self.epoch_t.item())
