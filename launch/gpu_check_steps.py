@@ -24,6 +24,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from streamring.protocol import PROGRESS_POLICIES, REFUSED_POLICIES  # noqa: E402  (plain data, no GPU imports)
 OUT = Path(os.environ.get("OUT") or ROOT / "out")
 LOG = OUT / "gpu_check.log"
 STATE = OUT / "summary.json"
@@ -214,9 +216,10 @@ def phase_single(state: dict) -> None:
     rj = TMP / "run-1.json"
     run_step(state, "MoE run (router, chunk_local) streamed vs batch", run_cmd(
         1, rj, "--set", "run.tokens_per_rank=200"), 120, pes=1, judge=judge_run, json_path=rj)
-    fj = TMP / "fast-1.json"
-    run_step(state, "EP layer run (1 PE, spin_kernel)", run_cmd(1, fj, *FAST), 150, pes=1, judge=judge_run,
-             json_path=fj)
+    for policy in EP_POLICIES:  # every policy the expert-parallel layer offers, one PE
+        fj = TMP / f"fast-1-{policy}.json"
+        run_step(state, f"EP layer run: policy {policy}", run_cmd(1, fj, *FAST, "--set", f"nvshmem.progress={policy}"),
+                 150, pes=1, judge=judge_run, json_path=fj)
     run_step(state, "pytest test_gpu, test_gpu_ep, test_ep_kernels, test_blocks (native)",
              [PY, "-m", "pytest", "-q", "-rs", "tests/test_gpu.py", "tests/test_gpu_ep.py", "tests/test_ep_kernels.py",
               "tests/test_blocks.py", "-p", "no:cacheprovider"], 300, pes=1, judge=judge_pytest)
@@ -239,6 +242,12 @@ def phase_multi(state: dict) -> None:
     rj = TMP / "run-2.json"
     run_step(state, "MoE run (router, chunk_local) streamed vs batch", run_cmd(2, rj), 120, pes=2,
              judge=judge_run, json_path=rj, env=mps(2))
+    for policy in EP_POLICIES:
+        if policy == "green_ctx":  # MPS clients cannot create green contexts (docs/gpu.md)
+            continue
+        fj = TMP / f"fast-2-{policy}.json"
+        run_step(state, f"EP layer run: policy {policy}", run_cmd(2, fj, *FAST, "--set", f"nvshmem.progress={policy}"),
+                 150, pes=2, judge=judge_run, json_path=fj, env=mps(2))
     tj = TMP / "torchrun-2.json"
     run_step(state, "torchrun bootstrap: stress", ["torchrun", "--nproc-per-node", "2", "-m", "streamring", "stress",
                                                    "--backend", "nvshmem", "--set", "stress.chunks_per_rank=8",
@@ -293,6 +302,9 @@ def gpu_count() -> int:
     return sum(1 for ln in out.splitlines() if ln.startswith("GPU "))
 
 
+#: the progress policies the expert-parallel layer offers (every one runs in every phase)
+EP_POLICIES = tuple(p for p in PROGRESS_POLICIES if p not in REFUSED_POLICIES)
+
 FAST = ["--set", "layer.weight_dtype=fp8", "--set", "layer.router=deepseek_v3", "--set", "layer.num_experts=16",
         "--set", "layer.n_group=4", "--set", "layer.topk_group=2", "--set", "layer.topk=4", "--set", "layer.hidden=512",
         "--set", "layer.intermediate=256", "--set", "layer.routed_scaling_factor=2.5", "--set", "run.block_m=16",
@@ -315,9 +327,8 @@ def phase_gpus(state: dict) -> None:
     run_step(state, f"gpu-check x{REPLAYS} replays, all policies + negative controls (one PE per GPU)", mpiexec(
         n, "-m", "streamring", "gpu-check", "--policies", "all", "--replays", REPLAYS, "--controls",
         "--json", str(gj)), 150, pes=n, judge=judge_graph, json_path=gj)
-    # 'pdl' is refused by EPMoE with more than one PE (streamed != batch on 2 H200s, 2026-11-30);
-    # the ring's own 'pdl' progress runs in the gpu-check step above
-    for policy in ("spin_kernel", "serialized", "stream_wait", "green_ctx"):
+    # the ring's own progress under every policy (pdl included) runs in the gpu-check step above
+    for policy in EP_POLICIES:
         rj = TMP / f"fast-{policy}.json"
         run_step(state, f"EP layer run: policy {policy}", run_cmd(
             n, rj, *FAST, "--set", f"nvshmem.progress={policy}"), 150, pes=n, judge=judge_run, json_path=rj)

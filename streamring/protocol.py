@@ -136,6 +136,17 @@ SOURCE_ORDERS = ("rank", "ready")
 #                 (the ring kernels themselves run as in serialized).
 PROGRESS_POLICIES = ("serialized", "stream_wait", "spin_kernel", "green_ctx", "pdl")
 
+# Progress policies the expert-parallel GPU layer refuses, with the measured reason (docs/gpu.md); the
+# device ring's own self-test still runs them.
+REFUSED_POLICIES = {
+    "pdl": "its streamed output differed from batch (max |diff| 0.09) on one and on two H200s, with the same "
+           "Triton GEMMs on both sides, while every other policy was bitwise equal; and its serialized order "
+           "overlaps nothing (1.17x batch at 4 chunks on one H200)",
+}
+
+# The expert GEMM implementations of the GPU layer ("auto": CUTLASS when its library loads, else Triton).
+GEMM_CHOICES = ("auto", "triton", "cutlass")
+
 
 def classify_gen(observed: int, expected: int, num_slots: int, ignore_epoch: bool = False) -> GenState:
     """Compare a generation word with the expected one (rule 6 of the module doc).

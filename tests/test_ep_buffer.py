@@ -197,3 +197,25 @@ def test_shared_buffer_bytes_at_the_deepseek_v3_shape(max_tokens):
     assert rep["ratio"] <= 1.1, rep
     # the combine area dominates: tokens x top-k x hidden bf16 rows
     assert rep["combine"] >= max_tokens * 8 * 7168 * 2
+
+
+def test_routing_given_by_the_caller(setup):
+    """``routing=(idx, w)`` is published as it is: the router's own routing gives the router's output,
+    bitwise; a masked route (-1) contributes nothing."""
+    from streamring.device import moe_triton as K
+    from streamring.moe.math import select_experts
+
+    shape, fw, buf = setup
+    w = buf.prepare(fw)
+    x = tokens(21, 8)
+    lg = torch.zeros(21, shape.num_experts)
+    K.router_logits(x, fw.router, lg)
+    idx, wt = select_experts(lg, fw.bias, shape)
+    want = buf.forward(x, w).clone()
+    assert torch.equal(bits(buf.forward(x, w, streaming=True, routing=(idx, wt.float()))), bits(want))
+    masked = idx.clone()
+    masked[:, 1:] = -1  # only each token's first expert
+    only_first = buf.forward(x, w, routing=(masked, wt.float())).clone()
+    assert not torch.equal(bits(only_first), bits(want))
+    with pytest.raises(ValueError, match=r"routing\[0\] \(topk_idx\) must be int64 \[21, 2\]"):
+        buf.forward(x, w, routing=(idx.int(), wt.float()))

@@ -194,8 +194,8 @@ def report_run(results: list[dict], cfg: Config, wall_s: float, json_path: str |
     fast = results[0].get("path") == "fast"
     if fast:  # the expert-parallel GPU layer (runner.run_layer_gpu)
         r0 = results[0]
-        title = (f"streamring run (GPU layer EPMoE: transport {r0['transport']}, policy {r0['policy']}, "
-                 f"{r0['gemm']} GEMMs): {len(results)} ranks, {L.num_experts} experts top-{L.topk} ({L.router}, "
+        title = (f"streamring run (GPU layer EPBuffer: transport {r0['transport']}, policy {r0['policy']}, "
+                 f"{r0['gemm']} GEMMs on both paths): {len(results)} ranks, {L.num_experts} experts top-{L.topk} ({L.router}, "
                  f"fp8), hidden {L.hidden}, ring {cfg.ring.num_slots}x{cfg.ring.tokens_per_slot}, "
                  f"{cfg.run.epochs} epochs, mode {mode}")
     out.table(title, RUN_COLUMNS, rows)

@@ -4,8 +4,10 @@
   layer on any backend (CPU MPI windows or NVSHMEM through the host verbs); batch-ready path by
   default, ``forward(..., streaming=True)`` for the streamed path. The RFC's
   ``get_symm_buffer_for_mega_moe`` + ``fp8_fp4_mega_moe``.
-* :class:`EPMoE` (``moe.gpu_layer``): the fast expert-parallel FP8 layer on GPUs (one PE per GPU,
-  any number; device-side dispatch and combine over NVSHMEM; one CUDA graph per forward).
+* :class:`EPBuffer` (``moe.ep_buffer``): the fast expert-parallel FP8 layer on GPUs (one PE per GPU,
+  any number; device-side dispatch and combine over NVSHMEM), one buffer for every layer of a model:
+  :meth:`EPBuffer.prepare` once per layer (:class:`LayerWeights`), :meth:`EPBuffer.forward` per call
+  (any token count up to the maximum, capturable in the caller's CUDA graph).
 * :func:`batch_forward` (``moe.blocks``): the GPU batch-ready path on the same kernels.
 * :class:`MoEShape`, :class:`MoEWeights` (``moe.math``): the layer's shape and weights;
   :class:`FastWeights` (``moe.blocks``): FP8 weights laid out for the GPU kernels;
@@ -18,7 +20,7 @@ you touch loads its module.
 
 _EXPORTS = {
     "MoEBuffer": "layer", "ForwardStats": "layer", "SCHEDULERS": "layer",
-    "EPMoE": "gpu_layer",
+    "EPBuffer": "ep_buffer", "LayerWeights": "ep_buffer",
     "batch_forward": "blocks", "FastWeights": "blocks", "Producer": "blocks", "BlockConsumer": "blocks",
     "MoEShape": "math", "MoEWeights": "math", "select_experts": "math", "route": "math",
     "reference_forward_f64": "math", "reference_tolerance": "math",

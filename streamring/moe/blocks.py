@@ -12,7 +12,7 @@ Everything is enqueued on the current torch stream with no host synchronisation:
 counts live on the device and the GEMM launches read their ``[lo, hi)`` range of the ready
 list from device memory, with a grid sized for the largest range possible. A whole forward -
 per-chunk dispatch and GEMMs included - is therefore one captured CUDA graph that the host does
-not relaunch per chunk (``streamring.moe.gpu_layer``).
+not relaunch per chunk (``streamring.moe.ep_buffer``).
 
 Bitwise contract: rows of an expert are appended in chunk order and, inside a chunk, in
 (token, k) order (stable sort), which is the batch path's order; the kernels compute every row

@@ -93,23 +93,15 @@ from ..device import moe_triton as K
 from ..device.ranges import annotate as nvtx_range
 from ..device.ringdesc import INJECT_BITS, RING_LAYOUT, RING_ROUTE
 from ..device_ring import DeviceRing
-from ..protocol import PROGRESS_POLICIES, SOURCE_ORDERS, CombineLayout, RingLayout
+from ..protocol import GEMM_CHOICES, PROGRESS_POLICIES, REFUSED_POLICIES, SOURCE_ORDERS, CombineLayout, RingLayout
 from .blocks import FP8, BlockConsumer, FastWeights
 from .math import MoEShape, MoEWeights, quantize_weight_fp8_block, select_experts
 from .plan import PlanChoice
 from .timeline_events import CHUNK_EVENTS, STAMP_STRIDE, TAIL_EVENTS
 
 TRANSPORTS = ("auto", "p2p", "nv")
-GEMMS = ("auto", "triton", "cutlass")
+GEMMS = GEMM_CHOICES
 BLOCK_MS = (16, 32, 64, 128)
-
-#: Progress policies this layer refuses, with the measured reason (``docs/gpu.md``).
-REFUSED_POLICIES = {
-    "pdl": "its streamed output differed from batch (max |diff| 0.09) on one and on two H200s, with the same "
-           "Triton GEMMs on both sides, while every other policy was bitwise equal; and its serialized order "
-           "overlaps nothing (1.17x batch at 4 chunks on one H200)",
-}
-
 
 def cutlass_unavailable_reason() -> Optional[str]:
     """Why the CUTLASS GEMM library is not taken here (``None`` when it loads). Never builds anything:
@@ -398,7 +390,7 @@ class EPBuffer:
     # -- the forward --------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, weights: LayerWeights, *, streaming: bool = False,
                 stream_epoch: Optional[int] = None, num_tokens=None, out: Optional[torch.Tensor] = None,
-                stamps: bool = True) -> torch.Tensor:
+                routing: Optional[tuple] = None, stamps: bool = True) -> torch.Tensor:
         """One layer on this PE's tokens (collective: every PE calls it, each replay of a captured
         graph likewise).
 
@@ -415,6 +407,9 @@ class EPBuffer:
                 Rows at and past it are ignored and their output rows are zero. A device value outside
                 ``[0, T]`` is clamped into it and counted in :meth:`status` (``bad_counts``).
             out: bf16 ``[T, hidden]`` to write into (default: a new tensor).
+            routing: ``(topk_idx, topk_weights)`` computed by the caller (int64 and float32 ``[T, topk]``
+                on the buffer's device, experts in ``[0, num_experts)`` or -1 for none) instead of the
+                layer's router: the producer publishes them as they are.
             stamps: record the timeline stamps (a buffer made with ``timeline=True``).
 
         Returns:
@@ -439,6 +434,15 @@ class EPBuffer:
             out = torch.empty_like(x)
         elif out.dtype != torch.bfloat16 or tuple(out.shape) != tuple(x.shape) or out.device != self.dev:
             raise ValueError(f"out must be bfloat16 {list(x.shape)} on {self.dev}, got {out.dtype} {list(out.shape)}")
+        if routing is not None:
+            idx, w = routing
+            Kk = self.shape.topk
+            if idx.dtype != torch.int64 or tuple(idx.shape) != (T, Kk) or idx.device != self.dev:
+                raise ValueError(f"routing[0] (topk_idx) must be int64 [{T}, {Kk}] on {self.dev}, got {idx.dtype} "
+                                 f"{list(idx.shape)} on {idx.device}")
+            if w.dtype != torch.float32 or tuple(w.shape) != (T, Kk) or w.device != self.dev:
+                raise ValueError(f"routing[1] (topk_weights) must be float32 [{T}, {Kk}] on {self.dev}, got {w.dtype} "
+                                 f"{list(w.shape)} on {w.device}")
         if isinstance(num_tokens, int) and not 0 <= num_tokens <= T:
             raise ValueError(f"num_tokens must be in [0, {T}] (rows of x), got {num_tokens}")
         path = self.paths["stream" if streaming else "batch"]
@@ -457,16 +461,16 @@ class EPBuffer:
             if capturing:
                 raise RuntimeError(f"the {path.name} path of this EPBuffer has not run yet: run one forward "
                                    f"(streaming={streaming}) eagerly before capturing it (it compiles the kernels)")
-            self._enqueue(path, weights, x, out, num_tokens, "serialized", stamps)
+            self._enqueue(path, weights, x, out, num_tokens, routing, "serialized", stamps)
             self._sync()
             self._warm.add(path.name)
             self.check()
             return out
-        self._enqueue(path, weights, x, out, num_tokens, None, stamps)
+        self._enqueue(path, weights, x, out, num_tokens, routing, None, stamps)
         return out
 
     def capture(self, x: torch.Tensor, weights: LayerWeights, out: torch.Tensor, *, streaming: bool = False,
-                num_tokens=None, node_priority: bool = True, stamps: bool = True):
+                num_tokens=None, routing: Optional[tuple] = None, node_priority: bool = True, stamps: bool = True):
         """Capture one :meth:`forward` into a CUDA graph and return it (run one eager forward of the
         same path first). With ``node_priority`` (and high-priority producer/dispatch streams) every
         kernel node but the expert GEMMs gets the high launch priority explicitly (a captured node
@@ -476,7 +480,8 @@ class EPBuffer:
         side = torch.cuda.Stream(device=self.dev)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.graph(g, stream=side, capture_error_mode="thread_local"):
-            self.forward(x, weights, streaming=streaming, num_tokens=num_tokens, out=out, stamps=stamps)
+            self.forward(x, weights, streaming=streaming, num_tokens=num_tokens, out=out, routing=routing,
+                         stamps=stamps)
         self.node_priority_report = "not asked" if not want else _prioritize_nodes(
             g, {int(k.function) for k in self.bc.gemm_kernels}, self.pstream.priority)
         if want:
@@ -589,7 +594,7 @@ class EPBuffer:
         torch.sub(nt, path.chunk_base, out=path.chunk_valid)
         path.chunk_valid.clamp_(0, path.chunk)
 
-    def _produce(self, path: _Path, layer: LayerWeights, x, c):
+    def _produce(self, path: _Path, layer: LayerWeights, x, c, routing=None):
         with nvtx_range(f"streamring produce chunk {c}", color="blue"):
             r, st = path.ring, self._current_stream()
             s = c % path.num_slots
@@ -608,9 +613,12 @@ class EPBuffer:
                 r.publish(st, c, RING_LAYOUT, valid=valid)
                 DK.ep_delay(self.heap.lib, r.stream_ref(st), ns=int(self.straggler_t.data_ptr()))
             if n:
-                lg = self.logits[:n]
-                K.router_logits(x[a:a + n], layer.fw.router, lg)
-                idx, w = select_experts(lg, layer.fw.bias, layer.routing)
+                if routing is None:
+                    lg = self.logits[:n]
+                    K.router_logits(x[a:a + n], layer.fw.router, lg)
+                    idx, w = select_experts(lg, layer.fw.bias, layer.routing)
+                else:
+                    idx, w = routing[0][a:a + n], routing[1][a:a + n]
                 slot["topk_idx"][:n].copy_(idx)
                 slot["topk_weights"][:n].copy_(w)
                 # my own view for the reduce: rows at and past this forward's count route nowhere
@@ -728,17 +736,17 @@ class EPBuffer:
             self.arrived[:path.num_chunks].zero_()
             self._stamp(path.num_chunks, 3)
 
-    def _enqueue(self, path: _Path, layer: LayerWeights, x, out, num_tokens, order, stamps):
+    def _enqueue(self, path: _Path, layer: LayerWeights, x, out, num_tokens, routing, order, stamps):
         self._recording = stamps
         self._stamp_path = path
         try:
             with nvtx_range(f"streamring EPBuffer.forward {path.name} ({path.num_chunks} chunks, {path.policy})",
                             color="purple"):
-                self._enqueue_inner(path, layer, x, out, num_tokens, order)
+                self._enqueue_inner(path, layer, x, out, num_tokens, routing, order)
         finally:
             self._recording = True
 
-    def _enqueue_inner(self, path, layer, x, out, num_tokens, order):
+    def _enqueue_inner(self, path, layer, x, out, num_tokens, routing, order):
         r = path.ring
         origin = self._current_stream()
         C = path.num_chunks
@@ -748,7 +756,7 @@ class EPBuffer:
             self._stamp(C, 0)
             self.bc.begin()
             for c in range(C):
-                self._produce(path, layer, x, c)
+                self._produce(path, layer, x, c, routing)
                 for j in range(path.steps):
                     self._dispatch(path, c, j)
                     self._chunk_gemms(path, layer, c, j)
@@ -780,7 +788,7 @@ class EPBuffer:
                 self._seal(path, layer)
             with self._side("p"):
                 for c in range(C):
-                    self._produce(path, layer, x, c)
+                    self._produce(path, layer, x, c, routing)
                 self._expected(path)
                 self._stamp(C, 1)
             self.gstream.wait_stream(self.pstream)
