@@ -106,7 +106,9 @@ static __device__ bool acquire_wait(const RingDesc* d, uint8_t* buf, int64_t src
             if (spins > 4096) __nanosleep(64);
         }
     }
-    __threadfence_system();  // belt and braces: no later load is satisfied before the acquire
+    // the ld.acquire above already orders this thread's later loads; the fence extends it to what the
+    // block does after its barrier (a kernel that acquires, then reads the slot with many threads)
+    fence_acq_rel_sys();
     return true;
 }
 
