@@ -268,13 +268,13 @@ class EmulatedLibrary:
                 src = int(words(src_list + j * 4, 1, np.int32)[0])
                 ctypes.memmove(mirror + src * mirror_stride, buf, D.total_bytes)
 
-    def ep_wait_arrivals(self, grid, *, d, comb, off_arrived, expected, num_chunks):
+    def ep_wait_arrivals(self, grid, *, d, comb, off_arrived, expected, first_chunk, num_chunks):
         D = Desc(d)
         if D.num_chunks <= 0:
             return
-        arrived = words(comb + off_arrived, num_chunks, np.uint64)
-        want = words(expected, num_chunks, np.int64)
-        for c in range(num_chunks):
+        arrived = words(comb + off_arrived, first_chunk + num_chunks, np.uint64)
+        want = words(expected, first_chunk + num_chunks, np.int64)
+        for c in range(first_chunk, first_chunk + num_chunks):
             if int(arrived[c]) != int(want[c]):
                 code = "RE_COMBINE_COUNT" if int(arrived[c]) > int(want[c]) else "RE_COMBINE_TIMEOUT"
                 D.record_error(CODE[code], -1, c, int(arrived[c]), int(want[c]))

@@ -147,9 +147,9 @@ def test_a_missing_arrival_is_reported_not_hung(env):
         buf.forward(x, w)
         real = buf._expected  # noqa: SLF001 - the test breaks the owner's expectation on purpose
 
-        def one_more(path):
-            real(path)
-            buf.expected.add_(1)
+        def one_more(path, c):
+            real(path, c)
+            buf.expected[c].add_(1)
 
         buf._expected = one_more
         buf.forward(x, w)

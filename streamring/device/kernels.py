@@ -308,10 +308,12 @@ def ep_pull_slots(lib, stream, *, d: int, buf: int, mirror: int, mirror_stride: 
                src_list=src_list, chunk=chunk)
 
 
-def ep_wait_arrivals(lib, stream, *, d: int, comb: int, off_arrived: int, expected: int, num_chunks: int) -> None:
-    """Owner: wait (acquire, deadline) until every chunk's rows arrived."""
+def ep_wait_arrivals(lib, stream, *, d: int, comb: int, off_arrived: int, expected: int, first_chunk: int,
+                     num_chunks: int) -> None:
+    """Owner: wait (acquire, deadline) until the rows of chunks ``first_chunk ..`` (``num_chunks`` of
+    them) arrived (``expected``: the device int64 counts of every chunk)."""
     lib.launch(stream, "ep_wait_arrivals", 1, 1, d=d, comb=comb, off_arrived=off_arrived, expected=expected,
-               num_chunks=num_chunks)
+               first_chunk=first_chunk, num_chunks=num_chunks)
 
 
 def ep_delay(lib, stream, *, ns: int) -> None:

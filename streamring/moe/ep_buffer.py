@@ -323,6 +323,7 @@ class EPBuffer:
     def _make_streams(self, policy, producer_sms):
         self.green = None
         self.events = []
+        self.cstream = self.ustream = None
         if policy == "green_ctx":
             from ..device.green import make_green_pair
 
@@ -339,8 +340,15 @@ class EPBuffer:
             self.pstream = torch.cuda.Stream(device=self.dev, priority=hi)
             self.dstream = torch.cuda.Stream(device=self.dev, priority=hi)
             self.gstream = torch.cuda.Stream(device=self.dev, priority=0)
+            # the owner's reduce, chunk by chunk, and (GEMMs with a local y) the puts of the result rows:
+            # off the GEMM stream, so the next blocks' GEMMs do not wait for them
+            self.cstream = torch.cuda.Stream(device=self.dev, priority=0)
+            self.ustream = torch.cuda.Stream(device=self.dev, priority=0)
             st = self.paths["stream"]
-            self.events = [torch.cuda.Event() for _ in range(st.num_chunks * st.steps)]
+            n_steps = st.num_chunks * st.steps
+            self.events = [torch.cuda.Event() for _ in range(n_steps)]
+            self.produced = [torch.cuda.Event() for _ in range(st.num_chunks)]
+            self.computed = [torch.cuda.Event() for _ in range(n_steps + 1)]
 
     # -- layers -----------------------------------------------------------------------------------
     def prepare(self, weights, routing: Optional[MoEShape] = None) -> LayerWeights:
@@ -632,12 +640,13 @@ class EPBuffer:
                 K.quant_rows(x[a:a + n], slot["x"][:n], slot["x_sf"][:n])
             if not early:
                 r.publish(st, c, RING_LAYOUT, valid=valid)
+            self._expected(path, c)
             self._stamp(c, 1)
 
-    def _expected(self, path: _Path):
-        # the owner's expected row count per chunk: its routed (token, k) pairs
-        n = path.num_chunks * path.chunk
-        torch.sum((self.my_idx[:n] >= 0).view(path.num_chunks, -1), dim=1, out=self.expected[:path.num_chunks])
+    def _expected(self, path: _Path, c: int):
+        # the owner's expected row count of chunk c: its routed (token, k) pairs (0 for rows not present)
+        a = c * path.chunk
+        torch.sum((self.my_idx[a:a + path.chunk] >= 0).view(-1), dim=0, out=self.expected[c])
 
     def _dispatch(self, path: _Path, c, j=0):
         """Dispatch step j of chunk c: every source (rank order) or the j-th ready source."""
@@ -678,7 +687,7 @@ class EPBuffer:
             if j == path.steps - 1:
                 self._stamp(c, 3)
 
-    def _gemms(self, path: _Path, layer: LayerWeights, lo, hi, max_items, max_ctas=None):
+    def _gemms(self, path: _Path, layer: LayerWeights, lo, hi, max_items, max_ctas=None, side_puts=False):
         bc, r = self.bc, path.ring
         st = self._current_stream()
         if self.direct_l2:
@@ -694,47 +703,61 @@ class EPBuffer:
                 bc.compute_cutlass(lo, hi, max_items, layer.fw, max_ctas=max_ctas)
             else:
                 bc.compute(lo, hi, max_items, layer.fw, max_ctas=max_ctas)
-            DK.ep_put_rows(self.heap.lib, r.stream_ref(st), d=r.desc, comb=self.comb_base, me=self.me,
-                           off_arrived=self.comb_layout.off_arrived, off_rows=self.comb_layout.off_rows,
-                           y_stage=int(bc.y.data_ptr()), hidden=self.shape.hidden,
-                           ready_list=int(bc.ready_list.data_ptr()), ready_hi=int(bc.ready_hi.data_ptr()),
-                           lo_index=lo, hi_index=hi, row_src=int(bc.row_src.data_ptr()),
-                           row_tok=int(bc.row_tok.data_ptr()), row_chunk=int(bc.row_chunk.data_ptr()),
-                           block_m=bc.block_m, max_items=max_items)
+            if side_puts:  # the puts read only this range's rows of y: the next GEMMs need not wait for them
+                self.computed[lo].record()
+                self.ustream.wait_event(self.computed[lo])
+                st = self.ustream
+            with torch.cuda.stream(st) if side_puts else contextlib.nullcontext():
+                self._put_rows(r, st, lo, hi, max_items)
+
+    def _put_rows(self, r, st, lo, hi, max_items):
+        """The ready range's result rows (local ``y``) into their owners' combine rows, then the counts."""
+        bc = self.bc
+        DK.ep_put_rows(self.heap.lib, r.stream_ref(st), d=r.desc, comb=self.comb_base, me=self.me,
+                       off_arrived=self.comb_layout.off_arrived, off_rows=self.comb_layout.off_rows,
+                       y_stage=int(bc.y.data_ptr()), hidden=self.shape.hidden,
+                       ready_list=int(bc.ready_list.data_ptr()), ready_hi=int(bc.ready_hi.data_ptr()),
+                       lo_index=lo, hi_index=hi, row_src=int(bc.row_src.data_ptr()),
+                       row_tok=int(bc.row_tok.data_ptr()), row_chunk=int(bc.row_chunk.data_ptr()),
+                       block_m=bc.block_m, max_items=max_items)
 
     def _max_ready_per_step(self, path: _Path) -> int:
         """Most blocks one dispatch step can make ready (the GEMM grid bound)."""
         entries = self.R * path.chunk * self.shape.topk
         return min(self.bc.max_blocks, entries // path.steps // self.bc.block_m + self.E_loc)
 
-    def _chunk_gemms(self, path: _Path, layer, c, j=0):
+    def _chunk_gemms(self, path: _Path, layer, c, j=0, side_puts=False):
         with nvtx_range(f"streamring block GEMMs chunk {c} step {j}", color="green"):
             i = c * path.steps + j
             # the persistent (SM-sparing) grid only while later chunks are still being produced; the
             # last chunk's blocks, like the sealed ones, take the whole GPU
             ctas = self.chunk_gemm_ctas if (path.name == "stream" and c < path.num_chunks - 1) else None
-            self._gemms(path, layer, i, i + 1, self._max_ready_per_step(path), ctas)
+            self._gemms(path, layer, i, i + 1, self._max_ready_per_step(path), ctas, side_puts)
             if j == path.steps - 1:
                 self._stamp(c, 4)
 
-    def _seal(self, path: _Path, layer):
+    def _seal(self, path: _Path, layer, side_puts=False):
         with nvtx_range("streamring seal + GEMMs", color="red"):
             n = path.num_chunks * path.steps  # dispatch steps so far: the seal is the next ready index
             self.bc.seal(n)
-            self._gemms(path, layer, n, n + 1, min(self.bc.max_blocks, self.E_loc))
+            self._gemms(path, layer, n, n + 1, min(self.bc.max_blocks, self.E_loc), None, side_puts)
             self._stamp(path.num_chunks, 2)
 
-    def _combine(self, path: _Path, out):
-        with nvtx_range("streamring wait arrivals + combine", color="red"):
+    def _combine(self, path: _Path, out, c0: int, c1: int):
+        """The owner's reduce of chunks [c0, c1): wait for their rows (acquire), sum each token's k rows."""
+        with nvtx_range(f"streamring wait arrivals + combine chunks {c0}..{c1 - 1}", color="red"):
             r, st = path.ring, self._current_stream()
             DK.ep_wait_arrivals(self.heap.lib, r.stream_ref(st), d=r.desc, comb=self.comb_base,
                                 off_arrived=self.comb_layout.off_arrived, expected=int(self.expected.data_ptr()),
-                                num_chunks=path.num_chunks)
-            T = out.shape[0]
-            K.combine_owner(self.comb_rows[: T * self.shape.topk], self.my_idx[:T], out, topk=self.shape.topk)
-            # reset before my next forward publishes anything: no count carried from one forward to the next
-            self.arrived[:path.num_chunks].zero_()
-            self._stamp(path.num_chunks, 3)
+                                first_chunk=c0, num_chunks=c1 - c0)
+            T, Kk = out.shape[0], self.shape.topk
+            a, b = min(T, c0 * path.chunk), min(T, c1 * path.chunk)
+            if b > a:
+                K.combine_owner(self.comb_rows[a * Kk: b * Kk], self.my_idx[a:b], out[a:b], topk=Kk)
+            if c1 == path.num_chunks:
+                # reset before my next forward publishes anything: no count carried from one forward to the next
+                self.arrived[:path.num_chunks].zero_()
+                self._stamp(path.num_chunks, 3)
 
     def _enqueue(self, path: _Path, layer: LayerWeights, x, out, num_tokens, routing, order, stamps):
         self._recording = stamps
@@ -761,11 +784,13 @@ class EPBuffer:
                     self._dispatch(path, c, j)
                     self._chunk_gemms(path, layer, c, j)
             self._stamp(C, 1)
-            self._expected(path)
             self._seal(path, layer)
-            self._combine(path, out)
+            self._combine(path, out, 0, C)
         else:
-            for st in {self.pstream, self.dstream, self.gstream}:
+            sides = [s_ for s_ in dict.fromkeys((self.pstream, self.dstream, self.gstream, self.cstream,
+                                                 self.ustream)) if s_ is not None]
+            side_puts = self.ustream is not None and not self.direct_l2
+            for st in sides:
                 st.wait_stream(origin)
             # the consumer is enqueued FIRST: the progress policy must keep it from blocking producers
             with self._side("d"):
@@ -783,18 +808,26 @@ class EPBuffer:
                     for c in range(C):
                         for j in range(path.steps):
                             self.gstream.wait_event(self.events[c * path.steps + j])
-                            self._chunk_gemms(path, layer, c, j)
+                            self._chunk_gemms(path, layer, c, j, side_puts)
             with self._side("g"):
-                self._seal(path, layer)
+                self._seal(path, layer, side_puts)
             with self._side("p"):
                 for c in range(C):
                     self._produce(path, layer, x, c, routing)
-                self._expected(path)
+                    if self.cstream is not None:
+                        self.produced[c].record()
                 self._stamp(C, 1)
-            self.gstream.wait_stream(self.pstream)
-            with self._side("g"):
-                self._combine(path, out)
-            for st in {self.pstream, self.dstream, self.gstream}:
+            if self.cstream is not None:
+                # the owner's reduce of each chunk once its rows are back, beside the GEMMs of later blocks
+                with torch.cuda.stream(self.cstream):
+                    for c in range(C):
+                        self.cstream.wait_event(self.produced[c])
+                        self._combine(path, out, c, c + 1)
+            else:  # green_ctx: after the producer, on the consumer's partition
+                self.gstream.wait_stream(self.pstream)
+                with self._side("g"):
+                    self._combine(path, out, 0, C)
+            for st in sides:
                 origin.wait_stream(st)
         r.drain(origin)
         r.advance_epoch(origin)
