@@ -360,7 +360,7 @@ def bench_tokens(heap, T, shape, full, base, args, rows, timelines, budget):
                                    tokens_per_slot=chunk, block_m=args.block_m, policy=pol if plan else "spin_kernel",
                                    source_order=order, gemm=gemm, transport=args.transport, chunk_gemm_ctas=ctas,
                                    deadline_s=args.deadline_s, timeline=bool(plan), name="bench")
-                    layer = buf.prepare(full)
+                    layer = buf.prepare_weights(full)
                     if plan is None:  # the batch path, its GEMMs alone, its accuracy
                         ref_out, st, strag = measure(heap, buf, layer, x, routing, False, args, sr)
                         rows_here = heap.allgather_obj(rows_routed_here(buf))

@@ -112,7 +112,7 @@ def exp_ring(dev) -> dict:
     out = {"eager": [], "graph": []}
     x = xs(1, dev)
     ys = {n: torch.zeros_like(x) for n in bufs}
-    layers = {n: b.prepare(fw) for n, b in bufs.items()}
+    layers = {n: b.prepare_weights(fw) for n, b in bufs.items()}
     for n, b in bufs.items():
         b.forward(x, layers[n], streaming=True, out=ys[n])
     torch.cuda.synchronize()

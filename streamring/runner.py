@@ -236,7 +236,7 @@ def run_layer_gpu(heap, cfg: Config) -> dict:
                    policy=cfg.nvshmem.progress, source_order=cfg.run.source_order, gemm=cfg.run.gemm,
                    transport=cfg.nvshmem.transport, producer_sms=cfg.nvshmem.producer_sms,
                    deadline_s=cfg.wait_timeout_s, inject=cfg.run.inject, name="run")
-    layer = buf.prepare(full)
+    layer = buf.prepare_weights(full)
     T = tokens[me]
     x_buf = torch.zeros(T, shape.hidden, dtype=torch.bfloat16, device=dev)
     outs = {m: torch.zeros_like(x_buf) for m in ("batch", "stream")}

@@ -73,7 +73,7 @@ def setup():
 
 def test_streamed_equals_batch_equals_single_process(setup):
     shape, fw, buf = setup
-    w = buf.prepare(fw)
+    w = buf.prepare_weights(fw)
     x = tokens(37, 1)
     ref = single_batch(shape, fw, x)
     yb = buf.forward(x, w).clone()
@@ -91,7 +91,7 @@ def test_streamed_equals_batch_equals_single_process(setup):
 def test_one_buffer_serves_two_layers(setup):
     shape, fw, buf = setup
     fw2 = B.FastWeights.random(shape, 11, "cpu")
-    w1, w2 = buf.prepare(fw), buf.prepare(fw2)
+    w1, w2 = buf.prepare_weights(fw), buf.prepare_weights(fw2)
     x = tokens(40, 2)
     want1, want2 = single_batch(shape, fw, x), single_batch(shape, fw2, x)
     for streaming in (False, True):  # alternate layers and paths on the one buffer
@@ -103,7 +103,7 @@ def test_one_buffer_serves_two_layers(setup):
 @pytest.mark.parametrize("n", [0, 1, 33, 40])
 def test_any_token_count_through_a_device_count(setup, n):
     shape, fw, buf = setup
-    w = buf.prepare(fw)
+    w = buf.prepare_weights(fw)
     x = tokens(40, 3)
     want = single_batch(shape, fw, x[:n]) if n else torch.zeros(0, shape.hidden, dtype=torch.bfloat16)
     for streaming in (False, True):
@@ -121,7 +121,7 @@ def test_count_outside_the_rows_is_clamped_then_refused():
     fw = B.FastWeights.random(shape, 3, "cpu")
     buf = EPBuffer(EmulatedHeap(), shape, max_tokens_per_rank=40, num_slots=2, tokens_per_slot=16,
                    policy="serialized", gemm="triton")
-    w = buf.prepare(fw)
+    w = buf.prepare_weights(fw)
     x = tokens(20, 4)
     with pytest.raises(ValueError, match=r"num_tokens must be in \[0, 20\]"):
         buf.forward(x, w, num_tokens=21)
@@ -137,7 +137,7 @@ def test_bf16_weights_are_prepared_into_fp8():
     mw = MoEWeights.random(shape, seed=5)
     buf = EPBuffer(EmulatedHeap(), shape, max_tokens_per_rank=24, tokens_per_slot=8, policy="serialized",
                    gemm="triton")
-    w = buf.prepare(mw)
+    w = buf.prepare_weights(mw)
     assert w.fw.w1.dtype == torch.float8_e4m3fn and tuple(w.fw.w1.shape) == (4, 256, 128)
     x = tokens(24, 6)
     fp8 = B.FastWeights.from_moe_weights(MoEWeights(
@@ -156,17 +156,17 @@ def _q(t):
 
 def test_bad_arguments_name_the_field(setup):
     shape, fw, buf = setup
-    w = buf.prepare(fw)
+    w = buf.prepare_weights(fw)
     with pytest.raises(ValueError, match="more than max_tokens_per_rank=40"):
         buf.forward(tokens(41, 1), w)
     with pytest.raises(ValueError, match="x must be bfloat16"):
         buf.forward(tokens(4, 1).float(), w)
-    with pytest.raises(ValueError, match="weights must come from EPBuffer.prepare"):
+    with pytest.raises(ValueError, match="weights must come from EPBuffer.prepare_weights"):
         buf.forward(tokens(4, 1), fw)
     with pytest.raises(ValueError, match="stream_epoch is for streaming=True"):
         buf.forward(tokens(4, 1), w, stream_epoch=9)
     with pytest.raises(ValueError, match="routing.hidden=256 differs"):
-        buf.prepare(fw, shape_(hidden=256))
+        buf.prepare_weights(fw, shape_(hidden=256))
     with pytest.raises(ValueError, match="block_m must be one of"):
         EPBuffer(EmulatedHeap(), shape, max_tokens_per_rank=8, block_m=48, policy="serialized")
     with pytest.raises(ValueError, match="policy 'pdl' is refused"):
@@ -175,7 +175,7 @@ def test_bad_arguments_name_the_field(setup):
 
 def test_explicit_stream_epochs_must_grow(setup):
     shape, fw, buf = setup
-    w = buf.prepare(fw)
+    w = buf.prepare_weights(fw)
     x = tokens(10, 7)
     buf.forward(x, w, streaming=True)  # the stream path has run (no first-run special case below)
     now = buf.paths["stream"].ring.epoch()
@@ -206,7 +206,7 @@ def test_routing_given_by_the_caller(setup):
     from streamring.moe.math import select_experts
 
     shape, fw, buf = setup
-    w = buf.prepare(fw)
+    w = buf.prepare_weights(fw)
     x = tokens(21, 8)
     lg = torch.zeros(21, shape.num_experts)
     K.router_logits(x, fw.router, lg)

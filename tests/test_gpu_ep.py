@@ -83,7 +83,7 @@ def test_streamed_equals_batch_equals_single_process(env, policy, transport, ord
     # the Triton GEMMs: the single-process block path runs them too (bitwise comparable)
     buf = _buffer(heap, shape, policy=policy, transport=transport, order=order)
     try:
-        w = buf.prepare(fw)
+        w = buf.prepare_weights(fw)
         for streaming in (False, True):
             x = x0.clone()  # the graph's input buffer (its replays below overwrite it)
             y = torch.full_like(x, float("nan"))
@@ -113,7 +113,7 @@ def test_one_capture_serves_every_token_count(env):
     T = 157
     buf = _buffer(heap, shape)
     try:
-        w = buf.prepare(fw)
+        w = buf.prepare_weights(fw)
         x = _x(shape, T, 6, heap.device)
         n_dev = torch.tensor([T], dtype=torch.int64, device=heap.device)
         for streaming in (False, True):
@@ -143,7 +143,7 @@ def test_a_missing_arrival_is_reported_not_hung(env):
     x = _x(shape, T, 4, heap.device)
     buf = _buffer(heap, shape, deadline_s=0.5)
     try:
-        w = buf.prepare(fw)
+        w = buf.prepare_weights(fw)
         buf.forward(x, w)
         real = buf._expected  # noqa: SLF001 - the test breaks the owner's expectation on purpose
 
@@ -180,7 +180,7 @@ def test_cutlass_gemms_keep_streamed_equal_to_batch(env, policy, order):
     outs = {}
     buf = _buffer(heap, shape, policy=policy, order=order, gemm="cutlass")
     try:
-        w = buf.prepare(fw)
+        w = buf.prepare_weights(fw)
         for streaming in (False, True):
             xb = x.clone()
             y = torch.full_like(x, float("nan"))

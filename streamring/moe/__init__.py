@@ -6,7 +6,7 @@
   ``get_symm_buffer_for_mega_moe`` + ``fp8_fp4_mega_moe``.
 * :class:`EPBuffer` (``moe.ep_buffer``): the fast expert-parallel FP8 layer on GPUs (one PE per GPU,
   any number; device-side dispatch and combine over NVSHMEM), one buffer for every layer of a model:
-  :meth:`EPBuffer.prepare` once per layer (:class:`LayerWeights`), :meth:`EPBuffer.forward` per call
+  :meth:`EPBuffer.prepare_weights` once per layer (:class:`LayerWeights`), :meth:`EPBuffer.forward` per call
   (any token count up to the maximum, capturable in the caller's CUDA graph).
 * :func:`batch_forward` (``moe.blocks``): the GPU batch-ready path on the same kernels.
 * :class:`MoEShape`, :class:`MoEWeights` (``moe.math``): the layer's shape and weights;

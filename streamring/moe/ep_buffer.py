@@ -4,12 +4,12 @@
 one GPU under MPS). It owns every symmetric allocation (the batch ring, the streamed ring, the
 owners' combine area), the block consumer's scratch, the producer's scratch and the streams, and
 is shared by every MoE layer of a model. A layer's weights are prepared once
-(:meth:`EPBuffer.prepare`: bf16 weights are quantized to FP8 with 128x128 scales, FP8 checkpoint
+(:meth:`EPBuffer.prepare_weights`: bf16 weights are quantized to FP8 with 128x128 scales, FP8 checkpoint
 tensors are taken as they are) and :meth:`EPBuffer.forward` runs one layer on this PE's tokens,
 collectively on every PE::
 
     buf = EPBuffer(heap, shape, num_slots=2, tokens_per_slot=4096, max_tokens_per_rank=8192)
-    w = buf.prepare(weights)                    # once per layer (MoEWeights or FastWeights)
+    w = buf.prepare_weights(weights)                    # once per layer (MoEWeights or FastWeights)
     y = buf.forward(x, w)                       # batch-ready path (default)
     y = buf.forward(x, w, streaming=True)       # streamed through the ring
     y = buf.forward(x_max, w, num_tokens=n)     # n: a device int64: the valid rows of x_max
@@ -128,7 +128,7 @@ def resolve_gemm(gemm: str) -> str:
 
 @dataclass
 class LayerWeights:
-    """One MoE layer's weights, prepared for an :class:`EPBuffer` (:meth:`EPBuffer.prepare`).
+    """One MoE layer's weights, prepared for an :class:`EPBuffer` (:meth:`EPBuffer.prepare_weights`).
 
     Attributes:
         routing: the layer's :class:`MoEShape` (router kind, groups, scaling; sizes equal the buffer's).
@@ -168,7 +168,7 @@ class EPBuffer:
             PEs on one GPU work under MPS).
         shape: sizes of every layer that will use this buffer (``hidden``, ``intermediate``,
             ``num_experts`` a multiple of the PEs, ``topk``; ``hidden``/``intermediate`` multiples of
-            128) and the default routing of :meth:`prepare`.
+            128) and the default routing of :meth:`prepare_weights`.
         num_slots, tokens_per_slot: the streamed ring (the RFC's ``front_num_slots`` /
             ``front_tokens_per_slot``); default ``tokens_per_slot``: half of ``max_tokens_per_rank``.
         max_tokens_per_rank: the most tokens any PE passes to one forward (sizes the batch ring, the
@@ -351,7 +351,7 @@ class EPBuffer:
             self.computed = [torch.cuda.Event() for _ in range(n_steps + 1)]
 
     # -- layers -----------------------------------------------------------------------------------
-    def prepare(self, weights, routing: Optional[MoEShape] = None) -> LayerWeights:
+    def prepare_weights(self, weights, routing: Optional[MoEShape] = None) -> LayerWeights:
         """One layer's weights for this buffer (call once per layer; keep the result).
 
         Args:
@@ -405,7 +405,7 @@ class EPBuffer:
         Args:
             x: bf16 ``[T, hidden]``, ``T <= max_tokens_per_rank`` (a PE without tokens passes
                 ``[0, hidden]`` or ``num_tokens=0``).
-            weights: the layer, from :meth:`prepare`.
+            weights: the layer, from :meth:`prepare_weights`.
             streaming: ``False`` = batch-ready path (the default and the correctness fallback);
                 ``True`` = chunks through the streamed ring. Both give bitwise equal outputs.
             stream_epoch: the streamed ring's epoch of this call (must grow from call to call); default:
@@ -430,7 +430,8 @@ class EPBuffer:
             raise RuntimeError(f"this EPBuffer is unusable after a ring error ({self.broken}); close() it and build "
                                f"a new EPBuffer on every PE (collective)")
         if not isinstance(weights, LayerWeights):
-            raise ValueError(f"weights must come from EPBuffer.prepare (a LayerWeights), got {type(weights).__name__}")
+            raise ValueError(f"weights must come from EPBuffer.prepare_weights (a LayerWeights), got "
+                             f"{type(weights).__name__}")
         H = self.shape.hidden
         if x.dtype != torch.bfloat16 or x.ndim != 2 or x.shape[1] != H or x.device != self.dev:
             raise ValueError(f"x must be bfloat16 [tokens, hidden={H}] on {self.dev}, got {x.dtype} {list(x.shape)} "
