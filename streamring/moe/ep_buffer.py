@@ -463,8 +463,9 @@ class EPBuffer:
                 raise ValueError("stream_epoch cannot be given while capturing a CUDA graph: every replay would "
                                  "reuse it (ABA); the device epoch advances by itself")
             now = path.ring.epoch()
-            if int(stream_epoch) <= now - 1:
-                raise ValueError(f"stream_epoch must grow from call to call: the last was {now - 1}, got {stream_epoch}")
+            if int(stream_epoch) < now:
+                raise ValueError(f"stream_epoch must grow from call to call: the last was {now - 1}, "
+                                 f"got {stream_epoch}")
             path.ring.set_epoch(int(stream_epoch))
         if path.name not in self._warm:
             if capturing:
