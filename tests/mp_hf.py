@@ -327,6 +327,25 @@ def drop_in(heap):
     assert torch.equal(ours_mod, ours), "FP8Experts modules and the FP8 checkpoint disagree"
     swap.close()
 
+    # (c) the whole model in bf16, as engines run it: bf16 tokens into the op, bf16 out; transformers' bf16
+    # experts round every GEMM output to bf16 (2^-9 relative), so only the FP8-level bound applies here
+    t = time.monotonic()
+    model16 = copy.deepcopy(model).to(torch.bfloat16)
+    unmod16_taps = Taps(model16)
+    with torch.no_grad():
+        unmod16 = model16(ids).logits
+    _, swap, probe, ours16 = run_swapped(model16, buf, ids)
+    assert ours16.dtype == torch.bfloat16 and probe.outputs[0].dtype == torch.bfloat16
+    row = {"what": "model in bf16", "ours_vs_unmod_logits_rel_rms": rel_rms(ours16, unmod16),
+           "layer1_ours_vs_unmod_rel_rms": rel_rms(probe.outputs[0], unmod16_taps.outputs[0]),
+           "routing_flips_vs_hf_router": probe.flips, "routed_tokens": probe.tokens}
+    assert row["ours_vs_unmod_logits_rel_rms"] <= FP8_REL_RMS_MAX and \
+        row["layer1_ours_vs_unmod_rel_rms"] <= FP8_REL_RMS_MAX, row
+    assert row["routing_flips_vs_hf_router"] == 0, row
+    rows.append(row)
+    swap.close()
+    timing["bf16_model_s"] = time.monotonic() - t
+
     buf.close()
     timing["total_s"] = time.monotonic() - t0
     print("HF " + json.dumps({"rank": me, "tokens": int(ids.numel()), "rows": rows,
