@@ -97,7 +97,8 @@ def valid_token_count(num_tokens: Optional[NumTokens], rows: int) -> int:
     elif isinstance(num_tokens, (int, np.integer)) and not isinstance(num_tokens, (bool, np.bool_)):
         n = int(num_tokens)
     else:
-        raise ValueError(f"num_tokens must be an int or a 0-d/1-element integer tensor, got {type(num_tokens).__name__}")
+        raise ValueError(f"num_tokens must be an int or a 0-d/1-element integer tensor, "
+                         f"got {type(num_tokens).__name__}")
     if not 0 <= n <= rows:
         raise ValueError(f"num_tokens must be in [0, {rows}] (x has {rows} rows), got {n}")
     return n
