@@ -13,6 +13,13 @@
   :class:`FastWeights` (``moe.blocks``): FP8 weights laid out for the GPU kernels;
   :class:`PlanChoice` (``moe.plan``): how a GPU forward is streamed; :func:`select_experts`,
   :func:`route`: the routing rule.
+* :func:`weights_from_float`, :func:`weights_from_fp8` (``moe.weights``): one layer's weights from
+  bf16/float tensors (quantised to FP8 128x128 blocks) or FP8 checkpoint tensors with
+  ``weight_scale_inv``, taken as they are.
+* :func:`register_layer`, :class:`MoELayer`, :func:`moe_forward` (``moe.ops``): the layer as the torch
+  op ``torch.ops.streamring.moe_forward`` (one node under ``torch.compile``).
+* :func:`replace_moe_experts`, :func:`moe_shape_from_config` (``moe.hf``): the Hugging Face drop-in for
+  transformers' DeepSeek-V3 MoE modules.
 
 Exports are lazy: ``import streamring.moe`` loads neither torch's GPU parts nor Triton; the name
 you touch loads its module.
@@ -25,6 +32,10 @@ _EXPORTS = {
     "MoEShape": "math", "MoEWeights": "math", "select_experts": "math", "route": "math",
     "reference_forward_f64": "math", "reference_tolerance": "math",
     "PlanChoice": "plan",
+    "weights_from_float": "weights", "weights_from_fp8": "weights",
+    "MoELayer": "ops", "register_layer": "ops", "moe_forward": "ops",
+    "replace_moe_experts": "hf", "moe_shape_from_config": "hf", "StreamringDeepseekV3MoE": "hf",
+    "SwappedMoE": "hf",
 }
 
 __all__ = sorted(_EXPORTS)
