@@ -159,8 +159,8 @@ def test_bad_arguments_name_the_field(setup):
     w = buf.prepare_weights(fw)
     with pytest.raises(ValueError, match="more than max_tokens_per_rank=40"):
         buf.forward(tokens(41, 1), w)
-    with pytest.raises(ValueError, match="x must be bfloat16"):
-        buf.forward(tokens(4, 1).float(), w)
+    with pytest.raises(ValueError, match="x must be a bfloat16"):
+        buf.forward(tokens(4, 1).to(torch.int32), w)
     with pytest.raises(ValueError, match="weights must come from EPBuffer.prepare_weights"):
         buf.forward(tokens(4, 1), fw)
     with pytest.raises(ValueError, match="stream_epoch is for streaming=True"):
@@ -219,3 +219,33 @@ def test_routing_given_by_the_caller(setup):
     assert not torch.equal(bits(only_first), bits(want))
     with pytest.raises(ValueError, match=r"routing\[0\] \(topk_idx\) must be int64 \[21, 2\]"):
         buf.forward(x, w, routing=(idx.int(), wt.float()))
+
+
+def test_the_torch_op_runs_the_gpu_buffer(setup):
+    """``torch.ops.streamring.moe_forward`` over this buffer: the same output as ``forward``, bitwise, a
+    device count passed through, and ``torch.compile`` sees the layer as one node (no graph break)."""
+    from streamring.moe import MoEWeights, register_layer
+    from streamring.moe.math import dequantize_weight_fp8_block
+
+    shape, fw, buf = setup
+    I = shape.intermediate
+    w1, w3 = fw.w1[:, :I], fw.w1[:, I:]
+    s1, s3 = fw.w1_sf[:, : I // 128], fw.w1_sf[:, I // 128:]
+    mw = MoEWeights(router_weight=fw.router.float(), correction_bias=fw.bias, w1=w1.contiguous(),
+                    w3=w3.contiguous(), w2=fw.w2, w1_scale=s1.contiguous(), w3_scale=s3.contiguous(),
+                    w2_scale=fw.w2_sf)
+    assert torch.equal(dequantize_weight_fp8_block(mw.w1, mw.w1_scale), dequantize_weight_fp8_block(w1, s1))
+    x = tokens(19, 9)
+    want = single_batch(shape, fw, x)
+    with register_layer(buf, mw) as layer:
+        assert torch.equal(bits(layer(x)), bits(want))
+        assert torch.equal(bits(layer(x, streaming=True, num_tokens=torch.tensor(7))[:7]),
+                           bits(single_batch(shape, fw, x[:7])))
+
+        def model(t):
+            return torch.relu(layer(t * 1.0)) + 1.0
+
+        ex = torch._dynamo.explain(model)(x)
+        assert ex.graph_break_count == 0, ex.break_reasons
+        ops = [str(op) for g in ex.ops_per_graph for op in g]
+        assert sum("streamring.moe_forward" in o for o in ops) == 1, ops

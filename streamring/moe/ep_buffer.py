@@ -219,6 +219,8 @@ class EPBuffer:
         self.heap, self.shape = heap, shape
         self.R, self.me = R, me
         self.E_loc = shape.num_experts // R
+        #: the experts this PE holds (rank r holds ``[r * E/R, (r+1) * E/R)``)
+        self.local_experts = range(me * self.E_loc, (me + 1) * self.E_loc)
         self.policy, self.source_order = policy, source_order
         self.chunk_gemm_ctas = chunk_gemm_ctas
         self.priority_streams = PlanChoice(chunk_tokens=C, num_slots=S, block_m=self.block_m, policy=policy,
@@ -264,6 +266,8 @@ class EPBuffer:
         self.num_tokens_t = torch.zeros(1, dtype=torch.int64, device=dev)
         self.row_ids = torch.arange(self.token_capacity, dtype=torch.int64, device=dev)
         self.my_idx = torch.full((self.token_capacity, Kk), -1, dtype=torch.int64, device=dev)
+        self.my_w = torch.zeros(self.token_capacity, Kk, dtype=torch.float32, device=dev)
+        self._last_T = 0
         self.expected = torch.zeros(max_chunks, dtype=torch.int64, device=dev)
         self.logits = torch.zeros(max(p.chunk for p in self.paths.values()), shape.num_experts, dtype=torch.float32,
                                   device=dev)
@@ -403,8 +407,8 @@ class EPBuffer:
         graph likewise).
 
         Args:
-            x: bf16 ``[T, hidden]``, ``T <= max_tokens_per_rank`` (a PE without tokens passes
-                ``[0, hidden]`` or ``num_tokens=0``).
+            x: ``[T, hidden]``, ``T <= max_tokens_per_rank``, bf16 (another float dtype is rounded to
+                bf16 first; a PE without tokens passes ``[0, hidden]`` or ``num_tokens=0``).
             weights: the layer, from :meth:`prepare_weights`.
             streaming: ``False`` = batch-ready path (the default and the correctness fallback);
                 ``True`` = chunks through the streamed ring. Both give bitwise equal outputs.
@@ -433,9 +437,12 @@ class EPBuffer:
             raise ValueError(f"weights must come from EPBuffer.prepare_weights (a LayerWeights), got "
                              f"{type(weights).__name__}")
         H = self.shape.hidden
-        if x.dtype != torch.bfloat16 or x.ndim != 2 or x.shape[1] != H or x.device != self.dev:
-            raise ValueError(f"x must be bfloat16 [tokens, hidden={H}] on {self.dev}, got {x.dtype} {list(x.shape)} "
-                             f"on {x.device}")
+        if not x.is_floating_point() or x.ndim != 2 or x.shape[1] != H or x.device != self.dev:
+            raise ValueError(f"x must be a bfloat16 (or other float) [tokens, hidden={H}] tensor on {self.dev}, got "
+                             f"{x.dtype} {list(x.shape)} on {x.device}")
+        if x.dtype != torch.bfloat16:
+            # the producer quantizes rows to FP8 with 1x128 scales from bf16; a wider x costs one rounding more
+            x = x.to(torch.bfloat16)
         T = x.shape[0]
         if T > self.max_tokens:
             raise ValueError(f"x has {T} tokens, more than max_tokens_per_rank={self.max_tokens}")
@@ -521,6 +528,13 @@ class EPBuffer:
             self.broken = (f"violations={st['violations']} timeouts={st['timeouts']} bad_routes={st['bad_routes']} "
                            f"bad_counts={st['bad_counts']} first error: {st['first_error']}")
             raise RuntimeError(f"ring errors on PE {self.me}: {self.broken}")
+
+    @property
+    def last_routing(self) -> tuple:
+        """``(topk_idx int64 [T, topk], topk_weights float32 [T, topk])`` of this PE's tokens in the last
+        forward (-1: no expert, e.g. a row past ``num_tokens``). Views, valid until the next forward."""
+        T = self._last_T
+        return self.my_idx[:T], self.my_w[:T]
 
     def set_straggler(self, ns: int) -> None:
         """Delay this PE's producer by ``ns`` nanoseconds (device side) in the next forwards (0: none)."""
@@ -635,6 +649,7 @@ class EPBuffer:
                 mine = self.my_idx[a:a + n]
                 mine.copy_(idx)
                 mine.masked_fill_((self.row_ids[a:a + n] >= self.num_tokens_t)[:, None], -1)
+                self.my_w[a:a + n].copy_(w)
             if not early:
                 r.publish(st, c, RING_ROUTE, valid=valid)
             self._stamp(c, 0)
@@ -773,6 +788,7 @@ class EPBuffer:
 
     def _enqueue_inner(self, path, layer, x, out, num_tokens, routing, order):
         r = path.ring
+        self._last_T = x.shape[0]
         origin = self._current_stream()
         C = path.num_chunks
         self._set_counts(path, num_tokens, x.shape[0])
