@@ -45,7 +45,7 @@ import torch
 
 from streamring.device import kernels as DK
 from streamring.moe import blocks as B
-from streamring.moe.gpu_layer import EPMoE
+from streamring.moe.gpu_layer import EPMoE, resolve_gemm
 from streamring.moe.math import MoEShape, select_experts
 from streamring.moe.plan import PlanChoice
 
@@ -337,7 +337,9 @@ def bench_tokens(heap, T, shape, fw, full, base, args, rows, timelines, all_tls)
                 st = sm.status()
                 ok = all(heap.allgather_obj(same and not (st["violations"] or st["timeouts"] or st["bad_routes"])))
                 eq_all = all(heap.allgather_obj(same))
-                r = {**common, "path": "streamed", "straggler_ms": 0.0, **cfg, **stats(ms_s),
+                if sm.gemm != batch.gemm:
+                    raise RuntimeError(f"streamed plan runs {sm.gemm} GEMMs, its batch reference {batch.gemm}")
+                r = {**common, "path": "streamed", "straggler_ms": 0.0, **cfg, **stats(ms_s), "gemm": sm.gemm,
                      "bitwise_equal_to_batch": eq_all, "ok": ok, "streamed_over_batch": 0.0}
                 r["streamed_over_batch"] = r["median_ms"] / row_b["median_ms"]
                 rows.append(r)
@@ -444,7 +446,9 @@ def main(argv=None) -> int:
     ap.add_argument("--deadline-s", type=float, default=20.0)
     ap.add_argument("--no-baseline", action="store_true", help="skip the torch + NCCL baseline")
     ap.add_argument("--gemms", type=lambda s: s.split(","), default=["auto"],
-                    help="expert GEMMs (triton, cutlass): the first runs every path; the others the batch path")
+                    help="expert GEMMs (triton, cutlass, auto): the first runs every path (batch and every "
+                         "streamed plan: auto is resolved once, Triton when a policy is pdl); the others the "
+                         "batch path")
     ap.add_argument("--eager", action="store_true", help="also time each streamed plan enqueued eagerly (no graph)")
     ap.add_argument("--budget-s", type=float, default=420.0, help="stop starting new sizes after this long")
     ap.add_argument("--symmetric-size", default="24G", help="NVSHMEM_SYMMETRIC_SIZE")
@@ -458,6 +462,12 @@ def main(argv=None) -> int:
 
     heap = NvshmemHeap.bootstrap(launcher=detect_launcher().value)
     R, me, dev = heap.num_ranks, heap.rank, heap.device
+    # one implementation for the batch reference and every streamed plan (a 'pdl' plan needs Triton,
+    # so 'auto' becomes Triton for all of them then): streamed vs batch compares the protocol only
+    asked = list(args.gemms)
+    args.gemms = [resolve_gemm(args.gemms[0], args.policies)] + [resolve_gemm(g) for g in args.gemms[1:]]
+    if me == 0 and asked != args.gemms:
+        log(f"--gemms {','.join(asked)} resolved to {','.join(args.gemms)} for policies {args.policies}")
     shape = (dsv3_shape if args.shape == "dsv3" else megamoe_shape)(args.block_m)
     if me == 0:
         log(f"{R} PEs, device {torch.cuda.get_device_name(dev)}, shape {args.shape}, transport {args.transport}")

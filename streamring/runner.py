@@ -200,19 +200,44 @@ def run_layer(heap: SymmetricHeap, cfg: Config) -> dict:
     return row
 
 
+def gpu_run_layers(heap, cfg: Config, shape: MoEShape, fw, tokens: list[int], straggler_ns: int) -> dict:
+    """The two layers ``run`` compares on the GPU: ``{"batch": EPMoE, "stream": EPMoE}``.
+
+    Both get the same expert GEMM implementation, resolved once for the streamed policy
+    (:func:`streamring.moe.gpu_layer.resolve_gemm`): the comparison is then about the protocol,
+    never about two GEMMs' rounding. Raises if the layers still ended up with different ones.
+    """
+    from .moe.gpu_layer import EPMoE, resolve_gemm
+    from .moe.plan import PlanChoice
+
+    bm = cfg.run.block_m
+    plan = PlanChoice(chunk_tokens=cfg.ring.tokens_per_slot, num_slots=cfg.ring.num_slots, block_m=bm,
+                      policy=cfg.nvshmem.progress)
+    gemm = resolve_gemm("auto", (plan.policy,))
+    layers = {"batch": EPMoE(heap, shape, fw, tokens, PlanChoice.batch(bm), transport=cfg.nvshmem.transport,
+                             deadline_s=cfg.wait_timeout_s, gemm=gemm, name="run-batch"),
+              "stream": EPMoE(heap, shape, fw, tokens, plan, transport=cfg.nvshmem.transport,
+                              deadline_s=cfg.wait_timeout_s, straggler_ns=straggler_ns,
+                              producer_sms=cfg.nvshmem.producer_sms, inject=cfg.run.inject,
+                              source_order=cfg.run.source_order, gemm=gemm, name="run-stream")}
+    if layers["batch"].gemm != layers["stream"].gemm:
+        raise RuntimeError(f"the batch layer runs {layers['batch'].gemm} GEMMs and the streamed layer "
+                           f"{layers['stream'].gemm}: their comparison would measure the GEMMs' rounding")
+    return layers
+
+
 def run_layer_gpu(heap, cfg: Config) -> dict:
     """``run`` on the expert-parallel FP8 GPU layer (:class:`streamring.moe.gpu_layer.EPMoE`).
 
     Every rank builds the same random FP8 layer and keeps its own experts; its tokens go through
     the batch-ready path and the streamed path (``ring.*``, ``run.block_m``, ``nvshmem.progress``,
     ``nvshmem.transport``, ``run.straggler``), each captured once as a CUDA graph and replayed for
-    every epoch with new tokens. Checked: streamed == batch bitwise, no ring violation, timeout or
-    corrupt route, and the batch output against a float64 reference of sampled tokens (relative
-    error below ``blocks.FAST_PATH_REL_TOL``).
+    every epoch with new tokens. Both layers run the same expert GEMMs (:func:`gpu_run_layers`; the
+    row names them: ``gemm_batch``, ``gemm_stream``). Checked: streamed == batch bitwise, no ring
+    violation, timeout or corrupt route, and the batch output against a float64 reference of sampled
+    tokens (relative error below ``blocks.FAST_PATH_REL_TOL``).
     """
     from .moe import blocks as B
-    from .moe.gpu_layer import EPMoE
-    from .moe.plan import PlanChoice
 
     R, me = heap.num_ranks, heap.rank
     shape = shape_from_config(cfg)
@@ -231,15 +256,7 @@ def run_layer_gpu(heap, cfg: Config) -> dict:
     full = B.FastWeights.random(shape, cfg.layer.seed, dev)  # every expert, for this rank's reference
     st = cfg.run.straggler
     straggler_ns = int(st.ms * 1e6) if st is not None and st.rank == me else 0
-    bm = cfg.run.block_m
-    plan = PlanChoice(chunk_tokens=cfg.ring.tokens_per_slot, num_slots=cfg.ring.num_slots, block_m=bm,
-                      policy=cfg.nvshmem.progress)
-    layers = {"batch": EPMoE(heap, shape, fw, tokens, PlanChoice.batch(bm), transport=cfg.nvshmem.transport,
-                             deadline_s=cfg.wait_timeout_s, name="run-batch"),
-              "stream": EPMoE(heap, shape, fw, tokens, plan, transport=cfg.nvshmem.transport,
-                              deadline_s=cfg.wait_timeout_s, straggler_ns=straggler_ns,
-                              producer_sms=cfg.nvshmem.producer_sms, inject=cfg.run.inject,
-                              source_order=cfg.run.source_order, name="run-stream")}
+    layers = gpu_run_layers(heap, cfg, shape, fw, tokens, straggler_ns)
     T = tokens[me]
     x_buf = torch.zeros(T, shape.hidden, dtype=torch.bfloat16, device=dev)
     outs = {m: torch.zeros_like(x_buf) for m in layers}
@@ -247,7 +264,8 @@ def run_layer_gpu(heap, cfg: Config) -> dict:
                max_abs_stream_minus_batch=0.0, ref_ok=True, ref_max_abs_err=0.0, ref_max_err_ratio=0.0,
                ref_excluded=0, batch_wall_s=0.0, stream_wall_s=0.0, epochs=cfg.run.epochs, scheduler="blocks",
                rtol=B.FAST_PATH_REL_TOL, atol=0.0, path="fast", transport=layers["stream"].transport,
-               policy=cfg.nvshmem.progress, gemm=layers["stream"].gemm, ring_errors={})
+               policy=cfg.nvshmem.progress, gemm=layers["stream"].gemm, gemm_batch=layers["batch"].gemm,
+               gemm_stream=layers["stream"].gemm, ring_errors={})
     graphs = {}
     for m, layer in layers.items():
         x_buf.copy_(make_tokens(cfg, me, 0, T).to(dev, torch.bfloat16))

@@ -98,6 +98,22 @@ def cutlass_available() -> bool:
         return False
 
 
+def resolve_gemm(gemm: str, policies: Sequence[str] = ()) -> str:
+    """The expert GEMM implementation ``gemm`` stands for, for layers run under ``policies``.
+
+    ``"triton"`` and ``"cutlass"`` stand for themselves; ``"auto"`` is CUTLASS when its library loads
+    and no policy in ``policies`` is ``pdl`` (CUTLASS has no programmatic dependent launch), else
+    Triton. Resolve once and pass the result to every layer that is compared with another
+    (streamed against batch): ``"auto"`` per layer would give a ``pdl`` streamed layer Triton and
+    its batch layer CUTLASS, and the comparison would measure the two GEMMs' rounding.
+    """
+    if gemm not in GEMMS:
+        raise ValueError(f"gemm must be one of {GEMMS}, got {gemm!r}")
+    if gemm != "auto":
+        return gemm
+    return "triton" if "pdl" in policies or not cutlass_available() else "cutlass"
+
+
 class EPMoE:
     """One expert-parallel FP8 MoE forward per call, on every PE of ``heap`` (collective).
 
@@ -131,9 +147,10 @@ class EPMoE:
         gemm: the expert GEMMs: ``"triton"`` (``moe_triton``; L2 stores straight into the owners over
             P2P), ``"cutlass"`` (CUTLASS's SM90 FP8 blockwise grouped GEMM, ``device/cutlass_gemm``,
             faster at every size measured; L2 writes locally and ``ep_put_rows`` puts the rows) or
-            ``"auto"`` (CUTLASS when its library loads, else Triton; see :attr:`gemm`). Both
+            ``"auto"`` (:func:`resolve_gemm` for this layer's policy; see :attr:`gemm`). Both
             keep the bitwise streamed == batch contract; their outputs differ from each other by
-            rounding (the CUTLASS L1 output is rounded to bf16 before SwiGLU).
+            rounding (the CUTLASS L1 output is rounded to bf16 before SwiGLU), so layers that are
+            compared with each other must get the same implementation: resolve it once.
         inject: a deliberate protocol mutation (``streamring.protocol.INJECT_MODES``; tests and the GPU
             check): ``skip-acquire`` (the consumer does not wait for the generations),
             ``signal-before-payload`` (the producer publishes before it writes the slot),
@@ -170,10 +187,7 @@ class EPMoE:
             allowed = [p for p in POLICIES if p != "pdl"]
             raise ValueError(f"plan.policy 'pdl' is refused with more than one PE ({heap.num_ranks}): its streamed "
                              f"output differed from batch on 2 GPUs; use one of {allowed}")
-        if gemm not in GEMMS:
-            raise ValueError(f"gemm must be one of {GEMMS}, got {gemm!r}")
-        if gemm == "auto":
-            gemm = "cutlass" if plan.policy != "pdl" and cutlass_available() else "triton"
+        gemm = resolve_gemm(gemm, (plan.policy,))
         if gemm == "cutlass" and plan.policy == "pdl":
             raise ValueError("gemm='cutlass' has no programmatic dependent launch: use a policy other than 'pdl'")
         self.gemm = gemm
