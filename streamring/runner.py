@@ -121,6 +121,17 @@ def check_run_job(cfg: Config, num_ranks: int) -> None:
         raise ConfigError(f"layer: {exc} (layer.num_experts must be a multiple of the {R} ranks; see also "
                           f"layer.topk, layer.n_group, layer.topk_group)") from None
     per_rank(cfg.run.tokens_per_rank, R, "run.tokens_per_rank")
+    f = cfg.run.fault
+    if f is not None:
+        if not use_fast_gpu_path(cfg):
+            raise ConfigError("run.fault is a fault of the expert-parallel GPU layer (--backend nvshmem, "
+                              "layer.weight_dtype=fp8); the CPU backend's rank-failure test is stress.fault")
+        if f.rank >= R:
+            raise ConfigError(f"run.fault.rank must be in [0, {R}) (the job has {R} ranks), got {f.rank}")
+        if f.epoch >= cfg.run.epochs:
+            raise ConfigError(f"run.fault.epoch must be in [0, run.epochs={cfg.run.epochs}), got {f.epoch}")
+        if cfg.run.mode == "batch":
+            raise ConfigError("run.fault fails a streamed forward: run.mode must be 'both' or 'stream', got 'batch'")
     if R > 1 and cfg.nvshmem.progress == "pdl" and use_fast_gpu_path(cfg):
         # EPMoE refuses it (streamed != batch measured on 2 GPUs; see moe/gpu_layer.py): say so before launch
         raise ConfigError("nvshmem.progress=pdl is refused by the expert-parallel GPU layer with more than one rank "
@@ -240,6 +251,7 @@ def run_layer_gpu(heap, cfg: Config) -> dict:
     from .moe import blocks as B
 
     R, me = heap.num_ranks, heap.rank
+    check_run_job(cfg, R)
     shape = shape_from_config(cfg)
     if cfg.layer.weight_dtype != "fp8":
         raise ConfigError(f"run.gpu_path=fast needs layer.weight_dtype=fp8 (got {cfg.layer.weight_dtype!r}); "
@@ -266,6 +278,8 @@ def run_layer_gpu(heap, cfg: Config) -> dict:
                rtol=B.FAST_PATH_REL_TOL, atol=0.0, path="fast", transport=layers["stream"].transport,
                policy=cfg.nvshmem.progress, gemm=layers["stream"].gemm, gemm_batch=layers["batch"].gemm,
                gemm_stream=layers["stream"].gemm, ring_errors={})
+    # every host barrier has a deadline: a dead or stopped peer ends this rank's run with an error
+    barrier = lambda: heap.barrier(time.monotonic() + cfg.wait_timeout_s)  # noqa: E731
     graphs = {}
     for m, layer in layers.items():
         x_buf.copy_(make_tokens(cfg, me, 0, T).to(dev, torch.bfloat16))
@@ -274,9 +288,10 @@ def run_layer_gpu(heap, cfg: Config) -> dict:
             torch.cuda.synchronize(dev)
         else:
             layer.warm_up(x_buf, outs[m])
-        heap.barrier()
+        barrier()
         graphs[m] = layer.capture(x_buf, outs[m])
-        heap.barrier()
+        barrier()
+    fault = cfg.run.fault if cfg.run.fault is not None and cfg.run.fault.rank == me else None
     for ep in range(cfg.run.epochs):
         x = make_tokens(cfg, me, ep, T).to(dev, torch.bfloat16)
         x_buf.copy_(x)
@@ -284,10 +299,11 @@ def run_layer_gpu(heap, cfg: Config) -> dict:
             if cfg.run.mode not in ("both", m):
                 continue
             torch.cuda.synchronize(dev)
-            heap.barrier()
+            barrier()
+            if m == "stream" and fault is not None and fault.epoch == ep:
+                fail_this_rank(fault.kind, layers[m], graphs[m], cfg.wait_timeout_s)
             t0 = time.monotonic()
-            graphs[m].replay()
-            torch.cuda.synchronize(dev)
+            replay_checked(layers[m], graphs[m])
             row[f"{m}_wall_s"] += time.monotonic() - t0
         if cfg.run.mode == "both" and T:
             a, b = outs["stream"], outs["batch"]
@@ -313,7 +329,68 @@ def run_layer_gpu(heap, cfg: Config) -> dict:
             row["ref_ok"] = False
     del graphs
     torch.cuda.synchronize(dev)
-    heap.barrier()
+    barrier()
     for layer in layers.values():
         layer.close()
     return row
+
+
+def replay_checked(layer, graph) -> None:
+    """Replay one captured forward of ``layer`` and wait for it.
+
+    A layer with a deliberate protocol mutation (``run.inject``) expects device errors: its replay
+    is only waited for, and its errors go into the report at the end. Any other layer raises at
+    once (:meth:`EPMoE.replay <streamring.moe.gpu_layer.EPMoE.replay>`): a device wait that timed
+    out means a peer is dead, stopped or stuck, and nothing collective may follow. A SIGTERM from the
+    launcher (torchrun ends the other workers this way when one dies) is held until the forward has
+    ended (every device wait has a deadline), so this rank still says what it waited for; the run
+    then stops with that error, or with the SIGTERM.
+    """
+    if layer.inject != "none":
+        graph.replay()
+        torch.cuda.synchronize(layer.dev)
+        return
+    with _sigterm_held() as held:
+        layer.replay(graph)
+    if held:
+        raise KeyboardInterrupt("SIGTERM")
+
+
+class _sigterm_held:
+    """Context manager: a SIGTERM inside is recorded (truthy afterwards) instead of ending the process."""
+
+    def __enter__(self):
+        import signal
+        import threading
+
+        self.got = []
+        self.previous = None
+        if threading.current_thread() is threading.main_thread():
+            self.previous = signal.signal(signal.SIGTERM, lambda signum, frame: self.got.append(signum))
+        return self.got
+
+    def __exit__(self, *exc):
+        import signal
+
+        if self.previous is not None:
+            signal.signal(signal.SIGTERM, self.previous)
+        return False
+
+
+def fail_this_rank(kind: str, layer, graph, wait_timeout_s: float) -> None:
+    """``run.fault`` on this rank, right before its streamed forward: ``kill`` launches the forward
+    with the producer held back on the device far beyond the deadline, then SIGKILLs this process
+    (it dies while its peers wait for its first chunk); ``hang`` SIGSTOPs this process before it
+    launches anything."""
+    import os
+    import signal
+    import sys
+
+    print(f"rank {layer.me}: run.fault: {'SIGKILL' if kind == 'kill' else 'SIGSTOP'} of this rank (pid "
+          f"{os.getpid()}) in the streamed forward", file=sys.stderr, flush=True)
+    if kind == "kill":
+        layer.set_straggler(int(max(60.0, 10 * wait_timeout_s) * 1e9))
+        graph.replay()
+        os.kill(os.getpid(), signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGSTOP)
+    raise RuntimeError("run.fault: this rank was stopped and continued; its peers have given up on it")

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import io
+from pathlib import Path
 
 import pytest
 
@@ -102,3 +103,75 @@ def test_gpu_check_judge_refuses_a_run_across_two_gemms():
     assert ok and "GEMMs (batch, stream) [('triton', 'triton')]" in note, note
     ok, note = steps.judge_run(0, "", {"ok": True, "ranks": [_fast_row(0, "cutlass", "triton")]})
     assert not ok and "DIFFER" in note, note
+
+
+# --------------------------------------------------------------------------------------------
+# The device status words: decoded, and said in one line naming source, chunk and generation
+# --------------------------------------------------------------------------------------------
+def _words(code_name, src, chunk, seen, want, field=-1, violations=0, timeouts=0):
+    from streamring.device import ringdesc as D
+
+    w = [0] * D.RS_WORDS
+    w[D.RS_FIRST_ERROR] = (D.ERROR_CODES[code_name] | ((src & 0xFFFF) << 8) | ((chunk & 0xFFFFFFFF) << 24)
+                           | (((field + 1) & 0xFF) << 56))
+    w[D.RS_BAD_SEEN], w[D.RS_BAD_WANT] = seen, want
+    w[D.RS_VIOLATIONS], w[D.RS_TIMEOUTS] = violations, timeouts
+    w[D.RS_ABORT] = int(bool(timeouts))
+    return D.decode_status(w)
+
+
+def test_decode_status_names_the_metadata_word_and_no_source():
+    from streamring.device import ringdesc as D
+
+    st = _words("RE_META", 1, 3, 5, 4, field=D.META_VALID, violations=1)
+    assert st["first_error"]["field"] == "valid count" and st["first_error"]["src"] == 1, st
+    assert st["first_error"]["chunk"] == 3 and st["first_error"]["what"] == "metadata mismatch", st
+    st = _words("RE_COMBINE_TIMEOUT", -1, 2, 12, 40, timeouts=1)
+    assert st["first_error"]["src"] == -1 and st["first_error"]["field"] is None, st
+    # the packing the device writes (record_error in csrc/ring_protocol.cuh) and nothing else
+    src = (Path(__file__).resolve().parents[1] / "streamring/device/csrc/ring_protocol.cuh").read_text()
+    assert "((unsigned long long)((field + 1) & 0xff) << 56)" in src and "(src & 0xffff) << 8" in src
+
+
+def test_describe_acquire_timeout_names_source_chunk_and_generation():
+    from streamring.device import ringdesc as D
+
+    want, seen = (5 << 32) | 1, (4 << 32) | 5
+    st = _words("RE_ACQUIRE_TIMEOUT", 1, 0, seen, want, timeouts=3)
+    line = D.describe_status(st, pe=0, num_slots=2, deadline_s=3.0)
+    assert line == ("rank 0: watchdog: the device waited 3s (wait_timeout_s=3) for route+layout generation e5:c0 "
+                    "(0x500000001) of source rank 1 (chunk 0, slot 0); it last saw e4:c4 (0x400000005): rank 1 is "
+                    "dead, stopped or stuck (violations 0, timeouts 3)"), line
+
+
+@pytest.mark.parametrize("name,src,chunk,seen,want,field,needles", [
+    ("RE_REUSE_TIMEOUT", 0, 2, 0x1, 0x3, -1, ["reuse of my slot", "my chunk 2", "from ranks [1]", "0x1 of 0x3"]),
+    ("RE_DRAIN_TIMEOUT", 0, 4, 0x5, 0x7, -1, ["end-of-stream drain", "from ranks [1]"]),
+    ("RE_COMBINE_TIMEOUT", -1, 3, 12, 40, -1, ["result rows of my chunk 3: 12 of 40 arrived"]),
+    ("RE_ACQUIRE_TIMEOUT", 0, 1, 0x6, 0, -1, ["chunk 1 of any of the source ranks [1, 2]", "ready source order"]),
+    ("RE_META", 1, 1, 4, 3, 2, ["violation: metadata of source rank 1, chunk 1, slot 1: valid count = 0x4, "
+                                "expected 0x3"]),
+    ("RE_NEWER_GEN", 1, 1, (3 << 32) | 4, (3 << 32) | 2, -1, ["source rank 1 signalled generation e3:c3",
+                                                              "e3:c1 (0x300000002) was expected"]),
+    ("RE_COMBINE_COUNT", -1, 0, 44, 40, -1, ["44 result rows arrived for my chunk 0, 40 expected"]),
+    ("RE_DOUBLE_ACK", 1, 0, 1, 1, -1, ["double acknowledgement (source rank 1, chunk 0, slot 0"]),
+])
+def test_describe_every_error_code(name, src, chunk, seen, want, field, needles):
+    from streamring.device import ringdesc as D
+
+    timeout = D.ERROR_CODES[name] in D.TIMEOUT_CODES
+    st = _words(name, src, chunk, seen, want, field=field, violations=0 if timeout else 1, timeouts=int(timeout))
+    line = D.describe_status(st, pe=0, num_slots=2, deadline_s=2.5)
+    assert line.startswith("rank 0: " + ("watchdog: " if timeout else "device ring violation: ")), line
+    for n in needles:
+        assert n in line, (n, line)
+
+
+def test_describe_no_error_and_bad_routes_only():
+    from streamring.device import ringdesc as D
+
+    st = D.decode_status([0] * D.RS_WORDS)
+    assert D.describe_status(st, pe=3) == ""
+    st["bad_routes"] = 2
+    line = D.describe_status(st, pe=3)
+    assert line.startswith("rank 3: device ring violation: 2 routes (topk_idx)") and "[-1, num_experts)" in line

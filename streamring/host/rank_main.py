@@ -149,12 +149,13 @@ def rank_main(command: str, cfg: Config, json_path: str | None = None) -> int:
     except BaseException as exc:  # noqa: BLE001 - any failure must end the whole job
         if isinstance(exc, SystemExit) and exc.code == 0:
             raise
-        try:
-            from mpi4py import MPI
+        if job_dir() is not None:  # our launcher (MPI ranks): it names the failed rank from this
+            try:
+                from mpi4py import MPI
 
-            report_status(MPI.COMM_WORLD.Get_rank(), f"{type(exc).__name__}: {exc}")
-        except Exception:  # noqa: BLE001
-            pass
+                report_status(MPI.COMM_WORLD.Get_rank(), f"{type(exc).__name__}: {exc}")
+            except Exception:  # noqa: BLE001
+                pass
         abort_job(exc, 2 if isinstance(exc, (ConfigError, HeapSizeError)) else 1)
         return 1
 

@@ -65,6 +65,7 @@ fetched with gets into a local mirror, L2 writes locally and ``ep_put_rows`` put
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Sequence
 
 import numpy as np
@@ -73,7 +74,7 @@ import torch
 from ..device import kernels as DK
 from ..device import moe_triton as K
 from ..device.ranges import annotate as nvtx_range
-from ..device.ringdesc import RING_LAYOUT, RING_ROUTE
+from ..device.ringdesc import RING_LAYOUT, RING_ROUTE, describe_status
 from ..device_ring import DeviceRing
 from ..protocol import PROGRESS_POLICIES as POLICIES  # noqa: F401  (re-exported)
 from ..protocol import SOURCE_ORDERS, CombineLayout, RingLayout, StreamPlan
@@ -159,8 +160,11 @@ class EPMoE:
             is wide open; the run's bitwise and status checks must then fail.
 
     Use: :meth:`warm_up` once (compiles every kernel, checks the ring), then :meth:`enqueue`
-    eagerly or :meth:`capture` one forward into a CUDA graph and replay it. :meth:`status`
-    after a forward: ring violations, timeouts and dropped corrupt routes (all must be 0).
+    eagerly or :meth:`capture` one forward into a CUDA graph and :meth:`replay` it (waits, raises
+    on a device error naming the source rank, chunk and generation). :meth:`status` after a forward:
+    ring violations, timeouts and dropped corrupt routes (all must be 0). Once it shows one, the
+    layer refuses :meth:`enqueue`, :meth:`capture` and :meth:`replay` (:attr:`broken`): ``close()`` it
+    and build a new one on every PE, as with the CPU ``MoEBuffer``.
     """
 
     def __init__(self, heap, shape: MoEShape, fw: FastWeights, tokens_per_rank: Sequence[int], plan: PlanChoice, *,
@@ -314,8 +318,16 @@ class EPMoE:
             self.dstream = torch.cuda.Stream(device=dev, priority=hi)
             self.gstream = torch.cuda.Stream(device=dev, priority=0)
             self.events = [torch.cuda.Event() for _ in range(self.num_chunks * self.steps)]
+        # Set by status() once the device reports a violation, a timeout or a corrupt route: the PEs may
+        # then disagree on what was published and acknowledged, so these buffers are not reused.
+        self.broken: str | None = None
         self.ring.set_epoch(1)
         heap.barrier()
+
+    def _refuse_if_broken(self) -> None:
+        if self.broken:
+            raise RuntimeError(f"this EPMoE is unusable after a device ring error ({self.broken}); close() it and "
+                               f"build a new EPMoE on every PE (collective)")
 
     # -- pieces ------------------------------------------------------------------------------------
     def _stamp(self, row, col):
@@ -488,6 +500,7 @@ class EPMoE:
         ``stamps=False`` leaves the timeline stamp kernels out (a layer made with ``timeline=True``
         can capture one graph for timing and one for its timeline).
         """
+        self._refuse_if_broken()
         self._recording = stamps
         try:
             self._enqueue(x, out, order)
@@ -558,6 +571,7 @@ class EPMoE:
         With ``node_priority`` (and high-priority producer/dispatch streams) every kernel node but
         the expert GEMMs gets the high launch priority explicitly (a captured node does not keep
         its stream's priority); ``self.node_priority_report`` says how many nodes were changed."""
+        self._refuse_if_broken()
         want = node_priority and self.plan.priority_streams() and self.events != []
         g = torch.cuda.CUDAGraph(keep_graph=want)
         side = torch.cuda.Stream(device=self.dev)
@@ -577,9 +591,40 @@ class EPMoE:
 
     def status(self) -> dict:
         """The ring's device status (violations, timeouts, published, consumed, first error) and the
-        number of corrupt routes dropped by the dispatch (``bad_routes``)."""
-        st = self.ring.status()
-        st["bad_routes"] = int(self.bad_routes.item())
+        number of corrupt routes dropped by the dispatch (``bad_routes``). Any of them non-zero makes
+        the layer refuse further forwards (:attr:`broken`): ``close()`` it and build a new one."""
+        return self._note(self.ring.status(), int(self.bad_routes.item()))
+
+    def _note(self, st: dict, bad_routes: int | None) -> dict:
+        st["bad_routes"] = bad_routes
+        if st["violations"] or st["timeouts"] or bad_routes:
+            self.broken = self.broken or (describe_status(st, pe=self.me, num_slots=self.num_slots,
+                                                          deadline_s=self.ring.deadline_s) or str(st))
+        return st
+
+    def replay(self, graph, *, host_deadline_s: float | None = None) -> dict:
+        """Replay ``graph`` (from :meth:`capture`) on the current stream, wait for it and return
+        :meth:`status`; raise if the device reported an error or the forward did not end.
+
+        A peer that died or stopped mid-forward makes a device wait of this PE time out after
+        ``deadline_s``; every later wait then gives up at once, so the forward ends and this raises a
+        :class:`~streamring.protocol.WatchdogError` whose first line names the source rank, chunk and
+        generation waited for. ``host_deadline_s`` (default ``2 * deadline_s + 5``) bounds what has no
+        device deadline. Violations and corrupt routes raise a
+        :class:`~streamring.protocol.ProtocolViolation`. Either way the layer is :attr:`broken` after.
+        """
+        self._refuse_if_broken()
+        limit = 2 * self.ring.deadline_s + 5 if host_deadline_s is None else float(host_deadline_s)
+        t0 = time.monotonic()
+        graph.replay()
+        done = torch.cuda.Event()
+        done.record()
+        finished, st = self.ring.wait_forward(done, limit)
+        # the dropped-route counter can only be read once the forward has ended
+        st = self._note(st, int(self.bad_routes.item()) if finished else None)
+        if not finished:
+            self.broken = self.broken or f"the forward did not finish within {limit:g}s"
+        self.ring.check(st, finished=finished, host_deadline_s=limit, elapsed_s=time.monotonic() - t0)
         return st
 
     def timeline(self) -> dict:

@@ -68,30 +68,19 @@ extern "C" __global__ void ring_publish(const RingDesc* d, uint8_t* buf, const u
 }
 
 // Consumer: acquire both generations of (src0 + blockIdx.x, chunk), then check the source's
-// metadata words before anything of the slot is used: chunk index, token base, valid count
-// (`valid_tab[chunk * num_ranks + src]`, what the plan says that source holds) and both
-// generations. A mismatch records RE_META (source, chunk, seen, wanted) and counts a violation;
-// the data kernels then treat the source's rows as absent. Grid = #sources, one thread works.
+// metadata words before anything of the slot is used (check_meta: chunk index, token base, valid count
+// `valid_tab[chunk * num_ranks + src]`, what the plan says that source holds, and both generations).
+// A mismatch records RE_META (source, chunk, the word, seen, wanted) and counts a violation; the data
+// kernels never index by a peer's word (they take the plan's counts), and the layer refuses to go on
+// (EPMoE.status). Grid = #sources, one thread works.
 extern "C" __global__ void ring_acquire_checked(const RingDesc* d, uint8_t* buf, const uint64_t* peers, int me,
                                                 int64_t src0, int64_t chunk, const int* valid_tab, int inject) {
     if (threadIdx.x != 0 || d->num_chunks <= 0) return;
     const int64_t src = src0 + blockIdx.x;
     const uint64_t g = ring_make_gen(cur_epoch(d), chunk);
     if (!(inject & INJ_SKIP_ACQUIRE) && !acquire_wait(d, buf, src, chunk, g, inject)) return;
-    SR_WITH_TRANSPORT(buf, me, peers, {
-        const uint8_t* pb = x.peer_base((int)src);
-        const uint64_t* m = meta_words(d, buf, chunk % d->num_slots);
-        const uint64_t want[5] = {(uint64_t)chunk, (uint64_t)(chunk * d->tokens_per_slot),
-                                  (uint64_t)valid_tab[chunk * d->num_ranks + src], g, g};
-        const int word[5] = {META_CHUNK, META_BASE, META_VALID, META_ROUTE_GEN, META_LAYOUT_GEN};
-        for (int i = 0; i < 5; ++i) {
-            uint64_t seen = x.load64(m + word[i], (int)src, pb);
-            if (seen != want[i] && !(inject & INJ_IGNORE_EPOCH && i >= 3)) {
-                record_error(d, RE_META, src, chunk, seen, want[i]);
-                break;
-            }
-        }
-    });
+    const int64_t valid = valid_tab[chunk * d->num_ranks + src];
+    SR_WITH_TRANSPORT(buf, me, peers, check_meta(d, x, src, chunk, valid, g, inject));
 }
 
 // Acknowledge (src0 + blockIdx.x, chunk): the caller's earlier kernels on this stream acquired
@@ -149,20 +138,8 @@ extern "C" __global__ void ring_wait_any(const RingDesc* d, uint8_t* buf, const 
     }
     __threadfence_system();
     if (ok) {
-        SR_WITH_TRANSPORT(buf, me, peers, {
-            const uint8_t* pb = x.peer_base(pick);
-            const uint64_t* mw = meta_words(d, buf, slot);
-            const uint64_t want[5] = {(uint64_t)chunk, (uint64_t)(chunk * d->tokens_per_slot),
-                                      (uint64_t)valid_tab[chunk * d->num_ranks + pick], g, g};
-            const int word[5] = {META_CHUNK, META_BASE, META_VALID, META_ROUTE_GEN, META_LAYOUT_GEN};
-            for (int i = 0; i < 5; ++i) {
-                uint64_t seen = x.load64(mw + word[i], pick, pb);
-                if (seen != want[i] && !(inject & INJ_IGNORE_EPOCH && i >= 3)) {
-                    record_error(d, RE_META, pick, chunk, seen, want[i]);
-                    break;
-                }
-            }
-        });
+        const int64_t valid = valid_tab[chunk * d->num_ranks + pick];
+        SR_WITH_TRANSPORT(buf, me, peers, check_meta(d, x, pick, chunk, valid, g, inject));
     }
     *pending &= ~(1ull << pick);
     *chosen = pick;

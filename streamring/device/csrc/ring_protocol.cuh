@@ -44,10 +44,14 @@ static __device__ __forceinline__ uint64_t full_mask(const RingDesc* d, int64_t 
 }
 static __device__ __forceinline__ uint64_t cur_epoch(const RingDesc* d) { return ld_relaxed_sys_u64(d->epoch); }
 
+// Record an error in the status words. The first one keeps its details: RS_FIRST_ERROR packs
+// code | src << 8 | chunk << 24 | (field + 1) << 56 (field: the META_* word of an RE_META, else -1;
+// src -1 reads back as 0xffff: no single source, e.g. the owner's combine).
 static __device__ void record_error(const RingDesc* d, int code, int64_t src, int64_t chunk, uint64_t seen,
-                                    uint64_t want) {
+                                    uint64_t want, int field = -1) {
     unsigned long long packed = (unsigned long long)code | ((unsigned long long)(src & 0xffff) << 8) |
-                                ((unsigned long long)(chunk & 0xffffffffll) << 24);
+                                ((unsigned long long)(chunk & 0xffffffffll) << 24) |
+                                ((unsigned long long)((field + 1) & 0xff) << 56);
     if (atomicCAS(&d->status[RS_FIRST_ERROR], 0ull, packed) == 0ull) {
         d->status[RS_BAD_SEEN] = seen;
         d->status[RS_BAD_WANT] = want;
@@ -107,6 +111,30 @@ static __device__ bool acquire_wait(const RingDesc* d, uint8_t* buf, int64_t src
         }
     }
     __threadfence_system();  // belt and braces: no later load is satisfied before the acquire
+    return true;
+}
+
+// The metadata words of (src, chunk)'s slot, read from the source's copy after the acquire and checked
+// before anything of the slot is used: chunk index, token base, valid count (`valid`: what the plan
+// says the source holds) and both generations (`g`). A peer controls these words; any other value is
+// refused with RE_META naming the word (the first that differs). Returns true when all match. One
+// thread. (INJ_IGNORE_EPOCH, a deliberate mutation, leaves the generation words unchecked.)
+template <class X>
+__device__ bool check_meta(const RingDesc* d, const X& x, int64_t src, int64_t chunk, int64_t valid, uint64_t g,
+                           int inject) {
+    const uint8_t* pb = x.peer_base((int)src);
+    const uint64_t* m = meta_words(d, x.buf, chunk % d->num_slots);
+    const int word[5] = {META_CHUNK, META_BASE, META_VALID, META_ROUTE_GEN, META_LAYOUT_GEN};
+    const uint64_t want[5] = {(uint64_t)chunk, (uint64_t)(chunk * d->tokens_per_slot), (uint64_t)valid, g, g};
+    for (int i = 0; i < 5; ++i) {
+        const uint64_t seen = x.load64(m + word[i], (int)src, pb);
+        const bool gen_word = word[i] == META_ROUTE_GEN || word[i] == META_LAYOUT_GEN;
+        const bool unchecked = (inject & INJ_IGNORE_EPOCH) && gen_word;
+        if (seen != want[i] && !unchecked) {
+            record_error(d, RE_META, src, chunk, seen, want[i], word[i]);
+            return false;
+        }
+    }
     return true;
 }
 
