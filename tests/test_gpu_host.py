@@ -175,3 +175,171 @@ def test_describe_no_error_and_bad_routes_only():
     st["bad_routes"] = 2
     line = D.describe_status(st, pe=3)
     assert line.startswith("rank 3: device ring violation: 2 routes (topk_idx)") and "[-1, num_experts)" in line
+
+
+# --------------------------------------------------------------------------------------------
+# A GPU rank fails: the configuration, the survivor's error, the GPU check's judges
+# --------------------------------------------------------------------------------------------
+def test_run_fault_is_checked_before_launch():
+    from streamring.config import ConfigError
+    from streamring.runner import check_run_job
+
+    ok = load_config(None, FAST + ["run.fault={rank: 1, epoch: 1, kind: hang}", "run.epochs=3"], backend="nvshmem")
+    check_run_job(ok, 2)
+    for extra, ranks, needle in ((["run.fault={rank: 2}"], 2, r"run.fault.rank must be in \[0, 2\)"),
+                                 (["run.fault={rank: 1, epoch: 3}", "run.epochs=3"], 2,
+                                  r"run.fault.epoch must be in \[0, run.epochs=3\), got 3"),
+                                 (["run.fault={rank: 1}", "run.mode=batch"], 2, "run.mode must be 'both' or 'stream'")):
+        with pytest.raises(ConfigError, match=needle):
+            check_run_job(load_config(None, FAST + extra, backend="nvshmem"), ranks)
+    with pytest.raises(ConfigError, match="the CPU backend's rank-failure test is stress.fault"):
+        check_run_job(load_config(None, ["run.fault={rank: 1}"]), 2)
+
+
+def _survivor_error(seen_epoch=2, want_epoch=3, chunk=0, elapsed=3.04):
+    """What the surviving rank prints: DeviceRing.check's error, as abort_job writes it."""
+    from types import SimpleNamespace
+
+    from streamring.device_ring import DeviceRing
+    from streamring.protocol import WatchdogError
+
+    st = _words("RE_ACQUIRE_TIMEOUT", 1, chunk, (seen_epoch << 32) | 5, (want_epoch << 32) | (chunk + 1), timeouts=3)
+    ring = SimpleNamespace(me=0, layout=SimpleNamespace(num_slots=2), deadline_s=3.0)
+    with pytest.raises(WatchdogError) as info:
+        DeviceRing.check(ring, st, elapsed_s=elapsed)
+    return f"[streamring rank 0] error: WatchdogError: {info.value}"
+
+
+def test_survivor_error_is_one_line_naming_source_chunk_generation():
+    text = _survivor_error()
+    first = text.splitlines()[0]
+    assert first.endswith("of source rank 1 (chunk 0, slot 0); it last saw e2:c4 (0x200000005): rank 1 is dead, "
+                          "stopped or stuck (violations 0, timeouts 3); noticed 3.04s after the forward's launch"), first
+    assert "generation e3:c0 (0x300000001)" in first and "device status: {" in text.splitlines()[1]
+
+
+def test_ring_check_passes_a_clean_status_and_reports_an_unfinished_forward():
+    from types import SimpleNamespace
+
+    from streamring.device import ringdesc as D
+    from streamring.device_ring import DeviceRing
+    from streamring.protocol import ProtocolViolation, WatchdogError
+
+    ring = SimpleNamespace(me=1, layout=SimpleNamespace(num_slots=2), deadline_s=3.0)
+    clean = D.decode_status([0] * D.RS_WORDS)
+    DeviceRing.check(ring, clean)
+    with pytest.raises(WatchdogError, match=r"rank 1: watchdog: the forward did not finish within 11s"):
+        DeviceRing.check(ring, clean, finished=False, host_deadline_s=11)
+    with pytest.raises(ProtocolViolation, match="metadata of source rank 0, chunk 2, slot 0: valid count = 0x5"):
+        DeviceRing.check(ring, _words("RE_META", 0, 2, 5, 4, field=D.META_VALID, violations=1))
+
+
+def test_replay_holds_a_sigterm_until_the_forward_ends():
+    """torchrun SIGTERMs the other workers when one dies: the survivor first finishes its forward (its
+    device waits end at their deadline) and says what it waited for, then stops."""
+    import os
+    import signal
+
+    from streamring.protocol import WatchdogError
+    from streamring.runner import replay_checked
+
+    class Layer:
+        inject = "none"
+
+        def __init__(self, error):
+            self.error = error
+
+        def replay(self, graph):
+            os.kill(os.getpid(), signal.SIGTERM)  # arrives while the forward runs
+            if self.error:
+                raise WatchdogError("rank 0: watchdog: the device waited 3s ...")
+            return {}
+
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(WatchdogError, match="the device waited 3s"):
+        replay_checked(Layer(error=True), None)
+    with pytest.raises(KeyboardInterrupt, match="SIGTERM"):
+        replay_checked(Layer(error=False), None)
+    assert signal.getsignal(signal.SIGTERM) == before
+
+
+def _steps():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check_steps",
+                                                  Path(__file__).resolve().parents[1] / "launch/gpu_check_steps.py")
+    steps = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(steps)
+    return steps
+
+
+MPIRUN_ABORT = """--------------------------------------------------------------------------
+MPI_ABORT was invoked on rank 0 in communicator MPI_COMM_WORLD
+with errorcode 1.
+"""
+TORCHRUN_ROOT_CAUSE = """torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+============================================================
+streamring FAILED
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-12-02_10:00:00
+  host      : h200
+  rank      : 1 (local_rank: 1)
+  exitcode  : -9 (pid: 4242)
+  error_file: <N/A>
+  traceback : Signal 9 (SIGKILL) received by PID 4242
+============================================================
+"""
+LOCAL_LAUNCHER = ("streamring launcher: rank 1 (pid 4242) was the first rank to stop running (T (stopped)): the "
+                  "failed rank\n")
+
+
+class _Probes:
+    """Fake process/GPU probes: the job's processes and memory go away after ``settle`` polls."""
+
+    def __init__(self, settle=2, before=(1000,), after=(1100,), apps_after=()):
+        self.polls, self.settle, self.before, self.after, self.apps_after = 0, settle, list(before), list(after), \
+            list(apps_after)
+        self.d = {"memory": self.memory, "apps": self.apps, "processes": self.processes, "sleep": lambda s: None}
+
+    def memory(self):
+        return self.before if self.polls == 0 else (self.after if self.polls > self.settle else [60000])
+
+    def apps(self):
+        return ["4242, python3, 2048 MiB"] if self.polls <= self.settle else self.apps_after
+
+    def processes(self, marker):
+        self.polls += 1
+        return [f"4242 python3 -m streamring run --json {marker}"] if self.polls <= self.settle else []
+
+
+@pytest.mark.parametrize("launcher,tail", [("mpirun", MPIRUN_ABORT), ("torchrun", TORCHRUN_ROOT_CAUSE),
+                                           ("local", LOCAL_LAUNCHER)])
+def test_fault_judge_on_recorded_outputs(launcher, tail):
+    steps = _steps()
+    out = "rank 1: run.fault: SIGKILL of this rank (pid 4242) in the streamed forward\n" + _survivor_error() + "\n" + tail
+    probes = _Probes()
+    ok, note = steps.fault_judge(launcher, "/tmp/streamring-check/fault-x.json", probes.d)(1, out, None)
+    assert ok, note
+    assert "(a) ok: waited for rank 1 chunk 0 generation e3:c0, noticed after 3.04s" in note, note
+    assert "(c) ok" in note and "clean-up ok: 0 processes left" in note, note
+
+
+def test_fault_judge_refuses_what_is_missing():
+    steps = _steps()
+    judge = lambda out, rc=1, probes=None: steps.fault_judge("mpirun", "m", (probes or _Probes()).d)(rc, out, None)  # noqa: E731
+    ok, note = judge(MPIRUN_ABORT)
+    assert not ok and "(a) FAILED: no 'rank 0: watchdog" in note, note
+    ok, note = judge(_survivor_error(elapsed=7.5) + "\n" + MPIRUN_ABORT)
+    assert not ok and "noticed after 7.50s (deadline 3s)" in note, note
+    ok, note = judge(_survivor_error() + "\n" + MPIRUN_ABORT, rc=0)
+    assert not ok and "(b) FAILED: rc=0" in note, note
+    ok, note = judge(_survivor_error())
+    assert not ok and "(c) FAILED: mpirun named no rank" in note, note
+    stuck = _Probes(settle=10**6)
+    ok, note = judge(_survivor_error() + "\n" + MPIRUN_ABORT, probes=stuck)
+    assert not ok and "clean-up FAILED: 1 processes left" in note and "2048 MiB" in note, note
+    leaked = _Probes(after=(1000 + 600,))
+    ok, note = judge(_survivor_error() + "\n" + MPIRUN_ABORT, probes=leaked)
+    assert not ok and "memory used [1600] MiB (before [1000])" in note, note
