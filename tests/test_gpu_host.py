@@ -343,3 +343,24 @@ def test_fault_judge_refuses_what_is_missing():
     leaked = _Probes(after=(1000 + 600,))
     ok, note = judge(_survivor_error() + "\n" + MPIRUN_ABORT, probes=leaked)
     assert not ok and "memory used [1600] MiB (before [1000])" in note, note
+
+
+def test_mutate_and_sanitize_judges_on_recorded_outputs(monkeypatch):
+    steps = _steps()
+    seen = {}
+    monkeypatch.setattr(steps, "run_step", lambda state, name, cmd, timeout, **kw: seen.update(kw, cmd=cmd))
+    steps.phase_mutate({"steps": []})
+    assert seen["cmd"][1:3] == ["tests/mutate.py", "--gpu"]
+    table = ("│ ack-before-copy │ the EP dispatch acknowledges ... │ gpu_layer.py │ 1/1 │ caught │ AssertionError │ 31 │\n"
+             "│ acquire-fence-dropped │ the device acquire ... │ ring_protocol.cuh │ 0/1 │ MISSED │  │ 40 │\n"
+             "1 of 2 mutations caught\n")
+    ok, note = seen["judge"](1, table, None)
+    assert not ok and note.startswith("1 of 2 mutations caught") and "MISSED" in note, note
+    ok, note = seen["judge"](0, table.replace("1 of 2", "2 of 2").replace("MISSED", "caught"), None)
+    assert ok, note
+    steps.phase_sanitize({"steps": []})
+    out = ("sanitize: memcheck ring: PASS (plain run) ERROR SUMMARY: 0 errors\n"
+           "sanitize: racecheck ep: NOT RUN (budget of 120s spent)\nsanitize: clean (elapsed 118s)\n")
+    ok, note = seen["judge"](0, out, None)
+    assert ok and "memcheck ring: PASS" in note and "racecheck ep: NOT RUN" in note, note
+    assert not seen["judge"](3, "sanitize: compute-sanitizer not found on this host", None)[0]
