@@ -24,6 +24,9 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=97)
     ap.add_argument("--replays", type=int, default=2)
     ap.add_argument("--deadline-s", type=float, default=60.0, help="device waits (slow under a sanitizer)")
+    ap.add_argument("--eager", action="store_true",
+                    help="enqueue every forward instead of replaying a captured graph (the same kernels; lets "
+                         "PYTORCH_NO_CUDA_MEMORY_CACHING=1 give every tensor its own allocation)")
     args = ap.parse_args(argv)
 
     import torch
@@ -51,12 +54,19 @@ def main(argv=None) -> int:
         try:
             y = torch.zeros_like(x)
             layer.warm_up(x, y)
-            graph = layer.capture(x, y)
+            graph = None if args.eager else layer.capture(x, y)
             for _ in range(args.replays):
                 y.fill_(float("nan"))
-                st = layer.replay(graph)
+                if graph is None:
+                    layer.enqueue(x, y)
+                    torch.cuda.synchronize()
+                    st = layer.status()
+                    layer.ring.check(st)
+                else:
+                    st = layer.replay(graph)
             outs[name] = y.clone()
-            print(f"ep_forward_once: {name} ({plan.policy}, {args.transport}): {layer.num_chunks} chunks, status "
+            print(f"ep_forward_once: {name} ({plan.policy}, {args.transport}, {'eager' if args.eager else 'graph'}): "
+                  f"{layer.num_chunks} chunks, status "
                   f"{ {k: st[k] for k in ('violations', 'timeouts', 'bad_routes', 'consumed', 'published')} }",
                   flush=True)
             del graph

@@ -127,8 +127,8 @@ class ReplayFault(_Strict):
     """Rank ``rank`` fails in the streamed forward of epoch ``epoch`` (0-based) of ``run`` on the GPU layer.
 
     ``kill``: it launches that forward with its producer held back on the device (the straggler word,
-    far beyond ``wait_timeout_s``) and SIGKILLs itself, so it dies while its peers' forwards wait for
-    its first chunk. ``hang``: it SIGSTOPs itself right before launching that forward (a stopped host
+    past ``wait_timeout_s``) and SIGKILLs itself, so it dies while its peers' forwards wait for its
+    first chunk. ``hang``: it SIGSTOPs itself right before launching that forward (a stopped host
     launches nothing; work already on the GPU would still complete).
     """
 

@@ -379,9 +379,10 @@ class _sigterm_held:
 
 def fail_this_rank(kind: str, layer, graph, wait_timeout_s: float) -> None:
     """``run.fault`` on this rank, right before its streamed forward: ``kill`` launches the forward
-    with the producer held back on the device far beyond the deadline, then SIGKILLs this process
+    with the producer held back on the device past the peers' deadlines, then SIGKILLs this process
     (it dies while its peers wait for its first chunk); ``hang`` SIGSTOPs this process before it
-    launches anything."""
+    launches anything. The hold is bounded (twice the deadline plus 5 s, the peers' host deadline):
+    a GPU shared under MPS may let a killed client's running kernel finish before it frees it."""
     import os
     import signal
     import sys
@@ -389,7 +390,7 @@ def fail_this_rank(kind: str, layer, graph, wait_timeout_s: float) -> None:
     print(f"rank {layer.me}: run.fault: {'SIGKILL' if kind == 'kill' else 'SIGSTOP'} of this rank (pid "
           f"{os.getpid()}) in the streamed forward", file=sys.stderr, flush=True)
     if kind == "kill":
-        layer.set_straggler(int(max(60.0, 10 * wait_timeout_s) * 1e9))
+        layer.set_straggler(int((2 * wait_timeout_s + 5) * 1e9))
         graph.replay()
         os.kill(os.getpid(), signal.SIGKILL)
     os.kill(os.getpid(), signal.SIGSTOP)
