@@ -278,8 +278,10 @@ def run_layer_gpu(heap, cfg: Config) -> dict:
                rtol=B.FAST_PATH_REL_TOL, atol=0.0, path="fast", transport=layers["stream"].transport,
                policy=cfg.nvshmem.progress, gemm=layers["stream"].gemm, gemm_batch=layers["batch"].gemm,
                gemm_stream=layers["stream"].gemm, ring_errors={})
-    # every host barrier has a deadline: a dead or stopped peer ends this rank's run with an error
-    barrier = lambda: heap.barrier(time.monotonic() + cfg.wait_timeout_s)  # noqa: E731
+    # Every host barrier has a deadline, so a dead or stopped peer ends this rank's run with an error. It
+    # outlasts a peer's slowest forward (every device wait ends within wait_timeout_s; the host gives a
+    # forward 2 x wait_timeout_s + 5 s): a peer whose forward ran into a deadline is late, not dead.
+    barrier = lambda: heap.barrier(time.monotonic() + 2 * cfg.wait_timeout_s + 10)  # noqa: E731
     graphs = {}
     for m, layer in layers.items():
         x_buf.copy_(make_tokens(cfg, me, 0, T).to(dev, torch.bfloat16))

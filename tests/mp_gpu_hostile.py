@@ -415,10 +415,14 @@ def main(argv: list[str]) -> int:
     for name in argv:
         try:
             mine = SCENARIOS[name](heap)
-        except Exception as exc:  # noqa: BLE001 - one PE's crash is reported by every PE's verdict below
+        except Exception as exc:  # noqa: BLE001 - a crash mid-table: the other PEs wait in a collective
             import traceback
 
             traceback.print_exc()
+            if heap.num_ranks > 1:
+                from streamring.host.bootstrap import abort_job
+
+                abort_job(exc)  # ends every PE of the job, non-zero
             mine = [f"PE {heap.rank}: {type(exc).__name__}: {exc}"]
         every = [f for fs in heap.allgather_obj(mine) for f in fs]
         if heap.rank == 0:
