@@ -328,7 +328,10 @@ def test_fault_judge_on_recorded_outputs(launcher, tail):
 
 def test_fault_judge_refuses_what_is_missing():
     steps = _steps()
-    judge = lambda out, rc=1, probes=None: steps.fault_judge("mpirun", "m", (probes or _Probes()).d)(rc, out, None)  # noqa: E731
+
+    def judge(out, rc=1, probes=None):
+        return steps.fault_judge("mpirun", "m", (probes or _Probes()).d)(rc, out, None)
+
     ok, note = judge(MPIRUN_ABORT)
     assert not ok and "(a) FAILED: no 'rank 0: watchdog" in note, note
     ok, note = judge(_survivor_error(elapsed=7.5) + "\n" + MPIRUN_ABORT)
@@ -351,8 +354,8 @@ def test_mutate_and_sanitize_judges_on_recorded_outputs(monkeypatch):
     monkeypatch.setattr(steps, "run_step", lambda state, name, cmd, timeout, **kw: seen.update(kw, cmd=cmd))
     steps.phase_mutate({"steps": []})
     assert seen["cmd"][1:3] == ["tests/mutate.py", "--gpu"]
-    table = ("│ ack-before-copy │ the EP dispatch acknowledges ... │ gpu_layer.py │ 1/1 │ caught │ AssertionError │ 31 │\n"
-             "│ acquire-fence-dropped │ the device acquire ... │ ring_protocol.cuh │ 0/1 │ MISSED │  │ 40 │\n"
+    table = ("│ ack-before-copy │ the EP dispatch acknowledges │ gpu_layer.py │ 1/1 │ caught │ AssertionError │ 31 │\n"
+             "│ acquire-fence-dropped │ the device acquire │ ring_protocol.cuh │ 0/1 │ MISSED │  │ 40 │\n"
              "1 of 2 mutations caught\n")
     ok, note = seen["judge"](1, table, None)
     assert not ok and note.startswith("1 of 2 mutations caught") and "MISSED" in note, note
