@@ -114,6 +114,9 @@ class RunConfig(_Strict):
     gemm: Literal[GEMM_CHOICES] = Field(  # type: ignore[valid-type]
         "auto", description="fast GPU path: the expert GEMMs of both the batch and the streamed path (auto: CUTLASS "
                             "when its library is built, else Triton)")
+    fault: Optional["ReplayFault"] = Field(
+        None, description="fast GPU path: kill or stop one rank in the middle of a streamed forward (rank-failure "
+                          "tests; the CPU backend's is stress.fault)")
 
 
 class Straggler(_Strict):
@@ -121,6 +124,20 @@ class Straggler(_Strict):
 
     rank: int = Field(ge=0)
     ms: float = Field(gt=0, le=10_000)
+
+
+class ReplayFault(_Strict):
+    """Rank ``rank`` fails in the streamed forward of epoch ``epoch`` (0-based) of ``run`` on the GPU layer.
+
+    ``kill``: it launches that forward with its producer held back on the device (the straggler word,
+    past ``wait_timeout_s``) and SIGKILLs itself, so it dies while its peers' forwards wait for its
+    first chunk. ``hang``: it SIGSTOPs itself right before launching that forward (a stopped host
+    launches nothing; work already on the GPU would still complete).
+    """
+
+    rank: int = Field(ge=0)
+    epoch: int = Field(0, ge=0, description="the epoch of run.epochs whose streamed forward fails")
+    kind: Literal["kill", "hang"] = "kill"
 
 
 class Delay(_Strict):

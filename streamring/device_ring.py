@@ -31,12 +31,15 @@ torch / cuda.* are lazy: the module imports without a GPU.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from .device import kernels as K
 from .device.kernels import as_stream_ref
-from .device.ringdesc import CLOCK_HZ, RING_LAYOUT, RING_ROUTE, RS_WORDS, decode_status, pack_desc
-from .protocol import RingLayout, make_gen
+from .device.ringdesc import (CLOCK_HZ, RING_LAYOUT, RING_ROUTE, RS_WORDS, decode_status, describe_status,
+                               pack_desc)
+from .protocol import DIAGNOSTIC_HOOKS, ProtocolViolation, RingLayout, WatchdogError, make_gen
 
 TRANSPORTS = ("nv", "p2p", "auto")
 
@@ -102,6 +105,8 @@ class DeviceRing:
             self.t_pub, self.t_acq = int(self.t_pub_t.data_ptr()), int(self.t_acq_t.data_ptr())
         else:
             self.t_pub = self.t_acq = 0
+        self.deadline_s = float(deadline_s)
+        self._poll = None  # (side stream, pinned words): status_now()'s copy, made at its first use
         self._refs: dict = {}
         heap.sync()
 
@@ -260,6 +265,62 @@ class DeviceRing:
     def status(self) -> dict:
         """The device status words: violations, timeouts, aborted, consumed, published, first error."""
         return decode_status(self.status_t.cpu().tolist())
+
+    def status_now(self) -> dict:
+        """The status words as they are now, while kernels of a forward may still run: copied on a
+        side stream of its own into pinned memory (:meth:`status` would wait behind the forward)."""
+        torch = self.heap._torch
+        if self._poll is None:
+            self._poll = (torch.cuda.Stream(device=self.heap.device),
+                          torch.zeros(RS_WORDS, dtype=torch.int64, pin_memory=True))
+        stream, host = self._poll
+        with torch.cuda.stream(stream):
+            host.copy_(self.status_t, non_blocking=True)
+        stream.synchronize()
+        return decode_status(host.tolist())
+
+    def wait_forward(self, done, host_deadline_s: float) -> tuple[bool, dict]:
+        """Wait for the CUDA event ``done`` (recorded after a forward) without blocking in the driver.
+
+        Every device wait of the ring ends at its deadline and records where it waited, and after the
+        first timeout every later wait gives up at once, so a forward whose peer died or stopped still
+        ends within about ``deadline_s``. ``host_deadline_s`` bounds what has no device deadline (a
+        ``cuStreamWaitValue64`` of the stream_wait policy, a kernel that never ends). Returns
+        ``(finished, status)``: :meth:`status` when the forward finished, else :meth:`status_now`.
+        """
+        end = time.monotonic() + host_deadline_s
+        pause = 50e-6
+        while not done.query():
+            if time.monotonic() > end:
+                return False, self.status_now()
+            time.sleep(pause)
+            pause = min(pause * 2, 0.01)  # quick for a short forward, a light poll for a long wait
+        return True, self.status()
+
+    def check(self, st: dict, *, finished: bool = True, host_deadline_s: float | None = None,
+              elapsed_s: float | None = None) -> None:
+        """Raise when ``st`` (:meth:`status`, optionally with ``bad_routes``) holds an error, or when the
+        forward did not finish (``finished=False``): a :class:`~streamring.protocol.WatchdogError` for
+        timeouts and unfinished forwards, a :class:`~streamring.protocol.ProtocolViolation` for the rest.
+        The first line names what the device waited for or refused (source rank, chunk, generation:
+        :func:`~streamring.device.ringdesc.describe_status`); the host's diagnostics follow (which peer
+        processes are dead or stopped, under the local launcher); ``elapsed_s``, the host's time from the
+        forward's launch to this check, ends the first line."""
+        line = describe_status(st, pe=self.me, num_slots=self.layout.num_slots, deadline_s=self.deadline_s)
+        if finished and not line:
+            return
+        if not finished:
+            line = (f"rank {self.me}: watchdog: the forward did not finish within {host_deadline_s:g}s (the host's "
+                    f"deadline; every device wait has wait_timeout_s={self.deadline_s:g}): something without a "
+                    f"device deadline is stuck (a cuStreamWaitValue64 of the stream_wait policy, or a kernel); "
+                    + (line.split(": ", 1)[1] if line else f"device status {st}"))
+        if elapsed_s is not None:
+            line += f"; noticed {elapsed_s:.2f}s after the forward's launch"
+        extra = [text for text in (hook() for hook in DIAGNOSTIC_HOOKS) if text]
+        message = "\n".join([line, f"device status: {st}", *extra])
+        if not finished or st.get("timeouts"):
+            raise WatchdogError(message)
+        raise ProtocolViolation(message)
 
     def wake_addr(self, kind: int, src: int, slot: int) -> int:
         L = self.layout

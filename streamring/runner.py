@@ -121,6 +121,17 @@ def check_run_job(cfg: Config, num_ranks: int) -> None:
         raise ConfigError(f"layer: {exc} (layer.num_experts must be a multiple of the {R} ranks; see also "
                           f"layer.topk, layer.n_group, layer.topk_group)") from None
     per_rank(cfg.run.tokens_per_rank, R, "run.tokens_per_rank")
+    f = cfg.run.fault
+    if f is not None:
+        if not use_fast_gpu_path(cfg):
+            raise ConfigError("run.fault is a fault of the expert-parallel GPU layer (--backend nvshmem, "
+                              "layer.weight_dtype=fp8); the CPU backend's rank-failure test is stress.fault")
+        if f.rank >= R:
+            raise ConfigError(f"run.fault.rank must be in [0, {R}) (the job has {R} ranks), got {f.rank}")
+        if f.epoch >= cfg.run.epochs:
+            raise ConfigError(f"run.fault.epoch must be in [0, run.epochs={cfg.run.epochs}), got {f.epoch}")
+        if cfg.run.mode == "batch":
+            raise ConfigError("run.fault fails a streamed forward: run.mode must be 'both' or 'stream', got 'batch'")
     if use_fast_gpu_path(cfg) and cfg.nvshmem.progress in REFUSED_POLICIES:
         # the expert-parallel layer refuses it (see moe/ep_buffer.py): say so before launch
         allowed = [p for p in PROGRESS_POLICIES if p not in REFUSED_POLICIES]
@@ -216,6 +227,7 @@ def run_layer_gpu(heap, cfg: Config) -> dict:
     from .moe.ep_buffer import EPBuffer
 
     R, me = heap.num_ranks, heap.rank
+    check_run_job(cfg, R)
     shape = shape_from_config(cfg)
     if cfg.layer.weight_dtype != "fp8":
         raise ConfigError(f"run.gpu_path=fast needs layer.weight_dtype=fp8 (got {cfg.layer.weight_dtype!r}); "
@@ -244,7 +256,12 @@ def run_layer_gpu(heap, cfg: Config) -> dict:
                max_abs_stream_minus_batch=0.0, ref_ok=True, ref_max_abs_err=0.0, ref_max_err_ratio=0.0,
                ref_excluded=0, batch_wall_s=0.0, stream_wall_s=0.0, epochs=cfg.run.epochs, scheduler="blocks",
                rtol=B.FAST_PATH_REL_TOL, atol=0.0, path="fast", transport=buf.transport,
-               policy=cfg.nvshmem.progress, gemm=buf.gemm, ring_errors={})
+               policy=cfg.nvshmem.progress, gemm=buf.gemm, gemm_batch=buf.gemm, gemm_stream=buf.gemm,
+               ring_errors={})
+    # Every host barrier has a deadline, so a dead or stopped peer ends this rank's run with an error. It
+    # outlasts a peer's slowest forward (every device wait ends within wait_timeout_s; the host gives a
+    # forward 2 x wait_timeout_s + 5 s): a peer whose forward ran into a deadline is late, not dead.
+    barrier = lambda: heap.barrier(time.monotonic() + 2 * cfg.wait_timeout_s + 10)  # noqa: E731
     graphs = {}
     failed = None
     x_buf.copy_(make_tokens(cfg, me, 0, T).to(dev, torch.bfloat16))
@@ -254,11 +271,12 @@ def run_layer_gpu(heap, cfg: Config) -> dict:
         except RuntimeError as exc:  # a ring error (a mutated ring: expected there); reported below
             failed = failed or str(exc)
             break
-        heap.barrier()
+        barrier()
         graphs[m] = buf.capture(x_buf, layer, outs[m], streaming=(m == "stream"))
-        heap.barrier()
+        barrier()
     if st is not None and st.rank == me:
         buf.set_straggler(int(st.ms * 1e6))
+    fault = cfg.run.fault if cfg.run.fault is not None and cfg.run.fault.rank == me else None
     for ep in range(cfg.run.epochs if failed is None else 0):
         x = make_tokens(cfg, me, ep, T).to(dev, torch.bfloat16)
         x_buf.copy_(x)
@@ -266,10 +284,11 @@ def run_layer_gpu(heap, cfg: Config) -> dict:
             if cfg.run.mode not in ("both", m):
                 continue
             torch.cuda.synchronize(dev)
-            heap.barrier()
+            barrier()
+            if m == "stream" and fault is not None and fault.epoch == ep:
+                fail_this_rank(fault.kind, buf, graphs[m], cfg.wait_timeout_s)
             t0 = time.monotonic()
-            graphs[m].replay()
-            torch.cuda.synchronize(dev)
+            replay_checked(buf, graphs[m])
             row[f"{m}_wall_s"] += time.monotonic() - t0
         if cfg.run.mode == "both" and T:
             a, b = outs["stream"], outs["batch"]
@@ -297,6 +316,67 @@ def run_layer_gpu(heap, cfg: Config) -> dict:
         row["ref_ok"] = False
     del graphs
     torch.cuda.synchronize(dev)
-    heap.barrier()
+    barrier()
     buf.close()
     return row
+
+
+def replay_checked(buf, graph) -> None:
+    """Replay one captured forward of ``buf`` and wait for it.
+
+    A buffer with a deliberate protocol mutation (``run.inject``) expects device errors: its replay is
+    only waited for, and its errors go into the report at the end. Any other raises at once
+    (:meth:`EPBuffer.replay <streamring.moe.ep_buffer.EPBuffer.replay>`): a device wait that timed out
+    means a peer is dead, stopped or stuck, and nothing collective may follow. A SIGTERM from the
+    launcher (torchrun ends the other workers this way when one dies) is held until the forward has
+    ended (every device wait has a deadline), so this rank still says what it waited for; the run then
+    stops with that error, or with the SIGTERM.
+    """
+    if buf.inject != "none":
+        graph.replay()
+        torch.cuda.synchronize(buf.dev)
+        return
+    with _sigterm_held() as held:
+        buf.replay(graph)
+    if held:
+        raise KeyboardInterrupt("SIGTERM")
+
+
+class _sigterm_held:
+    """Context manager: a SIGTERM inside is recorded (truthy afterwards) instead of ending the process."""
+
+    def __enter__(self):
+        import signal
+        import threading
+
+        self.got = []
+        self.previous = None
+        if threading.current_thread() is threading.main_thread():
+            self.previous = signal.signal(signal.SIGTERM, lambda signum, frame: self.got.append(signum))
+        return self.got
+
+    def __exit__(self, *exc):
+        import signal
+
+        if self.previous is not None:
+            signal.signal(signal.SIGTERM, self.previous)
+        return False
+
+
+def fail_this_rank(kind: str, buf, graph, wait_timeout_s: float) -> None:
+    """``run.fault`` on this rank, right before its streamed forward: ``kill`` launches the forward
+    with the producer held back on the device past the peers' deadlines, then SIGKILLs this process
+    (it dies while its peers wait for its first chunk); ``hang`` SIGSTOPs this process before it
+    launches anything. The hold is bounded (twice the deadline plus 5 s, the peers' host deadline):
+    a GPU shared under MPS may let a killed client's running kernel finish before it frees it."""
+    import os
+    import signal
+    import sys
+
+    print(f"rank {buf.me}: run.fault: {'SIGKILL' if kind == 'kill' else 'SIGSTOP'} of this rank (pid "
+          f"{os.getpid()}) in the streamed forward", file=sys.stderr, flush=True)
+    if kind == "kill":
+        buf.set_straggler(int((2 * wait_timeout_s + 5) * 1e9))
+        graph.replay()
+        os.kill(os.getpid(), signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGSTOP)

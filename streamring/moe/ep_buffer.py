@@ -82,6 +82,7 @@ fetched with gets into a local mirror, L2 writes locally and ``ep_put_rows`` put
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -91,7 +92,7 @@ import torch
 from ..device import kernels as DK
 from ..device import moe_triton as K
 from ..device.ranges import annotate as nvtx_range
-from ..device.ringdesc import INJECT_BITS, RING_LAYOUT, RING_ROUTE
+from ..device.ringdesc import INJECT_BITS, RING_LAYOUT, RING_ROUTE, describe_status
 from ..device_ring import DeviceRing
 from ..protocol import GEMM_CHOICES, PROGRESS_POLICIES, REFUSED_POLICIES, SOURCE_ORDERS, CombineLayout, RingLayout
 from .blocks import FP8, BlockConsumer, FastWeights
@@ -234,6 +235,7 @@ class EPBuffer:
             raise ValueError(f"policy {policy!r} needs a GPU (streams); off the GPU only 'serialized' runs")
         self.broken: Optional[str] = None
         self._warm: set = set()
+        self._graph_paths: dict = {}  # id(graph) -> the path it was captured on (replay() checks that ring)
         self._regions: list = []
         H, Kk = shape.hidden, shape.topk
         wake = policy == "stream_wait"
@@ -499,6 +501,7 @@ class EPBuffer:
         with torch.cuda.graph(g, stream=side, capture_error_mode="thread_local"):
             self.forward(x, weights, streaming=streaming, num_tokens=num_tokens, out=out, routing=routing,
                          stamps=stamps)
+        self._graph_paths[id(g)] = self.paths["stream" if streaming else "batch"]
         self.node_priority_report = "not asked" if not want else _prioritize_nodes(
             g, {int(k.function) for k in self.bc.gemm_kernels}, self.pstream.priority)
         if want:
@@ -510,24 +513,67 @@ class EPBuffer:
     def status(self) -> dict:
         """Device status of both rings (violations, timeouts, published, consumed, first error per
         path), corrupt routes dropped by the dispatch (``bad_routes``) and device token counts outside
-        ``[0, T]`` that were clamped (``bad_counts``). Synchronises."""
+        ``[0, T]`` that were clamped (``bad_counts``). Synchronises. Any error makes the buffer refuse
+        further forwards (:attr:`broken`): ``close()`` it and build a new one on every PE."""
         out = {"bad_routes": int(self.bad_routes.item()), "bad_counts": int(self.bad_counts.item())}
         for name, p in self.paths.items():
             st = p.ring.status()
             for k in ("violations", "timeouts"):
                 out[k] = out.get(k, 0) + st[k]
             out[name] = st
-        out["first_error"] = next((out[n]["first_error"] for n in self.paths if out[n]["first_error"]), None)
+        first = next((n for n in self.paths if out[n]["first_error"]), None)
+        out["first_error"] = out[first]["first_error"] if first else None
+        if out["violations"] or out["timeouts"] or out["bad_routes"] or out["bad_counts"]:
+            line = describe_status({**out[first], "bad_routes": out["bad_routes"]}, pe=self.me,
+                                   num_slots=self.paths[first].num_slots, deadline_s=self.deadline_s) if first else ""
+            self.broken = self.broken or line or (f"violations={out['violations']} timeouts={out['timeouts']} "
+                                                  f"bad_routes={out['bad_routes']} bad_counts={out['bad_counts']}")
         return out
 
+    def replay(self, graph, *, host_deadline_s: Optional[float] = None) -> dict:
+        """Replay ``graph`` (from :meth:`capture`) on the current stream, wait for it, return :meth:`status`;
+        raise if the device recorded an error or the forward did not end.
+
+        A peer that died or stopped mid-forward makes a device wait of this PE time out after
+        ``deadline_s``; every later wait then gives up at once, so the forward ends and this raises a
+        :class:`~streamring.protocol.WatchdogError` whose first line names the source rank, chunk and
+        generation waited for. ``host_deadline_s`` (default ``2 * deadline_s + 5``) bounds what has no
+        device deadline (a ``cuStreamWaitValue64`` of the stream_wait policy). Violations and corrupt
+        routes raise a :class:`~streamring.protocol.ProtocolViolation`. Either way the buffer is
+        :attr:`broken` afterwards (close it and build a new one on every PE).
+        """
+        if self.broken:
+            raise RuntimeError(f"this EPBuffer is unusable after a ring error ({self.broken}); close() it and build "
+                               f"a new EPBuffer on every PE (collective)")
+        path = self._graph_paths.get(id(graph))
+        if path is None:
+            raise ValueError("graph was not captured by this EPBuffer's capture()")
+        limit = 2 * self.deadline_s + 5 if host_deadline_s is None else float(host_deadline_s)
+        t0 = time.monotonic()
+        graph.replay()
+        done = torch.cuda.Event()
+        done.record()
+        finished, st = path.ring.wait_forward(done, limit)
+        if finished:
+            # the dispatch's dropped-route count and the clamped device counts, readable once the forward ended
+            st["bad_routes"] = int(self.bad_routes.item())
+            st["bad_counts"] = int(self.bad_counts.item())
+        if not finished or st["violations"] or st["timeouts"] or st.get("bad_routes") or st.get("bad_counts"):
+            self.broken = self.broken or f"{st.get('first_error') or st}"
+        path.ring.check(st, finished=finished, host_deadline_s=limit, elapsed_s=time.monotonic() - t0)
+        if st.get("bad_counts"):
+            raise ValueError(f"rank {self.me}: num_tokens was outside [0, rows of x] in {st['bad_counts']} forward(s) "
+                             f"(clamped; the buffer now refuses to run: rebuild it)")
+        return st
+
     def check(self) -> None:
-        """Raise (and mark the buffer unusable until rebuilt) if a ring or the dispatch recorded an
-        error. Synchronises."""
+        """Raise if a ring or the dispatch recorded an error (the buffer is then :attr:`broken`: close it
+        and build a new one on every PE). Synchronises."""
         st = self.status()
-        if st["violations"] or st["timeouts"] or st["bad_routes"] or st["bad_counts"]:
-            self.broken = (f"violations={st['violations']} timeouts={st['timeouts']} bad_routes={st['bad_routes']} "
-                           f"bad_counts={st['bad_counts']} first error: {st['first_error']}")
-            raise RuntimeError(f"ring errors on PE {self.me}: {self.broken}")
+        if self.broken:
+            raise RuntimeError(f"ring errors on PE {self.me}: {self.broken} (violations={st['violations']} "
+                               f"timeouts={st['timeouts']} bad_routes={st['bad_routes']} "
+                               f"bad_counts={st['bad_counts']}); close() it and build a new EPBuffer on every PE")
 
     @property
     def last_routing(self) -> tuple:
@@ -654,11 +700,16 @@ class EPBuffer:
                 r.publish(st, c, RING_ROUTE, valid=valid)
             self._stamp(c, 0)
             if n:
-                K.quant_rows(x[a:a + n], slot["x"][:n], slot["x_sf"][:n])
+                self._layout(x[a:a + n], slot, n)
             if not early:
                 r.publish(st, c, RING_LAYOUT, valid=valid)
             self._expected(path, c)
             self._stamp(c, 1)
+
+    @staticmethod
+    def _layout(x_rows, slot: dict, n: int) -> None:
+        """The layout producer of one chunk: FP8 rows with 1x128 scales into my slot."""
+        K.quant_rows(x_rows, slot["x"][:n], slot["x_sf"][:n])
 
     def _expected(self, path: _Path, c: int):
         # the owner's expected row count of chunk c: its routed (token, k) pairs (0 for rows not present)

@@ -69,37 +69,6 @@ extern "C" __global__ void ring_publish(const RingDesc* d, uint8_t* buf, const u
     SR_WITH_TRANSPORT(buf, me, peers, publish(d, x, kind, chunk, g));
 }
 
-// A consumer's check of the metadata words of (src, chunk) after the acquire, before anything of
-// the slot is used: chunk index, token base and both generations must be exactly this chunk's,
-// and the valid count must lie in [0, tokens_per_slot] (a peer's count is not known in advance: it
-// varies per forward). The count is then recorded in valid_tab[chunk * num_ranks + src] for the
-// data kernels; on any mismatch RE_META (source, chunk, seen, wanted) is recorded and the count
-// stays 0, so the data kernels treat the source's rows as absent and never index past the slot.
-template <class X>
-__device__ void check_meta(const RingDesc* d, const X& x, int64_t src, int64_t chunk, uint64_t g, int* valid_tab,
-                           int inject) {
-    int* learned = valid_tab + chunk * d->num_ranks + src;
-    *learned = 0;
-    const uint8_t* pb = x.peer_base((int)src);
-    const uint64_t* m = meta_words(d, x.buf, chunk % d->num_slots);
-    const uint64_t want[4] = {(uint64_t)chunk, (uint64_t)(chunk * d->tokens_per_slot), g, g};
-    const int word[4] = {META_CHUNK, META_BASE, META_ROUTE_GEN, META_LAYOUT_GEN};
-    for (int i = 0; i < 4; ++i) {
-        const uint64_t seen = x.load64(m + word[i], (int)src, pb);
-        if (seen != want[i] && !(inject & INJ_IGNORE_EPOCH && i >= 2)) {
-            record_error(d, RE_META, src, chunk, seen, want[i]);
-            return;
-        }
-    }
-    // unsigned compare: a negative count reads as a huge one and is refused the same way
-    const uint64_t valid = x.load64(m + META_VALID, (int)src, pb);
-    if (valid > (uint64_t)d->tokens_per_slot) {
-        record_error(d, RE_META, src, chunk, valid, (uint64_t)d->tokens_per_slot);
-        return;
-    }
-    *learned = (int)valid;
-}
-
 // Consumer: acquire both generations of (src0 + blockIdx.x, chunk), then check the source's
 // metadata words and record its valid count in valid_tab (check_meta). Grid = #sources, one
 // thread works.
