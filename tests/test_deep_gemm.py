@@ -175,7 +175,8 @@ def test_gemm_layer_names_deep_gemm():
 def _fake_info():
     return {"torch": "2.11.0+cu130", "cuda": "13.0", "include_dirs": ["/t/include", "/t/include/torch/csrc/api/include"],
             "library_dirs": ["/t/lib"], "cxx11_abi": 1, "pybind_flags": [], "python_include": "/py/include",
-            "ext_suffix": ".cpython-312-x86_64-linux-gnu.so", "torch_lib": "/t/lib"}
+            "ext_suffix": ".cpython-312-x86_64-linux-gnu.so", "torch_lib": "/t/lib",
+            "nvidia_include_dirs": ["/site/nvidia/cu13/include"]}
 
 
 def test_compile_command_has_setup_py_flags_and_folders():
@@ -184,7 +185,7 @@ def test_compile_command_has_setup_py_flags_and_folders():
     for flag in ("-std=c++17", "-O3", "-fPIC", "-D_GLIBCXX_USE_CXX11_ABI=1", "-DTORCH_EXTENSION_NAME=_C",
                  "-I/usr/local/cuda/include", "-I/usr/local/cuda/include/cccl", "-I/b/DeepGEMM/deep_gemm/include",
                  "-I/b/DeepGEMM/third-party/cutlass/include", "-I/b/DeepGEMM/third-party/fmt/include",
-                 "-I/t/include", "-I/py/include", "/b/DeepGEMM/csrc/python_api.cpp", "-lcudart", "-lnvrtc",
+                 "-I/t/include", "-I/py/include", "-I/site/nvidia/cu13/include", "/b/DeepGEMM/csrc/python_api.cpp", "-lcudart", "-lnvrtc",
                  "-ltorch_python", "-L/usr/local/cuda/lib64", "-L/t/lib"):
         assert flag in cmd, flag
 
@@ -358,3 +359,11 @@ def test_consumer_deep_gemm_streamed_equals_batch_bitwise(chunk, keep):
         bc.deep_gemm.check()
         ys.append(y)
     assert torch.equal(ys[0], ys[1]) == keep
+
+
+def test_missing_cuda_headers_are_named_before_compiling(tmp_path):
+    (tmp_path / "inc").mkdir()
+    (tmp_path / "inc" / "cuda_runtime.h").write_text("")
+    cmd = ["g++", f"-I{tmp_path / 'inc'}", "x.cpp"]
+    missing = BDG.missing_headers(cmd)
+    assert "cuda_runtime.h" not in missing and "cusparse.h" in missing and "nvrtc.h" in missing

@@ -53,6 +53,9 @@ SOURCES = ["csrc/python_api.cpp"]
 LIBRARIES = ["c10", "torch", "torch_cpu", "torch_python", "cudart", "c10_cuda", "torch_cuda", "nvrtc"]
 # the headers the package must hold for its JIT (setup.py's third_party_include_dirs + its own)
 JIT_INCLUDES = {"cute": "third-party/cutlass/include/cute", "cutlass": "third-party/cutlass/include/cutlass"}
+# CUDA headers the compile needs (torch's ATen/cuda/CUDAContext.h and DeepGEMM's own includes): looked
+# for before compiling, so a missing one fails in a second, naming it, instead of minutes into g++
+CUDA_HEADERS = ("cuda_runtime.h", "cuda.h", "nvrtc.h", "cublasLt.h", "cublas_v2.h", "cusparse.h", "cusolverDn.h")
 
 
 class DeepGemmBuildError(RuntimeError):
@@ -120,8 +123,12 @@ def torch_info() -> dict:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         pybind = list(getattr(ce, "_get_pybind11_abi_build_flags", lambda: [])())
+    site = Path(torch.__file__).resolve().parent.parent
     return {"torch": torch.__version__, "cuda": torch.version.cuda,
             "include_dirs": ce.include_paths(), "library_dirs": ce.library_paths(),
+            # the CUDA libraries' headers of torch's pip dependencies (nvidia-*-cu13): a fallback for
+            # a CUDA_HOME without cuBLAS/cuSPARSE/cuSOLVER headers
+            "nvidia_include_dirs": sorted(glob.glob(str(site / "nvidia" / "*" / "include"))),
             "cxx11_abi": int(torch.compiled_with_cxx11_abi()), "pybind_flags": pybind,
             "python_include": sysconfig.get_paths()["include"],
             "ext_suffix": sysconfig.get_config_var("EXT_SUFFIX") or ".so",
@@ -133,13 +140,19 @@ def compile_command(root: Path, out_so: Path, info: dict, cuda_home: str, cxx: s
     root = Path(root)
     inc = [*info["include_dirs"], info["python_include"], f"{cuda_home}/include", f"{cuda_home}/include/cccl",
            str(root / "deep_gemm/include"), str(root / "third-party/cutlass/include"),
-           str(root / "third-party/fmt/include")]
+           str(root / "third-party/fmt/include"), *info.get("nvidia_include_dirs", [])]
     libdirs = [*info["library_dirs"], f"{cuda_home}/lib64"]
     return [cxx, "-shared", *CXX_FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={info['cxx11_abi']}",
             "-DTORCH_API_INCLUDE_EXTENSION_H", "-DTORCH_EXTENSION_NAME=_C", *info["pybind_flags"],
             *[f"-I{d}" for d in inc], *[str(root / s) for s in SOURCES],
             *[f"-L{d}" for d in libdirs], *[f"-l{lib}" for lib in LIBRARIES],
             *[f"-Wl,-rpath,{d}" for d in libdirs], "-o", str(out_so)]
+
+
+def missing_headers(cmd: list[str]) -> list[str]:
+    """The :data:`CUDA_HEADERS` that no ``-I`` folder of ``cmd`` holds."""
+    dirs = [Path(c[2:]) for c in cmd if c.startswith("-I")]
+    return [h for h in CUDA_HEADERS if not any((d / h).is_file() for d in dirs)]
 
 
 def install(root: Path, so: Path, prefix: Path, ext_suffix: str) -> Path:
@@ -183,8 +196,6 @@ def build(src: Path, prefix: Path, build_dir: Path, cuda_home: str, jit_cache: s
     t0 = time.monotonic()
     if not Path(cuda_home, "include", "cuda_runtime.h").is_file():
         raise DeepGemmBuildError(f"CUDA_HOME={cuda_home} has no include/cuda_runtime.h (set CUDA_HOME)")
-    if not dry_run and not Path(cuda_home, "include", "nvrtc.h").is_file():
-        raise DeepGemmBuildError(f"CUDA_HOME={cuda_home} has no include/nvrtc.h (DeepGEMM's JIT links NVRTC)")
     cxx = os.environ.get("CXX", "g++")
     if shutil.which(cxx) is None:
         raise DeepGemmBuildError(f"no C++ compiler {cxx!r} on PATH (set CXX)")
@@ -195,6 +206,13 @@ def build(src: Path, prefix: Path, build_dir: Path, cuda_home: str, jit_cache: s
     so = Path(build_dir) / f"_C{info['ext_suffix']}"
     cmd = compile_command(root, so, info, cuda_home, cxx)
     log(" ".join(shlex.quote(c) for c in cmd))
+    missing = missing_headers(cmd)
+    if missing:
+        msg = (f"headers not found in any include folder: {', '.join(missing)} (CUDA_HOME={cuda_home}, torch's "
+               f"nvidia/*/include: {info.get('nvidia_include_dirs')}); point CUDA_HOME at a full CUDA toolkit")
+        if not dry_run:
+            raise DeepGemmBuildError(msg)
+        log(f"build_deep_gemm: {msg}")
     if dry_run:
         return so
     t1 = time.monotonic()
