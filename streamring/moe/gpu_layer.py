@@ -77,14 +77,15 @@ from ..device.ringdesc import RING_LAYOUT, RING_ROUTE
 from ..device_ring import DeviceRing
 from ..protocol import PROGRESS_POLICIES as POLICIES  # noqa: F401  (re-exported)
 from ..protocol import SOURCE_ORDERS, CombineLayout, RingLayout, StreamPlan
-from .blocks import FP8, BlockConsumer, FastWeights, Producer
+from . import gemm_choice as GC
+from .blocks import FP8, BlockConsumer, FastWeights, Producer, compute_blocks
 from .math import MoEShape
 from .plan import PlanChoice
 # per-chunk device timestamps (ns, %globaltimer): row c of ``stamps`` is chunk c, the last row the tail
 from .timeline_events import CHUNK_EVENTS, STAMP_STRIDE, TAIL_EVENTS
 
 TRANSPORTS = ("auto", "p2p", "nv")
-GEMMS = ("auto", "triton", "cutlass")
+GEMMS = ("auto", "triton", "cutlass", "deep_gemm")
 
 
 def cutlass_available() -> bool:
@@ -130,10 +131,13 @@ class EPMoE:
             and their full blocks computed at once, so a late source delays only its own rows).
         gemm: the expert GEMMs: ``"triton"`` (``moe_triton``; L2 stores straight into the owners over
             P2P), ``"cutlass"`` (CUTLASS's SM90 FP8 blockwise grouped GEMM, ``device/cutlass_gemm``,
-            faster at every size measured; L2 writes locally and ``ep_put_rows`` puts the rows) or
-            ``"auto"`` (CUTLASS when its library loads, else Triton; see :attr:`gemm`). Both
-            keep the bitwise streamed == batch contract; their outputs differ from each other by
-            rounding (the CUTLASS L1 output is rounded to bf16 before SwiGLU).
+            faster at every size measured; L2 writes locally and ``ep_put_rows`` puts the rows),
+            ``"deep_gemm"`` (DeepGEMM's grouped FP8 GEMM when ``import deep_gemm`` works; needs
+            ``plan.block_m`` 128) or ``"auto"`` (the fastest available one of the measured table,
+            ``streamring/moe/gemm_choice.py``; CUTLASS, else Triton, where nothing is measured; see
+            :attr:`gemm` and :attr:`gemm_choice`). Each keeps the bitwise streamed == batch contract;
+            their outputs differ from each other by rounding (the CUTLASS and DeepGEMM L1 output is
+            rounded to bf16 before SwiGLU).
         inject: a deliberate protocol mutation (``streamring.protocol.INJECT_MODES``; tests and the GPU
             check): ``skip-acquire`` (the consumer does not wait for the generations),
             ``signal-before-payload`` (the producer publishes before it writes the slot),
@@ -172,10 +176,11 @@ class EPMoE:
                              f"output differed from batch on 2 GPUs; use one of {allowed}")
         if gemm not in GEMMS:
             raise ValueError(f"gemm must be one of {GEMMS}, got {gemm!r}")
-        if gemm == "auto":
-            gemm = "cutlass" if plan.policy != "pdl" and cutlass_available() else "triton"
-        if gemm == "cutlass" and plan.policy == "pdl":
-            raise ValueError("gemm='cutlass' has no programmatic dependent launch: use a policy other than 'pdl'")
+        if gemm in ("cutlass", "deep_gemm") and plan.policy == "pdl":
+            raise ValueError(f"gemm={gemm!r} has no programmatic dependent launch: use a policy other than 'pdl'")
+        # implementation and variants from the measured table (gemm_choice); an explicit gemm only picks the variants
+        self.gemm_choice = GC.resolve_layer(gemm, plan, shape, tokens_per_rank)
+        gemm = self.gemm_choice.impl
         self.gemm = gemm
         R, me = heap.num_ranks, heap.rank
         if transport not in TRANSPORTS:
@@ -265,12 +270,8 @@ class EPMoE:
         self.direct_l2 = self.transport == "p2p" and gemm == "triton"
         self.bc = BlockConsumer(local_shape, max(sum(tokens), 1), self.num_chunks * self.steps, plan.block_m, dev,
                                 ep_entries=self.entries, local_y=not self.direct_l2)
-        if gemm == "cutlass":
-            # tiles as measured (docs/results/gemm-2026-11-30.json): 64-row ping-pong while experts see
-            # few rows (weight-read bound), 128x128 cooperative beyond; bf16 L1 output (fastest)
-            per_expert = sum(tokens) * Kk / shape.num_experts
-            tile = "pingpong64" if per_expert < 128 else "coop128"
-            self.bc.use_cutlass(tile_l1=tile, tile_l2=tile, l1_out_dtype=torch.bfloat16)
+        # y is a staging buffer here: ep_put_rows sends each range's rows right after its GEMMs
+        GC.setup_consumer(self.bc, self.gemm_choice, staging_y=True)
         self.pending = torch.zeros(1, dtype=torch.int64, device=dev)  # ready order: sources not yet taken
         self.chosen = torch.zeros(R, dtype=torch.int32, device=dev)  # ready order: the source of step j
         self.flat_e = torch.zeros(self.entries, dtype=torch.int32, device=dev)
@@ -410,10 +411,7 @@ class EPMoE:
                                   lo_index=lo, hi_index=hi, row_src=int(bc.row_src.data_ptr()),
                                   row_chunk=int(bc.row_chunk.data_ptr()), block_m=bc.block_m, max_items=max_items)
         else:
-            if self.gemm == "cutlass":
-                bc.compute_cutlass(lo, hi, max_items, self.fw, max_ctas=max_ctas)
-            else:
-                bc.compute(lo, hi, max_items, self.fw, pdl=pdl, max_ctas=max_ctas)
+            compute_blocks(bc, lo, hi, max_items, self.fw, self.gemm, pdl=pdl, max_ctas=max_ctas)
             DK.ep_put_rows(self.heap.lib, r.stream_ref(st), d=r.desc, comb=self.comb_base, me=self.me,
                            off_arrived=self.comb_layout.off_arrived, off_rows=self.comb_layout.off_rows,
                            y_stage=int(bc.y.data_ptr()), hidden=self.shape.hidden,
