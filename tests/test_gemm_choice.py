@@ -125,3 +125,27 @@ def test_the_table_bench_writes_is_what_choose_reads(tmp_path):
     assert "cutlass:coop128:f32:m" not in e["times_ms"]  # not timed: not a candidate
     c = GC.choose_gemm(256, *L1, {"cutlass", "deep_gemm", "triton"}, back)
     assert (c.impl, c.tile, c.ms) == ("cutlass", "coop192_m2", 4.0)
+
+
+def test_setup_consumer_applies_the_choice():
+    pytest.importorskip("triton", reason="Triton is not installed")
+    import torch
+
+    from streamring.moe import blocks as B
+    from streamring.moe.math import MoEShape
+
+    shape = MoEShape(hidden=256, intermediate=256, num_experts=4, topk=2, router="softmax_topk", weight_dtype="fp8")
+    t = table(entry(4, 512, 256, {"cutlass:coop192_m2:bf16:n": 1.0, "triton": 2.0}),
+              entry(4, 256, 256, {"cutlass:pingpong64:f32:m": 1.0, "cutlass:coop128:bf16:m": 1.5, "triton": 2.0}))
+    lc = GC.choose_layer(4, 256, 256, {"cutlass", "triton"}, t)
+    assert lc.impl == "cutlass"
+    bc = B.BlockConsumer(shape, 8, 1, 64, "cpu")
+    GC.setup_consumer(bc, lc, staging_y=True)
+    g1, g2 = bc.cutlass.gemm1, bc.cutlass.gemm2
+    assert (g1.tile, g1.raster, g1.out_dtype, g1.sf_n) == ("coop192_m2", "n", torch.bfloat16, 64)
+    # L2's table entry names an f32 variant; L2's output is bf16 always, its tile and raster are what count
+    assert (g2.tile, g2.raster) == ("pingpong64", "m")
+    GC.setup_consumer(bc, GC.LayerChoice("triton", GC.GemmChoice("triton"), GC.GemmChoice("triton"), ""),
+                      staging_y=True)
+    with pytest.raises(ValueError, match="choice.impl must be one of"):
+        GC.setup_consumer(bc, GC.LayerChoice("cublas", GC.GemmChoice("x"), GC.GemmChoice("x"), ""), staging_y=True)
