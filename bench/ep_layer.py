@@ -52,7 +52,7 @@ import torch
 
 from streamring.device import kernels as DK
 from streamring.moe import blocks as B
-from streamring.moe.ep_buffer import EPBuffer, resolve_gemm
+from streamring.moe.ep_buffer import EPBuffer
 from streamring.moe.math import MoEShape, select_experts
 
 FP8 = torch.float8_e4m3fn
@@ -509,7 +509,8 @@ def main(argv=None) -> int:
     ap.add_argument("--straggler-ranks", type=ints, default=[0, 1], help="each PE that straggles, in turn")
     ap.add_argument("--deadline-s", type=float, default=20.0)
     ap.add_argument("--no-baseline", action="store_true", help="skip the torch + NCCL baseline")
-    ap.add_argument("--gemms", type=words, default=["auto"], help="expert GEMMs: triton, cutlass, auto")
+    ap.add_argument("--gemms", type=words, default=["auto"],
+                    help="expert GEMMs: triton, cutlass, deep_gemm (block-m 128), auto (each buffer resolves it)")
     ap.add_argument("--budget-s", type=float, default=420.0, help="stop starting new measurements after this long")
     ap.add_argument("--symmetric-size", default="24G", help="NVSHMEM_SYMMETRIC_SIZE")
     ap.add_argument("--json", default=None)
@@ -522,7 +523,6 @@ def main(argv=None) -> int:
 
     heap = NvshmemHeap.bootstrap(launcher=detect_launcher().value)
     R, me, dev = heap.num_ranks, heap.rank, heap.device
-    args.gemms = list(dict.fromkeys(resolve_gemm(g) for g in args.gemms))
     args.straggler_ranks = [r for r in args.straggler_ranks if r < R]
     shape = (dsv3_shape if args.shape == "dsv3" else megamoe_shape)(args.block_m)
     if me == 0:

@@ -144,8 +144,9 @@ REFUSED_POLICIES = {
            "overlaps nothing (1.17x batch at 4 chunks on one H200)",
 }
 
-# The expert GEMM implementations of the GPU layer ("auto": CUTLASS when its library loads, else Triton).
-GEMM_CHOICES = ("auto", "triton", "cutlass")
+# The expert GEMM implementations of the GPU layer ("auto": the fastest available one of the measured table,
+# streamring/moe/gemm_choice.py).
+GEMM_CHOICES = ("auto", "triton", "cutlass", "deep_gemm")
 
 
 def classify_gen(observed: int, expected: int, num_slots: int, ignore_epoch: bool = False) -> GenState:

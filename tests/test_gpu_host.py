@@ -24,21 +24,29 @@ FAST = ["layer.weight_dtype=fp8", "layer.router=deepseek_v3", "layer.num_experts
 # --------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("cutlass,want", [(True, "cutlass"), (False, "triton")])
 def test_auto_resolves_once_for_both_paths(monkeypatch, cutlass, want):
-    """'auto' stands for one implementation, resolved once: CUTLASS when its library loads, else Triton.
-    ``run`` builds ONE buffer, whose batch and streamed paths both run what it resolved (``EPBuffer.gemm``),
-    so a streamed-vs-batch comparison never measures two GEMMs' rounding; the row names it for both."""
+    """'auto' stands for one implementation, resolved once per buffer (the measured table where it has
+    an entry, else CUTLASS when its library loads, else Triton). ``run`` builds ONE buffer, whose batch and
+    streamed paths both run what it resolved (``EPBuffer.gemm``), so a streamed-vs-batch comparison never
+    measures two GEMMs' rounding; the row names it for both."""
     from streamring.moe import ep_buffer
+    from streamring.moe import gemm_choice as GC
+    from streamring.moe.math import MoEShape
 
-    monkeypatch.setattr(ep_buffer, "cutlass_unavailable_reason", lambda: None if cutlass else "not built")
-    assert ep_buffer.resolve_gemm("auto") == want
-    assert ep_buffer.resolve_gemm("triton") == "triton"
+    avail = {"triton": "", "cutlass": "" if cutlass else "not built", "deep_gemm": "not installed"}
+    monkeypatch.setattr(GC, "available_impls", lambda block_m, policy="serialized": dict(avail))
+    shape = MoEShape(hidden=512, intermediate=256, num_experts=16, topk=4, weight_dtype="fp8", block_m=16)
+    assert ep_buffer.resolve_gemm("auto", shape, 2, 300, 16).impl == want
+    assert ep_buffer.resolve_gemm("triton", shape, 2, 300, 16).impl == "triton"
 
 
 def test_resolve_gemm_names_the_allowed_values():
     from streamring.moe.ep_buffer import resolve_gemm
+    from streamring.moe.math import MoEShape
 
-    with pytest.raises(ValueError, match=r"gemm must be one of \('auto', 'triton', 'cutlass'\), got 'cublas'"):
-        resolve_gemm("cublas")
+    shape = MoEShape(hidden=512, intermediate=256, num_experts=16, topk=4, weight_dtype="fp8", block_m=16)
+    with pytest.raises(ValueError, match=r"gemm must be one of \('auto', 'triton', 'cutlass', 'deep_gemm'\), "
+                                         r"got 'cublas'"):
+        resolve_gemm("cublas", shape, 2, 300, 16)
 
 
 def _fast_row(rank, gemm_batch, gemm_stream):

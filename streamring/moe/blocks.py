@@ -254,14 +254,14 @@ class BlockConsumer:
         K.combine(self.tok_row, self.y, out, topk=self.shape.topk)
 
     def use_cutlass(self, *, tile_l1: str = "coop128", tile_l2: str = "coop128", l1_out_dtype=torch.float32,
-                    trap_on_error: bool = True):
+                    trap_on_error: bool = True, raster_l1: str = "m", raster_l2: str = "m"):
         """Set up (once; allocates) the CUTLASS expert GEMMs that :meth:`compute_cutlass` runs:
         a :class:`streamring.moe.cutlass_experts.CutlassExperts` (returned). Call it before a CUDA
         graph capture so that its buffers are not allocated inside the capture."""
         from .cutlass_experts import CutlassExperts
 
         self.cutlass = CutlassExperts(self, tile_l1=tile_l1, tile_l2=tile_l2, l1_out_dtype=l1_out_dtype,
-                                      trap_on_error=trap_on_error)
+                                      trap_on_error=trap_on_error, raster_l1=raster_l1, raster_l2=raster_l2)
         return self.cutlass
 
     def compute_cutlass(self, lo_index: int, hi_index: int, max_items: int, fw: FastWeights, pdl: bool = False,
@@ -276,6 +276,31 @@ class BlockConsumer:
         if getattr(self, "cutlass", None) is None:
             self.use_cutlass()
         self.cutlass.compute(lo_index, hi_index, max_items, fw, max_ctas=max_ctas)
+
+    def use_deep_gemm(self, *, keep_rows_outside_range: bool = True):
+        """Set up (once; allocates) the DeepGEMM expert GEMMs that :meth:`compute_deep_gemm` runs: a
+        :class:`streamring.moe.deep_gemm_experts.DeepGemmExperts` (returned). Needs ``block_m`` 128
+        (ValueError otherwise) and DeepGEMM (RuntimeError with the reason otherwise). Call it before a
+        CUDA graph capture. ``keep_rows_outside_range=False`` lets L2 write ``y`` directly (DeepGEMM
+        zeroes ``y``'s rows outside the ready range): only for a ``y`` read right after each call
+        (the expert-parallel layer's staging rows) or a single call over every block."""
+        from .deep_gemm_experts import DeepGemmExperts
+
+        self.deep_gemm = DeepGemmExperts(self, keep_rows_outside_range=keep_rows_outside_range)
+        return self.deep_gemm
+
+    def compute_deep_gemm(self, lo_index: int, hi_index: int, max_items: int, fw: FastWeights, pdl: bool = False,
+                          max_ctas: int | None = None) -> None:
+        """:meth:`compute` through DeepGEMM's grouped FP8 GEMM (``streamring.moe.deep_gemm_experts``):
+        same buffers, same numerics contract. ``pdl`` and ``max_ctas`` are refused (ValueError)."""
+        if pdl:
+            raise ValueError("pdl=True: programmatic dependent launch is not implemented for gemm='deep_gemm'")
+        if max_ctas is not None:
+            raise ValueError(f"max_ctas must be None for gemm='deep_gemm' (DeepGEMM sizes its own persistent grid), "
+                             f"got {max_ctas}")
+        if getattr(self, "deep_gemm", None) is None:
+            self.use_deep_gemm()
+        self.deep_gemm.compute(lo_index, hi_index, max_items, fw)
 
 
 def batch_forward(x, fw: FastWeights, shape: MoEShape, prod: Producer, bc: BlockConsumer, scratch: dict,
@@ -386,16 +411,19 @@ def streamed_forward_serial(x, fw: FastWeights, shape: MoEShape, prod: Producer,
     bc.combine(out)
 
 
-GEMM_IMPLS = ("triton", "cutlass")
+GEMM_IMPLS = ("triton", "cutlass", "deep_gemm")
 
 
 def compute_blocks(bc: BlockConsumer, lo_index: int, hi_index: int, max_items: int, fw: FastWeights,
                    gemm_impl: str = "triton", pdl: bool = False, max_ctas: int | None = None) -> None:
-    """:meth:`BlockConsumer.compute` (``gemm_impl="triton"``) or :meth:`BlockConsumer.compute_cutlass`
-    (``"cutlass"``) of the blocks ``ready_list[ready_hi[lo_index] : ready_hi[hi_index]]``."""
+    """:meth:`BlockConsumer.compute` (``gemm_impl="triton"``), :meth:`BlockConsumer.compute_cutlass`
+    (``"cutlass"``) or :meth:`BlockConsumer.compute_deep_gemm` (``"deep_gemm"``) of the blocks
+    ``ready_list[ready_hi[lo_index] : ready_hi[hi_index]]``."""
     if gemm_impl == "triton":
         bc.compute(lo_index, hi_index, max_items, fw, pdl=pdl, max_ctas=max_ctas)
     elif gemm_impl == "cutlass":
         bc.compute_cutlass(lo_index, hi_index, max_items, fw, pdl=pdl, max_ctas=max_ctas)
+    elif gemm_impl == "deep_gemm":
+        bc.compute_deep_gemm(lo_index, hi_index, max_items, fw, pdl=pdl, max_ctas=max_ctas)
     else:
         raise ValueError(f"gemm_impl must be one of {GEMM_IMPLS}, got {gemm_impl!r}")

@@ -95,7 +95,8 @@ from ..device.ranges import annotate as nvtx_range
 from ..device.ringdesc import INJECT_BITS, RING_LAYOUT, RING_ROUTE, describe_status
 from ..device_ring import DeviceRing
 from ..protocol import GEMM_CHOICES, PROGRESS_POLICIES, REFUSED_POLICIES, SOURCE_ORDERS, CombineLayout, RingLayout
-from .blocks import FP8, BlockConsumer, FastWeights
+from . import gemm_choice as GC
+from .blocks import FP8, BlockConsumer, FastWeights, compute_blocks
 from .math import MoEShape, MoEWeights, quantize_weight_fp8_block, select_experts
 from .plan import PlanChoice
 from .timeline_events import CHUNK_EVENTS, STAMP_STRIDE, TAIL_EVENTS
@@ -107,24 +108,20 @@ BLOCK_MS = (16, 32, 64, 128)
 def cutlass_unavailable_reason() -> Optional[str]:
     """Why the CUTLASS GEMM library is not taken here (``None`` when it loads). Never builds anything:
     the library is built ahead with ``python -m streamring.device.build_gemm --out .gemm-build``."""
-    try:
-        from ..device import cutlass_gemm as CG
-
-        CG.library_info()
-        return None
-    except Exception as exc:  # noqa: BLE001 - not built, no toolchain, no GPU: each says why
-        return f"{type(exc).__name__}: {exc}"
+    why = GC.available_impls(128)["cutlass"]
+    return why or None
 
 
-def resolve_gemm(gemm: str) -> str:
-    """The expert GEMM implementation ``gemm`` stands for here (``"auto"``: CUTLASS when its
-    library loads, else Triton). Resolve it once and pass the result to every layer that must be
-    compared with another (streamed with batch), so both sides run the same GEMMs."""
+def resolve_gemm(gemm: str, shape: MoEShape, num_ranks: int, max_tokens_per_rank: int,
+                 block_m: int) -> "GC.LayerChoice":
+    """The expert GEMMs ``gemm`` stands for in a buffer of these sizes (``"auto"``: the fastest available
+    implementation of the measured table, ``streamring/moe/gemm_choice.py``, at the buffer's rows per
+    expert; an explicit one: its own fastest variants). Every path of one buffer runs the result, so a
+    streamed-vs-batch comparison never measures two GEMMs' rounding."""
     if gemm not in GEMMS:
         raise ValueError(f"gemm must be one of {GEMMS}, got {gemm!r}")
-    if gemm == "auto":
-        return "cutlass" if cutlass_unavailable_reason() is None else "triton"
-    return gemm
+    plan = PlanChoice(chunk_tokens=1, num_slots=1, block_m=block_m, policy="serialized")
+    return GC.resolve_layer(gemm, plan, shape, [max_tokens_per_rank] * num_ranks)
 
 
 @dataclass
@@ -178,8 +175,10 @@ class EPBuffer:
         policy: progress policy of the streamed path (``PROGRESS_POLICIES`` but ``REFUSED_POLICIES``).
         source_order: ``"rank"`` or ``"ready"`` (per chunk, whichever source is ready first, decided
             on the device by ``ring_wait_any``: a late source delays only its own rows).
-        gemm: ``"triton"``, ``"cutlass"`` or ``"auto"`` (:func:`resolve_gemm`); :attr:`gemm` is the
-            resolved one. Every path of this buffer runs the same GEMMs.
+        gemm: ``"triton"``, ``"cutlass"``, ``"deep_gemm"`` (``block_m`` 128, when ``import deep_gemm``
+            works) or ``"auto"`` (:func:`resolve_gemm`: the fastest available one of the measured table);
+            :attr:`gemm` is the resolved implementation, :attr:`gemm_choice` its variants and why. Every
+            path of this buffer runs the same GEMMs.
         transport: ``"auto"`` (P2P when every peer is load/store reachable, else NVSHMEM RMA),
             ``"p2p"`` or ``"nv"`` (forces RMA; see the module doc).
         chunk_gemm_ctas, high_priority: see :class:`~streamring.moe.plan.PlanChoice`.
@@ -216,7 +215,11 @@ class EPBuffer:
             raise ValueError(f"inject must be one of {list(INJECT_BITS)}, got {inject!r}")
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
-        self.gemm = resolve_gemm(gemm)
+        #: the expert GEMMs of every path (implementation and variants; :attr:`gemm` names the implementation)
+        self.gemm_choice = resolve_gemm(gemm, shape, R, self.max_tokens, self.block_m)
+        self.gemm = self.gemm_choice.impl
+        if self.gemm == "deep_gemm" and chunk_gemm_ctas is not None:
+            raise ValueError("chunk_gemm_ctas must be None with gemm 'deep_gemm' (DeepGEMM sizes its own grid)")
         self.heap, self.shape = heap, shape
         self.R, self.me = R, me
         self.E_loc = shape.num_experts // R
@@ -293,12 +296,9 @@ class EPBuffer:
         max_steps = max(p.num_chunks * p.steps for p in self.paths.values())
         self.bc = BlockConsumer(local_shape, R * self.token_capacity, max_steps, self.block_m, dev,
                                 ep_entries=self.entries, local_y=not self.direct_l2)
-        if self.gemm == "cutlass":
-            # tiles as measured (docs/results/gemm-2026-11-30.json): 64-row ping-pong while experts see
-            # few rows (weight-read bound), 128x128 cooperative beyond; bf16 L1 output (fastest)
-            per_expert = R * self.max_tokens * Kk / shape.num_experts
-            tile = "pingpong64" if per_expert < 128 else "coop128"
-            self.bc.use_cutlass(tile_l1=tile, tile_l2=tile, l1_out_dtype=torch.bfloat16)
+        # y stays a staging buffer of whole rows: the result puts of a range may still read it while later
+        # ranges compute, so no implementation may overwrite rows outside its range (staging_y=False)
+        GC.setup_consumer(self.bc, self.gemm_choice, staging_y=False)
         # -- streams ----------------------------------------------------------------------------------
         self._make_streams(policy, producer_sms)
         for p in self.paths.values():
@@ -767,10 +767,7 @@ class EPBuffer:
                                   lo_index=lo, hi_index=hi, row_src=int(bc.row_src.data_ptr()),
                                   row_chunk=int(bc.row_chunk.data_ptr()), block_m=bc.block_m, max_items=max_items)
         else:
-            if self.gemm == "cutlass":
-                bc.compute_cutlass(lo, hi, max_items, layer.fw, max_ctas=max_ctas)
-            else:
-                bc.compute(lo, hi, max_items, layer.fw, max_ctas=max_ctas)
+            compute_blocks(bc, lo, hi, max_items, layer.fw, self.gemm, max_ctas=max_ctas)
             if side_puts:  # the puts read only this range's rows of y: the next GEMMs need not wait for them
                 self.computed[lo].record()
                 self.ustream.wait_event(self.computed[lo])
