@@ -31,9 +31,6 @@ import os
 import triton
 import triton.language as tl
 
-FP8_MAX = 448.0
-AMAX_EPS = 1e-12
-SF_BLOCK = 128
 # Triton's CPU interpreter (the tests) mis-computes bf16 tl.dot; there the router runs in float32
 # (bf16 values are exact in float32, only the accumulation differs from the GPU path).
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -49,6 +46,18 @@ def _to_fp8(v):
         step = tl.exp2(ex - 3.0)
         v = tl.floor(v / step + 0.5) * step
     return v.to(tl.float8e4nv)
+
+
+@triton.jit
+def _quant_fp8_rows(x):
+    # The activation rule of the ring (moe.math.quantize_act_fp8): one float32 scale per row of the
+    # 128-column group ``x [rows, 128]``, ``s = max(amax, AMAX_EPS 1e-12) / FP8_MAX 448``; returns the
+    # e4m3 values and the scales. The producer's layout, the L1 epilogue and the CUTLASS path's
+    # SwiGLU kernel all quantize through here, so their rows are bitwise alike.
+    amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12)
+    s = amax / 448.0
+    q = _to_fp8(tl.clamp(x / s[:, None], -448.0, 448.0))
+    return q, s
 
 
 # ----------------------------------------------------------------------------------------------
@@ -99,9 +108,7 @@ def _quant_rows_kernel(x_ptr, x_stride, q_ptr, sf_ptr, n_rows, H: tl.constexpr, 
     rmask = rows < n_rows
     r64 = rows.to(tl.int64)
     x = tl.load(x_ptr + r64[:, None] * x_stride + cols[None, :], mask=rmask[:, None], other=0.0).to(tl.float32)
-    amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12)
-    s = amax / 448.0
-    q = _to_fp8(tl.clamp(x / s[:, None], -448.0, 448.0))
+    q, s = _quant_fp8_rows(x)
     tl.store(q_ptr + r64[:, None] * H + cols[None, :], q, mask=rmask[:, None])
     tl.store(sf_ptr + r64 * (H // 128) + g, s, mask=rmask)
 
@@ -394,47 +401,16 @@ def _l1_tile(i, nt, lo, ready_list_ptr, block_expert_ptr, a_ptr, asf_ptr, w1_ptr
         acc_g += tl.dot(a, tl.trans(wg)) * (a_s[:, None] * sg)
         acc_u += tl.dot(a, tl.trans(wu)) * (a_s[:, None] * su)
     h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
-    amax = tl.maximum(tl.max(tl.abs(h), axis=1), 1e-12)
-    s = amax / 448.0
-    q = _to_fp8(tl.clamp(h / s[:, None], -448.0, 448.0))
+    q, s = _quant_fp8_rows(h)
     tl.store(h1_ptr + rows[:, None] * I + ncol[None, :], q)
     tl.store(h1sf_ptr + rows * NT + nt, s)
 
 
-@triton.jit(do_not_specialize=["lo_index", "hi_index", "max_items"])
-def _l1_swiglu_kernel(ready_list_ptr, ready_hi_ptr, lo_index, hi_index, max_items, block_expert_ptr, a_ptr, asf_ptr,
-                      w1_ptr, w1sf_ptr, h1_ptr, h1sf_ptr, H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr,
-                      GROUP: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr, PERSIST: tl.constexpr):
-    if PDL:
-        # programmatic dependent launch: this grid was launched before its predecessor ended;
-        # wait here (before the first read of anything the predecessor writes)
-        tl.extra.cuda.gdc_wait()
-    NT: tl.constexpr = I // 128
-    lo = tl.load(ready_hi_ptr + lo_index)
-    hi = tl.load(ready_hi_ptr + hi_index)
-    n_items = tl.minimum(hi - lo, max_items)
-    if PERSIST:
-        # a fixed grid (fewer CTAs than the GPU holds) loops over the tiles: SM slots stay free
-        # for kernels of other streams (the producer) while the chunk's blocks compute
-        total = tl.cdiv(n_items, GROUP) * GROUP * NT
-        t = tl.program_id(0)
-        while t < total:  # (a while loop: the CPU interpreter cannot range() over loaded values)
-            i, nt, ok = _tile_of(t, NT, GROUP, n_items)
-            if (i < n_items) & ok:
-                _l1_tile(i, nt, lo, ready_list_ptr, block_expert_ptr, a_ptr, asf_ptr, w1_ptr, w1sf_ptr, h1_ptr,
-                         h1sf_ptr, H, I, BM, STAGES)
-            t += tl.num_programs(0)
-    else:
-        i, nt, ok = _tile_of(tl.program_id(0), NT, GROUP, n_items)
-        if (i < n_items) & ok:
-            _l1_tile(i, nt, lo, ready_list_ptr, block_expert_ptr, a_ptr, asf_ptr, w1_ptr, w1sf_ptr, h1_ptr, h1sf_ptr,
-                     H, I, BM, STAGES)
-
-
 @triton.jit
-def _l2_tile(i, nt, lo, ready_list_ptr, block_expert_ptr, h1_ptr, h1sf_ptr, w2_ptr, w2sf_ptr, roww_ptr, y_ptr,
-             row_src_ptr, row_tok_ptr, comb_delta_ptr, H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr,
-             STAGES: tl.constexpr, DIRECT: tl.constexpr):
+def _l2_rows(i, nt, lo, ready_list_ptr, block_expert_ptr, h1_ptr, h1sf_ptr, w2_ptr, w2sf_ptr, roww_ptr,
+             H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, STAGES: tl.constexpr):
+    # L2 of one 128-column tile of ready block ``ready_list[lo + i]``, times the routing weight:
+    # returns the bf16 tile and its rows / columns (stored by _l2_store)
     BN: tl.constexpr = 128
     BK: tl.constexpr = 128
     NT: tl.constexpr = H // BN
@@ -455,6 +431,11 @@ def _l2_tile(i, nt, lo, ready_list_ptr, block_expert_ptr, h1_ptr, h1sf_ptr, w2_p
         acc += tl.dot(a, tl.trans(w)) * (a_s[:, None] * ws)
     rw = tl.load(roww_ptr + rows)
     y = (acc * rw[:, None]).to(tl.bfloat16)
+    return y, rows, ncol
+
+
+@triton.jit
+def _l2_store(y, rows, ncol, y_ptr, row_src_ptr, row_tok_ptr, comb_delta_ptr, H: tl.constexpr, DIRECT: tl.constexpr):
     if DIRECT:
         # straight into the owner's combine rows (P2P): owner = row_src, combine row = row_tok;
         # padding rows of a sealed partial block (row_src < 0) are not stored anywhere
@@ -467,31 +448,72 @@ def _l2_tile(i, nt, lo, ready_list_ptr, block_expert_ptr, h1_ptr, h1sf_ptr, w2_p
         tl.store(y_ptr + rows[:, None] * H + ncol[None, :], y)
 
 
+@triton.jit
+def _gemm_tile(t, n_items, lo, ready_list_ptr, block_expert_ptr, x_ptr, xsf_ptr, w_ptr, wsf_ptr, out_ptr, outsf_ptr,
+               roww_ptr, row_src_ptr, row_tok_ptr, comb_delta_ptr, LAYER: tl.constexpr, NT: tl.constexpr,
+               H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, GROUP: tl.constexpr, STAGES: tl.constexpr,
+               DIRECT: tl.constexpr):
+    i, nt, ok = _tile_of(t, NT, GROUP, n_items)
+    if (i < n_items) & ok:
+        if LAYER == 1:
+            _l1_tile(i, nt, lo, ready_list_ptr, block_expert_ptr, x_ptr, xsf_ptr, w_ptr, wsf_ptr, out_ptr, outsf_ptr,
+                     H, I, BM, STAGES)
+        else:
+            y, rows, ncol = _l2_rows(i, nt, lo, ready_list_ptr, block_expert_ptr, x_ptr, xsf_ptr, w_ptr, wsf_ptr,
+                                     roww_ptr, H, I, BM, STAGES)
+            _l2_store(y, rows, ncol, out_ptr, row_src_ptr, row_tok_ptr, comb_delta_ptr, H, DIRECT)
+
+
+@triton.jit
+def _gemm_over_ready_tiles(ready_list_ptr, ready_hi_ptr, lo_index, hi_index, max_items, block_expert_ptr, x_ptr,
+                           xsf_ptr, w_ptr, wsf_ptr, out_ptr, outsf_ptr, roww_ptr, row_src_ptr, row_tok_ptr,
+                           comb_delta_ptr, LAYER: tl.constexpr, NT: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
+                           BM: tl.constexpr, GROUP: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr,
+                           PERSIST: tl.constexpr, DIRECT: tl.constexpr):
+    # The tiles of L1 (LAYER 1: x = a, w = w1, out = h1 + scales) or L2 (LAYER 2: x = h1, w = w2, out = y or
+    # the owners' combine rows) over the ready blocks ready_list[ready_hi[lo_index] : ready_hi[hi_index]].
+    if PDL:
+        # programmatic dependent launch: this grid was launched before its predecessor ended;
+        # wait here (before the first read of anything the predecessor writes)
+        tl.extra.cuda.gdc_wait()
+    lo = tl.load(ready_hi_ptr + lo_index)
+    hi = tl.load(ready_hi_ptr + hi_index)
+    n_items = tl.minimum(hi - lo, max_items)
+    if PERSIST:
+        # a fixed grid (fewer CTAs than the GPU holds) loops over the tiles: SM slots stay free
+        # for kernels of other streams (the producer) while the chunk's blocks compute
+        total = tl.cdiv(n_items, GROUP) * GROUP * NT
+        t = tl.program_id(0)
+        while t < total:  # (a while loop: the CPU interpreter cannot range() over loaded values)
+            _gemm_tile(t, n_items, lo, ready_list_ptr, block_expert_ptr, x_ptr, xsf_ptr, w_ptr, wsf_ptr, out_ptr,
+                       outsf_ptr, roww_ptr, row_src_ptr, row_tok_ptr, comb_delta_ptr, LAYER, NT, H, I, BM, GROUP,
+                       STAGES, DIRECT)
+            t += tl.num_programs(0)
+    else:
+        _gemm_tile(tl.program_id(0), n_items, lo, ready_list_ptr, block_expert_ptr, x_ptr, xsf_ptr, w_ptr, wsf_ptr,
+                   out_ptr, outsf_ptr, roww_ptr, row_src_ptr, row_tok_ptr, comb_delta_ptr, LAYER, NT, H, I, BM, GROUP,
+                   STAGES, DIRECT)
+
+
+@triton.jit(do_not_specialize=["lo_index", "hi_index", "max_items"])
+def _l1_swiglu_kernel(ready_list_ptr, ready_hi_ptr, lo_index, hi_index, max_items, block_expert_ptr, a_ptr, asf_ptr,
+                      w1_ptr, w1sf_ptr, h1_ptr, h1sf_ptr, H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr,
+                      GROUP: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr, PERSIST: tl.constexpr):
+    # (h1sf_ptr stands in for L2's pointers, unused by LAYER 1)
+    _gemm_over_ready_tiles(ready_list_ptr, ready_hi_ptr, lo_index, hi_index, max_items, block_expert_ptr, a_ptr,
+                           asf_ptr, w1_ptr, w1sf_ptr, h1_ptr, h1sf_ptr, h1sf_ptr, h1sf_ptr, h1sf_ptr, h1sf_ptr, 1,
+                           I // 128, H, I, BM, GROUP, STAGES, PDL, PERSIST, False)
+
+
 @triton.jit(do_not_specialize=["lo_index", "hi_index", "max_items"])
 def _l2_kernel(ready_list_ptr, ready_hi_ptr, lo_index, hi_index, max_items, block_expert_ptr, h1_ptr, h1sf_ptr, w2_ptr,
                w2sf_ptr, roww_ptr, y_ptr, row_src_ptr, row_tok_ptr, comb_delta_ptr, H: tl.constexpr, I: tl.constexpr,
                BM: tl.constexpr, GROUP: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr, PERSIST: tl.constexpr,
                DIRECT: tl.constexpr):
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-    NT: tl.constexpr = H // 128
-    lo = tl.load(ready_hi_ptr + lo_index)
-    hi = tl.load(ready_hi_ptr + hi_index)
-    n_items = tl.minimum(hi - lo, max_items)
-    if PERSIST:
-        total = tl.cdiv(n_items, GROUP) * GROUP * NT
-        t = tl.program_id(0)
-        while t < total:  # (a while loop: the CPU interpreter cannot range() over loaded values)
-            i, nt, ok = _tile_of(t, NT, GROUP, n_items)
-            if (i < n_items) & ok:
-                _l2_tile(i, nt, lo, ready_list_ptr, block_expert_ptr, h1_ptr, h1sf_ptr, w2_ptr, w2sf_ptr, roww_ptr,
-                         y_ptr, row_src_ptr, row_tok_ptr, comb_delta_ptr, H, I, BM, STAGES, DIRECT)
-            t += tl.num_programs(0)
-    else:
-        i, nt, ok = _tile_of(tl.program_id(0), NT, GROUP, n_items)
-        if (i < n_items) & ok:
-            _l2_tile(i, nt, lo, ready_list_ptr, block_expert_ptr, h1_ptr, h1sf_ptr, w2_ptr, w2sf_ptr, roww_ptr, y_ptr,
-                     row_src_ptr, row_tok_ptr, comb_delta_ptr, H, I, BM, STAGES, DIRECT)
+    # (y_ptr stands in for L1's output scales, unused by LAYER 2)
+    _gemm_over_ready_tiles(ready_list_ptr, ready_hi_ptr, lo_index, hi_index, max_items, block_expert_ptr, h1_ptr,
+                           h1sf_ptr, w2_ptr, w2sf_ptr, y_ptr, y_ptr, roww_ptr, row_src_ptr, row_tok_ptr,
+                           comb_delta_ptr, 2, H // 128, H, I, BM, GROUP, STAGES, PDL, PERSIST, DIRECT)
 
 
 def _gemm_cfg(block_m: int) -> dict:
@@ -576,25 +598,6 @@ def combine(tokrow, y, out, *, topk: int) -> None:
     _combine_kernel[(t, h // bh)](tokrow, y, out, H=h, K=topk, BH=bh, num_warps=4)
 
 
-@triton.jit(do_not_specialize=["deadline_ns"])
-def _spin_flag_kernel(flag_ptr, deadline_ns, out_ptr):
-    # An idle waiting consumer: one program polls a flag (volatile loads) until it is non-zero or
-    # the deadline passes; writes 1 (seen) or 2 (timed out) to out_ptr.
-    t0 = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
-    v = tl.load(flag_ptr, volatile=True)
-    now = t0
-    while (v == 0) & (now - t0 < deadline_ns):
-        v = tl.load(flag_ptr, volatile=True)
-        now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False,
-                                        pack=1)
-    tl.store(out_ptr, tl.where(v != 0, 1, 2))
-
-
-def spin_on_flag(flag, deadline_ns: int, out) -> None:
-    """Enqueue one program spinning on ``flag[0] != 0`` (at most ``deadline_ns``)."""
-    _spin_flag_kernel[(1,)](flag, deadline_ns, out, num_warps=1)
-
-
 @triton.jit(do_not_specialize=["idx"])
 def _stamp_kernel(ptr, idx):
     t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
@@ -630,9 +633,7 @@ def _swiglu_quant_kernel(ready_list_ptr, ready_hi_ptr, lo_index, hi_index, max_i
             u = tl.load(gu_ptr + rows[:, None] * (2 * I) + I + cols[None, :]).to(tl.float32)
             # exactly the fused epilogue of _l1_tile: SwiGLU in float32, per-row 128-column FP8 group
             h = g / (1.0 + tl.exp(-g)) * u
-            amax = tl.maximum(tl.max(tl.abs(h), axis=1), 1e-12)
-            s = amax / 448.0
-            q = _to_fp8(tl.clamp(h / s[:, None], -448.0, 448.0))
+            q, s = _quant_fp8_rows(h)
             tl.store(h1_ptr + rows[:, None] * I + cols[None, :], q)
             tl.store(h1sf_ptr + rows * NT + nt, s)
             # the routing weight, folded into L2's activation scales: L2 = sum_k (q . w) * (s * rw) * w_sf
