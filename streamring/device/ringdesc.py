@@ -62,6 +62,9 @@ ERRORS = {
     "RE_CHANGED_WHILE_HELD": (8, "changed while held"),
     "RE_COMBINE_TIMEOUT": (9, "combine arrival timeout"),
     "RE_COMBINE_COUNT": (10, "combine arrival count above expected"),
+    # the persistent expert consumer (device/persistent_moe.py): src = -1, chunk = the ready-list position
+    "RE_QUEUE_TIMEOUT": (11, "work-queue wait for a ready block timeout"),
+    "RE_L1_WAIT_TIMEOUT": (12, "L2 wait for its block's L1 tiles timeout"),
 }
 ERROR_NAMES = {code: what for code, what in ERRORS.values()}
 ERROR_CODES = {name: code for name, (code, _) in ERRORS.items()}
