@@ -249,3 +249,28 @@ def test_the_torch_op_runs_the_gpu_buffer(setup):
         assert ex.graph_break_count == 0, ex.break_reasons
         ops = [str(op) for g in ex.ops_per_graph for op in g]
         assert sum("streamring.moe_forward" in o for o in ops) == 1, ops
+
+
+@pytest.mark.parametrize("pull", ["route", "token"])
+def test_persistent_consumer_and_token_pull_keep_the_output(pull):
+    """consumer='persistent' (one launch of the persistent expert kernel per forward, fed by the ready
+    queue) and both dispatch pulls give the per-chunk consumer's output, bitwise; the pull counters say
+    what a route pull and a token pull read from peers' slots (none here: one PE reads only its own)."""
+    shape = shape_()
+    fw = B.FastWeights.random(shape, 3, "cpu")
+    x = tokens(29, 12)
+    want = single_batch(shape, fw, x)
+    buf = EPBuffer(EmulatedHeap(), shape, max_tokens_per_rank=32, num_slots=2, tokens_per_slot=16,
+                   policy="serialized", gemm="triton", consumer="persistent", pull=pull)
+    try:
+        w = buf.prepare_weights(fw)
+        for streaming in (False, True):
+            assert torch.equal(bits(buf.forward(x, w, streaming=streaming)), bits(want)), streaming
+        st = buf.status()
+        assert not (st["violations"] or st["timeouts"] or st["bad_routes"]), st
+        assert buf.pull_bytes.tolist() == [0, 0]
+    finally:
+        buf.close()
+    with pytest.raises(ValueError, match="consumer 'persistent' runs the Triton GEMMs"):
+        EPBuffer(EmulatedHeap(), shape, max_tokens_per_rank=8, policy="serialized", gemm="cutlass",
+                 consumer="persistent")

@@ -96,12 +96,16 @@ from ..device.ringdesc import INJECT_BITS, RING_LAYOUT, RING_ROUTE, describe_sta
 from ..device_ring import DeviceRing
 from ..protocol import GEMM_CHOICES, PROGRESS_POLICIES, REFUSED_POLICIES, SOURCE_ORDERS, CombineLayout, RingLayout
 from . import gemm_choice as GC
-from .blocks import FP8, BlockConsumer, FastWeights, compute_blocks
+from .blocks import FP8, PULLS, BlockConsumer, FastWeights, compute_blocks
 from .math import MoEShape, MoEWeights, quantize_weight_fp8_block, select_experts
 from .plan import PlanChoice
 from .timeline_events import CHUNK_EVENTS, STAMP_STRIDE, TAIL_EVENTS
 
 TRANSPORTS = ("auto", "p2p", "nv")
+#: how the expert GEMMs run: one L1 and one L2 grid per dispatch step ("per_chunk", any GEMM and
+#: transport) or ONE persistent kernel per forward claiming ready blocks from a device queue
+#: ("persistent", Triton GEMMs over P2P; ``streamring.moe.work_queue``)
+CONSUMERS = ("per_chunk", "persistent")
 GEMMS = GEMM_CHOICES
 BLOCK_MS = (16, 32, 64, 128)
 
@@ -197,7 +201,8 @@ class EPBuffer:
                  tokens_per_slot: Optional[int] = None, block_m: Optional[int] = None, policy: str = "spin_kernel",
                  source_order: str = "rank", gemm: str = "auto", transport: str = "auto",
                  chunk_gemm_ctas: Optional[int] = None, high_priority: Optional[bool] = None, producer_sms: int = 16,
-                 deadline_s: float = 10.0, timeline: bool = False, inject: str = "none", name: str = "ep"):
+                 consumer: str = "per_chunk", reserved_sms: int = 16, pull: str = "token", deadline_s: float = 10.0,
+                 timeline: bool = False, inject: str = "none", name: str = "ep"):
         R, me = heap.num_ranks, heap.rank
         sizes = _check_sizes(shape, R, max_tokens_per_rank, num_slots, tokens_per_slot, block_m)
         self.max_tokens, C, S, self.block_m = sizes
@@ -215,9 +220,20 @@ class EPBuffer:
             raise ValueError(f"inject must be one of {list(INJECT_BITS)}, got {inject!r}")
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+        if consumer not in CONSUMERS:
+            raise ValueError(f"consumer must be one of {CONSUMERS}, got {consumer!r}")
+        if pull not in PULLS:
+            raise ValueError(f"pull must be one of {PULLS}, got {pull!r}")
+        if not isinstance(reserved_sms, int) or reserved_sms < 0:
+            raise ValueError(f"reserved_sms must be an int >= 0, got {reserved_sms!r}")
         #: the expert GEMMs of every path (implementation and variants; :attr:`gemm` names the implementation)
         self.gemm_choice = resolve_gemm(gemm, shape, R, self.max_tokens, self.block_m)
         self.gemm = self.gemm_choice.impl
+        if consumer == "persistent" and (self.gemm != "triton" or transport == "nv" or policy == "green_ctx"):
+            raise ValueError(f"consumer 'persistent' runs the Triton GEMMs storing straight into the owners over "
+                             f"P2P: it needs gemm 'triton' (got {self.gemm!r}), transport 'auto' or 'p2p' (got "
+                             f"{transport!r}) and a policy other than 'green_ctx' (got {policy!r})")
+        self.consumer, self.pull, self.reserved_sms = consumer, pull, reserved_sms
         if self.gemm == "deep_gemm" and chunk_gemm_ctas is not None:
             raise ValueError("chunk_gemm_ctas must be None with gemm 'deep_gemm' (DeepGEMM sizes its own grid)")
         self.heap, self.shape = heap, shape
@@ -251,6 +267,9 @@ class EPBuffer:
                                       f"{name}-stream-ring"),
         }
         self.transport = self.paths["stream"].ring.transport
+        if consumer == "persistent" and self.transport != "p2p":
+            raise ValueError("consumer 'persistent' needs every peer load/store reachable (P2P); this job's transport "
+                             "is 'nv' (another node?): use consumer 'per_chunk'")
         max_chunks = max(p.num_chunks for p in self.paths.values())
         # every token a forward can name, on either path (a chunk's valid count is at most its size)
         self.token_capacity = max(p.num_chunks * p.chunk for p in self.paths.values())
@@ -283,6 +302,8 @@ class EPBuffer:
         self.chosen = torch.zeros(R, dtype=torch.int32, device=dev)  # ready order: the source of step j
         self.src_all = torch.arange(R, dtype=torch.int32, device=dev)
         self.bad_routes = torch.zeros(1, dtype=torch.int32, device=dev)
+        # bytes the dispatch reads from peers' slots (last forward): [0] one row per route, [1] one per token
+        self.pull_bytes = torch.zeros(2, dtype=torch.int64, device=dev)
         self.bad_counts = torch.zeros(1, dtype=torch.int32, device=dev)  # num_tokens outside [0, T], clamped
         self.straggler_t = torch.zeros(1, dtype=torch.int64, device=dev)
         self.stamps = torch.zeros((max_chunks + 1) * STAMP_STRIDE, dtype=torch.int64, device=dev) if timeline else None
@@ -299,6 +320,13 @@ class EPBuffer:
         # y stays a staging buffer of whole rows: the result puts of a range may still read it while later
         # ranges compute, so no implementation may overwrite rows outside its range (staging_y=False)
         GC.setup_consumer(self.bc, self.gemm_choice, staging_y=False)
+        self.queue = None
+        if consumer == "persistent":
+            from .work_queue import WorkQueue
+
+            self.queue = WorkQueue(self.bc)
+            self.sm_count = torch.cuda.get_device_properties(dev).multi_processor_count if self._on_gpu else 1
+            self.comb_arrived_delta = ((self._comb_peers_t - self.comb_base) // 8).contiguous()  # int64 words
         # -- streams ----------------------------------------------------------------------------------
         self._make_streams(policy, producer_sms)
         for p in self.paths.values():
@@ -744,14 +772,20 @@ class EPBuffer:
             K.ep_gather(ring_u8.view(torch.int64), ring_u8.view(torch.float32), d_i64, d_f32, srcs, path.valid_tab, c,
                         self.me * self.E_loc, L.topk_idx_off(s) // 8, L.topk_weights_off(s) // 4, flat_e, flat_w,
                         self.bad_routes, num_ranks=self.R, tokens_per_slot=path.chunk, topk=self.shape.topk,
-                        local_experts=self.E_loc, num_experts=self.shape.num_experts)
+                        local_experts=self.E_loc, num_experts=self.shape.num_experts, pull_bytes=self.pull_bytes,
+                        me=self.me, hidden=self.shape.hidden)
+
+            def release():
+                # early input_consumed: nothing reads this slot of these sources after the copy
+                if ready:
+                    r.ack_chosen(st, c, srcs)
+                else:
+                    r.ack(st, c)
             self.bc.dispatch_ep(c, flat_e, flat_w, srcs, (ring_u8, ring_u8.view(torch.float32)), (d_u8, d_f32),
-                                (L.x_off(s), L.x_sf_off(s) // 4), step=c * path.steps + j)
-            # early input_consumed: nothing reads this slot of these sources after the copy
-            if ready:
-                r.ack_chosen(st, c, srcs)
-            else:
-                r.ack(st, c)
+                                (L.x_off(s), L.x_sf_off(s) // 4), step=c * path.steps + j, pull=self.pull,
+                                on_slot_released=release)
+            if self.queue is not None:
+                self.queue.publish(c * path.steps + j)  # the persistent consumer picks the new blocks up
             if j == path.steps - 1:
                 self._stamp(c, 3)
 
@@ -834,23 +868,46 @@ class EPBuffer:
         finally:
             self._recording = True
 
+    def _launch_consumer(self, path: _Path, layer, ctas: int):
+        """The persistent consumer of this forward: ONE launch on the current stream (see ``work_queue``)."""
+        self.queue.launch(layer.fw, ctas=max(1, ctas), comb_rows=self.comb_rows, comb_delta=self.comb_delta,
+                          arrived=self.arrived, arrived_delta=self.comb_arrived_delta, status=path.ring.status_t,
+                          deadline_ns=int(self.deadline_s * 1e9))
+
+    def _seal_queue(self, path: _Path):
+        n = path.num_chunks * path.steps  # dispatch steps so far: the seal is the next ready index
+        self.bc.seal(n)
+        self.queue.seal(n)
+        self._stamp(path.num_chunks, 2)
+
     def _enqueue_inner(self, path, layer, x, out, num_tokens, routing, order):
         r = path.ring
         self._last_T = x.shape[0]
         origin = self._current_stream()
         C = path.num_chunks
+        persistent = self.queue is not None
         self._set_counts(path, num_tokens, x.shape[0])
         self.my_idx[: C * path.chunk].fill_(-1)
+        self.pull_bytes.zero_()
+        self._stamp(C, 0)
+        # before every side: the dispatch and the persistent consumer both start from empty blocks and queue
+        self.bc.begin()
+        if persistent:
+            self.queue.reset()
         if path.policy == "serialized" or order == "serialized" or self.pstream is None:  # one stream, chunk by chunk
-            self._stamp(C, 0)
-            self.bc.begin()
             for c in range(C):
                 self._produce(path, layer, x, c, routing)
                 for j in range(path.steps):
                     self._dispatch(path, c, j)
-                    self._chunk_gemms(path, layer, c, j)
+                    if not persistent:
+                        self._chunk_gemms(path, layer, c, j)
             self._stamp(C, 1)
-            self._seal(path, layer)
+            if persistent:
+                # every block is published before the launch: one stream can never wait on itself
+                self._seal_queue(path)
+                self._launch_consumer(path, layer, self.sm_count)
+            else:
+                self._seal(path, layer)
             self._combine(path, out, 0, C)
         else:
             sides = [s_ for s_ in dict.fromkeys((self.pstream, self.dstream, self.gstream, self.cstream,
@@ -858,25 +915,34 @@ class EPBuffer:
             side_puts = self.ustream is not None and not self.direct_l2
             for st in sides:
                 st.wait_stream(origin)
+            if persistent:
+                # launched before any block is ready: its CTAs claim blocks as the dispatch publishes them, and
+                # leave reserved_sms SMs to the producer and the dispatch, which must progress while they wait
+                with self._side("g"):
+                    self._launch_consumer(path, layer, self.sm_count - self.reserved_sms)
             # the consumer is enqueued FIRST: the progress policy must keep it from blocking producers
             with self._side("d"):
-                self._stamp(C, 0)
-                self.bc.begin()
                 for c in range(C):
                     for j in range(path.steps):
                         self._dispatch(path, c, j)
+                        if persistent:
+                            continue
                         if self.events:
                             self.events[c * path.steps + j].record()
                         else:
                             self._chunk_gemms(path, layer, c, j)  # green_ctx: dispatch and GEMMs share a stream
-            if self.events:
+                if persistent:
+                    self._seal_queue(path)
+            if self.events and not persistent:
                 with self._side("g"):
                     for c in range(C):
                         for j in range(path.steps):
                             self.gstream.wait_event(self.events[c * path.steps + j])
                             self._chunk_gemms(path, layer, c, j, side_puts)
-            with self._side("g"):
-                self._seal(path, layer, side_puts)
+                    self._seal(path, layer, side_puts)
+            elif not persistent:
+                with self._side("g"):
+                    self._seal(path, layer, side_puts)
             with self._side("p"):
                 for c in range(C):
                     self._produce(path, layer, x, c, routing)
