@@ -343,27 +343,34 @@ def bench_tokens(heap, T, shape, full, base, args, rows, timelines, budget):
         best = None
         for gemm in args.gemms:
             # one buffer per chunking; the first one's batch path is the reference of every streamed plan
-            plans = [(C, pol, ctas, order) for C in args.chunks if C >= 2 and math.ceil(T / C) >= 8
-                     for pol in args.policies for ctas in args.ctas for order in args.orders]
+            plans = [(C, pol, ctas, order, cons, k) for C in args.chunks if C >= 2 and math.ceil(T / C) >= 8
+                     for pol in args.policies for ctas in args.ctas for order in args.orders
+                     for cons in args.consumers for k in (args.reserved_sms if cons == "persistent" else [None])
+                     if cons == "per_chunk" or (gemm == "triton" and ctas is None)]
             ref_out, ref_row = None, None
             for k, plan in enumerate([None] + plans):
                 if budget.spent():
                     rows.append({**common_r, "gemm": gemm, "path": "skipped", "error": "time budget spent"})
                     return
-                C, pol, ctas, order = plan or (1, "serialized", None, "rank")
+                C, pol, ctas, order, cons, k = plan or (1, "serialized", None, "rank", args.batch_consumer, None)
                 chunk = math.ceil(T / C)
                 cfg = {"chunks": C, "chunk_tokens": chunk, "policy": pol, "num_slots": min(args.slots, C),
-                       "chunk_gemm_ctas": ctas, "source_order": order}
+                       "chunk_gemm_ctas": ctas, "source_order": order, "consumer": cons, "reserved_sms": k,
+                       "pull": args.pull}
                 buf = None
                 try:
                     buf = EPBuffer(heap, shape, max_tokens_per_rank=T, num_slots=cfg["num_slots"],
                                    tokens_per_slot=chunk, block_m=args.block_m, policy=pol if plan else "spin_kernel",
-                                   source_order=order, gemm=gemm, transport=args.transport, chunk_gemm_ctas=ctas,
-                                   deadline_s=args.deadline_s, timeline=bool(plan), name="bench")
+                                   source_order=order, gemm=gemm,
+                                   transport=args.transport, chunk_gemm_ctas=ctas, consumer=cons,
+                                   reserved_sms=k or 0, pull=args.pull, deadline_s=args.deadline_s,
+                                   timeline=bool(plan), name="bench")
                     layer = buf.prepare_weights(full)
                     if plan is None:  # the batch path, its GEMMs alone, its accuracy
                         ref_out, st, strag = measure(heap, buf, layer, x, routing, False, args, sr)
                         rows_here = heap.allgather_obj(rows_routed_here(buf))
+                        # NVLink bytes per forward: one row per route (before) and one per token (after)
+                        pulled = heap.allgather_obj([int(v) for v in buf.pull_bytes.tolist()])
                         gg = gemm_only_graph(buf, layer)
                         heap.barrier()
                         e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -386,6 +393,8 @@ def bench_tokens(heap, T, shape, full, base, args, rows, timelines, budget):
                         ref_row = {**common_r, **cfg, "path": "batch", "gemm": buf.gemm, "straggler_ms": 0.0,
                                    "straggler_rank": None, **st, "bitwise_equal_to_batch": True,
                                    "rows_per_rank": rows_here, "gemm_only_ms": gemm_only,
+                                   "peer_bytes_per_route": [b[0] for b in pulled],
+                                   "peer_bytes_per_token": [b[1] for b in pulled],
                                    "batch_over_gemm_only": st["median_ms"] / max(gemm_only),
                                    "rel_err_vs_f64_max": rel, "ring_ok": not (ok["violations"] or ok["timeouts"])}
                         rows.append(ref_row)
@@ -479,7 +488,9 @@ def table(rows, pub) -> str:
         go = gonly.get((r["tokens_per_rank"], r.get("routing"), r.get("gemm")))
         strag = "-" if r.get("straggler_rank") is None else f"r{r['straggler_rank']}"
         plan = (f"{r.get('chunks')}x{r.get('chunk_tokens')} {str(r.get('policy'))[:5]} "
-                f"c{r.get('chunk_gemm_ctas') or '-'} {r.get('source_order')}") if r["path"] == "streamed" else ""
+                f"c{r.get('chunk_gemm_ctas') or '-'} {str(r.get('source_order'))[:4]} "
+                f"{'P' + str(r.get('reserved_sms')) if r.get('consumer') == 'persistent' else ''}") \
+            if r["path"] == "streamed" else ""
         f = lambda v: f"{v:.3f}" if v else "n/a"  # noqa: E731
         out.append(f"{r['tokens_per_rank']:>7} {str(r.get('routing')):<8} {r['path']:<9} {str(r.get('gemm', '')):<8} "
                    f"{strag:>6} {plan:<26} {r['median_ms']:>10.3f} {f(b and r['median_ms'] / b):>9} "
@@ -502,6 +513,12 @@ def main(argv=None) -> int:
     ap.add_argument("--ctas", type=lambda s: [None if v == "none" else int(v) for v in s.split(",")],
                     default=[None], help="persistent grid sizes of the per-chunk GEMMs ('none': one CTA per tile)")
     ap.add_argument("--orders", type=words, default=["ready"], help="source orders of the streamed dispatch")
+    ap.add_argument("--consumers", type=words, default=["per_chunk", "persistent"],
+                    help="streamed consumers: per_chunk (GEMM grids per dispatch step), persistent (one kernel, "
+                         "Triton GEMMs only)")
+    ap.add_argument("--batch-consumer", default="per_chunk", choices=["per_chunk", "persistent"])
+    ap.add_argument("--reserved-sms", type=ints, default=[16], help="persistent consumer: SMs left to the producers")
+    ap.add_argument("--pull", default="token", choices=["route", "token"], help="dispatch pull: per route or per token")
     ap.add_argument("--transport", default="auto", choices=["auto", "p2p", "nv"])
     ap.add_argument("--replays", type=int, default=10)
     ap.add_argument("--ref-tokens", type=int, default=4)
