@@ -232,9 +232,21 @@ def phase_single(state: dict) -> None:
              pes=1, json_path=bj)
 
 
+def mps_env(n: int) -> dict:
+    """The environment of a PE when n share one GPU under MPS: an equal share of the SMs, and an equal share
+    of the 32 hardware work queues one process asks for (launch/device_env.sh; each stream its own queue,
+    for the stream_wait policy). With 32 queues per client, 4 clients could not create their contexts
+    (CUDA out of memory in torch.cuda.set_device) where 2 and 3 could; launch/mps_probe.sh tells whether
+    the queues are the cause (docs/gpu.md)."""
+    return {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(100 // n), "CUDA_DEVICE_MAX_CONNECTIONS": str(max(4, 32 // n))}
+
+
 def phase_multi(state: dict) -> None:
     TMP.mkdir(parents=True, exist_ok=True)
-    mps = lambda n: {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(100 // n)}  # noqa: E731
+    mps = mps_env
+    for n in (2, 4):  # first of all: the contexts themselves (says what else holds the GPU if they fail)
+        run_step(state, f"MPS: {n} processes each make a CUDA context", [PY, "launch/mps_contexts.py", str(n)], 60,
+                 pes=n, env=mps(n))
     # 2 PEs
     gj = TMP / "graph-2.json"
     run_step(state, f"gpu-check x{REPLAYS} replays, all policies", mpiexec(
