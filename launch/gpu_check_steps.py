@@ -207,6 +207,12 @@ def stress_cmd(n: int, json_path: Path, *extra: str) -> list[str]:
                    "--json", str(json_path), *extra)
 
 
+#: the GPU tests of the single-PE phase (natively; the Triton kernels' CPU-interpreter tests among them)
+SINGLE_PE_GPU_TESTS = ("tests/test_gpu.py", "tests/test_gpu_ep.py", "tests/test_gpu_ep_rules.py",
+                       "tests/test_gpu_persistent.py", "tests/test_gpu_hostile.py", "tests/test_ep_kernels.py",
+                       "tests/test_blocks.py", "tests/test_persistent_consumer.py")
+
+
 def phase_single(state: dict) -> None:
     TMP.mkdir(parents=True, exist_ok=True)
     run_step(state, "build cubin", [PY, "-m", "streamring.device.build", "-v"], 240, pes=0)
@@ -224,9 +230,12 @@ def phase_single(state: dict) -> None:
         fj = TMP / f"fast-1-{policy}.json"
         run_step(state, f"EP layer run: policy {policy}", run_cmd(1, fj, *FAST, "--set", f"nvshmem.progress={policy}"),
                  150, pes=1, judge=judge_run, json_path=fj)
-    run_step(state, "pytest test_gpu, test_gpu_ep, test_ep_kernels, test_blocks (native)",
-             [PY, "-m", "pytest", "-q", "-rs", "tests/test_gpu.py", "tests/test_gpu_ep.py", "tests/test_ep_kernels.py",
-              "tests/test_blocks.py", "-p", "no:cacheprovider"], 300, pes=1, judge=judge_pytest)
+    files = [f for f in SINGLE_PE_GPU_TESTS if (ROOT / f).exists()]
+    run_step(state, "pytest the GPU layer's tests (native, 1 PE)",
+             [PY, "-m", "pytest", "-q", "-rs", *files, "-p", "no:cacheprovider"], 360, pes=1, judge=judge_pytest)
+    run_step(state, "HF DeepSeek-V3 swap on the GPU layer (1 PE)",
+             mpiexec(1, "tests/mp_hf.py", "drop_in_gpu"), 150, pes=1,
+             judge=lambda rc, out, data: (rc == 0 and "SCENARIO OK" in out, f"rc={rc}"))
     bj = OUT / "bench.json"
     run_step(state, "bench_signal_latency", mpiexec(1, "-m", "bench.signal_latency", "--json", str(bj)), 120,
              pes=1, json_path=bj)

@@ -5,8 +5,8 @@
 #   bash launch/mps_probe.sh          # prints a table; logs under $OUT (default ./out)
 #
 # Under one MPS daemon, N processes each create a context (torch.cuda.set_device + a 1-element
-# tensor), hold it 3 s, and report ok or the error, for N = 2, 3, 4, 6 and each value of
-# CUDA_DEVICE_MAX_CONNECTIONS (unset, 8, 32: launch/device_env.sh sets 32 for every device run). Before
+# tensor), hold it 3 s, and report ok or the error, for N in $MPS_PROBE_NS (default 3 4) and each value of
+# CUDA_DEVICE_MAX_CONNECTIONS in $MPS_PROBE_CONNS (default 32 8; launch/device_env.sh sets 32 for every device run). Before
 # each case the GPU's compute processes are listed, so leftovers of an earlier step would show.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -36,8 +36,8 @@ except Exception as exc:
     sys.exit(1)
 EOF
 printf '%-8s %-4s %-8s %s\n' conns N ok detail | tee -a "$LOG"
-for conns in unset 8 32; do
-  for n in 2 3 4 6; do
+for conns in ${MPS_PROBE_CONNS:-32 8}; do
+  for n in ${MPS_PROBE_NS:-3 4}; do
     nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader >>"$LOG" 2>&1
     pids=()
     for i in $(seq 1 "$n"); do
