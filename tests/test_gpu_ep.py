@@ -197,3 +197,30 @@ def test_cutlass_gemms_keep_streamed_equal_to_batch(env, policy, order):
         assert rel < 0.02, f"CUTLASS path {rel:.4f} (relative) away from the Triton path"
     finally:
         buf.close()
+
+
+@pytest.mark.parametrize("policy,order,pull", [("spin_kernel", "rank", "token"), ("spin_kernel", "ready", "token"),
+                                               ("serialized", "rank", "route"), ("stream_wait", "rank", "token")])
+def test_persistent_consumer_equals_single_process(env, policy, order, pull):
+    """consumer='persistent': ONE persistent expert kernel per forward, launched before any block is ready
+    (streamed, multi-stream policies) with SMs left to the producer and dispatch, fed by the ready queue;
+    captured, replayed with new inputs: bitwise the single-process block path, no ring error."""
+    heap, shape, fw = env
+    T = 157
+    buf = _buffer(heap, shape, policy=policy, order=order, consumer="persistent", pull=pull, reserved_sms=16)
+    try:
+        w = buf.prepare_weights(fw)
+        for streaming in (False, True):
+            x = _x(shape, T, 1, heap.device)
+            y = torch.full_like(x, float("nan"))
+            buf.forward(x, w, streaming=streaming, out=y)
+            assert torch.equal(_bits(y), _bits(_single_batch(shape, fw, x))), (streaming, buf.status())
+            g = buf.capture(x, w, y, streaming=streaming)
+            for seed in (2, 3):
+                x2 = _x(shape, T, seed, heap.device)
+                x.copy_(x2)
+                y.fill_(float("nan"))
+                buf.replay(g)
+                assert torch.equal(_bits(y), _bits(_single_batch(shape, fw, x2))), (streaming, seed, buf.status())
+    finally:
+        buf.close()
