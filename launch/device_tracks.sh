@@ -28,9 +28,10 @@ for i in 0 1 2 3 4 5 6 7; do
   [ -n "$cmd" ] || continue
   mkdir -p "$OUT/track$i"
   say "track $i: $cmd"
-  ( export CUDA_VISIBLE_DEVICES=$i OUT="$OUT/track$i" STREAMRING_CHECK_TMP="/tmp/streamring-check-$i"
-    timeout --kill-after=10 "$BUDGET" bash -c "$cmd" >"$OUT/track$i/track.log" 2>&1
-    echo "rc=$?" >"$OUT/track$i/rc" ) &
+  ( dir="$OUT/track$i"
+    export CUDA_VISIBLE_DEVICES=$i OUT="$dir" STREAMRING_CHECK_TMP="/tmp/streamring-check-$i"
+    timeout --kill-after=10 "$BUDGET" bash -c "$cmd" >"$dir/track.log" 2>&1
+    echo "rc=$?" >"$dir/rc" ) &
   pids+=($!)
   names+=("$i")
 done
