@@ -363,7 +363,8 @@ def bench_tokens(heap, T, shape, full, base, args, rows, timelines, budget):
                                    tokens_per_slot=chunk, block_m=args.block_m, policy=pol if plan else "spin_kernel",
                                    source_order=order, gemm=gemm,
                                    transport=args.transport, chunk_gemm_ctas=ctas, consumer=cons,
-                                   reserved_sms=k or 0, pull=args.pull, deadline_s=args.deadline_s,
+                                   reserved_sms=k or 0, pull=args.pull, side_puts=not args.no_side_puts,
+                                   deadline_s=args.deadline_s,
                                    timeline=bool(plan), name="bench")
                     layer = buf.prepare_weights(full)
                     if plan is None:  # the batch path, its GEMMs alone, its accuracy
@@ -518,6 +519,8 @@ def main(argv=None) -> int:
                          "Triton GEMMs only)")
     ap.add_argument("--batch-consumer", default="per_chunk", choices=["per_chunk", "persistent"])
     ap.add_argument("--reserved-sms", type=ints, default=[16], help="persistent consumer: SMs left to the producers")
+    ap.add_argument("--no-side-puts", action="store_true",
+                    help="the result puts of the local-y GEMMs (CUTLASS) on the GEMM stream instead of their own")
     ap.add_argument("--pull", default="token", choices=["route", "token"], help="dispatch pull: per route or per token")
     ap.add_argument("--transport", default="auto", choices=["auto", "p2p", "nv"])
     ap.add_argument("--replays", type=int, default=10)

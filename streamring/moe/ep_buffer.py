@@ -201,7 +201,8 @@ class EPBuffer:
                  tokens_per_slot: Optional[int] = None, block_m: Optional[int] = None, policy: str = "spin_kernel",
                  source_order: str = "rank", gemm: str = "auto", transport: str = "auto",
                  chunk_gemm_ctas: Optional[int] = None, high_priority: Optional[bool] = None, producer_sms: int = 16,
-                 consumer: str = "per_chunk", reserved_sms: int = 16, pull: str = "token", deadline_s: float = 10.0,
+                 consumer: str = "per_chunk", reserved_sms: int = 16, pull: str = "token", side_puts: bool = True,
+                 deadline_s: float = 10.0,
                  timeline: bool = False, inject: str = "none", name: str = "ep"):
         R, me = heap.num_ranks, heap.rank
         sizes = _check_sizes(shape, R, max_tokens_per_rank, num_slots, tokens_per_slot, block_m)
@@ -234,6 +235,7 @@ class EPBuffer:
                              f"P2P: it needs gemm 'triton' (got {self.gemm!r}), transport 'auto' or 'p2p' (got "
                              f"{transport!r}) and a policy other than 'green_ctx' (got {policy!r})")
         self.consumer, self.pull, self.reserved_sms = consumer, pull, reserved_sms
+        self.side_puts = bool(side_puts)
         if self.gemm == "deep_gemm" and chunk_gemm_ctas is not None:
             raise ValueError("chunk_gemm_ctas must be None with gemm 'deep_gemm' (DeepGEMM sizes its own grid)")
         self.heap, self.shape = heap, shape
@@ -912,7 +914,7 @@ class EPBuffer:
         else:
             sides = [s_ for s_ in dict.fromkeys((self.pstream, self.dstream, self.gstream, self.cstream,
                                                  self.ustream)) if s_ is not None]
-            side_puts = self.ustream is not None and not self.direct_l2
+            side_puts = self.side_puts and self.ustream is not None and not self.direct_l2
             for st in sides:
                 st.wait_stream(origin)
             if persistent:
