@@ -364,6 +364,7 @@ def bench_tokens(heap, T, shape, full, base, args, rows, timelines, budget):
                                    source_order=order, gemm=gemm,
                                    transport=args.transport, chunk_gemm_ctas=ctas, consumer=cons,
                                    reserved_sms=k or 0, pull=args.pull, side_puts=not args.no_side_puts,
+                                   chunk_combine=not args.no_chunk_combine,
                                    deadline_s=args.deadline_s,
                                    timeline=bool(plan), name="bench")
                     layer = buf.prepare_weights(full)
@@ -519,6 +520,8 @@ def main(argv=None) -> int:
                          "Triton GEMMs only)")
     ap.add_argument("--batch-consumer", default="per_chunk", choices=["per_chunk", "persistent"])
     ap.add_argument("--reserved-sms", type=ints, default=[16], help="persistent consumer: SMs left to the producers")
+    ap.add_argument("--no-chunk-combine", action="store_true",
+                    help="the owner's reduce once after the GEMMs instead of chunk by chunk on its own stream")
     ap.add_argument("--no-side-puts", action="store_true",
                     help="the result puts of the local-y GEMMs (CUTLASS) on the GEMM stream instead of their own")
     ap.add_argument("--pull", default="token", choices=["route", "token"], help="dispatch pull: per route or per token")

@@ -202,7 +202,7 @@ class EPBuffer:
                  source_order: str = "rank", gemm: str = "auto", transport: str = "auto",
                  chunk_gemm_ctas: Optional[int] = None, high_priority: Optional[bool] = None, producer_sms: int = 16,
                  consumer: str = "per_chunk", reserved_sms: int = 16, pull: str = "token", side_puts: bool = True,
-                 deadline_s: float = 10.0,
+                 chunk_combine: bool = True, deadline_s: float = 10.0,
                  timeline: bool = False, inject: str = "none", name: str = "ep"):
         R, me = heap.num_ranks, heap.rank
         sizes = _check_sizes(shape, R, max_tokens_per_rank, num_slots, tokens_per_slot, block_m)
@@ -236,6 +236,7 @@ class EPBuffer:
                              f"{transport!r}) and a policy other than 'green_ctx' (got {policy!r})")
         self.consumer, self.pull, self.reserved_sms = consumer, pull, reserved_sms
         self.side_puts = bool(side_puts)
+        self.chunk_combine = bool(chunk_combine)
         if self.gemm == "deep_gemm" and chunk_gemm_ctas is not None:
             raise ValueError("chunk_gemm_ctas must be None with gemm 'deep_gemm' (DeepGEMM sizes its own grid)")
         self.heap, self.shape = heap, shape
@@ -951,13 +952,13 @@ class EPBuffer:
                     if self.cstream is not None:
                         self.produced[c].record()
                 self._stamp(C, 1)
-            if self.cstream is not None:
+            if self.cstream is not None and self.chunk_combine:
                 # the owner's reduce of each chunk once its rows are back, beside the GEMMs of later blocks
                 with torch.cuda.stream(self.cstream):
                     for c in range(C):
                         self.cstream.wait_event(self.produced[c])
                         self._combine(path, out, c, c + 1)
-            else:  # green_ctx: after the producer, on the consumer's partition
+            else:  # one reduce after the producer and the GEMMs (green_ctx: on the consumer's partition)
                 self.gstream.wait_stream(self.pstream)
                 with self._side("g"):
                     self._combine(path, out, 0, C)
