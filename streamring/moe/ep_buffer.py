@@ -187,6 +187,24 @@ class EPBuffer:
             ``"p2p"`` or ``"nv"`` (forces RMA; see the module doc).
         chunk_gemm_ctas, high_priority: see :class:`~streamring.moe.plan.PlanChoice`.
         producer_sms: ``green_ctx`` only: SMs of the producer partition.
+        consumer: ``"per_chunk"`` (an L1 and an L2 grid per dispatch step; any GEMM and transport) or
+            ``"persistent"`` (ONE persistent kernel per forward claiming ready blocks from a device queue,
+            ``streamring.moe.work_queue``; Triton GEMMs over P2P, launched first with ``reserved_sms`` SMs
+            left to the producer and dispatch of the streamed path: with none left they starve and the
+            queue's deadline ends the forward with an error, measured).
+        pull: ``"token"`` (the dispatch reads each needed token's row from its source's slot once, then
+            expands it locally; the slot is acknowledged right after that read) or ``"route"`` (one read
+            per route, up to top-k per token).
+        side_puts: the result puts of a local-``y`` GEMM (CUTLASS, RMA) on a stream of their own in the
+            multi-stream policies (default), so the next blocks' GEMMs do not wait for them; else on the
+            GEMM stream. Measured neutral on one H200 (8.74 ms both ways; its puts are local), not
+            measured across GPUs.
+        chunk_combine: the owner's reduce chunk by chunk on a stream of its own as each chunk's rows
+            arrive; default off: one reduce after the GEMMs. Measured on one H200 (DeepSeek-V3 shape, 4096
+            tokens, 2 chunks, CUTLASS): 13.7 ms with it against 8.7 ms without (its early, spinning
+            arrival wait holds an SM slot that one CTA of CUTLASS's statically scheduled persistent grid
+            then waits for, so that CTA's tiles run after all the others');
+            ``docs/results/ep-schedule-experiments-1pe-2026-12-01.log``.
         deadline_s: every device wait gives up after this long and records where it waited
             (:meth:`status`); nothing hangs.
         timeline: record per-chunk ``%globaltimer`` stamps (:meth:`timeline`).
@@ -202,7 +220,7 @@ class EPBuffer:
                  source_order: str = "rank", gemm: str = "auto", transport: str = "auto",
                  chunk_gemm_ctas: Optional[int] = None, high_priority: Optional[bool] = None, producer_sms: int = 16,
                  consumer: str = "per_chunk", reserved_sms: int = 16, pull: str = "token", side_puts: bool = True,
-                 chunk_combine: bool = True, deadline_s: float = 10.0,
+                 chunk_combine: bool = False, deadline_s: float = 10.0,
                  timeline: bool = False, inject: str = "none", name: str = "ep"):
         R, me = heap.num_ranks, heap.rank
         sizes = _check_sizes(shape, R, max_tokens_per_rank, num_slots, tokens_per_slot, block_m)
