@@ -4,6 +4,9 @@
     /tmp/t36/bin/python tests/ptx_queue.py       # ... with Triton 3.6, the GPU machine's
     python tests/ptx_queue.py --baseline REV     # also: the GEMM/quant kernels' PTX equals moe_triton.py at REV
     python tests/ptx_queue.py --dump DIR         # write the PTX files
+    python tests/ptx_queue.py --controls         # also: broken PTX text (a fence removed, ...) is reported
+
+Exit 0: every check passed; 1: findings; 3: this Triton cannot compile sm_90 PTX here.
 
 Compiles ``persistent_moe._persistent_moe_kernel`` (DeepSeek-V3 shape, block_m 64 and 16, the correct
 variant) and ``_queue_publish_kernel`` for ``GPUTarget("cuda", 90, 32)`` and checks, in the text:
@@ -36,6 +39,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+# compiled mode: kernels decorated while TRITON_INTERPRET=1 cannot be compiled (and a process that ran
+# the interpreter keeps triton.language patched): run this file in a process of its own
+os.environ.pop("TRITON_INTERPRET", None)
+EXIT_CANNOT_COMPILE = 3
 
 
 def _compile(fn, signature: dict, constexprs: dict, num_warps: int) -> str:
@@ -62,7 +69,7 @@ def persistent_ptx(block_m: int, inject: int = 0) -> str:
     sig = dict(a.split(":") for a in PERSISTENT_ARGS.split())
     cfg = _gemm_cfg(block_m)
     consts = dict(H=7168, I=2048, BM=block_m, GROUP=8, STAGES=cfg["STAGES"], NW=cfg["num_warps"], INJECT=inject,
-                  TRACE=False, WITNESS=False)
+                  TRACE=False, WITNESS=False, STALL_L1_US=0)
     sig.update({k: "constexpr" for k in consts})
     return _compile(PM._persistent_moe_kernel, sig, consts, cfg["num_warps"])
 
@@ -206,20 +213,41 @@ def compare_gemms(rev: str) -> list[str]:
     return [f"{name}: PTX differs from {rev}" for name in before if code_lines(before[name]) != code_lines(after[name])]
 
 
+def negative_controls(ptx: str) -> list[str]:
+    """The checks on edited PTX text must find what was broken (else they are vacuous)."""
+    lines = ptx.splitlines()
+    cases = {
+        "l1_done release": "\n".join(x for x in lines if "fence.acq_rel.gpu" not in x),
+        "arrived release": "\n".join(x for x in lines if "fence.sc.sys" not in x),
+        "non-coherent": ptx.replace("ld.global.b32", "ld.global.nc.b32", 1),
+        "acquire loads": ptx.replace("ld.global.gpu.acquire.b32", "ld.global.gpu.relaxed.b32"),
+    }
+    return [f"negative control: removing/breaking `{what}` was not reported" for what, text in cases.items()
+            if not any(what in f for f in check_persistent(text, 64))]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--baseline", metavar="REV", help="compare the GEMM/quant kernels' PTX with moe_triton.py at REV")
     ap.add_argument("--dump", metavar="DIR", help="write the PTX files here")
+    ap.add_argument("--controls", action="store_true", help="also check that broken PTX text is reported")
     args = ap.parse_args(argv)
     import triton
 
     findings = []
     texts = {}
+    try:
+        for bm in (64, 16):
+            texts[f"persistent_bm{bm}"] = persistent_ptx(bm)
+        texts["publish"] = publish_ptx()
+    except Exception as exc:  # noqa: BLE001 - no CUDA backend or ptxas in this Triton
+        print(f"triton {triton.__version__}: cannot compile sm_90 PTX here: {type(exc).__name__}: {exc}")
+        return EXIT_CANNOT_COMPILE
     for bm in (64, 16):
-        texts[f"persistent_bm{bm}"] = ptx = persistent_ptx(bm)
-        findings += [f"block_m {bm}: {f}" for f in check_persistent(ptx, bm)]
-    texts["publish"] = ptx = publish_ptx()
-    findings += check_publish(ptx)
+        findings += [f"block_m {bm}: {f}" for f in check_persistent(texts[f"persistent_bm{bm}"], bm)]
+    findings += check_publish(texts["publish"])
+    if args.controls:
+        findings += negative_controls(texts["persistent_bm64"])
     if args.baseline:
         findings += compare_gemms(args.baseline)
     if args.dump:

@@ -122,10 +122,15 @@ class EPCase:
                             device=self.dev)
 
     def compute_per_range(self, p, combs) -> None:
-        """The existing path on PE ``p``'s dispatched blocks: one L1 + L2 launch per ready range."""
-        bc, d = self.pes[p].bc, self.comb_delta(combs, p)
+        """The existing path on PE ``p``'s dispatched blocks: one L1 + L2 launch per ready range, each grid
+        bounded as ``EPMoE`` bounds it (``max_ready_per_step`` for a dispatch step, the local experts for
+        the seal)."""
+        pe = self.pes[p]
+        bc, d = pe.bc, self.comb_delta(combs, p)
+        per_step = min(bc.max_blocks, pe.entries // (R if self.per_source else 1) // bc.block_m + pe.E_loc)
         for lo in range(self.nsteps + 1):
-            bc.compute(lo, lo + 1, bc.max_blocks, self.pes[p].fw, out=combs[p], direct=(bc.row_src, bc.row_tok, d))
+            bound = per_step if lo < self.nsteps else min(bc.max_blocks, pe.E_loc)
+            bc.compute(lo, lo + 1, bound, pe.fw, out=combs[p], direct=(bc.row_src, bc.row_tok, d))
 
     def queue(self, p, *, group=2) -> WorkQueue:
         return WorkQueue(self.pes[p].bc, group=group)

@@ -8,7 +8,9 @@ positions (``queue_publish``), and the seal publishes the final count with the `
 
 Per CTA, loop: claim ``t`` (relaxed atomic add on the claim counter) ->
 
-* wait until position ``pos`` is ready or the queue is sealed (acquire; deadline);
+* wait until position ``pos`` is ready or the queue is sealed (acquire; deadline; skipped when the
+  last ready word this CTA acquired already covers ``pos``); then claim the next item (its round trip
+  overlaps this item's tile);
 * sealed and ``t >= total_items(final count)``: the CTA ends; ``pos`` past the final count: no-op;
 * L1 item: L1 + SwiGLU + FP8 of one tile into ``h1``, then a release add on ``l1_done[pos]``;
 * L2 item: wait until ``l1_done[pos] == I/128`` (acquire; deadline), L2 of one tile stored straight
@@ -139,11 +141,11 @@ def _fence_sc_sys():
 
 @triton.jit
 def _pause_us(us: tl.constexpr):
-    # a deliberate pause (the arrival-before-store mutation widens its window with it on a GPU)
-    if _NATIVE:
-        for _ in tl.static_range(us):
-            tl.inline_asm_elementwise("nanosleep.u32 1000;\n\tmov.u32 $0, 0;", "=r", [], dtype=tl.int32,
-                                      is_pure=False, pack=1)
+    # a deliberate pause on a GPU (tests: the arrival-before-store mutation widens its window with it, a
+    # stalled L1 tile makes its L2 items wait); callers skip it under the interpreter (no inline asm)
+    for _ in range(us):
+        tl.inline_asm_elementwise("nanosleep.u32 1000;\n\tmov.u32 $0, 0;", "=r", [], dtype=tl.int32,
+                                  is_pure=False, pack=1)
 
 
 @triton.jit
@@ -294,7 +296,7 @@ def _persistent_moe_kernel(ctrl_ptr, ready_list_ptr, block_expert_ptr, a_ptr, as
                            comb_delta_ptr, arrived_ptr, arrived_delta_ptr, status_ptr, trace_ptr, witness_ptr, cap,
                            deadline_ns, H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, GROUP: tl.constexpr,
                            STAGES: tl.constexpr, NW: tl.constexpr, INJECT: tl.constexpr, TRACE: tl.constexpr,
-                           WITNESS: tl.constexpr):
+                           WITNESS: tl.constexpr, STALL_L1_US: tl.constexpr):
     NT1: tl.constexpr = I // 128
     NT2: tl.constexpr = H // 128
     SKIP_READY: tl.constexpr = (INJECT & 1) != 0
@@ -306,12 +308,19 @@ def _persistent_moe_kernel(ctrl_ptr, ready_list_ptr, block_expert_ptr, a_ptr, as
     end_cap = _total_items(cap, NT1, NT2, GROUP)
     # the claim itself orders nothing (relaxed): what an item reads is ordered by its own waits
     t = tl.atomic_add(ctrl_ptr + _CLAIM, 1, sem="relaxed", scope="gpu")
+    # the last ready word this CTA acquired: a position it already covers needs no new acquire (that
+    # acquire already follows the publication of the position; the word only grows)
+    known = t * 0
     while t < end_cap:
         is_l2, pos, tile = _item_of(t, NT1, NT2, GROUP)
         if SKIP_READY:
             word = tl.atomic_add(ctrl_ptr + _READY, 0, sem="acquire", scope="gpu")
         else:
-            word = _wait_ready(ctrl_ptr, status_ptr, pos, deadline_ns, NW)
+            if ((known & _COUNT_MASK) > pos) | ((known & _SEALED) != 0):
+                word = known
+            else:
+                word = _wait_ready(ctrl_ptr, status_ptr, pos, deadline_ns, NW)
+        known = tl.maximum(known, word)
         stop = word < 0
         n = word & _COUNT_MASK
         sealed = (word & _SEALED) != 0
@@ -320,6 +329,13 @@ def _persistent_moe_kernel(ctrl_ptr, ready_list_ptr, block_expert_ptr, a_ptr, as
             work = (~stop) & (pos < cap) & ~(sealed & (pos >= n))
         else:
             work = (~stop) & (pos < n)
+        # claim the next item before computing this one: the claim's round trip hides behind the tile.
+        # (Still deadlock-free: the held item has a larger index than the current one, which depends only
+        # on smaller ones; items that wait for the held one have larger indices still.)
+        if stop:
+            t_next = end_cap
+        else:
+            t_next = tl.atomic_add(ctrl_ptr + _CLAIM, 1, sem="relaxed", scope="gpu")
         if work:
             if TRACE:
                 tl.store(trace_ptr + t * 4, tl.program_id(0) + 1)
@@ -337,7 +353,8 @@ def _persistent_moe_kernel(ctrl_ptr, ready_list_ptr, block_expert_ptr, a_ptr, as
                     if ARRIVAL_FIRST:
                         _l2_done(pos, l2_done, ready_list_ptr, row_src_ptr, row_tok_ptr, row_chunk_ptr, comb_ptr,
                                  comb_delta_ptr, arrived_ptr, arrived_delta_ptr, witness_ptr, NT2, H, BM, WITNESS)
-                        _pause_us(20)
+                        if _NATIVE:
+                            _pause_us(20)
                         _l2_store(y, rows, ncol, comb_ptr, row_src_ptr, row_tok_ptr, comb_delta_ptr, H, True)
                     else:
                         _l2_store(y, rows, ncol, comb_ptr, row_src_ptr, row_tok_ptr, comb_delta_ptr, H, True)
@@ -345,6 +362,9 @@ def _persistent_moe_kernel(ctrl_ptr, ready_list_ptr, block_expert_ptr, a_ptr, as
                                  comb_delta_ptr, arrived_ptr, arrived_delta_ptr, witness_ptr, NT2, H, BM, WITNESS)
                 stop = stop | ~ready_h1
             else:
+                if _NATIVE and STALL_L1_US > 0:  # tests: the first group's L1 tiles run late (L2 items wait)
+                    if pos < GROUP:
+                        _pause_us(STALL_L1_US)
                 _l1_tile(pos, tile, 0, ready_list_ptr, block_expert_ptr, a_ptr, asf_ptr, w1_ptr, w1sf_ptr, h1_ptr,
                          h1sf_ptr, H, I, BM, STAGES)
                 # release of this tile's h1: every thread fences its own stores, the barrier joins them,
@@ -352,10 +372,7 @@ def _persistent_moe_kernel(ctrl_ptr, ready_list_ptr, block_expert_ptr, a_ptr, as
                 _fence_gpu()
                 tl.debug_barrier()
                 tl.atomic_add(l1_done + pos, 1, sem="release", scope="gpu")
-        if stop:
-            t = end_cap
-        else:
-            t = tl.atomic_add(ctrl_ptr + _CLAIM, 1, sem="relaxed", scope="gpu")
+        t = tl.where(stop, end_cap, t_next)
 
 
 @triton.jit(do_not_specialize=["index"])
@@ -382,7 +399,8 @@ def queue_publish(ctrl, ready_hi, index: int, *, seal: bool) -> None:
 
 def persistent_moe(ctrl, cap: int, ready_list, block_expert, a, asf, w1, w1sf, h1, h1sf, w2, w2sf, roww, comb_rows,
                    row_src, row_tok, row_chunk, comb_delta, arrived, arrived_delta, status, *, ctas: int,
-                   deadline_ns: int, block_m: int, group: int = 8, inject: int = 0, trace=None, witness=None):
+                   deadline_ns: int, block_m: int, group: int = 8, inject: int = 0, trace=None, witness=None,
+                   stall_l1_us: int = 0):
     """Launch the persistent consumer (``ctas`` CTAs) on the current stream; returns Triton's kernel handle.
 
     ``ctrl`` int32 ``[CTRL_WORDS + 2 * cap]`` (claim counter, ready word, ``l1_done[cap]``, ``l2_done[cap]``),
@@ -391,8 +409,9 @@ def persistent_moe(ctrl, cap: int, ready_list, block_expert, a, asf, w1, w1sf, h
     element distances to every PE's copy); ``arrived`` this PE's arrival words (int64) with ``arrived_delta``
     (int64 word distances to every PE's copy); ``status`` the ring's RS_* words (int64). ``inject``: bits of
     :data:`QUEUE_INJECT_BITS`. ``trace`` (int32 ``[total_items(cap) * 4]``: CTA + 1, L2?, position, tile of
-    every computed claim) and ``witness`` (int64 ``[1]``: poisoned elements an owner would read at the
-    arrival signals) are for tests.
+    every computed claim), ``witness`` (int64 ``[1]``: poisoned elements an owner would read at the
+    arrival signals) and ``stall_l1_us`` (the first group's L1 tiles pause this long first, on a GPU) are
+    for tests.
     """
     if not isinstance(ctas, int) or ctas < 1:
         raise ValueError(f"ctas must be an integer >= 1, got {ctas!r}")
@@ -407,4 +426,4 @@ def persistent_moe(ctrl, cap: int, ready_list, block_expert, a, asf, w1, w1sf, h
         row_chunk, comb_delta, arrived, arrived_delta, status, ctrl if trace is None else trace,
         arrived if witness is None else witness, cap, int(deadline_ns), H=h, I=i, BM=block_m, GROUP=group,
         STAGES=cfg["STAGES"], NW=nw, INJECT=int(inject), TRACE=trace is not None, WITNESS=witness is not None,
-        num_warps=nw)
+        STALL_L1_US=int(stall_l1_us), num_warps=nw)

@@ -80,7 +80,8 @@ class WorkQueue:
 
     def launch(self, fw: FastWeights, *, ctas: int, comb_rows: torch.Tensor, comb_delta: torch.Tensor,
                arrived: torch.Tensor, arrived_delta: torch.Tensor, status: torch.Tensor, deadline_ns: int,
-               inject: str = "none", trace: torch.Tensor | None = None, witness: torch.Tensor | None = None):
+               inject: str = "none", trace: torch.Tensor | None = None, witness: torch.Tensor | None = None,
+               stall_l1_us: int = 0):
         """Launch the persistent consumer of this forward (``ctas`` CTAs) on the current stream.
 
         ``fw``: this PE's experts. ``comb_rows``: this PE's combine rows (bf16 ``[rows, H]``) and
@@ -89,8 +90,8 @@ class WorkQueue:
         to PE r's copy; for the symmetric combine area, ``(peer_base - base) // 8``); ``status``: the ring's
         status words (int64 ``[RS_WORDS]``: timeouts are recorded there and its abort word ends every
         wait); ``deadline_ns``: every wait gives up after this long. ``inject``: one of
-        ``QUEUE_INJECT_MODES`` or ``"none"``. ``trace``/``witness``: see ``persistent_moe.persistent_moe``
-        (tests). Returns Triton's compiled-kernel handle (also added to ``bc.gemm_kernels``).
+        ``QUEUE_INJECT_MODES`` or ``"none"``. ``trace``/``witness``/``stall_l1_us``: see
+        ``persistent_moe.persistent_moe`` (tests). Returns Triton's compiled-kernel handle (also added to ``bc.gemm_kernels``).
         """
         if inject not in PM.QUEUE_INJECT_BITS:
             raise ValueError(f"inject must be one of {list(PM.QUEUE_INJECT_BITS)}, got {inject!r}")
@@ -108,7 +109,8 @@ class WorkQueue:
                               fw.w1_sf, bc.h1.view(FP8), bc.h1_sf, fw.w2, fw.w2_sf, bc.row_weight, comb_rows,
                               bc.row_src, bc.row_tok, bc.row_chunk, comb_delta, arrived, arrived_delta, status,
                               ctas=ctas, deadline_ns=deadline_ns, block_m=bc.block_m, group=self.group,
-                              inject=PM.QUEUE_INJECT_BITS[inject], trace=trace, witness=witness)
+                              inject=PM.QUEUE_INJECT_BITS[inject], trace=trace, witness=witness,
+                              stall_l1_us=stall_l1_us)
         if k is not None:
             bc.gemm_kernels.add(k)
         return k
