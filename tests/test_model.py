@@ -5,7 +5,7 @@ import json
 import pytest
 
 import streamring.protocol as P
-from streamring.cli import main
+from streamring.cli import build_parser, main
 from streamring.model import (
     EP_INJECT_MODES,
     EP_PROPERTIES,
@@ -218,6 +218,12 @@ def test_por_can_be_forced_on_the_default_sizes(tmp_path, monkeypatch):
 def test_bad_sizes_are_usage_errors(capsys):
     assert main(["model-check", "--ranks", "0"]) == 2
     assert "--ranks" in capsys.readouterr().err
+
+
+def test_every_model_check_option_has_help():
+    sub = next(a for a in build_parser()._actions if a.dest == "command").choices["model-check"]
+    missing = [a.option_strings for a in sub._actions if a.option_strings and not a.help]
+    assert missing == [], missing
 
 
 # --------------------------------------------------------------------------------------

@@ -87,6 +87,21 @@ def test_every_inject_mode_is_caught(cli, mode, path):
     assert_stress_mutation_caught(r, mode)
 
 
+def test_broken_protocol_reports_its_violations_without_waiting_for_the_watchdog(cli):
+    """skip-acquire wedges the ring after its first bad read; the first violation stops every rank's epoch
+    (the stop word), so the job reports long before the watchdog, with one FAIL verdict."""
+    t0 = time.monotonic()
+    r = cli("stress", "--config", CONFIGS / "stress-basic.yaml", "--inject", "skip-acquire",
+            "--set", "wait_timeout_s=60", timeout=200)
+    assert r.rc == 1, r
+    assert time.monotonic() - t0 < 45, r  # well before the 60 s watchdog
+    assert r.json is not None and r.json["violations"] > 0, r
+    assert "watchdog" not in r.err, r
+    fail = [ln for ln in r.out.splitlines() if ln.startswith("FAIL")]
+    assert len(fail) == 1 and "stale_or_torn" in fail[0] and "token reads compared" in fail[0], r.out
+    assert any(x["stopped_early"] for x in r.json["ranks"]), r.json["ranks"]
+
+
 def test_watchdog_names_stalled_rank_and_slot_states(cli):
     t0 = time.monotonic()
     r = cli("stress", "--ranks", 3, "--set", "wait_timeout_s=2", "--set", "stress.stragglers={1: 1000}",
