@@ -7,7 +7,7 @@
 * :class:`EPMoE` (``moe.gpu_layer``): the fast expert-parallel FP8 layer on GPUs (one PE per GPU,
   any number; device-side dispatch and combine over NVSHMEM; one CUDA graph per forward).
 * :func:`batch_forward` (``moe.blocks``): the GPU batch-ready path on the same kernels.
-* :class:`MoEShape`, :class:`MoEWeights` (``moe.math``): the layer's shape and weights;
+* :class:`MoEShape` (``moe.shape``), :class:`MoEWeights` (``moe.math``): the layer's shape and weights;
   :class:`FastWeights` (``moe.blocks``): FP8 weights laid out for the GPU kernels;
   :class:`PlanChoice` (``moe.plan``): how a GPU forward is streamed; :func:`select_experts`,
   :func:`route`: the routing rule.
@@ -20,7 +20,7 @@ _EXPORTS = {
     "MoEBuffer": "layer", "ForwardStats": "layer", "SCHEDULERS": "layer",
     "EPMoE": "gpu_layer",
     "batch_forward": "blocks", "FastWeights": "blocks", "Producer": "blocks", "BlockConsumer": "blocks",
-    "MoEShape": "math", "MoEWeights": "math", "select_experts": "math", "route": "math",
+    "MoEShape": "shape", "MoEWeights": "math", "select_experts": "math", "route": "math",
     "reference_forward_f64": "math", "reference_tolerance": "math",
     "PlanChoice": "plan",
 }
