@@ -52,6 +52,19 @@ def pytest_configure(config):
                                 + " (pip install -e '.[test]')")
 
 
+def wait_until(pred, timeout_s: float, period_s: float = 0.05):
+    """Poll ``pred()`` until it is true or ``timeout_s`` has passed; returns its last value.
+
+    Tests wait for a condition this way, never for a fixed time: a fast machine goes on at once,
+    a loaded one gets the whole deadline."""
+    end = time.monotonic() + timeout_s
+    while True:
+        value = pred()
+        if value or time.monotonic() >= end:
+            return value
+        time.sleep(period_s)
+
+
 def error_types(stderr: str) -> set[str]:
     """The exception types the ranks died with (``[streamring rank N] error: TYPE: ...`` lines)."""
     return set(re.findall(r"^\[streamring rank \S+\] error: (\w+):", stderr, flags=re.M))
@@ -212,7 +225,8 @@ def suite_leaves_no_mpi_files():
     """The whole suite: every MPI file held by a process the tests started is gone at the end."""
     with FileWatcher(os.getpid(), period_s=0.25) as w:
         yield w
-    time.sleep(0.5)
+    # (a job's files are removed by its launcher before it exits; the deadline covers a slow unlink)
+    wait_until(lambda: not w.leftovers(), 5.0)
     left = w.leftovers()
     assert not left, f"the test suite left MPI files behind: {left}"
 

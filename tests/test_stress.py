@@ -26,6 +26,8 @@ def test_shipped_stress_config_passes(cli, path):
     assert len(ranks) == cfg["ranks"]
     window = cfg["cpu"]["window"]
     assert {x["heap"] for x in ranks} == {f"cpu/{'separate' if window == 'separate' else 'shared'}"}, window
+    if path.stem == "stress-wrap":  # what that config is for: 10^4 laps of every rank's ring
+        assert min(x["ring_wraps"] for x in ranks) >= 10_000, [x["ring_wraps"] for x in ranks]
 
 
 @pytest.mark.parametrize("ranks", [2, 3, 4])
@@ -38,12 +40,6 @@ def test_ranks_and_tokens_checked(cli, ranks):
     for rank in r.json["ranks"]:
         assert rank["tokens_checked"] == ranks * tokens * 2  # 2 epochs, every source
         assert rank["violations"] == 0
-
-
-def test_ring_wraps_over_ten_thousand(cli):
-    r = cli("stress", "--config", CONFIGS / "stress-wrap.yaml", timeout=400)
-    assert r.rc == 0, r
-    assert min(x["ring_wraps"] for x in r.json["ranks"]) >= 10_000
 
 
 def test_more_ranks_than_cores(cli):
