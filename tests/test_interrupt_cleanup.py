@@ -5,9 +5,12 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from conftest import CONFIGS, ROOT, FileWatcher, _env, descendants, files_held, wait_until
 
 
+@pytest.mark.ranks
 def test_ctrl_c_leaves_no_process_and_no_file_and_blames_no_rank():
     proc = subprocess.Popen([sys.executable, "-m", "streamring", "stress", "--config", CONFIGS / "soak.yaml"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT,

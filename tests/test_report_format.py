@@ -81,6 +81,7 @@ def _run_on_terminal(args, columns=80, env=None, timeout=180):
 QUICK_STRESS = ["stress", "--ranks", 2, "--set", "stress.chunks_per_rank=5", "--set", "stress.epochs=1"]
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize("columns,env", [(80, None), (132, {"COLUMNS": "60"})], ids=["tty80", "COLUMNS=60"])
 def test_rank_table_fits_the_users_terminal(columns, env):
     """Ranks print through mpiexec's pipe: the launcher passes the terminal's width (COLUMNS first) down."""
