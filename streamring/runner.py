@@ -10,22 +10,19 @@ forward calls on the same buffers, and compares: streamed against batch
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from .config import Config, ConfigError, per_rank
 from .device.verbs import SymmetricHeap
-from .moe.bitwise import same_bits
-from .moe.layer import MoEBuffer
+from .moe.shape import MoEShape
 from .protocol import PROGRESS_POLICIES, REFUSED_POLICIES, Inject, RingLayout
-from .moe.math import (
-    MoEShape,
-    MoEWeights,
-    compare_to_reference,
-    reference_forward_f64,
-    reference_tolerance,
-)
+
+# torch and the MoE layer are imported by the functions that compute: the local launcher's pre-launch
+# check (check_run_job, run_heap_bytes) runs in a process that needs neither.
+if TYPE_CHECKING:
+    import torch
 
 
 def shape_from_config(cfg: Config) -> MoEShape:
@@ -62,6 +59,8 @@ def synthetic_routing(mode: str, rank: int, shape: MoEShape, num_ranks: int, see
     E, k = shape.num_experts, shape.topk
     per = E // num_ranks
 
+    import torch
+
     def fn(x_chunk: torch.Tensor, token_ids: torch.Tensor):
         n = len(token_ids)
         tok = token_ids.numpy().astype(np.uint64)[:, None]
@@ -96,6 +95,8 @@ def synthetic_routing(mode: str, rank: int, shape: MoEShape, num_ranks: int, see
 # ----------------------------------------------------------------------------------
 def make_tokens(cfg: Config, rank: int, epoch: int, num_tokens: int) -> torch.Tensor:
     """This rank's tokens of one forward call (deterministic)."""
+    import torch
+
     g = torch.Generator().manual_seed(cfg.layer.seed * 1_000_003 + rank * 7919 + epoch)
     return torch.randn(num_tokens, cfg.layer.hidden, generator=g, dtype=torch.float32)
 
@@ -159,6 +160,12 @@ def run_layer(heap: SymmetricHeap, cfg: Config) -> dict:
     """Run ``cfg`` on this rank; returns this rank's row of the report."""
     if use_fast_gpu_path(cfg):
         return run_layer_gpu(heap, cfg)
+    import torch
+
+    from .moe.bitwise import same_bits
+    from .moe.layer import MoEBuffer
+    from .moe.math import MoEWeights, compare_to_reference, reference_forward_f64, reference_tolerance
+
     R, me = heap.num_ranks, heap.rank
     check_run_job(cfg, R)
     shape = shape_from_config(cfg)
@@ -223,6 +230,8 @@ def run_layer_gpu(heap, cfg: Config) -> dict:
     timeout or corrupt route, and the batch output against a float64 reference of sampled tokens
     (relative error below ``blocks.FAST_PATH_REL_TOL``).
     """
+    import torch
+
     from .moe import blocks as B
     from .moe.ep_buffer import EPBuffer
 
@@ -332,6 +341,8 @@ def replay_checked(buf, graph) -> None:
     ended (every device wait has a deadline), so this rank still says what it waited for; the run then
     stops with that error, or with the SIGTERM.
     """
+    import torch
+
     if buf.inject != "none":
         graph.replay()
         torch.cuda.synchronize(buf.dev)

@@ -52,6 +52,97 @@ def pytest_configure(config):
                                 + " (pip install -e '.[test]')")
 
 
+# ----------------------------------------------------------------------------------------
+# Tiers: the full suite (CI, `bash tests/run.sh`) and the edit loop (`bash tests/run.sh --quick`)
+# ----------------------------------------------------------------------------------------
+#: Fixtures that start ranks: a test using one is marked ``ranks`` without saying so itself.
+RANK_FIXTURES = {"cli", "mpirun", "cluster"}
+#: What the edit loop must run besides the in-process tests (``pytest.mark.quick(WHAT)``).
+QUICK_MUST_RUN = ("2-rank run", "stress config")
+#: A test that takes longer than this says why it must (``pytest.mark.slow(reason=...)``).
+SLOW_S = 30.0
+
+
+def pytest_addoption(parser):
+    parser.addoption("--quick", action="store_true", default=False,
+                     help="the edit loop: the in-process tests not marked slow, plus the tests marked quick "
+                          f"({' and '.join(QUICK_MUST_RUN)})")
+
+
+def quick_subset(cases, quick, reason: str, ids=None):
+    """``cases`` (values, or tuples of values, of one parametrize) as params, every one not in ``quick``
+    marked ``slow(reason=reason)``: the edit loop runs the ``quick`` ones, the full run all of them."""
+    out = []
+    for i, case in enumerate(cases):
+        values = case if isinstance(case, tuple) else (case,)
+        marks = [] if case in quick else [pytest.mark.slow(reason=reason)]
+        out.append(pytest.param(*values, marks=marks, id=ids[i] if ids else None))
+    return out
+
+
+def in_quick_tier(item) -> bool:
+    return item.get_closest_marker("quick") is not None or not (
+        item.get_closest_marker("ranks") or item.get_closest_marker("slow"))
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if RANK_FIXTURES & set(item.fixturenames):
+            item.add_marker("ranks")
+        slow = item.get_closest_marker("slow")
+        if slow is not None and not slow.kwargs.get("reason"):
+            raise pytest.UsageError(f"{item.nodeid}: pytest.mark.slow needs reason='why it must take that long'")
+    if not config.getoption("--quick"):
+        return
+    keep = [item for item in items if in_quick_tier(item)]
+    whole_suite = (config.args_source is pytest.Config.ArgsSource.TESTPATHS and not config.option.keyword
+                   and not config.option.markexpr)
+    covered = {m.args[0] for item in keep for m in item.iter_markers("quick")}
+    if whole_suite and not set(QUICK_MUST_RUN) <= covered:
+        raise pytest.UsageError(f"--quick must run a {' and a '.join(QUICK_MUST_RUN)}; tests marked quick "
+                                f"cover only {sorted(covered)}")
+    config.hook.pytest_deselected(items=[item for item in items if not in_quick_tier(item)])
+    items[:] = keep
+
+
+_durations: dict = {}  # node id -> seconds (setup + call + teardown)
+_items: dict = {}  # node id -> item
+
+
+def pytest_runtest_logreport(report):
+    _durations[report.nodeid] = _durations.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """Every test over SLOW_S seconds (setup, call and teardown together), with the reason it gives."""
+    long = sorted(((s, nodeid) for nodeid, s in _durations.items() if s > SLOW_S), reverse=True)
+    if not long:
+        return
+    terminalreporter.section(f"tests over {SLOW_S:.0f} s and why they must take that long")
+    for s, nodeid in long:
+        item = _items.get(nodeid)
+        slow = item.get_closest_marker("slow") if item is not None else None
+        why = slow.kwargs["reason"] if slow is not None else "NO REASON GIVEN: mark it pytest.mark.slow(reason=...)"
+        terminalreporter.write_line(f"{s:6.1f}s {nodeid}: {why}")
+
+
+def pytest_collection_finish(session):
+    _items.update((item.nodeid, item) for item in session.items)
+
+
+def wait_until(pred, timeout_s: float, period_s: float = 0.05):
+    """Poll ``pred()`` until it is true or ``timeout_s`` has passed; returns its last value.
+
+    Tests wait for a condition this way, never for a fixed time: a fast machine goes on at once,
+    a loaded one gets the whole deadline."""
+    end = time.monotonic() + timeout_s
+    while True:
+        value = pred()
+        if value or time.monotonic() >= end:
+            return value
+        time.sleep(period_s)
+
+
 def error_types(stderr: str) -> set[str]:
     """The exception types the ranks died with (``[streamring rank N] error: TYPE: ...`` lines)."""
     return set(re.findall(r"^\[streamring rank \S+\] error: (\w+):", stderr, flags=re.M))
@@ -212,7 +303,8 @@ def suite_leaves_no_mpi_files():
     """The whole suite: every MPI file held by a process the tests started is gone at the end."""
     with FileWatcher(os.getpid(), period_s=0.25) as w:
         yield w
-    time.sleep(0.5)
+    # (a job's files are removed by its launcher before it exits; the deadline covers a slow unlink)
+    wait_until(lambda: not w.leftovers(), 5.0)
     left = w.leftovers()
     assert not left, f"the test suite left MPI files behind: {left}"
 

@@ -21,7 +21,7 @@ from mpi4py import MPI
 
 import streamring.protocol as P
 from streamring.device.cpu import MpiHeap
-from streamring.device.verbs import SignalOp
+from streamring.device.verbs import SignalOp, VerbError
 from streamring.protocol import (
     META_WORDS,
     GenState,
@@ -444,6 +444,71 @@ def waiting_gives_core_away(heap):
 
 
 # --------------------------------------------------------------------------------------
+# Bad inputs: nothing half-published
+# --------------------------------------------------------------------------------------
+def expect(exc, fn, needle):
+    try:
+        fn()
+    except exc as e:
+        check(needle in str(e), f"message {str(e)!r} lacks {needle!r}")
+        return e
+    raise AssertionError(f"{fn} did not raise {exc.__name__} ({needle})")
+
+
+def publish_bad_inputs(heap):
+    """Bad arguments to the publish calls, reserve and begin_stream are refused before anything is published;
+    the same chunk then publishes and reads fine, and the verbs check their bounds."""
+    L = RingLayout(num_ranks=heap.num_ranks, num_slots=2, tokens_per_slot=4, hidden=128, topk=2, num_experts=8)
+    ring = Ring(heap, L, wait_timeout_s=10)
+    ring.begin_stream(1, 6)  # chunk 0: 4 tokens, chunk 1: 2 tokens
+    assert ring.try_reserve(0)
+    idx = np.zeros((4, 2), np.int64)
+    w = np.ones((4, 2), np.float32)
+    x = np.zeros((4, 128), np.uint8)
+    sf = np.ones((4, 1), np.float32)
+    route_word = L.route_gen_off(heap.rank, 0)
+    before = [heap.signal_fetch(ring.buf, route_word)]
+    expect(ValueError, lambda: ring.publish_route(0, np.full((4, 2), 8, np.int64), w), "topk_idx values must be in [-1, 8)")
+    expect(ValueError, lambda: ring.publish_route(0, np.full((4, 2), -2, np.int64), w), "topk_idx")
+    expect(TypeError, lambda: ring.publish_route(0, idx.astype(np.int32), w), "topk_idx must have dtype int64")
+    expect(ValueError, lambda: ring.publish_route(0, np.zeros((5, 2), np.int64), np.ones((5, 2), np.float32)),
+           "topk_idx must have shape (4, 2)")  # over the chunk's valid count / slot capacity
+    expect(ValueError, lambda: ring.publish_layout(0, np.zeros((4, 256), np.uint8), sf), "x must have shape (4, 128)")
+    expect(TypeError, lambda: ring.publish_layout(0, x.astype(np.float32), sf), "x must have dtype uint8")
+    expect(TypeError, lambda: ring.publish_layout(0, list(x), sf), "x must be a numpy array")
+    expect(ValueError, lambda: ring.try_reserve(2), "chunk 2 outside [0, 2)")
+    # nothing was half-published: my generation words are unchanged everywhere
+    heap.barrier()
+    assert heap.signal_fetch(ring.buf, route_word) == before[0] == 0
+    for src in range(heap.num_ranks):
+        assert heap.signal_fetch(ring.buf, L.route_gen_off(src, 0)) == 0
+    heap.barrier()
+    # and the same chunk publishes fine afterwards
+    ring.publish_route(0, idx, w)
+    ring.publish_layout(0, x, sf)
+    for src in range(heap.num_ranks):
+        ring.acquire(src, 0)
+        v = ring.read_chunk(src, 0)
+        assert v.valid == 4 and (v.topk_idx == 0).all()
+        ring.ack(src, 0)
+    ring.reserve(1)
+    ring.publish_route(1, idx[:2], w[:2])
+    ring.publish_layout(1, x[:2], sf[:2])
+    for src in range(heap.num_ranks):
+        ring.acquire(src, 1)
+        assert ring.read_chunk(src, 1).valid == 2  # the final partial chunk
+        ring.ack(src, 1)
+    ring.end_stream()
+    # epochs must grow
+    expect(ValueError, lambda: ring.begin_stream(1, 0), "stream_epoch must be in (1,")
+    # verbs check their bounds (shared windows have none)
+    expect(VerbError, lambda: heap.put(ring.buf, L.nbytes - 4, np.zeros(8, np.uint8), 0), "outside")
+    expect(VerbError, lambda: heap.signal_op(ring.buf, 0, 1, SignalOp.SET,
+                                             heap.num_ranks), "pe")
+    ring.close()
+
+
+# --------------------------------------------------------------------------------------
 # Freeing a region while an equal-looking one leaked
 # --------------------------------------------------------------------------------------
 def leaked_region_close(heap):
@@ -458,7 +523,8 @@ def leaked_region_close(heap):
     # heap.close() at the end of the job frees the leaked one
 
 
-SCENARIOS = {f.__name__: f for f in (hostile_table, scripted_ring, waiting_gives_core_away, leaked_region_close)}
+SCENARIOS = {f.__name__: f for f in (hostile_table, scripted_ring, waiting_gives_core_away, leaked_region_close,
+                                     publish_bad_inputs)}
 
 if __name__ == "__main__":
     heap = MpiHeap(window=os.environ.get("STREAMRING_TEST_WINDOW", "auto"))

@@ -27,6 +27,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 import triton  # noqa: E402,F401 - a declared test dependency: missing means failing, not skipping
 
+from conftest import quick_subset  # noqa: E402
 from streamring.moe import blocks as B  # noqa: E402
 from streamring.moe.bitwise import bit_difference, same_bits  # noqa: E402
 from streamring.moe.math import MoEShape  # noqa: E402
@@ -81,7 +82,12 @@ def run_streamed(shape, fw, x, block_m, chunk):
     return y, bc
 
 
-@pytest.mark.parametrize("block_m,chunk", [(16, 7), (16, 1), (32, 16), (16, 37), (32, 5)])
+BLOCK_CASES = [(16, 7), (16, 1), (32, 16), (16, 37), (32, 5)]
+TRITON_ON_CPU = "Triton's CPU interpreter runs the GPU kernels here, 1 to 4 s a case on 2 cores"
+
+
+@pytest.mark.parametrize("block_m,chunk", quick_subset(BLOCK_CASES, quick=[(16, 7)], reason=TRITON_ON_CPU,
+                                                      ids=[f"{b}-{c}" for b, c in BLOCK_CASES]))
 def test_streamed_equals_batch_bitwise(setup, block_m, chunk):
     shape, fw, x = setup
     yb, _, _ = run_batch(shape, fw, x, block_m)
@@ -95,6 +101,7 @@ def test_streamed_equals_batch_bitwise(setup, block_m, chunk):
     assert hi[-1] == int(bc.state[shape.num_experts])
 
 
+@pytest.mark.slow(reason=TRITON_ON_CPU)
 def test_batch_matches_float32_emulation(setup):
     shape, fw, x = setup
     yb, _, _ = run_batch(shape, fw, x, 16)
@@ -135,6 +142,7 @@ def test_block_bookkeeping(setup):
             assert torch.equal(bc.a[r].cpu(), sc["q"][t].view(torch.uint8).cpu())
 
 
+@pytest.mark.slow(reason=TRITON_ON_CPU)
 def test_hot_expert_many_blocks_and_empty_experts():
     shape = small_shape()
     fw = B.FastWeights.random(shape, 4, DEV)
@@ -148,6 +156,7 @@ def test_hot_expert_many_blocks_and_empty_experts():
     assert same_bits(yb, ys), bit_difference(ys, yb, "streamed", "batch")
 
 
+@pytest.mark.slow(reason=TRITON_ON_CPU)
 def test_negative_control_missing_seal_is_caught(setup):
     """Without the seal, partial blocks never run: the comparison must fail."""
     shape, fw, x = setup
@@ -200,7 +209,7 @@ def test_fast_weights_need_fp8():
     assert fw.w1.shape == (8, 512, 256) and fw.w1_sf.shape == (8, 4, 2)
 
 
-@pytest.mark.parametrize("max_ctas", [1, 5])
+@pytest.mark.parametrize("max_ctas", quick_subset([1, 5], quick=[5], reason=TRITON_ON_CPU))
 def test_persistent_gemm_grid_equals_one_cta_per_tile(setup, max_ctas):
     """The persistent GEMM grid (a few CTAs looping over the tiles) gives the same bits."""
     shape, fw, x = setup

@@ -27,6 +27,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 triton = pytest.importorskip("triton", reason="Triton is not installed (pip install triton)")
 
+from conftest import quick_subset  # noqa: E402
 from streamring.device import moe_triton as K  # noqa: E402
 from streamring.moe import blocks as B  # noqa: E402
 from streamring.moe.math import MoEShape  # noqa: E402
@@ -149,7 +150,12 @@ def _bits(t):
     return t.contiguous().view(torch.int16)
 
 
-@pytest.mark.parametrize("chunk,per_source", [(9, False), (4, False), (1, False), (4, True)])
+EP_CASES = [(9, False), (4, False), (1, False), (4, True)]
+
+
+@pytest.mark.parametrize("chunk,per_source", quick_subset(
+    EP_CASES, quick=[(4, True)], reason="Triton's CPU interpreter runs the GPU kernels here, 1 to 3 s a case on 2 cores",
+    ids=[f"{c}-{p}" for c, p in EP_CASES]))
 def test_ep_data_path_equals_the_single_process_batch_bitwise(setup, chunk, per_source):
     shape, fw, xs, refs = setup
     outs, pes = run_ep(shape, fw, xs, chunk, per_source=per_source)

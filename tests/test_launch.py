@@ -6,6 +6,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from streamring.host.launch import Launcher, detect_launcher
 
 from conftest import ROOT, _env
@@ -18,6 +20,7 @@ def test_detect_launcher():
     assert detect_launcher({"TORCHELASTIC_RUN_ID": "x", "LOCAL_RANK": "0", "WORLD_SIZE": "2"}) is Launcher.TORCHRUN
 
 
+@pytest.mark.ranks
 def test_torchrun_with_cpu_backend_fails_at_once_naming_launchers():
     torchrun = Path(sys.executable).parent / "torchrun"
     if not torchrun.exists():

@@ -82,3 +82,40 @@ def test_host_is_job_hosting_only():
                 [node.module or ""] if isinstance(node, ast.ImportFrom) else []
             for n in names:
                 assert not n.split(".")[0] in ("triton", "cuda", "nvshmem"), f"{path.name} imports {n}"
+
+
+# What a process loads is what it pays for at start-up, in every multi-rank test: the local launcher
+# checks a job before its ranks start, and a stress rank drives only the ring (neither needs torch).
+LIGHT_PROCESS = """
+import sys
+from streamring.cli import build_parser
+from streamring.config import load_config
+from streamring.host.launch import spawn_local
+from streamring.host.prelaunch import job_problems
+from streamring.host.rank_main import rank_main
+from streamring.stress import run_stress
+cfg = load_config(None, [])
+assert job_problems("run", cfg, 4, None, 4) == [] and job_problems("stress", cfg, 4, None, 4) == []
+assert job_problems("run", cfg, 3, None, 3), "a layer of 8 experts on 3 ranks must be refused"
+print(sorted(m for m in ("torch", "triton", "matplotlib", "hypothesis") if m in sys.modules))
+"""
+
+
+def test_launcher_and_stress_ranks_load_no_torch():
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-c", LIGHT_PROCESS], capture_output=True, text=True, timeout=120,
+                       cwd=PKG.parent)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split("\n")[0] == "[]", p.stdout
+
+
+def test_the_light_process_check_sees_torch():
+    """Negative control: the same check in a process that touches the MoE layer reports torch."""
+    import subprocess
+    import sys
+
+    code = LIGHT_PROCESS.replace("print(", "import streamring.moe.layer\nprint(")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=PKG.parent)
+    assert p.returncode == 0 and "'torch'" in p.stdout, (p.stdout, p.stderr)

@@ -5,6 +5,7 @@ import dataclasses
 import pytest
 import torch
 
+from conftest import quick_subset
 from streamring.moe.math import (
     FP8_DTYPE,
     MoEShape,
@@ -502,9 +503,14 @@ def test_combine_order_and_masking():
 # --------------------------------------------------------------------------- #
 # whole layer
 # --------------------------------------------------------------------------- #
-@pytest.mark.parametrize("router", ["softmax_topk", "deepseek_v3"])
-@pytest.mark.parametrize("weight_dtype", ["bf16", "fp8"])
-@pytest.mark.parametrize("topk", [1, 2, 3, 4])
+LAYER_CASES = [(topk, dtype, router) for topk in (1, 2, 3, 4) for dtype in ("bf16", "fp8")
+               for router in ("softmax_topk", "deepseek_v3")]
+
+
+@pytest.mark.parametrize("topk,weight_dtype,router", quick_subset(
+    LAYER_CASES, quick=[(1, "bf16", "softmax_topk"), (2, "fp8", "deepseek_v3")],
+    reason="the whole layer against its float64 reference in all 16 combinations of top-k, weights and router, "
+           "64 tokens each, 1 to 5 s apiece on 2 cores", ids=["-".join(map(str, c)) for c in LAYER_CASES]))
 def test_batch_forward_vs_reference(router, weight_dtype, topk):
     s = make_shape(router, weight_dtype, topk=topk, intermediate=256 if topk == 3 else I)
     w = weights_for(s)

@@ -22,7 +22,11 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("name", list(CASES))
+QUICK_RUN = "topk1-2ranks"  # the edit loop's 2-rank run
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.quick("2-rank run")] if n == QUICK_RUN else [])
+                                  for n in CASES])
 def test_streamed_equals_batch(cli, name):
     ranks, sets = CASES[name]
     args = ["run", "--ranks", ranks]

@@ -34,6 +34,13 @@ def test_scripted_ring_rules(mpirun, window):
     _ok(r, "scripted_ring", "leaked_region_close")
 
 
+@pytest.mark.parametrize("ranks", [2, 3])
+@pytest.mark.parametrize("window", WINDOWS)
+def test_publish_bad_inputs_nothing_half_published(mpirun, ranks, window):
+    r = mpirun(ranks, SCRIPT, "publish_bad_inputs", env={"STREAMRING_TEST_WINDOW": window})
+    _ok(r, "publish_bad_inputs")
+
+
 def test_waiting_rank_gives_its_core_away(mpirun):
     """Two ranks on one core: the CPU a waiter burns per handoff is within 2x of a sched_yield loop measured
     in the same run; a waiter that never yields burns a whole time slice (see the scenario's doc)."""

@@ -9,7 +9,7 @@
   :meth:`EPBuffer.prepare_weights` once per layer (:class:`LayerWeights`), :meth:`EPBuffer.forward` per call
   (any token count up to the maximum, capturable in the caller's CUDA graph).
 * :func:`batch_forward` (``moe.blocks``): the GPU batch-ready path on the same kernels.
-* :class:`MoEShape`, :class:`MoEWeights` (``moe.math``): the layer's shape and weights;
+* :class:`MoEShape` (``moe.shape``), :class:`MoEWeights` (``moe.math``): the layer's shape and weights;
   :class:`FastWeights` (``moe.blocks``): FP8 weights laid out for the GPU kernels;
   :class:`PlanChoice` (``moe.plan``): how a GPU forward is streamed; :func:`select_experts`,
   :func:`route`: the routing rule.
@@ -29,7 +29,7 @@ _EXPORTS = {
     "MoEBuffer": "layer", "ForwardStats": "layer", "SCHEDULERS": "layer",
     "EPBuffer": "ep_buffer", "LayerWeights": "ep_buffer",
     "batch_forward": "blocks", "FastWeights": "blocks", "Producer": "blocks", "BlockConsumer": "blocks",
-    "MoEShape": "math", "MoEWeights": "math", "select_experts": "math", "route": "math",
+    "MoEShape": "shape", "MoEWeights": "math", "select_experts": "math", "route": "math",
     "reference_forward_f64": "math", "reference_tolerance": "math",
     "PlanChoice": "plan",
     "weights_from_float": "weights", "weights_from_fp8": "weights",

@@ -1,0 +1,51 @@
+"""Ctrl-C to the local launcher: the job ends at once, no rank process or MPI file is left, no rank is blamed."""
+
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import CONFIGS, ROOT, FileWatcher, _env, descendants, files_held, wait_until
+
+
+@pytest.mark.ranks
+def test_ctrl_c_leaves_no_process_and_no_file_and_blames_no_rank():
+    proc = subprocess.Popen([sys.executable, "-m", "streamring", "stress", "--config", CONFIGS / "soak.yaml"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT,
+                            start_new_session=True)
+    w = FileWatcher(proc.pid, period_s=0.1)
+    tree: set = set()
+
+    def every_rank_holds_the_segment():
+        """The job is under way: Hydra's file exists and each of soak.yaml's 4 ranks maps the segment."""
+        assert proc.poll() is None, proc.communicate()
+        tree.update(descendants(proc.pid))
+        w.poll()
+        holders = [pid for pid in tree if any(f.startswith("/dev/shm/") for f in files_held(pid))]
+        return len(holders) >= 4 and any(f.startswith("/tmp/") for f in w.files)
+
+    assert wait_until(every_rank_holds_the_segment, 120, period_s=0.1), (w.files, tree)
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert time.monotonic() - t0 < 10, err
+    assert proc.returncode == 130, err
+    assert "interrupted (Ctrl-C)" in err and "no rank had failed" in err and "failed rank" not in err, err
+
+    def running():
+        alive = []
+        for pid in tree:
+            try:
+                state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                continue
+            if state not in "ZX":
+                alive.append(pid)
+        return alive
+
+    # (a process being torn down may take a moment to go, a file a moment to be unlinked; leftovers stay)
+    wait_until(lambda: not w.leftovers() and not running(), 5.0)
+    assert w.leftovers() == [], (w.files, err)
+    assert running() == [], running()
