@@ -16,7 +16,7 @@ entry points; a kernel variant is a minute or more of nvcc) and the objects are 
 ``nvcc -shared -cudart static``.
 
 CUTLASS 4.2's ``fp8_accumulation.hpp`` refuses a blockwise tile with more than one weight scale
-along N (``static_assert``\ s that compare the accumulator's and the scale tensor's *shapes*; the
+along N (``static_assert`` checks that compare the accumulator's and the scale tensor's *shapes*; the
 192- and 256-wide tiles have equal sizes but other nestings). CUTLASS 4.3 checks sizes instead;
 :func:`patch_cutlass` writes 4.2's header with those three checks in the 4.3 form into the build
 folder, whose include path comes first. Nothing else of CUTLASS changes.
