@@ -8,7 +8,7 @@ protocol between real processes is not (``streamring model-check --layer queue``
 
 Every source's chunks are produced first (each chunk in its own slot: no reuse), then a PE's
 dispatch steps run one after another (one per chunk, or one per (chunk, source) with
-``per_source``), as ``streamring.moe.gpu_layer`` runs them.
+``per_source``), as ``streamring.moe.ep_buffer`` runs them.
 """
 
 from __future__ import annotations
@@ -123,7 +123,7 @@ class EPCase:
 
     def compute_per_range(self, p, combs) -> None:
         """The existing path on PE ``p``'s dispatched blocks: one L1 + L2 launch per ready range, each grid
-        bounded as ``EPMoE`` bounds it (``max_ready_per_step`` for a dispatch step, the local experts for
+        bounded as ``EPBuffer`` bounds it (``max_ready_per_step`` for a dispatch step, the local experts for
         the seal)."""
         pe = self.pes[p]
         bc, d = pe.bc, self.comb_delta(combs, p)

@@ -340,7 +340,7 @@ def test_mutate_and_sanitize_judges_on_recorded_outputs(monkeypatch):
     monkeypatch.setattr(steps, "run_step", lambda state, name, cmd, timeout, **kw: seen.update(kw, cmd=cmd))
     steps.phase_mutate({"steps": []})
     assert seen["cmd"][1:3] == ["tests/mutate.py", "--gpu"]
-    table = ("│ ack-before-copy │ the EP dispatch acknowledges │ gpu_layer.py │ 1/1 │ caught │ AssertionError │ 31 │\n"
+    table = ("│ ack-before-copy │ the EP dispatch acknowledges │ ep_buffer.py │ 1/1 │ caught │ AssertionError │ 31 │\n"
              "│ acquire-fence-dropped │ the device acquire │ ring_protocol.cuh │ 0/1 │ MISSED │  │ 40 │\n"
              "1 of 2 mutations caught\n")
     ok, note = seen["judge"](1, table, None)

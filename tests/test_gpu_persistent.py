@@ -9,7 +9,7 @@ Run on the GPU machine (one H200; no NVSHMEM needed: the "PEs" are objects of on
 
 * **timing** (DeepSeek-V3 expert shapes: hidden 7168, intermediate 2048, 256 experts over 2 PEs = 128
   local, top-8, 4096 tokens per PE, block_m 64): PE 0's blocks computed by the per-range path
-  (``BlockConsumer.compute`` per ready range: 1 L1 + 1 L2 grid each, as ``EPMoE._gemms`` launches them)
+  (``BlockConsumer.compute`` per ready range: 1 L1 + 1 L2 grid each, as ``EPBuffer``'s per-chunk consumer launches them)
   and by the persistent queue (one launch; SMs and SMs - 8 CTAs), for 1 chunk (batch) and 4 chunks;
   CUDA-event medians printed; the combine rows must be bitwise equal and the arrivals equal the routed
   rows. (GEMM-only: the dispatch runs before the timed part.)

@@ -1,4 +1,4 @@
-// streamring: the cross-PE handoffs of the expert-parallel GPU layer (streamring/moe/gpu_layer.py).
+// streamring: the cross-PE handoffs of the expert-parallel GPU layer (streamring/moe/ep_buffer.py).
 //
 // The ring carries each source's chunk (routing + FP8 activations) to every PE; these kernels
 // carry the results back and synchronise the owner's reduce:
