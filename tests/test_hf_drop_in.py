@@ -20,10 +20,22 @@ import json
 SCRIPT = "tests/mp_hf.py"
 
 
+def hf_records(out: str) -> list[dict]:
+    """Every rank's ``HF {...}`` record in the job's output. The launcher forwards the ranks' stdout
+    through one pipe, so one rank's record can follow another's on the same line: each is decoded from
+    its own ``HF {`` to the end of its JSON object."""
+    dec, found, at = json.JSONDecoder(), [], out.find("HF {")
+    while at >= 0:
+        obj, end = dec.raw_decode(out, at + 3)
+        found.append(obj)
+        at = out.find("HF {", end)
+    return found
+
+
 def test_hf_deepseek_v3_drop_in_on_two_ranks(mpirun):
     r = mpirun(2, SCRIPT, "drop_in", timeout=300)
     assert r.rc == 0 and "SCENARIO OK" in r.out, r
-    ranks = [json.loads(line[3:]) for line in r.out.splitlines() if line.startswith("HF {")]
+    ranks = hf_records(r.out)
     assert sorted(x["rank"] for x in ranks) == [0, 1], r
     for x in ranks:
         assert [row["what"] for row in x["rows"]] == ["bf16 weights -> fp8 (module parameters)",
