@@ -144,7 +144,8 @@ GPU_MUTATIONS = [
                "    return true;\n",
                "    return true;\n")),
              # one GPU does not reorder the loads in practice, so the compiled PTX is what shows it
-             (f"{GPU_RULES}::test_ring_selftest_under_stress", "tests/test_ptx_ring.py"), gpu=True),
+             (f"{GPU_RULES}::test_ring_selftest_under_stress",
+              "tests/test_ptx_ring.py::test_the_acquire_is_ordered_in_the_compiled_kernels"), gpu=True),
     Mutation("ack-before-copy", "the EP dispatch acknowledges a slot only after copying its rows out",
              (("streamring/moe/ep_buffer.py",
                "            self.bc.dispatch_ep(c, flat_e, flat_w, srcs, (ring_u8, ring_u8.view(torch.float32)), "
