@@ -13,10 +13,14 @@
 #    expert-parallel layer under every policy and transport, uneven/empty ranks, a straggler,
 #    every protocol mutation (must fail), host-verb layer and stress, torchrun bootstrap;
 #    or phase mps (one GPU): 2, 3 and 4 PEs under MPS (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=100/N);
+#    phases not run by default (about 8 minutes together: a call of their own, e.g.
+#    GPU_CHECK_PHASES="faults mutate sanitize"): faults (the device hostile-peer table, the EP handoff
+#    rules, a rank killed or stopped mid-forward under mpirun, the local launcher and torchrun),
+#    mutate (tests/mutate.py --gpu), sanitize (launch/sanitize.sh: compute-sanitizer);
 # 5. prints a table. Every step has a timeout; the steps share a time budget (default 520 s)
 #    so the script ends within 9 minutes. Exit status 0 iff every expectation held.
 # Env: GPU_CHECK_BUDGET_S (default 520), GPU_CHECK_ONLY=REGEX (run only matching steps),
-#      GPU_CHECK_PHASES ("single gpus" on several GPUs, else "single mps"),
+#      GPU_CHECK_PHASES ("single gpus" on several GPUs, else "single mps"; also: faults mutate sanitize),
 #      STREAMRING_CACHE (cubin cache, default .cache/streamring: built ahead and carried).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -75,26 +79,36 @@ stop_mps() {
   fi
 }
 trap stop_mps EXIT
+# several PEs on the one GPU: the steps of phase $1 under an MPS daemon started for them
+under_mps() {
+  # the first GPU this run may use (a device call can give each of its GPUs to another job)
+  local gpu="${CUDA_VISIBLE_DEVICES:-0}"
+  gpu="${gpu%%,*}"
+  export CUDA_MPS_PIPE_DIRECTORY="$(mktemp -d)" CUDA_MPS_LOG_DIRECTORY="$(mktemp -d)"
+  if CUDA_VISIBLE_DEVICES=$gpu nvidia-cuda-mps-control -d >>"$LOG" 2>&1; then
+    MPS_STARTED=1
+    sleep 1
+    say "gpu_check: MPS daemon started on GPU $gpu (pipe dir $CUDA_MPS_PIPE_DIRECTORY)"
+    CUDA_VISIBLE_DEVICES=$gpu python3 launch/gpu_check_steps.py --phase "$1"
+  else
+    say "gpu_check: could not start the MPS daemon: multi-PE steps not run"
+    python3 launch/gpu_check_steps.py --phase mps-failed
+  fi
+  stop_mps
+  unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+}
 for phase in $GPU_CHECK_PHASES; do
   case "$phase" in
     single) python3 launch/gpu_check_steps.py --phase single ;;
     gpus) python3 launch/gpu_check_steps.py --phase gpus ;;
-    mps)
-      # -- several PEs on the one GPU: MPS --------------------------------------------------------
-      export CUDA_MPS_PIPE_DIRECTORY="$(mktemp -d)" CUDA_MPS_LOG_DIRECTORY="$(mktemp -d)"
-      if CUDA_VISIBLE_DEVICES=0 nvidia-cuda-mps-control -d >>"$LOG" 2>&1; then
-        MPS_STARTED=1
-        sleep 1
-        say "gpu_check: MPS daemon started (pipe dir $CUDA_MPS_PIPE_DIRECTORY)"
-        CUDA_VISIBLE_DEVICES=0 python3 launch/gpu_check_steps.py --phase multi
-      else
-        say "gpu_check: could not start the MPS daemon: multi-PE steps not run"
-        python3 launch/gpu_check_steps.py --phase mps-failed
-      fi
-      stop_mps
-      unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+    mps) under_mps multi ;;
+    faults)
+      # 1 PE first (no MPS), then 2 PEs: one per GPU, or both on GPU 0 under MPS
+      python3 launch/gpu_check_steps.py --phase faults1
+      if [ "$NGPU" -ge 2 ]; then python3 launch/gpu_check_steps.py --phase faults; else under_mps faults; fi
       ;;
-    *) say "gpu_check: unknown phase $phase (single | gpus | mps)"; exit 2 ;;
+    mutate|sanitize) python3 launch/gpu_check_steps.py --phase "$phase" ;;
+    *) say "gpu_check: unknown phase $phase (single | gpus | mps | faults | mutate | sanitize)"; exit 2 ;;
   esac
 done
 

@@ -24,6 +24,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from streamring.protocol import PROGRESS_POLICIES, REFUSED_POLICIES  # noqa: E402  (plain data, no GPU imports)
 OUT = Path(os.environ.get("OUT") or ROOT / "out")
 LOG = OUT / "gpu_check.log"
 STATE = OUT / "summary.json"
@@ -185,10 +187,14 @@ def judge_run(rc, out, data):
     rows = data["ranks"]
     eq = all(r["bitwise_equal"] for r in rows)
     worst = max(r["ref_max_err_ratio"] for r in rows)
-    return bool(data["ok"]) and eq, (f"stream==batch bitwise on {sum(r['bitwise_equal'] for r in rows)}/{len(rows)} "
-                                     f"ranks, worst err/tol vs f64 {worst:.3f}, batch "
-                                     f"{max(r['batch_wall_s'] for r in rows):.2f}s stream "
-                                     f"{max(r['stream_wall_s'] for r in rows):.2f}s")
+    # the EP layer's rows name both sides' GEMMs: a comparison across two implementations proves nothing
+    gemms = sorted({(r["gemm_batch"], r["gemm_stream"]) for r in rows if "gemm_batch" in r})
+    same_gemm = all(b == s for b, s in gemms)
+    return bool(data["ok"]) and eq and same_gemm, (
+        f"stream==batch bitwise on {sum(r['bitwise_equal'] for r in rows)}/{len(rows)} "
+        + (f"ranks, GEMMs (batch, stream) {gemms}{'' if same_gemm else ' DIFFER'}, " if gemms else "ranks, ")
+        + f"worst err/tol vs f64 {worst:.3f}, batch "
+        f"{max(r['batch_wall_s'] for r in rows):.2f}s stream {max(r['stream_wall_s'] for r in rows):.2f}s")
 
 
 def run_cmd(n: int, json_path: Path, *extra: str) -> list[str]:
@@ -199,6 +205,12 @@ def run_cmd(n: int, json_path: Path, *extra: str) -> list[str]:
 def stress_cmd(n: int, json_path: Path, *extra: str) -> list[str]:
     return mpiexec(n, "-m", "streamring", "stress", "--backend", "nvshmem", "--set", f"ranks={n}",
                    "--json", str(json_path), *extra)
+
+
+#: the GPU tests of the single-PE phase (natively; the Triton kernels' CPU-interpreter tests among them)
+SINGLE_PE_GPU_TESTS = ("tests/test_gpu.py", "tests/test_gpu_ep.py", "tests/test_gpu_ep_rules.py",
+                       "tests/test_gpu_persistent.py", "tests/test_gpu_hostile.py", "tests/test_ep_kernels.py",
+                       "tests/test_blocks.py", "tests/test_persistent_consumer.py")
 
 
 def phase_single(state: dict) -> None:
@@ -214,20 +226,36 @@ def phase_single(state: dict) -> None:
     rj = TMP / "run-1.json"
     run_step(state, "MoE run (router, chunk_local) streamed vs batch", run_cmd(
         1, rj, "--set", "run.tokens_per_rank=200"), 120, pes=1, judge=judge_run, json_path=rj)
-    fj = TMP / "fast-1.json"
-    run_step(state, "EP layer run (1 PE, spin_kernel)", run_cmd(1, fj, *FAST), 150, pes=1, judge=judge_run,
-             json_path=fj)
-    run_step(state, "pytest test_gpu, test_gpu_ep, test_ep_kernels, test_blocks (native)",
-             [PY, "-m", "pytest", "-q", "-rs", "tests/test_gpu.py", "tests/test_gpu_ep.py", "tests/test_ep_kernels.py",
-              "tests/test_blocks.py", "-p", "no:cacheprovider"], 300, pes=1, judge=judge_pytest)
+    for policy in EP_POLICIES:  # every policy the expert-parallel layer offers, one PE
+        fj = TMP / f"fast-1-{policy}.json"
+        run_step(state, f"EP layer run: policy {policy}", run_cmd(1, fj, *FAST, "--set", f"nvshmem.progress={policy}"),
+                 150, pes=1, judge=judge_run, json_path=fj)
+    files = [f for f in SINGLE_PE_GPU_TESTS if (ROOT / f).exists()]
+    run_step(state, "pytest the GPU layer's tests (native, 1 PE)",
+             [PY, "-m", "pytest", "-q", "-rs", *files, "-p", "no:cacheprovider"], 360, pes=1, judge=judge_pytest)
+    run_step(state, "HF DeepSeek-V3 swap on the GPU layer (1 PE)",
+             mpiexec(1, "tests/mp_hf.py", "drop_in_gpu"), 150, pes=1,
+             judge=lambda rc, out, data: (rc == 0 and "SCENARIO OK" in out, f"rc={rc}"))
     bj = OUT / "bench.json"
     run_step(state, "bench_signal_latency", mpiexec(1, "-m", "bench.signal_latency", "--json", str(bj)), 120,
              pes=1, json_path=bj)
 
 
+def mps_env(n: int) -> dict:
+    """The environment of a PE when n share one GPU under MPS: an equal share of the SMs, and an equal share
+    of the 32 hardware work queues one process asks for (launch/device_env.sh; each stream its own queue,
+    for the stream_wait policy). With 32 queues per client, 4 clients could not create their contexts
+    (CUDA out of memory in torch.cuda.set_device) where 2 and 3 could; launch/mps_probe.sh tells whether
+    the queues are the cause (docs/gpu.md)."""
+    return {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(100 // n), "CUDA_DEVICE_MAX_CONNECTIONS": str(max(4, 32 // n))}
+
+
 def phase_multi(state: dict) -> None:
     TMP.mkdir(parents=True, exist_ok=True)
-    mps = lambda n: {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(100 // n)}  # noqa: E731
+    mps = mps_env
+    for n in (2, 4):  # first of all: the contexts themselves (says what else holds the GPU if they fail)
+        run_step(state, f"MPS: {n} processes each make a CUDA context", [PY, "launch/mps_contexts.py", str(n)], 60,
+                 pes=n, env=mps(n))
     # 2 PEs
     gj = TMP / "graph-2.json"
     run_step(state, f"gpu-check x{REPLAYS} replays, all policies", mpiexec(
@@ -239,6 +267,12 @@ def phase_multi(state: dict) -> None:
     rj = TMP / "run-2.json"
     run_step(state, "MoE run (router, chunk_local) streamed vs batch", run_cmd(2, rj), 120, pes=2,
              judge=judge_run, json_path=rj, env=mps(2))
+    for policy in EP_POLICIES:
+        if policy == "green_ctx":  # MPS clients cannot create green contexts (docs/gpu.md)
+            continue
+        fj = TMP / f"fast-2-{policy}.json"
+        run_step(state, f"EP layer run: policy {policy}", run_cmd(2, fj, *FAST, "--set", f"nvshmem.progress={policy}"),
+                 150, pes=2, judge=judge_run, json_path=fj, env=mps(2))
     tj = TMP / "torchrun-2.json"
     run_step(state, "torchrun bootstrap: stress", ["torchrun", "--nproc-per-node", "2", "-m", "streamring", "stress",
                                                    "--backend", "nvshmem", "--set", "stress.chunks_per_rank=8",
@@ -293,6 +327,9 @@ def gpu_count() -> int:
     return sum(1 for ln in out.splitlines() if ln.startswith("GPU "))
 
 
+#: the progress policies the expert-parallel layer offers (every one runs in every phase)
+EP_POLICIES = tuple(p for p in PROGRESS_POLICIES if p not in REFUSED_POLICIES)
+
 FAST = ["--set", "layer.weight_dtype=fp8", "--set", "layer.router=deepseek_v3", "--set", "layer.num_experts=16",
         "--set", "layer.n_group=4", "--set", "layer.topk_group=2", "--set", "layer.topk=4", "--set", "layer.hidden=512",
         "--set", "layer.intermediate=256", "--set", "layer.routed_scaling_factor=2.5", "--set", "run.block_m=16",
@@ -315,9 +352,8 @@ def phase_gpus(state: dict) -> None:
     run_step(state, f"gpu-check x{REPLAYS} replays, all policies + negative controls (one PE per GPU)", mpiexec(
         n, "-m", "streamring", "gpu-check", "--policies", "all", "--replays", REPLAYS, "--controls",
         "--json", str(gj)), 150, pes=n, judge=judge_graph, json_path=gj)
-    # 'pdl' is refused by EPMoE with more than one PE (streamed != batch on 2 H200s, 2026-11-30);
-    # the ring's own 'pdl' progress runs in the gpu-check step above
-    for policy in ("spin_kernel", "serialized", "stream_wait", "green_ctx"):
+    # the ring's own progress under every policy (pdl included) runs in the gpu-check step above
+    for policy in EP_POLICIES:
         rj = TMP / f"fast-{policy}.json"
         run_step(state, f"EP layer run: policy {policy}", run_cmd(
             n, rj, *FAST, "--set", f"nvshmem.progress={policy}"), 150, pes=n, judge=judge_run, json_path=rj)
@@ -363,6 +399,184 @@ def phase_gpus(state: dict) -> None:
              pes=n, json_path=bj)
 
 
+# ------------------------------------------------------------------------------------------------------
+# Phases faults1 / faults / mutate (about 6 minutes together, with launch/sanitize.sh in phase sanitize:
+# run them in a call of their own, `GPU_CHECK_PHASES="faults mutate sanitize" bash launch/gpu_check.sh`)
+# ------------------------------------------------------------------------------------------------------
+#: wait_timeout_s of the rank-failure runs: the survivor must say what it waited for within about this long
+FAULT_TIMEOUT_S = 3.0
+#: what a survivor may take beyond its device deadline to notice and say so (host poll, Python, output)
+FAULT_SLACK_S = 3.0
+#: MiB of GPU memory a finished job may leave above what was used before it (the driver's and MPS's own)
+LEFTOVER_MIB = 512
+
+
+def gpu_memory_used() -> list[int]:
+    """MiB used on each GPU (nvidia-smi); [] when it cannot tell."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=30).stdout
+        return [int(v) for v in out.split()]
+    except (OSError, subprocess.TimeoutExpired, ValueError):
+        return []
+
+
+def gpu_compute_apps() -> list[str]:
+    """The GPU's compute processes other than the MPS server (``pid, name, MiB`` each)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,process_name,used_memory",
+                              "--format=csv,noheader"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return ["(nvidia-smi failed)"]
+    return [ln.strip() for ln in out.splitlines() if ln.strip() and "nvidia-cuda-mps-server" not in ln]
+
+
+def processes_matching(marker: str) -> list[str]:
+    """Processes whose command line holds ``marker`` (this one excluded)."""
+    out = subprocess.run(["pgrep", "-af", marker], capture_output=True, text=True).stdout
+    return [ln for ln in out.splitlines() if ln.split(" ", 1)[0] != str(os.getpid())]
+
+
+PROBES = {"memory": gpu_memory_used, "apps": gpu_compute_apps, "processes": processes_matching, "sleep": time.sleep}
+
+
+def survivor_report(out: str, wait_timeout_s: float = FAULT_TIMEOUT_S) -> tuple[bool, str]:
+    """(a): the surviving rank 0 printed the line naming rank 1, the chunk and the generation it waited
+    for, and noticed within ``wait_timeout_s`` + FAULT_SLACK_S of its forward's launch."""
+    lines = [ln for ln in out.splitlines() if "rank 0: watchdog: the device waited" in ln]
+    if not lines:
+        return False, "no 'rank 0: watchdog: the device waited ...' line"
+    line = lines[0][lines[0].index("rank 0: watchdog"):]
+    named = re.search(r"generation (e\d+:c\d+) \(0x[0-9a-f]+\) of source rank 1 \(chunk (\d+)", line)
+    acks = re.search(r"acknowledgements of my chunk (\d+).* from ranks \[1\]", line)
+    noticed = re.search(r"noticed ([0-9.]+)s after the forward's launch", line)
+    took = float(noticed.group(1)) if noticed else float("inf")
+    in_time = took <= wait_timeout_s + FAULT_SLACK_S
+    what = (f"waited for rank 1 chunk {named.group(2)} generation {named.group(1)}" if named else
+            f"waited for rank 1's acknowledgement of chunk {acks.group(1)}" if acks else f"unclear: {line[:160]}")
+    return bool((named or acks) and in_time), f"{what}, noticed after {took:.2f}s (deadline {wait_timeout_s:g}s)"
+
+
+def launcher_names(launcher: str, out: str) -> tuple[bool, str]:
+    """(c): the launcher names the failed rank: the survivor that aborted, or the killed or stopped one."""
+    if launcher == "mpirun":
+        m = re.search(r"MPI_ABORT was invoked on rank (\d+)", out) or \
+            re.search(r"process rank (\d+) with PID \d+ .*(?:exited on signal|signal)", out)
+        return bool(m), (f"mpirun names rank {m.group(1)}" if m else "mpirun named no rank")
+    if launcher == "local":
+        m = re.search(r"streamring launcher: rank (\d+) \(pid \d+\) (was the first rank to stop running|stopped with: "
+                      r"\w+|died or hung without reporting)", out)
+        return bool(m), (f"the local launcher: rank {m.group(1)} {m.group(2)}" if m else
+                         "the local launcher named no rank")
+    m = re.search(r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", out, flags=re.S)
+    return bool(m), (f"torchrun's root cause: rank {m.group(1)}, exitcode {m.group(2)}" if m else
+                     "torchrun printed no root cause")
+
+
+def cleanup_after(marker: str, baseline_mib: list[int], probes: dict = PROBES, patience_s: float = 30.0
+                  ) -> tuple[bool, str]:
+    """No process of the job left, no compute process on the GPU, its memory back to the baseline."""
+    waited = 0.0
+    while True:
+        left, apps, mem = probes["processes"](marker), probes["apps"](), probes["memory"]()
+        back = bool(mem) and len(mem) == len(baseline_mib) and all(
+            m <= b + LEFTOVER_MIB for m, b in zip(mem, baseline_mib))
+        if (not left and not apps and back) or waited >= patience_s:
+            break
+        probes["sleep"](1.0)
+        waited += 1.0
+    ok = not left and not apps and back
+    note = (f"{len(left)} processes left" + (f" ({left[0][:80]})" if left else "") +
+            f", GPU compute apps {apps or 'none'}, memory used {mem} MiB (before {baseline_mib}) after {waited:.0f}s")
+    return ok, note
+
+
+def fault_judge(launcher: str, marker: str, probes: dict = PROBES):
+    """The judge of one rank-failure step: (a) the survivor's line in time, (b) a non-zero exit with the
+    survivor's own error, (c) the launcher naming a failed rank, then the clean-up."""
+    baseline = probes["memory"]()
+
+    def judge(rc, out, data):
+        a_ok, a = survivor_report(out)
+        b_ok = rc != 0 and "[streamring rank 0] error: WatchdogError:" in out
+        c_ok, c = launcher_names(launcher, out)
+        d_ok, d = cleanup_after(marker, baseline, probes)
+        verdict = lambda ok: "ok" if ok else "FAILED"  # noqa: E731
+        return a_ok and b_ok and c_ok and d_ok, (f"(a) {verdict(a_ok)}: {a}; (b) {verdict(b_ok)}: rc={rc}; "
+                                                 f"(c) {verdict(c_ok)}: {c}; clean-up {verdict(d_ok)}: {d}")
+
+    return judge
+
+
+def fault_cmd(launcher: str, kind: str, json_path: Path) -> list[str]:
+    """``streamring run`` of the EP layer on 2 PEs in which rank 1 is killed or stopped mid-forward."""
+    args = ["run", "--backend", "nvshmem", "--set", "ranks=2", "--json", str(json_path), *FAST,
+            "--set", f"wait_timeout_s={FAULT_TIMEOUT_S:g}", "--set", f"run.fault={{rank: 1, epoch: 1, kind: {kind}}}"]
+    if launcher == "mpirun":
+        return mpiexec(2, "-m", "streamring", *args)
+    if launcher == "torchrun":
+        return ["torchrun", "--nproc-per-node", "2", "-m", "streamring", *args]
+    return [PY, "-m", "streamring", *args]  # the local launcher starts the ranks through mpiexec itself
+
+
+def phase_faults1(state: dict) -> None:
+    """One PE, no MPS: the device hostile-peer table, the layer's refusal after it, the EP handoff rules."""
+    run_step(state, "pytest test_gpu_hostile, test_gpu_ep_rules (1 PE)",
+             [PY, "-m", "pytest", "-q", "-rs", "tests/test_gpu_hostile.py", "tests/test_gpu_ep_rules.py",
+              "-p", "no:cacheprovider"], 300, pes=1, judge=judge_pytest)
+
+
+def phase_faults(state: dict) -> None:
+    """Two PEs (one per GPU, or both on one GPU under MPS, started by the caller): the hostile-peer table
+    with a peer that is another PE, and a rank killed or stopped mid-forward under mpirun, the local
+    launcher and torchrun."""
+    TMP.mkdir(parents=True, exist_ok=True)
+    share = {} if gpu_count() >= 2 else {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "50"}
+    run_step(state, "device hostile-peer table, PE 1 hostile", mpiexec(2, "tests/mp_gpu_hostile.py", "hostile_table"),
+             120, pes=2, env=share, judge=lambda rc, out, data: (
+                 rc == 0 and "SCENARIO OK hostile_table" in out,
+                 next((ln for ln in out.splitlines() if "refused or accepted" in ln or "SCENARIO FAILED" in ln),
+                      f"rc={rc}")))
+    # stopped ranks first: a SIGKILLed MPS client is the harder clean-up for the GPU
+    for launcher, kind in (("mpirun", "hang"), ("mpirun", "kill"), ("local", "hang"), ("local", "kill"),
+                           ("torchrun", "hang"), ("torchrun", "kill")):
+        jp = TMP / f"fault-{launcher}-{kind}.json"
+        env = dict(share)
+        if kind == "kill" and launcher in ("mpirun", "local"):
+            # Open MPI's mpirun otherwise ends every rank the moment one is killed, before the survivor's
+            # device deadline: it then names the killed rank itself, and the survivor says nothing
+            env["OMPI_MCA_orte_enable_recovery"] = "1"
+        judge = fault_judge(launcher, str(jp))
+        what = "SIGKILL" if kind == "kill" else "SIGSTOP"
+        run_step(state, f"rank 1 {what} mid-forward under {launcher}: rank 0 names it, exits, nothing left",
+                 fault_cmd(launcher, kind, jp), 120 if launcher == "torchrun" else 90, pes=2, env=env, judge=judge)
+
+
+def phase_mutate(state: dict) -> None:
+    """tests/mutate.py --gpu: each GPU mutation planted in a copy (cubin rebuilt there) must be caught. The
+    unmutated baseline of the same tests is phase faults1's pytest step."""
+    def judge(rc, out, data):
+        total = re.search(r"(\d+) of (\d+) mutations caught", out)
+        rows = [ln for ln in out.splitlines() if re.search(r"\b(caught|MISSED|ERROR)\b", ln) and "│" in ln]
+        note = (total.group(0) if total else f"rc={rc}, no summary") + (
+            ("; " + " | ".join(" ".join(r.replace("│", " ").split())[:90] for r in rows)) if rows else "")
+        return rc == 0 and bool(total), note
+    run_step(state, "GPU mutations (tests/mutate.py --gpu --no-baseline)",
+             [PY, "tests/mutate.py", "--gpu", "--no-baseline", "--timeout", "240"],
+             420, pes=1, judge=judge)
+
+
+def phase_sanitize(state: dict) -> None:
+    """launch/sanitize.sh: compute-sanitizer over the ring self-test, one EP forward and the hostile table."""
+    def judge(rc, out, data):
+        summary = [ln.strip() for ln in out.splitlines() if ln.startswith("sanitize:")]
+        return rc == 0, " | ".join(summary)[-600:] or f"rc={rc}"
+    # what is left of the check's budget, or less when SANITIZE_BUDGET_S says so (a phase after this one)
+    left = min(BUDGET_S - elapsed() - 15, float(os.environ.get("SANITIZE_BUDGET_S", "1e9")) + 15)
+    run_step(state, "compute-sanitizer (launch/sanitize.sh)", ["bash", "launch/sanitize.sh"], max(left, 30), pes=1,
+             env={"SANITIZE_BUDGET_S": str(int(max(left - 10, 20)))}, judge=judge)
+
+
 def report(state: dict) -> int:
     lines = ["", "GPU check summary (elapsed %.0fs)" % elapsed(),
              f"{'step':<66} {'PEs':>3} {'expect':<6} {'verdict':<7} {'wall s':>7}  note", "-" * 140]
@@ -396,7 +610,8 @@ def report(state: dict) -> int:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--phase", choices=["single", "multi", "gpus", "report", "mps-failed"], required=True)
+    ap.add_argument("--phase", required=True, choices=["single", "multi", "gpus", "report", "mps-failed", "faults1",
+                                                       "faults", "mutate", "sanitize"])
     args = ap.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
     state = load_state()
@@ -406,6 +621,9 @@ def main() -> int:
         phase_multi(state)
     elif args.phase == "gpus":
         phase_gpus(state)
+    elif args.phase in ("faults1", "faults", "mutate", "sanitize"):
+        {"faults1": phase_faults1, "faults": phase_faults, "mutate": phase_mutate,
+         "sanitize": phase_sanitize}[args.phase](state)
     elif args.phase == "mps-failed":
         state["steps"].append({"name": "start the MPS daemon (multi-PE steps)", "pes": 0, "expect": "pass",
                                "verdict": "FAIL", "note": "nvidia-cuda-mps-control -d failed: no multi-PE step ran"})

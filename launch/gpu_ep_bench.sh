@@ -3,7 +3,7 @@
 #
 #   bash launch/gpu_ep_bench.sh        # logs, JSON, timelines and PNG under $OUT (default ./out)
 #
-# One PE per GPU (mpiexec -n <GPUs>): bench/ep_layer.py (EPMoE batch vs streamed vs the torch +
+# One PE per GPU (mpiexec -n <GPUs>): bench/ep_layer.py (EPBuffer batch vs streamed vs the torch +
 # NCCL baseline, with and without a straggler, publish->acquire vs the flag floor), then the
 # timeline PNG of the first streamed plan per size (streamring timeline).
 # Env: EP_TOKENS (default 128,1024,4096,8192), EP_ARGS (extra bench arguments),

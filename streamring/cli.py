@@ -3,6 +3,7 @@
     streamring run         [--config PATH] [--set k=v ...] [--ranks N] [--backend cpu|nvshmem] [--json PATH]
     streamring stress      ... [--inject MODE]
     streamring model-check [--layer ring|ep] [--inject MODE] [--ranks R --slots S --chunks C --epochs E] [--topk K]
+    streamring model-check --layer queue [--inject MODE] [--ctas N --blocks B --block-rows M --chunks C --tiles T --group G]
     streamring gpu-check   [--policies P,..] [--replays N] [--controls] [--ranks N] [--json PATH]
     streamring check-env
     streamring timeline    JSON [--out PNG] [--tokens N ...]
@@ -20,6 +21,7 @@ import sys
 
 from .config import ConfigError, load_config
 from .model import EP_INJECT_MODES, LAYERS, MODEL_INJECT_MODES
+from .model_queue import QUEUE_INJECT_MODES
 from .protocol import INJECT_MODES, PROGRESS_POLICIES, SOURCE_ORDERS
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
@@ -43,14 +45,16 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p)
     p.add_argument("--inject", choices=INJECT_MODES, help="deliberately break one protocol step")
     p = sub.add_parser("model-check", help="explore every interleaving of the protocol model")
-    p.add_argument("--layer", choices=LAYERS, default="ring",
+    p.add_argument("--layer", choices=LAYERS + ("queue",), default="ring",
                    help="ring: the ring protocol as the stress harness runs it (default); ep: plus the "
                         "expert-parallel GPU layer's handoffs (early input_consumed ack, remote combine and its "
-                        "arrived counters, the owner's reduce; each rank begins its next epoch on its own)")
-    p.add_argument("--inject", choices=MODEL_INJECT_MODES, metavar="MODE",
+                        "arrived counters, the owner's reduce; each rank begins its next epoch on its own); queue: "
+                        "the persistent consumer's work queue on one PE (blocks published ready and sealed, CTAs "
+                        "claiming L1/L2 tiles, L2 after its block's L1, arrivals, the owner's reduce)")
+    p.add_argument("--inject", choices=MODEL_INJECT_MODES + QUEUE_INJECT_MODES, metavar="MODE",
                    help="check a deliberately broken protocol; must fail with a counter-example: "
-                        f"{', '.join(INJECT_MODES)} (ring steps, any layer); {', '.join(EP_INJECT_MODES)} "
-                        "(--layer ep only)")
+                        f"{', '.join(INJECT_MODES)} (ring steps, --layer ring or ep); {', '.join(EP_INJECT_MODES)} "
+                        f"(--layer ep only); {', '.join(QUEUE_INJECT_MODES)} (--layer queue only)")
     p.add_argument("--json", metavar="PATH",
                    help="write the result as JSON (sizes, states, transitions, time, every property, "
                         "the whole counter-example trace)")
@@ -60,12 +64,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--slots", type=int, default=2, help="ring slots per rank (default 2)")
     p.add_argument("--chunks", type=int, default=3,
                    help="chunks per rank and epoch, one token each; odd ranks have one token fewer, so "
-                        "their last chunk is empty (default 3)")
+                        "their last chunk is empty (--layer queue: dispatch steps, the blocks' rows split over "
+                        "them in order) (default 3)")
     p.add_argument("--epochs", type=int, default=2,
                    help="stream epochs over the same buffers, nothing cleared between them (default 2)")
     p.add_argument("--topk", type=int, default=None,
                    help="--layer ep: routed entries (token, k) per token, each to the rank "
                         "(owner + k * (token + epoch)) %% ranks (default 2)")
+    p.add_argument("--ctas", type=int, default=2, help="--layer queue: CTAs of the persistent grid (default 2)")
+    p.add_argument("--blocks", type=int, default=3,
+                   help="--layer queue: expert blocks, filled in order over the chunks, the last one partial "
+                        "(ready only at the seal) (default 3)")
+    p.add_argument("--block-rows", type=int, default=2, help="--layer queue: rows of a full block (default 2)")
+    p.add_argument("--tiles", type=int, default=2, help="--layer queue: N-tiles of L1 and of L2 per block (default 2)")
+    p.add_argument("--group", type=int, default=2,
+                   help="--layer queue: blocks per group of the item order (queue_order) (default 2)")
     p.add_argument("--source-order", choices=SOURCE_ORDERS, default="rank",
                    help="consumer order over the sources of a chunk (stress.source_order): rank (default) "
                         "or ready (any source whose chunk is ready first)")
@@ -121,6 +134,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {out}")
         return EXIT_OK
     if args.command == "model-check":
+        if args.layer == "queue":
+            from .model_queue import queue_check_main
+
+            return queue_check_main(args)
+        if args.inject in QUEUE_INJECT_MODES:
+            print(f"streamring model-check: --inject {args.inject} breaks a handoff of the work queue: it needs "
+                  f"--layer queue", file=sys.stderr)
+            return EXIT_USAGE
         from .model import model_check_main
 
         return model_check_main(args)

@@ -13,7 +13,7 @@ from typing import Literal, Optional, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, ValidationError, field_validator, model_validator
 
-from .protocol import INJECT_MODES, PROGRESS_POLICIES, SF_BLOCK, SOURCE_ORDERS
+from .protocol import GEMM_CHOICES, INJECT_MODES, PROGRESS_POLICIES, SF_BLOCK, SOURCE_ORDERS
 
 
 class ConfigError(ValueError):
@@ -107,10 +107,16 @@ class RunConfig(_Strict):
     inject: Literal[("none",) + INJECT_MODES] = Field(  # type: ignore[valid-type]
         "none", description="break one protocol step of the streamed ring (proves the output check can fail)")
     gpu_path: Literal["auto", "fast", "host_verbs"] = Field(
-        "auto", description="backend nvshmem: fast = the expert-parallel FP8 GPU layer (EPMoE: device-side ring, "
+        "auto", description="backend nvshmem: fast = the expert-parallel FP8 GPU layer (EPBuffer: device-side ring, "
                             "Triton kernels, CUDA graphs; needs layer.weight_dtype=fp8); host_verbs = the reference "
                             "layer (MoEBuffer through host verbs, torch ops); auto = fast for fp8 weights")
     straggler: Optional["Straggler"] = Field(None, description="fast GPU path: delay one rank's producer (device side)")
+    gemm: Literal[GEMM_CHOICES] = Field(  # type: ignore[valid-type]
+        "auto", description="fast GPU path: the expert GEMMs of both the batch and the streamed path (auto: CUTLASS "
+                            "when its library is built, else Triton)")
+    fault: Optional["ReplayFault"] = Field(
+        None, description="fast GPU path: kill or stop one rank in the middle of a streamed forward (rank-failure "
+                          "tests; the CPU backend's is stress.fault)")
 
 
 class Straggler(_Strict):
@@ -118,6 +124,20 @@ class Straggler(_Strict):
 
     rank: int = Field(ge=0)
     ms: float = Field(gt=0, le=10_000)
+
+
+class ReplayFault(_Strict):
+    """Rank ``rank`` fails in the streamed forward of epoch ``epoch`` (0-based) of ``run`` on the GPU layer.
+
+    ``kill``: it launches that forward with its producer held back on the device (the straggler word,
+    past ``wait_timeout_s``) and SIGKILLs itself, so it dies while its peers' forwards wait for its
+    first chunk. ``hang``: it SIGSTOPs itself right before launching that forward (a stopped host
+    launches nothing; work already on the GPU would still complete).
+    """
+
+    rank: int = Field(ge=0)
+    epoch: int = Field(0, ge=0, description="the epoch of run.epochs whose streamed forward fails")
+    kind: Literal["kill", "hang"] = "kill"
 
 
 class Delay(_Strict):

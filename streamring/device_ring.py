@@ -31,12 +31,15 @@ torch / cuda.* are lazy: the module imports without a GPU.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from .device import kernels as K
 from .device.kernels import as_stream_ref
-from .device.ringdesc import CLOCK_HZ, RING_LAYOUT, RING_ROUTE, RS_WORDS, decode_status, pack_desc
-from .protocol import RingLayout, make_gen
+from .device.ringdesc import (CLOCK_HZ, RING_LAYOUT, RING_ROUTE, RS_WORDS, decode_status, describe_status,
+                               pack_desc)
+from .protocol import DIAGNOSTIC_HOOKS, ProtocolViolation, RingLayout, WatchdogError, make_gen
 
 TRANSPORTS = ("nv", "p2p", "auto")
 
@@ -102,13 +105,18 @@ class DeviceRing:
             self.t_pub, self.t_acq = int(self.t_pub_t.data_ptr()), int(self.t_acq_t.data_ptr())
         else:
             self.t_pub = self.t_acq = 0
+        self.deadline_s = float(deadline_s)
+        self._poll = None  # (side stream, pinned words): status_now()'s copy, made at its first use
         self._refs: dict = {}
         heap.sync()
 
     # -- streams ---------------------------------------------------------------------------------
     def stream_ref(self, stream):
         """A cached :class:`~streamring.device.kernels.StreamRef` of a torch stream (or the StreamRef
-        itself), for launching kernels of the library on that stream."""
+        itself), for launching kernels of the library on that stream (``None``: the heap's library
+        has no streams, e.g. a CPU emulation, and runs kernels in call order)."""
+        if stream is None:
+            return None
         key = stream.handle if hasattr(stream, "handle") and hasattr(stream, "core") else int(stream.cuda_stream)
         ref = self._refs.get(key)
         if ref is None:
@@ -124,21 +132,32 @@ class DeviceRing:
         K.ring_reuse_wait(self.lib, self.stream_ref(stream), d=self.desc, buf=self.buf, me=self.me, chunk=chunk,
                           inject=inject)
 
-    def publish(self, stream, chunk: int, kind: int, valid: int) -> None:
+    def publish(self, stream, chunk: int, kind: int, valid) -> None:
         """Producer: enqueue the metadata words of my slot (``valid`` tokens of ``chunk``) and the
-        release of my ``kind`` (RING_ROUTE/RING_LAYOUT) generation of ``chunk`` at every PE."""
+        release of my ``kind`` (RING_ROUTE/RING_LAYOUT) generation of ``chunk`` at every PE.
+
+        ``valid`` is an int in ``[0, tokens_per_slot]`` or a one-element int64 tensor on the ring's device
+        (read by the kernel when it runs: a count that changes between replays of a captured graph;
+        the producer keeps it in range, consumers check it, see ``check_meta`` in ring_kernels.cu)."""
         if kind not in (RING_ROUTE, RING_LAYOUT):
             raise ValueError(f"kind must be RING_ROUTE ({RING_ROUTE}) or RING_LAYOUT ({RING_LAYOUT}), got {kind}")
-        if not 0 <= valid <= self.layout.tokens_per_slot:
-            raise ValueError(f"valid must be in [0, tokens_per_slot={self.layout.tokens_per_slot}], got {valid}")
+        if isinstance(valid, int):
+            if not 0 <= valid <= self.layout.tokens_per_slot:
+                raise ValueError(f"valid must be in [0, tokens_per_slot={self.layout.tokens_per_slot}], got {valid}")
+            count, ptr = valid, 0
+        else:
+            if valid.dtype != self.heap._torch.int64 or valid.numel() != 1 or valid.device != self.epoch_t.device:
+                raise ValueError(f"valid must be an int or a one-element int64 tensor on {self.epoch_t.device}, got "
+                                 f"{valid.dtype} {list(valid.shape)} on {valid.device}")
+            count, ptr = 0, int(valid.data_ptr())
         K.ring_publish(self.lib, self.stream_ref(stream), d=self.desc, buf=self.buf, peers=self.peers, me=self.me,
-                       chunk=chunk, kind=kind, valid=valid)
+                       chunk=chunk, kind=kind, valid=count, valid_ptr=ptr)
 
     def acquire_checked(self, stream, chunk: int, valid_tab, inject: int = 0, src0: int = 0,
                         sources: int | None = None) -> None:
         """Consumer: enqueue the acquire of ``chunk`` of sources ``src0 ..`` and the check of their
-        metadata words against ``valid_tab`` (device int32 ``[num_chunks, num_ranks]``: the tokens
-        each source's chunk must hold); a mismatch is recorded in :meth:`status`."""
+        metadata words; each source's valid token count goes to ``valid_tab[chunk, src]`` (device
+        int32 ``[num_chunks, num_ranks]``; 0 where a word was wrong, recorded in :meth:`status`)."""
         K.ring_acquire_checked(self.lib, self.stream_ref(stream), d=self.desc, buf=self.buf, peers=self.peers, me=self.me,
                                src0=src0, chunk=chunk, valid_tab=int(valid_tab.data_ptr()), inject=inject,
                                sources=self._sources(sources))
@@ -203,11 +222,42 @@ class DeviceRing:
             for kind in (RING_ROUTE, RING_LAYOUT):
                 stream_wait_geq(torch_stream, self.wake_addr(kind, src, chunk % S), lap)
 
+    # -- typed views of this PE's copy ------------------------------------------------------------
+    def slot_views(self, slot: int) -> dict:
+        """Typed tensor views of my copy of ``slot``, laid out by the ring's :class:`RingLayout`:
+        ``x`` float8_e4m3fn ``[C, hidden]``, ``x_sf`` float32 ``[C, hidden/128]``, ``topk_idx`` int64
+        ``[C, topk]`` and ``topk_weights`` float32 ``[C, topk]`` (C = tokens per slot)."""
+        torch = self.heap._torch
+        L, u8 = self.layout, self.region.local
+        C, H, Kk = L.tokens_per_slot, L.hidden, L.topk
+
+        def view(off, nbytes, dtype, shape):
+            return u8[off: off + nbytes].view(dtype).view(*shape)
+
+        return {"x": view(L.x_off(slot), C * H, torch.float8_e4m3fn, (C, H)),
+                "x_sf": view(L.x_sf_off(slot), C * L.sf_cols * 4, torch.float32, (C, L.sf_cols)),
+                "topk_idx": view(L.topk_idx_off(slot), C * Kk * 8, torch.int64, (C, Kk)),
+                "topk_weights": view(L.topk_weights_off(slot), C * Kk * 4, torch.float32, (C, Kk))}
+
+    def read_distances(self, mirror=None):
+        """Where the data kernels read each source's copy of the ring: int64 tensors ``(bytes,
+        float32 elements, int64 elements)`` ``[num_ranks]`` from my copy's base. Without ``mirror``,
+        the P2P peer mappings (0 for myself); with ``mirror`` (uint8 ``[num_ranks, ring bytes]``, a
+        local copy per source filled by NVSHMEM gets), the rows of the mirror."""
+        torch = self.heap._torch
+        if mirror is None:
+            delta = self.peers_t - self.buf
+        else:
+            rows = torch.arange(self.layout.num_ranks, dtype=torch.int64, device=self.peers_t.device)
+            delta = rows * mirror.stride(0) + (int(mirror.data_ptr()) - self.buf)
+        return delta.contiguous(), (delta // 4).contiguous(), (delta // 8).contiguous()
+
     # -- host side ---------------------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
         """Set the device epoch word (before the first forward; later forwards advance it)."""
         self.epoch_t.fill_(int(epoch))
-        self.heap._torch.cuda.synchronize(self.heap.device)
+        if self.epoch_t.is_cuda:
+            self.heap._torch.cuda.synchronize(self.heap.device)
 
     def epoch(self) -> int:
         return int(self.epoch_t.item())
@@ -215,6 +265,62 @@ class DeviceRing:
     def status(self) -> dict:
         """The device status words: violations, timeouts, aborted, consumed, published, first error."""
         return decode_status(self.status_t.cpu().tolist())
+
+    def status_now(self) -> dict:
+        """The status words as they are now, while kernels of a forward may still run: copied on a
+        side stream of its own into pinned memory (:meth:`status` would wait behind the forward)."""
+        torch = self.heap._torch
+        if self._poll is None:
+            self._poll = (torch.cuda.Stream(device=self.heap.device),
+                          torch.zeros(RS_WORDS, dtype=torch.int64, pin_memory=True))
+        stream, host = self._poll
+        with torch.cuda.stream(stream):
+            host.copy_(self.status_t, non_blocking=True)
+        stream.synchronize()
+        return decode_status(host.tolist())
+
+    def wait_forward(self, done, host_deadline_s: float) -> tuple[bool, dict]:
+        """Wait for the CUDA event ``done`` (recorded after a forward) without blocking in the driver.
+
+        Every device wait of the ring ends at its deadline and records where it waited, and after the
+        first timeout every later wait gives up at once, so a forward whose peer died or stopped still
+        ends within about ``deadline_s``. ``host_deadline_s`` bounds what has no device deadline (a
+        ``cuStreamWaitValue64`` of the stream_wait policy, a kernel that never ends). Returns
+        ``(finished, status)``: :meth:`status` when the forward finished, else :meth:`status_now`.
+        """
+        end = time.monotonic() + host_deadline_s
+        pause = 50e-6
+        while not done.query():
+            if time.monotonic() > end:
+                return False, self.status_now()
+            time.sleep(pause)
+            pause = min(pause * 2, 0.01)  # quick for a short forward, a light poll for a long wait
+        return True, self.status()
+
+    def check(self, st: dict, *, finished: bool = True, host_deadline_s: float | None = None,
+              elapsed_s: float | None = None) -> None:
+        """Raise when ``st`` (:meth:`status`, optionally with ``bad_routes``) holds an error, or when the
+        forward did not finish (``finished=False``): a :class:`~streamring.protocol.WatchdogError` for
+        timeouts and unfinished forwards, a :class:`~streamring.protocol.ProtocolViolation` for the rest.
+        The first line names what the device waited for or refused (source rank, chunk, generation:
+        :func:`~streamring.device.ringdesc.describe_status`); the host's diagnostics follow (which peer
+        processes are dead or stopped, under the local launcher); ``elapsed_s``, the host's time from the
+        forward's launch to this check, ends the first line."""
+        line = describe_status(st, pe=self.me, num_slots=self.layout.num_slots, deadline_s=self.deadline_s)
+        if finished and not line:
+            return
+        if not finished:
+            line = (f"rank {self.me}: watchdog: the forward did not finish within {host_deadline_s:g}s (the host's "
+                    f"deadline; every device wait has wait_timeout_s={self.deadline_s:g}): something without a "
+                    f"device deadline is stuck (a cuStreamWaitValue64 of the stream_wait policy, or a kernel); "
+                    + (line.split(": ", 1)[1] if line else f"device status {st}"))
+        if elapsed_s is not None:
+            line += f"; noticed {elapsed_s:.2f}s after the forward's launch"
+        extra = [text for text in (hook() for hook in DIAGNOSTIC_HOOKS) if text]
+        message = "\n".join([line, f"device status: {st}", *extra])
+        if not finished or st.get("timeouts"):
+            raise WatchdogError(message)
+        raise ProtocolViolation(message)
 
     def wake_addr(self, kind: int, src: int, slot: int) -> int:
         L = self.layout

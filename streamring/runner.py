@@ -17,7 +17,7 @@ import numpy as np
 from .config import Config, ConfigError, per_rank
 from .device.verbs import SymmetricHeap
 from .moe.shape import MoEShape
-from .protocol import Inject, RingLayout
+from .protocol import PROGRESS_POLICIES, REFUSED_POLICIES, Inject, RingLayout
 
 # torch and the MoE layer are imported by the functions that compute: the local launcher's pre-launch
 # check (check_run_job, run_heap_bytes) runs in a process that needs neither.
@@ -122,11 +122,23 @@ def check_run_job(cfg: Config, num_ranks: int) -> None:
         raise ConfigError(f"layer: {exc} (layer.num_experts must be a multiple of the {R} ranks; see also "
                           f"layer.topk, layer.n_group, layer.topk_group)") from None
     per_rank(cfg.run.tokens_per_rank, R, "run.tokens_per_rank")
-    if R > 1 and cfg.nvshmem.progress == "pdl" and use_fast_gpu_path(cfg):
-        # EPMoE refuses it (streamed != batch measured on 2 GPUs; see moe/gpu_layer.py): say so before launch
-        raise ConfigError("nvshmem.progress=pdl is refused by the expert-parallel GPU layer with more than one rank "
-                          "(its streamed output differed from batch on 2 GPUs); use serialized, stream_wait, "
-                          "spin_kernel or green_ctx, or run.gpu_path=host_verbs")
+    f = cfg.run.fault
+    if f is not None:
+        if not use_fast_gpu_path(cfg):
+            raise ConfigError("run.fault is a fault of the expert-parallel GPU layer (--backend nvshmem, "
+                              "layer.weight_dtype=fp8); the CPU backend's rank-failure test is stress.fault")
+        if f.rank >= R:
+            raise ConfigError(f"run.fault.rank must be in [0, {R}) (the job has {R} ranks), got {f.rank}")
+        if f.epoch >= cfg.run.epochs:
+            raise ConfigError(f"run.fault.epoch must be in [0, run.epochs={cfg.run.epochs}), got {f.epoch}")
+        if cfg.run.mode == "batch":
+            raise ConfigError("run.fault fails a streamed forward: run.mode must be 'both' or 'stream', got 'batch'")
+    if use_fast_gpu_path(cfg) and cfg.nvshmem.progress in REFUSED_POLICIES:
+        # the expert-parallel layer refuses it (see moe/ep_buffer.py): say so before launch
+        allowed = [p for p in PROGRESS_POLICIES if p not in REFUSED_POLICIES]
+        raise ConfigError(f"nvshmem.progress={cfg.nvshmem.progress} is refused by the expert-parallel GPU layer: "
+                          f"{REFUSED_POLICIES[cfg.nvshmem.progress]}; use one of {allowed}, or "
+                          f"run.gpu_path=host_verbs")
 
 
 def run_layouts(cfg: Config, num_ranks: int) -> dict[str, RingLayout]:
@@ -208,22 +220,23 @@ def run_layer(heap: SymmetricHeap, cfg: Config) -> dict:
 
 
 def run_layer_gpu(heap, cfg: Config) -> dict:
-    """``run`` on the expert-parallel FP8 GPU layer (:class:`streamring.moe.gpu_layer.EPMoE`).
+    """``run`` on the expert-parallel FP8 GPU layer (:class:`streamring.moe.ep_buffer.EPBuffer`).
 
-    Every rank builds the same random FP8 layer and keeps its own experts; its tokens go through
-    the batch-ready path and the streamed path (``ring.*``, ``run.block_m``, ``nvshmem.progress``,
-    ``nvshmem.transport``, ``run.straggler``), each captured once as a CUDA graph and replayed for
-    every epoch with new tokens. Checked: streamed == batch bitwise, no ring violation, timeout or
-    corrupt route, and the batch output against a float64 reference of sampled tokens (relative
-    error below ``blocks.FAST_PATH_REL_TOL``).
+    Every rank builds the same random FP8 layer and keeps its own experts in ONE buffer; its tokens go
+    through the batch-ready path and the streamed path of that buffer (``ring.*``, ``run.block_m``,
+    ``nvshmem.progress``, ``nvshmem.transport``, ``run.straggler``), so both run the same expert GEMMs
+    (``run.gemm``, resolved once; the row names it). Each path is captured once as a CUDA graph and
+    replayed for every epoch with new tokens. Checked: streamed == batch bitwise, no ring violation,
+    timeout or corrupt route, and the batch output against a float64 reference of sampled tokens
+    (relative error below ``blocks.FAST_PATH_REL_TOL``).
     """
     import torch
 
     from .moe import blocks as B
-    from .moe.gpu_layer import EPMoE
-    from .moe.plan import PlanChoice
+    from .moe.ep_buffer import EPBuffer
 
     R, me = heap.num_ranks, heap.rank
+    check_run_job(cfg, R)
     shape = shape_from_config(cfg)
     if cfg.layer.weight_dtype != "fp8":
         raise ConfigError(f"run.gpu_path=fast needs layer.weight_dtype=fp8 (got {cfg.layer.weight_dtype!r}); "
@@ -236,49 +249,55 @@ def run_layer_gpu(heap, cfg: Config) -> dict:
         raise ConfigError(f"layer: {exc}") from None
     tokens = per_rank(cfg.run.tokens_per_rank, R, "run.tokens_per_rank")
     dev = heap.device
-    fw = B.FastWeights.random(shape, cfg.layer.seed, dev).local(me, R)
     full = B.FastWeights.random(shape, cfg.layer.seed, dev)  # every expert, for this rank's reference
     st = cfg.run.straggler
-    straggler_ns = int(st.ms * 1e6) if st is not None and st.rank == me else 0
-    bm = cfg.run.block_m
-    plan = PlanChoice(chunk_tokens=cfg.ring.tokens_per_slot, num_slots=cfg.ring.num_slots, block_m=bm,
-                      policy=cfg.nvshmem.progress)
-    layers = {"batch": EPMoE(heap, shape, fw, tokens, PlanChoice.batch(bm), transport=cfg.nvshmem.transport,
-                             deadline_s=cfg.wait_timeout_s, name="run-batch"),
-              "stream": EPMoE(heap, shape, fw, tokens, plan, transport=cfg.nvshmem.transport,
-                              deadline_s=cfg.wait_timeout_s, straggler_ns=straggler_ns,
-                              producer_sms=cfg.nvshmem.producer_sms, inject=cfg.run.inject,
-                              source_order=cfg.run.source_order, name="run-stream")}
+    max_tokens = max(max(tokens), 1)
+    buf = EPBuffer(heap, shape, max_tokens_per_rank=max_tokens, num_slots=cfg.ring.num_slots,
+                   tokens_per_slot=min(cfg.ring.tokens_per_slot, max_tokens), block_m=cfg.run.block_m,
+                   policy=cfg.nvshmem.progress, source_order=cfg.run.source_order, gemm=cfg.run.gemm,
+                   transport=cfg.nvshmem.transport, producer_sms=cfg.nvshmem.producer_sms,
+                   deadline_s=cfg.wait_timeout_s, inject=cfg.run.inject, name="run")
+    layer = buf.prepare_weights(full)
     T = tokens[me]
     x_buf = torch.zeros(T, shape.hidden, dtype=torch.bfloat16, device=dev)
-    outs = {m: torch.zeros_like(x_buf) for m in layers}
-    row = dict(rank=me, tokens=T, chunks=layers["stream"].num_chunks, experts_hit=0, bitwise_equal=True,
+    outs = {m: torch.zeros_like(x_buf) for m in ("batch", "stream")}
+    row = dict(rank=me, tokens=T, chunks=buf.paths["stream"].num_chunks, experts_hit=0, bitwise_equal=True,
                max_abs_stream_minus_batch=0.0, ref_ok=True, ref_max_abs_err=0.0, ref_max_err_ratio=0.0,
                ref_excluded=0, batch_wall_s=0.0, stream_wall_s=0.0, epochs=cfg.run.epochs, scheduler="blocks",
-               rtol=B.FAST_PATH_REL_TOL, atol=0.0, path="fast", transport=layers["stream"].transport,
-               policy=cfg.nvshmem.progress, gemm=layers["stream"].gemm, ring_errors={})
+               rtol=B.FAST_PATH_REL_TOL, atol=0.0, path="fast", transport=buf.transport,
+               policy=cfg.nvshmem.progress, gemm=buf.gemm, gemm_batch=buf.gemm, gemm_stream=buf.gemm,
+               ring_errors={})
+    # Every host barrier has a deadline, so a dead or stopped peer ends this rank's run with an error. It
+    # outlasts a peer's slowest forward (every device wait ends within wait_timeout_s; the host gives a
+    # forward 2 x wait_timeout_s + 5 s): a peer whose forward ran into a deadline is late, not dead.
+    barrier = lambda: heap.barrier(time.monotonic() + 2 * cfg.wait_timeout_s + 10)  # noqa: E731
     graphs = {}
-    for m, layer in layers.items():
-        x_buf.copy_(make_tokens(cfg, me, 0, T).to(dev, torch.bfloat16))
-        if layer.inject != "none":  # a mutated ring: the eager warm-up forward may already see its errors
-            layer.enqueue(x_buf, outs[m], order="serialized")
-            torch.cuda.synchronize(dev)
-        else:
-            layer.warm_up(x_buf, outs[m])
-        heap.barrier()
-        graphs[m] = layer.capture(x_buf, outs[m])
-        heap.barrier()
-    for ep in range(cfg.run.epochs):
+    failed = None
+    x_buf.copy_(make_tokens(cfg, me, 0, T).to(dev, torch.bfloat16))
+    for m in ("batch", "stream"):
+        try:
+            buf.forward(x_buf, layer, streaming=(m == "stream"), out=outs[m])  # the first (eager) forward of the path
+        except RuntimeError as exc:  # a ring error (a mutated ring: expected there); reported below
+            failed = failed or str(exc)
+            break
+        barrier()
+        graphs[m] = buf.capture(x_buf, layer, outs[m], streaming=(m == "stream"))
+        barrier()
+    if st is not None and st.rank == me:
+        buf.set_straggler(int(st.ms * 1e6))
+    fault = cfg.run.fault if cfg.run.fault is not None and cfg.run.fault.rank == me else None
+    for ep in range(cfg.run.epochs if failed is None else 0):
         x = make_tokens(cfg, me, ep, T).to(dev, torch.bfloat16)
         x_buf.copy_(x)
         for m in ("batch", "stream"):
             if cfg.run.mode not in ("both", m):
                 continue
             torch.cuda.synchronize(dev)
-            heap.barrier()
+            barrier()
+            if m == "stream" and fault is not None and fault.epoch == ep:
+                fail_this_rank(fault.kind, buf, graphs[m], cfg.wait_timeout_s)
             t0 = time.monotonic()
-            graphs[m].replay()
-            torch.cuda.synchronize(dev)
+            replay_checked(buf, graphs[m])
             row[f"{m}_wall_s"] += time.monotonic() - t0
         if cfg.run.mode == "both" and T:
             a, b = outs["stream"], outs["batch"]
@@ -293,18 +312,82 @@ def run_layer_gpu(heap, cfg: Config) -> dict:
             row["ref_max_abs_err"] = max(row["ref_max_abs_err"], float((y[sample].double() - ref).abs().max()))
             row["ref_max_err_ratio"] = max(row["ref_max_err_ratio"], rel / B.FAST_PATH_REL_TOL)
             row["ref_ok"] &= rel < B.FAST_PATH_REL_TOL
-            row["experts_hit"] = max(row["experts_hit"], int(layers["batch"].my_idx[:T].unique().numel()))
-    for m, layer in layers.items():
-        status = layer.status()
-        errors = {k: status[k] for k in ("violations", "timeouts", "bad_routes") if status[k]}
-        if status["first_error"]:
-            errors["first_error"] = status["first_error"]
-        if errors:
-            row["ring_errors"][m] = errors
-            row["ref_ok"] = False
+            row["experts_hit"] = max(row["experts_hit"], int(buf.my_idx[:T].unique().numel()))
+    status = buf.status()
+    errors = {k: status[k] for k in ("violations", "timeouts", "bad_routes", "bad_counts") if status[k]}
+    if status["first_error"]:
+        errors["first_error"] = status["first_error"]
+    if failed is not None:
+        errors["first_forward"] = failed[:300]
+        row["bitwise_equal"] = False
+    if errors:
+        row["ring_errors"]["layer"] = errors
+        row["ref_ok"] = False
     del graphs
     torch.cuda.synchronize(dev)
-    heap.barrier()
-    for layer in layers.values():
-        layer.close()
+    barrier()
+    buf.close()
     return row
+
+
+def replay_checked(buf, graph) -> None:
+    """Replay one captured forward of ``buf`` and wait for it.
+
+    A buffer with a deliberate protocol mutation (``run.inject``) expects device errors: its replay is
+    only waited for, and its errors go into the report at the end. Any other raises at once
+    (:meth:`EPBuffer.replay <streamring.moe.ep_buffer.EPBuffer.replay>`): a device wait that timed out
+    means a peer is dead, stopped or stuck, and nothing collective may follow. A SIGTERM from the
+    launcher (torchrun ends the other workers this way when one dies) is held until the forward has
+    ended (every device wait has a deadline), so this rank still says what it waited for; the run then
+    stops with that error, or with the SIGTERM.
+    """
+    import torch
+
+    if buf.inject != "none":
+        graph.replay()
+        torch.cuda.synchronize(buf.dev)
+        return
+    with _sigterm_held() as held:
+        buf.replay(graph)
+    if held:
+        raise KeyboardInterrupt("SIGTERM")
+
+
+class _sigterm_held:
+    """Context manager: a SIGTERM inside is recorded (truthy afterwards) instead of ending the process."""
+
+    def __enter__(self):
+        import signal
+        import threading
+
+        self.got = []
+        self.previous = None
+        if threading.current_thread() is threading.main_thread():
+            self.previous = signal.signal(signal.SIGTERM, lambda signum, frame: self.got.append(signum))
+        return self.got
+
+    def __exit__(self, *exc):
+        import signal
+
+        if self.previous is not None:
+            signal.signal(signal.SIGTERM, self.previous)
+        return False
+
+
+def fail_this_rank(kind: str, buf, graph, wait_timeout_s: float) -> None:
+    """``run.fault`` on this rank, right before its streamed forward: ``kill`` launches the forward
+    with the producer held back on the device past the peers' deadlines, then SIGKILLs this process
+    (it dies while its peers wait for its first chunk); ``hang`` SIGSTOPs this process before it
+    launches anything. The hold is bounded (twice the deadline plus 5 s, the peers' host deadline):
+    a GPU shared under MPS may let a killed client's running kernel finish before it frees it."""
+    import os
+    import signal
+    import sys
+
+    print(f"rank {buf.me}: run.fault: {'SIGKILL' if kind == 'kill' else 'SIGSTOP'} of this rank (pid "
+          f"{os.getpid()}) in the streamed forward", file=sys.stderr, flush=True)
+    if kind == "kill":
+        buf.set_straggler(int((2 * wait_timeout_s + 5) * 1e9))
+        graph.replay()
+        os.kill(os.getpid(), signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGSTOP)

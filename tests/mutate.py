@@ -1,6 +1,7 @@
 """Does the test suite bite? Plant each deliberate bug in a temporary copy and run the tests that must catch it.
 
-    python tests/mutate.py                  # every mutation (several minutes; on demand, not in CI)
+    python tests/mutate.py                  # every CPU mutation (several minutes; on demand, not in CI)
+    python tests/mutate.py --gpu            # the GPU mutations instead (on a GPU machine; cubin rebuilt per copy)
     python tests/mutate.py --only NAME ...  # some of them (--list shows the names)
     python tests/mutate.py --no-baseline    # skip the run of the same tests on the unmutated copy
 
@@ -16,6 +17,12 @@ says so. Any other pytest exit (usage or collection error, nothing collected, a 
 the mutation did not get a fair run. First, the union of all selected tests runs on an unmutated
 copy and must pass, so a failure below is the mutation's doing. Exit status 0 iff every mutation is
 caught.
+
+The GPU mutations (``--gpu``; the group is left out otherwise, and without a GPU ``--gpu`` says so and
+runs nothing) break the device protocol and the EP layer's handoffs; their tests need a GPU. In each
+mutated copy the CUDA library is rebuilt first (``python -m streamring.device.build``: the cubin cache is
+keyed by the sources' hash, so a mutated ``csrc/`` builds a cubin of its own and an unmutated one reuses
+the cached cubin); a failed build is an ERROR, not a catch.
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ class Mutation:
     edits: tuple  # (file relative to the repository root, exact original snippet, replacement)
     tests: tuple  # pytest node ids
     need_all: bool = False  # caught only if every listed test fails (else: at least one)
+    gpu: bool = False  # needs a GPU: run with --gpu only
 
 
 RING = "tests/test_ring_rules.py::test_scripted_ring_rules[shared]"
@@ -118,13 +126,51 @@ MUTATIONS = [
              (("streamring/device/verbs.py", "@dataclass(frozen=True, eq=False)\nclass Region:",
                "@dataclass(frozen=True)\nclass Region:"),
               ("streamring/device/cpu.py",
-               "        self._regions[:] = [r for r in self._regions if r is not region]\n"
-               "        win.Unlock_all()\n        win.Free()\n",
-               "        win.Unlock_all()\n        win.Free()\n        self._regions.remove(region)\n")), (RING,)),
+               "        self._regions[:] = [r for r in self._regions if r is not region]\n",
+               ""),
+              ("streamring/device/cpu.py",
+               "            self._blocked = None\n        win.Free()\n",
+               "            self._blocked = None\n        win.Free()\n        self._regions.remove(region)\n")), (RING,)),
+]
+
+GPU_RULES = "tests/test_gpu_ep_rules.py"
+GPU_MUTATIONS = [
+    Mutation("acquire-fence-dropped", "the device acquire: ld.acquire.sys of the generations and the fence after",
+             (("streamring/device/csrc/ring_protocol.cuh",
+               "            uint64_t seen = ld_acquire_sys_u64(words[k]);  // acquire (system scope)\n",
+               "            uint64_t seen = ld_relaxed_sys_u64(words[k]);\n"),
+              ("streamring/device/csrc/ring_protocol.cuh",
+               "    fence_acq_rel_sys();\n"
+               "    return true;\n",
+               "    return true;\n")),
+             (f"{GPU_RULES}::test_ring_selftest_under_stress",), gpu=True),
+    Mutation("ack-before-copy", "the EP dispatch acknowledges a slot only after copying its rows out",
+             (("streamring/moe/ep_buffer.py",
+               "            self.bc.dispatch_ep(c, flat_e, flat_w, srcs, (ring_u8, ring_u8.view(torch.float32)), "
+               "(d_u8, d_f32),\n"
+               "                                (L.x_off(s), L.x_sf_off(s) // 4), step=c * path.steps + j, "
+               "pull=self.pull,\n"
+               "                                on_slot_released=release)\n",
+               "            release()\n"
+               "            self.bc.dispatch_ep(c, flat_e, flat_w, srcs, (ring_u8, ring_u8.view(torch.float32)), "
+               "(d_u8, d_f32),\n"
+               "                                (L.x_off(s), L.x_sf_off(s) // 4), step=c * path.steps + j, "
+               "pull=self.pull,\n"
+               "                                on_slot_released=None)\n"),),
+             (f"{GPU_RULES}::test_slow_copy_keeps_its_slot",), gpu=True),
+    Mutation("arrival-counter-not-reset", "the owner resets its arrival counters after each reduce",
+             (("streamring/moe/ep_buffer.py", "                self.arrived[:path.num_chunks].zero_()\n", ""),),
+             (f"{GPU_RULES}::test_arrival_counters_start_from_zero_every_forward[serialized]",
+              f"{GPU_RULES}::test_arrival_counters_start_from_zero_every_forward[spin_kernel]"), gpu=True),
+    Mutation("meta-valid-off-by-one", "the device metadata check: a valid count past the slot is refused",
+             (("streamring/device/csrc/ring_protocol.cuh",
+               "    if (valid > (uint64_t)d->tokens_per_slot) {\n",
+               "    if (valid > (uint64_t)d->tokens_per_slot + 1) {\n"),),
+             ("tests/test_gpu_hostile.py::test_device_hostile_table_one_pe",), gpu=True),
 ]
 
 IGNORE = shutil.ignore_patterns(".git", ".venv", "__pycache__", "*.egg-info", ".pytest_cache", ".hypothesis",
-                                "docs", "*.png")
+                                "docs", "*.png", ".whl", ".site", ".cache", ".gemm-build", "out")
 
 
 def copy_repo(dest: Path) -> Path:
@@ -145,10 +191,36 @@ def apply(copy: Path, m: Mutation) -> None:
 
 
 def env_for(copy: Path) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "HYDRA_", "OMPI_", "PMIX_"))}
-    env["PYTHONPATH"] = str(copy)
+    """The environment of the runs in ``copy``: no MPI rank identity, and the copy instead of this
+    repository on PYTHONPATH (other entries, such as a GPU machine's carried packages, stay)."""
+    keep = ("OMPI_ALLOW_RUN_AS_ROOT", "OMPI_MCA_")
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PMI_", "HYDRA_", "OMPI_", "PMIX_")) or k.startswith(keep)}
+    others = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+              if p and Path(p).resolve() != ROOT.resolve()]
+    env["PYTHONPATH"] = os.pathsep.join([str(copy), *others])
     env["PYTHONDONTWRITEBYTECODE"] = "1"
     return env
+
+
+def gpu_missing() -> str | None:
+    """Why the GPU mutations cannot run here, or None."""
+    try:
+        import torch
+    except ImportError:
+        return "torch is not importable"
+    return None if torch.cuda.is_available() else "no CUDA GPU here (torch.cuda.is_available() is False)"
+
+
+def build_cubin(copy: Path, timeout_s: int) -> tuple[bool, str]:
+    """Build the copy's CUDA library (a mutated csrc/ gets a cubin of its own: the cache key is its hash)."""
+    try:
+        p = subprocess.run([PY, "-m", "streamring.device.build", "-v"], capture_output=True, text=True, cwd=copy,
+                           env=env_for(copy), timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return False, f"cubin build timed out after {timeout_s}s"
+    built = [ln for ln in p.stderr.splitlines() if ln.startswith("streamring build: built") or "cached" in ln]
+    return p.returncode == 0, (built[-1] if built else (p.stderr.strip().splitlines() or [f"rc={p.returncode}"])[-1])
 
 
 def check_imports_copy(copy: Path) -> None:
@@ -198,20 +270,29 @@ def main(argv=None) -> int:
     ap.add_argument("--no-baseline", action="store_true", help="skip the unmutated run of the same tests")
     ap.add_argument("--timeout", type=int, default=900, help="seconds per pytest run (default 900)")
     ap.add_argument("--logs", metavar="DIR", help="write each mutation's pytest output to DIR/NAME.log")
+    ap.add_argument("--gpu", action="store_true", help="the GPU mutations instead of the CPU ones (needs a GPU)")
     args = ap.parse_args(argv)
     from rich.console import Console
     from rich.table import Table
 
     console = Console(highlight=False, width=None if sys.stdout.isatty() else 200)
-    chosen = MUTATIONS
+    everything = MUTATIONS + GPU_MUTATIONS
+    chosen = [m for m in everything if m.gpu == args.gpu]
     if args.only:
-        unknown = set(args.only) - {m.name for m in MUTATIONS}
+        unknown = set(args.only) - {m.name for m in everything}
         if unknown:
-            ap.error(f"unknown mutation(s) {sorted(unknown)}; known: {[m.name for m in MUTATIONS]}")
-        chosen = [m for m in MUTATIONS if m.name in args.only]
+            ap.error(f"unknown mutation(s) {sorted(unknown)}; known: {[m.name for m in everything]}")
+        chosen = [m for m in chosen if m.name in args.only]
+        if not chosen:
+            ap.error(f"{args.only} are {'CPU' if args.gpu else 'GPU'} mutations: run them "
+                     f"{'without' if args.gpu else 'with'} --gpu")
     if args.list:
-        for m in MUTATIONS:
-            console.print(f"{m.name:30} {m.rule}")
+        for m in everything:
+            tag = "\\[gpu] " if m.gpu else ""  # (escaped: rich would read [gpu] as markup)
+            console.print(f"{m.name:30} {tag}{m.rule}")
+        return 0
+    if args.gpu and gpu_missing():
+        console.print(f"GPU mutations not run: {gpu_missing()}; run `python tests/mutate.py --gpu` on a GPU machine")
         return 0
 
     with tempfile.TemporaryDirectory(prefix="streamring-mutate-") as tmp:
@@ -221,10 +302,16 @@ def main(argv=None) -> int:
         for m in chosen:
             apply(probe, m)
         shutil.rmtree(probe)
+        build_s = 600
         if not args.no_baseline:
             tests = sorted({t for m in chosen for t in m.tests})
             base = copy_repo(tmp / "baseline")
             check_imports_copy(base)
+            if args.gpu:
+                ok, what = build_cubin(base, build_s)
+                if not ok:
+                    console.print(f"[red]baseline: the unmutated copy's cubin did not build: {what}[/red]")
+                    return 2
             console.print(f"baseline: {len(tests)} tests on the unmutated copy ...")
             rc, out, secs = run_tests(base, tests, args.timeout)
             if rc != 0:
@@ -241,8 +328,12 @@ def main(argv=None) -> int:
             copy = copy_repo(tmp / m.name)
             apply(copy, m)
             check_imports_copy(copy)
-            console.print(f"{m.name}: running {len(m.tests)} test(s) ...")
-            rc, out, secs = run_tests(copy, m.tests, args.timeout)
+            built, what = build_cubin(copy, build_s) if m.gpu else (True, "")
+            console.print(f"{m.name}: {what + '; ' if what else ''}running {len(m.tests)} test(s) ...")
+            if built:
+                rc, out, secs = run_tests(copy, m.tests, args.timeout)
+            else:
+                rc, out, secs = -2, f"the mutated copy's cubin did not build: {what}", 0.0
             failed = failed_tests(out)
             if rc == 1 and failed and (len(failed) == len(m.tests) or not m.need_all):
                 verdict = "[green]caught[/green]"

@@ -167,13 +167,15 @@ def test_marshal_checks_names_and_ranges():
     kernels.ring_publish(rec, None, d=1, buf=2, peers=0, me=1, chunk=7, kind=1, valid=5)
     name, grid, block, args = rec.calls[0]
     assert name == "ring_publish" and (grid, block) == (1, 1)
-    assert [type(a) for a in args] == [int, int, int, np.int32, np.int64, np.int32, np.int64] and args[4] == 7
-    with pytest.raises(TypeError, match="missing \\['valid'\\]"):
+    assert [type(a) for a in args] == [int, int, int, np.int32, np.int64, np.int32, np.int64, int] and args[4] == 7
+    with pytest.raises(TypeError, match="missing \\['valid', 'valid_ptr'\\]"):
         kernels.marshal("ring_publish", dict(d=1, buf=2, peers=0, me=1, chunk=7, kind=0))
     with pytest.raises(TypeError, match="unexpected \\['kindd'\\]"):
-        kernels.marshal("ring_publish", dict(d=1, buf=2, peers=0, me=1, chunk=7, kind=0, valid=1, kindd=0))
+        kernels.marshal("ring_publish", dict(d=1, buf=2, peers=0, me=1, chunk=7, kind=0, valid=1, valid_ptr=0,
+                                             kindd=0))
     with pytest.raises(ValueError, match="does not fit int"):
-        kernels.marshal("ring_publish", dict(d=1, buf=2, peers=0, me=1 << 40, chunk=7, kind=0, valid=1))
+        kernels.marshal("ring_publish", dict(d=1, buf=2, peers=0, me=1 << 40, chunk=7, kind=0, valid=1,
+                                             valid_ptr=0))
     with pytest.raises(KeyError, match="no kernel"):
         kernels.marshal("ring_publish_nv", {})
 

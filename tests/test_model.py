@@ -30,7 +30,8 @@ from streamring.model import (
 
 from conftest import ROOT, quick_subset
 
-README = (ROOT / "README.md").read_text()
+# the pages that quote the model checks' state counts
+DOCS = "".join((ROOT / "docs" / name).read_text() for name in ("verification.md", "cli.md"))
 
 
 @pytest.fixture(autouse=True)
@@ -45,7 +46,7 @@ def _cli(tmp_path, *argv):
 
 
 DEFAULT_SIZES_REASON = ("every interleaving at the default sizes (2 ranks x 2 slots x 3 chunks x 2 epochs: "
-                        "410,978 states), the numbers the README quotes; one run, shared by the tests that read it")
+                        "410,978 states), the numbers docs/verification.md quotes; one run, shared by the tests that read it")
 
 
 @pytest.fixture(scope="module")
@@ -69,10 +70,10 @@ def test_correct_protocol_passes_exhaustively(default_check):
     assert data["config"] == {**data["config"], "ranks": 2, "slots": 2, "chunks": 3, "epochs": 2, "inject": "none"}
     assert data["exhaustive"] is True
     assert data["config"]["por"] is False  # default sizes: every interleaving, no partial-order reduction
-    # Exhaustive means every interleaving: the README quotes the exact counts of the default sizes,
+    # Exhaustive means every interleaving: docs/verification.md quotes the exact counts of the default sizes,
     # and a model that explores fewer states (a pruning bug, a step that never fires) must not pass.
     quoted = f"{data['states']:,} states, {data['transitions']:,} transitions"
-    assert quoted in README, f"the check explored {quoted}; README.md quotes other numbers"
+    assert quoted in DOCS, f"the check explored {quoted}; docs/verification.md quotes other numbers"
     assert data["time_s"] > 0
     assert data["final_reachable"] is True
     assert data["counterexample"] is None
@@ -251,7 +252,7 @@ def test_every_model_check_option_has_help():
 # --------------------------------------------------------------------------------------
 # source_order='ready': the consumer takes any ready source of its chunk (RFC later optimisation)
 # --------------------------------------------------------------------------------------
-@pytest.mark.slow(reason="the README's claim for the ready order: every interleaving at the default sizes "
+@pytest.mark.slow(reason="docs/cli.md's claim for the ready order: every interleaving at the default sizes "
                         "(879,348 states; its partial-order reduction leaves almost as many, so no cheaper proof)")
 def test_ready_order_passes_at_the_default_sizes_and_explores_more(tmp_path, capsys, default_check):
     rc, data = _cli(tmp_path, "--source-order", "ready")
@@ -261,9 +262,9 @@ def test_ready_order_passes_at_the_default_sizes_and_explores_more(tmp_path, cap
     rank = default_check[1]
     assert rank["config"]["source_order"] == "rank" and data["config"] == {**rank["config"], "source_order": "ready"}
     # both orders of the two sources are explored: strictly more states than the rank order, and
-    # exactly as many as the README quotes
+    # exactly as many as docs/cli.md quotes
     assert data["states"] > rank["states"]
-    assert f"2 ranks, {data['states']:,} states" in README, f"{data['states']:,} states; README.md quotes others"
+    assert f"2 ranks, {data['states']:,} states" in DOCS, f"{data['states']:,} states; docs/cli.md quotes others"
 
 
 @pytest.mark.parametrize("mode", P.INJECT_MODES)

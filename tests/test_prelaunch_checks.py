@@ -93,15 +93,15 @@ def test_nvshmem_without_a_gpu_is_one_clear_error(cli):
 
 
 
-def test_pdl_with_several_ranks_is_refused_before_launch():
-    """The EP GPU layer refuses ``pdl`` with more than one PE (streamed != batch on 2 H200s): the
-    run's config check says so before any rank starts; one rank, or the host-verb path, is allowed."""
+def test_pdl_is_refused_before_launch():
+    """The EP GPU layer refuses ``pdl`` (see protocol.REFUSED_POLICIES): the run's config check says so
+    before any rank starts, with the policies it offers; the host-verb path allows it."""
     from streamring.config import ConfigError, load_config
     from streamring.runner import check_run_job
 
     fp8 = ["backend=nvshmem", "nvshmem.progress=pdl", "layer.weight_dtype=fp8"]
-    with pytest.raises(ConfigError, match=r"nvshmem.progress=pdl is refused .* use serialized, stream_wait"):
-        check_run_job(load_config(None, fp8), 2)
-    check_run_job(load_config(None, fp8), 1)
+    for ranks in (1, 2):
+        with pytest.raises(ConfigError, match=r"nvshmem.progress=pdl is refused .* use one of \['serialized', "):
+            check_run_job(load_config(None, fp8), ranks)
     check_run_job(load_config(None, fp8 + ["run.gpu_path=host_verbs"]), 2)
     check_run_job(load_config(None, ["backend=nvshmem", "nvshmem.progress=spin_kernel", "layer.weight_dtype=fp8"]), 2)

@@ -10,6 +10,17 @@ machine without a GPU and carried to one::
          -lineinfo -Xcompiler=-fPIC -shared -cudart static -DSR_GEMM_SOURCE_HASH="<sha256 of the .cu>"
          -I$CUTLASS/include -I$CUTLASS/tools/util/include gemm_blockwise_fp8.cu -o libsr_gemm-<key>.so
 
+In fact the source is compiled in :data:`NUM_PARTS` parts at once (``-DSR_GEMM_PART=p
+-DSR_GEMM_NUM_PARTS=N -c``: each part instantiates every N-th kernel variant, part 0 holds the C
+entry points; a kernel variant is a minute or more of nvcc) and the objects are linked with
+``nvcc -shared -cudart static``.
+
+CUTLASS 4.2's ``fp8_accumulation.hpp`` refuses a blockwise tile with more than one weight scale
+along N (``static_assert`` checks that compare the accumulator's and the scale tensor's *shapes*; the
+192- and 256-wide tiles have equal sizes but other nestings). CUTLASS 4.3 checks sizes instead;
+:func:`patch_cutlass` writes 4.2's header with those three checks in the 4.3 form into the build
+folder, whose include path comes first. Nothing else of CUTLASS changes.
+
 ``$CUTLASS`` is the CUTLASS source tree that the ``nvidia-cutlass`` wheel ships
 (``cutlass_library/source``; found as ``$STREAMRING_CUTLASS_DIR``, the installed ``cutlass_library``
 package, or the wheel unpacked under ``.whl/cutlass/`` of the repository:
@@ -30,6 +41,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -46,7 +58,12 @@ REPO_BUILD_DIR = REPO / ".gemm-build"
 ARCH_FLAGS = ["-gencode=arch=compute_90a,code=sm_90a"]
 NVCC_FLAGS = ["-std=c++17", "-O3", "--expt-relaxed-constexpr", "-DNDEBUG", "-lineinfo", "-Xcompiler=-fPIC",
               "-shared", "-cudart", "static"]
+COMPILE_FLAGS = ["-std=c++17", "-O3", "--expt-relaxed-constexpr", "-DNDEBUG", "-lineinfo", "-Xcompiler=-fPIC"]
+LINK_FLAGS = ["-shared", "-cudart", "static"]
+NUM_PARTS = 2  # the machines that build it have 2 cores
 LIB_PREFIX = "libsr_gemm-"
+PATCHED_HEADER = Path("cutlass") / "gemm" / "collective" / "fp8_accumulation.hpp"
+PATCH_ID = "fp8_accumulation: 3 shape asserts -> size asserts (CUTLASS 4.3 form)"
 
 
 def source_sha256(path: Path = SOURCE) -> str:
@@ -103,16 +120,59 @@ def cutlass_version(root: Path) -> str:
     return ".".join(parts.get(k, "?") for k in ("CUTLASS_MAJOR", "CUTLASS_MINOR", "CUTLASS_PATCH"))
 
 
-def build_command(nvcc: str, cutlass_root: Path, out: Path, src_hash: str, source: Path = SOURCE) -> list[str]:
-    """The nvcc command line that builds the shared library ``out``."""
-    return [nvcc, *ARCH_FLAGS, *NVCC_FLAGS, f"-DSR_GEMM_SOURCE_HASH=\"{src_hash}\"",
+def patched_header_text(original: str) -> str:
+    """CUTLASS 4.2's ``fp8_accumulation.hpp`` with its three accumulator/scale *shape* asserts turned
+    into *size* asserts (what CUTLASS 4.3 checks); the text unchanged when it has none of them (a
+    newer CUTLASS). Raises :class:`BuildError` when only some are found (an unknown version)."""
+    pat = re.compile(r'static_assert\(LayoutAccum\{\}\.shape\(\) == (LayoutScale[AB]?)\{\}\.shape\(\), "([^"]*)"\);')
+    new, n = pat.subn(lambda m: f'static_assert(cute::size(LayoutAccum{{}}) == cute::size({m.group(1)}{{}}), '
+                                f'"{m.group(2)}");', original)
+    if n not in (0, 3):
+        raise BuildError(f"{PATCHED_HEADER}: found {n} of the 3 accumulator/scale shape asserts this build relaxes; "
+                         "use the nvidia-cutlass 4.2.0.0 wheel (or a CUTLASS >= 4.3, which has none)")
+    return new
+
+
+def patch_cutlass(cutlass_root: Path, dest: Path) -> Path | None:
+    """Write the relaxed ``fp8_accumulation.hpp`` under ``dest`` (an include folder to put before
+    CUTLASS's own); None when CUTLASS needs no patch."""
+    original = (cutlass_root / "include" / PATCHED_HEADER).read_text()
+    new = patched_header_text(original)
+    if new == original:
+        return None
+    out = dest / PATCHED_HEADER
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(new)
+    return dest
+
+
+def build_command(nvcc: str, cutlass_root: Path, out: Path, src_hash: str, source: Path = SOURCE,
+                  patch_dir: Path | None = None) -> list[str]:
+    """The nvcc command line that builds the shared library ``out`` from one translation unit."""
+    inc = [f"-I{patch_dir}"] if patch_dir else []
+    return [nvcc, *ARCH_FLAGS, *NVCC_FLAGS, f"-DSR_GEMM_SOURCE_HASH=\"{src_hash}\"", *inc,
             f"-I{cutlass_root / 'include'}", f"-I{cutlass_root / 'tools' / 'util' / 'include'}",
             str(source), "-o", str(out)]
 
 
+def part_commands(nvcc: str, cutlass_root: Path, out: Path, src_hash: str, objdir: Path,
+                  parts: int = NUM_PARTS, source: Path = SOURCE, patch_dir: Path | None = None
+                  ) -> tuple[list[list[str]], list[str]]:
+    """``(compile commands, one per part; the link command)`` that build ``out`` in ``parts`` parts."""
+    inc = [f"-I{patch_dir}"] if patch_dir else []
+    objs = [objdir / f"part{p}.o" for p in range(parts)]
+    compiles = [[nvcc, *ARCH_FLAGS, *COMPILE_FLAGS, f"-DSR_GEMM_SOURCE_HASH=\"{src_hash}\"",
+                 f"-DSR_GEMM_PART={p}", f"-DSR_GEMM_NUM_PARTS={parts}", *inc,
+                 f"-I{cutlass_root / 'include'}", f"-I{cutlass_root / 'tools' / 'util' / 'include'}",
+                 "-c", str(source), "-o", str(objs[p])] for p in range(parts)]
+    link = [nvcc, *ARCH_FLAGS, *LINK_FLAGS, *map(str, objs), "-o", str(out)]
+    return compiles, link
+
+
 def cache_key(src_hash: str, nvcc_ver: str, cutlass_ver: str) -> str:
     h = hashlib.sha256()
-    for part in (src_hash, " ".join(ARCH_FLAGS + NVCC_FLAGS), nvcc_ver, cutlass_ver):
+    for part in (src_hash, " ".join(ARCH_FLAGS + COMPILE_FLAGS + LINK_FLAGS), f"parts={NUM_PARTS}", PATCH_ID,
+                 nvcc_ver, cutlass_ver):
         h.update(part.encode())
         h.update(b"\0")
     return h.hexdigest()[:16]
@@ -148,15 +208,29 @@ def build(out_dir: str | os.PathLike | None = None, force: bool = False, verbose
     if force or not lib.is_file() or not meta.is_file():
         with tempfile.TemporaryDirectory(dir=cdir) as tmp:
             tmp_lib = Path(tmp) / lib.name
-            cmd = build_command(nvcc, root, tmp_lib, src_hash)
-            if verbose:
-                print(" ".join(cmd), flush=True)
+            patch_dir = patch_cutlass(root, Path(tmp) / "cutlass-patch")
+            compiles, link = part_commands(nvcc, root, tmp_lib, src_hash, Path(tmp), patch_dir=patch_dir)
             t0 = time.monotonic()
-            res = subprocess.run(cmd, capture_output=True, text=True)
-            seconds = time.monotonic() - t0
+            procs = []
+            for cmd in compiles:  # the parts at once, one process each
+                if verbose:
+                    print(" ".join(cmd), flush=True)
+                procs.append((cmd, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)))
+            errors = []
+            for cmd, proc in procs:
+                _, err = proc.communicate()
+                if proc.returncode != 0:
+                    errors.append(f"nvcc failed ({proc.returncode}) building {SOURCE.name}:\n{' '.join(cmd)}\n"
+                                  f"{err[-8000:]}")
+            if errors:
+                raise BuildError("\n".join(errors))
+            if verbose:
+                print(" ".join(link), flush=True)
+            res = subprocess.run(link, capture_output=True, text=True)
             if res.returncode != 0:
-                raise BuildError(f"nvcc failed ({res.returncode}) building {SOURCE.name}:\n{' '.join(cmd)}\n"
+                raise BuildError(f"nvcc failed ({res.returncode}) linking {tmp_lib.name}:\n{' '.join(link)}\n"
                                  f"{res.stderr[-8000:]}")
+            seconds = time.monotonic() - t0
             needed = needed_libraries(tmp_lib)
             if needed is not None and any("cudart" in n for n in needed):
                 raise BuildError(f"{tmp_lib.name} links the CUDA runtime dynamically ({needed}); it must be static")
@@ -164,7 +238,10 @@ def build(out_dir: str | os.PathLike | None = None, force: bool = False, verbose
         meta.write_text(json.dumps({
             "library": lib.name, "source": SOURCE.name, "source_sha256": src_hash, "cache_key": key,
             "nvcc_version": nv_ver.splitlines()[-1] if nv_ver else "", "cutlass_version": cut_ver,
-            "command": build_command("nvcc", Path("$CUTLASS"), Path(lib.name), src_hash),
+            "commands": [*part_commands("nvcc", Path("$CUTLASS"), Path(lib.name), src_hash, Path("$TMP"),
+                                        patch_dir=Path("$TMP/cutlass-patch") if patch_dir else None)[0],
+                         link[:1] + ["..."] + link[-2:]],
+            "cutlass_patch": PATCH_ID if patch_dir else None, "parts": NUM_PARTS,
             "build_seconds": round(seconds, 1), "size_bytes": lib.stat().st_size, "needed": needed,
             "built_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }, indent=1) + "\n")

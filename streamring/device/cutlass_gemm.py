@@ -8,7 +8,8 @@ the GEMM's ``N`` and ``K``, and a capacity (the most ready items one run may cov
     d[b*block_m : (b+1)*block_m, :] = (a ⊙ a_sf)[rows] @ (w[e] ⊙ w_sf[e])^T,   e = block_expert[b]
 
 with FP8 e4m3 operands, ``a_sf`` one float32 scale per row per 128 columns of K, ``w_sf`` one per
-128x128 block, fp32 accumulation, ``d`` bfloat16 or float32. The range is read on the device, nothing
+128x128 block (for the 192-wide tiles: one per 64x128 block, :func:`weight_scales_for` repeats
+the 128x128 ones), fp32 accumulation, ``d`` bfloat16 or float32. The range is read on the device, nothing
 is allocated and nothing is read back, so runs can be captured in a CUDA graph. Rows of blocks not in
 the range are not written.
 
@@ -37,11 +38,63 @@ import torch
 FP8 = torch.float8_e4m3fn
 SF_BLOCK = 128
 
-# variant = 2 * tile + (1 if the output is float32 else 0), as in gemm_blockwise_fp8.cu
-TILES = {"coop128": 0, "pingpong64": 1}
-TILE_DOC = {"coop128": "128x128x128 tile, cooperative (2 consumer warpgroups), cluster 1x2",
-            "pingpong64": "64x128x128 tile, ping-pong (2 consumer warpgroups on alternate tiles), cluster 1x1"}
+
+@dataclass(frozen=True)
+class Tile:
+    """A kernel configuration of the library (``gemm_blockwise_fp8.cu``'s variant table)."""
+
+    mnk: tuple          # tile M, N, K
+    cluster: tuple      # cluster M, N (2 along M: the W tile is multicast to both CTAs; along N: the A tile)
+    sf_n: int           # rows of W per weight scale the kernel reads (64: w_sf repeated, weight_scales_for)
+    variants: dict      # out dtype -> the library's variant id
+    doc: str
+
+
+# The library's variant table (tests compare it with the .cu and with the loaded library).
+TILE_TABLE = {
+    "coop128": Tile((128, 128, 128), (1, 2), 128, {torch.bfloat16: 0, torch.float32: 1},
+                    "128x128x128 tile, cooperative (2 consumer warpgroups), cluster 1x2 (A multicast)"),
+    "pingpong64": Tile((64, 128, 128), (1, 1), 128, {torch.bfloat16: 2, torch.float32: 3},
+                       "64x128x128 tile, ping-pong (2 consumer warpgroups on alternate tiles), cluster 1x1"),
+    "coop128_m2": Tile((128, 128, 128), (2, 1), 128, {torch.bfloat16: 4},
+                       "128x128x128 tile, cooperative, cluster 2x1 (weight tile multicast to both CTAs)"),
+    "coop192_m2": Tile((128, 192, 128), (2, 1), 64, {torch.bfloat16: 5},
+                       "128x192x128 tile, cooperative, cluster 2x1 (weight multicast), weight scales per 64 rows"),
+    "coop192_n2": Tile((128, 192, 128), (1, 2), 64, {torch.bfloat16: 6},
+                       "128x192x128 tile, cooperative, cluster 1x2 (A multicast), weight scales per 64 rows"),
+    "pingpong192": Tile((64, 192, 128), (1, 1), 64, {torch.bfloat16: 7},
+                        "64x192x128 tile, ping-pong, cluster 1x1, weight scales per 64 rows"),
+}
+TILES = {name: i for i, name in enumerate(TILE_TABLE)}
+TILE_DOC = {name: t.doc for name, t in TILE_TABLE.items()}
+NUM_VARIANTS = 1 + max(v for t in TILE_TABLE.values() for v in t.variants.values())
 OUT_DTYPES = {torch.bfloat16: 0, torch.float32: 1}
+RASTERS = {"m": 0, "n": 1}  # the group scheduler's order inside a group (along M / along N)
+SWIZZLES = (1, 2, 4, 8)
+
+
+def variant_id(tile: str, out_dtype) -> int:
+    """The library's variant of ``tile`` with ``out_dtype`` output (the errors name what exists)."""
+    if tile not in TILE_TABLE:
+        raise ValueError(f"tile must be one of {sorted(TILE_TABLE)}, got {tile!r}")
+    if out_dtype not in OUT_DTYPES:
+        raise ValueError(f"out_dtype must be torch.bfloat16 or torch.float32, got {out_dtype}")
+    t = TILE_TABLE[tile]
+    if out_dtype not in t.variants:
+        have = ", ".join(str(d).split(".")[-1] for d in t.variants)
+        raise ValueError(f"tile {tile!r} has no {str(out_dtype).split('.')[-1]} output (only {have}); "
+                         f"out_dtype must be one of those for this tile")
+    return t.variants[out_dtype]
+
+
+def weight_scales_for(w_sf: torch.Tensor, sf_n: int) -> torch.Tensor:
+    """``w_sf [E, N/128, K/128]`` as a variant with ``sf_n`` rows per scale reads it: itself for 128,
+    each scale repeated ``128 // sf_n`` times along N otherwise (same values: the same products)."""
+    if sf_n == SF_BLOCK:
+        return w_sf
+    if sf_n <= 0 or SF_BLOCK % sf_n:
+        raise ValueError(f"sf_n must divide 128, got {sf_n}")
+    return w_sf.repeat_interleave(SF_BLOCK // sf_n, dim=1).contiguous()
 
 STATUS_BITS = {
     1: "the ready range is longer than max_items (blocks past max_items were dropped)",
@@ -65,7 +118,7 @@ SIGNATURES = {
     "sr_gemm_build_info": (_c_char_p, []),
     "sr_gemm_num_variants": (_c_int, []),
     "sr_gemm_variant_info": (_c_int, [_c_int, _p_int]),
-    "sr_gemm_create": (_c_int, [_c_int, _c_int, _c_int, _c_int, _c_int, _c_int, _p_void_p]),
+    "sr_gemm_create": (_c_int, [_c_int, _c_int, _c_int, _c_int, _c_int, _c_int, _c_int, _c_int, _p_void_p]),
     "sr_gemm_destroy": (_c_int, [_c_void_p]),
     "sr_gemm_run": (_c_int, _RUN_ARGS),
     "sr_gemm_setup_only": (_c_int, _RUN_ARGS),
@@ -168,15 +221,33 @@ def library_info() -> dict:
     """Path and build info of the loaded library, and what each variant is (tile, shared memory...)."""
     lib = load_library()
     variants = {}
-    for tile, t in TILES.items():
-        for dt, o in OUT_DTYPES.items():
-            arr = (ctypes.c_int * 9)()
-            _check(lib, lib.sr_gemm_variant_info(2 * t + o, arr), "sr_gemm_variant_info")
+    for tile, t in TILE_TABLE.items():
+        for dt, vid in t.variants.items():
+            arr = (ctypes.c_int * 10)()
+            _check(lib, lib.sr_gemm_variant_info(vid, arr), "sr_gemm_variant_info")
             v = list(arr)
             variants[f"{tile}:{str(dt).split('.')[-1]}"] = {
-                "tile_mnk": v[0:3], "cluster_mn": v[3:5], "smem_bytes": v[5], "threads": v[6], "out_bytes": v[7],
-                "stages": v[8]}
+                "variant": vid, "tile_mnk": v[0:3], "cluster_mn": v[3:5], "smem_bytes": v[5], "threads": v[6],
+                "out_bytes": v[7], "stages": v[8], "sf_n": v[9]}
     return {"path": str(_lib_path), "build_info": lib.sr_gemm_build_info().decode(), "variants": variants}
+
+
+def table_mismatches(variants: dict) -> list[str]:
+    """Where :data:`TILE_TABLE` and a library's ``library_info()["variants"]`` disagree."""
+    bad = []
+    for tile, t in TILE_TABLE.items():
+        for dt in t.variants:
+            key = f"{tile}:{str(dt).split('.')[-1]}"
+            v = variants.get(key)
+            if v is None:
+                bad.append(f"{key}: missing from the library")
+                continue
+            want = {"tile_mnk": list(t.mnk), "cluster_mn": list(t.cluster), "sf_n": t.sf_n,
+                    "out_bytes": torch.empty(0, dtype=dt).element_size()}
+            got = {k: v.get(k) for k in want}
+            if got != want:
+                bad.append(f"{key}: library {got}, TILE_TABLE {want}")
+    return bad
 
 
 def _check(lib, rc: int, what: str) -> None:
@@ -213,7 +284,8 @@ class RunShape:
 
 
 def check_run_args(n: int, k: int, out_dtype, capacity: int, ready_list, ready_hi, lo_index, hi_index, max_items,
-                   block_expert, a, a_sf, w, w_sf, d, block_m, max_ctas, require_cuda: bool = True) -> RunShape:
+                   block_expert, a, a_sf, w, w_sf, d, block_m, max_ctas, require_cuda: bool = True,
+                   sf_n: int = SF_BLOCK) -> RunShape:
     """Every check of :meth:`GroupedGemm.run`; the messages name the argument and what it must be.
     (``require_cuda=False``: the same checks on CPU tensors, for tests on machines without a GPU.)"""
 
@@ -245,8 +317,10 @@ def check_run_args(n: int, k: int, out_dtype, capacity: int, ready_list, ready_h
     if (wn, wk) != (n, k):
         raise ValueError(f"w must be [E, N={n}, K={k}] (this plan's N and K), got {tuple(w.shape)}")
     _tensor("w_sf", w_sf, torch.float32, 3, dev)
-    if tuple(w_sf.shape) != (e, n // SF_BLOCK, k // SF_BLOCK):
-        raise ValueError(f"w_sf must be [E={e}, N/128={n // SF_BLOCK}, K/128={k // SF_BLOCK}], got {tuple(w_sf.shape)}")
+    if tuple(w_sf.shape) != (e, n // sf_n, k // SF_BLOCK):
+        hint = "" if sf_n == SF_BLOCK else " (this tile reads one scale per 64 rows of W: weight_scales_for(w_sf, 64))"
+        raise ValueError(f"w_sf must be [E={e}, N/{sf_n}={n // sf_n}, K/128={k // SF_BLOCK}]{hint}, "
+                         f"got {tuple(w_sf.shape)}")
     _tensor("a", a, FP8, 2, dev)
     if a.shape[1] != k or a.shape[0] < rows:
         raise ValueError(f"a must be [rows >= num_blocks*block_m = {rows}, K={k}] float8_e4m3fn, got {tuple(a.shape)}")
@@ -319,24 +393,30 @@ class GroupedGemm:
     """One CUTLASS grouped-GEMM plan (created on first use, on the tensors' device).
 
     ``n``, ``k``: the GEMM's output width and reduction length (multiples of 128);
-    ``out_dtype``: ``torch.bfloat16`` or ``torch.float32``; ``tile``: ``"coop128"`` or
-    ``"pingpong64"`` (:data:`TILE_DOC`); ``capacity``: the largest ``max_items`` of a run (sizes the
-    problem arrays). A plan must not run concurrently with itself (one stream at a time).
+    ``out_dtype``: ``torch.bfloat16`` or ``torch.float32`` (the tiles added for issue 21 have
+    bf16 only); ``tile``: a key of :data:`TILE_TABLE` (:data:`TILE_DOC`); ``capacity``: the
+    largest ``max_items`` of a run (sizes the problem arrays); ``raster``: ``"m"`` or ``"n"``,
+    the order of a group's tiles, and ``swizzle`` (1, 2, 4, 8): CUTLASS's group scheduler options
+    (neither changes what a row computes). A tile with ``sf_n`` 64 takes ``w_sf`` as
+    :func:`weight_scales_for` makes it. A plan must not run concurrently with itself (one stream
+    at a time).
     """
 
     def __init__(self, n: int, k: int, *, out_dtype=torch.bfloat16, tile: str = "coop128", capacity: int,
-                 trap_on_error: bool = True):
-        if tile not in TILES:
-            raise ValueError(f"tile must be one of {sorted(TILES)}, got {tile!r}")
-        if out_dtype not in OUT_DTYPES:
-            raise ValueError(f"out_dtype must be torch.bfloat16 or torch.float32, got {out_dtype}")
+                 trap_on_error: bool = True, raster: str = "m", swizzle: int = 1):
+        self.variant = variant_id(tile, out_dtype)
+        if raster not in RASTERS:
+            raise ValueError(f"raster must be one of {sorted(RASTERS)}, got {raster!r}")
+        if swizzle not in SWIZZLES:
+            raise ValueError(f"swizzle must be one of {SWIZZLES}, got {swizzle!r}")
+        self.raster, self.swizzle = raster, swizzle
+        self.sf_n = TILE_TABLE[tile].sf_n
         for name, v in (("n", n), ("k", k)):
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0 or v % SF_BLOCK:
                 raise ValueError(f"{name} must be a positive multiple of 128 (the scale block), got {v!r}")
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity <= 0:
             raise ValueError(f"capacity must be a positive int, got {capacity!r}")
         self.n, self.k, self.out_dtype, self.tile, self.capacity = n, k, out_dtype, tile, capacity
-        self.variant = 2 * TILES[tile] + OUT_DTYPES[out_dtype]
         self.trap_on_error = bool(trap_on_error)
         self._plan = None
         self._lib = None
@@ -345,7 +425,7 @@ class GroupedGemm:
 
     def __repr__(self):
         return (f"GroupedGemm(n={self.n}, k={self.k}, out_dtype={self.out_dtype}, tile={self.tile!r}, "
-                f"capacity={self.capacity})")
+                f"capacity={self.capacity}, raster={self.raster!r}, swizzle={self.swizzle})")
 
     def _ensure(self, device: torch.device) -> None:
         if self._plan is not None:
@@ -357,14 +437,15 @@ class GroupedGemm:
         with torch.cuda.device(idx):
             plan = ctypes.c_void_p()
             _check(lib, lib.sr_gemm_create(self.variant, self.n, self.k, self.capacity, idx, int(self.trap_on_error),
-                                           ctypes.byref(plan)), f"sr_gemm_create({self!r})")
+                                           RASTERS[self.raster], self.swizzle, ctypes.byref(plan)),
+                   f"sr_gemm_create({self!r})")
         self._lib, self._plan, self.device = lib, plan, torch.device("cuda", idx)
         self.status_word = torch.zeros(1, dtype=torch.int32, device=self.device)
 
     def _call(self, fn_name: str, ready_list, ready_hi, lo_index, hi_index, max_items, block_expert, a, a_sf, w, w_sf,
               d, block_m, max_ctas) -> None:
         rs = check_run_args(self.n, self.k, self.out_dtype, self.capacity, ready_list, ready_hi, lo_index, hi_index,
-                            max_items, block_expert, a, a_sf, w, w_sf, d, block_m, max_ctas)
+                            max_items, block_expert, a, a_sf, w, w_sf, d, block_m, max_ctas, sf_n=self.sf_n)
         self._ensure(ready_list.device)
         stream = torch.cuda.current_stream(self.device).cuda_stream
         with torch.cuda.device(self.device):

@@ -223,16 +223,19 @@ def ring_spin_wait(lib, stream, *, d: int, buf: int, src0: int, chunk: int, inje
     lib.launch(stream, "ring_spin_wait", sources, 1, d=d, buf=buf, src0=src0, chunk=chunk, inject=inject)
 
 
-def ring_publish(lib, stream, *, d: int, buf: int, peers: int, me: int, chunk: int, kind: int, valid: int) -> None:
-    """Write the kind's slot metadata (``valid`` tokens), then release my slot's ``kind``
-    (RING_ROUTE / RING_LAYOUT) generation of ``chunk`` at every PE."""
-    lib.launch(stream, "ring_publish", 1, 1, d=d, buf=buf, peers=peers, me=me, chunk=chunk, kind=kind, valid=valid)
+def ring_publish(lib, stream, *, d: int, buf: int, peers: int, me: int, chunk: int, kind: int, valid: int,
+                 valid_ptr: int = 0) -> None:
+    """Write the kind's slot metadata (``valid`` tokens, or the device int64 at ``valid_ptr`` when
+    it is not 0), then release my slot's ``kind`` (RING_ROUTE / RING_LAYOUT) generation of ``chunk``
+    at every PE."""
+    lib.launch(stream, "ring_publish", 1, 1, d=d, buf=buf, peers=peers, me=me, chunk=chunk, kind=kind, valid=valid,
+               valid_ptr=valid_ptr)
 
 
 def ring_acquire_checked(lib, stream, *, d: int, buf: int, peers: int, me: int, src0: int, chunk: int,
                          valid_tab: int, inject: int, sources: int) -> None:
-    """Acquire ``chunk`` of sources ``src0 ..`` and check their metadata words (``valid_tab``:
-    device int32 ``[num_chunks][num_ranks]`` valid tokens per source chunk)."""
+    """Acquire ``chunk`` of sources ``src0 ..``, check their metadata words and record each source's
+    valid token count in ``valid_tab`` (device int32 ``[num_chunks][num_ranks]``; 0 on a mismatch)."""
     lib.launch(stream, "ring_acquire_checked", sources, 1, d=d, buf=buf, peers=peers, me=me, src0=src0, chunk=chunk,
                valid_tab=valid_tab, inject=inject)
 
@@ -244,8 +247,9 @@ def ring_ack(lib, stream, *, d: int, buf: int, peers: int, me: int, src0: int, c
 
 def ring_wait_any(lib, stream, *, d: int, buf: int, peers: int, me: int, chunk: int, valid_tab: int, pending: int,
                   first: int, chosen: int, inject: int) -> None:
-    """Ready order: acquire (and check) whichever pending source of ``chunk`` is ready first; its
-    index goes to the device int32 ``chosen`` (``pending``: a device uint64 bitmask of sources)."""
+    """Ready order: acquire (and check, recording its valid count in ``valid_tab``) whichever pending
+    source of ``chunk`` is ready first; its index goes to the device int32 ``chosen`` (``pending``: a
+    device uint64 bitmask of sources)."""
     lib.launch(stream, "ring_wait_any", 1, 1, d=d, buf=buf, peers=peers, me=me, chunk=chunk, valid_tab=valid_tab,
                pending=pending, first=first, chosen=chosen, inject=inject)
 
@@ -304,10 +308,12 @@ def ep_pull_slots(lib, stream, *, d: int, buf: int, mirror: int, mirror_stride: 
                src_list=src_list, chunk=chunk)
 
 
-def ep_wait_arrivals(lib, stream, *, d: int, comb: int, off_arrived: int, expected: int, num_chunks: int) -> None:
-    """Owner: wait (acquire, deadline) until every chunk's rows arrived."""
+def ep_wait_arrivals(lib, stream, *, d: int, comb: int, off_arrived: int, expected: int, first_chunk: int,
+                     num_chunks: int) -> None:
+    """Owner: wait (acquire, deadline) until the rows of chunks ``first_chunk ..`` (``num_chunks`` of
+    them) arrived (``expected``: the device int64 counts of every chunk)."""
     lib.launch(stream, "ep_wait_arrivals", 1, 1, d=d, comb=comb, off_arrived=off_arrived, expected=expected,
-               num_chunks=num_chunks)
+               first_chunk=first_chunk, num_chunks=num_chunks)
 
 
 def ep_delay(lib, stream, *, ns: int) -> None:

@@ -31,9 +31,6 @@ import os
 import triton
 import triton.language as tl
 
-FP8_MAX = 448.0
-AMAX_EPS = 1e-12
-SF_BLOCK = 128
 # Triton's CPU interpreter (the tests) mis-computes bf16 tl.dot; there the router runs in float32
 # (bf16 values are exact in float32, only the accumulation differs from the GPU path).
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -49,6 +46,18 @@ def _to_fp8(v):
         step = tl.exp2(ex - 3.0)
         v = tl.floor(v / step + 0.5) * step
     return v.to(tl.float8e4nv)
+
+
+@triton.jit
+def _quant_fp8_rows(x):
+    # The activation rule of the ring (moe.math.quantize_act_fp8): one float32 scale per row of the
+    # 128-column group ``x [rows, 128]``, ``s = max(amax, AMAX_EPS 1e-12) / FP8_MAX 448``; returns the
+    # e4m3 values and the scales. The producer's layout, the L1 epilogue and the CUTLASS path's
+    # SwiGLU kernel all quantize through here, so their rows are bitwise alike.
+    amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12)
+    s = amax / 448.0
+    q = _to_fp8(tl.clamp(x / s[:, None], -448.0, 448.0))
+    return q, s
 
 
 # ----------------------------------------------------------------------------------------------
@@ -99,9 +108,7 @@ def _quant_rows_kernel(x_ptr, x_stride, q_ptr, sf_ptr, n_rows, H: tl.constexpr, 
     rmask = rows < n_rows
     r64 = rows.to(tl.int64)
     x = tl.load(x_ptr + r64[:, None] * x_stride + cols[None, :], mask=rmask[:, None], other=0.0).to(tl.float32)
-    amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12)
-    s = amax / 448.0
-    q = _to_fp8(tl.clamp(x / s[:, None], -448.0, 448.0))
+    q, s = _quant_fp8_rows(x)
     tl.store(q_ptr + r64[:, None] * H + cols[None, :], q, mask=rmask[:, None])
     tl.store(sf_ptr + r64 * (H // 128) + g, s, mask=rmask)
 
@@ -231,19 +238,22 @@ def place_rows(sorted_e, order, counts, cstart, state, expert_blocks, xq_u8, xsf
 # (or element) distance to that source's copy in our address space (a P2P peer mapping of the
 # symmetric ring, 0 for ourselves, or a local mirror filled by NVSHMEM gets where the peer has no
 # mapping). Offsets come from RingLayout.descriptor() (the host passes them); nothing is re-derived.
-@triton.jit(do_not_specialize=["chunk", "e_lo", "off_idx", "off_w"])
+@triton.jit(do_not_specialize=["chunk", "e_lo", "off_idx", "off_w", "me"])
 def _ep_gather_kernel(ring_i64_ptr, ring_f32_ptr, delta_i64_ptr, delta_f32_ptr, src_list_ptr, valid_tab_ptr, chunk,
-                      e_lo, off_idx, off_w, out_e_ptr, out_w_ptr, bad_ptr, R: tl.constexpr, C: tl.constexpr,
-                      K: tl.constexpr, E_LOC: tl.constexpr, E: tl.constexpr, BLOCK: tl.constexpr):
+                      e_lo, off_idx, off_w, out_e_ptr, out_w_ptr, bad_ptr, pull_bytes_ptr, me, R: tl.constexpr,
+                      C: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, E_LOC: tl.constexpr, E: tl.constexpr,
+                      TB: tl.constexpr, ROW_BYTES: tl.constexpr, COUNT: tl.constexpr):
+    # one program: TB whole tokens (their K routes) of source src_list[j]
     j = tl.program_id(0)
-    p = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    pm = p < C * K
+    tok = tl.program_id(1) * TB + tl.arange(0, TB)
+    k = tl.arange(0, KP)
+    p = tok[:, None] * K + k[None, :]
+    pm = (tok < C)[:, None] & (k < K)[None, :]
     src = tl.load(src_list_ptr + j)
     valid = tl.load(valid_tab_ptr + chunk * R + src)
     d64 = tl.load(delta_i64_ptr + src)
     d32 = tl.load(delta_f32_ptr + src)
-    tok = p // K
-    live = pm & (tok < valid)
+    live = pm & (tok < valid)[:, None]
     idx = tl.load(ring_i64_ptr + d64 + off_idx + p, mask=live, other=-1)
     w = tl.load(ring_f32_ptr + d32 + off_w + p, mask=live, other=0.0)
     # a hostile or corrupt peer: anything outside [-1, E) is counted and dropped, never indexed
@@ -253,24 +263,82 @@ def _ep_gather_kernel(ring_i64_ptr, ring_f32_ptr, delta_i64_ptr, delta_f32_ptr, 
     out = tl.where(mine, loc, E_LOC).to(tl.int32)
     tl.store(out_e_ptr + j * (C * K) + p, out, mask=pm)
     tl.store(out_w_ptr + j * (C * K) + p, w, mask=pm)
-    nbad = tl.sum(bad.to(tl.int32), axis=0)
+    nbad = tl.sum(tl.sum(bad.to(tl.int32), axis=1), axis=0)
     tl.atomic_add(bad_ptr, nbad)
+    if COUNT:
+        # the bytes (x row + its scales) the dispatch pulls from a peer's slot for these tokens, both ways:
+        # [0] one row per route to my experts (pull="route"), [1] one row per token with any such route
+        # (pull="token"); my own slot is local memory, not counted
+        if src != me:
+            routes = tl.sum(tl.sum(mine.to(tl.int64), axis=1), axis=0)
+            needed = tl.sum((tl.max(mine.to(tl.int32), axis=1) > 0).to(tl.int64), axis=0)
+            tl.atomic_add(pull_bytes_ptr, routes * ROW_BYTES)
+            tl.atomic_add(pull_bytes_ptr + 1, needed * ROW_BYTES)
 
 
 def ep_gather(ring_i64, ring_f32, delta_i64, delta_f32, src_list, valid_tab, chunk: int, e_lo: int, off_idx: int,
               off_w: int, out_e, out_w, bad, *, num_ranks: int, tokens_per_slot: int, topk: int, local_experts: int,
-              num_experts: int) -> None:
+              num_experts: int, pull_bytes=None, me: int = -1, hidden: int = 0) -> None:
     """Read the routing of ``chunk`` of every source in ``src_list`` (int32, device) into
     ``out_e [n_src * C * K]`` (int32: the local expert, or ``local_experts`` for a route this PE
     does not serve, a masked route, a row past the source's ``valid_tab[chunk][src]`` tokens, or a
     corrupt id, counted in ``bad``) and ``out_w`` (float32 routing weights). ``off_*`` are element
-    offsets of the slot's ``topk_idx`` (int64) and ``topk_weights`` (float32) in the ring."""
+    offsets of the slot's ``topk_idx`` (int64) and ``topk_weights`` (float32) in the ring.
+
+    ``pull_bytes`` (int64 ``[2]``, optional, with ``me`` = this PE and ``hidden``): adds the bytes the
+    dispatch of these routes reads from peers' slots (x rows and their scales; sources other than
+    ``me``) when it pulls one row per route (``[0]``) and one row per needed token (``[1]``)."""
     n_src = src_list.shape[0]
-    blk = 256
-    grid = (n_src, triton.cdiv(tokens_per_slot * topk, blk))
+    tb = 32
+    count = pull_bytes is not None
+    if count and hidden <= 0:
+        raise ValueError(f"ep_gather: counting pull_bytes needs hidden > 0, got {hidden}")
+    grid = (n_src, triton.cdiv(tokens_per_slot, tb))
     _ep_gather_kernel[grid](ring_i64, ring_f32, delta_i64, delta_f32, src_list, valid_tab, chunk, e_lo, off_idx,
-                            off_w, out_e, out_w, bad, R=num_ranks, C=tokens_per_slot, K=topk, E_LOC=local_experts,
-                            E=num_experts, BLOCK=blk, num_warps=4)
+                            off_w, out_e, out_w, bad, pull_bytes if count else bad, me, R=num_ranks, C=tokens_per_slot,
+                            K=topk, KP=triton.next_power_of_2(topk), E_LOC=local_experts, E=num_experts, TB=tb,
+                            ROW_BYTES=hidden + 4 * (hidden // 128), COUNT=count, num_warps=4)
+
+
+@triton.jit(do_not_specialize=["off_x", "off_sf"])
+def _ep_stage_rows_kernel(flat_e_ptr, src_list_ptr, ring_u8_ptr, ring_f32_ptr, delta_u8_ptr, delta_f32_ptr, off_x,
+                          off_sf, stage_x_ptr, stage_sf_ptr, C: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
+                          H: tl.constexpr, SFC: tl.constexpr, SFCP: tl.constexpr, E_LOC: tl.constexpr,
+                          BH: tl.constexpr):
+    # one program per (source j, token): pull the token's row and scales ONCE if any of its K routes is
+    # to one of my experts, into stage row j * C + token (the expansion into the blocks reads it there)
+    q = tl.program_id(0)
+    k = tl.arange(0, KP)
+    e = tl.load(flat_e_ptr + q * K + k, mask=k < K, other=E_LOC)
+    if tl.min(e, axis=0) < E_LOC:
+        j = q // C
+        tok = (q % C).to(tl.int64)
+        src = tl.load(src_list_ptr + j)
+        xs = ring_u8_ptr + tl.load(delta_u8_ptr + src) + off_x + tok * H
+        q64 = q.to(tl.int64)
+        hh = tl.arange(0, BH)
+        for h0 in range(0, H, BH):
+            tl.store(stage_x_ptr + q64 * H + h0 + hh, tl.load(xs + h0 + hh))
+        ss = tl.arange(0, SFCP)
+        sfs = ring_f32_ptr + tl.load(delta_f32_ptr + src) + off_sf + tok * SFC
+        tl.store(stage_sf_ptr + q64 * SFC + ss, tl.load(sfs + ss, mask=ss < SFC), mask=ss < SFC)
+
+
+def ep_stage_rows(flat_e, src_list, ring_u8, ring_f32, delta_u8, delta_f32, off_x: int, off_sf: int, stage_x,
+                  stage_sf, *, tokens_per_slot: int, topk: int, hidden: int, local_experts: int) -> None:
+    """The per-token pull: copy each token of the sources in ``src_list`` that has any route to a local
+    expert (``flat_e`` as from :func:`ep_gather`) once from its source's slot (``x`` row, ``x_sf``
+    scales) into ``stage_x[j * C + token]`` (uint8 ``[n_src * C, H]``) / ``stage_sf`` (float32
+    ``[n_src * C, H/128]``). After it (stream order) nothing reads the slot; :func:`ep_place_rows` with
+    ``staged=(stage_x, stage_sf)`` expands the rows into the expert blocks."""
+    n = src_list.shape[0] * tokens_per_slot
+    if n == 0:
+        return
+    sfc = hidden // 128
+    _ep_stage_rows_kernel[(n,)](flat_e, src_list, ring_u8, ring_f32, delta_u8, delta_f32, off_x, off_sf, stage_x,
+                                stage_sf, C=tokens_per_slot, K=topk, KP=triton.next_power_of_2(topk), H=hidden,
+                                SFC=sfc, SFCP=triton.next_power_of_2(sfc), E_LOC=local_experts,
+                                BH=1024 if hidden % 1024 == 0 else 128, num_warps=4)
 
 
 @triton.jit(do_not_specialize=["chunk", "off_x", "off_sf"])
@@ -278,7 +346,8 @@ def _ep_place_rows_kernel(sorted_e_ptr, order_ptr, counts_ptr, cstart_ptr, state
                           ring_u8_ptr, ring_f32_ptr, delta_u8_ptr, delta_f32_ptr, off_x, off_sf, flat_w_ptr, a_ptr,
                           asf_ptr, roww_ptr, row_src_ptr, row_tok_ptr, row_chunk_ptr, chunk, C: tl.constexpr,
                           K: tl.constexpr, H: tl.constexpr, SFC: tl.constexpr, SFCP: tl.constexpr,
-                          E_LOC: tl.constexpr, BM: tl.constexpr, MAXB: tl.constexpr, BH: tl.constexpr):
+                          E_LOC: tl.constexpr, BM: tl.constexpr, MAXB: tl.constexpr, BH: tl.constexpr,
+                          STAGED: tl.constexpr):
     i = tl.program_id(0)
     e = tl.load(sorted_e_ptr + i).to(tl.int32)
     if e < E_LOC:  # routes of other PEs sort last (e == E_LOC) and are skipped
@@ -294,12 +363,17 @@ def _ep_place_rows_kernel(sorted_e_ptr, order_ptr, counts_ptr, cstart_ptr, state
         bid = tl.load(expert_blocks_ptr + e * MAXB + pos // BM)
         row = (bid * BM + pos % BM).to(tl.int64)
         tok64 = tok.to(tl.int64)
-        xs = ring_u8_ptr + tl.load(delta_u8_ptr + src) + off_x + tok64 * H
+        if STAGED:  # the token's row was pulled once into stage row j * C + token (ep_stage_rows)
+            q64 = (j * C + tok).to(tl.int64)
+            xs = ring_u8_ptr + q64 * H
+            sfs = ring_f32_ptr + q64 * SFC
+        else:  # straight out of the source's slot
+            xs = ring_u8_ptr + tl.load(delta_u8_ptr + src) + off_x + tok64 * H
+            sfs = ring_f32_ptr + tl.load(delta_f32_ptr + src) + off_sf + tok64 * SFC
         hh = tl.arange(0, BH)
         for h0 in range(0, H, BH):
             tl.store(a_ptr + row * H + h0 + hh, tl.load(xs + h0 + hh))
         ss = tl.arange(0, SFCP)
-        sfs = ring_f32_ptr + tl.load(delta_f32_ptr + src) + off_sf + tok64 * SFC
         tl.store(asf_ptr + row * SFC + ss, tl.load(sfs + ss, mask=ss < SFC), mask=ss < SFC)
         tl.store(roww_ptr + row, tl.load(flat_w_ptr + f))
         tl.store(row_src_ptr + row, src)
@@ -310,22 +384,25 @@ def _ep_place_rows_kernel(sorted_e_ptr, order_ptr, counts_ptr, cstart_ptr, state
 def ep_place_rows(sorted_e, order, counts, cstart, state, expert_blocks, src_list, ring_u8, ring_f32, delta_u8,
                   delta_f32, off_x: int, off_sf: int, flat_w, a_u8, asf, roww, row_src, row_tok, row_chunk,
                   chunk: int, *, tokens_per_slot: int, topk: int, hidden: int, local_experts: int,
-                  block_m: int) -> None:
+                  block_m: int, staged=None) -> None:
     """The dispatch copy: each route of ``chunk`` to a local expert (sorted by expert, stable) goes
     from its source's slot (``x`` row and its ``x_sf`` scales) into its expert block row, with the
     routing weight and where its result must go (``row_src``: owner PE, ``row_tok``: owner's
     combine row ``token * K + k``, ``row_chunk``). ``off_x`` is a byte offset, ``off_sf`` an
-    element offset of the slot in the ring."""
+    element offset of the slot in the ring. ``staged=(stage_x, stage_sf)``: read each route's row from
+    the stage rows :func:`ep_stage_rows` filled instead of the slot (the ring arguments are unused)."""
     n = sorted_e.shape[0]
     if n == 0:
         return
     sfc = hidden // 128
     bh = 1024 if hidden % 1024 == 0 else 128
+    if staged is not None:
+        ring_u8, ring_f32 = staged
     _ep_place_rows_kernel[(n,)](sorted_e, order, counts, cstart, state, expert_blocks, src_list, ring_u8, ring_f32,
                                 delta_u8, delta_f32, off_x, off_sf, flat_w, a_u8, asf, roww, row_src, row_tok,
                                 row_chunk, chunk, C=tokens_per_slot, K=topk, H=hidden, SFC=sfc,
                                 SFCP=triton.next_power_of_2(sfc), E_LOC=local_experts, BM=block_m,
-                                MAXB=expert_blocks.shape[1], BH=bh, num_warps=4)
+                                MAXB=expert_blocks.shape[1], BH=bh, STAGED=staged is not None, num_warps=4)
 
 
 @triton.jit
@@ -394,47 +471,16 @@ def _l1_tile(i, nt, lo, ready_list_ptr, block_expert_ptr, a_ptr, asf_ptr, w1_ptr
         acc_g += tl.dot(a, tl.trans(wg)) * (a_s[:, None] * sg)
         acc_u += tl.dot(a, tl.trans(wu)) * (a_s[:, None] * su)
     h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
-    amax = tl.maximum(tl.max(tl.abs(h), axis=1), 1e-12)
-    s = amax / 448.0
-    q = _to_fp8(tl.clamp(h / s[:, None], -448.0, 448.0))
+    q, s = _quant_fp8_rows(h)
     tl.store(h1_ptr + rows[:, None] * I + ncol[None, :], q)
     tl.store(h1sf_ptr + rows * NT + nt, s)
 
 
-@triton.jit(do_not_specialize=["lo_index", "hi_index", "max_items"])
-def _l1_swiglu_kernel(ready_list_ptr, ready_hi_ptr, lo_index, hi_index, max_items, block_expert_ptr, a_ptr, asf_ptr,
-                      w1_ptr, w1sf_ptr, h1_ptr, h1sf_ptr, H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr,
-                      GROUP: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr, PERSIST: tl.constexpr):
-    if PDL:
-        # programmatic dependent launch: this grid was launched before its predecessor ended;
-        # wait here (before the first read of anything the predecessor writes)
-        tl.extra.cuda.gdc_wait()
-    NT: tl.constexpr = I // 128
-    lo = tl.load(ready_hi_ptr + lo_index)
-    hi = tl.load(ready_hi_ptr + hi_index)
-    n_items = tl.minimum(hi - lo, max_items)
-    if PERSIST:
-        # a fixed grid (fewer CTAs than the GPU holds) loops over the tiles: SM slots stay free
-        # for kernels of other streams (the producer) while the chunk's blocks compute
-        total = tl.cdiv(n_items, GROUP) * GROUP * NT
-        t = tl.program_id(0)
-        while t < total:  # (a while loop: the CPU interpreter cannot range() over loaded values)
-            i, nt, ok = _tile_of(t, NT, GROUP, n_items)
-            if (i < n_items) & ok:
-                _l1_tile(i, nt, lo, ready_list_ptr, block_expert_ptr, a_ptr, asf_ptr, w1_ptr, w1sf_ptr, h1_ptr,
-                         h1sf_ptr, H, I, BM, STAGES)
-            t += tl.num_programs(0)
-    else:
-        i, nt, ok = _tile_of(tl.program_id(0), NT, GROUP, n_items)
-        if (i < n_items) & ok:
-            _l1_tile(i, nt, lo, ready_list_ptr, block_expert_ptr, a_ptr, asf_ptr, w1_ptr, w1sf_ptr, h1_ptr, h1sf_ptr,
-                     H, I, BM, STAGES)
-
-
 @triton.jit
-def _l2_tile(i, nt, lo, ready_list_ptr, block_expert_ptr, h1_ptr, h1sf_ptr, w2_ptr, w2sf_ptr, roww_ptr, y_ptr,
-             row_src_ptr, row_tok_ptr, comb_delta_ptr, H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr,
-             STAGES: tl.constexpr, DIRECT: tl.constexpr):
+def _l2_rows(i, nt, lo, ready_list_ptr, block_expert_ptr, h1_ptr, h1sf_ptr, w2_ptr, w2sf_ptr, roww_ptr,
+             H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, STAGES: tl.constexpr):
+    # L2 of one 128-column tile of ready block ``ready_list[lo + i]``, times the routing weight:
+    # returns the bf16 tile and its rows / columns (stored by _l2_store)
     BN: tl.constexpr = 128
     BK: tl.constexpr = 128
     NT: tl.constexpr = H // BN
@@ -455,6 +501,11 @@ def _l2_tile(i, nt, lo, ready_list_ptr, block_expert_ptr, h1_ptr, h1sf_ptr, w2_p
         acc += tl.dot(a, tl.trans(w)) * (a_s[:, None] * ws)
     rw = tl.load(roww_ptr + rows)
     y = (acc * rw[:, None]).to(tl.bfloat16)
+    return y, rows, ncol
+
+
+@triton.jit
+def _l2_store(y, rows, ncol, y_ptr, row_src_ptr, row_tok_ptr, comb_delta_ptr, H: tl.constexpr, DIRECT: tl.constexpr):
     if DIRECT:
         # straight into the owner's combine rows (P2P): owner = row_src, combine row = row_tok;
         # padding rows of a sealed partial block (row_src < 0) are not stored anywhere
@@ -467,31 +518,72 @@ def _l2_tile(i, nt, lo, ready_list_ptr, block_expert_ptr, h1_ptr, h1sf_ptr, w2_p
         tl.store(y_ptr + rows[:, None] * H + ncol[None, :], y)
 
 
+@triton.jit
+def _gemm_tile(t, n_items, lo, ready_list_ptr, block_expert_ptr, x_ptr, xsf_ptr, w_ptr, wsf_ptr, out_ptr, outsf_ptr,
+               roww_ptr, row_src_ptr, row_tok_ptr, comb_delta_ptr, LAYER: tl.constexpr, NT: tl.constexpr,
+               H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, GROUP: tl.constexpr, STAGES: tl.constexpr,
+               DIRECT: tl.constexpr):
+    i, nt, ok = _tile_of(t, NT, GROUP, n_items)
+    if (i < n_items) & ok:
+        if LAYER == 1:
+            _l1_tile(i, nt, lo, ready_list_ptr, block_expert_ptr, x_ptr, xsf_ptr, w_ptr, wsf_ptr, out_ptr, outsf_ptr,
+                     H, I, BM, STAGES)
+        else:
+            y, rows, ncol = _l2_rows(i, nt, lo, ready_list_ptr, block_expert_ptr, x_ptr, xsf_ptr, w_ptr, wsf_ptr,
+                                     roww_ptr, H, I, BM, STAGES)
+            _l2_store(y, rows, ncol, out_ptr, row_src_ptr, row_tok_ptr, comb_delta_ptr, H, DIRECT)
+
+
+@triton.jit
+def _gemm_over_ready_tiles(ready_list_ptr, ready_hi_ptr, lo_index, hi_index, max_items, block_expert_ptr, x_ptr,
+                           xsf_ptr, w_ptr, wsf_ptr, out_ptr, outsf_ptr, roww_ptr, row_src_ptr, row_tok_ptr,
+                           comb_delta_ptr, LAYER: tl.constexpr, NT: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
+                           BM: tl.constexpr, GROUP: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr,
+                           PERSIST: tl.constexpr, DIRECT: tl.constexpr):
+    # The tiles of L1 (LAYER 1: x = a, w = w1, out = h1 + scales) or L2 (LAYER 2: x = h1, w = w2, out = y or
+    # the owners' combine rows) over the ready blocks ready_list[ready_hi[lo_index] : ready_hi[hi_index]].
+    if PDL:
+        # programmatic dependent launch: this grid was launched before its predecessor ended;
+        # wait here (before the first read of anything the predecessor writes)
+        tl.extra.cuda.gdc_wait()
+    lo = tl.load(ready_hi_ptr + lo_index)
+    hi = tl.load(ready_hi_ptr + hi_index)
+    n_items = tl.minimum(hi - lo, max_items)
+    if PERSIST:
+        # a fixed grid (fewer CTAs than the GPU holds) loops over the tiles: SM slots stay free
+        # for kernels of other streams (the producer) while the chunk's blocks compute
+        total = tl.cdiv(n_items, GROUP) * GROUP * NT
+        t = tl.program_id(0)
+        while t < total:  # (a while loop: the CPU interpreter cannot range() over loaded values)
+            _gemm_tile(t, n_items, lo, ready_list_ptr, block_expert_ptr, x_ptr, xsf_ptr, w_ptr, wsf_ptr, out_ptr,
+                       outsf_ptr, roww_ptr, row_src_ptr, row_tok_ptr, comb_delta_ptr, LAYER, NT, H, I, BM, GROUP,
+                       STAGES, DIRECT)
+            t += tl.num_programs(0)
+    else:
+        _gemm_tile(tl.program_id(0), n_items, lo, ready_list_ptr, block_expert_ptr, x_ptr, xsf_ptr, w_ptr, wsf_ptr,
+                   out_ptr, outsf_ptr, roww_ptr, row_src_ptr, row_tok_ptr, comb_delta_ptr, LAYER, NT, H, I, BM, GROUP,
+                   STAGES, DIRECT)
+
+
+@triton.jit(do_not_specialize=["lo_index", "hi_index", "max_items"])
+def _l1_swiglu_kernel(ready_list_ptr, ready_hi_ptr, lo_index, hi_index, max_items, block_expert_ptr, a_ptr, asf_ptr,
+                      w1_ptr, w1sf_ptr, h1_ptr, h1sf_ptr, H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr,
+                      GROUP: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr, PERSIST: tl.constexpr):
+    # (h1sf_ptr stands in for L2's pointers, unused by LAYER 1)
+    _gemm_over_ready_tiles(ready_list_ptr, ready_hi_ptr, lo_index, hi_index, max_items, block_expert_ptr, a_ptr,
+                           asf_ptr, w1_ptr, w1sf_ptr, h1_ptr, h1sf_ptr, h1sf_ptr, h1sf_ptr, h1sf_ptr, h1sf_ptr, 1,
+                           I // 128, H, I, BM, GROUP, STAGES, PDL, PERSIST, False)
+
+
 @triton.jit(do_not_specialize=["lo_index", "hi_index", "max_items"])
 def _l2_kernel(ready_list_ptr, ready_hi_ptr, lo_index, hi_index, max_items, block_expert_ptr, h1_ptr, h1sf_ptr, w2_ptr,
                w2sf_ptr, roww_ptr, y_ptr, row_src_ptr, row_tok_ptr, comb_delta_ptr, H: tl.constexpr, I: tl.constexpr,
                BM: tl.constexpr, GROUP: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr, PERSIST: tl.constexpr,
                DIRECT: tl.constexpr):
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-    NT: tl.constexpr = H // 128
-    lo = tl.load(ready_hi_ptr + lo_index)
-    hi = tl.load(ready_hi_ptr + hi_index)
-    n_items = tl.minimum(hi - lo, max_items)
-    if PERSIST:
-        total = tl.cdiv(n_items, GROUP) * GROUP * NT
-        t = tl.program_id(0)
-        while t < total:  # (a while loop: the CPU interpreter cannot range() over loaded values)
-            i, nt, ok = _tile_of(t, NT, GROUP, n_items)
-            if (i < n_items) & ok:
-                _l2_tile(i, nt, lo, ready_list_ptr, block_expert_ptr, h1_ptr, h1sf_ptr, w2_ptr, w2sf_ptr, roww_ptr,
-                         y_ptr, row_src_ptr, row_tok_ptr, comb_delta_ptr, H, I, BM, STAGES, DIRECT)
-            t += tl.num_programs(0)
-    else:
-        i, nt, ok = _tile_of(tl.program_id(0), NT, GROUP, n_items)
-        if (i < n_items) & ok:
-            _l2_tile(i, nt, lo, ready_list_ptr, block_expert_ptr, h1_ptr, h1sf_ptr, w2_ptr, w2sf_ptr, roww_ptr, y_ptr,
-                     row_src_ptr, row_tok_ptr, comb_delta_ptr, H, I, BM, STAGES, DIRECT)
+    # (y_ptr stands in for L1's output scales, unused by LAYER 2)
+    _gemm_over_ready_tiles(ready_list_ptr, ready_hi_ptr, lo_index, hi_index, max_items, block_expert_ptr, h1_ptr,
+                           h1sf_ptr, w2_ptr, w2sf_ptr, y_ptr, y_ptr, roww_ptr, row_src_ptr, row_tok_ptr,
+                           comb_delta_ptr, 2, H // 128, H, I, BM, GROUP, STAGES, PDL, PERSIST, DIRECT)
 
 
 def _gemm_cfg(block_m: int) -> dict:
@@ -576,25 +668,6 @@ def combine(tokrow, y, out, *, topk: int) -> None:
     _combine_kernel[(t, h // bh)](tokrow, y, out, H=h, K=topk, BH=bh, num_warps=4)
 
 
-@triton.jit(do_not_specialize=["deadline_ns"])
-def _spin_flag_kernel(flag_ptr, deadline_ns, out_ptr):
-    # An idle waiting consumer: one program polls a flag (volatile loads) until it is non-zero or
-    # the deadline passes; writes 1 (seen) or 2 (timed out) to out_ptr.
-    t0 = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
-    v = tl.load(flag_ptr, volatile=True)
-    now = t0
-    while (v == 0) & (now - t0 < deadline_ns):
-        v = tl.load(flag_ptr, volatile=True)
-        now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False,
-                                        pack=1)
-    tl.store(out_ptr, tl.where(v != 0, 1, 2))
-
-
-def spin_on_flag(flag, deadline_ns: int, out) -> None:
-    """Enqueue one program spinning on ``flag[0] != 0`` (at most ``deadline_ns``)."""
-    _spin_flag_kernel[(1,)](flag, deadline_ns, out, num_warps=1)
-
-
 @triton.jit(do_not_specialize=["idx"])
 def _stamp_kernel(ptr, idx):
     t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
@@ -630,9 +703,7 @@ def _swiglu_quant_kernel(ready_list_ptr, ready_hi_ptr, lo_index, hi_index, max_i
             u = tl.load(gu_ptr + rows[:, None] * (2 * I) + I + cols[None, :]).to(tl.float32)
             # exactly the fused epilogue of _l1_tile: SwiGLU in float32, per-row 128-column FP8 group
             h = g / (1.0 + tl.exp(-g)) * u
-            amax = tl.maximum(tl.max(tl.abs(h), axis=1), 1e-12)
-            s = amax / 448.0
-            q = _to_fp8(tl.clamp(h / s[:, None], -448.0, 448.0))
+            q, s = _quant_fp8_rows(h)
             tl.store(h1_ptr + rows[:, None] * I + cols[None, :], q)
             tl.store(h1sf_ptr + rows * NT + nt, s)
             # the routing weight, folded into L2's activation scales: L2 = sum_k (q . w) * (s * rw) * w_sf

@@ -50,7 +50,7 @@ RING_ROUTE, RING_LAYOUT = 0, 1
 RS_VIOLATIONS, RS_TIMEOUTS, RS_FIRST_ERROR, RS_ABORT, RS_CONSUMED, RS_PUBLISHED, RS_BAD_SEEN, RS_BAD_WANT = range(8)
 RS_WORDS = 16
 
-# -- error codes of RS_FIRST_ERROR (code | src << 8 | chunk << 24) -------------------------------------------
+# -- error codes of RS_FIRST_ERROR (code | src << 8 | chunk << 24 | (meta word + 1) << 56) ---------------------
 ERRORS = {
     "RE_ACQUIRE_TIMEOUT": (1, "acquire timeout"),
     "RE_REUSE_TIMEOUT": (2, "reuse (ack) timeout"),
@@ -62,8 +62,18 @@ ERRORS = {
     "RE_CHANGED_WHILE_HELD": (8, "changed while held"),
     "RE_COMBINE_TIMEOUT": (9, "combine arrival timeout"),
     "RE_COMBINE_COUNT": (10, "combine arrival count above expected"),
+    # the persistent expert consumer (device/persistent_moe.py): src = -1, chunk = the ready-list position
+    "RE_QUEUE_TIMEOUT": (11, "work-queue wait for a ready block timeout"),
+    "RE_L1_WAIT_TIMEOUT": (12, "L2 wait for its block's L1 tiles timeout"),
 }
 ERROR_NAMES = {code: what for code, what in ERRORS.values()}
+ERROR_CODES = {name: code for name, (code, _) in ERRORS.items()}
+TIMEOUT_CODES = frozenset(ERROR_CODES[n] for n in ("RE_ACQUIRE_TIMEOUT", "RE_REUSE_TIMEOUT", "RE_DRAIN_TIMEOUT",
+                                                   "RE_COMBINE_TIMEOUT"))
+#: the metadata word an RE_META names (its RS_FIRST_ERROR field), as the errors say it
+META_FIELD_NAMES = {META_CHUNK: "chunk index", META_BASE: "token base", META_VALID: "valid count",
+                    META_ROUTE_GEN: "route generation", META_LAYOUT_GEN: "layout generation"}
+NO_SOURCE = 0xFFFF  # the src of an error that has no single source (the owner's combine): -1 on the device
 
 # -- deliberate mutations of the device protocol (protocol.Inject values -> bits) ------------------------------
 INJECT_BITS = {"none": 0, "skip-acquire": 1, "signal-before-payload": 2, "skip-ack-wait": 4, "ignore-epoch": 8}
@@ -143,13 +153,81 @@ def pack_desc(layout, *, epoch_ptr: int, num_chunks: int, status_ptr: int, deadl
 
 
 def decode_status(words) -> dict:
-    """The RS_* status words of a ring as a dict (first_error decoded)."""
+    """The RS_* status words of a ring as a dict (first_error decoded).
+
+    ``first_error``: None, or ``code``, ``what`` (its name), ``src`` (the source PE; -1: none, e.g. the
+    owner's combine), ``chunk``, ``field`` (the metadata word an RE_META names, else None), ``seen`` and
+    ``want`` (hex: the word the device saw and the one it expected). :func:`describe_status` words it.
+    """
     w = [int(x) & 0xFFFFFFFFFFFFFFFF for x in words]
     first = w[RS_FIRST_ERROR]
     err = None
     if first:
         code, src, chunk = first & 0xFF, (first >> 8) & 0xFFFF, (first >> 24) & 0xFFFFFFFF
-        err = {"code": code, "what": ERROR_NAMES.get(code, "?"), "src": src, "chunk": chunk,
+        field = ((first >> 56) & 0xFF) - 1
+        err = {"code": code, "what": ERROR_NAMES.get(code, "?"), "src": -1 if src == NO_SOURCE else src,
+               "chunk": chunk, "field": META_FIELD_NAMES.get(field) if field >= 0 else None,
                "seen": hex(w[RS_BAD_SEEN]), "want": hex(w[RS_BAD_WANT])}
     return {"violations": w[RS_VIOLATIONS], "timeouts": w[RS_TIMEOUTS], "aborted": bool(w[RS_ABORT]),
             "consumed": w[RS_CONSUMED], "published": w[RS_PUBLISHED], "first_error": err}
+
+
+def gen_text(gen: int) -> str:
+    """A generation as ``e<epoch>:c<chunk>`` (the protocol's ``gen_str``) and in hex; ``0`` if never set."""
+    gen = int(gen) & 0xFFFFFFFFFFFFFFFF
+    if gen == 0:
+        return "0 (never published)"
+    return f"e{gen >> SEQ_BITS}:c{(gen & SEQ_MASK) - 1} ({gen:#x})"
+
+
+def _mask_ranks(mask: int) -> list[int]:
+    return [r for r in range(64) if (mask >> r) & 1]
+
+
+def describe_status(st: dict, *, pe: int, num_slots: int | None = None, deadline_s: float | None = None) -> str:
+    """One line on PE ``pe``'s device status ``st`` (:func:`decode_status`, plus ``bad_routes`` if the
+    layer counts them): what the first error waited for or refused, naming the source PE, the chunk and
+    the generation; '' when there is no error. Timeouts read ``watchdog: ...`` (as the CPU backend's),
+    violations ``device ring violation: ...``."""
+    err = st.get("first_error")
+    bad_routes = int(st.get("bad_routes") or 0)
+    counts = f"violations {st.get('violations', 0)}, timeouts {st.get('timeouts', 0)}" + (
+        f", corrupt routes dropped {bad_routes}" if bad_routes else "")
+    if err is None:
+        if bad_routes:
+            return (f"rank {pe}: device ring violation: {bad_routes} routes (topk_idx) from the sources held an "
+                    f"expert id outside [-1, num_experts) and were dropped ({counts})")
+        return ""
+    code, src, chunk = err["code"], err["src"], err["chunk"]
+    seen, want = int(err["seen"], 16), int(err["want"], 16)
+    slot = f", slot {chunk % num_slots}" if num_slots else ""
+    waited = f"waited {deadline_s:g}s (wait_timeout_s={deadline_s:g})" if deadline_s else "waited past its deadline"
+    name = {c: n for n, c in ERROR_CODES.items()}.get(code, "")
+    if name == "RE_ACQUIRE_TIMEOUT" and want == 0:  # ready order: `seen` is the mask of sources still pending
+        what = (f"watchdog: the device {waited} for chunk {chunk} of any of the source ranks "
+                f"{_mask_ranks(seen)} (ready source order; pending mask {seen:#x})")
+    elif name == "RE_ACQUIRE_TIMEOUT":
+        what = (f"watchdog: the device {waited} for route+layout generation {gen_text(want)} of source rank {src} "
+                f"(chunk {chunk}{slot}); it last saw {gen_text(seen)}: rank {src} is dead, stopped or stuck")
+    elif name in ("RE_REUSE_TIMEOUT", "RE_DRAIN_TIMEOUT"):
+        step = "the reuse of my slot" if name == "RE_REUSE_TIMEOUT" else "the end-of-stream drain"
+        what = (f"watchdog: the device {waited} in {step} for the acknowledgements of my chunk {chunk}{slot} from "
+                f"ranks {_mask_ranks(want & ~seen)} (ack mask {seen:#x} of {want:#x}): they are dead, stopped or "
+                f"stuck")
+    elif name == "RE_COMBINE_TIMEOUT":
+        what = (f"watchdog: the device {waited} for the result rows of my chunk {chunk}: {seen} of {want} arrived "
+                f"(a consumer rank is dead, stopped or stuck)")
+    elif name == "RE_META":
+        what = (f"device ring violation: metadata of source rank {src}, chunk {chunk}{slot}: "
+                f"{err.get('field') or 'a word'} = {seen:#x}, expected {want:#x}")
+    elif name == "RE_NEWER_GEN":
+        what = (f"device ring violation: source rank {src} signalled generation {gen_text(seen)} for chunk "
+                f"{chunk}{slot} while {gen_text(want)} was expected (a newer or foreign generation)")
+    elif name == "RE_COMBINE_COUNT":
+        what = (f"device ring violation: {seen} result rows arrived for my chunk {chunk}, {want} expected "
+                f"(a count carried over or a row sent twice)")
+    else:
+        who = f"source rank {src}" if src >= 0 else "no single source"
+        what = (f"device ring violation: {err['what']} ({who}, chunk {chunk}{slot}; seen {seen:#x}, "
+                f"expected {want:#x})")
+    return f"rank {pe}: {what} ({counts})"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import threading
 import time
@@ -39,14 +40,20 @@ def make_heap(cfg: Config, launcher: Launcher | None = None) -> SymmetricHeap:
 
 
 def abort_job(exc: BaseException, code: int = 1) -> None:
-    """Print the error of this rank and take the whole job down (no orphans, no hang)."""
-    rank = "?"
-    try:
-        from mpi4py import MPI
+    """Print the error of this rank and take the whole job down (no orphans, no hang).
 
-        rank = MPI.COMM_WORLD.Get_rank()
-    except Exception:  # pragma: no cover
-        MPI = None
+    Under MPI: ``MPI_Abort``. Under torchrun (no MPI: torchrun ends the other workers when this one
+    exits non-zero) the process exits, and a SIGALRM ends it should an exit handler hang (NVSHMEM's
+    finalisation waits for peers that may be dead or stopped)."""
+    rank = os.environ.get("RANK", "?")
+    MPI = None
+    if detect_launcher() is not Launcher.TORCHRUN:  # importing mpi4py would start an MPI singleton there
+        try:
+            from mpi4py import MPI
+
+            rank = MPI.COMM_WORLD.Get_rank()
+        except Exception:  # pragma: no cover
+            MPI = None
     # The type is part of the line: a caller (or a test) can tell a protocol violation or a
     # watchdog from a crash without a traceback.
     sys.stderr.write(f"[streamring rank {rank}] error: {type(exc).__name__}: {exc}\n")
@@ -69,7 +76,14 @@ def abort_job(exc: BaseException, code: int = 1) -> None:
     time.sleep(0.3)  # let mpiexec forward our last lines before the abort tears the job down
     if MPI is not None and MPI.Is_initialized() and not MPI.Is_finalized() and MPI.COMM_WORLD.Get_size() > 1:
         MPI.COMM_WORLD.Abort(code)
+    if hasattr(signal, "alarm"):
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)  # the default action ends the process, GIL or not
+        signal.alarm(ABORT_EXIT_GRACE_S)
     sys.exit(code)
+
+
+#: Seconds an aborting rank that is not under MPI may spend in its exit handlers.
+ABORT_EXIT_GRACE_S = 20
 
 
 class BlockedCallWatch:

@@ -12,7 +12,7 @@ Everything is enqueued on the current torch stream with no host synchronisation:
 counts live on the device and the GEMM launches read their ``[lo, hi)`` range of the ready
 list from device memory, with a grid sized for the largest range possible. A whole forward -
 per-chunk dispatch and GEMMs included - is therefore one captured CUDA graph that the host does
-not relaunch per chunk (``streamring.moe.gpu_layer``).
+not relaunch per chunk (``streamring.moe.ep_buffer``).
 
 Bitwise contract: rows of an expert are appended in chunk order and, inside a chunk, in
 (token, k) order (stable sort), which is the batch path's order; the kernels compute every row
@@ -35,6 +35,7 @@ from ..device import moe_triton as K
 from .math import MoEShape, MoEWeights, select_experts
 
 FP8 = torch.float8_e4m3fn
+PULLS = ("route", "token")  # BlockConsumer.dispatch_ep: one slot read per route, or per needed token
 
 
 @dataclass
@@ -170,6 +171,11 @@ class BlockConsumer:
             self.row_tok = torch.zeros(rows, dtype=torch.int64, device=device)
             self.row_chunk = torch.zeros(rows, **i32)
             self.sorted_e = torch.zeros(ep_entries, **i32)
+            # bytes the dispatch pulls from peers' slots this forward, counted by ep_gather (pull_bytes=):
+            # [0] one row per route (pull="route"), [1] one row per needed token (pull="token")
+            self.pull_bytes = torch.zeros(2, dtype=torch.int64, device=device)
+            self.ep_tokens = ep_entries // shape.topk  # (source, token) pairs of one dispatch
+            self._stage = None  # (x, x_sf) stage rows of pull="token", allocated at its first use
         self.gemm_kernels: set = set()  # compiled GEMM kernels launched so far (graph node priorities)
 
     def max_ready(self, tokens: int) -> int:
@@ -182,6 +188,7 @@ class BlockConsumer:
         self.ready_hi.zero_()
         if self.ep:
             self.row_src.fill_(-1)
+            self.pull_bytes.zero_()
 
     def dispatch(self, c: int, topk_idx, topk_w, x_q, x_sf, token_base: int) -> None:
         """Append chunk ``c``'s routed rows (slot views, ``n`` tokens) to the expert blocks.
@@ -201,7 +208,8 @@ class BlockConsumer:
                      topk_w.reshape(-1), self.a, self.a_sf, self.row_weight, self.tok_row, token_base, topk=Kk,
                      block_m=self.block_m)
 
-    def dispatch_ep(self, c: int, flat_e, flat_w, src_list, ring, deltas, offs, step: int | None = None) -> None:
+    def dispatch_ep(self, c: int, flat_e, flat_w, src_list, ring, deltas, offs, step: int | None = None, *,
+                    pull: str = "route", on_slot_released=None) -> None:
         """Expert-parallel dispatch of chunk ``c`` (dispatch number ``step``, default ``c``: the
         blocks it makes ready are ``ready_list[ready_hi[step] : ready_hi[step + 1]]``; several
         dispatches per chunk in the ready source order): append the routes of ``flat_e`` (int32 local
@@ -209,11 +217,31 @@ class BlockConsumer:
         not serve; see :func:`~streamring.device.moe_triton.ep_gather`) to the expert blocks and copy
         each routed row out of its source's slot: ``ring = (ring_u8, ring_f32)`` views of the ring,
         ``deltas = (delta_u8, delta_f32)`` per-source distances, ``offs = (x byte offset, x_sf
-        element offset)`` of the slot. After this (in stream order) nothing reads the slot again:
-        the slot may be acknowledged right here (the RFC's early ``input_consumed``).
+        element offset)`` of the slot.
+
+        ``pull``: ``"route"`` copies a row from the slot once per route to a local expert (up to K
+        times per token); ``"token"`` copies each needed token's row once into local stage rows
+        (``ep_stage_rows``), then expands them into the blocks. Both append the same rows in the same
+        order (outputs bitwise equal). The stage rows (``ep_entries / K`` rows of ``hidden`` bytes) are
+        allocated at the first ``"token"`` dispatch: make it before a CUDA-graph capture (a warm-up).
+
+        ``on_slot_released``: called (to enqueue, e.g., the slot's acknowledgement, the RFC's early
+        ``input_consumed``) right after the last read of the slot: after the stage copy with
+        ``"token"``, at the end with ``"route"``. After this returns (in stream order) nothing reads
+        the slot again either way.
         """
+        if pull not in PULLS:
+            raise ValueError(f"pull must be one of {PULLS}, got {pull!r}")
         E, Kk = self.shape.num_experts, self.shape.topk
         n = flat_e.shape[0]
+        C = n // (src_list.shape[0] * Kk)
+        staged = None
+        if pull == "token":
+            staged = self._stage_rows()
+            K.ep_stage_rows(flat_e, src_list, ring[0], ring[1], deltas[0], deltas[1], offs[0], offs[1], staged[0],
+                            staged[1], tokens_per_slot=C, topk=Kk, hidden=self.shape.hidden, local_experts=E)
+            if on_slot_released is not None:
+                on_slot_released()
         sorted_e, order = torch.sort(flat_e, stable=True)
         counts = torch.zeros(E + 1, dtype=torch.int32, device=self.device).scatter_add_(0, flat_e.long(),
                                                                                          self.ones[:n])
@@ -222,8 +250,17 @@ class BlockConsumer:
                        (c if step is None else step) + 1, num_experts=E, block_m=self.block_m, seal=False)
         K.ep_place_rows(sorted_e, order, counts, cstart, self.state, self.expert_blocks, src_list, ring[0], ring[1],
                         deltas[0], deltas[1], offs[0], offs[1], flat_w, self.a, self.a_sf, self.row_weight,
-                        self.row_src, self.row_tok, self.row_chunk, c, tokens_per_slot=n // (src_list.shape[0] * Kk),
-                        topk=Kk, hidden=self.shape.hidden, local_experts=E, block_m=self.block_m)
+                        self.row_src, self.row_tok, self.row_chunk, c, tokens_per_slot=C, topk=Kk,
+                        hidden=self.shape.hidden, local_experts=E, block_m=self.block_m, staged=staged)
+        if pull == "route" and on_slot_released is not None:
+            on_slot_released()
+
+    def _stage_rows(self):
+        if self._stage is None:
+            H = self.shape.hidden
+            self._stage = (torch.zeros(self.ep_tokens, H, dtype=torch.uint8, device=self.device),
+                           torch.zeros(self.ep_tokens, H // 128, dtype=torch.float32, device=self.device))
+        return self._stage
 
     def seal(self, c: int) -> None:
         """End of stream: every partial block becomes ready (``ready_hi[c + 1]``)."""
@@ -254,14 +291,14 @@ class BlockConsumer:
         K.combine(self.tok_row, self.y, out, topk=self.shape.topk)
 
     def use_cutlass(self, *, tile_l1: str = "coop128", tile_l2: str = "coop128", l1_out_dtype=torch.float32,
-                    trap_on_error: bool = True):
+                    trap_on_error: bool = True, raster_l1: str = "m", raster_l2: str = "m"):
         """Set up (once; allocates) the CUTLASS expert GEMMs that :meth:`compute_cutlass` runs:
         a :class:`streamring.moe.cutlass_experts.CutlassExperts` (returned). Call it before a CUDA
         graph capture so that its buffers are not allocated inside the capture."""
         from .cutlass_experts import CutlassExperts
 
         self.cutlass = CutlassExperts(self, tile_l1=tile_l1, tile_l2=tile_l2, l1_out_dtype=l1_out_dtype,
-                                      trap_on_error=trap_on_error)
+                                      trap_on_error=trap_on_error, raster_l1=raster_l1, raster_l2=raster_l2)
         return self.cutlass
 
     def compute_cutlass(self, lo_index: int, hi_index: int, max_items: int, fw: FastWeights, pdl: bool = False,
@@ -276,6 +313,31 @@ class BlockConsumer:
         if getattr(self, "cutlass", None) is None:
             self.use_cutlass()
         self.cutlass.compute(lo_index, hi_index, max_items, fw, max_ctas=max_ctas)
+
+    def use_deep_gemm(self, *, keep_rows_outside_range: bool = True):
+        """Set up (once; allocates) the DeepGEMM expert GEMMs that :meth:`compute_deep_gemm` runs: a
+        :class:`streamring.moe.deep_gemm_experts.DeepGemmExperts` (returned). Needs ``block_m`` 128
+        (ValueError otherwise) and DeepGEMM (RuntimeError with the reason otherwise). Call it before a
+        CUDA graph capture. ``keep_rows_outside_range=False`` lets L2 write ``y`` directly (DeepGEMM
+        zeroes ``y``'s rows outside the ready range): only for a ``y`` read right after each call
+        (the expert-parallel layer's staging rows) or a single call over every block."""
+        from .deep_gemm_experts import DeepGemmExperts
+
+        self.deep_gemm = DeepGemmExperts(self, keep_rows_outside_range=keep_rows_outside_range)
+        return self.deep_gemm
+
+    def compute_deep_gemm(self, lo_index: int, hi_index: int, max_items: int, fw: FastWeights, pdl: bool = False,
+                          max_ctas: int | None = None) -> None:
+        """:meth:`compute` through DeepGEMM's grouped FP8 GEMM (``streamring.moe.deep_gemm_experts``):
+        same buffers, same numerics contract. ``pdl`` and ``max_ctas`` are refused (ValueError)."""
+        if pdl:
+            raise ValueError("pdl=True: programmatic dependent launch is not implemented for gemm='deep_gemm'")
+        if max_ctas is not None:
+            raise ValueError(f"max_ctas must be None for gemm='deep_gemm' (DeepGEMM sizes its own persistent grid), "
+                             f"got {max_ctas}")
+        if getattr(self, "deep_gemm", None) is None:
+            self.use_deep_gemm()
+        self.deep_gemm.compute(lo_index, hi_index, max_items, fw)
 
 
 def batch_forward(x, fw: FastWeights, shape: MoEShape, prod: Producer, bc: BlockConsumer, scratch: dict,
@@ -386,16 +448,19 @@ def streamed_forward_serial(x, fw: FastWeights, shape: MoEShape, prod: Producer,
     bc.combine(out)
 
 
-GEMM_IMPLS = ("triton", "cutlass")
+GEMM_IMPLS = ("triton", "cutlass", "deep_gemm")
 
 
 def compute_blocks(bc: BlockConsumer, lo_index: int, hi_index: int, max_items: int, fw: FastWeights,
                    gemm_impl: str = "triton", pdl: bool = False, max_ctas: int | None = None) -> None:
-    """:meth:`BlockConsumer.compute` (``gemm_impl="triton"``) or :meth:`BlockConsumer.compute_cutlass`
-    (``"cutlass"``) of the blocks ``ready_list[ready_hi[lo_index] : ready_hi[hi_index]]``."""
+    """:meth:`BlockConsumer.compute` (``gemm_impl="triton"``), :meth:`BlockConsumer.compute_cutlass`
+    (``"cutlass"``) or :meth:`BlockConsumer.compute_deep_gemm` (``"deep_gemm"``) of the blocks
+    ``ready_list[ready_hi[lo_index] : ready_hi[hi_index]]``."""
     if gemm_impl == "triton":
         bc.compute(lo_index, hi_index, max_items, fw, pdl=pdl, max_ctas=max_ctas)
     elif gemm_impl == "cutlass":
         bc.compute_cutlass(lo_index, hi_index, max_items, fw, pdl=pdl, max_ctas=max_ctas)
+    elif gemm_impl == "deep_gemm":
+        bc.compute_deep_gemm(lo_index, hi_index, max_items, fw, pdl=pdl, max_ctas=max_ctas)
     else:
         raise ValueError(f"gemm_impl must be one of {GEMM_IMPLS}, got {gemm_impl!r}")

@@ -47,8 +47,9 @@ scheduler.
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import numpy as np
 import torch
@@ -71,6 +72,36 @@ SCHEDULERS = ("chunk_local", "reservation")
 
 #: A routing override: ``(x_chunk, token_ids) -> (topk_idx int64 [n,k], topk_weights float32 [n,k])``.
 RoutingFn = Callable[[torch.Tensor, torch.Tensor], tuple]
+#: The valid row count of ``forward``'s ``x``: an int, or a 0-d / 1-element integer tensor.
+NumTokens = Union[int, torch.Tensor]
+
+
+def valid_token_count(num_tokens: Optional[NumTokens], rows: int) -> int:
+    """The number of valid rows of an ``x`` with ``rows`` rows; raises ValueError naming ``num_tokens``.
+
+    Args:
+        num_tokens: None (every row is valid), an int, or a 0-d / 1-element integer tensor (read on
+            the host here; on a GPU buffer the kernels read it on the device).
+        rows: ``x.shape[0]``.
+    Returns:
+        the count, ``0 <= count <= rows``.
+    """
+    if num_tokens is None:
+        return rows
+    if isinstance(num_tokens, torch.Tensor):
+        if num_tokens.numel() != 1 or num_tokens.dtype.is_floating_point or num_tokens.dtype.is_complex \
+                or num_tokens.dtype == torch.bool:
+            raise ValueError(f"num_tokens must be an int or a 0-d/1-element integer tensor, got a {num_tokens.dtype} "
+                             f"tensor of shape {list(num_tokens.shape)}")
+        n = int(num_tokens.reshape(()).item())
+    elif isinstance(num_tokens, (int, np.integer)) and not isinstance(num_tokens, (bool, np.bool_)):
+        n = int(num_tokens)
+    else:
+        raise ValueError(f"num_tokens must be an int or a 0-d/1-element integer tensor, "
+                         f"got {type(num_tokens).__name__}")
+    if not 0 <= n <= rows:
+        raise ValueError(f"num_tokens must be in [0, {rows}] (x has {rows} rows), got {n}")
+    return n
 
 
 @dataclass
@@ -130,21 +161,49 @@ class MoEBuffer:
         # the buffers are not reused; the caller rebuilds the MoEBuffer.
         self.broken: Optional[str] = None
         self._resolved_weights = None  # (weights, expert offset) of the current call, set by its input check
+        self._valid_tokens = 0  # valid rows of the current call's x, set by its input check
+        # Weights that prepare_weights checked once: forward skips their full validation (a scan of every
+        # expert weight) on each call. Keyed by the object, so dropping the weights drops the entry.
+        self._prepared: "weakref.WeakKeyDictionary[MoEWeights, tuple[MoEWeights, int]]" = weakref.WeakKeyDictionary()
+
+    # ------------------------------------------------------------------------------
+    def prepare_weights(self, weights: MoEWeights) -> MoEWeights:
+        """Check one layer's weights once against this buffer; returns the object ``forward`` takes.
+
+        Every layer of a model shares the buffer; prepare each layer's weights once and pass the
+        result to every :meth:`forward` of that layer. Prepared weights skip the per-call scan of
+        every expert weight (shape, dtype, finiteness); do not modify them afterwards (prepare the
+        new tensors instead). Local (this rank's experts only) or all experts, as :meth:`forward`
+        takes them.
+
+        Args:
+            weights: the layer's :class:`~streamring.moe.math.MoEWeights` (see
+                ``streamring.moe.weights`` to build them from bf16/float or FP8 checkpoint tensors).
+        Returns:
+            ``weights`` itself (on this CPU buffer the weights stay in their form).
+        Raises:
+            ValueError: naming the bad field, as :meth:`forward` would.
+        """
+        if not isinstance(weights, MoEWeights):
+            raise ValueError(f"weights must be a MoEWeights, got {type(weights).__name__}")
+        self._prepared[weights] = self._local_weights(weights)
+        return weights
 
     # ------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, weights: MoEWeights, *, streaming: bool = False,
                 stream_epoch: Optional[int] = None, scheduler: str = "chunk_local",
                 block_m: Optional[int] = None, routing: Optional[RoutingFn] = None,
-                source_order: str = "rank") -> torch.Tensor:
+                source_order: str = "rank", num_tokens: Optional[NumTokens] = None) -> torch.Tensor:
         """Run the MoE layer on this rank's tokens ``x`` ``[T, hidden]``; returns ``y`` float32 ``[T, hidden]``.
 
-        Collective: every rank calls it (a rank with no tokens passes ``T = 0``).
+        Collective: every rank calls it (a rank with no tokens passes ``T = 0`` or ``num_tokens=0``).
 
         Args:
-            x: bf16/float32/float64 tokens of this rank, finite (NaN/Inf are
+            x: bf16/float32/float64 tokens of this rank; its valid rows finite (NaN/Inf are
                 rejected on every rank before anything is published).
             weights: the layer's weights (all experts, or only this rank's
-                local experts, ``w1.shape[0] == num_experts / num_ranks``).
+                local experts, ``w1.shape[0] == num_experts / num_ranks``), best
+                passed through :meth:`prepare_weights` once.
             streaming: ``False`` = batch-ready path (default, one handoff);
                 ``True`` = chunks through the ring.
             stream_epoch: epoch of this call (must grow from call to call on the
@@ -155,13 +214,20 @@ class MoEBuffer:
             source_order: ``"rank"`` (wait for the sources of a chunk in rank order) or
                 ``"ready"`` (pull from any source whose chunk is ready first; an RFC later
                 optimisation, off by default: model-checked at 2 ranks only, see ``streamring.model``).
+            num_tokens: the valid row count, ``0 <= num_tokens <= T``: an int or a 0-d/1-element
+                integer tensor (a fixed-size ``x`` whose count changes from call to call, as under a
+                captured graph). Rows ``>= num_tokens`` of ``x`` are ignored (not checked, not routed),
+                the same rows of ``y`` are zero and of ``last_routing`` are ``-1`` / ``0``. Default:
+                every row. The batch path's capacity ``max_tokens_per_rank`` bounds this count.
+        Returns:
+            ``y`` float32 ``[T, hidden]`` on ``x``'s device.
         """
         if source_order not in SOURCE_ORDERS:
             raise ValueError(f"source_order must be one of {SOURCE_ORDERS}, got {source_order!r}")
         if self.broken:
             raise RuntimeError(f"this MoEBuffer is unusable after an error in the middle of a stream ({self.broken}); "
                                f"close() it and build a new MoEBuffer on every rank (collective)")
-        err = self._check_inputs(x, weights, scheduler, block_m, streaming)
+        err = self._check_inputs(x, weights, scheduler, block_m, streaming, num_tokens)
         errors = self.heap.allgather_obj(err)
         bad = [(r, e) for r, e in enumerate(errors) if e]
         if bad:
@@ -173,16 +239,18 @@ class MoEBuffer:
         epoch = ring.last_epoch + 1 if stream_epoch is None else int(stream_epoch)
         bm = self.shape.block_m if block_m is None else int(block_m)
         t0 = time.monotonic()
-        plan = ring.begin_stream(epoch, int(x.shape[0]))
+        n = self._valid_tokens
+        plan = ring.begin_stream(epoch, n)
         stats = ForwardStats(mode="stream" if streaming else "batch", epoch=epoch, num_chunks=plan.num_chunks,
-                             tokens=int(x.shape[0]))
+                             tokens=n)
         # Outputs live where x lives (CPU, or the rank's GPU on the NVSHMEM backend); the
-        # ring traffic itself goes through the heap's verbs.
+        # ring traffic itself goes through the heap's verbs. Rows past the valid count stay zero / -1:
+        # the roles write only into the views of the first n rows.
         y = torch.zeros(x.shape[0], self.shape.hidden, dtype=torch.float32, device=x.device)
         routing_out = (torch.full((x.shape[0], self.shape.topk), -1, dtype=torch.int64, device=x.device),
                        torch.zeros(x.shape[0], self.shape.topk, dtype=torch.float32, device=x.device))
-        run = _Forward(self, ring, plan, x, weights, bm, routing, y, routing_out, stats,
-                       scheduler if streaming else "chunk_local", source_order)
+        run = _Forward(self, ring, plan, x[:n], weights, bm, routing, y[:n], (routing_out[0][:n], routing_out[1][:n]),
+                       stats, scheduler if streaming else "chunk_local", source_order)
         try:
             with nvtx_range(f"streamring forward {'stream' if streaming else 'batch'} epoch {epoch} "
                                f"({plan.num_chunks} chunks)", color="purple"):
@@ -197,7 +265,7 @@ class MoEBuffer:
         self.last_routing = routing_out
         return y
 
-    def _check_inputs(self, x, weights, scheduler, block_m, streaming) -> Optional[str]:
+    def _check_inputs(self, x, weights, scheduler, block_m, streaming, num_tokens=None) -> Optional[str]:
         sh = self.shape
         try:
             if scheduler not in SCHEDULERS:
@@ -210,17 +278,21 @@ class MoEBuffer:
                 return f"x must be bfloat16, float32 or float64, got {x.dtype}"
             if x.ndim != 2 or x.shape[1] != sh.hidden:
                 return f"x must have shape [tokens, hidden={sh.hidden}], got {list(x.shape)}"
-            if not streaming and x.shape[0] > self.max_tokens_per_rank:
-                return (f"x has {x.shape[0]} tokens, more than this buffer's batch capacity "
+            n = valid_token_count(num_tokens, int(x.shape[0]))
+            if not streaming and n > self.max_tokens_per_rank:
+                return (f"x has {n} valid tokens, more than this buffer's batch capacity "
                         f"max_tokens_per_rank={self.max_tokens_per_rank}")
-            if x.numel() and not torch.isfinite(x).all():
-                bad = int((~torch.isfinite(x)).any(dim=1).nonzero()[0, 0])
+            xv = x[:n]
+            if xv.numel() and not torch.isfinite(xv).all():
+                bad = int((~torch.isfinite(xv)).any(dim=1).nonzero()[0, 0])
                 return f"x contains NaN/Inf at token {bad} (rejected: non-finite activations are not propagated)"
             if not isinstance(weights, MoEWeights):
                 return f"weights must be a MoEWeights, got {type(weights).__name__}"
             if weights.w1.device != x.device:
                 return f"weights are on {weights.w1.device} but x is on {x.device}: put both on one device"
-            self._resolved_weights = self._local_weights(weights)
+            prepared = self._prepared.get(weights)
+            self._resolved_weights = prepared if prepared is not None else self._local_weights(weights)
+            self._valid_tokens = n
         except Exception as exc:  # noqa: BLE001 - any local error must reach every rank, not desync them
             return f"{type(exc).__name__}: {exc}" if not isinstance(exc, ValueError) else str(exc)
         return None

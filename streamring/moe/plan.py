@@ -1,7 +1,7 @@
 """How a streamed MoE forward is scheduled on a GPU (plain data; no GPU imports).
 
 Used by the adaptive policy (``streamring.moe.adaptive``) and executed by
-``streamring.moe.gpu_layer``.
+``streamring.moe.ep_buffer``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-// streamring: the cross-PE handoffs of the expert-parallel GPU layer (streamring/moe/gpu_layer.py).
+// streamring: the cross-PE handoffs of the expert-parallel GPU layer (streamring/moe/ep_buffer.py).
 //
 // The ring carries each source's chunk (routing + FP8 activations) to every PE; these kernels
 // carry the results back and synchronise the owner's reduce:
@@ -108,15 +108,16 @@ extern "C" __global__ void ep_pull_slots(const RingDesc* d, uint8_t* buf, uint8_
     for (int r = 0; r < 4; ++r) nvshmemx_getmem_block(dst + off[r], buf + off[r], len[r], (int)src);
 }
 
-// Owner: wait until every chunk's rows arrived (arrived[c] == expected[c], acquire) so that the
-// reduce reads only complete chunks of this epoch. A count above the expectation is a violation
-// (RE_COMBINE_COUNT); the deadline records RE_COMBINE_TIMEOUT. One thread.
+// Owner: wait until the rows of chunks [first_chunk, first_chunk + num_chunks) arrived (arrived[c] ==
+// expected[c], acquire) so that the reduce reads only complete chunks of this forward. A count above
+// the expectation is a violation (RE_COMBINE_COUNT); the deadline records RE_COMBINE_TIMEOUT, both
+// with the chunk. One thread.
 extern "C" __global__ void ep_wait_arrivals(const RingDesc* d, const uint8_t* comb, int64_t off_arrived,
-                                            const int64_t* expected, int64_t num_chunks) {
+                                            const int64_t* expected, int64_t first_chunk, int64_t num_chunks) {
     if (threadIdx.x != 0 || blockIdx.x != 0 || d->num_chunks <= 0) return;
     const uint64_t* arrived = (const uint64_t*)(comb + off_arrived);
     const long long start = clock64();
-    for (int64_t c = 0; c < num_chunks; ++c) {
+    for (int64_t c = first_chunk; c < first_chunk + num_chunks; ++c) {
         const uint64_t want = (uint64_t)expected[c];
         while (true) {
             const uint64_t seen = ld_acquire_sys_u64(arrived + c);
@@ -132,7 +133,8 @@ extern "C" __global__ void ep_wait_arrivals(const RingDesc* d, const uint8_t* co
             __nanosleep(64);
         }
     }
-    __threadfence_system();
+    // the reduce that follows (another kernel of this stream) reads rows other PEs stored
+    fence_acq_rel_sys();
 }
 
 // A straggler on purpose: one thread spins for *ns nanoseconds of %globaltimer (a device word, so a

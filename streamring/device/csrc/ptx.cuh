@@ -1,7 +1,8 @@
 // streamring: PTX memory-model helpers shared by every kernel file.
 //
-// release = every thread's stores, then __threadfence_system (fence.sc.sys), block
-//           barrier, then one thread's release store / atomic;
+// release = every thread's stores, then a system-scope fence (fence.acq_rel.sys: enough for a
+//           release pattern; the sequentially consistent fence.sc.sys is not needed for it), block
+//           barrier, then one thread's store / atomic of the flag;
 // acquire = one thread's ld.acquire.sys of the flag word, block barrier, then the
 //           payload loads. Payload loads from peers use ld.relaxed.sys so that a
 //           stale L1 line of an earlier graph replay is never served.
@@ -40,6 +41,10 @@ static __device__ __forceinline__ uint64_t atom_add_release_sys(uint64_t* p, uin
     asm volatile("atom.release.sys.global.add.u64 %0, [%1], %2;" : "=l"(old) : "l"(p), "l"(v) : "memory");
     return old;
 }
+// A release/acquire fence at system scope: with a later relaxed store it forms a release pattern, with
+// an earlier relaxed load an acquire pattern (PTX memory model). Lighter than fence.sc.sys
+// (__threadfence_system), which also orders fences among themselves; nothing here relies on that.
+static __device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
 static __device__ __forceinline__ uint64_t global_timer_ns() {
     uint64_t t;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));

@@ -46,18 +46,20 @@ extern "C" __global__ void ring_spin_wait(const RingDesc* d, uint8_t* buf, int64
 // Publish one readiness generation (kind RING_ROUTE or RING_LAYOUT) of my slot's chunk `chunk`
 // at every PE; the payload was written by earlier kernels of this stream (stream order). Before
 // the release it writes the kind's metadata words of the slot (route: chunk index, token base,
-// `valid` tokens, generation, time; layout: generation, time), so a consumer can check them
+// valid tokens, generation, time; layout: generation, time), so a consumer can check them
 // (ring_acquire_checked); the release inside publish() orders payload and metadata before the
-// generation.
+// generation. The valid count is `*valid_ptr` when given (a device word: the count of a forward
+// whose token count lives on the device, e.g. a CUDA graph replayed with varying counts), else
+// `valid`.
 extern "C" __global__ void ring_publish(const RingDesc* d, uint8_t* buf, const uint64_t* peers, int me,
-                                        int64_t chunk, int kind, int64_t valid) {
+                                        int64_t chunk, int kind, int64_t valid, const int64_t* valid_ptr) {
     if (d->num_chunks <= 0 || threadIdx.x != 0) return;
     const uint64_t g = ring_make_gen(cur_epoch(d), chunk);
     uint64_t* m = meta_words(d, buf, chunk % d->num_slots);
     if (kind == RING_ROUTE) {
         m[META_CHUNK] = (uint64_t)chunk;
         m[META_BASE] = (uint64_t)(chunk * d->tokens_per_slot);
-        m[META_VALID] = (uint64_t)valid;
+        m[META_VALID] = (uint64_t)(valid_ptr ? *valid_ptr : valid);
         m[META_ROUTE_GEN] = g;
         m[META_ROUTE_NS] = global_timer_ns();
     } else {
@@ -68,30 +70,18 @@ extern "C" __global__ void ring_publish(const RingDesc* d, uint8_t* buf, const u
 }
 
 // Consumer: acquire both generations of (src0 + blockIdx.x, chunk), then check the source's
-// metadata words before anything of the slot is used: chunk index, token base, valid count
-// (`valid_tab[chunk * num_ranks + src]`, what the plan says that source holds) and both
-// generations. A mismatch records RE_META (source, chunk, seen, wanted) and counts a violation;
-// the data kernels then treat the source's rows as absent. Grid = #sources, one thread works.
+// metadata words and record its valid count in valid_tab (check_meta). Grid = #sources, one
+// thread works.
 extern "C" __global__ void ring_acquire_checked(const RingDesc* d, uint8_t* buf, const uint64_t* peers, int me,
-                                                int64_t src0, int64_t chunk, const int* valid_tab, int inject) {
+                                                int64_t src0, int64_t chunk, int* valid_tab, int inject) {
     if (threadIdx.x != 0 || d->num_chunks <= 0) return;
     const int64_t src = src0 + blockIdx.x;
     const uint64_t g = ring_make_gen(cur_epoch(d), chunk);
-    if (!(inject & INJ_SKIP_ACQUIRE) && !acquire_wait(d, buf, src, chunk, g, inject)) return;
-    SR_WITH_TRANSPORT(buf, me, peers, {
-        const uint8_t* pb = x.peer_base((int)src);
-        const uint64_t* m = meta_words(d, buf, chunk % d->num_slots);
-        const uint64_t want[5] = {(uint64_t)chunk, (uint64_t)(chunk * d->tokens_per_slot),
-                                  (uint64_t)valid_tab[chunk * d->num_ranks + src], g, g};
-        const int word[5] = {META_CHUNK, META_BASE, META_VALID, META_ROUTE_GEN, META_LAYOUT_GEN};
-        for (int i = 0; i < 5; ++i) {
-            uint64_t seen = x.load64(m + word[i], (int)src, pb);
-            if (seen != want[i] && !(inject & INJ_IGNORE_EPOCH && i >= 3)) {
-                record_error(d, RE_META, src, chunk, seen, want[i]);
-                break;
-            }
-        }
-    });
+    if (!(inject & INJ_SKIP_ACQUIRE) && !acquire_wait(d, buf, src, chunk, g, inject)) {
+        valid_tab[chunk * d->num_ranks + src] = 0;  // timed out or violated: the rows are absent
+        return;
+    }
+    SR_WITH_TRANSPORT(buf, me, peers, check_meta(d, x, src, chunk, g, valid_tab, inject));
 }
 
 // Acknowledge (src0 + blockIdx.x, chunk): the caller's earlier kernels on this stream acquired
@@ -107,13 +97,13 @@ extern "C" __global__ void ring_ack(const RingDesc* d, uint8_t* buf, const uint6
 
 // Consumer, ready order (the RFC's later optimisation: process sources independently): wait
 // (acquire, deadline) until ANY source still pending for `chunk` has both generations ready, check
-// its metadata as ring_acquire_checked does, remove it from *pending (one bit per source; reset to
+// its metadata and record its valid count as ring_acquire_checked does, remove it from *pending (one bit per source; reset to
 // every source when `first`), and write it to *chosen. The data kernels that follow read the source
 // from *chosen, so the order is decided on the device at run time (a CUDA graph stays fixed).
 // One thread. On a violation or the deadline the error is recorded and the lowest pending source
 // is chosen (the forward then fails its checks; nothing waits forever). num_ranks <= 64.
 extern "C" __global__ void ring_wait_any(const RingDesc* d, uint8_t* buf, const uint64_t* peers, int me, int64_t chunk,
-                                         const int* valid_tab, uint64_t* pending, int first, int* chosen, int inject) {
+                                         int* valid_tab, uint64_t* pending, int first, int* chosen, int inject) {
     if (threadIdx.x != 0 || blockIdx.x != 0 || d->num_chunks <= 0) return;
     const uint64_t all = full_mask(d, 0);
     if (first) *pending = all;
@@ -149,20 +139,9 @@ extern "C" __global__ void ring_wait_any(const RingDesc* d, uint8_t* buf, const 
     }
     __threadfence_system();
     if (ok) {
-        SR_WITH_TRANSPORT(buf, me, peers, {
-            const uint8_t* pb = x.peer_base(pick);
-            const uint64_t* mw = meta_words(d, buf, slot);
-            const uint64_t want[5] = {(uint64_t)chunk, (uint64_t)(chunk * d->tokens_per_slot),
-                                      (uint64_t)valid_tab[chunk * d->num_ranks + pick], g, g};
-            const int word[5] = {META_CHUNK, META_BASE, META_VALID, META_ROUTE_GEN, META_LAYOUT_GEN};
-            for (int i = 0; i < 5; ++i) {
-                uint64_t seen = x.load64(mw + word[i], pick, pb);
-                if (seen != want[i] && !(inject & INJ_IGNORE_EPOCH && i >= 3)) {
-                    record_error(d, RE_META, pick, chunk, seen, want[i]);
-                    break;
-                }
-            }
-        });
+        SR_WITH_TRANSPORT(buf, me, peers, check_meta(d, x, pick, chunk, g, valid_tab, inject));
+    } else {
+        valid_tab[chunk * d->num_ranks + pick] = 0;
     }
     *pending &= ~(1ull << pick);
     *chosen = pick;

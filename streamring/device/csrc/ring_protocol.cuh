@@ -44,10 +44,14 @@ static __device__ __forceinline__ uint64_t full_mask(const RingDesc* d, int64_t 
 }
 static __device__ __forceinline__ uint64_t cur_epoch(const RingDesc* d) { return ld_relaxed_sys_u64(d->epoch); }
 
+// Record an error in the status words. The first one keeps its details: RS_FIRST_ERROR packs
+// code | src << 8 | chunk << 24 | (field + 1) << 56 (field: the META_* word of an RE_META, else -1;
+// src -1 reads back as 0xffff: no single source, e.g. the owner's combine).
 static __device__ void record_error(const RingDesc* d, int code, int64_t src, int64_t chunk, uint64_t seen,
-                                    uint64_t want) {
+                                    uint64_t want, int field = -1) {
     unsigned long long packed = (unsigned long long)code | ((unsigned long long)(src & 0xffff) << 8) |
-                                ((unsigned long long)(chunk & 0xffffffffll) << 24);
+                                ((unsigned long long)(chunk & 0xffffffffll) << 24) |
+                                ((unsigned long long)((field + 1) & 0xff) << 56);
     if (atomicCAS(&d->status[RS_FIRST_ERROR], 0ull, packed) == 0ull) {
         d->status[RS_BAD_SEEN] = seen;
         d->status[RS_BAD_WANT] = want;
@@ -106,7 +110,44 @@ static __device__ bool acquire_wait(const RingDesc* d, uint8_t* buf, int64_t src
             if (spins > 4096) __nanosleep(64);
         }
     }
-    __threadfence_system();  // belt and braces: no later load is satisfied before the acquire
+    // the ld.acquire above already orders this thread's later loads; the fence extends it to what the
+    // block does after its barrier (a kernel that acquires, then reads the slot with many threads)
+    fence_acq_rel_sys();
+    return true;
+}
+
+// A consumer's check of the metadata words of (src, chunk)'s slot, read from the source's copy after
+// the acquire and before anything of the slot is used. A peer controls these words: the chunk index,
+// the token base and both generations (`g`) must be exactly this chunk's, and the valid count must lie
+// in [0, tokens_per_slot] (a peer's count is not known in advance: it varies per forward). The count
+// is then recorded in valid_tab[chunk * num_ranks + src] for the data kernels; on any other value
+// RE_META names the word (the first that differs), the count stays 0, and the data kernels treat the
+// source's rows as absent, so nothing indexes past the slot. Returns true when all match. One thread.
+// (INJ_IGNORE_EPOCH, a deliberate mutation, leaves the generation words unchecked.)
+template <class X>
+__device__ bool check_meta(const RingDesc* d, const X& x, int64_t src, int64_t chunk, uint64_t g, int* valid_tab,
+                           int inject) {
+    int* learned = valid_tab + chunk * d->num_ranks + src;
+    *learned = 0;
+    const uint8_t* pb = x.peer_base((int)src);
+    const uint64_t* m = meta_words(d, x.buf, chunk % d->num_slots);
+    const int word[4] = {META_CHUNK, META_BASE, META_ROUTE_GEN, META_LAYOUT_GEN};
+    const uint64_t want[4] = {(uint64_t)chunk, (uint64_t)(chunk * d->tokens_per_slot), g, g};
+    for (int i = 0; i < 4; ++i) {
+        const uint64_t seen = x.load64(m + word[i], (int)src, pb);
+        const bool unchecked = (inject & INJ_IGNORE_EPOCH) && i >= 2;
+        if (seen != want[i] && !unchecked) {
+            record_error(d, RE_META, src, chunk, seen, want[i], word[i]);
+            return false;
+        }
+    }
+    // unsigned compare: a negative count reads as a huge one and is refused the same way
+    const uint64_t valid = x.load64(m + META_VALID, (int)src, pb);
+    if (valid > (uint64_t)d->tokens_per_slot) {
+        record_error(d, RE_META, src, chunk, valid, (uint64_t)d->tokens_per_slot, META_VALID);
+        return false;
+    }
+    *learned = (int)valid;
     return true;
 }
 

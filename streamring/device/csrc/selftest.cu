@@ -128,7 +128,8 @@ __device__ void consume_block(const RingDesc* d, const X& x, int64_t src, int64_
             uint64_t lg = x.load64(m + META_LAYOUT_GEN, (int)src, s_pb);
             if (c != (uint64_t)chunk || rg != g || lg != g) {
                 record_error(d, RE_META, src, chunk, c != (uint64_t)chunk ? c : (rg != g ? rg : lg),
-                             c != (uint64_t)chunk ? (uint64_t)chunk : g);
+                             c != (uint64_t)chunk ? (uint64_t)chunk : g,
+                             c != (uint64_t)chunk ? META_CHUNK : (rg != g ? META_ROUTE_GEN : META_LAYOUT_GEN));
             }
         }
         __syncthreads();

@@ -54,10 +54,11 @@ struct P2pX {
     __device__ uint64_t* translate(uint64_t* sym, int pe) const {
         return (uint64_t*)((uint8_t*)peers[pe] + ((uint8_t*)sym - buf));
     }
-    // release(): fence.sc.sys orders every earlier memory operation of this thread (and, through
-    // the caller's block barrier, of its block) before the stores that follow; the signal stores
-    // themselves can then be relaxed (one fence per publication instead of one per PE)
-    __device__ void release() const { __threadfence_system(); }
+    // release(): fence.acq_rel.sys orders every earlier memory operation of this thread (and, through
+    // the caller's block barrier and the kernel boundaries of the stream, what happened before it)
+    // before the stores that follow, which can then be relaxed (a release pattern; one fence per
+    // publication instead of one per PE)
+    __device__ void release() const { fence_acq_rel_sys(); }
     __device__ void signal_set(uint64_t* sym, uint64_t v, int pe) const { st_relaxed_sys_u64(translate(sym, pe), v); }
     __device__ uint64_t fetch_or(uint64_t* sym, uint64_t v, int pe) const {
         return atom_or_release_sys(translate(sym, pe), v);

@@ -15,11 +15,16 @@
 // 128-wide K block is multiplied into a zeroed temporary accumulator and promoted into the fp32
 // accumulator with that row's scale (ScalePromotionInterval = 4 wgmma k-steps = one scale block), and
 // the per-group TMA descriptor has the group's own M: rows past the end of a group are zero-filled by
-// TMA, never a neighbour's rows, and their results are not stored.
+// TMA, never a neighbour's rows, and their results are not stored. A 2-CTA cluster only changes who
+// issues a tile's loads (one multicast TMA for both CTAs instead of two), not the bytes that arrive;
+// with a cluster along M a group's tile count is rounded up to the cluster, and the extra tile lies
+// past the group's M (all zero-filled, nothing stored). Raster order and swizzle only reorder tiles.
 //
 // Scale layouts: a_sf is [rows, K/128] row-major = CUTLASS's K-major SFA (Sm90BlockwiseScaleConfig
-// with majorSFA = K: stride K/128 along M, 1 along K), w_sf[e] is [N/128, K/128] row-major = K-major
-// SFB. No conversion is needed: the mainloop rebuilds each group's scale layout from (M, N, K) with
+// with majorSFA = K: stride K/128 along M, 1 along K), w_sf[e] is [N/SfN, K/128] row-major = K-major
+// SFB, SfN = 128 (the stored 128x128 scales) or 64 for the 192-wide tiles (CUTLASS wants the tile N
+// to be a multiple of the scale granularity; the caller repeats each scale twice, same values). No
+// other conversion is needed: the mainloop rebuilds each group's scale layout from (M, N, K) with
 // exactly these strides (ScaleConfig::tile_atom_to_shape_SF*), so a group's SFA pointer is
 // a_sf + row0 * K/128.
 //
@@ -67,6 +72,17 @@
 
 #define SR_API extern "C" __attribute__((visibility("default")))
 
+// The build compiles this file SR_GEMM_NUM_PARTS times, once per part, in parallel (each kernel
+// variant is a long compile): part p instantiates the variants v with v % SR_GEMM_NUM_PARTS == p,
+// part 0 also holds the C entry points. Compiled alone (no -D), one part holds everything.
+#ifndef SR_GEMM_NUM_PARTS
+#define SR_GEMM_NUM_PARTS 1
+#endif
+#ifndef SR_GEMM_PART
+#define SR_GEMM_PART 0
+#endif
+#define SR_GEMM_OWNS(v) ((v) % SR_GEMM_NUM_PARTS == SR_GEMM_PART)
+
 // Status bits written by the setup kernel (mirrored in streamring/device/cutlass_gemm.py).
 #define SR_STATUS_RANGE_CLAMPED 1    // ready_hi[hi] - ready_hi[lo] > max_items: blocks past max_items dropped
 #define SR_STATUS_RANGE_NEGATIVE 2   // ready_hi[hi] < ready_hi[lo]
@@ -85,7 +101,11 @@ namespace sr {
 
 using namespace cute;
 
+#if SR_GEMM_PART == 0
 thread_local std::string g_last_error;
+#else
+extern thread_local std::string g_last_error;
+#endif
 
 static int fail(int code, std::string const& msg) {
   g_last_error = msg;
@@ -105,8 +125,13 @@ static int cuda_fail(char const* what, cudaError_t err) {
 // ------------------------------------------------------------------------------------------------
 // Kernel configurations
 // ------------------------------------------------------------------------------------------------
-template <class TileShape_, class ClusterShape_, class KernelSchedule_, class EpilogueSchedule_, class ElementD_>
+// SfN_: rows of W per weight scale the kernel reads (128: w_sf as stored; 64: each 128-row scale
+// repeated twice, for tiles whose N is not a multiple of 128 - CUTLASS wants the tile N to be a
+// multiple of the scale granularity N).
+template <class TileShape_, class ClusterShape_, class KernelSchedule_, class EpilogueSchedule_, class ElementD_,
+          int SfN_ = 128>
 struct Config {
+  static constexpr int kSfN = SfN_;
   using TileShape = TileShape_;
   using ClusterShape = ClusterShape_;
   using ElementA = cutlass::float_e4m3_t;
@@ -122,8 +147,8 @@ struct Config {
   using ElementAccumulator = float;
   using ElementCompute = float;
 
-  // 1 x 128 activation scales, 128 x 128 weight scales, both K-major (see the file comment).
-  using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, 128, 128, cute::GMMA::Major::K,
+  // 1 x 128 activation scales, SfN x 128 weight scales, both K-major (see the file comment).
+  using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, SfN_, 128, cute::GMMA::Major::K,
                                                                 cute::GMMA::Major::K>;
   using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
   using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
@@ -161,13 +186,31 @@ using CoopEpi = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
 using Ping = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8Blockwise;
 using PingEpi = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
 
-// variant = 2 * tile + (output float32 ? 1 : 0); tile 0: 128x128x128 cooperative, cluster 1x2 (CUTLASS
-// example 68's configuration); tile 1: 64x128x128 ping-pong, cluster 1x1 (example 68 "sparse groups").
-using V0 = Config<CoopTile, Shape<_1, _2, _1>, Coop, CoopEpi, cutlass::bfloat16_t>;
-using V1 = Config<CoopTile, Shape<_1, _2, _1>, Coop, CoopEpi, float>;
-using V2 = Config<PingTile, Shape<_1, _1, _1>, Ping, PingEpi, cutlass::bfloat16_t>;
-using V3 = Config<PingTile, Shape<_1, _1, _1>, Ping, PingEpi, float>;
-constexpr int kNumVariants = 4;
+using Tile192 = Shape<_128, _192, _128>;
+using PingTile192 = Shape<_64, _192, _128>;
+using ClusterN2 = Shape<_1, _2, _1>;  // the two CTAs of a cluster: neighbours along N, A tile multicast
+using ClusterM2 = Shape<_2, _1, _1>;  // neighbours along M (same expert, same N tile): W tile multicast
+using Cluster1 = Shape<_1, _1, _1>;
+
+// Variants (streamring/device/cutlass_gemm.py: TILE_TABLE mirrors this table; tests compare the two):
+//   0, 1: 128x128 cooperative, cluster 1x2, bf16 / f32 out (CUTLASS example 68's configuration)
+//   2, 3: 64x128 ping-pong, cluster 1x1, bf16 / f32 out (example 68 "sparse groups")
+//   4: 128x128 cooperative, cluster 2x1 (W multicast), bf16 out
+//   5: 128x192 cooperative, cluster 2x1, bf16 out, weight scales repeated to 64 rows
+//   6: 128x192 cooperative, cluster 1x2, bf16 out, weight scales repeated to 64 rows
+//   7: 64x192 ping-pong, cluster 1x1, bf16 out, weight scales repeated to 64 rows
+// Stages: as many as the shared memory left by the epilogue holds (StageCountAutoCarveout).
+// Not here: 128x256 cooperative (2x1): with CUTLASS's second (promotion) accumulator a consumer
+// warpgroup's 64x256 tile spills (ptxas -v, nvcc 13.0: 168 registers, 780 bytes of spill stores).
+using V0 = Config<CoopTile, ClusterN2, Coop, CoopEpi, cutlass::bfloat16_t>;
+using V1 = Config<CoopTile, ClusterN2, Coop, CoopEpi, float>;
+using V2 = Config<PingTile, Cluster1, Ping, PingEpi, cutlass::bfloat16_t>;
+using V3 = Config<PingTile, Cluster1, Ping, PingEpi, float>;
+using V4 = Config<CoopTile, ClusterM2, Coop, CoopEpi, cutlass::bfloat16_t>;
+using V5 = Config<Tile192, ClusterM2, Coop, CoopEpi, cutlass::bfloat16_t, 64>;
+using V6 = Config<Tile192, ClusterN2, Coop, CoopEpi, cutlass::bfloat16_t, 64>;
+using V7 = Config<PingTile192, Cluster1, Ping, PingEpi, cutlass::bfloat16_t, 64>;
+constexpr int kNumVariants = 8;
 
 // ------------------------------------------------------------------------------------------------
 // Ready range -> grouped problem arrays (one CTA; deterministic)
@@ -192,7 +235,7 @@ struct SetupArgs {
 constexpr int kSetupThreads = 1024;
 
 // Exclusive scan of v over the CTA; *total receives the sum.
-__device__ int block_exclusive_scan(int v, int* total) {
+static __device__ int block_exclusive_scan(int v, int* total) {  // static: one copy per part, no link clash
   __shared__ int warp_sums[kSetupThreads / 32];
   int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   int x = v;
@@ -313,7 +356,7 @@ __global__ void __launch_bounds__(kSetupThreads, 1) setup_groups_kernel(SetupArg
     p.ptr_a[g] = reinterpret_cast<typename Cfg::ElementA const*>(s.a + row0 * k);
     p.ptr_sfa[g] = reinterpret_cast<float const*>(s.a_sf) + row0 * sfk;
     p.ptr_b[g] = reinterpret_cast<typename Cfg::ElementB const*>(s.w + e * nn * k);
-    p.ptr_sfb[g] = reinterpret_cast<float const*>(s.w_sf) + e * (nn / 128) * sfk;
+    p.ptr_sfb[g] = reinterpret_cast<float const*>(s.w_sf) + e * (nn / Cfg::kSfN) * sfk;
     p.ptr_d[g] = reinterpret_cast<typename Cfg::ElementD*>(s.d + row0 * nn * int64_t(sizeof(typename Cfg::ElementD)));
     p.stride_a[g] = cutlass::make_cute_packed_stride(typename Cfg::StrideA{}, {m, s.k, 1});
     p.stride_b[g] = cutlass::make_cute_packed_stride(typename Cfg::StrideB{}, {s.n, s.k, 1});
@@ -355,7 +398,10 @@ struct RunArgs {
 
 struct PlanBase {
   int variant = -1, n = 0, k = 0, capacity = 0, device = -1, sm_count = 0, trap_on_error = 1;
+  int raster = 0;   // the group scheduler's order inside a group: 0 = along M, 1 = along N
+  int swizzle = 1;  // its max_swizzle_size (1, 2, 4 or 8)
   virtual ~PlanBase() = default;
+  virtual int create() = 0;
   virtual int run(RunArgs const& r, cudaStream_t stream) = 0;
   virtual int setup_only(RunArgs const& r, cudaStream_t stream) = 0;
   virtual int read_groups(int count, int* m_out, int64_t* a_out, int64_t* b_out, int64_t* sfa_out, int64_t* sfb_out,
@@ -380,7 +426,7 @@ struct Plan final : PlanBase {
     if (workspace) cudaFree(workspace);
   }
 
-  int create() {
+  int create() override {
     SR_CUDA(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device));
     int major = 0, minor = 0;
     SR_CUDA(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
@@ -469,9 +515,12 @@ struct Plan final : PlanBase {
     fusion.beta_ptr = nullptr;
     fusion.alpha_ptr_array = nullptr;
     fusion.beta_ptr_array = nullptr;
-    // group scheduler: consecutive CTAs walk M first, sharing each weight tile through L2
-    args.scheduler.raster_order = cutlass::gemm::kernel::detail::RasterOrderOptions::AlongM;
-    args.scheduler.max_swizzle_size = 1;
+    // The group scheduler hands out tiles group by group (the groups are the ready runs of one
+    // expert, in ready-list order); inside a group, along M (default: consecutive CTAs share each
+    // weight tile through L2) or along N (they share the activation rows), in swizzle-wide strips.
+    args.scheduler.raster_order = raster == 1 ? cutlass::gemm::kernel::detail::RasterOrderOptions::AlongN
+                                              : cutlass::gemm::kernel::detail::RasterOrderOptions::AlongM;
+    args.scheduler.max_swizzle_size = swizzle;
     return args;
   }
 
@@ -596,10 +645,89 @@ struct VariantInfo {
     out[6] = Cfg::GemmKernel::MaxThreadsPerBlock;
     out[7] = int(sizeof(typename Cfg::ElementD));
     out[8] = Cfg::CollectiveMainloop::DispatchPolicy::Stages;
+    out[9] = Cfg::kSfN;
   }
 };
 
+// Per variant: a new plan, and its description. Declared in every part, defined in the part that
+// compiles the variant.
+#define SR_VARIANT_DECL(i) \
+  PlanBase* new_plan_##i(); \
+  void variant_info_##i(int* out);
+#define SR_VARIANT_DEF(i) \
+  PlanBase* new_plan_##i() { return new Plan<V##i>(); } \
+  void variant_info_##i(int* out) { VariantInfo<V##i>::fill(out); }
+SR_VARIANT_DECL(0)
+SR_VARIANT_DECL(1)
+SR_VARIANT_DECL(2)
+SR_VARIANT_DECL(3)
+SR_VARIANT_DECL(4)
+SR_VARIANT_DECL(5)
+SR_VARIANT_DECL(6)
+SR_VARIANT_DECL(7)
+#if SR_GEMM_OWNS(0)
+SR_VARIANT_DEF(0)
+#endif
+#if SR_GEMM_OWNS(1)
+SR_VARIANT_DEF(1)
+#endif
+#if SR_GEMM_OWNS(2)
+SR_VARIANT_DEF(2)
+#endif
+#if SR_GEMM_OWNS(3)
+SR_VARIANT_DEF(3)
+#endif
+#if SR_GEMM_OWNS(4)
+SR_VARIANT_DEF(4)
+#endif
+#if SR_GEMM_OWNS(5)
+SR_VARIANT_DEF(5)
+#endif
+#if SR_GEMM_OWNS(6)
+SR_VARIANT_DEF(6)
+#endif
+#if SR_GEMM_OWNS(7)
+SR_VARIANT_DEF(7)
+#endif
+
+#if SR_GEMM_PART == 0
+// nullptr for an unknown variant
+static PlanBase* new_plan(int variant) {
+  switch (variant) {
+    case 0: return new_plan_0();
+    case 1: return new_plan_1();
+    case 2: return new_plan_2();
+    case 3: return new_plan_3();
+    case 4: return new_plan_4();
+    case 5: return new_plan_5();
+    case 6: return new_plan_6();
+    case 7: return new_plan_7();
+    default: return nullptr;
+  }
+}
+
+static bool variant_info(int variant, int* out) {
+  switch (variant) {
+    case 0: variant_info_0(out); return true;
+    case 1: variant_info_1(out); return true;
+    case 2: variant_info_2(out); return true;
+    case 3: variant_info_3(out); return true;
+    case 4: variant_info_4(out); return true;
+    case 5: variant_info_5(out); return true;
+    case 6: variant_info_6(out); return true;
+    case 7: variant_info_7(out); return true;
+    default: return false;
+  }
+}
+
+static int bad_variant(int variant) {
+  return fail(SR_ERR_ARG, "variant " + std::to_string(variant) + " outside [0, " + std::to_string(kNumVariants) + ")");
+}
+#endif
+
 }  // namespace sr
+
+#if SR_GEMM_PART == 0
 
 // ------------------------------------------------------------------------------------------------
 // C entry points (ctypes: streamring/device/cutlass_gemm.py mirrors these signatures)
@@ -616,19 +744,17 @@ SR_API char const* sr_gemm_build_info(void) {
 
 SR_API int sr_gemm_num_variants(void) { return sr::kNumVariants; }
 
-// out[9]: tile M, N, K, cluster M, N, shared memory bytes, threads per CTA, bytes per output element, stages
+// out[10]: tile M, N, K, cluster M, N, shared memory bytes, threads per CTA, bytes per output element, stages,
+// rows of W per weight scale the kernel reads (128, or 64: w_sf repeated twice along N)
 SR_API int sr_gemm_variant_info(int variant, int* out) {
   if (!out) return sr::fail(SR_ERR_ARG, "out is null");
-  switch (variant) {
-    case 0: sr::VariantInfo<sr::V0>::fill(out); return SR_OK;
-    case 1: sr::VariantInfo<sr::V1>::fill(out); return SR_OK;
-    case 2: sr::VariantInfo<sr::V2>::fill(out); return SR_OK;
-    case 3: sr::VariantInfo<sr::V3>::fill(out); return SR_OK;
-    default: return sr::fail(SR_ERR_ARG, "variant " + std::to_string(variant) + " outside [0, 4)");
-  }
+  return sr::variant_info(variant, out) ? SR_OK : sr::bad_variant(variant);
 }
 
-SR_API int sr_gemm_create(int variant, int n, int k, int capacity, int device, int trap_on_error, void** plan_out) {
+// raster: 0 = tiles of a group along M first, 1 = along N first; swizzle: 1, 2, 4 or 8 (CUTLASS's
+// max_swizzle_size). Neither changes what a row computes (every tile runs its whole K loop alone).
+SR_API int sr_gemm_create(int variant, int n, int k, int capacity, int device, int trap_on_error, int raster,
+                          int swizzle, void** plan_out) {
   sr::g_last_error.clear();
   if (!plan_out) return sr::fail(SR_ERR_ARG, "plan_out is null");
   *plan_out = nullptr;
@@ -636,6 +762,9 @@ SR_API int sr_gemm_create(int variant, int n, int k, int capacity, int device, i
     return sr::fail(SR_ERR_ARG, "n and k must be positive multiples of 128 (the scale blocks), got n=" + std::to_string(n) +
                                     " k=" + std::to_string(k));
   if (capacity <= 0) return sr::fail(SR_ERR_ARG, "capacity must be positive, got " + std::to_string(capacity));
+  if (raster != 0 && raster != 1) return sr::fail(SR_ERR_ARG, "raster must be 0 (along M) or 1 (along N), got " + std::to_string(raster));
+  if (swizzle != 1 && swizzle != 2 && swizzle != 4 && swizzle != 8)
+    return sr::fail(SR_ERR_ARG, "swizzle must be 1, 2, 4 or 8, got " + std::to_string(swizzle));
   int count = 0;
   cudaError_t e = cudaGetDeviceCount(&count);
   if (e != cudaSuccess) return sr::cuda_fail("cudaGetDeviceCount", e);
@@ -647,27 +776,17 @@ SR_API int sr_gemm_create(int variant, int n, int k, int capacity, int device, i
   if (cur != device)
     return sr::fail(SR_ERR_ARG, "create the plan with its device current (current " + std::to_string(cur) + ", asked " +
                                     std::to_string(device) + ")");
-  std::unique_ptr<sr::PlanBase> plan;
-  switch (variant) {
-    case 0: plan.reset(new sr::Plan<sr::V0>()); break;
-    case 1: plan.reset(new sr::Plan<sr::V1>()); break;
-    case 2: plan.reset(new sr::Plan<sr::V2>()); break;
-    case 3: plan.reset(new sr::Plan<sr::V3>()); break;
-    default: return sr::fail(SR_ERR_ARG, "variant " + std::to_string(variant) + " outside [0, 4)");
-  }
+  std::unique_ptr<sr::PlanBase> plan(sr::new_plan(variant));
+  if (!plan) return sr::bad_variant(variant);
   plan->variant = variant;
   plan->n = n;
   plan->k = k;
   plan->capacity = capacity;
   plan->device = device;
   plan->trap_on_error = trap_on_error ? 1 : 0;
-  int rc = 0;
-  switch (variant) {
-    case 0: rc = static_cast<sr::Plan<sr::V0>*>(plan.get())->create(); break;
-    case 1: rc = static_cast<sr::Plan<sr::V1>*>(plan.get())->create(); break;
-    case 2: rc = static_cast<sr::Plan<sr::V2>*>(plan.get())->create(); break;
-    case 3: rc = static_cast<sr::Plan<sr::V3>*>(plan.get())->create(); break;
-  }
+  plan->raster = raster;
+  plan->swizzle = swizzle;
+  int rc = plan->create();
   if (rc) return rc;
   *plan_out = plan.release();
   return SR_OK;
@@ -710,3 +829,4 @@ SR_API int sr_gemm_read_groups(void* plan, int count, int* m_out, int64_t* a_out
     return sr::fail(SR_ERR_ARG, "an output array is null");
   return static_cast<sr::PlanBase*>(plan)->read_groups(count, m_out, a_out, b_out, sfa_out, sfb_out, d_out);
 }
+#endif  // SR_GEMM_PART == 0

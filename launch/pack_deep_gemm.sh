@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Packs what launch/build_deep_gemm.sh needs on the GPU host (no network there) into .deepgemm/ of the
+# repository (git-ignored through .git/info/exclude; third-party source stays out of git):
+#
+#   .deepgemm/deepgemm-54e2261.tar.gz       DeepGEMM 54e2261 (deep_gemm 2.6.1): csrc/, deep_gemm/, LICENSE
+#   .deepgemm/cutlass-f3fde58-include.tar.gz its pinned CUTLASS (v4.2.1): include/ only (cute/, cutlass/)
+#   .deepgemm/fmt-553ec11-include.tar.gz     its pinned fmt: include/ only
+#   .deepgemm/MANIFEST                       commits and sha256 of the three
+#
+# Run on a machine with the three git repositories (default: the mirrors that the `fetch` tool of
+# this workplace makes, /work/.mirror/<owner>+<name>/repo; or set DEEPGEMM_GIT, CUTLASS_GIT, FMT_GIT
+# to any clone's .git directory that holds those commits):
+#
+#   bash launch/pack_deep_gemm.sh
+set -euo pipefail
+top=$(git rev-parse --show-toplevel)
+cd "$top"
+DG_COMMIT=54e2261
+CUTLASS_COMMIT=f3fde58
+FMT_COMMIT=553ec11
+DEEPGEMM_GIT=${DEEPGEMM_GIT:-/work/.mirror/deepseek-ai+DeepGEMM/repo}
+CUTLASS_GIT=${CUTLASS_GIT:-/work/.mirror/NVIDIA+cutlass/repo}
+FMT_GIT=${FMT_GIT:-/work/.mirror/fmtlib+fmt/repo}
+OUTDIR=.deepgemm
+
+# keep the folder out of git (worktrees share the main repository's info/exclude)
+exclude="$(git rev-parse --git-common-dir)/info/exclude"
+mkdir -p "$(dirname "$exclude")"
+grep -qx '/.deepgemm/' "$exclude" 2>/dev/null || echo '/.deepgemm/' >> "$exclude"
+mkdir -p "$OUTDIR"
+
+# the submodule pins of DeepGEMM must be the commits packed here
+for sub in cutlass:$CUTLASS_COMMIT fmt:$FMT_COMMIT; do
+  name=${sub%%:*}; want=${sub#*:}
+  pin=$(git --git-dir="$DEEPGEMM_GIT" ls-tree "$DG_COMMIT" "third-party/$name" | awk '{print $3}')
+  case "$pin" in
+    "$want"*) ;;
+    *) echo "pack_deep_gemm: DeepGEMM $DG_COMMIT pins third-party/$name at $pin, not $want" >&2; exit 1 ;;
+  esac
+done
+
+git --git-dir="$DEEPGEMM_GIT" archive --format=tar --prefix=DeepGEMM/ "$DG_COMMIT" csrc deep_gemm LICENSE \
+  | gzip -9 > "$OUTDIR/deepgemm-$DG_COMMIT.tar.gz"
+git --git-dir="$CUTLASS_GIT" archive --format=tar --prefix=DeepGEMM/third-party/cutlass/ "$CUTLASS_COMMIT" include LICENSE.txt \
+  | gzip -9 > "$OUTDIR/cutlass-$CUTLASS_COMMIT-include.tar.gz"
+git --git-dir="$FMT_GIT" archive --format=tar --prefix=DeepGEMM/third-party/fmt/ "$FMT_COMMIT" include LICENSE \
+  | gzip -9 > "$OUTDIR/fmt-$FMT_COMMIT-include.tar.gz"
+
+{
+  echo "deepgemm $DG_COMMIT $(git --git-dir="$DEEPGEMM_GIT" rev-parse "$DG_COMMIT^{commit}")"
+  echo "cutlass $CUTLASS_COMMIT $(git --git-dir="$CUTLASS_GIT" rev-parse "$CUTLASS_COMMIT^{commit}")"
+  echo "fmt $FMT_COMMIT $(git --git-dir="$FMT_GIT" rev-parse "$FMT_COMMIT^{commit}")"
+  (cd "$OUTDIR" && sha256sum ./*.tar.gz)
+} > "$OUTDIR/MANIFEST"
+cat "$OUTDIR/MANIFEST"
+du -ch "$OUTDIR"/*.tar.gz | tail -1

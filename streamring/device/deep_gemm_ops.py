@@ -1,0 +1,249 @@
+"""DeepGEMM's grouped FP8 GEMM (``deep_gemm.m_grouped_fp8_gemm_nt_contiguous``) over the block consumer's
+ready blocks: availability, the ``m_indices`` of a ready range, scale layouts, the row copy.
+
+DeepGEMM (commit 54e2261, deep_gemm 2.6.1; built by ``launch/build_deep_gemm.sh``, see
+``docs/deep_gemm.md``) computes, for an ``[M, K]`` FP8 ``a`` whose rows are grouped contiguously,
+``d[r] = (a[r] ⊙ a_sf[r]) @ (b[g] ⊙ b_sf[g])^T`` with ``g = m_indices[r]``. What its sources say
+(``deep_gemm/include/deep_gemm/scheduler/gemm.cuh``, ``impls/sm90_fp8_gemm_1d2d.cuh``,
+``csrc/jit_kernels/heuristics/sm90.hpp``, ``csrc/apis/layout.hpp``), and what this module makes of it:
+
+* **Tile M is 128** for the contiguous layout on SM90 (``block_m`` = the "mk alignment", 128, not
+  settable from Python), and the expert of a tile is read from ``m_indices`` of the tile's first row:
+  every 128-row tile must belong to one expert. The block consumer's blocks therefore must be 128 rows
+  (:data:`BLOCK_M`); rows of a block share its expert (padding rows of a partial block included).
+* **Rows with m_indices = -1**: the math warpgroups skip the MMAs of a 64-row half whose first row is
+  -1, but the producer still loads the A rows and expert 0's weight tiles (``max(0, -1)``), and the
+  epilogue still **stores the tile: zeros**. So -1 rows cost loads and stores, and their rows of ``d``
+  are overwritten with 0 - a caller that needs rows outside the ready range kept must give DeepGEMM a
+  scratch output and copy the ready rows (:func:`copy_ready_rows`).
+* **The kernel configuration depends on M** (``get_best_config`` with ``expected_m = m``: block N,
+  stages, cluster / multicast side), on N, K and the SM count. For the bitwise streamed == batch
+  contract every call of one consumer must pick the same configuration, so it is called over the
+  whole buffer, ``max_blocks * 128`` rows, with -1 outside the ready range: M never depends on how
+  many blocks are ready. (Each row's K loop and scale promotion are then the same whatever the range;
+  multicast on or off only changes who loads the same bytes.)
+* **Scales**: ``b_sf`` ``[G, N/128, K/128]`` float32 contiguous is used as is; ``a_sf`` must be
+  MN-major and TMA-aligned (``[M, K/128]`` with strides ``(1, align(M, 4))``), else DeepGEMM
+  transposes it itself on every call (its ``get_mn_major_tma_aligned_tensor``: an allocation and a JIT
+  kernel). :func:`mn_major_scales` allocates such a buffer once; the consumer copies its row-major
+  scales into it per call (``M`` is a multiple of 128, so ``align(M, 4) = M``).
+* The output must be bf16 (the contiguous SM90 path asserts it).
+
+:func:`deep_gemm_available` never builds or installs anything; the ``m_indices`` builder is plain
+torch (device-side, no host synchronisation, capturable in a CUDA graph) and is tested on CPU.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+#: rows of a block for ``gemm="deep_gemm"``: DeepGEMM's contiguous-layout tile M on SM90
+BLOCK_M = 128
+FP8 = torch.float8_e4m3fn
+
+#: status bits of a ready range, as the CUTLASS path reports them (``cutlass_gemm.STATUS_BITS``)
+STATUS_BITS = {
+    1: "the ready range is longer than max_items (blocks past max_items were dropped)",
+    2: "the ready range is negative (ready_hi[hi_index] < ready_hi[lo_index])",
+    4: "a ready block id is outside [0, num_blocks) (skipped)",
+    8: "a ready block's expert id is outside [0, num_experts) (skipped)",
+    16: "the ready range lies outside the ready list (ready_hi[lo_index] < 0 or ready_hi[hi_index] > its length)",
+}
+
+
+def status_text(status: int) -> str:
+    return "; ".join(msg for bit, msg in STATUS_BITS.items() if status & bit) or "ok"
+
+
+# ----------------------------------------------------------------------------------------------
+# availability
+# ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Availability:
+    """``bool(a)``: whether ``deep_gemm`` can run here; ``a.reason``: why not, or what was found."""
+
+    ok: bool
+    reason: str
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+
+_cached: Availability | None = None
+
+
+def cuda_home() -> str | None:
+    """The CUDA toolkit DeepGEMM's JIT compiles with (``$CUDA_HOME``, ``$CUDA_PATH``, ``nvcc`` on PATH,
+    ``/usr/local/cuda``), as ``deep_gemm._find_cuda_home`` looks for it; None if none has ``bin/nvcc``."""
+    cands = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")]
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        cands.append(str(Path(nvcc).resolve().parent.parent))
+    cands.append("/usr/local/cuda")
+    for c in cands:
+        if c and (Path(c) / "bin" / "nvcc").is_file():
+            return c
+    return None
+
+
+def deep_gemm_available(refresh: bool = False) -> Availability:
+    """Whether ``import deep_gemm`` works and can run its SM90 grouped GEMM here. Builds nothing.
+
+    False (with the reason) without a CUDA GPU, on a GPU other than sm_90, without the package
+    (``launch/build_deep_gemm.sh`` builds it from the carried source), when its import fails, when
+    it lacks ``m_grouped_fp8_gemm_nt_contiguous``, or without an nvcc for its JIT.
+    """
+    global _cached
+    if _cached is not None and not refresh:
+        return _cached
+    _cached = _probe()
+    return _cached
+
+
+def _probe() -> Availability:
+    if not torch.cuda.is_available():
+        return Availability(False, "no CUDA GPU")
+    cap = torch.cuda.get_device_capability()
+    if cap != (9, 0):
+        return Availability(False, f"DeepGEMM's SM90 kernels need sm_90, this GPU is sm_{cap[0]}{cap[1]}")
+    if importlib.util.find_spec("deep_gemm") is None:
+        return Availability(False, "the deep_gemm package is not installed (launch/build_deep_gemm.sh builds it from "
+                                   "the carried source: docs/deep_gemm.md)")
+    home = cuda_home()
+    if home is None:
+        return Availability(False, "no nvcc for DeepGEMM's JIT (set CUDA_HOME to a CUDA toolkit with bin/nvcc)")
+    os.environ.setdefault("CUDA_HOME", home)
+    try:
+        dg = importlib.import_module("deep_gemm")
+    except Exception as exc:  # noqa: BLE001 - any import failure is a reason, not a crash
+        return Availability(False, f"import deep_gemm failed: {type(exc).__name__}: {str(exc)[:300]}")
+    if not hasattr(dg, "m_grouped_fp8_gemm_nt_contiguous"):
+        return Availability(False, f"deep_gemm {getattr(dg, '__version__', '?')} has no m_grouped_fp8_gemm_nt_contiguous")
+    return Availability(True, f"deep_gemm {getattr(dg, '__version__', '?')} at {Path(dg.__file__).parent}, "
+                              f"CUDA_HOME={home}")
+
+
+def load():
+    """The ``deep_gemm`` module; raises RuntimeError with the reason when it is not available."""
+    a = deep_gemm_available()
+    if not a:
+        raise RuntimeError(f"gemm='deep_gemm' is not available: {a.reason}")
+    return importlib.import_module("deep_gemm")
+
+
+# ----------------------------------------------------------------------------------------------
+# the ready range -> m_indices
+# ----------------------------------------------------------------------------------------------
+def check_block_m(block_m: int, field: str = "block_m") -> None:
+    """DeepGEMM's contiguous layout needs blocks of exactly :data:`BLOCK_M` rows."""
+    if block_m != BLOCK_M:
+        raise ValueError(f"{field} must be {BLOCK_M} for gemm='deep_gemm' (DeepGEMM's contiguous layout reads one "
+                         f"expert per 128-row tile), got {block_m}")
+
+
+def ready_m_indices(ready_list: torch.Tensor, ready_hi: torch.Tensor, lo_index: int, hi_index: int, max_items: int,
+                    block_expert: torch.Tensor, num_experts: int, block_m: int, out: torch.Tensor | None = None,
+                    status: torch.Tensor | None = None) -> torch.Tensor:
+    """``m_indices [num_blocks * block_m]`` int32: ``block_expert[b]`` on the rows of every block ``b`` of
+    ``ready_list[ready_hi[lo_index] : ready_hi[hi_index]]`` (at most ``max_items`` of them), -1 elsewhere.
+
+    The range is read on the device (torch ops only: no host synchronisation, capturable). The same
+    rules as the CUTLASS setup kernel (``cutlass_gemm.ready_groups``): a range outside the list or
+    negative computes nothing, a longer one is clamped to ``max_items``, an item whose block id or
+    expert is out of range is skipped; each case ORs its bit (:data:`STATUS_BITS`) into ``status``
+    (int32 ``[1]``) when given. ``out``: where to write (allocated otherwise).
+    """
+    num_blocks = block_expert.numel()
+    dev = block_expert.device
+    n_list = ready_list.numel()
+    lo = ready_hi[lo_index].long()
+    hi = ready_hi[hi_index].long()
+    n = hi - lo
+    outside = (n > 0) & ((lo < 0) | (hi > n_list))
+    negative = n < 0
+    n = torch.where(outside | negative, torch.zeros_like(n), n)
+    clamped = n > max_items
+    n = torch.clamp(n, max=max_items)
+    pos = torch.arange(n_list, device=dev)
+    in_range = (pos >= lo) & (pos < lo + n)
+    ids = ready_list.long()
+    bad_block = in_range & ((ids < 0) | (ids >= num_blocks))
+    ids_c = ids.clamp(0, max(num_blocks - 1, 0))
+    expert = block_expert.long()[ids_c]
+    bad_expert = in_range & ~bad_block & ((expert < 0) | (expert >= num_experts))
+    ok = in_range & ~bad_block & ~bad_expert
+    # every item scatters into slot num_blocks (dropped) unless it is a good item of the range; equal
+    # block ids carry equal experts, so duplicate indices write equal values (deterministic)
+    target = torch.where(ok, ids_c, torch.full_like(ids_c, num_blocks))
+    per_block = torch.full((num_blocks + 1,), -1, dtype=torch.long, device=dev)
+    per_block.scatter_(0, target, torch.where(ok, expert, torch.full_like(expert, -1)))
+    if out is None:
+        out = torch.empty(num_blocks * block_m, dtype=torch.int32, device=dev)
+    elif out.dtype != torch.int32 or out.numel() != num_blocks * block_m or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous int32 tensor of num_blocks*block_m = {num_blocks * block_m} "
+                         f"elements, got {out.dtype} {tuple(out.shape)}")
+    out.view(num_blocks, block_m).copy_(per_block[:num_blocks, None].expand(num_blocks, block_m))
+    if status is not None:
+        bits = (clamped.int() * 1 | negative.int() * 2 | bad_block.any().int() * 4 | bad_expert.any().int() * 8
+                | outside.int() * 16)
+        status.bitwise_or_(bits.to(status.dtype).reshape(1))
+    return out
+
+
+def m_indices_reference(ready_list, ready_hi, lo_index: int, hi_index: int, max_items: int, block_expert,
+                        num_experts: int, block_m: int) -> tuple[list[int], int]:
+    """Pure-Python :func:`ready_m_indices` (lists or CPU tensors in): ``(m_indices, status)``."""
+    rl = [int(v) for v in ready_list]
+    be = [int(v) for v in block_expert]
+    hv = [int(v) for v in ready_hi]
+    lo, hi = hv[lo_index], hv[hi_index]
+    status, n = 0, hi - lo
+    if n > 0 and (lo < 0 or hi > len(rl)):
+        status |= 16
+        n = 0
+    if n < 0:
+        status |= 2
+        n = 0
+    if n > max_items:
+        status |= 1
+        n = max_items
+    per_block = [-1] * len(be)
+    for i in range(n):
+        b = rl[lo + i]
+        if not 0 <= b < len(be):
+            status |= 4
+        elif not 0 <= be[b] < num_experts:
+            status |= 8
+        else:
+            per_block[b] = be[b]
+    return [e for e in per_block for _ in range(block_m)], status
+
+
+def mn_major_scales(rows: int, cols: int, device) -> torch.Tensor:
+    """A ``[rows, cols]`` float32 buffer laid out MN-major (strides ``(1, rows)``), zeroed: what DeepGEMM
+    takes as activation scales without transposing them (``rows`` must be a multiple of 4, TMA)."""
+    if rows % 4:
+        raise ValueError(f"rows must be a multiple of 4 (TMA alignment of MN-major scales), got {rows}")
+    return torch.zeros(cols, rows, dtype=torch.float32, device=device).t()
+
+
+# ----------------------------------------------------------------------------------------------
+# copy the ready rows (a scratch output -> the consumer's y, rows elsewhere untouched)
+# ----------------------------------------------------------------------------------------------
+def copy_ready_rows(ready_list, ready_hi, lo_index: int, hi_index: int, max_items: int, src: torch.Tensor,
+                    dst: torch.Tensor, *, block_m: int) -> None:
+    """``dst[rows of b] = src[rows of b]`` for the blocks ``b`` of the ready range (read on the device);
+    every other row of ``dst`` is left as it is. ``src``, ``dst``: ``[rows, H]`` of one dtype."""
+    from . import deep_gemm_triton as T
+
+    if src.shape != dst.shape or src.dtype != dst.dtype or not (src.is_contiguous() and dst.is_contiguous()):
+        raise ValueError(f"src and dst must be contiguous and alike, got {src.dtype} {tuple(src.shape)} and "
+                         f"{dst.dtype} {tuple(dst.shape)}")
+    T.copy_ready_rows(ready_list, ready_hi, lo_index, hi_index, max_items, src, dst, block_m=block_m)

@@ -1,0 +1,1102 @@
+"""The expert-parallel FP8 MoE layer on GPUs, as an engine holds it: one buffer, many layers.
+
+:class:`EPBuffer` is created once per process group (one PE per GPU, any number; several PEs on
+one GPU under MPS). It owns every symmetric allocation (the batch ring, the streamed ring, the
+owners' combine area), the block consumer's scratch, the producer's scratch and the streams, and
+is shared by every MoE layer of a model. A layer's weights are prepared once
+(:meth:`EPBuffer.prepare_weights`: bf16 weights are quantized to FP8 with 128x128 scales, FP8 checkpoint
+tensors are taken as they are) and :meth:`EPBuffer.forward` runs one layer on this PE's tokens,
+collectively on every PE::
+
+    buf = EPBuffer(heap, shape, num_slots=2, tokens_per_slot=4096, max_tokens_per_rank=8192)
+    w = buf.prepare_weights(weights)                    # once per layer (MoEWeights or FastWeights)
+    y = buf.forward(x, w)                       # batch-ready path (default)
+    y = buf.forward(x, w, streaming=True)       # streamed through the ring
+    y = buf.forward(x_max, w, num_tokens=n)     # n: a device int64: the valid rows of x_max
+
+Everything a forward enqueues is capture-safe (no host synchronisation, no shape-dependent host
+work but the static ``x.shape[0]``), so the caller may capture it inside its own CUDA graph and
+replay that graph with a different ``num_tokens`` each time: every chunk's valid count is derived
+on the device, the producer publishes it in the slot's metadata, consumers learn it from there.
+The device epoch of each ring advances at the end of every forward, so generations stay exact
+across replays (RFC: ABA across CUDA-graph replay).
+
+Per chunk c (slot s = c % S) on every PE::
+
+    producer stream                          dispatch stream (enqueued first)
+    reuse_wait(c)  (every ack of c - S)      [stream_wait: doorbells of c]
+    router + top-k -> slot s idx/weights     acquire_checked(c): both generations of every
+    publish(ROUTE, c) (+ metadata words:       source (acquire, deadline), their metadata words
+      chunk, base, valid count)                checked, each source's valid count learned
+    FP8 quant -> slot s x / x_sf             [transport nv: RMA-get every source's slot s]
+    publish(LAYOUT, c)                       ep_gather: every source's routes to my experts
+                                             dispatch_ep: rows copied into my expert blocks
+                                             ack(c)  <- early input_consumed: the slot is not
+                                                        referenced after the copy
+                                             event(c)
+                                             GEMM stream: wait event(c); L1+SwiGLU, L2 of the
+                                             blocks dispatch c made ready; L2 stores each row in
+                                             its owner's combine rows[token][k] (P2P), then
+                                             ep_signal_arrivals ADDs the row counts to the
+                                             owners' arrived[chunk] (release)
+    after the last chunk: seal -> GEMMs of the partial blocks -> signal; then (as owner)
+    ep_wait_arrivals (arrived == expected, acquire) -> combine_owner (k-ordered sum) ->
+    arrived := 0; after every stream joined: ring drain, advance_epoch.
+
+Ordering argument (the RFC's release/acquire, each step in one place):
+
+* producer -> consumer: the payload kernels complete before ``ring_publish`` (stream order), whose
+  release precedes the generation SET; ``acquire_checked`` acquire-loads the generations and the
+  data kernels follow it in stream order (``streamring.device_ring``). The valid count is a
+  metadata word written before that release, so it is covered by the same handoff; a consumer
+  checks it against ``[0, tokens_per_slot]`` before indexing (a hostile count cannot reach past
+  the slot, and the combine rows are sized for ``num_chunks * tokens_per_slot`` tokens).
+* early ``input_consumed``: the dispatch kernels are the last readers of the slot; ``ring_ack``
+  follows them in stream order and releases before its fetch_or; the owner's ``reuse_wait``
+  acquires the full mask before the next write of the slot (rules 3 and 4 of the protocol).
+* consumer -> owner (results): see ``csrc/ep_kernels.cu``: the rows are stored before the
+  release ADD of their count; the owner acquires the full count before reading; the count is
+  reset before the owner's next forward publishes anything (the next forward forks from the end of
+  this one), and a consumer writes an owner's rows of a forward only after acquiring that owner's
+  chunks of the same forward, so neither rows nor counts are carried from one forward to the next
+  - whichever layer or path (batch, streamed) the two forwards belong to, since they share the
+  combine area.
+* bitwise: every GEMM row depends only on its own data (fixed tiles, fixed K order) and the owner
+  sums the k results of a token in the order k = 0..K-1, so the streamed output equals the batch
+  output bitwise whatever the chunking, the progress policy or the arrival order.
+
+Progress policies (``streamring.protocol.PROGRESS_POLICIES``) of the streamed path: the dispatch
+stream is enqueued before the producer and must not block it: ``serialized`` (one stream, chunk by
+chunk), ``spin_kernel`` (one-thread acquire kernels with a deadline; producer and dispatch streams at
+high priority), ``stream_wait`` (``cuStreamWaitValue64`` on the ring's doorbells, no SM held),
+``green_ctx`` (producer and consumer on disjoint SM partitions; P2P transport). ``pdl`` is refused
+here: see :data:`REFUSED_POLICIES`. The batch path always runs ``serialized``.
+
+Transports (chosen once per buffer): ``p2p`` (NVLink loads/stores through peer pointers: the
+dispatch pulls rows from the peers' slots, L2 stores into the peers' combine rows) or ``nv``
+(NVSHMEM device RMA, for peers without a pointer, e.g. on another node: every source's slot is
+fetched with gets into a local mirror, L2 writes locally and ``ep_put_rows`` puts the rows).
+``transport='nv'`` forces that path between GPUs of one host, so it is tested there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+from ..device import kernels as DK
+from ..device import moe_triton as K
+from ..device.ranges import annotate as nvtx_range
+from ..device.ringdesc import INJECT_BITS, RING_LAYOUT, RING_ROUTE, describe_status
+from ..device_ring import DeviceRing
+from ..protocol import GEMM_CHOICES, PROGRESS_POLICIES, REFUSED_POLICIES, SOURCE_ORDERS, CombineLayout, RingLayout
+from . import gemm_choice as GC
+from .blocks import FP8, PULLS, BlockConsumer, FastWeights, compute_blocks
+from .math import MoEShape, MoEWeights, quantize_weight_fp8_block, select_experts
+from .plan import PlanChoice
+from .timeline_events import CHUNK_EVENTS, STAMP_STRIDE, TAIL_EVENTS
+
+TRANSPORTS = ("auto", "p2p", "nv")
+#: how the expert GEMMs run: one L1 and one L2 grid per dispatch step ("per_chunk", any GEMM and
+#: transport) or ONE persistent kernel per forward claiming ready blocks from a device queue
+#: ("persistent", Triton GEMMs over P2P; ``streamring.moe.work_queue``)
+CONSUMERS = ("per_chunk", "persistent")
+GEMMS = GEMM_CHOICES
+BLOCK_MS = (16, 32, 64, 128)
+
+def cutlass_unavailable_reason() -> Optional[str]:
+    """Why the CUTLASS GEMM library is not taken here (``None`` when it loads). Never builds anything:
+    the library is built ahead with ``python -m streamring.device.build_gemm --out .gemm-build``."""
+    why = GC.available_impls(128)["cutlass"]
+    return why or None
+
+
+def resolve_gemm(gemm: str, shape: MoEShape, num_ranks: int, max_tokens_per_rank: int,
+                 block_m: int) -> "GC.LayerChoice":
+    """The expert GEMMs ``gemm`` stands for in a buffer of these sizes (``"auto"``: the fastest available
+    implementation of the measured table, ``streamring/moe/gemm_choice.py``, at the buffer's rows per
+    expert; an explicit one: its own fastest variants). Every path of one buffer runs the result, so a
+    streamed-vs-batch comparison never measures two GEMMs' rounding."""
+    if gemm not in GEMMS:
+        raise ValueError(f"gemm must be one of {GEMMS}, got {gemm!r}")
+    plan = PlanChoice(chunk_tokens=1, num_slots=1, block_m=block_m, policy="serialized")
+    return GC.resolve_layer(gemm, plan, shape, [max_tokens_per_rank] * num_ranks)
+
+
+@dataclass
+class LayerWeights:
+    """One MoE layer's weights, prepared for an :class:`EPBuffer` (:meth:`EPBuffer.prepare_weights`).
+
+    Attributes:
+        routing: the layer's :class:`MoEShape` (router kind, groups, scaling; sizes equal the buffer's).
+        fw: this PE's experts (``w1 [E/R, 2I, H]``, ``w2 [E/R, H, I]``, FP8 with 128x128 scales)
+            and the global router (bf16 ``[E, H]``) and bias.
+    """
+
+    routing: MoEShape
+    fw: FastWeights
+
+
+@dataclass
+class _Path:
+    """One ring and how a forward runs on it (the batch path or the streamed path)."""
+
+    name: str
+    ring: DeviceRing
+    chunk: int  # tokens per chunk (per slot)
+    num_chunks: int  # chunks of every forward on this path (the same on every PE)
+    num_slots: int
+    policy: str
+    source_order: str
+    steps: int  # dispatch steps per chunk: 1 (every source at once) or R (ready order)
+    slots: list  # typed views of my slots (DeviceRing.slot_views)
+    chunk_base: torch.Tensor  # int64 [num_chunks]: c * chunk
+    chunk_valid: torch.Tensor  # int64 [num_chunks]: this forward's valid tokens of my chunk c
+    valid_tab: torch.Tensor  # int32 [num_chunks, R]: valid tokens of every source's chunk (learned)
+    deltas: tuple  # where the data kernels read each source's slot (bytes, f32, i64 elements)
+    mirror: Optional[torch.Tensor] = None  # nv transport: local copies of every source's ring
+
+
+class EPBuffer:
+    """One process group's buffers for every expert-parallel FP8 MoE layer (collective).
+
+    Args:
+        heap: a started :class:`~streamring.device.nvshmem.NvshmemHeap` (one PE per GPU; several
+            PEs on one GPU work under MPS).
+        shape: sizes of every layer that will use this buffer (``hidden``, ``intermediate``,
+            ``num_experts`` a multiple of the PEs, ``topk``; ``hidden``/``intermediate`` multiples of
+            128) and the default routing of :meth:`prepare_weights`.
+        num_slots, tokens_per_slot: the streamed ring (the RFC's ``front_num_slots`` /
+            ``front_tokens_per_slot``); default ``tokens_per_slot``: half of ``max_tokens_per_rank``.
+        max_tokens_per_rank: the most tokens any PE passes to one forward (sizes the batch ring, the
+            combine area and the expert blocks).
+        block_m: rows per expert block, one of ``BLOCK_MS`` (default ``shape.block_m``).
+        policy: progress policy of the streamed path (``PROGRESS_POLICIES`` but ``REFUSED_POLICIES``).
+        source_order: ``"rank"`` or ``"ready"`` (per chunk, whichever source is ready first, decided
+            on the device by ``ring_wait_any``: a late source delays only its own rows).
+        gemm: ``"triton"``, ``"cutlass"``, ``"deep_gemm"`` (``block_m`` 128, when ``import deep_gemm``
+            works) or ``"auto"`` (:func:`resolve_gemm`: the fastest available one of the measured table);
+            :attr:`gemm` is the resolved implementation, :attr:`gemm_choice` its variants and why. Every
+            path of this buffer runs the same GEMMs.
+        transport: ``"auto"`` (P2P when every peer is load/store reachable, else NVSHMEM RMA),
+            ``"p2p"`` or ``"nv"`` (forces RMA; see the module doc).
+        chunk_gemm_ctas, high_priority: see :class:`~streamring.moe.plan.PlanChoice`.
+        producer_sms: ``green_ctx`` only: SMs of the producer partition.
+        consumer: ``"per_chunk"`` (an L1 and an L2 grid per dispatch step; any GEMM and transport) or
+            ``"persistent"`` (ONE persistent kernel per forward claiming ready blocks from a device queue,
+            ``streamring.moe.work_queue``; Triton GEMMs over P2P, launched first with ``reserved_sms`` SMs
+            left to the producer and dispatch of the streamed path: with none left they starve and the
+            queue's deadline ends the forward with an error, measured).
+        pull: ``"token"`` (the dispatch reads each needed token's row from its source's slot once, then
+            expands it locally; the slot is acknowledged right after that read) or ``"route"`` (one read
+            per route, up to top-k per token).
+        side_puts: the result puts of a local-``y`` GEMM (CUTLASS, RMA) on a stream of their own in the
+            multi-stream policies (default), so the next blocks' GEMMs do not wait for them; else on the
+            GEMM stream. Measured neutral on one H200 (8.74 ms both ways; its puts are local), not
+            measured across GPUs.
+        chunk_combine: the owner's reduce chunk by chunk on a stream of its own as each chunk's rows
+            arrive; default off: one reduce after the GEMMs. Measured on one H200 (DeepSeek-V3 shape, 4096
+            tokens, 2 chunks, CUTLASS): 13.7 ms with it against 8.7 ms without (its early, spinning
+            arrival wait holds an SM slot that one CTA of CUTLASS's statically scheduled persistent grid
+            then waits for, so that CTA's tiles run after all the others');
+            ``docs/results/ep-schedule-experiments-1pe-2026-12-01.log``.
+        deadline_s: every device wait gives up after this long and records where it waited
+            (:meth:`status`); nothing hangs.
+        timeline: record per-chunk ``%globaltimer`` stamps (:meth:`timeline`).
+        inject: a deliberate protocol mutation (``streamring.protocol.INJECT_MODES``; tests and the
+            GPU check): ``skip-acquire``, ``signal-before-payload``, ``skip-ack-wait``,
+            ``ignore-epoch``; the run's bitwise and status checks must then fail.
+
+    Memory: :meth:`memory_report` (or :func:`memory_report` before building one).
+    """
+
+    def __init__(self, heap, shape: MoEShape, *, max_tokens_per_rank: int, num_slots: int = 2,
+                 tokens_per_slot: Optional[int] = None, block_m: Optional[int] = None, policy: str = "spin_kernel",
+                 source_order: str = "rank", gemm: str = "auto", transport: str = "auto",
+                 chunk_gemm_ctas: Optional[int] = None, high_priority: Optional[bool] = None, producer_sms: int = 16,
+                 consumer: str = "per_chunk", reserved_sms: int = 16, pull: str = "token", side_puts: bool = True,
+                 chunk_combine: bool = False, deadline_s: float = 10.0,
+                 timeline: bool = False, inject: str = "none", name: str = "ep"):
+        R, me = heap.num_ranks, heap.rank
+        sizes = _check_sizes(shape, R, max_tokens_per_rank, num_slots, tokens_per_slot, block_m)
+        self.max_tokens, C, S, self.block_m = sizes
+        if policy in REFUSED_POLICIES:
+            allowed = [p for p in PROGRESS_POLICIES if p not in REFUSED_POLICIES]
+            raise ValueError(f"policy {policy!r} is refused by the expert-parallel layer: "
+                             f"{REFUSED_POLICIES[policy]}; use one of {allowed}")
+        PlanChoice(chunk_tokens=C, num_slots=S, block_m=self.block_m, policy=policy, high_priority=high_priority,
+                   chunk_gemm_ctas=chunk_gemm_ctas).validate()
+        if source_order not in SOURCE_ORDERS:
+            raise ValueError(f"source_order must be one of {SOURCE_ORDERS}, got {source_order!r}")
+        if source_order == "ready" and R > 64:
+            raise ValueError(f"source_order 'ready' supports up to 64 PEs, got {R}")
+        if inject not in INJECT_BITS:
+            raise ValueError(f"inject must be one of {list(INJECT_BITS)}, got {inject!r}")
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+        if consumer not in CONSUMERS:
+            raise ValueError(f"consumer must be one of {CONSUMERS}, got {consumer!r}")
+        if pull not in PULLS:
+            raise ValueError(f"pull must be one of {PULLS}, got {pull!r}")
+        if not isinstance(reserved_sms, int) or reserved_sms < 0:
+            raise ValueError(f"reserved_sms must be an int >= 0, got {reserved_sms!r}")
+        #: the expert GEMMs of every path (implementation and variants; :attr:`gemm` names the implementation)
+        self.gemm_choice = resolve_gemm(gemm, shape, R, self.max_tokens, self.block_m)
+        self.gemm = self.gemm_choice.impl
+        if consumer == "persistent" and (self.gemm != "triton" or transport == "nv" or policy == "green_ctx"):
+            raise ValueError(f"consumer 'persistent' runs the Triton GEMMs storing straight into the owners over "
+                             f"P2P: it needs gemm 'triton' (got {self.gemm!r}), transport 'auto' or 'p2p' (got "
+                             f"{transport!r}) and a policy other than 'green_ctx' (got {policy!r})")
+        self.consumer, self.pull, self.reserved_sms = consumer, pull, reserved_sms
+        self.side_puts = bool(side_puts)
+        self.chunk_combine = bool(chunk_combine)
+        if self.gemm == "deep_gemm" and chunk_gemm_ctas is not None:
+            raise ValueError("chunk_gemm_ctas must be None with gemm 'deep_gemm' (DeepGEMM sizes its own grid)")
+        self.heap, self.shape = heap, shape
+        self.R, self.me = R, me
+        self.E_loc = shape.num_experts // R
+        #: the experts this PE holds (rank r holds ``[r * E/R, (r+1) * E/R)``)
+        self.local_experts = range(me * self.E_loc, (me + 1) * self.E_loc)
+        self.policy, self.source_order = policy, source_order
+        self.chunk_gemm_ctas = chunk_gemm_ctas
+        self.priority_streams = PlanChoice(chunk_tokens=C, num_slots=S, block_m=self.block_m, policy=policy,
+                                           high_priority=high_priority).priority_streams()
+        self.inject = inject
+        self._inject_bits = INJECT_BITS[inject]
+        self.deadline_s = deadline_s
+        self.dev = dev = heap.device
+        self._on_gpu = torch.device(dev).type == "cuda"
+        if not self._on_gpu and policy != "serialized":
+            raise ValueError(f"policy {policy!r} needs a GPU (streams); off the GPU only 'serialized' runs")
+        self.broken: Optional[str] = None
+        self._warm: set = set()
+        self._graph_paths: dict = {}  # id(graph) -> the path it was captured on (replay() checks that ring)
+        self._regions: list = []
+        H, Kk = shape.hidden, shape.topk
+        wake = policy == "stream_wait"
+        ring_transport = "p2p" if policy == "green_ctx" else transport
+        # -- the two rings (symmetric) --------------------------------------------------------------
+        self.paths = {
+            "batch": self._make_path("batch", self.max_tokens, 1, "serialized", "rank", ring_transport, False,
+                                     f"{name}-batch-ring"),
+            "stream": self._make_path("stream", C, S, policy, source_order, ring_transport, wake,
+                                      f"{name}-stream-ring"),
+        }
+        self.transport = self.paths["stream"].ring.transport
+        if consumer == "persistent" and self.transport != "p2p":
+            raise ValueError("consumer 'persistent' needs every peer load/store reachable (P2P); this job's transport "
+                             "is 'nv' (another node?): use consumer 'per_chunk'")
+        max_chunks = max(p.num_chunks for p in self.paths.values())
+        # every token a forward can name, on either path (a chunk's valid count is at most its size)
+        self.token_capacity = max(p.num_chunks * p.chunk for p in self.paths.values())
+        # -- the owners' combine area (symmetric; shared by both paths and every layer) ---------------
+        self.comb_layout = CombineLayout(max_tokens=self.token_capacity, topk=Kk, hidden=H, max_chunks=max_chunks)
+        CL = self.comb_layout
+        self.comb_region = heap.alloc(f"{name}-combine", CL.nbytes)
+        self.comb_base = self.comb_region.handle.ptr
+        loc = self.comb_region.local
+        self.arrived = loc[CL.off_arrived: CL.off_arrived + 8 * max_chunks].view(torch.int64)
+        self.comb_rows = loc[CL.off_rows: CL.off_rows + CL.rows_bytes].view(torch.bfloat16).view(-1, H)
+        self.comb_peers = 0
+        if self.transport == "p2p":
+            self._comb_peers_t = heap.peer_table(self.comb_region)
+            self.comb_peers = int(self._comb_peers_t.data_ptr())
+            self.comb_delta = ((self._comb_peers_t - self.comb_base) // 2).contiguous()  # bf16 elements
+        # -- per-forward device state ---------------------------------------------------------------
+        self.num_tokens_t = torch.zeros(1, dtype=torch.int64, device=dev)
+        self.row_ids = torch.arange(self.token_capacity, dtype=torch.int64, device=dev)
+        self.my_idx = torch.full((self.token_capacity, Kk), -1, dtype=torch.int64, device=dev)
+        self.my_w = torch.zeros(self.token_capacity, Kk, dtype=torch.float32, device=dev)
+        self._last_T = 0
+        self.expected = torch.zeros(max_chunks, dtype=torch.int64, device=dev)
+        self.logits = torch.zeros(max(p.chunk for p in self.paths.values()), shape.num_experts, dtype=torch.float32,
+                                  device=dev)
+        self.entries = max(R * p.chunk * Kk for p in self.paths.values())
+        self.flat_e = torch.zeros(self.entries, dtype=torch.int32, device=dev)
+        self.flat_w = torch.zeros(self.entries, dtype=torch.float32, device=dev)
+        self.pending = torch.zeros(1, dtype=torch.int64, device=dev)  # ready order: sources not yet taken
+        self.chosen = torch.zeros(R, dtype=torch.int32, device=dev)  # ready order: the source of step j
+        self.src_all = torch.arange(R, dtype=torch.int32, device=dev)
+        self.bad_routes = torch.zeros(1, dtype=torch.int32, device=dev)
+        # bytes the dispatch reads from peers' slots (last forward): [0] one row per route, [1] one per token
+        self.pull_bytes = torch.zeros(2, dtype=torch.int64, device=dev)
+        self.bad_counts = torch.zeros(1, dtype=torch.int32, device=dev)  # num_tokens outside [0, T], clamped
+        self.straggler_t = torch.zeros(1, dtype=torch.int64, device=dev)
+        self.stamps = torch.zeros((max_chunks + 1) * STAMP_STRIDE, dtype=torch.int64, device=dev) if timeline else None
+        self._stamp_path: Optional[_Path] = None
+        self._recording = True
+        # -- the block consumer (local scratch, shared by every layer) --------------------------------
+        # L2 stores straight into the owners only with the Triton GEMMs over P2P; else a local y + puts
+        self.direct_l2 = self.transport == "p2p" and self.gemm == "triton"
+        local_shape = MoEShape(**{**shape.__dict__, "num_experts": self.E_loc, "n_group": 1, "topk_group": 1,
+                                  "router": "softmax_topk", "block_m": self.block_m})
+        max_steps = max(p.num_chunks * p.steps for p in self.paths.values())
+        self.bc = BlockConsumer(local_shape, R * self.token_capacity, max_steps, self.block_m, dev,
+                                ep_entries=self.entries, local_y=not self.direct_l2)
+        # y stays a staging buffer of whole rows: the result puts of a range may still read it while later
+        # ranges compute, so no implementation may overwrite rows outside its range (staging_y=False)
+        GC.setup_consumer(self.bc, self.gemm_choice, staging_y=False)
+        self.queue = None
+        if consumer == "persistent":
+            from .work_queue import WorkQueue
+
+            self.queue = WorkQueue(self.bc)
+            self.sm_count = torch.cuda.get_device_properties(dev).multi_processor_count if self._on_gpu else 1
+            self.comb_arrived_delta = ((self._comb_peers_t - self.comb_base) // 8).contiguous()  # int64 words
+        # -- streams ----------------------------------------------------------------------------------
+        self._make_streams(policy, producer_sms)
+        for p in self.paths.values():
+            p.ring.set_epoch(1)
+        heap.barrier()
+
+    # -- construction pieces --------------------------------------------------------------------------
+    def _make_path(self, name, chunk, num_slots, policy, source_order, transport, wake, ring_name) -> _Path:
+        R, dev = self.R, self.dev
+        sh = self.shape
+        num_chunks = -(-self.max_tokens // chunk)
+        S = min(num_slots, num_chunks)
+        layout = RingLayout(num_ranks=R, num_slots=S, tokens_per_slot=chunk, hidden=sh.hidden, topk=sh.topk,
+                            num_experts=sh.num_experts)
+        ring = DeviceRing(self.heap, layout, num_chunks, transport=transport, wake=wake, deadline_s=self.deadline_s,
+                          name=ring_name)
+        mirror = None
+        if ring.transport == "nv":  # NVSHMEM gets into a local mirror laid out like the ring, one copy per source
+            mirror = torch.zeros(R, layout.nbytes, dtype=torch.uint8, device=dev)
+        return _Path(name=name, ring=ring, chunk=chunk, num_chunks=num_chunks, num_slots=S, policy=policy,
+                     source_order=source_order, steps=R if source_order == "ready" else 1,
+                     slots=[ring.slot_views(s) for s in range(S)],
+                     chunk_base=torch.arange(num_chunks, dtype=torch.int64, device=dev) * chunk,
+                     chunk_valid=torch.zeros(num_chunks, dtype=torch.int64, device=dev),
+                     valid_tab=torch.zeros(num_chunks, R, dtype=torch.int32, device=dev),
+                     deltas=ring.read_distances(mirror), mirror=mirror)
+
+    def _make_streams(self, policy, producer_sms):
+        self.green = None
+        self.events = []
+        self.cstream = self.ustream = None
+        if policy == "green_ctx":
+            from ..device.green import make_green_pair
+
+            self.green = make_green_pair(self.heap.device_index, producer_sms)
+            self.pstream = self.green[0].stream
+            self.dstream = self.gstream = self.green[1].stream
+        elif policy == "serialized":
+            self.pstream = self.dstream = self.gstream = None
+        else:
+            # Producer and dispatch at high priority: their CTAs are scheduled before the next
+            # pending CTA of a big GEMM grid, so chunk c+1 is produced and dispatched while chunk c's
+            # blocks compute.
+            hi = -10 if self.priority_streams else 0
+            self.pstream = torch.cuda.Stream(device=self.dev, priority=hi)
+            self.dstream = torch.cuda.Stream(device=self.dev, priority=hi)
+            self.gstream = torch.cuda.Stream(device=self.dev, priority=0)
+            # the owner's reduce, chunk by chunk, and (GEMMs with a local y) the puts of the result rows:
+            # off the GEMM stream, so the next blocks' GEMMs do not wait for them
+            self.cstream = torch.cuda.Stream(device=self.dev, priority=0)
+            self.ustream = torch.cuda.Stream(device=self.dev, priority=0)
+            st = self.paths["stream"]
+            n_steps = st.num_chunks * st.steps
+            self.events = [torch.cuda.Event() for _ in range(n_steps)]
+            self.produced = [torch.cuda.Event() for _ in range(st.num_chunks)]
+            self.computed = [torch.cuda.Event() for _ in range(n_steps + 1)]
+
+    # -- layers -----------------------------------------------------------------------------------
+    def prepare_weights(self, weights, routing: Optional[MoEShape] = None) -> LayerWeights:
+        """One layer's weights for this buffer (call once per layer; keep the result).
+
+        Args:
+            weights: a :class:`~streamring.moe.math.MoEWeights` (bf16 weights are quantized to FP8
+                with 128x128 block scales here; FP8 weights with their scales, e.g. a checkpoint's
+                ``weight_scale_inv``, are taken as they are; all experts or only this PE's) or a
+                :class:`~streamring.moe.blocks.FastWeights` (all experts or this PE's).
+            routing: the layer's router (kind, groups, scaling); default the buffer's ``shape``.
+                Its sizes must equal the buffer's.
+
+        Returns:
+            :class:`LayerWeights` holding this PE's experts and the global router.
+        """
+        sh = self.shape if routing is None else routing
+        for f in ("hidden", "intermediate", "num_experts", "topk"):
+            if getattr(sh, f) != getattr(self.shape, f):
+                raise ValueError(f"routing.{f}={getattr(sh, f)} differs from the buffer's shape.{f}="
+                                 f"{getattr(self.shape, f)}: a buffer serves layers of one size")
+        if isinstance(weights, MoEWeights):
+            weights = _fp8_weights(weights, sh, self.dev)
+            fw = FastWeights.from_moe_weights(weights)
+        elif isinstance(weights, FastWeights):
+            fw = weights
+        else:
+            raise ValueError(f"weights must be a MoEWeights or a FastWeights, got {type(weights).__name__}")
+        E, E_loc, H, I = sh.num_experts, self.E_loc, sh.hidden, sh.intermediate
+        if fw.w1.shape[0] == E and E_loc != E:
+            fw = fw.local(self.me, self.R)
+        want = {"w1": (E_loc, 2 * I, H), "w1_sf": (E_loc, 2 * I // 128, H // 128), "w2": (E_loc, H, I),
+                "w2_sf": (E_loc, H // 128, I // 128), "router": (E, H)}
+        for f, shp in want.items():
+            t = getattr(fw, f)
+            if tuple(t.shape) != shp:
+                raise ValueError(f"weights.{f} must have shape {list(shp)} (all {E} experts or this PE's {E_loc}), "
+                                 f"got {list(t.shape)}")
+            if t.device != self.dev:
+                raise ValueError(f"weights.{f} is on {t.device}, the buffer on {self.dev}")
+        if fw.w1.dtype != FP8 or fw.w2.dtype != FP8:
+            raise ValueError(f"weights.w1/w2 must be float8_e4m3fn here, got {fw.w1.dtype}/{fw.w2.dtype}")
+        if sh.router == "deepseek_v3" and fw.bias is None:
+            raise ValueError("routing.router 'deepseek_v3' needs weights.correction_bias [num_experts]")
+        return LayerWeights(routing=sh, fw=fw)
+
+    # -- the forward --------------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor, weights: LayerWeights, *, streaming: bool = False,
+                stream_epoch: Optional[int] = None, num_tokens=None, out: Optional[torch.Tensor] = None,
+                routing: Optional[tuple] = None, stamps: bool = True) -> torch.Tensor:
+        """One layer on this PE's tokens (collective: every PE calls it, each replay of a captured
+        graph likewise).
+
+        Args:
+            x: ``[T, hidden]``, ``T <= max_tokens_per_rank``, bf16 (another float dtype is rounded to
+                bf16 first; a PE without tokens passes ``[0, hidden]`` or ``num_tokens=0``).
+            weights: the layer, from :meth:`prepare_weights`.
+            streaming: ``False`` = batch-ready path (the default and the correctness fallback);
+                ``True`` = chunks through the streamed ring. Both give bitwise equal outputs.
+            stream_epoch: the streamed ring's epoch of this call (must grow from call to call); default:
+                the device's own count (the only choice inside a captured graph, which replays it).
+            num_tokens: the valid rows of ``x`` (``None``: all ``T``): an int, or a one-element integer
+                CUDA tensor read when the forward runs (replays of one captured graph may vary it).
+                Rows at and past it are ignored and their output rows are zero. A device value outside
+                ``[0, T]`` is clamped into it and counted in :meth:`status` (``bad_counts``).
+            out: bf16 ``[T, hidden]`` to write into (default: a new tensor).
+            routing: ``(topk_idx, topk_weights)`` computed by the caller (int64 and float32 ``[T, topk]``
+                on the buffer's device, experts in ``[0, num_experts)`` or -1 for none) instead of the
+                layer's router: the producer publishes them as they are.
+            stamps: record the timeline stamps (a buffer made with ``timeline=True``).
+
+        Returns:
+            ``out``: bf16 ``[T, hidden]``, the sum over each token's routed experts.
+
+        The first forward of each path must run eagerly (it compiles and loads every kernel: a module
+        load while a stream waits on the ring could deadlock); capture after it.
+        """
+        if self.broken:
+            raise RuntimeError(f"this EPBuffer is unusable after a ring error ({self.broken}); close() it and build "
+                               f"a new EPBuffer on every PE (collective)")
+        if not isinstance(weights, LayerWeights):
+            raise ValueError(f"weights must come from EPBuffer.prepare_weights (a LayerWeights), got "
+                             f"{type(weights).__name__}")
+        H = self.shape.hidden
+        if not x.is_floating_point() or x.ndim != 2 or x.shape[1] != H or x.device != self.dev:
+            raise ValueError(f"x must be a bfloat16 (or other float) [tokens, hidden={H}] tensor on {self.dev}, got "
+                             f"{x.dtype} {list(x.shape)} on {x.device}")
+        if x.dtype != torch.bfloat16:
+            # the producer quantizes rows to FP8 with 1x128 scales from bf16; a wider x costs one rounding more
+            x = x.to(torch.bfloat16)
+        T = x.shape[0]
+        if T > self.max_tokens:
+            raise ValueError(f"x has {T} tokens, more than max_tokens_per_rank={self.max_tokens}")
+        if out is None:
+            out = torch.empty_like(x)
+        elif out.dtype != torch.bfloat16 or tuple(out.shape) != tuple(x.shape) or out.device != self.dev:
+            raise ValueError(f"out must be bfloat16 {list(x.shape)} on {self.dev}, got {out.dtype} {list(out.shape)}")
+        if routing is not None:
+            idx, w = routing
+            Kk = self.shape.topk
+            if idx.dtype != torch.int64 or tuple(idx.shape) != (T, Kk) or idx.device != self.dev:
+                raise ValueError(f"routing[0] (topk_idx) must be int64 [{T}, {Kk}] on {self.dev}, got {idx.dtype} "
+                                 f"{list(idx.shape)} on {idx.device}")
+            if w.dtype != torch.float32 or tuple(w.shape) != (T, Kk) or w.device != self.dev:
+                raise ValueError(f"routing[1] (topk_weights) must be float32 [{T}, {Kk}] on {self.dev}, got {w.dtype} "
+                                 f"{list(w.shape)} on {w.device}")
+        if isinstance(num_tokens, int) and not 0 <= num_tokens <= T:
+            raise ValueError(f"num_tokens must be in [0, {T}] (rows of x), got {num_tokens}")
+        path = self.paths["stream" if streaming else "batch"]
+        capturing = self._on_gpu and torch.cuda.is_current_stream_capturing()
+        if stream_epoch is not None:
+            if not streaming:
+                raise ValueError("stream_epoch is for streaming=True (the batch ring counts its own epochs)")
+            if capturing:
+                raise ValueError("stream_epoch cannot be given while capturing a CUDA graph: every replay would "
+                                 "reuse it (ABA); the device epoch advances by itself")
+            now = path.ring.epoch()
+            if int(stream_epoch) < now:
+                raise ValueError(f"stream_epoch must grow from call to call: the last was {now - 1}, "
+                                 f"got {stream_epoch}")
+            path.ring.set_epoch(int(stream_epoch))
+        if path.name not in self._warm:
+            if capturing:
+                raise RuntimeError(f"the {path.name} path of this EPBuffer has not run yet: run one forward "
+                                   f"(streaming={streaming}) eagerly before capturing it (it compiles the kernels)")
+            self._enqueue(path, weights, x, out, num_tokens, routing, "serialized", stamps)
+            self._sync()
+            self._warm.add(path.name)
+            self.check()
+            return out
+        self._enqueue(path, weights, x, out, num_tokens, routing, None, stamps)
+        return out
+
+    def capture(self, x: torch.Tensor, weights: LayerWeights, out: torch.Tensor, *, streaming: bool = False,
+                num_tokens=None, routing: Optional[tuple] = None, node_priority: bool = True, stamps: bool = True):
+        """Capture one :meth:`forward` into a CUDA graph and return it (run one eager forward of the
+        same path first). With ``node_priority`` (and high-priority producer/dispatch streams) every
+        kernel node but the expert GEMMs gets the high launch priority explicitly (a captured node
+        does not keep its stream's priority); ``self.node_priority_report`` says what was changed."""
+        want = node_priority and streaming and self.priority_streams and self.events != []
+        g = torch.cuda.CUDAGraph(keep_graph=want)
+        side = torch.cuda.Stream(device=self.dev)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.graph(g, stream=side, capture_error_mode="thread_local"):
+            self.forward(x, weights, streaming=streaming, num_tokens=num_tokens, out=out, routing=routing,
+                         stamps=stamps)
+        self._graph_paths[id(g)] = self.paths["stream" if streaming else "batch"]
+        self.node_priority_report = "not asked" if not want else _prioritize_nodes(
+            g, {int(k.function) for k in self.bc.gemm_kernels}, self.pstream.priority)
+        if want:
+            g.instantiate()
+        torch.cuda.current_stream().wait_stream(side)
+        return g
+
+    # -- status -------------------------------------------------------------------------------------
+    def status(self) -> dict:
+        """Device status of both rings (violations, timeouts, published, consumed, first error per
+        path), corrupt routes dropped by the dispatch (``bad_routes``) and device token counts outside
+        ``[0, T]`` that were clamped (``bad_counts``). Synchronises. Any error makes the buffer refuse
+        further forwards (:attr:`broken`): ``close()`` it and build a new one on every PE."""
+        out = {"bad_routes": int(self.bad_routes.item()), "bad_counts": int(self.bad_counts.item())}
+        for name, p in self.paths.items():
+            st = p.ring.status()
+            for k in ("violations", "timeouts"):
+                out[k] = out.get(k, 0) + st[k]
+            out[name] = st
+        first = next((n for n in self.paths if out[n]["first_error"]), None)
+        out["first_error"] = out[first]["first_error"] if first else None
+        if out["violations"] or out["timeouts"] or out["bad_routes"] or out["bad_counts"]:
+            line = describe_status({**out[first], "bad_routes": out["bad_routes"]}, pe=self.me,
+                                   num_slots=self.paths[first].num_slots, deadline_s=self.deadline_s) if first else ""
+            self.broken = self.broken or line or (f"violations={out['violations']} timeouts={out['timeouts']} "
+                                                  f"bad_routes={out['bad_routes']} bad_counts={out['bad_counts']}")
+        return out
+
+    def replay(self, graph, *, host_deadline_s: Optional[float] = None) -> dict:
+        """Replay ``graph`` (from :meth:`capture`) on the current stream, wait for it, return :meth:`status`;
+        raise if the device recorded an error or the forward did not end.
+
+        A peer that died or stopped mid-forward makes a device wait of this PE time out after
+        ``deadline_s``; every later wait then gives up at once, so the forward ends and this raises a
+        :class:`~streamring.protocol.WatchdogError` whose first line names the source rank, chunk and
+        generation waited for. ``host_deadline_s`` (default ``2 * deadline_s + 5``) bounds what has no
+        device deadline (a ``cuStreamWaitValue64`` of the stream_wait policy). Violations and corrupt
+        routes raise a :class:`~streamring.protocol.ProtocolViolation`. Either way the buffer is
+        :attr:`broken` afterwards (close it and build a new one on every PE).
+        """
+        if self.broken:
+            raise RuntimeError(f"this EPBuffer is unusable after a ring error ({self.broken}); close() it and build "
+                               f"a new EPBuffer on every PE (collective)")
+        path = self._graph_paths.get(id(graph))
+        if path is None:
+            raise ValueError("graph was not captured by this EPBuffer's capture()")
+        limit = 2 * self.deadline_s + 5 if host_deadline_s is None else float(host_deadline_s)
+        t0 = time.monotonic()
+        graph.replay()
+        done = torch.cuda.Event()
+        done.record()
+        finished, st = path.ring.wait_forward(done, limit)
+        if finished:
+            # the dispatch's dropped-route count and the clamped device counts, readable once the forward ended
+            st["bad_routes"] = int(self.bad_routes.item())
+            st["bad_counts"] = int(self.bad_counts.item())
+        if not finished or st["violations"] or st["timeouts"] or st.get("bad_routes") or st.get("bad_counts"):
+            self.broken = self.broken or f"{st.get('first_error') or st}"
+        path.ring.check(st, finished=finished, host_deadline_s=limit, elapsed_s=time.monotonic() - t0)
+        if st.get("bad_counts"):
+            raise ValueError(f"rank {self.me}: num_tokens was outside [0, rows of x] in {st['bad_counts']} forward(s) "
+                             f"(clamped; the buffer now refuses to run: rebuild it)")
+        return st
+
+    def check(self) -> None:
+        """Raise if a ring or the dispatch recorded an error (the buffer is then :attr:`broken`: close it
+        and build a new one on every PE). Synchronises."""
+        st = self.status()
+        if self.broken:
+            raise RuntimeError(f"ring errors on PE {self.me}: {self.broken} (violations={st['violations']} "
+                               f"timeouts={st['timeouts']} bad_routes={st['bad_routes']} "
+                               f"bad_counts={st['bad_counts']}); close() it and build a new EPBuffer on every PE")
+
+    @property
+    def last_routing(self) -> tuple:
+        """``(topk_idx int64 [T, topk], topk_weights float32 [T, topk])`` of this PE's tokens in the last
+        forward (-1: no expert, e.g. a row past ``num_tokens``). Views, valid until the next forward."""
+        T = self._last_T
+        return self.my_idx[:T], self.my_w[:T]
+
+    def set_straggler(self, ns: int) -> None:
+        """Delay this PE's producer by ``ns`` nanoseconds (device side) in the next forwards (0: none)."""
+        self.straggler_t.fill_(int(ns))
+
+    def timeline(self) -> dict:
+        """Per-chunk device timestamps of the last stamped forward (needs ``timeline=True``), in us."""
+        if self.stamps is None or self._stamp_path is None:
+            raise ValueError("no timeline: build the EPBuffer with timeline=True and run a forward")
+        p = self._stamp_path
+        st = self.stamps.view(-1, STAMP_STRIDE).cpu().numpy().astype(np.int64)
+        t0 = int(st[p.num_chunks, 0])
+        chunks = [{ev: (int(st[c, j]) - t0) / 1e3 for j, ev in enumerate(CHUNK_EVENTS)} for c in range(p.num_chunks)]
+        tail = {ev: (int(st[p.num_chunks, j]) - t0) / 1e3 for j, ev in enumerate(TAIL_EVENTS)}
+        n, k = p.num_chunks, p.steps
+        ready = self.bc.ready_hi.cpu().tolist()[: n * k + 2]
+        for c in range(n):
+            chunks[c]["blocks_ready"] = ready[(c + 1) * k] - ready[c * k]
+        tail["seal_blocks"] = ready[n * k + 1] - ready[n * k]
+        return {"chunks": chunks, "tail": tail, "policy": p.policy, "source_order": p.source_order,
+                "chunk_tokens": p.chunk, "num_slots": p.num_slots, "block_m": self.block_m, "rank": self.me,
+                "ranks": self.R, "path": p.name}
+
+    def memory_report(self) -> dict:
+        """Bytes this buffer holds: symmetric (rings, combine area) and local (scratch)."""
+        return memory_report(self.shape, self.R, max_tokens_per_rank=self.max_tokens,
+                             num_slots=self.paths["stream"].num_slots, tokens_per_slot=self.paths["stream"].chunk,
+                             block_m=self.block_m, gemm=self.gemm)
+
+    def close(self) -> None:
+        """Free the rings and the combine area (collective)."""
+        self.heap.free(self.comb_region)
+        for p in self.paths.values():
+            p.ring.close()
+
+    # -- pieces of a forward --------------------------------------------------------------------------
+    def _current_stream(self):
+        # None off the GPU: the library's kernels then run where the heap runs them (the CPU
+        # emulation of the tests), in call order
+        return torch.cuda.current_stream(self.dev) if self._on_gpu else None
+
+    def _sync(self):
+        if self._on_gpu:
+            torch.cuda.synchronize(self.dev)
+
+    def _stamp(self, row, col):
+        if self.stamps is not None and self._recording:
+            K.stamp(self.stamps, row * STAMP_STRIDE + col)
+
+    def _side(self, which):
+        """Context manager making side ``which`` ('p' producer, 'd' dispatch, 'g' GEMMs) current."""
+        stream = {"p": self.pstream, "d": self.dstream, "g": self.gstream}[which]
+        if stream is None:
+            return contextlib.nullcontext()
+        if self.green is None:
+            return torch.cuda.stream(stream)
+        side = self.green[0 if which == "p" else 1]
+
+        @contextlib.contextmanager
+        def both():
+            with side.current(), torch.cuda.stream(side.stream):
+                yield
+        return both()
+
+    def _set_counts(self, path: _Path, num_tokens, T: int) -> None:
+        """This forward's valid tokens (device): ``num_tokens_t`` and every chunk's count."""
+        nt = self.num_tokens_t
+        if num_tokens is None:
+            nt.fill_(T)
+        elif isinstance(num_tokens, int):
+            nt.fill_(num_tokens)
+        else:
+            if not isinstance(num_tokens, torch.Tensor) or num_tokens.numel() != 1 or num_tokens.is_floating_point() \
+                    or num_tokens.device != self.dev:
+                raise ValueError(f"num_tokens must be None, an int or a one-element integer tensor on {self.dev}, "
+                                 f"got {num_tokens!r}")
+            nt.copy_(num_tokens.reshape(1))
+            # a device count outside [0, T] cannot be refused without a host sync: count it, clamp it
+            self.bad_counts.add_(((nt < 0) | (nt > T)).to(torch.int32))
+            nt.clamp_(0, T)
+        torch.sub(nt, path.chunk_base, out=path.chunk_valid)
+        path.chunk_valid.clamp_(0, path.chunk)
+
+    def _produce(self, path: _Path, layer: LayerWeights, x, c, routing=None):
+        with nvtx_range(f"streamring produce chunk {c}", color="blue"):
+            r, st = path.ring, self._current_stream()
+            s = c % path.num_slots
+            slot = path.slots[s]
+            a = c * path.chunk
+            n = max(0, min(x.shape[0], a + path.chunk) - a)  # rows of x in this chunk (static)
+            self._stamp(c, 5)
+            if c == 0:
+                DK.ep_delay(self.heap.lib, r.stream_ref(st), ns=int(self.straggler_t.data_ptr()))
+            if c >= path.num_slots:
+                r.reuse_wait(st, c, inject=self._inject_bits)
+            valid = path.chunk_valid[c:c + 1]
+            early = self.inject == "signal-before-payload"  # mutation: the generations before the payload
+            if early:
+                r.publish(st, c, RING_ROUTE, valid=valid)
+                r.publish(st, c, RING_LAYOUT, valid=valid)
+                DK.ep_delay(self.heap.lib, r.stream_ref(st), ns=int(self.straggler_t.data_ptr()))
+            if n:
+                if routing is None:
+                    lg = self.logits[:n]
+                    K.router_logits(x[a:a + n], layer.fw.router, lg)
+                    idx, w = select_experts(lg, layer.fw.bias, layer.routing)
+                else:
+                    idx, w = routing[0][a:a + n], routing[1][a:a + n]
+                slot["topk_idx"][:n].copy_(idx)
+                slot["topk_weights"][:n].copy_(w)
+                # my own view for the reduce: rows at and past this forward's count route nowhere
+                mine = self.my_idx[a:a + n]
+                mine.copy_(idx)
+                mine.masked_fill_((self.row_ids[a:a + n] >= self.num_tokens_t)[:, None], -1)
+                self.my_w[a:a + n].copy_(w)
+            if not early:
+                r.publish(st, c, RING_ROUTE, valid=valid)
+            self._stamp(c, 0)
+            if n:
+                self._layout(x[a:a + n], slot, n)
+            if not early:
+                r.publish(st, c, RING_LAYOUT, valid=valid)
+            self._expected(path, c)
+            self._stamp(c, 1)
+
+    @staticmethod
+    def _layout(x_rows, slot: dict, n: int) -> None:
+        """The layout producer of one chunk: FP8 rows with 1x128 scales into my slot."""
+        K.quant_rows(x_rows, slot["x"][:n], slot["x_sf"][:n])
+
+    def _expected(self, path: _Path, c: int):
+        # the owner's expected row count of chunk c: its routed (token, k) pairs (0 for rows not present)
+        a = c * path.chunk
+        torch.sum((self.my_idx[a:a + path.chunk] >= 0).view(-1), dim=0, out=self.expected[c])
+
+    def _dispatch(self, path: _Path, c, j=0):
+        """Dispatch step j of chunk c: every source (rank order) or the j-th ready source."""
+        with nvtx_range(f"streamring acquire+dispatch+ack chunk {c} step {j}", color="orange"):
+            r, st = path.ring, self._current_stream()
+            s = c % path.num_slots
+            L = r.layout
+            ready = path.source_order == "ready"
+            if path.policy == "stream_wait" and j == 0:
+                r.wait_doorbells(st, c)
+            if ready:
+                srcs = self.chosen[j:j + 1]
+                r.wait_any(st, c, path.valid_tab, self.pending, j == 0, srcs, inject=self._inject_bits)
+            else:
+                srcs = self.src_all
+                r.acquire_checked(st, c, path.valid_tab, inject=self._inject_bits)
+            if path.mirror is not None:
+                DK.ep_pull_slots(self.heap.lib, r.stream_ref(st), d=r.desc, buf=r.buf,
+                                 mirror=int(path.mirror.data_ptr()), mirror_stride=path.mirror.stride(0),
+                                 src_list=int(srcs.data_ptr()), chunk=c, sources=srcs.shape[0])
+            if j == 0:
+                self._stamp(c, 2)
+            n = srcs.shape[0] * path.chunk * self.shape.topk
+            flat_e, flat_w = self.flat_e[:n], self.flat_w[:n]
+            d_u8, d_f32, d_i64 = path.deltas
+            ring_u8 = r.region.local
+            K.ep_gather(ring_u8.view(torch.int64), ring_u8.view(torch.float32), d_i64, d_f32, srcs, path.valid_tab, c,
+                        self.me * self.E_loc, L.topk_idx_off(s) // 8, L.topk_weights_off(s) // 4, flat_e, flat_w,
+                        self.bad_routes, num_ranks=self.R, tokens_per_slot=path.chunk, topk=self.shape.topk,
+                        local_experts=self.E_loc, num_experts=self.shape.num_experts, pull_bytes=self.pull_bytes,
+                        me=self.me, hidden=self.shape.hidden)
+
+            def release():
+                # early input_consumed: nothing reads this slot of these sources after the copy
+                if ready:
+                    r.ack_chosen(st, c, srcs)
+                else:
+                    r.ack(st, c)
+            self.bc.dispatch_ep(c, flat_e, flat_w, srcs, (ring_u8, ring_u8.view(torch.float32)), (d_u8, d_f32),
+                                (L.x_off(s), L.x_sf_off(s) // 4), step=c * path.steps + j, pull=self.pull,
+                                on_slot_released=release)
+            if self.queue is not None:
+                self.queue.publish(c * path.steps + j)  # the persistent consumer picks the new blocks up
+            if j == path.steps - 1:
+                self._stamp(c, 3)
+
+    def _gemms(self, path: _Path, layer: LayerWeights, lo, hi, max_items, max_ctas=None, side_puts=False):
+        bc, r = self.bc, path.ring
+        st = self._current_stream()
+        if self.direct_l2:
+            bc.compute(lo, hi, max_items, layer.fw, max_ctas=max_ctas, out=self.comb_rows,
+                       direct=(bc.row_src, bc.row_tok, self.comb_delta))
+            DK.ep_signal_arrivals(self.heap.lib, r.stream_ref(st), d=r.desc, comb=self.comb_base,
+                                  comb_peers=self.comb_peers, me=self.me, off_arrived=self.comb_layout.off_arrived,
+                                  ready_list=int(bc.ready_list.data_ptr()), ready_hi=int(bc.ready_hi.data_ptr()),
+                                  lo_index=lo, hi_index=hi, row_src=int(bc.row_src.data_ptr()),
+                                  row_chunk=int(bc.row_chunk.data_ptr()), block_m=bc.block_m, max_items=max_items)
+        else:
+            compute_blocks(bc, lo, hi, max_items, layer.fw, self.gemm, max_ctas=max_ctas)
+            if side_puts:  # the puts read only this range's rows of y: the next GEMMs need not wait for them
+                self.computed[lo].record()
+                self.ustream.wait_event(self.computed[lo])
+                st = self.ustream
+            with torch.cuda.stream(st) if side_puts else contextlib.nullcontext():
+                self._put_rows(r, st, lo, hi, max_items)
+
+    def _put_rows(self, r, st, lo, hi, max_items):
+        """The ready range's result rows (local ``y``) into their owners' combine rows, then the counts."""
+        bc = self.bc
+        DK.ep_put_rows(self.heap.lib, r.stream_ref(st), d=r.desc, comb=self.comb_base, me=self.me,
+                       off_arrived=self.comb_layout.off_arrived, off_rows=self.comb_layout.off_rows,
+                       y_stage=int(bc.y.data_ptr()), hidden=self.shape.hidden,
+                       ready_list=int(bc.ready_list.data_ptr()), ready_hi=int(bc.ready_hi.data_ptr()),
+                       lo_index=lo, hi_index=hi, row_src=int(bc.row_src.data_ptr()),
+                       row_tok=int(bc.row_tok.data_ptr()), row_chunk=int(bc.row_chunk.data_ptr()),
+                       block_m=bc.block_m, max_items=max_items)
+
+    def _max_ready_per_step(self, path: _Path) -> int:
+        """Most blocks one dispatch step can make ready (the GEMM grid bound)."""
+        entries = self.R * path.chunk * self.shape.topk
+        return min(self.bc.max_blocks, entries // path.steps // self.bc.block_m + self.E_loc)
+
+    def _chunk_gemms(self, path: _Path, layer, c, j=0, side_puts=False):
+        with nvtx_range(f"streamring block GEMMs chunk {c} step {j}", color="green"):
+            i = c * path.steps + j
+            # the persistent (SM-sparing) grid only while later chunks are still being produced; the
+            # last chunk's blocks, like the sealed ones, take the whole GPU
+            ctas = self.chunk_gemm_ctas if (path.name == "stream" and c < path.num_chunks - 1) else None
+            self._gemms(path, layer, i, i + 1, self._max_ready_per_step(path), ctas, side_puts)
+            if j == path.steps - 1:
+                self._stamp(c, 4)
+
+    def _seal(self, path: _Path, layer, side_puts=False):
+        with nvtx_range("streamring seal + GEMMs", color="red"):
+            n = path.num_chunks * path.steps  # dispatch steps so far: the seal is the next ready index
+            self.bc.seal(n)
+            self._gemms(path, layer, n, n + 1, min(self.bc.max_blocks, self.E_loc), None, side_puts)
+            self._stamp(path.num_chunks, 2)
+
+    def _combine(self, path: _Path, out, c0: int, c1: int):
+        """The owner's reduce of chunks [c0, c1): wait for their rows (acquire), sum each token's k rows."""
+        with nvtx_range(f"streamring wait arrivals + combine chunks {c0}..{c1 - 1}", color="red"):
+            r, st = path.ring, self._current_stream()
+            DK.ep_wait_arrivals(self.heap.lib, r.stream_ref(st), d=r.desc, comb=self.comb_base,
+                                off_arrived=self.comb_layout.off_arrived, expected=int(self.expected.data_ptr()),
+                                first_chunk=c0, num_chunks=c1 - c0)
+            T, Kk = out.shape[0], self.shape.topk
+            a, b = min(T, c0 * path.chunk), min(T, c1 * path.chunk)
+            if b > a:
+                K.combine_owner(self.comb_rows[a * Kk: b * Kk], self.my_idx[a:b], out[a:b], topk=Kk)
+            if c1 == path.num_chunks:
+                # reset before my next forward publishes anything: no count carried from one forward to the next
+                self.arrived[:path.num_chunks].zero_()
+                self._stamp(path.num_chunks, 3)
+
+    def _enqueue(self, path: _Path, layer: LayerWeights, x, out, num_tokens, routing, order, stamps):
+        self._recording = stamps
+        self._stamp_path = path
+        try:
+            with nvtx_range(f"streamring EPBuffer.forward {path.name} ({path.num_chunks} chunks, {path.policy})",
+                            color="purple"):
+                self._enqueue_inner(path, layer, x, out, num_tokens, routing, order)
+        finally:
+            self._recording = True
+
+    def _launch_consumer(self, path: _Path, layer, ctas: int):
+        """The persistent consumer of this forward: ONE launch on the current stream (see ``work_queue``)."""
+        self.queue.launch(layer.fw, ctas=max(1, ctas), comb_rows=self.comb_rows, comb_delta=self.comb_delta,
+                          arrived=self.arrived, arrived_delta=self.comb_arrived_delta, status=path.ring.status_t,
+                          deadline_ns=int(self.deadline_s * 1e9))
+
+    def _seal_queue(self, path: _Path):
+        n = path.num_chunks * path.steps  # dispatch steps so far: the seal is the next ready index
+        self.bc.seal(n)
+        self.queue.seal(n)
+        self._stamp(path.num_chunks, 2)
+
+    def _enqueue_inner(self, path, layer, x, out, num_tokens, routing, order):
+        r = path.ring
+        self._last_T = x.shape[0]
+        origin = self._current_stream()
+        C = path.num_chunks
+        persistent = self.queue is not None
+        self._set_counts(path, num_tokens, x.shape[0])
+        self.my_idx[: C * path.chunk].fill_(-1)
+        self.pull_bytes.zero_()
+        self._stamp(C, 0)
+        # before every side: the dispatch and the persistent consumer both start from empty blocks and queue
+        self.bc.begin()
+        if persistent:
+            self.queue.reset()
+        if path.policy == "serialized" or order == "serialized" or self.pstream is None:  # one stream, chunk by chunk
+            for c in range(C):
+                self._produce(path, layer, x, c, routing)
+                for j in range(path.steps):
+                    self._dispatch(path, c, j)
+                    if not persistent:
+                        self._chunk_gemms(path, layer, c, j)
+            self._stamp(C, 1)
+            if persistent:
+                # every block is published before the launch: one stream can never wait on itself
+                self._seal_queue(path)
+                self._launch_consumer(path, layer, self.sm_count)
+            else:
+                self._seal(path, layer)
+            self._combine(path, out, 0, C)
+        else:
+            sides = [s_ for s_ in dict.fromkeys((self.pstream, self.dstream, self.gstream, self.cstream,
+                                                 self.ustream)) if s_ is not None]
+            side_puts = self.side_puts and self.ustream is not None and not self.direct_l2
+            for st in sides:
+                st.wait_stream(origin)
+            if persistent:
+                # launched before any block is ready: its CTAs claim blocks as the dispatch publishes them, and
+                # leave reserved_sms SMs to the producer and the dispatch, which must progress while they wait
+                with self._side("g"):
+                    self._launch_consumer(path, layer, self.sm_count - self.reserved_sms)
+            # the consumer is enqueued FIRST: the progress policy must keep it from blocking producers
+            with self._side("d"):
+                for c in range(C):
+                    for j in range(path.steps):
+                        self._dispatch(path, c, j)
+                        if persistent:
+                            continue
+                        if self.events:
+                            self.events[c * path.steps + j].record()
+                        else:
+                            self._chunk_gemms(path, layer, c, j)  # green_ctx: dispatch and GEMMs share a stream
+                if persistent:
+                    self._seal_queue(path)
+            if self.events and not persistent:
+                with self._side("g"):
+                    for c in range(C):
+                        for j in range(path.steps):
+                            self.gstream.wait_event(self.events[c * path.steps + j])
+                            self._chunk_gemms(path, layer, c, j, side_puts)
+                    self._seal(path, layer, side_puts)
+            elif not persistent:
+                with self._side("g"):
+                    self._seal(path, layer, side_puts)
+            with self._side("p"):
+                for c in range(C):
+                    self._produce(path, layer, x, c, routing)
+                    if self.cstream is not None:
+                        self.produced[c].record()
+                self._stamp(C, 1)
+            if self.cstream is not None and self.chunk_combine:
+                # the owner's reduce of each chunk once its rows are back, beside the GEMMs of later blocks
+                with torch.cuda.stream(self.cstream):
+                    for c in range(C):
+                        self.cstream.wait_event(self.produced[c])
+                        self._combine(path, out, c, c + 1)
+            else:  # one reduce after the producer and the GEMMs (green_ctx: on the consumer's partition)
+                self.gstream.wait_stream(self.pstream)
+                with self._side("g"):
+                    self._combine(path, out, 0, C)
+            for st in sides:
+                origin.wait_stream(st)
+        r.drain(origin)
+        r.advance_epoch(origin)
+
+
+# ------------------------------------------------------------------------------------------------
+def _check_sizes(shape: MoEShape, R: int, max_tokens_per_rank, num_slots, tokens_per_slot, block_m):
+    """Validated ``(max_tokens, tokens_per_slot, num_slots, block_m)``; errors name the field."""
+    if not isinstance(shape, MoEShape):
+        raise ValueError(f"shape must be a MoEShape, got {type(shape).__name__}")
+    if shape.num_experts % R:
+        raise ValueError(f"shape.num_experts={shape.num_experts} must be a multiple of the {R} PEs")
+    if shape.hidden % 128 or shape.intermediate % 128:
+        raise ValueError(f"shape.hidden={shape.hidden} and shape.intermediate={shape.intermediate} must be multiples "
+                         f"of 128 (one FP8 scale per 128 columns)")
+    if not isinstance(max_tokens_per_rank, int) or max_tokens_per_rank < 1:
+        raise ValueError(f"max_tokens_per_rank must be an int >= 1, got {max_tokens_per_rank!r}")
+    if not isinstance(num_slots, int) or num_slots < 1:
+        raise ValueError(f"num_slots must be an int >= 1, got {num_slots!r}")
+    C = max(1, -(-max_tokens_per_rank // 2)) if tokens_per_slot is None else tokens_per_slot
+    if not isinstance(C, int) or not 1 <= C <= max_tokens_per_rank:
+        raise ValueError(f"tokens_per_slot must be an int in [1, max_tokens_per_rank={max_tokens_per_rank}], "
+                         f"got {tokens_per_slot!r}")
+    bm = shape.block_m if block_m is None else block_m
+    if bm not in BLOCK_MS:
+        raise ValueError(f"block_m must be one of {BLOCK_MS}, got {bm!r}")
+    return max_tokens_per_rank, C, num_slots, bm
+
+
+def _fp8_weights(w: MoEWeights, shape: MoEShape, device) -> MoEWeights:
+    """``w`` with FP8 expert weights: bf16/float weights are quantized with 128x128 block scales;
+    FP8 weights (with their scales) are kept as they are."""
+    if w.is_fp8:
+        return w
+    q = {}
+    for name in ("w1", "w3", "w2"):
+        t = getattr(w, name).to(device)
+        qs = [quantize_weight_fp8_block(t[e].float()) for e in range(t.shape[0])]
+        q[name] = torch.stack([a for a, _ in qs])
+        q[f"{name}_scale"] = torch.stack([s for _, s in qs])
+    return MoEWeights(router_weight=w.router_weight.to(device), correction_bias=None if w.correction_bias is None
+                      else w.correction_bias.to(device), **q)
+
+
+def memory_report(shape: MoEShape, num_ranks: int, *, max_tokens_per_rank: int, num_slots: int = 2,
+                  tokens_per_slot: Optional[int] = None, block_m: int = 64, gemm: str = "triton") -> dict:
+    """Bytes per PE of an :class:`EPBuffer` of these sizes, without allocating anything.
+
+    Returns a dict: ``symmetric`` (both rings + the combine area: what NVSHMEM's heap must hold),
+    ``one_layer_ring_and_combine`` (the streamed ring + the combine area: what a buffer per layer would
+    hold at the least), ``ratio`` (symmetric / one layer), ``local`` (the expert blocks' scratch and
+    the producer's, on the GPU outside the symmetric heap) and each part.
+    """
+    R, H, Kk, E, I = num_ranks, shape.hidden, shape.topk, shape.num_experts, shape.intermediate
+    M, C, S, bm = _check_sizes(shape, R, max_tokens_per_rank, num_slots, tokens_per_slot, block_m)
+    lay = dict(num_ranks=R, hidden=H, topk=Kk, num_experts=E)
+    nch_s = -(-M // C)
+    batch_ring = RingLayout(num_slots=1, tokens_per_slot=M, **lay).nbytes
+    stream_ring = RingLayout(num_slots=min(S, nch_s), tokens_per_slot=C, **lay).nbytes
+    cap = max(M, nch_s * C)
+    combine = CombineLayout(max_tokens=cap, topk=Kk, hidden=H, max_chunks=max(nch_s, 1)).nbytes
+    E_loc = E // R
+    max_blocks = -(-(R * cap) * Kk // bm) + E_loc
+    rows = max_blocks * bm
+    local = rows * (H + H // 128 * 4 + I + I // 128 * 4 + 4 + 4 + 8 + 4)  # a, a_sf, h1, h1_sf, weight, src, tok, chunk
+    if gemm != "triton":
+        local += rows * (2 * I * 2 + I // 128 * 4 + H * 2)  # bf16 L1 output, L2 scales, local y
+    sym = batch_ring + stream_ring + combine
+    one = stream_ring + combine
+    return {"symmetric": sym, "batch_ring": batch_ring, "stream_ring": stream_ring, "combine": combine,
+            "one_layer_ring_and_combine": one, "ratio": sym / one, "local": local}
+
+
+def _prioritize_nodes(graph, low_funcs: set, priority: int) -> str:
+    """Give every kernel node of the captured ``graph`` whose function is not in ``low_funcs``
+    the launch priority ``priority`` (CUDA driver graph API). Returns a one-line report."""
+    from cuda.bindings import driver as drv
+
+    def ok(res, what):
+        err = res[0] if isinstance(res, tuple) else res
+        if err != drv.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"{what}: {err}")
+        return res[1:] if isinstance(res, tuple) else ()
+
+    try:
+        cg = drv.CUgraph(int(graph.raw_cuda_graph()))
+        _, count = ok(drv.cuGraphGetNodes(cg, 0), "cuGraphGetNodes(count)")
+        nodes, _ = ok(drv.cuGraphGetNodes(cg, count), "cuGraphGetNodes")
+        kernel_type = drv.CUgraphNodeType.CU_GRAPH_NODE_TYPE_KERNEL
+        # the node-attribute flavour of the launch attribute (cuda-bindings wants these types)
+        ids = getattr(drv, "CUkernelNodeAttrID", drv.CUlaunchAttributeID)
+        attr = getattr(ids, "CU_KERNEL_NODE_ATTRIBUTE_PRIORITY", None)
+        if attr is None:
+            attr = ids.CU_LAUNCH_ATTRIBUTE_PRIORITY
+        value_type = getattr(drv, "CUkernelNodeAttrValue", drv.CUlaunchAttributeValue)
+        changed = kept = 0
+        for node in nodes:
+            (ntype,) = ok(drv.cuGraphNodeGetType(node), "cuGraphNodeGetType")
+            if ntype != kernel_type:
+                continue
+            (params,) = ok(drv.cuGraphKernelNodeGetParams(node), "cuGraphKernelNodeGetParams")
+            if int(params.func) in low_funcs:
+                kept += 1
+                continue
+            val = value_type()
+            val.priority = int(priority)
+            ok(drv.cuGraphKernelNodeSetAttribute(node, attr, val), "cuGraphKernelNodeSetAttribute")
+            changed += 1
+        return f"{changed} kernel nodes set to priority {priority}, {kept} GEMM nodes left at the default"
+    except Exception as exc:  # noqa: BLE001 - the graph still runs, without node priorities
+        return f"node priorities not set: {type(exc).__name__}: {exc}"
+
+
+def warm_up_all(buf: EPBuffer, x: torch.Tensor, weights: LayerWeights, paths: Sequence[str] = ("batch", "stream")):
+    """Run the first (eager, serialized) forward of each path of ``buf`` (collective)."""
+    outs = []
+    for p in paths:
+        outs.append(buf.forward(x, weights, streaming=(p == "stream")))
+    return outs

@@ -1,0 +1,151 @@
+"""The measured GEMM heuristic (streamring/moe/gemm_choice.py) and its committed table.
+
+CPU only: the fallback rule where nothing is measured (and for the committed placeholder), the
+nearest measured entry, availability filtering, one implementation for both GEMMs of a layer, the
+table keys, and that the table ``bench.gemm`` writes is what ``choose_gemm`` reads.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from streamring.moe import gemm_choice as GC
+
+L1 = (4096, 7168)  # N, K of the DeepSeek-V3 L1 (gate+up)
+L2 = (7168, 2048)
+
+
+def entry(rpe, n, k, times, tokens=None):
+    return {"rows_per_expert": rpe, "tokens": tokens, "n": n, "k": k, "times_ms": times,
+            "best": min((k_ for k_ in times if not k_.startswith("torch")), key=times.get)}
+
+
+def table(*entries, measured=True):
+    return {"measured": measured, "date": "2026-12-02", "entries": list(entries)}
+
+
+def test_fallback_is_the_rule_before_the_table():
+    c = GC.choose_gemm(32, *L1, {"triton", "cutlass"}, table(measured=False))
+    assert (c.impl, c.tile, c.out) == ("cutlass", "pingpong64", "bf16") and c.ms is None
+    assert c.source.startswith("fallback rule")
+    assert GC.choose_gemm(128, *L1, {"triton", "cutlass"}, table(measured=False)).tile == "coop128"
+    assert GC.choose_gemm(127.9, *L1, {"cutlass"}, table()).tile == "pingpong64"
+    assert GC.choose_gemm(1024, *L1, {"triton", "deep_gemm"}, table()).impl == "triton"  # DeepGEMM only if measured
+    assert GC.choose_gemm(1024, *L1, {"deep_gemm"}, table()).impl == "deep_gemm"  # ... or asked for alone
+
+
+def test_committed_placeholder_is_marked_and_ignored():
+    t = GC.load_table()
+    assert t["measured"] is False or all(e.get("times_ms") for e in t["entries"])
+    if not t["measured"]:
+        assert "NOT MEASURED" in t["note"]
+        c = GC.choose_gemm(256, *L1, {"triton", "cutlass", "deep_gemm"})
+        assert c.source.startswith("fallback rule") and c.tile == "coop128"
+
+
+def test_nearest_measured_entry_and_availability():
+    t = table(entry(32, *L1, {"cutlass:pingpong64:bf16:m": 1.9, "deep_gemm": 2.4, "triton": 1.95,
+                              "torch_scaled_grouped_mm": 2.6}),
+              entry(256, *L1, {"cutlass:coop192_m2:bf16:m": 4.1, "cutlass:coop128:bf16:n": 5.0, "deep_gemm": 4.3,
+                               "triton": 7.0}))
+    c = GC.choose_gemm(256, *L1, {"triton", "cutlass", "deep_gemm"}, t)
+    assert (c.impl, c.tile, c.out, c.raster, c.ms) == ("cutlass", "coop192_m2", "bf16", "m", 4.1)
+    assert c.source.startswith("measured") and c.key == "cutlass:coop192_m2:bf16:m"
+    assert GC.choose_gemm(300, *L1, {"triton", "deep_gemm"}, t).impl == "deep_gemm"  # nearest: 256
+    assert GC.choose_gemm(32, *L1, {"triton", "deep_gemm"}, t).impl == "triton"
+    # torch's time is kept for reference, never chosen
+    assert GC.choose_gemm(32, *L1, set(), t).impl == "triton"
+    # too far from every entry (> NEAREST_FACTOR): the rule
+    assert GC.choose_gemm(1024, *L1, {"cutlass"}, t).source.startswith("fallback rule")
+    # another shape: the rule
+    assert GC.choose_gemm(256, 1024, 1024, {"cutlass"}, t).source.startswith("fallback rule")
+
+
+def test_layer_takes_one_implementation_for_both_gemms():
+    t = table(entry(256, *L1, {"cutlass:coop192_m2:bf16:m": 4.1, "deep_gemm": 4.3, "triton": 7.0}),
+              entry(256, *L2, {"cutlass:coop128_m2:bf16:n": 2.3, "deep_gemm": 2.2, "triton": 3.3}))  # 6.4 vs 6.5 ms
+    lc = GC.choose_layer(256, 7168, 2048, {"triton": "", "cutlass": "", "deep_gemm": ""}, t)
+    assert lc.impl == "cutlass" and lc.l1.tile == "coop192_m2" and lc.l2.tile == "coop128_m2" and lc.l2.raster == "n"
+    assert lc.source.startswith("measured")
+    lc = GC.choose_layer(256, 7168, 2048, {"triton": "", "cutlass": "CUTLASS library unavailable", "deep_gemm": ""}, t)
+    assert lc.impl == "deep_gemm" and lc.skipped == {"cutlass": "CUTLASS library unavailable"}
+    # one GEMM unmeasured: the rule for both
+    lc = GC.choose_layer(256, 7168, 2048, {"cutlass", "triton"}, table(t["entries"][0]))
+    assert lc.impl == "cutlass" and lc.l1.tile == lc.l2.tile == "coop128" and lc.source.startswith("fallback")
+
+
+def test_keys_round_trip_and_bad_keys_are_named():
+    for c in (GC.GemmChoice("cutlass", "coop192_n2", "bf16", "n"), GC.GemmChoice("deep_gemm"), GC.GemmChoice("triton")):
+        back = GC.parse_key(c.key)
+        assert (back.impl, back.tile, back.out, back.raster) == (c.impl, c.tile, c.out, c.raster)
+    with pytest.raises(ValueError, match="names no implementation"):
+        GC.parse_key("cutlass:coop128:f16:m")
+
+
+def test_resolve_layer_refuses_deep_gemm_with_another_block_m():
+    class Plan:
+        block_m, policy = 64, "spin_kernel"
+
+    class Shape:
+        topk, num_experts, hidden, intermediate = 8, 256, 7168, 2048
+
+    with pytest.raises(ValueError, match=r"plan\.block_m must be 128 for gemm='deep_gemm'"):
+        GC.resolve_layer("deep_gemm", Plan, Shape, [8192])
+    with pytest.raises(ValueError, match="gemm must be 'auto' or one of"):
+        GC.resolve_layer("cublas", Plan, Shape, [8192])
+    lc = GC.resolve_layer("triton", Plan, Shape, [8192])
+    assert lc.impl == "triton"
+    lc = GC.resolve_layer("cutlass", Plan, Shape, [4096, 4096], table=table())  # 256 rows per expert
+    assert (lc.impl, lc.l1.tile) == ("cutlass", "coop128")
+
+
+def test_the_table_bench_writes_is_what_choose_reads(tmp_path):
+    from bench import gemm as BGm
+
+    rows = [
+        {"tokens": 8192, "gemm": "l1", "impl": "cutlass_coop192_m2_bf16", "median_ms": 4.0, "rows": 65536,
+         "n_dim": 4096, "k_dim": 7168, "block_m": 64, "variant": "cutlass:coop192_m2:bf16:m"},
+        {"tokens": 8192, "gemm": "l1", "impl": "deep_gemm", "median_ms": 4.3, "rows": 65536, "n_dim": 4096,
+         "k_dim": 7168, "block_m": 128, "variant": "deep_gemm"},
+        {"tokens": 8192, "gemm": "l1", "impl": "torch_scaled_grouped_mm", "median_ms": 5.2, "rows": 65536,
+         "n_dim": 4096, "k_dim": 7168, "block_m": 64, "variant": None},
+        {"tokens": 8192, "gemm": "l1", "impl": "cutlass_coop128_f32", "median_ms": None, "rows": 65536,
+         "n_dim": 4096, "k_dim": 7168, "block_m": 64, "variant": "cutlass:coop128:f32:m",
+         "error": "failed the correctness check: not timed"},
+    ]
+    t = BGm.make_table(rows, num_experts=256, topk=8, meta={"device": "NVIDIA H200", "date": "2026-12-02"})
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(t))
+    back = GC.load_table(path)
+    assert back["measured"] is True and len(back["entries"]) == 1
+    e = back["entries"][0]
+    assert e["rows_per_expert"] == 256 and e["best"] == "cutlass:coop192_m2:bf16:m"
+    assert "cutlass:coop128:f32:m" not in e["times_ms"]  # not timed: not a candidate
+    c = GC.choose_gemm(256, *L1, {"cutlass", "deep_gemm", "triton"}, back)
+    assert (c.impl, c.tile, c.ms) == ("cutlass", "coop192_m2", 4.0)
+
+
+def test_setup_consumer_applies_the_choice():
+    pytest.importorskip("triton", reason="Triton is not installed")
+    import torch
+
+    from streamring.moe import blocks as B
+    from streamring.moe.math import MoEShape
+
+    shape = MoEShape(hidden=256, intermediate=256, num_experts=4, topk=2, router="softmax_topk", weight_dtype="fp8")
+    t = table(entry(4, 512, 256, {"cutlass:coop192_m2:bf16:n": 1.0, "triton": 2.0}),
+              entry(4, 256, 256, {"cutlass:pingpong64:f32:m": 1.0, "cutlass:coop128:bf16:m": 1.5, "triton": 2.0}))
+    lc = GC.choose_layer(4, 256, 256, {"cutlass", "triton"}, t)
+    assert lc.impl == "cutlass"
+    bc = B.BlockConsumer(shape, 8, 1, 64, "cpu")
+    GC.setup_consumer(bc, lc, staging_y=True)
+    g1, g2 = bc.cutlass.gemm1, bc.cutlass.gemm2
+    assert (g1.tile, g1.raster, g1.out_dtype, g1.sf_n) == ("coop192_m2", "n", torch.bfloat16, 64)
+    # L2's table entry names an f32 variant; L2's output is bf16 always, its tile and raster are what count
+    assert (g2.tile, g2.raster) == ("pingpong64", "m")
+    GC.setup_consumer(bc, GC.LayerChoice("triton", GC.GemmChoice("triton"), GC.GemmChoice("triton"), ""),
+                      staging_y=True)
+    with pytest.raises(ValueError, match="choice.impl must be one of"):
+        GC.setup_consumer(bc, GC.LayerChoice("cublas", GC.GemmChoice("x"), GC.GemmChoice("x"), ""), staging_y=True)
