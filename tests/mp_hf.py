@@ -53,6 +53,13 @@ TIGHT_RTOL = 1e-4
 FP8_REL_RMS_MAX = 0.10
 
 
+def report_line(line: str) -> None:
+    """One write per line: the ranks share mpiexec's stdout, and print() under PYTHONUNBUFFERED writes the
+    text and its newline apart, so another rank's line could land between them."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def config(**kw) -> DeepseekV3Config:
     base = dict(vocab_size=512, hidden_size=256, intermediate_size=512, moe_intermediate_size=256,
                 num_hidden_layers=3, first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4,
@@ -356,8 +363,8 @@ def drop_in(heap):
 
     buf.close()
     timing["total_s"] = time.monotonic() - t0
-    print("HF " + json.dumps({"rank": me, "tokens": int(ids.numel()), "rows": rows,
-                              "timing": {k: round(v, 2) for k, v in timing.items()}}), flush=True)
+    report_line("HF " + json.dumps({"rank": me, "tokens": int(ids.numel()), "rows": rows,
+                                    "timing": {k: round(v, 2) for k, v in timing.items()}}))
 
 
 def drop_in_gpu(heap):
@@ -402,7 +409,7 @@ def drop_in_gpu(heap):
     st = buf.status()
     assert not (st["violations"] or st["timeouts"] or st["bad_routes"]), st
     buf.close()
-    print("HF " + json.dumps({"rank": me, "tokens": int(ids.numel()), "rows": rows}), flush=True)
+    report_line("HF " + json.dumps({"rank": me, "tokens": int(ids.numel()), "rows": rows}))
 
 
 SCENARIOS = {f.__name__: f for f in (drop_in, drop_in_gpu)}

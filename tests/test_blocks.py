@@ -209,7 +209,8 @@ def test_fast_weights_need_fp8():
     assert fw.w1.shape == (8, 512, 256) and fw.w1_sf.shape == (8, 4, 2)
 
 
-@pytest.mark.parametrize("max_ctas", quick_subset([1, 5], quick=[5], reason=TRITON_ON_CPU))
+@pytest.mark.slow(reason=TRITON_ON_CPU)
+@pytest.mark.parametrize("max_ctas", [1, 5])
 def test_persistent_gemm_grid_equals_one_cta_per_tile(setup, max_ctas):
     """The persistent GEMM grid (a few CTAs looping over the tiles) gives the same bits."""
     shape, fw, x = setup

@@ -7,6 +7,8 @@ never from above.
 import ast
 from pathlib import Path
 
+import pytest
+
 PKG = Path(__file__).resolve().parents[1] / "streamring"
 
 # rank: higher may import lower. The device ring sits beside the protocol (its device form); the
@@ -111,6 +113,7 @@ def test_launcher_and_stress_ranks_load_no_torch():
     assert p.stdout.split("\n")[0] == "[]", p.stdout
 
 
+@pytest.mark.slow(reason="a Python process that loads torch (1.5 s on a quiet 2-core machine, several under load)")
 def test_the_light_process_check_sees_torch():
     """Negative control: the same check in a process that touches the MoE layer reports torch."""
     import subprocess

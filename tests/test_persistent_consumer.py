@@ -121,6 +121,10 @@ def test_item_order_covers_every_tile_once_and_puts_l2_after_its_l1(n, nt1, nt2,
 # ---------------------------------------------------------------------------------------------------
 # the queue against the per-range path
 # ---------------------------------------------------------------------------------------------------
+INTERPRETED = "Triton's CPU interpreter runs the persistent expert kernel over every queue item here: several seconds a case on 2 cores"
+
+
+@pytest.mark.slow(reason=INTERPRETED)
 @pytest.mark.parametrize("chunk,per_source,group", [(6, False, 2), (8, True, 1)])
 def test_queue_equals_per_range_path_bitwise(setup, chunk, per_source, group):
     shape, fw, xs = setup
@@ -156,6 +160,7 @@ def test_queue_equals_per_range_path_bitwise(setup, chunk, per_source, group):
 # ---------------------------------------------------------------------------------------------------
 # mutations and deadlines
 # ---------------------------------------------------------------------------------------------------
+@pytest.mark.slow(reason=INTERPRETED)
 def test_claim_before_ready_is_caught(setup):
     """Only the first two dispatch steps are dispatched and published (the rest not yet: the dispatch is
     late), no seal. The correct queue computes the published blocks and then waits at the first
@@ -188,6 +193,7 @@ def test_claim_before_ready_is_caught(setup):
     assert any(arr[k] > published_rows.get(k, 0) for k in arr), f"arrivals {arr} not above {published_rows}"
 
 
+@pytest.mark.slow(reason=INTERPRETED)
 def test_l2_before_l1_is_caught(setup):
     """A CTA that claimed group 0's L1 items is late (simulated: the claim counter starts past them,
     so they never run in this launch); h1 holds zeros (what a fresh buffer holds where L1 has not
@@ -275,6 +281,7 @@ def test_unsealed_queue_times_out_instead_of_hanging(setup):
 # ---------------------------------------------------------------------------------------------------
 # one pull per token and destination
 # ---------------------------------------------------------------------------------------------------
+@pytest.mark.slow(reason=INTERPRETED)
 def test_token_pull_fills_the_blocks_like_the_route_pull_and_counts_the_bytes(setup):
     shape, fw, xs = setup
     case = EPCase(shape, fw, xs, 8, per_source=True, dev=DEV)

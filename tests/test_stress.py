@@ -138,10 +138,10 @@ def test_bad_config_exits_2_with_field(cli):
 
 
 @pytest.mark.slow(reason="CI's share of the soak: 4 ranks on 2 cores with random delays and a straggler for "
-                        "thousands of wraps, the one long run with more ranks than cores")
+                        "2,000 wraps each, the one long run with more ranks than cores")
 def test_reduced_soak(cli):
     """CI's share of the soak (configs/soak.yaml runs 10^5 wraps by hand)."""
     r = cli("stress", "--config", CONFIGS / "soak-ci.yaml", timeout=400)
     assert r.rc == 0, r
     assert r.json["violations"] == 0
-    assert all(x["ring_wraps"] >= 4000 for x in r.json["ranks"])
+    assert all(x["ring_wraps"] >= 2000 for x in r.json["ranks"]), [x["ring_wraps"] for x in r.json["ranks"]]
