@@ -296,7 +296,7 @@ def phase_multi(state: dict) -> None:
         run_step(state, f"stress --inject {mode} ({cfg})", stress_cmd(
             3, ij, "--config", str(CONFIGS / cfg), "--inject", mode, "--set", "wait_timeout_s=5",
             "--set", f"stress.chunks_per_rank={chunks}"), 60, pes=3, expect="fail", json_path=ij, env=mps(3))
-    # reduced soak through the host verbs: random delays and a straggler on 4 PEs (the CPU suite runs 4000 chunks
+    # reduced soak through the host verbs: random delays and a straggler on 4 PEs (the CPU suite runs 2000 chunks
     # per epoch; host verbs cost tens of us each, so 1000 here)
     kj = TMP / "soak.json"
     run_step(state, "soak (soak-ci.yaml, 1000 chunks x 2 epochs)", stress_cmd(
