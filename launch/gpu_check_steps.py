@@ -519,6 +519,35 @@ def fault_cmd(launcher: str, kind: str, json_path: Path) -> list[str]:
     return [PY, "-m", "streamring", *args]  # the local launcher starts the ranks through mpiexec itself
 
 
+def mps_accepts_a_client() -> tuple[bool, str]:
+    """Whether a new CUDA client can make a context now (a tensor on the GPU), and the error if not."""
+    r = subprocess.run([PY, "-c", "import torch; torch.zeros(1, device='cuda'); torch.cuda.synchronize()"],
+                       capture_output=True, text=True, timeout=120)
+    lines = [ln for ln in (r.stderr or "").splitlines() if "Error" in ln]
+    return r.returncode == 0, (lines[-1] if lines else f"rc={r.returncode}")[:200]
+
+
+def mps_fresh_for(name: str, state: dict) -> None:
+    """Before a rank-failure step under MPS: a killed or stopped client of the step before can leave the
+    MPS server refusing new clients ("CUDA-capable device(s) is/are busy or unavailable" at the next
+    step's set_device, seen 2026-12-01). Probe; if refused, say so and restart the daemon (the step's
+    own verdict then says nothing about the step before)."""
+    if not os.environ.get("CUDA_MPS_PIPE_DIRECTORY"):
+        return
+    ok, why = mps_accepts_a_client()
+    if ok:
+        return
+    note = f"before '{name}': the MPS server refused a new client ({why}); the MPS daemon was restarted"
+    subprocess.run(["nvidia-cuda-mps-control"], input="quit\n", text=True, capture_output=True, timeout=30)
+    time.sleep(1.0)  # the control daemon removes its pipe on the way out
+    subprocess.run(["nvidia-cuda-mps-control", "-d"], capture_output=True, timeout=30)
+    ok, why = mps_accepts_a_client()
+    note += "" if ok else f", and it still refuses ({why})"
+    log(f"\n[gpu_check] {note}\n")
+    state.setdefault("notes", []).append(note)
+    save_state(state)
+
+
 def phase_faults1(state: dict) -> None:
     """One PE, no MPS: the device hostile-peer table, the layer's refusal after it, the EP handoff rules."""
     run_step(state, "pytest test_gpu_hostile, test_gpu_ep_rules (1 PE)",
@@ -546,10 +575,12 @@ def phase_faults(state: dict) -> None:
             # Open MPI's mpirun otherwise ends every rank the moment one is killed, before the survivor's
             # device deadline: it then names the killed rank itself, and the survivor says nothing
             env["OMPI_MCA_orte_enable_recovery"] = "1"
-        judge = fault_judge(launcher, str(jp))
         what = "SIGKILL" if kind == "kill" else "SIGSTOP"
-        run_step(state, f"rank 1 {what} mid-forward under {launcher}: rank 0 names it, exits, nothing left",
-                 fault_cmd(launcher, kind, jp), 120 if launcher == "torchrun" else 90, pes=2, env=env, judge=judge)
+        name = f"rank 1 {what} mid-forward under {launcher}: rank 0 names it, exits, nothing left"
+        mps_fresh_for(name, state)
+        judge = fault_judge(launcher, str(jp))
+        run_step(state, name, fault_cmd(launcher, kind, jp), 120 if launcher == "torchrun" else 90, pes=2, env=env,
+                 judge=judge)
 
 
 def phase_mutate(state: dict) -> None:
@@ -601,6 +632,7 @@ def report(state: dict) -> int:
                     lines.append(f"   bench {r['policy']:<12} pub->acq p50 {r['pub_acq_p50_us']:.2f} us "
                                  f"({r['pub_acq_p50_us'] / raw['p50_us']:.3f}x raw), per chunk "
                                  f"{r['per_chunk_us']:.2f} us ({r['per_chunk_us'] / raw['p50_us']:.3f}x raw)")
+    lines += [f"note: {n}" for n in state.get("notes", [])]
     fails = [s for s in state["steps"] if s["verdict"] != "PASS"]
     lines.append(f"RESULT: {'PASS' if not fails else 'FAIL'}: {len(state['steps']) - len(fails)} of "
                  f"{len(state['steps'])} steps met their expectation")

@@ -37,8 +37,8 @@ import numpy as np
 
 from .device import kernels as K
 from .device.kernels import as_stream_ref
-from .device.ringdesc import (CLOCK_HZ, RING_LAYOUT, RING_ROUTE, RS_WORDS, decode_status, describe_status,
-                               pack_desc)
+from .device.ringdesc import (CLOCK_HZ, ERROR_CODES, RING_LAYOUT, RING_ROUTE, RS_WORDS, WB_WORDS, decode_beacon,
+                               decode_status, describe_status, gen_text, pack_desc)
 from .protocol import DIAGNOSTIC_HOOKS, ProtocolViolation, RingLayout, WatchdogError, make_gen
 
 TRANSPORTS = ("nv", "p2p", "auto")
@@ -83,10 +83,13 @@ class DeviceRing:
         dev = heap.device
         self.epoch_t = torch.zeros(1, dtype=torch.int64, device=dev)
         self.status_t = torch.zeros(RS_WORDS, dtype=torch.int64, device=dev)
+        # pinned host memory: the device writes it through its UVA mapping (cudaHostAlloc memory is
+        # device-accessible at the same address), and the host can read it after a device fault
+        self.wait_beacon_t = torch.zeros(WB_WORDS, dtype=torch.int64, pin_memory=torch.device(dev).type == "cuda")
         self.deadline_cycles = int(deadline_s * CLOCK_HZ)
         desc = pack_desc(layout, epoch_ptr=self.epoch_t.data_ptr(), num_chunks=self.num_chunks,
                          status_ptr=self.status_t.data_ptr(), deadline_cycles=self.deadline_cycles,
-                         off_wake=self.off_wake)
+                         off_wake=self.off_wake, wait_beacon_ptr=self.wait_beacon_t.data_ptr())
         self.desc_t = torch.from_numpy(desc).to(dev)
         self.desc = int(self.desc_t.data_ptr())
         self.peers_t = heap.peer_table(self.region)
@@ -288,14 +291,60 @@ class DeviceRing:
         ``cuStreamWaitValue64`` of the stream_wait policy, a kernel that never ends). Returns
         ``(finished, status)``: :meth:`status` when the forward finished, else :meth:`status_now`.
         """
-        end = time.monotonic() + host_deadline_s
+        t0 = time.monotonic()
+        end = t0 + host_deadline_s
         pause = 50e-6
-        while not done.query():
-            if time.monotonic() > end:
-                return False, self.status_now()
-            time.sleep(pause)
-            pause = min(pause * 2, 0.01)  # quick for a short forward, a light poll for a long wait
+        try:
+            while not done.query():
+                if time.monotonic() > end:
+                    return False, self.status_now()
+                time.sleep(pause)
+                pause = min(pause * 2, 0.01)  # quick for a short forward, a light poll for a long wait
+        except RuntimeError as exc:  # torch.AcceleratorError: the context is lost, status_t with it
+            raise WatchdogError(self.describe_fault(exc, time.monotonic() - t0)) from exc
         return True, self.status()
+
+    def last_slow_wait(self) -> dict | None:
+        """What the last device wait that went slow waited for (:func:`decode_beacon`), or None. Read from
+        pinned host memory: it works after the device faulted. :meth:`clear_wait_beacon` before a forward."""
+        return decode_beacon(self.wait_beacon_t.tolist())
+
+    def clear_wait_beacon(self) -> None:
+        """Zero the wait beacon (host memory; call it while no forward of this ring runs)."""
+        self.wait_beacon_t.zero_()
+
+    def describe_fault(self, exc: BaseException, elapsed_s: float | None = None) -> str:
+        """The message of a forward whose device context failed (``exc``: the CUDA error): what the last
+        slow device wait waited for (the wait beacon), why a peer's death can end this PE's context, and
+        the host's diagnostics (dead or stopped peers, under the local launcher)."""
+        cuda = (str(exc).splitlines() or ["?"])[0]
+        wait = self.last_slow_wait()
+        why = ("a peer process that died takes its memory with it, and this PE's next access to that memory "
+               "faults (under MPS the dead client's heap is unmapped at once)")
+        if wait is None:
+            line = (f"rank {self.me}: watchdog: the device failed during the forward ({cuda}) before any of its "
+                    f"waits went slow: {why}")
+        else:
+            slot = f", slot {wait['chunk'] % self.layout.num_slots}"
+            code = {c: n for n, c in ERROR_CODES.items()}.get(wait["code"], "")
+            want = int(wait["want"], 16)
+            if code == "RE_ACQUIRE_TIMEOUT" and want == 0:
+                what = f"chunk {wait['chunk']} of any pending source rank (ready source order)"
+            elif code == "RE_ACQUIRE_TIMEOUT":
+                what = (f"route+layout generation {gen_text(want)} of source rank {wait['src']} "
+                        f"(chunk {wait['chunk']}{slot})")
+            elif code == "RE_COMBINE_TIMEOUT":
+                what = f"the result rows of my chunk {wait['chunk']} ({want} expected)"
+            else:
+                what = (f"the acknowledgements of my chunk {wait['chunk']}{slot} (ack mask {want:#x} wanted: "
+                        f"{wait['what']})")
+            line = (f"rank {self.me}: watchdog: the device waited for {what}, then its context failed ({cuda}): "
+                    f"{why}")
+        if elapsed_s is not None:
+            line += f"; noticed {elapsed_s:.2f}s after the forward's launch"
+        extra = [text for text in (hook() for hook in DIAGNOSTIC_HOOKS) if text]
+        return "\n".join([line, "device status: lost with the context; this process cannot use the GPU again",
+                          *extra])
 
     def check(self, st: dict, *, finished: bool = True, host_deadline_s: float | None = None,
               elapsed_s: float | None = None) -> None:

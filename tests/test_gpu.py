@@ -83,12 +83,14 @@ def test_check_header_catches_a_missing_field(tmp_path):
 
 def test_pack_desc_is_descriptor_order():
     L = RingLayout(num_ranks=3, num_slots=4, tokens_per_slot=16, hidden=256, topk=2, num_experts=8)
-    words = gpu.pack_desc(L, epoch_ptr=0x1000, num_chunks=9, status_ptr=0x2000, deadline_cycles=77, off_wake=L.nbytes)
+    words = gpu.pack_desc(L, epoch_ptr=0x1000, num_chunks=9, status_ptr=0x2000, deadline_cycles=77, off_wake=L.nbytes,
+                          wait_beacon_ptr=0x3000)
     assert words.dtype == np.int64 and len(words) == gpu.RING_DESC_WORDS
     for i, (k, v) in enumerate(L.descriptor().items()):
         assert words[i] == v, k
     tail = dict(zip(gpu.STREAM_FIELDS, words[len(L.descriptor()):].tolist()))
-    assert tail == {"epoch": 0x1000, "num_chunks": 9, "status": 0x2000, "deadline_cycles": 77, "off_wake": L.nbytes}
+    assert tail == {"epoch": 0x1000, "num_chunks": 9, "status": 0x2000, "deadline_cycles": 77, "off_wake": L.nbytes,
+                    "wait_beacon": 0x3000}
 
 
 def test_generation_packing_matches_protocol():

@@ -220,6 +220,46 @@ def test_ring_check_passes_a_clean_status_and_reports_an_unfinished_forward():
         DeviceRing.check(ring, _words("RE_META", 0, 2, 5, 4, field=D.META_VALID, violations=1))
 
 
+def _faulted_ring(beacon):
+    from types import SimpleNamespace
+
+    import torch
+
+    from streamring.device_ring import DeviceRing
+
+    ring = SimpleNamespace(me=0, layout=SimpleNamespace(num_slots=2), wait_beacon_t=torch.tensor(beacon))
+    ring.last_slow_wait = lambda: DeviceRing.last_slow_wait(ring)
+    return ring
+
+
+def test_device_fault_names_the_last_slow_wait_from_the_beacon():
+    """A peer that died under MPS takes its heap with it; this PE's next access faults and its status words
+    are lost. The wait beacon (host memory) still says what the device waited for, in the words the GPU
+    check's judge reads."""
+    from streamring.device import ringdesc as D
+    from streamring.device_ring import DeviceRing
+
+    exc = RuntimeError("CUDA error: an illegal memory access was encountered\nSearch for ...")
+    packed = D.ERROR_CODES["RE_ACQUIRE_TIMEOUT"] | (1 << 8) | (0 << 24)
+    text = DeviceRing.describe_fault(_faulted_ring([packed, (3 << 32) | 1]), exc, 0.41)
+    first = text.splitlines()[0]
+    assert first.startswith("rank 0: watchdog: the device waited for route+layout generation e3:c0 (0x300000001) of "
+                            "source rank 1 (chunk 0, slot 0), then its context failed (CUDA error: an illegal memory "
+                            "access was encountered)"), first
+    assert first.endswith("noticed 0.41s after the forward's launch"), first
+    ok, note = _steps().survivor_report(f"[streamring rank 0] error: WatchdogError: {text}")
+    assert ok and "waited for rank 1 chunk 0 generation e3:c0" in note, note
+    # no slow wait before the fault: said so, no invented source
+    bare = DeviceRing.describe_fault(_faulted_ring([0, 0]), exc).splitlines()[0]
+    assert "before any of its waits went slow" in bare and "source rank" not in bare, bare
+    # the owner's wait for acknowledgements (rule 4) and the combine's arrival wait read back too
+    reuse = D.ERROR_CODES["RE_REUSE_TIMEOUT"] | (0 << 8) | (5 << 24)
+    assert "acknowledgements of my chunk 5, slot 1 (ack mask 0x3" in DeviceRing.describe_fault(
+        _faulted_ring([reuse, 3]), exc)
+    comb = D.ERROR_CODES["RE_COMBINE_TIMEOUT"] | (D.NO_SOURCE << 8) | (2 << 24)
+    assert "the result rows of my chunk 2 (40 expected)" in DeviceRing.describe_fault(_faulted_ring([comb, 40]), exc)
+
+
 def test_replay_holds_a_sigterm_until_the_forward_ends():
     """torchrun SIGTERMs the other workers when one dies: the survivor first finishes its forward (its
     device waits end at their deadline) and says what it waited for, then stops."""

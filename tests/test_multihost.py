@@ -303,6 +303,22 @@ def test_leftovers_of_a_killed_run_are_removed(cluster):
         subprocess.run(["ip", "link", "del", veth], capture_output=True, timeout=10)
 
 
+def test_ranks_not_ok_decides_the_launchers_code_when_mpiexec_says_0(tmp_path):
+    """An mpiexec may exit 0 after a rank's MPI_Abort (Open MPI's with orte_enable_recovery, seen on the
+    GPU host): the local launcher then fails the job from the ranks' own reports."""
+    from streamring.host.jobstate import ranks_not_ok
+
+    for r in range(3):
+        (tmp_path / f"rank-{r}.pid").write_text(f"{100 + r} h")
+    (tmp_path / "rank-0.status").write_text("ok")
+    (tmp_path / "rank-1.status").write_text("WatchdogError: rank 1: watchdog: the device waited for ...\nmore")
+    assert ranks_not_ok(tmp_path, 3) == {1: "WatchdogError: rank 1: watchdog: the device waited for ...",
+                                         2: "no report"}
+    (tmp_path / "rank-1.status").write_text("ok")
+    (tmp_path / "rank-2.status").write_text("ok")
+    assert ranks_not_ok(tmp_path, 3) == {}
+
+
 def test_launcher_summary_names_a_lost_host_and_a_stuck_peer(tmp_path):
     """The job-state summary from rank reports alone (another host's /proc cannot be read)."""
     from streamring.host.jobstate import summarize

@@ -29,7 +29,7 @@ LAYOUT_FIELDS = (
     "off_x_sf", "off_topk_idx", "off_topk_weights", "off_combine", "stride_x_slot", "stride_x_sf_slot",
     "stride_topk_idx_slot", "stride_topk_weights_slot", "meta_words", "total_bytes",
 )
-STREAM_FIELDS = ("epoch", "num_chunks", "status", "deadline_cycles", "off_wake")
+STREAM_FIELDS = ("epoch", "num_chunks", "status", "deadline_cycles", "off_wake", "wait_beacon")
 DESC_FIELDS = LAYOUT_FIELDS + STREAM_FIELDS
 DESC_INDEX = {name: i for i, name in enumerate(DESC_FIELDS)}
 RING_DESC_WORDS = len(DESC_FIELDS)
@@ -49,6 +49,10 @@ RING_ROUTE, RING_LAYOUT = 0, 1
 # -- device status words of a ring (RingDesc.status) ----------------------------------------------------------
 RS_VIOLATIONS, RS_TIMEOUTS, RS_FIRST_ERROR, RS_ABORT, RS_CONSUMED, RS_PUBLISHED, RS_BAD_SEEN, RS_BAD_WANT = range(8)
 RS_WORDS = 16
+
+# -- the wait beacon (RingDesc.wait_beacon): 2 words in pinned host memory, packed as RS_FIRST_ERROR / want --------
+WB_PACKED, WB_WANT = 0, 1
+WB_WORDS = 2
 
 # -- error codes of RS_FIRST_ERROR (code | src << 8 | chunk << 24 | (meta word + 1) << 56) ---------------------
 ERRORS = {
@@ -93,6 +97,7 @@ def consts_header() -> str:
         "RS_VIOLATIONS": RS_VIOLATIONS, "RS_TIMEOUTS": RS_TIMEOUTS, "RS_FIRST_ERROR": RS_FIRST_ERROR,
         "RS_ABORT": RS_ABORT, "RS_CONSUMED": RS_CONSUMED, "RS_PUBLISHED": RS_PUBLISHED,
         "RS_BAD_SEEN": RS_BAD_SEEN, "RS_BAD_WANT": RS_BAD_WANT, "RS_WORDS": RS_WORDS,
+        "WB_PACKED": WB_PACKED, "WB_WANT": WB_WANT,
         **{name: code for name, (code, _) in ERRORS.items()},
         "INJ_SKIP_ACQUIRE": INJECT_BITS["skip-acquire"],
         "INJ_SIGNAL_BEFORE_PAYLOAD": INJECT_BITS["signal-before-payload"],
@@ -142,14 +147,33 @@ def check_header(path: Path | None = None) -> None:
 
 
 def pack_desc(layout, *, epoch_ptr: int, num_chunks: int, status_ptr: int, deadline_cycles: int,
-              off_wake: int = -1) -> np.ndarray:
-    """The RingDesc of ``layout`` (anything with ``descriptor()``) + stream state as int64 words."""
+              off_wake: int = -1, wait_beacon_ptr: int = 0) -> np.ndarray:
+    """The RingDesc of ``layout`` (anything with ``descriptor()``) + stream state as int64 words.
+    ``wait_beacon_ptr``: :data:`WB_WORDS` words of pinned host memory, or 0 (no beacon)."""
     d = layout.descriptor()
     if tuple(d) != LAYOUT_FIELDS:
         raise ValueError("RingLayout.descriptor() keys changed: update ring_desc.cuh and ringdesc.LAYOUT_FIELDS")
     vals = [int(d[k]) for k in LAYOUT_FIELDS] + [int(epoch_ptr), int(num_chunks), int(status_ptr),
-                                                 int(deadline_cycles), int(off_wake)]
+                                                 int(deadline_cycles), int(off_wake), int(wait_beacon_ptr)]
     return np.array(vals, dtype=np.int64)
+
+
+def _decode_packed(first: int) -> dict:
+    """``code``, ``what``, ``src``, ``chunk``, ``field`` of an RS_FIRST_ERROR-packed word (non-zero)."""
+    code, src, chunk = first & 0xFF, (first >> 8) & 0xFFFF, (first >> 24) & 0xFFFFFFFF
+    field = ((first >> 56) & 0xFF) - 1
+    return {"code": code, "what": ERROR_NAMES.get(code, "?"), "src": -1 if src == NO_SOURCE else src,
+            "chunk": chunk, "field": META_FIELD_NAMES.get(field) if field >= 0 else None}
+
+
+def decode_beacon(words) -> dict | None:
+    """The wait beacon (:data:`WB_WORDS` words): None when no device wait went slow, else the wait it names
+    as :func:`decode_status` names a first error (``code`` is the timeout that wait would record, ``want``
+    hex; ``seen`` is not kept)."""
+    w = [int(x) & 0xFFFFFFFFFFFFFFFF for x in words]
+    if not w[WB_PACKED]:
+        return None
+    return {**_decode_packed(w[WB_PACKED]), "want": hex(w[WB_WANT])}
 
 
 def decode_status(words) -> dict:
@@ -163,11 +187,7 @@ def decode_status(words) -> dict:
     first = w[RS_FIRST_ERROR]
     err = None
     if first:
-        code, src, chunk = first & 0xFF, (first >> 8) & 0xFFFF, (first >> 24) & 0xFFFFFFFF
-        field = ((first >> 56) & 0xFF) - 1
-        err = {"code": code, "what": ERROR_NAMES.get(code, "?"), "src": -1 if src == NO_SOURCE else src,
-               "chunk": chunk, "field": META_FIELD_NAMES.get(field) if field >= 0 else None,
-               "seen": hex(w[RS_BAD_SEEN]), "want": hex(w[RS_BAD_WANT])}
+        err = {**_decode_packed(first), "seen": hex(w[RS_BAD_SEEN]), "want": hex(w[RS_BAD_WANT])}
     return {"violations": w[RS_VIOLATIONS], "timeouts": w[RS_TIMEOUTS], "aborted": bool(w[RS_ABORT]),
             "consumed": w[RS_CONSUMED], "published": w[RS_PUBLISHED], "first_error": err}
 

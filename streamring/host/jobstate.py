@@ -95,6 +95,18 @@ def peer_report(num_ranks: int) -> str:
     return ("peers not running normally:\n" + "\n".join(lines)) if lines else ""
 
 
+def ranks_not_ok(d: Path, num_ranks: int) -> dict[int, str]:
+    """``{rank: how it ended}`` of the ranks that did not report ``ok``: an error line, or ``"no report"``
+    (killed, crashed, or ended by the job's abort before reporting)."""
+    out = {}
+    for r in range(num_ranks):
+        st = d / f"rank-{r}.status"
+        text = st.read_text() if st.exists() else None
+        if text != "ok":
+            out[r] = "no report" if text is None else ((text.splitlines() or ["(no message)"])[0])[:200]
+    return out
+
+
 def ranks_down(d: Path, num_ranks: int) -> list:
     """``[(rank, pid, state), ...]`` of the ranks dead, zombie or stopped without having reported."""
     down = []

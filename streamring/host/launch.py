@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from .jobfiles import JobFiles
-from .jobstate import JOB_DIR_ENV, ranks_down, summarize
+from .jobstate import JOB_DIR_ENV, ranks_down, ranks_not_ok, summarize
 from .report import TERMINAL_COLUMNS_ENV, terminal_columns
 
 SPAWNED_ENV = "STREAMRING_SPAWNED"
@@ -135,6 +135,15 @@ def spawn_local(num_ranks: int, argv: list[str], extra_env: dict | None = None, 
                 if time.monotonic() >= next_scan:
                     files.scan()
                     next_scan = time.monotonic() + FILE_SCAN_PERIOD_S
+        if rc == 0:
+            # Every rank reports how it ended; an mpiexec may exit 0 although a rank failed (Open MPI's
+            # with orte_enable_recovery after an MPI_Abort): the ranks' reports decide, not its code.
+            failed = ranks_not_ok(jdir, num_ranks)
+            if failed:
+                print(f"streamring launcher: {Path(mpiexec).name} exited 0, but ranks {sorted(failed)} did not report "
+                      f"success ({'; '.join(f'rank {r}: {w}' for r, w in sorted(failed.items()))}): the job failed",
+                      file=sys.stderr)
+                rc = 1
         return rc
     except (KeyboardInterrupt, subprocess.TimeoutExpired) as exc:
         interrupted = ("SIGTERM" if str(exc) == "SIGTERM" else "Ctrl-C") if isinstance(exc, KeyboardInterrupt) \

@@ -94,7 +94,8 @@ from ..device import moe_triton as K
 from ..device.ranges import annotate as nvtx_range
 from ..device.ringdesc import INJECT_BITS, RING_LAYOUT, RING_ROUTE, describe_status
 from ..device_ring import DeviceRing
-from ..protocol import GEMM_CHOICES, PROGRESS_POLICIES, REFUSED_POLICIES, SOURCE_ORDERS, CombineLayout, RingLayout
+from ..protocol import (GEMM_CHOICES, PROGRESS_POLICIES, REFUSED_POLICIES, SOURCE_ORDERS, CombineLayout, RingLayout,
+                        WatchdogError)
 from . import gemm_choice as GC
 from .blocks import FP8, PULLS, BlockConsumer, FastWeights, compute_blocks
 from .math import MoEShape, MoEWeights, quantize_weight_fp8_block, select_experts
@@ -589,7 +590,10 @@ class EPBuffer:
         generation waited for. ``host_deadline_s`` (default ``2 * deadline_s + 5``) bounds what has no
         device deadline (a ``cuStreamWaitValue64`` of the stream_wait policy). Violations and corrupt
         routes raise a :class:`~streamring.protocol.ProtocolViolation`. Either way the buffer is
-        :attr:`broken` afterwards (close it and build a new one on every PE).
+        :attr:`broken` afterwards (close it and build a new one on every PE). When the device context itself
+        fails during the forward (a peer's process died and this PE touched its unmapped memory: seen with
+        PEs sharing a GPU under MPS), the WatchdogError names what the last slow device wait waited for,
+        read from pinned host memory (the wait beacon); this process cannot use the GPU again.
         """
         if self.broken:
             raise RuntimeError(f"this EPBuffer is unusable after a ring error ({self.broken}); close() it and build "
@@ -599,10 +603,16 @@ class EPBuffer:
             raise ValueError("graph was not captured by this EPBuffer's capture()")
         limit = 2 * self.deadline_s + 5 if host_deadline_s is None else float(host_deadline_s)
         t0 = time.monotonic()
+        for p in self.paths.values():
+            p.ring.clear_wait_beacon()
         graph.replay()
         done = torch.cuda.Event()
         done.record()
-        finished, st = path.ring.wait_forward(done, limit)
+        try:
+            finished, st = path.ring.wait_forward(done, limit)
+        except WatchdogError as exc:  # the device context failed (a dead peer's memory, under MPS)
+            self.broken = self.broken or str(exc).splitlines()[0]
+            raise
         if finished:
             # the dispatch's dropped-route count and the clamped device counts, readable once the forward ended
             st["bad_routes"] = int(self.bad_routes.item())

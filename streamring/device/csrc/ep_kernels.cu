@@ -119,9 +119,10 @@ extern "C" __global__ void ep_wait_arrivals(const RingDesc* d, const uint8_t* co
     const long long start = clock64();
     for (int64_t c = first_chunk; c < first_chunk + num_chunks; ++c) {
         const uint64_t want = (uint64_t)expected[c];
-        while (true) {
+        for (int64_t spins = 0;; ++spins) {
             const uint64_t seen = ld_acquire_sys_u64(arrived + c);
             if (seen == want) break;
+            if (spins == 4096) note_slow_wait(d, RE_COMBINE_TIMEOUT, -1, c, want);
             if (seen > want) {
                 record_error(d, RE_COMBINE_COUNT, -1, c, seen, want);
                 return;

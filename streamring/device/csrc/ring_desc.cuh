@@ -61,6 +61,9 @@ struct RingDesc {
     // offset of the wake ("doorbell") words [2][num_ranks][num_slots] used by the
     // stream_wait progress policy, or -1 (the layout's "wake" region).
     int64_t off_wake;
+    // WB_* words in pinned host memory (or null): the last device wait that went slow says here what it
+    // waits for. Host memory stays readable after the device context is lost, when status is not.
+    uint64_t* wait_beacon;
 };
 
 static_assert(sizeof(RingDesc) == RING_DESC_WORDS * 8, "RingDesc must be RING_DESC_WORDS packed 8-byte words");

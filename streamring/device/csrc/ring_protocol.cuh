@@ -66,6 +66,19 @@ static __device__ void record_error(const RingDesc* d, int code, int64_t src, in
     __threadfence_system();
 }
 
+// A wait that goes slow writes what it waits for into the wait beacon, in pinned host memory. Why host
+// memory: under MPS the heap of a peer whose process died is unmapped, and this PE's next access to it
+// ends its context with an illegal-address fault; the status words (device memory) are then unreadable,
+// host memory is not, so the host can still say which source, chunk and generation the forward waited
+// for. Relaxed system-scope stores with no ordering duty (a diagnostic, read by the host after the
+// forward ended or faulted): the last slow wait wins, and the two words may come from two waits.
+static __device__ void note_slow_wait(const RingDesc* d, int code, int64_t src, int64_t chunk, uint64_t want) {
+    if (d->wait_beacon == nullptr) return;
+    const uint64_t packed = (uint64_t)code | ((uint64_t)(src & 0xffff) << 8) | ((uint64_t)(chunk & 0xffffffffll) << 24);
+    st_relaxed_sys_u64(&d->wait_beacon[WB_WANT], want);
+    st_relaxed_sys_u64(&d->wait_beacon[WB_PACKED], packed);
+}
+
 static __device__ __forceinline__ bool aborted(const RingDesc* d) {
     return ld_relaxed_sys_u64((const uint64_t*)&d->status[RS_ABORT]) != 0;
 }
@@ -107,6 +120,7 @@ static __device__ bool acquire_wait(const RingDesc* d, uint8_t* buf, int64_t src
             }
             // poll flat out first (the publish->acquire latency is what the ring is for), then back
             // off so a long wait does not hammer the memory system
+            if (spins == 4096) note_slow_wait(d, RE_ACQUIRE_TIMEOUT, src, chunk, g);
             if (spins > 4096) __nanosleep(64);
         }
     }
@@ -159,9 +173,10 @@ static __device__ bool owner_collect(const RingDesc* d, uint8_t* buf, int me, in
         long long start = clock64();
         for (int64_t w = 0; w < d->mask_words; ++w) {
             uint64_t want = full_mask(d, w);
-            while (true) {
+            for (int64_t spins = 0;; ++spins) {
                 uint64_t seen = ld_acquire_sys_u64(ack_word(d, buf, slot, w));
                 if (seen == want) break;
+                if (spins == 4096) note_slow_wait(d, err_code, me, prev_chunk, want);
                 if (aborted(d) || clock64() - start > d->deadline_cycles) {
                     record_error(d, err_code, me, prev_chunk, seen, want);
                     return false;
