@@ -491,18 +491,27 @@ def cleanup_after(marker: str, baseline_mib: list[int], probes: dict = PROBES, p
     return ok, note
 
 
-def fault_judge(launcher: str, marker: str, probes: dict = PROBES):
+def fault_judge(launcher: str, marker: str, probes: dict = PROBES, mpirun_recovery: bool = False):
     """The judge of one rank-failure step: (a) the survivor's line in time, (b) a non-zero exit with the
-    survivor's own error, (c) the launcher naming a failed rank, then the clean-up."""
+    survivor's own error, (c) the launcher naming a failed rank, then the clean-up.
+
+    ``mpirun_recovery``: Open MPI's mpirun ran with orte_enable_recovery=1 (without it, it ends every rank
+    the moment one is killed, before the survivor can say anything). It then exits 0 even after an
+    MPI_Abort (launch/faults_h200.sh measures it), so (b) takes mpirun's own line that rank 0 aborted with
+    a non-zero error code instead of mpirun's exit code."""
     baseline = probes["memory"]()
 
     def judge(rc, out, data):
         a_ok, a = survivor_report(out)
-        b_ok = rc != 0 and "[streamring rank 0] error: WatchdogError:" in out
+        own_error = "[streamring rank 0] error: WatchdogError:" in out
+        aborted = re.search(r"MPI_ABORT was invoked on rank 0 in communicator \w+\s+with errorcode ([1-9]\d*)", out)
+        b_ok = own_error and (rc != 0 or bool(launcher == "mpirun" and mpirun_recovery and aborted))
+        b = f"rc={rc}" + (f" (mpirun under orte_enable_recovery exits 0 after any abort; rank 0 aborted with errorcode "
+                          f"{aborted.group(1)})" if rc == 0 and aborted and mpirun_recovery else "")
         c_ok, c = launcher_names(launcher, out)
         d_ok, d = cleanup_after(marker, baseline, probes)
         verdict = lambda ok: "ok" if ok else "FAILED"  # noqa: E731
-        return a_ok and b_ok and c_ok and d_ok, (f"(a) {verdict(a_ok)}: {a}; (b) {verdict(b_ok)}: rc={rc}; "
+        return a_ok and b_ok and c_ok and d_ok, (f"(a) {verdict(a_ok)}: {a}; (b) {verdict(b_ok)}: {b}; "
                                                  f"(c) {verdict(c_ok)}: {c}; clean-up {verdict(d_ok)}: {d}")
 
     return judge
@@ -578,7 +587,7 @@ def phase_faults(state: dict) -> None:
         what = "SIGKILL" if kind == "kill" else "SIGSTOP"
         name = f"rank 1 {what} mid-forward under {launcher}: rank 0 names it, exits, nothing left"
         mps_fresh_for(name, state)
-        judge = fault_judge(launcher, str(jp))
+        judge = fault_judge(launcher, str(jp), mpirun_recovery="OMPI_MCA_orte_enable_recovery" in env)
         run_step(state, name, fault_cmd(launcher, kind, jp), 120 if launcher == "torchrun" else 90, pes=2, env=env,
                  judge=judge)
 

@@ -38,7 +38,7 @@ import numpy as np
 from .device import kernels as K
 from .device.kernels import as_stream_ref
 from .device.ringdesc import (CLOCK_HZ, ERROR_CODES, RING_LAYOUT, RING_ROUTE, RS_WORDS, WB_WORDS, decode_beacon,
-                               decode_status, describe_status, gen_text, pack_desc)
+                               decode_status, describe_status, gen_text, mask_ranks, pack_desc)
 from .protocol import DIAGNOSTIC_HOOKS, ProtocolViolation, RingLayout, WatchdogError, make_gen
 
 TRANSPORTS = ("nv", "p2p", "auto")
@@ -304,9 +304,9 @@ class DeviceRing:
             raise WatchdogError(self.describe_fault(exc, time.monotonic() - t0)) from exc
         return True, self.status()
 
-    def last_slow_wait(self) -> dict | None:
-        """What the last device wait that went slow waited for (:func:`decode_beacon`), or None. Read from
-        pinned host memory: it works after the device faulted. :meth:`clear_wait_beacon` before a forward."""
+    def slow_waits(self) -> dict:
+        """``{kind: wait}`` of the device waits that went slow in the last forward (:func:`decode_beacon`).
+        Read from pinned host memory: it works after the device faulted. :meth:`clear_wait_beacon` first."""
         return decode_beacon(self.wait_beacon_t.tolist())
 
     def clear_wait_beacon(self) -> None:
@@ -314,32 +314,37 @@ class DeviceRing:
         self.wait_beacon_t.zero_()
 
     def describe_fault(self, exc: BaseException, elapsed_s: float | None = None) -> str:
-        """The message of a forward whose device context failed (``exc``: the CUDA error): what the last
-        slow device wait waited for (the wait beacon), why a peer's death can end this PE's context, and
-        the host's diagnostics (dead or stopped peers, under the local launcher)."""
+        """The message of a forward whose device context failed (``exc``: the CUDA error): what the device
+        waits that went slow waited for (the wait beacon; a source's chunk first), why a peer's death can
+        end this PE's context, and the host's diagnostics (dead or stopped peers, under the local launcher)."""
         cuda = (str(exc).splitlines() or ["?"])[0]
-        wait = self.last_slow_wait()
+        waits = self.slow_waits()
         why = ("a peer process that died takes its memory with it, and this PE's next access to that memory "
                "faults (under MPS the dead client's heap is unmapped at once)")
-        if wait is None:
+        said = []
+        for kind in ("acquire", "acquire_any", "ack", "combine"):
+            w = waits.get(kind)
+            if w is None:
+                continue
+            slot = f", slot {w['chunk'] % self.layout.num_slots}"
+            if kind == "acquire":
+                said.append(f"route+layout generation {gen_text(w['want'])} of source rank {w['src']} "
+                            f"(chunk {w['chunk']}{slot})")
+            elif kind == "acquire_any":
+                said.append(f"chunk {w['chunk']} of any of the source ranks {mask_ranks(w['want'])} (ready source "
+                            f"order)")
+            elif kind == "ack":
+                step = "the reuse of my slot" if w["code"] == ERROR_CODES["RE_REUSE_TIMEOUT"] else "the drain"
+                ranks = [64 * w["src"] + r for r in mask_ranks(w["want"])]
+                said.append(f"the acknowledgements of my chunk {w['chunk']}{slot} from ranks {ranks} ({step})")
+            else:
+                said.append(f"the result rows of my chunk {w['chunk']} ({w['want']} expected)")
+        if said:
+            line = (f"rank {self.me}: watchdog: the device waited for {said[0]}, then its context failed ({cuda}): "
+                    f"{why}" + (f"; it also waited for {'; '.join(said[1:])}" if said[1:] else ""))
+        else:
             line = (f"rank {self.me}: watchdog: the device failed during the forward ({cuda}) before any of its "
                     f"waits went slow: {why}")
-        else:
-            slot = f", slot {wait['chunk'] % self.layout.num_slots}"
-            code = {c: n for n, c in ERROR_CODES.items()}.get(wait["code"], "")
-            want = int(wait["want"], 16)
-            if code == "RE_ACQUIRE_TIMEOUT" and want == 0:
-                what = f"chunk {wait['chunk']} of any pending source rank (ready source order)"
-            elif code == "RE_ACQUIRE_TIMEOUT":
-                what = (f"route+layout generation {gen_text(want)} of source rank {wait['src']} "
-                        f"(chunk {wait['chunk']}{slot})")
-            elif code == "RE_COMBINE_TIMEOUT":
-                what = f"the result rows of my chunk {wait['chunk']} ({want} expected)"
-            else:
-                what = (f"the acknowledgements of my chunk {wait['chunk']}{slot} (ack mask {want:#x} wanted: "
-                        f"{wait['what']})")
-            line = (f"rank {self.me}: watchdog: the device waited for {what}, then its context failed ({cuda}): "
-                    f"{why}")
         if elapsed_s is not None:
             line += f"; noticed {elapsed_s:.2f}s after the forward's launch"
         extra = [text for text in (hook() for hook in DIAGNOSTIC_HOOKS) if text]

@@ -220,44 +220,53 @@ def test_ring_check_passes_a_clean_status_and_reports_an_unfinished_forward():
         DeviceRing.check(ring, _words("RE_META", 0, 2, 5, 4, field=D.META_VALID, violations=1))
 
 
-def _faulted_ring(beacon):
+def _faulted_ring(**waits):
+    """A ring whose wait beacon holds ``waits`` (kind -> (code name, src, chunk, want))."""
     from types import SimpleNamespace
 
     import torch
 
-    from streamring.device_ring import DeviceRing
-
-    ring = SimpleNamespace(me=0, layout=SimpleNamespace(num_slots=2), wait_beacon_t=torch.tensor(beacon))
-    ring.last_slow_wait = lambda: DeviceRing.last_slow_wait(ring)
-    return ring
-
-
-def test_device_fault_names_the_last_slow_wait_from_the_beacon():
-    """A peer that died under MPS takes its heap with it; this PE's next access faults and its status words
-    are lost. The wait beacon (host memory) still says what the device waited for, in the words the GPU
-    check's judge reads."""
     from streamring.device import ringdesc as D
     from streamring.device_ring import DeviceRing
 
+    words = [0] * D.WB_WORDS
+    for kind, (code, src, chunk, want) in waits.items():
+        k = D.WB_KINDS.index(kind)
+        words[2 * k + D.WB_PACKED] = D.ERROR_CODES[code] | ((src & 0xFFFF) << 8) | (chunk << 24)
+        words[2 * k + D.WB_WANT] = want
+    ring = SimpleNamespace(me=0, layout=SimpleNamespace(num_slots=2), wait_beacon_t=torch.tensor(words))
+    ring.slow_waits = lambda: DeviceRing.slow_waits(ring)
+    return ring
+
+
+def test_device_fault_names_the_slow_waits_from_the_beacon():
+    """A peer that died under MPS takes its heap with it; this PE's next access faults and its status words
+    are lost. The wait beacon (host memory) still says what the device waited for, a source's chunk first,
+    in the words the GPU check's judge reads."""
+    from streamring.device_ring import DeviceRing
+
     exc = RuntimeError("CUDA error: an illegal memory access was encountered\nSearch for ...")
-    packed = D.ERROR_CODES["RE_ACQUIRE_TIMEOUT"] | (1 << 8) | (0 << 24)
-    text = DeviceRing.describe_fault(_faulted_ring([packed, (3 << 32) | 1]), exc, 0.41)
-    first = text.splitlines()[0]
+    ring = _faulted_ring(ack=("RE_REUSE_TIMEOUT", 0, 0, 0b10), acquire=("RE_ACQUIRE_TIMEOUT", 1, 0, (3 << 32) | 1))
+    first = DeviceRing.describe_fault(ring, exc, 0.41).splitlines()[0]
     assert first.startswith("rank 0: watchdog: the device waited for route+layout generation e3:c0 (0x300000001) of "
                             "source rank 1 (chunk 0, slot 0), then its context failed (CUDA error: an illegal memory "
                             "access was encountered)"), first
-    assert first.endswith("noticed 0.41s after the forward's launch"), first
-    ok, note = _steps().survivor_report(f"[streamring rank 0] error: WatchdogError: {text}")
+    assert "it also waited for the acknowledgements of my chunk 0, slot 0 from ranks [1] (the reuse of my slot)" in \
+        first and first.endswith("noticed 0.41s after the forward's launch"), first
+    ok, note = _steps().survivor_report(f"[streamring rank 0] error: WatchdogError: {first}")
     assert ok and "waited for rank 1 chunk 0 generation e3:c0" in note, note
+    # the acknowledgement wait alone is also what the judge accepts (a peer that never acknowledged)
+    acks = DeviceRing.describe_fault(_faulted_ring(ack=("RE_REUSE_TIMEOUT", 0, 4, 0b10)), exc, 0.3).splitlines()[0]
+    ok, note = _steps().survivor_report(acks)
+    assert ok and "acknowledgement of chunk 4" in note, (note, acks)
+    # ready order, and the combine's arrival wait
+    assert "chunk 3 of any of the source ranks [1, 2] (ready source order)" in DeviceRing.describe_fault(
+        _faulted_ring(acquire_any=("RE_ACQUIRE_TIMEOUT", 1, 3, 0b110)), exc)
+    assert "the result rows of my chunk 2 (40 expected)" in DeviceRing.describe_fault(
+        _faulted_ring(combine=("RE_COMBINE_TIMEOUT", -1, 2, 40)), exc)
     # no slow wait before the fault: said so, no invented source
-    bare = DeviceRing.describe_fault(_faulted_ring([0, 0]), exc).splitlines()[0]
+    bare = DeviceRing.describe_fault(_faulted_ring(), exc).splitlines()[0]
     assert "before any of its waits went slow" in bare and "source rank" not in bare, bare
-    # the owner's wait for acknowledgements (rule 4) and the combine's arrival wait read back too
-    reuse = D.ERROR_CODES["RE_REUSE_TIMEOUT"] | (0 << 8) | (5 << 24)
-    assert "acknowledgements of my chunk 5, slot 1 (ack mask 0x3" in DeviceRing.describe_fault(
-        _faulted_ring([reuse, 3]), exc)
-    comb = D.ERROR_CODES["RE_COMBINE_TIMEOUT"] | (D.NO_SOURCE << 8) | (2 << 24)
-    assert "the result rows of my chunk 2 (40 expected)" in DeviceRing.describe_fault(_faulted_ring([comb, 40]), exc)
 
 
 def test_replay_holds_a_sigterm_until_the_forward_ends():
@@ -364,6 +373,15 @@ def test_fault_judge_refuses_what_is_missing():
     assert not ok and "noticed after 7.50s (deadline 3s)" in note, note
     ok, note = judge(_survivor_error() + "\n" + MPIRUN_ABORT, rc=0)
     assert not ok and "(b) FAILED: rc=0" in note, note
+    # mpirun under orte_enable_recovery exits 0 after an abort: its own line that rank 0 aborted with a
+    # non-zero code stands in for the exit code, and only then
+    recovering = steps.fault_judge("mpirun", "m", _Probes().d, mpirun_recovery=True)
+    ok, note = recovering(0, _survivor_error() + "\n" + MPIRUN_ABORT, None)
+    assert ok and "rank 0 aborted with errorcode 1" in note, note
+    ok, note = recovering(0, _survivor_error() + "\n" + MPIRUN_ABORT.replace("errorcode 1", "errorcode 0"), None)
+    assert not ok and "(b) FAILED: rc=0" in note, note
+    ok, note = recovering(0, MPIRUN_ABORT, None)
+    assert not ok and "(b) FAILED" in note, note
     ok, note = judge(_survivor_error())
     assert not ok and "(c) FAILED: mpirun named no rank" in note, note
     stuck = _Probes(settle=10**6)

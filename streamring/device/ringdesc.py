@@ -50,9 +50,12 @@ RING_ROUTE, RING_LAYOUT = 0, 1
 RS_VIOLATIONS, RS_TIMEOUTS, RS_FIRST_ERROR, RS_ABORT, RS_CONSUMED, RS_PUBLISHED, RS_BAD_SEEN, RS_BAD_WANT = range(8)
 RS_WORDS = 16
 
-# -- the wait beacon (RingDesc.wait_beacon): 2 words in pinned host memory, packed as RS_FIRST_ERROR / want --------
+# -- the wait beacon (RingDesc.wait_beacon), in pinned host memory: per kind of device wait, the last one that went
+#    slow, as 2 words (packed as RS_FIRST_ERROR, then what it waits for) ------------------------------------------
+WB_ACQUIRE, WB_ACQUIRE_ANY, WB_ACK, WB_COMBINE = range(4)  # want: generation | pending sources | pending acks | rows
+WB_KINDS = ("acquire", "acquire_any", "ack", "combine")
 WB_PACKED, WB_WANT = 0, 1
-WB_WORDS = 2
+WB_WORDS = 2 * len(WB_KINDS)
 
 # -- error codes of RS_FIRST_ERROR (code | src << 8 | chunk << 24 | (meta word + 1) << 56) ---------------------
 ERRORS = {
@@ -97,6 +100,7 @@ def consts_header() -> str:
         "RS_VIOLATIONS": RS_VIOLATIONS, "RS_TIMEOUTS": RS_TIMEOUTS, "RS_FIRST_ERROR": RS_FIRST_ERROR,
         "RS_ABORT": RS_ABORT, "RS_CONSUMED": RS_CONSUMED, "RS_PUBLISHED": RS_PUBLISHED,
         "RS_BAD_SEEN": RS_BAD_SEEN, "RS_BAD_WANT": RS_BAD_WANT, "RS_WORDS": RS_WORDS,
+        "WB_ACQUIRE": WB_ACQUIRE, "WB_ACQUIRE_ANY": WB_ACQUIRE_ANY, "WB_ACK": WB_ACK, "WB_COMBINE": WB_COMBINE,
         "WB_PACKED": WB_PACKED, "WB_WANT": WB_WANT,
         **{name: code for name, (code, _) in ERRORS.items()},
         "INJ_SKIP_ACQUIRE": INJECT_BITS["skip-acquire"],
@@ -166,14 +170,19 @@ def _decode_packed(first: int) -> dict:
             "chunk": chunk, "field": META_FIELD_NAMES.get(field) if field >= 0 else None}
 
 
-def decode_beacon(words) -> dict | None:
-    """The wait beacon (:data:`WB_WORDS` words): None when no device wait went slow, else the wait it names
-    as :func:`decode_status` names a first error (``code`` is the timeout that wait would record, ``want``
-    hex; ``seen`` is not kept)."""
+def decode_beacon(words) -> dict:
+    """The wait beacon (:data:`WB_WORDS` words) as ``{kind: wait}`` for each kind of :data:`WB_KINDS` whose
+    wait went slow: the wait named as :func:`decode_status` names a first error (``code`` is the timeout
+    that wait would record) plus ``want``: the generation (acquire), the mask of sources still pending
+    (acquire_any), the mask of ranks whose acknowledgement is pending (ack: ``src`` is the index of that
+    64-rank mask word), the rows expected (combine)."""
     w = [int(x) & 0xFFFFFFFFFFFFFFFF for x in words]
-    if not w[WB_PACKED]:
-        return None
-    return {**_decode_packed(w[WB_PACKED]), "want": hex(w[WB_WANT])}
+    out = {}
+    for k, kind in enumerate(WB_KINDS):
+        packed = w[2 * k + WB_PACKED]
+        if packed:
+            out[kind] = {**_decode_packed(packed), "want": w[2 * k + WB_WANT]}
+    return out
 
 
 def decode_status(words) -> dict:
@@ -200,7 +209,8 @@ def gen_text(gen: int) -> str:
     return f"e{gen >> SEQ_BITS}:c{(gen & SEQ_MASK) - 1} ({gen:#x})"
 
 
-def _mask_ranks(mask: int) -> list[int]:
+def mask_ranks(mask: int) -> list[int]:
+    """The ranks whose bits are set in a 64-bit mask word."""
     return [r for r in range(64) if (mask >> r) & 1]
 
 
@@ -225,14 +235,14 @@ def describe_status(st: dict, *, pe: int, num_slots: int | None = None, deadline
     name = {c: n for n, c in ERROR_CODES.items()}.get(code, "")
     if name == "RE_ACQUIRE_TIMEOUT" and want == 0:  # ready order: `seen` is the mask of sources still pending
         what = (f"watchdog: the device {waited} for chunk {chunk} of any of the source ranks "
-                f"{_mask_ranks(seen)} (ready source order; pending mask {seen:#x})")
+                f"{mask_ranks(seen)} (ready source order; pending mask {seen:#x})")
     elif name == "RE_ACQUIRE_TIMEOUT":
         what = (f"watchdog: the device {waited} for route+layout generation {gen_text(want)} of source rank {src} "
                 f"(chunk {chunk}{slot}); it last saw {gen_text(seen)}: rank {src} is dead, stopped or stuck")
     elif name in ("RE_REUSE_TIMEOUT", "RE_DRAIN_TIMEOUT"):
         step = "the reuse of my slot" if name == "RE_REUSE_TIMEOUT" else "the end-of-stream drain"
         what = (f"watchdog: the device {waited} in {step} for the acknowledgements of my chunk {chunk}{slot} from "
-                f"ranks {_mask_ranks(want & ~seen)} (ack mask {seen:#x} of {want:#x}): they are dead, stopped or "
+                f"ranks {mask_ranks(want & ~seen)} (ack mask {seen:#x} of {want:#x}): they are dead, stopped or "
                 f"stuck")
     elif name == "RE_COMBINE_TIMEOUT":
         what = (f"watchdog: the device {waited} for the result rows of my chunk {chunk}: {seen} of {want} arrived "

@@ -122,7 +122,7 @@ extern "C" __global__ void ep_wait_arrivals(const RingDesc* d, const uint8_t* co
         for (int64_t spins = 0;; ++spins) {
             const uint64_t seen = ld_acquire_sys_u64(arrived + c);
             if (seen == want) break;
-            if (spins == 4096) note_slow_wait(d, RE_COMBINE_TIMEOUT, -1, c, want);
+            if (spins == 4096) note_slow_wait(d, WB_COMBINE, RE_COMBINE_TIMEOUT, -1, c, want);
             if (seen > want) {
                 record_error(d, RE_COMBINE_COUNT, -1, c, seen, want);
                 return;

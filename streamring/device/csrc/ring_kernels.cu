@@ -135,7 +135,7 @@ extern "C" __global__ void ring_wait_any(const RingDesc* d, uint8_t* buf, const 
             record_error(d, RE_ACQUIRE_TIMEOUT, pick, chunk, m, 0);
             break;
         }
-        if (spins == 4096) note_slow_wait(d, RE_ACQUIRE_TIMEOUT, pick, chunk, 0);  // want 0: any source
+        if (spins == 4096) note_slow_wait(d, WB_ACQUIRE_ANY, RE_ACQUIRE_TIMEOUT, pick, chunk, m);
         if (spins > 4096) __nanosleep(64);
     }
     __threadfence_system();

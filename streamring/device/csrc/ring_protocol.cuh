@@ -70,13 +70,15 @@ static __device__ void record_error(const RingDesc* d, int code, int64_t src, in
 // memory: under MPS the heap of a peer whose process died is unmapped, and this PE's next access to it
 // ends its context with an illegal-address fault; the status words (device memory) are then unreadable,
 // host memory is not, so the host can still say which source, chunk and generation the forward waited
-// for. Relaxed system-scope stores with no ordering duty (a diagnostic, read by the host after the
-// forward ended or faulted): the last slow wait wins, and the two words may come from two waits.
-static __device__ void note_slow_wait(const RingDesc* d, int code, int64_t src, int64_t chunk, uint64_t want) {
+// for. One pair of words per kind of wait (WB_*): the last slow wait of each kind wins. Relaxed
+// system-scope stores with no ordering duty (a diagnostic, read by the host after the forward ended or
+// faulted); the two words of a kind may come from two waits of that kind.
+static __device__ void note_slow_wait(const RingDesc* d, int kind, int code, int64_t src, int64_t chunk,
+                                      uint64_t want) {
     if (d->wait_beacon == nullptr) return;
     const uint64_t packed = (uint64_t)code | ((uint64_t)(src & 0xffff) << 8) | ((uint64_t)(chunk & 0xffffffffll) << 24);
-    st_relaxed_sys_u64(&d->wait_beacon[WB_WANT], want);
-    st_relaxed_sys_u64(&d->wait_beacon[WB_PACKED], packed);
+    st_relaxed_sys_u64(&d->wait_beacon[2 * kind + WB_WANT], want);
+    st_relaxed_sys_u64(&d->wait_beacon[2 * kind + WB_PACKED], packed);
 }
 
 static __device__ __forceinline__ bool aborted(const RingDesc* d) {
@@ -120,7 +122,7 @@ static __device__ bool acquire_wait(const RingDesc* d, uint8_t* buf, int64_t src
             }
             // poll flat out first (the publish->acquire latency is what the ring is for), then back
             // off so a long wait does not hammer the memory system
-            if (spins == 4096) note_slow_wait(d, RE_ACQUIRE_TIMEOUT, src, chunk, g);
+            if (spins == 4096) note_slow_wait(d, WB_ACQUIRE, RE_ACQUIRE_TIMEOUT, src, chunk, g);
             if (spins > 4096) __nanosleep(64);
         }
     }
@@ -176,7 +178,8 @@ static __device__ bool owner_collect(const RingDesc* d, uint8_t* buf, int me, in
             for (int64_t spins = 0;; ++spins) {
                 uint64_t seen = ld_acquire_sys_u64(ack_word(d, buf, slot, w));
                 if (seen == want) break;
-                if (spins == 4096) note_slow_wait(d, err_code, me, prev_chunk, want);
+                // WB_ACK: the mask word in the source field, the ranks still to acknowledge as the want word
+                if (spins == 4096) note_slow_wait(d, WB_ACK, err_code, w, prev_chunk, want & ~seen);
                 if (aborted(d) || clock64() - start > d->deadline_cycles) {
                     record_error(d, err_code, me, prev_chunk, seen, want);
                     return false;
