@@ -6,7 +6,8 @@
 # Targets: the ring self-test (`streamring gpu-check`, policy serialized, 3 graph replays), one EP forward
 # (launch/ep_forward_once.py: batch and streamed, captured and replayed) and the device hostile-peer table
 # (tests/mp_gpu_hostile.py: corrupt metadata must never lead to an out-of-bounds access). Tools: memcheck on
-# all three, then synccheck and racecheck on the ring self-test and the EP forward, while the budget lasts
+# the ring self-test and the EP forward, then synccheck and racecheck on both, then memcheck on the hostile table
+# (the slowest), while the budget lasts
 # (SANITIZE_BUDGET_S, default 300 s; SANITIZE_TIMEOUT_S per run, default 150 s).
 #
 # Each run is tried plain first. If it fails (errors reported, or the run itself failed), it is tried again
@@ -47,8 +48,8 @@ declare -A TARGETS=(
   [ep]="env PYTORCH_NO_CUDA_MEMORY_CACHING=1 python3 launch/ep_forward_once.py --policy serialized --eager --replays 2"
   [hostile]="env PYTORCH_NO_CUDA_MEMORY_CACHING=1 python3 tests/mp_gpu_hostile.py hostile_table"
 )
-RUNS=("memcheck ring" "memcheck ep" "memcheck hostile" "synccheck ring" "racecheck ring" "synccheck ep"
-      "racecheck ep")
+RUNS=("memcheck ring" "memcheck ep" "synccheck ring" "racecheck ring" "synccheck ep" "racecheck ep"
+      "memcheck hostile")
 
 failed=0
 for run in "${RUNS[@]}"; do
