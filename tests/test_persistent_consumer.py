@@ -225,7 +225,9 @@ def test_l2_before_l1_is_caught(setup):
                     stored.append(combs[owner][int(bc.row_tok[row])].float())
         stored = torch.stack(stored)
         if inject == "none":
-            assert err["first_error"]["code"] == ERRORS["RE_L1_WAIT_TIMEOUT"][0] and err["first_error"]["chunk"] == 0
+            # either held group's L2 wait may time out first (CTAs race on the GPU; seen: position 1)
+            assert err["first_error"]["code"] == ERRORS["RE_L1_WAIT_TIMEOUT"][0] and \
+                err["first_error"]["chunk"] in range(group), err
             assert st["l2_done"][:group] == [0] * group, "an L2 item ran before its block's L1 tiles"
             assert torch.isnan(stored).all(), "a row of group 0 was stored although its L1 never ran"
             assert all(arrivals_of(arrived).get(k, 0) == 0 for k in g0)
