@@ -37,8 +37,8 @@ import numpy as np
 
 from .device import kernels as K
 from .device.kernels import as_stream_ref
-from .device.ringdesc import (CLOCK_HZ, ERROR_CODES, RING_LAYOUT, RING_ROUTE, RS_WORDS, WB_WORDS, decode_beacon,
-                               decode_status, describe_status, gen_text, mask_ranks, pack_desc)
+from .device.ringdesc import (CLOCK_HZ, ERROR_CODES, RING_LAYOUT, RING_ROUTE, RS_WORDS, WB_KINDS, WB_WORDS,
+                               decode_beacon, decode_status, describe_status, gen_text, mask_ranks, pack_desc)
 from .protocol import DIAGNOSTIC_HOOKS, ProtocolViolation, RingLayout, WatchdogError, make_gen
 
 TRANSPORTS = ("nv", "p2p", "auto")
@@ -322,7 +322,7 @@ class DeviceRing:
         why = ("a peer process that died takes its memory with it, and this PE's next access to that memory "
                "faults (under MPS the dead client's heap is unmapped at once)")
         said = []
-        for kind in ("acquire", "acquire_any", "ack", "combine"):
+        for kind in WB_KINDS:  # a source's chunk first: what a dead peer is named by
             w = waits.get(kind)
             if w is None:
                 continue
