@@ -530,8 +530,11 @@ def fault_cmd(launcher: str, kind: str, json_path: Path) -> list[str]:
 
 def mps_accepts_a_client() -> tuple[bool, str]:
     """Whether a new CUDA client can make a context now (a tensor on the GPU), and the error if not."""
-    r = subprocess.run([PY, "-c", "import torch; torch.zeros(1, device='cuda'); torch.cuda.synchronize()"],
-                       capture_output=True, text=True, timeout=120)
+    try:
+        r = subprocess.run([PY, "-c", "import torch; torch.zeros(1, device='cuda'); torch.cuda.synchronize()"],
+                           capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        return False, "a new client did not make its context within 120 s"
     lines = [ln for ln in (r.stderr or "").splitlines() if "Error" in ln]
     return r.returncode == 0, (lines[-1] if lines else f"rc={r.returncode}")[:200]
 
@@ -547,10 +550,13 @@ def mps_fresh_for(name: str, state: dict) -> None:
     if ok:
         return
     note = f"before '{name}': the MPS server refused a new client ({why}); the MPS daemon was restarted"
-    subprocess.run(["nvidia-cuda-mps-control"], input="quit\n", text=True, capture_output=True, timeout=30)
-    time.sleep(1.0)  # the control daemon removes its pipe on the way out
-    subprocess.run(["nvidia-cuda-mps-control", "-d"], capture_output=True, timeout=30)
-    ok, why = mps_accepts_a_client()
+    try:
+        subprocess.run(["nvidia-cuda-mps-control"], input="quit\n", text=True, capture_output=True, timeout=30)
+        time.sleep(1.0)  # the control daemon removes its pipe on the way out
+        started = subprocess.run(["nvidia-cuda-mps-control", "-d"], capture_output=True, text=True, timeout=30)
+        ok, why = mps_accepts_a_client() if started.returncode == 0 else (False, f"-d rc={started.returncode}")
+    except subprocess.TimeoutExpired as exc:
+        ok, why = False, f"{' '.join(exc.cmd)} ran past {exc.timeout:g} s"
     note += "" if ok else f", and it still refuses ({why})"
     log(f"\n[gpu_check] {note}\n")
     state.setdefault("notes", []).append(note)

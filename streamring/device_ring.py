@@ -301,7 +301,11 @@ class DeviceRing:
                 time.sleep(pause)
                 pause = min(pause * 2, 0.01)  # quick for a short forward, a light poll for a long wait
         except RuntimeError as exc:  # torch.AcceleratorError: the context is lost, status_t with it
-            raise WatchdogError(self.describe_fault(exc, time.monotonic() - t0)) from exc
+            # blamed on a peer only with evidence of one: a device wait still pending on it (the beacon), or
+            # the host's diagnostics naming a dead or stopped peer; any other fault stays what it is
+            if self.slow_waits() or any(hook() for hook in DIAGNOSTIC_HOOKS):
+                raise WatchdogError(self.describe_fault(exc, time.monotonic() - t0)) from exc
+            raise
         return True, self.status()
 
     def slow_waits(self) -> dict:
@@ -319,8 +323,8 @@ class DeviceRing:
         end this PE's context, and the host's diagnostics (dead or stopped peers, under the local launcher)."""
         cuda = (str(exc).splitlines() or ["?"])[0]
         waits = self.slow_waits()
-        why = ("a peer process that died takes its memory with it, and this PE's next access to that memory "
-               "faults (under MPS the dead client's heap is unmapped at once)")
+        why = ("the likely cause: a peer's process died, taking its memory with it, and this PE's next access "
+               "to that memory faulted (under MPS a dead client's heap is unmapped at once)")
         said = []
         for kind in WB_KINDS:  # a source's chunk first: what a dead peer is named by
             w = waits.get(kind)

@@ -269,6 +269,32 @@ def test_device_fault_names_the_slow_waits_from_the_beacon():
     assert "before any of its waits went slow" in bare and "source rank" not in bare, bare
 
 
+def test_wait_forward_blames_a_peer_only_with_evidence(monkeypatch):
+    """A device fault during the forward becomes a WatchdogError naming the pending wait only when a wait
+    is pending (the beacon) or the host names a dead peer; any other CUDA error is raised as it is."""
+    from streamring import device_ring as DR
+    from streamring.protocol import WatchdogError
+
+    class Faulted:
+        def query(self):
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(DR, "DIAGNOSTIC_HOOKS", [])
+    quiet = _faulted_ring()
+    quiet.describe_fault = lambda exc, elapsed=None: DR.DeviceRing.describe_fault(quiet, exc, elapsed)
+    with pytest.raises(RuntimeError, match="illegal memory access") as info:
+        DR.DeviceRing.wait_forward(quiet, Faulted(), 5.0)
+    assert not isinstance(info.value, WatchdogError)
+    pending = _faulted_ring(acquire=("RE_ACQUIRE_TIMEOUT", 1, 0, (3 << 32) | 1))
+    pending.describe_fault = lambda exc, elapsed=None: DR.DeviceRing.describe_fault(pending, exc, elapsed)
+    with pytest.raises(WatchdogError, match=r"waited for route\+layout generation e3:c0"):
+        DR.DeviceRing.wait_forward(pending, Faulted(), 5.0)
+    monkeypatch.setattr(DR, "DIAGNOSTIC_HOOKS", [lambda: "peers not running normally:\n  rank 1 (pid 7): not running"])
+    with pytest.raises(WatchdogError, match="before any of its waits went slow") as info:
+        DR.DeviceRing.wait_forward(quiet, Faulted(), 5.0)
+    assert "rank 1 (pid 7): not running" in str(info.value)
+
+
 def test_replay_holds_a_sigterm_until_the_forward_ends():
     """torchrun SIGTERMs the other workers when one dies: the survivor first finishes its forward (its
     device waits end at their deadline) and says what it waited for, then stops."""

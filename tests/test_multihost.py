@@ -317,6 +317,8 @@ def test_ranks_not_ok_decides_the_launchers_code_when_mpiexec_says_0(tmp_path):
     (tmp_path / "rank-1.status").write_text("ok")
     (tmp_path / "rank-2.status").write_text("ok")
     assert ranks_not_ok(tmp_path, 3) == {}
+    # a rank on another host never sees the job directory: its silence is not a failure
+    assert ranks_not_ok(tmp_path, 4) == {}
 
 
 def test_launcher_summary_names_a_lost_host_and_a_stuck_peer(tmp_path):

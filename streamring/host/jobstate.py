@@ -96,14 +96,18 @@ def peer_report(num_ranks: int) -> str:
 
 
 def ranks_not_ok(d: Path, num_ranks: int) -> dict[int, str]:
-    """``{rank: how it ended}`` of the ranks that did not report ``ok``: an error line, or ``"no report"``
-    (killed, crashed, or ended by the job's abort before reporting)."""
+    """``{rank: how it ended}`` of the ranks known not to have ended well: an error line, or ``"no
+    report"`` for a rank that registered and never reported (killed, crashed, or ended by the job's
+    abort). A rank that never registered is not listed: on another host the job directory is not
+    visible (see the module docstring), so its silence says nothing."""
     out = {}
     for r in range(num_ranks):
-        st = d / f"rank-{r}.status"
+        st, pid = d / f"rank-{r}.status", d / f"rank-{r}.pid"
         text = st.read_text() if st.exists() else None
-        if text != "ok":
-            out[r] = "no report" if text is None else ((text.splitlines() or ["(no message)"])[0])[:200]
+        if text is None and pid.exists():
+            out[r] = "no report"
+        elif text is not None and text != "ok":
+            out[r] = ((text.splitlines() or ["(no message)"])[0])[:200]
     return out
 
 

@@ -119,10 +119,13 @@ extern "C" __global__ void ep_wait_arrivals(const RingDesc* d, const uint8_t* co
     const long long start = clock64();
     for (int64_t c = first_chunk; c < first_chunk + num_chunks; ++c) {
         const uint64_t want = (uint64_t)expected[c];
+        const uint64_t note = pack_wait(RE_COMBINE_TIMEOUT, -1, c);
         for (int64_t spins = 0;; ++spins) {
             const uint64_t seen = ld_acquire_sys_u64(arrived + c);
-            if (seen == want) break;
-            if (spins == 4096) note_slow_wait(d, WB_COMBINE, RE_COMBINE_TIMEOUT, -1, c, want);
+            if (seen == want) {
+                if (spins > 4096) end_slow_wait(d, WB_COMBINE, note);
+                break;
+            }
             if (seen > want) {
                 record_error(d, RE_COMBINE_COUNT, -1, c, seen, want);
                 return;
@@ -131,6 +134,7 @@ extern "C" __global__ void ep_wait_arrivals(const RingDesc* d, const uint8_t* co
                 record_error(d, RE_COMBINE_TIMEOUT, -1, c, seen, want);
                 return;
             }
+            if (spins == 4096) note_slow_wait(d, WB_COMBINE, note, want);
             __nanosleep(64);
         }
     }

@@ -112,7 +112,7 @@ extern "C" __global__ void ring_wait_any(const RingDesc* d, uint8_t* buf, const 
     const long long start = clock64();
     uint64_t m = *pending;
     int pick = m ? __ffsll((long long)m) - 1 : 0;
-    bool ok = false;
+    bool ok = false, slow = false;
     for (int64_t spins = 0; m && !ok; ++spins) {
         for (uint64_t left = m; left; left &= left - 1) {
             const int src = __ffsll((long long)left) - 1;
@@ -135,9 +135,14 @@ extern "C" __global__ void ring_wait_any(const RingDesc* d, uint8_t* buf, const 
             record_error(d, RE_ACQUIRE_TIMEOUT, pick, chunk, m, 0);
             break;
         }
-        if (spins == 4096) note_slow_wait(d, WB_ACQUIRE_ANY, RE_ACQUIRE_TIMEOUT, pick, chunk, m);
+        if (spins == 4096 && !ok && m) {
+            note_slow_wait(d, WB_ACQUIRE_ANY, pack_wait(RE_ACQUIRE_TIMEOUT, 0, chunk), m);
+            slow = true;
+        }
         if (spins > 4096) __nanosleep(64);
     }
+    // the note is taken back only when one was made: a host-memory load costs a PCIe round trip
+    if (ok && slow) end_slow_wait(d, WB_ACQUIRE_ANY, pack_wait(RE_ACQUIRE_TIMEOUT, 0, chunk));
     __threadfence_system();
     if (ok) {
         SR_WITH_TRANSPORT(buf, me, peers, check_meta(d, x, pick, chunk, g, valid_tab, inject));

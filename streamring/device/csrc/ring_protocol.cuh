@@ -70,15 +70,23 @@ static __device__ void record_error(const RingDesc* d, int code, int64_t src, in
 // memory: under MPS the heap of a peer whose process died is unmapped, and this PE's next access to it
 // ends its context with an illegal-address fault; the status words (device memory) are then unreadable,
 // host memory is not, so the host can still say which source, chunk and generation the forward waited
-// for. One pair of words per kind of wait (WB_*): the last slow wait of each kind wins. Relaxed
-// system-scope stores with no ordering duty (a diagnostic, read by the host after the forward ended or
-// faulted); the two words of a kind may come from two waits of that kind.
-static __device__ void note_slow_wait(const RingDesc* d, int kind, int code, int64_t src, int64_t chunk,
-                                      uint64_t want) {
+// for. One pair of words per kind of wait (WB_*): the last slow wait of each kind wins, and a slow wait
+// that ends well takes its note back (if no later wait of its kind overwrote it), so what the host reads
+// after a fault are the waits still pending. Relaxed system-scope stores with no ordering duty (a
+// diagnostic, read by the host after the forward ended or faulted); the two words of a kind may come
+// from two waits of that kind, and a wait ending as another of its kind notes itself may erase that note.
+static __device__ __forceinline__ uint64_t pack_wait(int code, int64_t src, int64_t chunk) {
+    return (uint64_t)code | ((uint64_t)(src & 0xffff) << 8) | ((uint64_t)(chunk & 0xffffffffll) << 24);
+}
+static __device__ void note_slow_wait(const RingDesc* d, int kind, uint64_t packed, uint64_t want) {
     if (d->wait_beacon == nullptr) return;
-    const uint64_t packed = (uint64_t)code | ((uint64_t)(src & 0xffff) << 8) | ((uint64_t)(chunk & 0xffffffffll) << 24);
     st_relaxed_sys_u64(&d->wait_beacon[2 * kind + WB_WANT], want);
     st_relaxed_sys_u64(&d->wait_beacon[2 * kind + WB_PACKED], packed);
+}
+static __device__ void end_slow_wait(const RingDesc* d, int kind, uint64_t packed) {
+    if (d->wait_beacon == nullptr) return;
+    if (ld_relaxed_sys_u64(&d->wait_beacon[2 * kind + WB_PACKED]) == packed)
+        st_relaxed_sys_u64(&d->wait_beacon[2 * kind + WB_PACKED], 0ull);
 }
 
 static __device__ __forceinline__ bool aborted(const RingDesc* d) {
@@ -107,6 +115,8 @@ static __device__ bool acquire_wait(const RingDesc* d, uint8_t* buf, int64_t src
     int64_t slot = chunk % d->num_slots;
     const uint64_t* words[2] = {route_gen_word(d, buf, src, slot), layout_gen_word(d, buf, src, slot)};
     long long start = clock64();
+    const uint64_t note = pack_wait(RE_ACQUIRE_TIMEOUT, src, chunk);
+    bool slow = false;
     for (int k = 0; k < 2; ++k) {
         for (int64_t spins = 0;; ++spins) {
             uint64_t seen = ld_acquire_sys_u64(words[k]);  // acquire (system scope)
@@ -122,10 +132,14 @@ static __device__ bool acquire_wait(const RingDesc* d, uint8_t* buf, int64_t src
             }
             // poll flat out first (the publish->acquire latency is what the ring is for), then back
             // off so a long wait does not hammer the memory system
-            if (spins == 4096) note_slow_wait(d, WB_ACQUIRE, RE_ACQUIRE_TIMEOUT, src, chunk, g);
+            if (spins == 4096 && !slow) {
+                note_slow_wait(d, WB_ACQUIRE, note, g);
+                slow = true;
+            }
             if (spins > 4096) __nanosleep(64);
         }
     }
+    if (slow) end_slow_wait(d, WB_ACQUIRE, note);
     // the ld.acquire above already orders this thread's later loads; the fence extends it to what the
     // block does after its barrier (a kernel that acquires, then reads the slot with many threads)
     fence_acq_rel_sys();
@@ -175,15 +189,19 @@ static __device__ bool owner_collect(const RingDesc* d, uint8_t* buf, int me, in
         long long start = clock64();
         for (int64_t w = 0; w < d->mask_words; ++w) {
             uint64_t want = full_mask(d, w);
+            // WB_ACK: the mask word in the source field, the ranks still to acknowledge as the want word
+            const uint64_t note = pack_wait(err_code, w, prev_chunk);
             for (int64_t spins = 0;; ++spins) {
                 uint64_t seen = ld_acquire_sys_u64(ack_word(d, buf, slot, w));
-                if (seen == want) break;
-                // WB_ACK: the mask word in the source field, the ranks still to acknowledge as the want word
-                if (spins == 4096) note_slow_wait(d, WB_ACK, err_code, w, prev_chunk, want & ~seen);
+                if (seen == want) {
+                    if (spins > 4096) end_slow_wait(d, WB_ACK, note);
+                    break;
+                }
                 if (aborted(d) || clock64() - start > d->deadline_cycles) {
                     record_error(d, err_code, me, prev_chunk, seen, want);
                     return false;
                 }
+                if (spins == 4096) note_slow_wait(d, WB_ACK, note, want & ~seen);
                 __nanosleep(32);
             }
         }
