@@ -1,12 +1,16 @@
 #!/usr/bin/env python3
 """Build the adaptive policy's tuned table from layer-benchmark results.
 
-    python3 -m bench.make_adaptive_table docs/results/gpu-layer-2026-11-29.json \
-        --out streamring/moe/adaptive_table.json
+    python3 -m bench.make_adaptive_table docs/results/ep-layer-2026-11-30.json:triton \
+        docs/results/ep-layer-cutlass-2026-11-30.json:cutlass --out streamring/moe/adaptive_table.json
 
-For every token count in the benchmark JSON: the fastest streamed configuration that passed
-its checks (bitwise equal to batch, no ring violation or timeout) if it beat the batch path in
-the same interleaved run (streamed/batch < 1 - margin), else the batch path (one chunk).
+Two input forms: the expert-parallel layer benchmark (``python -m bench.ep_layer``: one row per
+measured path) and the older single-layer benchmark (rows with ``batch`` and ``streamed`` lists).
+For every (token count per rank, GEMM, ranks): the fastest streamed configuration that passed its
+checks (bitwise equal to batch, no ring violation or timeout), without a straggler and with uniform
+routing, if it beat the batch path of the same run (streamed/batch < 1 - margin), else the batch path
+(one chunk). ``FILE:GEMM`` names the GEMM of rows that do not record a resolved one (results older
+than the ``gemm`` key, or ``auto``).
 """
 
 from __future__ import annotations
@@ -17,7 +21,48 @@ import sys
 from pathlib import Path
 
 
-def build(bench: dict, source: str, margin: float) -> dict:
+def _ep_rows(bench: dict, gemm_default: str | None, margin: float) -> list[dict]:
+    """Table rows from the EP-layer benchmark's per-path rows."""
+    groups: dict = {}
+    for r in bench.get("rows", []):
+        if r.get("straggler_ms") or r.get("routing", "uniform") != "uniform":
+            continue
+        gemm = r.get("gemm")
+        gemm = gemm_default if gemm in (None, "auto") and gemm_default else gemm
+        key = (int(r["tokens_per_rank"]), gemm, int(r.get("ranks", 1)))
+        groups.setdefault(key, {"batch": None, "streamed": []})
+        if r["path"] == "batch":
+            groups[key]["batch"] = r
+        elif r.get("ok") and r.get("bitwise_equal_to_batch") and r.get("streamed_over_batch") is not None:
+            groups[key]["streamed"].append(r)
+    rows = []
+    for (tokens, gemm, ranks), g in sorted(groups.items(), key=lambda kv: (kv[0][0], str(kv[0][1]), kv[0][2])):
+        if g["batch"] is None:
+            continue
+        best = min(g["streamed"], key=lambda s: s["streamed_over_batch"]) if g["streamed"] else None
+        row = {"tokens": tokens, "ranks": ranks, "block_m": int(g["batch"]["block_m"]),
+               "batch_ms": round(g["batch"]["median_ms"], 4)}
+        if gemm is not None:
+            row["gemm"] = gemm
+        if best is not None and best["streamed_over_batch"] < 1.0 - margin:
+            row.update(path="streamed", chunks=best["chunks"], num_slots=best["num_slots"], policy=best["policy"],
+                       consumer=best.get("consumer", "per_chunk"), source_order=best.get("source_order", "rank"),
+                       streamed_over_batch=round(best["streamed_over_batch"], 4))
+        else:
+            row.update(path="batch", chunks=1,
+                       reason=(f"best streamed config ({best['chunks']} chunks, {best['policy']}, "
+                               f"{best.get('consumer', 'per_chunk')} consumer) was {best['streamed_over_batch']:.3f}x "
+                               f"the batch path" if best else "no streamed configuration passed"))
+        rows.append(row)
+    return rows
+
+
+def build(bench: dict, source: str, margin: float, gemm_default: str | None = None) -> dict:
+    if any("path" in r for r in bench.get("rows", [])):
+        rows = _ep_rows(bench, gemm_default, margin)
+        if not rows:
+            raise SystemExit(f"{source}: no benchmark rows with a batch timing in the input")
+        return {"device": bench.get("device"), "source": source, "margin": margin, "rows": rows}
     rows = []
     for r in bench.get("rows", []):
         if "batch" not in r:
@@ -43,16 +88,26 @@ def build(bench: dict, source: str, margin: float) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("bench_json")
+    ap.add_argument("bench_json", nargs="+", help="benchmark JSON files, each FILE or FILE:GEMM")
     ap.add_argument("--out", default="streamring/moe/adaptive_table.json")
     ap.add_argument("--margin", type=float, default=0.01,
                     help="stream only where it beats batch by more than this fraction (noise guard)")
     args = ap.parse_args(argv)
-    table = build(json.loads(Path(args.bench_json).read_text()), args.bench_json, args.margin)
+    tables = []
+    for spec in args.bench_json:
+        path, _, gemm = spec.partition(":")
+        if not Path(path).is_file():
+            ap.error(f"bench_json: no such file {path!r}")
+        tables.append(build(json.loads(Path(path).read_text()), spec, args.margin, gemm or None))
+    table = {"device": tables[0].get("device"), "source": " ".join(args.bench_json), "margin": args.margin,
+             "produced_by": "python3 -m bench.make_adaptive_table " + " ".join(args.bench_json),
+             "rows": sorted((r for t in tables for r in t["rows"]),
+                            key=lambda x: (x["tokens"], str(x.get("gemm")), x.get("ranks", 0)))}
     Path(args.out).write_text(json.dumps(table, indent=1) + "\n")
     for r in table["rows"]:
-        print(f"{r['tokens']:>6} tokens: {r['path']}" + (f" ({r.get('reason')})" if r["path"] == "batch" else
-                                                           f" {r['chunks']} chunks {r['policy']}"))
+        where = f" ({r['gemm']}, {r['ranks']} ranks)" if "gemm" in r else ""
+        print(f"{r['tokens']:>6} tokens{where}: {r['path']}" + (f" ({r.get('reason')})" if r["path"] == "batch" else
+                                                                  f" {r['chunks']} chunks {r['policy']}"))
     print(f"wrote {args.out}")
     return 0
 

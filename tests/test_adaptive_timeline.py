@@ -18,7 +18,7 @@ def test_repo_table_loads_and_choices_are_consistent():
     t = adaptive.load_table()
     assert "produced_by" in t and t["rows"]
     for r in t["rows"]:
-        c = adaptive.choose(r["tokens"], t)
+        c = adaptive.choose(r["tokens"], t, gemm=r.get("gemm"), ranks=r.get("ranks"))
         assert c.path == r["path"]
         # a streamed row in the repo table must come with a measured win over batch
         if r["path"] == "streamed":
@@ -34,6 +34,40 @@ def test_choice_between_and_below_measured_sizes():
     c = adaptive.choose(10000, table)
     assert (c.path, c.chunk_tokens, c.num_slots, c.policy, c.block_m) == ("streamed", 2500, 4, "spin_kernel", 64)
     assert adaptive.choose(8192 * 4, table).table_tokens == 8192
+
+
+def test_choice_keeps_the_rows_of_the_gemm_and_rank_count():
+    table = {"rows": [{"tokens": 1024, "gemm": "triton", "ranks": 2, "path": "streamed", "block_m": 64, "chunks": 2,
+                       "num_slots": 2, "policy": "spin_kernel", "streamed_over_batch": 0.93},
+                      {"tokens": 1024, "gemm": "cutlass", "ranks": 2, "path": "batch", "block_m": 64}]}
+    assert adaptive.choose(2048, table, gemm="triton", ranks=2).path == "streamed"
+    assert adaptive.choose(2048, table, gemm="cutlass", ranks=2).path == "batch"
+    none = adaptive.choose(2048, table, gemm="triton", ranks=8)
+    assert none.path == "batch" and "no measured row" in none.note
+
+
+def test_make_adaptive_table_reads_the_ep_layer_benchmark(tmp_path):
+    """The EP-layer benchmark form: one row per path; stragglers and failed checks are not candidates."""
+    def row(path, ms, **kw):
+        return {"ranks": 2, "tokens_per_rank": 4096, "block_m": 64, "path": path, "straggler_ms": 0.0,
+                "median_ms": ms, "bitwise_equal_to_batch": True, **kw}
+    stream = dict(chunks=2, num_slots=2, policy="spin_kernel", ok=True)
+    bench = {"rows": [row("batch", 8.0), row("streamed", 7.6, streamed_over_batch=0.95, **stream),
+                      row("streamed", 5.0, streamed_over_batch=0.625, **{**stream, "ok": False}),
+                      {**row("streamed", 4.0, streamed_over_batch=0.5, **stream), "straggler_ms": 1.0},
+                      row("batch", 9.0, gemm="cutlass"),
+                      row("streamed", 9.9, gemm="cutlass", streamed_over_batch=1.1, **stream)]}
+    src = tmp_path / "ep.json"
+    src.write_text(json.dumps(bench))
+    out = tmp_path / "table.json"
+    r = subprocess.run([sys.executable, "-m", "bench.make_adaptive_table", f"{src}:triton", "--out", str(out)],
+                       capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    t = adaptive.load_table(out)
+    by = {row["gemm"]: row for row in t["rows"]}
+    assert by["triton"]["path"] == "streamed" and by["triton"]["streamed_over_batch"] == 0.95  # not 0.625 or 0.5
+    assert by["cutlass"]["path"] == "batch" and "1.100x" in by["cutlass"]["reason"]
+    assert adaptive.choose(4096, t, gemm="triton", ranks=2).path == "streamed"
 
 
 def test_bad_tables_name_the_field(tmp_path):

@@ -176,6 +176,36 @@ def test_bad_arguments_name_the_field(setup):
         EPBuffer(EmulatedHeap(), shape, max_tokens_per_rank=8, policy="pdl")
 
 
+def test_auto_streams_only_where_the_table_measured_a_win(setup, monkeypatch):
+    """streaming='auto' follows the tuned table for this GEMM, PE count and chunk count, and falls back to
+    the batch path everywhere else; either way the output is the batch output."""
+    from streamring.moe import adaptive
+
+    shape, fw, buf = setup
+    w = buf.prepare_weights(fw)
+    x = tokens(37, 4)
+    want = single_batch(shape, fw, x)
+    win = {"rows": [{"tokens": 32, "ranks": 1, "gemm": "triton", "block_m": 16, "path": "streamed", "chunks": 3,
+                     "num_slots": 2, "policy": "serialized", "streamed_over_batch": 0.9}]}
+    cases = [(win, True, "streamed"),
+             ({"rows": [{**win["rows"][0], "chunks": 2}]}, False, "streamed"),  # measured with other chunking
+             ({"rows": [{**win["rows"][0], "gemm": "cutlass"}]}, False, "batch"),  # nothing for this GEMM
+             ({"rows": [{"tokens": 32, "ranks": 1, "gemm": "triton", "block_m": 16, "path": "batch"}]}, False, "batch")]
+    for table, streams, answer in cases:
+        monkeypatch.setattr(adaptive, "DEFAULT_TABLE", None)
+        monkeypatch.setattr(adaptive, "load_table", lambda path=None, t=table: t)
+        before = buf.paths["stream"].ring.epoch()
+        y = buf.forward(x, w, streaming="auto", stream_epoch=before + 1).clone()
+        assert torch.equal(bits(y), bits(want)), table
+        assert (buf.paths["stream"].ring.epoch() > before) == streams, table
+        assert buf.last_adaptive.path == answer, (table, buf.last_adaptive)
+    with pytest.raises(ValueError, match="streaming must be True, False or 'auto'"):
+        buf.forward(x, w, streaming="yes")
+    # the committed table: no streamed win was ever measured, so auto is the batch path
+    monkeypatch.undo()
+    assert not buf.adaptive_streaming(37) and buf.last_adaptive.path == "batch"
+
+
 def test_explicit_stream_epochs_must_grow(setup):
     shape, fw, buf = setup
     w = buf.prepare_weights(fw)

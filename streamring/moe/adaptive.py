@@ -39,6 +39,7 @@ class AdaptiveChoice:
     policy: Optional[str] = None
     table_tokens: int = 0
     note: str = ""
+    chunks: int = 1
 
     def plan(self):
         """A :class:`~streamring.moe.plan.PlanChoice` for a streamed choice, else None."""
@@ -78,13 +79,22 @@ def load_table(path: str | Path = DEFAULT_TABLE) -> dict:
     return t
 
 
-def choose(tokens: int, table: dict | None = None) -> AdaptiveChoice:
-    """The batch path or a streamed plan for ``tokens`` tokens, from ``table`` (default: the
-    repo's tuned table)."""
+def choose(tokens: int, table: dict | None = None, *, gemm: str | None = None,
+           ranks: int | None = None, min_chunk_tokens: int = 16) -> AdaptiveChoice:
+    """The batch path or a streamed plan for ``tokens`` tokens (per rank), from ``table`` (default: the
+    repo's tuned table). ``gemm`` and ``ranks`` keep the rows measured with that GEMM implementation and
+    rank count (rows that record one); when none is left, the batch path (the correctness fallback:
+    nothing was measured for that setting). A streamed row whose chunks would hold fewer than
+    ``min_chunk_tokens`` tokens at this count gives the batch path."""
     if not isinstance(tokens, int) or tokens < 1:
         raise ValueError(f"tokens must be a positive int, got {tokens!r}")
     t = table if table is not None else load_table()
-    rows = sorted(t["rows"], key=lambda r: r["tokens"])
+    rows = [r for r in t["rows"] if (gemm is None or r.get("gemm", gemm) == gemm)
+            and (ranks is None or r.get("ranks", ranks) == ranks)]
+    if not rows:
+        return AdaptiveChoice(tokens, "batch", 0, tokens,
+                              note=f"no measured row for gemm={gemm!r} on {ranks} ranks: the batch path")
+    rows = sorted(rows, key=lambda r: r["tokens"])
     row = rows[0]
     for r in rows:
         if r["tokens"] <= tokens:
@@ -94,8 +104,9 @@ def choose(tokens: int, table: dict | None = None) -> AdaptiveChoice:
                               note=row.get("reason", ""))
     chunks = int(row["chunks"])
     chunk_tokens = math.ceil(tokens / chunks)
-    if chunk_tokens < 16:  # too small to stream: the batch path
+    if chunk_tokens < min_chunk_tokens:  # too small to stream: the batch path
         return AdaptiveChoice(tokens, "batch", int(row["block_m"]), tokens, table_tokens=int(row["tokens"]),
-                              note=f"{chunks} chunks of {tokens} tokens would be under 16 tokens each")
+                              note=f"{chunks} chunks of {tokens} tokens would be under {min_chunk_tokens} tokens "
+                                   f"each")
     return AdaptiveChoice(tokens, "streamed", int(row["block_m"]), chunk_tokens, num_slots=int(row["num_slots"]),
-                          policy=row["policy"], table_tokens=int(row["tokens"]))
+                          policy=row["policy"], table_tokens=int(row["tokens"]), chunks=chunks)

@@ -275,6 +275,8 @@ class EPBuffer:
         if not self._on_gpu and policy != "serialized":
             raise ValueError(f"policy {policy!r} needs a GPU (streams); off the GPU only 'serialized' runs")
         self.broken: Optional[str] = None
+        #: the tuned table's answer for the last streaming="auto" forward (:meth:`adaptive_streaming`)
+        self.last_adaptive = None
         self._warm: set = set()
         self._graph_paths: dict = {}  # id(graph) -> the path it was captured on (replay() checks that ring)
         self._regions: list = []
@@ -452,7 +454,22 @@ class EPBuffer:
         return LayerWeights(routing=sh, fw=fw)
 
     # -- the forward --------------------------------------------------------------------------------
-    def forward(self, x: torch.Tensor, weights: LayerWeights, *, streaming: bool = False,
+    def adaptive_streaming(self, tokens: int) -> bool:
+        """``streaming="auto"``: whether the tuned table (:mod:`streamring.moe.adaptive`, made by
+        ``python -m bench.make_adaptive_table`` from the layer benchmark) has a measured streamed win for
+        ``tokens`` rows per PE with this buffer's GEMM implementation, PE count and chunk count. Batch
+        everywhere else (no win measured, another chunking, no row for this setting, 0 rows): the batch
+        path is the correctness fallback and what streaming must beat. :attr:`last_adaptive` keeps the
+        table's answer."""
+        from . import adaptive
+
+        if tokens < 1:
+            return False
+        # the buffer streams in its own chunks: a measured win counts only for the same chunk count
+        self.last_adaptive = choice = adaptive.choose(int(tokens), gemm=self.gemm, ranks=self.R, min_chunk_tokens=1)
+        return choice.path == "streamed" and choice.chunks == self.paths["stream"].num_chunks
+
+    def forward(self, x: torch.Tensor, weights: LayerWeights, *, streaming: bool | str = False,
                 stream_epoch: Optional[int] = None, num_tokens=None, out: Optional[torch.Tensor] = None,
                 routing: Optional[tuple] = None, stamps: bool = True) -> torch.Tensor:
         """One layer on this PE's tokens (collective: every PE calls it, each replay of a captured
@@ -463,7 +480,9 @@ class EPBuffer:
                 bf16 first; a PE without tokens passes ``[0, hidden]`` or ``num_tokens=0``).
             weights: the layer, from :meth:`prepare_weights`.
             streaming: ``False`` = batch-ready path (the default and the correctness fallback);
-                ``True`` = chunks through the streamed ring. Both give bitwise equal outputs.
+                ``True`` = chunks through the streamed ring. Both give bitwise equal outputs. ``"auto"``:
+                streamed where the tuned table measured a win for ``T`` (:meth:`adaptive_streaming`),
+                decided on the host from ``T`` (under a capture: once, for every replay).
             stream_epoch: the streamed ring's epoch of this call (must grow from call to call); default:
                 the device's own count (the only choice inside a captured graph, which replays it).
             num_tokens: the valid rows of ``x`` (``None``: all ``T``): an int, or a one-element integer
@@ -513,6 +532,11 @@ class EPBuffer:
                                  f"{list(w.shape)} on {w.device}")
         if isinstance(num_tokens, int) and not 0 <= num_tokens <= T:
             raise ValueError(f"num_tokens must be in [0, {T}] (rows of x), got {num_tokens}")
+        if streaming == "auto":
+            streaming = self.adaptive_streaming(T)
+            stream_epoch = stream_epoch if streaming else None
+        elif not isinstance(streaming, bool):
+            raise ValueError(f"streaming must be True, False or 'auto', got {streaming!r}")
         path = self.paths["stream" if streaming else "batch"]
         capturing = self._on_gpu and torch.cuda.is_current_stream_capturing()
         if stream_epoch is not None:
