@@ -30,6 +30,7 @@ if not torch.cuda.is_available():
 
 from streamring.device import build_deep_gemm as BDG  # noqa: E402
 from streamring.device import deep_gemm_ops as DG  # noqa: E402
+import ready_range_reference as RR  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 REPO = Path(__file__).resolve().parents[1]
@@ -51,7 +52,7 @@ def test_m_indices_mark_exactly_the_ready_blocks():
     got, st = _m_indices([4, 3, 0, 5, 1, 2], [1, 4], 0, 1, 6, be, 3, 2)  # blocks 3, 0, 5
     assert st == 0
     assert got == [1, 1, -1, -1, -1, -1, 2, 2, -1, -1, 0, 0]
-    assert (got, st) == DG.m_indices_reference([4, 3, 0, 5, 1, 2], [1, 4], 0, 1, 6, be, 3, 2)
+    assert (got, st) == RR.m_indices([4, 3, 0, 5, 1, 2], [1, 4], 0, 1, 6, be, 3, 2)
 
 
 @pytest.mark.parametrize("rl, rh, max_items, be, bit", [
@@ -63,7 +64,7 @@ def test_m_indices_mark_exactly_the_ready_blocks():
 ])
 def test_m_indices_status_bits_match_the_reference(rl, rh, max_items, be, bit):
     got, st = _m_indices(rl, rh, 0, 1, max_items, be, 2, 4)
-    ref, ref_st = DG.m_indices_reference(rl, rh, 0, 1, max_items, be, 2, 4)
+    ref, ref_st = RR.m_indices(rl, rh, 0, 1, max_items, be, 2, 4)
     assert st == ref_st == bit and got == ref
     assert "ok" != DG.status_text(bit)
 
@@ -81,7 +82,7 @@ def test_m_indices_property():
         max_items = rnd.randint(0, 10)
         bm = rnd.choice([1, 2, 4])
         assert _m_indices(rl, rh, lo, hi, max_items, be, e, bm) == \
-            DG.m_indices_reference(rl, rh, lo, hi, max_items, be, e, bm)
+            RR.m_indices(rl, rh, lo, hi, max_items, be, e, bm)
 
 
 def test_m_indices_out_buffer_is_checked():

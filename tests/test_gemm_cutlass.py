@@ -41,6 +41,7 @@ if not torch.cuda.is_available():
 
 from streamring.device import build_gemm as BG  # noqa: E402
 from streamring.device import cutlass_gemm as CG  # noqa: E402
+import ready_range_reference as RR  # noqa: E402
 from streamring.device.build import BuildError  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
@@ -374,23 +375,23 @@ def test_check_run_args_wants_repeated_scales_for_64_row_tiles():
 def test_ready_groups_merges_runs_of_one_expert():
     be = [1, 1, 0, 2, 2, 2, 2, 2, 3, 3, 3]  # block -> expert
     rl = [3, 4, 5, 8, 9, 10, 2, 0, 1, 6, 7]
-    groups, st = CG.ready_groups(rl, [0, 11], 0, 1, 11, be, 16, 4)
+    groups, st = RR.ready_groups(rl, [0, 11], 0, 1, 11, be, 16, 4)
     assert st == 0
     assert groups == [(3 * 16, 3 * 16, 2), (3 * 16, 8 * 16, 3), (16, 2 * 16, 0), (2 * 16, 0, 1), (2 * 16, 6 * 16, 2)]
     # consecutive ids of different experts, and descending ids, are not merged
-    assert CG.ready_groups([2, 3], [0, 2], 0, 1, 2, [0, 0, 0, 1], 8, 2)[0] == [(8, 16, 0), (8, 24, 1)]
-    assert CG.ready_groups([1, 0], [0, 2], 0, 1, 2, [0, 0], 8, 1)[0] == [(8, 8, 0), (8, 0, 0)]
+    assert RR.ready_groups([2, 3], [0, 2], 0, 1, 2, [0, 0, 0, 1], 8, 2)[0] == [(8, 16, 0), (8, 24, 1)]
+    assert RR.ready_groups([1, 0], [0, 2], 0, 1, 2, [0, 0], 8, 1)[0] == [(8, 8, 0), (8, 0, 0)]
     # a sub-range
-    assert CG.ready_groups(rl, [0, 2, 6], 1, 2, 8, be, 16, 4)[0] == [(16, 5 * 16, 2), (3 * 16, 8 * 16, 3)]
+    assert RR.ready_groups(rl, [0, 2, 6], 1, 2, 8, be, 16, 4)[0] == [(16, 5 * 16, 2), (3 * 16, 8 * 16, 3)]
 
 
 def test_ready_groups_status_bits():
     be = [0, 0, 0, 0]
-    assert CG.ready_groups([0, 1, 2, 3], [0, 4], 0, 1, 2, be, 4, 1) == ([(8, 0, 0)], 1)  # clamped to 2 items
-    assert CG.ready_groups([0, 1], [2, 1], 0, 1, 2, be, 4, 1) == ([], 2)
-    assert CG.ready_groups([0, 9, 1], [0, 3], 0, 1, 3, be, 4, 1) == ([(4, 0, 0), (4, 4, 0)], 4)  # breaks the run
-    assert CG.ready_groups([0, 1], [0, 2], 0, 1, 2, [0, 5], 4, 1) == ([(4, 0, 0)], 8)
-    assert CG.ready_groups([0, 1], [0, 3], 0, 1, 5, be, 4, 1) == ([], 16)
+    assert RR.ready_groups([0, 1, 2, 3], [0, 4], 0, 1, 2, be, 4, 1) == ([(8, 0, 0)], 1)  # clamped to 2 items
+    assert RR.ready_groups([0, 1], [2, 1], 0, 1, 2, be, 4, 1) == ([], 2)
+    assert RR.ready_groups([0, 9, 1], [0, 3], 0, 1, 3, be, 4, 1) == ([(4, 0, 0), (4, 4, 0)], 4)  # breaks the run
+    assert RR.ready_groups([0, 1], [0, 2], 0, 1, 2, [0, 5], 4, 1) == ([(4, 0, 0)], 8)
+    assert RR.ready_groups([0, 1], [0, 3], 0, 1, 5, be, 4, 1) == ([], 16)
     assert "longer than max_items" in CG.status_text(1) and CG.status_text(0) == "ok"
 
 
@@ -409,7 +410,7 @@ def test_ready_groups_property():
         segs = [rl[a:b] for a, b in zip([0] + cuts, cuts + [nb])]
         rnd.shuffle(segs)
         rl = [b for s in segs for b in s]
-        groups, status = CG.ready_groups(rl, [0, nb], 0, 1, max_items, be, 8, 4)
+        groups, status = RR.ready_groups(rl, [0, nb], 0, 1, max_items, be, 8, 4)
         n = min(nb, max_items)
         assert status == (1 if nb > max_items else 0)
         # the groups expand to exactly the items, in order, each group one expert's consecutive ids
@@ -599,7 +600,7 @@ def test_device_groups_match_the_reference(tile):
     w_sf = CG.weight_scales_for(p.w_sf, plan.sf_n)
     plan.setup_only(rl, rh, 1, 2, 20, p.block_expert, p.a, p.a_sf, p.w, w_sf, p.d, block_m=p.bm)
     got = plan.read_groups(20)
-    groups, status = CG.ready_groups(rl.cpu(), rh.cpu(), 1, 2, 20, p.block_expert.cpu(), p.bm, p.e)
+    groups, status = RR.ready_groups(rl.cpu(), rh.cpu(), 1, 2, 20, p.block_expert.cpu(), p.bm, p.e)
     assert status == 0 and plan.status() == 0
     assert got["m"][:len(groups)] == [m for m, _, _ in groups] and set(got["m"][len(groups):]) == {0}
     for g, (m, row0, e) in enumerate(groups):

@@ -336,52 +336,6 @@ def check_run_args(n: int, k: int, out_dtype, capacity: int, ready_list, ready_h
     return RunShape(num_blocks, e, rows)
 
 
-# ----------------------------------------------------------------------------------------------
-# pure-Python reference of the device-side range -> groups conversion
-# ----------------------------------------------------------------------------------------------
-def ready_groups(ready_list, ready_hi, lo_index: int, hi_index: int, max_items: int, block_expert, block_m: int,
-                 num_experts: int) -> tuple[list[tuple[int, int, int]], int]:
-    """What the setup kernel makes of a ready range: ``([(m_rows, row0, expert), ...], status)``.
-
-    Runs of consecutive block ids of one expert become one group; invalid items set a status bit
-    and break runs. Groups ``len(result) .. max_items-1`` have ``m = 0``. Takes lists or CPU tensors.
-    """
-    rl = [int(v) for v in ready_list]
-    be = [int(v) for v in block_expert]
-    hi_v = [int(v) for v in ready_hi]
-    lo, hi = hi_v[lo_index], hi_v[hi_index]
-    status, n = 0, hi - lo
-    if n > 0 and (lo < 0 or hi > len(rl)):
-        status |= 16
-        n = 0
-    if n < 0:
-        status |= 2
-        n = 0
-    if n > max_items:
-        status |= 1
-        n = max_items
-    items = []
-    for i in range(n):
-        b = rl[lo + i]
-        if not 0 <= b < len(be):
-            status |= 4
-            items.append(None)
-        elif not 0 <= be[b] < num_experts:
-            status |= 8
-            items.append(None)
-        else:
-            items.append((b, be[b]))
-    groups: list[list[int]] = []  # [first_bid, expert, blocks]
-    prev = None
-    for it in items:
-        if it is not None and prev is not None and it[0] == prev[0] + 1 and it[1] == prev[1]:
-            groups[-1][2] += 1
-        elif it is not None:
-            groups.append([it[0], it[1], 1])
-        prev = it
-    return [(nb * block_m, b * block_m, e) for b, e, nb in groups], status
-
-
 def status_text(status: int) -> str:
     return "; ".join(msg for bit, msg in STATUS_BITS.items() if status & bit) or "ok"
 

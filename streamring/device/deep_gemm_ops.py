@@ -44,23 +44,12 @@ from pathlib import Path
 
 import torch
 
+# the status bits of a ready range are the CUTLASS path's (one definition, re-exported here)
+from .cutlass_gemm import STATUS_BITS, status_text  # noqa: F401
+
 #: rows of a block for ``gemm="deep_gemm"``: DeepGEMM's contiguous-layout tile M on SM90
 BLOCK_M = 128
 FP8 = torch.float8_e4m3fn
-
-#: status bits of a ready range, as the CUTLASS path reports them (``cutlass_gemm.STATUS_BITS``)
-STATUS_BITS = {
-    1: "the ready range is longer than max_items (blocks past max_items were dropped)",
-    2: "the ready range is negative (ready_hi[hi_index] < ready_hi[lo_index])",
-    4: "a ready block id is outside [0, num_blocks) (skipped)",
-    8: "a ready block's expert id is outside [0, num_experts) (skipped)",
-    16: "the ready range lies outside the ready list (ready_hi[lo_index] < 0 or ready_hi[hi_index] > its length)",
-}
-
-
-def status_text(status: int) -> str:
-    return "; ".join(msg for bit, msg in STATUS_BITS.items() if status & bit) or "ok"
-
 
 # ----------------------------------------------------------------------------------------------
 # availability
@@ -155,7 +144,7 @@ def ready_m_indices(ready_list: torch.Tensor, ready_hi: torch.Tensor, lo_index: 
     ``ready_list[ready_hi[lo_index] : ready_hi[hi_index]]`` (at most ``max_items`` of them), -1 elsewhere.
 
     The range is read on the device (torch ops only: no host synchronisation, capturable). The same
-    rules as the CUTLASS setup kernel (``cutlass_gemm.ready_groups``): a range outside the list or
+    rules as the CUTLASS setup kernel (``tests/ready_range_reference.py`` has both in plain Python): a range outside the list or
     negative computes nothing, a longer one is clamped to ``max_items``, an item whose block id or
     expert is out of range is skipped; each case ORs its bit (:data:`STATUS_BITS`) into ``status``
     (int32 ``[1]``) when given. ``out``: where to write (allocated otherwise).
@@ -195,35 +184,6 @@ def ready_m_indices(ready_list: torch.Tensor, ready_hi: torch.Tensor, lo_index: 
                 | outside.int() * 16)
         status.bitwise_or_(bits.to(status.dtype).reshape(1))
     return out
-
-
-def m_indices_reference(ready_list, ready_hi, lo_index: int, hi_index: int, max_items: int, block_expert,
-                        num_experts: int, block_m: int) -> tuple[list[int], int]:
-    """Pure-Python :func:`ready_m_indices` (lists or CPU tensors in): ``(m_indices, status)``."""
-    rl = [int(v) for v in ready_list]
-    be = [int(v) for v in block_expert]
-    hv = [int(v) for v in ready_hi]
-    lo, hi = hv[lo_index], hv[hi_index]
-    status, n = 0, hi - lo
-    if n > 0 and (lo < 0 or hi > len(rl)):
-        status |= 16
-        n = 0
-    if n < 0:
-        status |= 2
-        n = 0
-    if n > max_items:
-        status |= 1
-        n = max_items
-    per_block = [-1] * len(be)
-    for i in range(n):
-        b = rl[lo + i]
-        if not 0 <= b < len(be):
-            status |= 4
-        elif not 0 <= be[b] < num_experts:
-            status |= 8
-        else:
-            per_block[b] = be[b]
-    return [e for e in per_block for _ in range(block_m)], status
 
 
 def mn_major_scales(rows: int, cols: int, device) -> torch.Tensor:
