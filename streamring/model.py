@@ -2002,40 +2002,54 @@ def summary_lines(res: CheckResult) -> list[str]:
     ]
 
 
-def print_result(res: CheckResult) -> None:
+def print_properties(out, properties: dict, meaning: dict) -> None:
+    """The properties table of a check (``out``: a :class:`~streamring.host.report.Report`)."""
     from rich.text import Text
 
-    from .host.report import Column, Report
+    from .host.report import Column
+
+    rows = []
+    for p, v in properties.items():
+        style = "green" if v == "PASS" else ("red" if v == "FAIL" else "yellow")
+        rows.append([p, meaning[p], Text(v, style=style)])
+    out.table("properties", [Column("property", justify="left"), Column("meaning", justify="left", wrap=True),
+                             Column("result", justify="left")], rows)
+
+
+def print_counterexample(out, ce: dict, how: str) -> None:
+    """A counter-example's message and the last TRACE_PRINT_MAX steps of its trace (``how`` it was found)."""
+    out.line(f"counter-example [{', '.join(ce['properties'])}]: {ce['message']}")
+    out.line(f"  {how}, {ce['steps']} steps:")
+    trace = ce["trace"]
+    first = max(0, len(trace) - TRACE_PRINT_MAX)
+    if first:
+        out.line(f"  ... {first} earlier steps not shown (all in --json)")
+    for i, line in enumerate(trace[first:], start=first + 1):
+        out.line(f"  {i:3d}. {line}")
+
+
+def print_verdict(out, res: CheckResult) -> None:
+    out.line(f"PASS: every property holds ({len(res.properties)} checked in {res.states} states)" if res.ok else
+             f"FAIL: {', '.join(p for p, v in res.properties.items() if v == 'FAIL') or 'the check'} failed")
+
+
+def print_result(res: CheckResult) -> None:
+    from .host.report import Report
 
     out = Report()
     for line in summary_lines(res):
         out.line(line)
-    rows = []
-    for p, v in res.properties.items():
-        style = "green" if v == "PASS" else ("red" if v == "FAIL" else "yellow")
-        rows.append([p, PROPERTY_TEXT[p], Text(v, style=style)])
-    out.table("properties", [Column("property", justify="left"), Column("meaning", justify="left", wrap=True),
-                             Column("result", justify="left")], rows)
+    print_properties(out, res.properties, PROPERTY_TEXT)
     ce = res.counterexample
     if ce:
-        out.line(f"counter-example [{', '.join(ce['properties'])}]: {ce['message']}")
-        how = ("shortest path (BFS)" if not res.config["por"] else
-               "path in the reduced graph, then shortened until no single step can be dropped")
-        out.line(f"  {how}, {ce['steps']} steps:")
-        trace = ce["trace"]
-        first = max(0, len(trace) - TRACE_PRINT_MAX)
-        if first:
-            out.line(f"  ... {first} earlier steps not shown (all in --json)")
-        for i, line in enumerate(trace[first:], start=first + 1):
-            out.line(f"  {i:3d}. {line}")
+        print_counterexample(out, ce, "shortest path (BFS)" if not res.config["por"] else
+                             "path in the reduced graph, then shortened until no single step can be dropped")
     ser = res.serialised
     if ser and ser["result"] != "PASS":
         out.line(f"serialised schedule: {ser['error']}")
         for line in ser["trace_tail"]:
             out.line(f"    {line}")
-    n = len(res.properties)
-    out.line(f"PASS: every property holds ({n} checked in {res.states} states)" if res.ok else
-             f"FAIL: {', '.join(p for p, v in res.properties.items() if v == 'FAIL') or 'the check'} failed")
+    print_verdict(out, res)
 
 
 def model_check_main(args) -> int:

@@ -59,7 +59,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .device.queue_order import L1, item_of, total_items
-from .model import NOT_CHECKED, PROP_DEADLOCK, TRACE_PRINT_MAX, CheckResult, Violation
+from .model import (NOT_CHECKED, PROP_DEADLOCK, CheckResult, Violation, print_counterexample, print_properties,
+                    print_verdict)
 
 QUEUE_INJECT_MODES = ("claim-before-ready", "l2-before-l1", "arrival-before-store")
 
@@ -427,9 +428,7 @@ def _cannot_reach_final(model, states, esrc, edst):
 
 
 def print_queue_result(res: CheckResult) -> None:
-    from rich.text import Text
-
-    from .host.report import Column, Report
+    from .host.report import Report
 
     c = res.config
     out = Report()
@@ -438,24 +437,10 @@ def print_queue_result(res: CheckResult) -> None:
              f"inject={c['inject']}")
     kind = "exhaustive" if res.exhaustive else "stopped at the first violation"
     out.line(f"explored {res.states} states, {res.transitions} transitions in {res.time_s:.2f}s ({kind})")
-    rows = []
-    for p, v in res.properties.items():
-        style = "green" if v == "PASS" else ("red" if v == "FAIL" else "yellow")
-        rows.append([p, QUEUE_PROPERTY_TEXT[p], Text(v, style=style)])
-    out.table("properties", [Column("property", justify="left"), Column("meaning", justify="left", wrap=True),
-                             Column("result", justify="left")], rows)
-    ce = res.counterexample
-    if ce:
-        out.line(f"counter-example [{', '.join(ce['properties'])}]: {ce['message']}")
-        out.line(f"  shortest path (BFS), {ce['steps']} steps:")
-        trace = ce["trace"]
-        first = max(0, len(trace) - TRACE_PRINT_MAX)
-        if first:
-            out.line(f"  ... {first} earlier steps not shown (all in --json)")
-        for i, line in enumerate(trace[first:], start=first + 1):
-            out.line(f"  {i:3d}. {line}")
-    out.line(f"PASS: every property holds ({len(res.properties)} checked in {res.states} states)" if res.ok else
-             f"FAIL: {', '.join(p for p, v in res.properties.items() if v == 'FAIL') or 'the check'} failed")
+    print_properties(out, res.properties, QUEUE_PROPERTY_TEXT)
+    if res.counterexample:
+        print_counterexample(out, res.counterexample, "shortest path (BFS)")
+    print_verdict(out, res)
 
 
 def queue_check_main(args) -> int:
