@@ -94,6 +94,10 @@ def pytest_collection_modifyitems(config, items):
             raise pytest.UsageError(f"{item.nodeid}: pytest.mark.slow needs reason='why it must take that long'")
         if slow is not None:  # travels with the test's reports (from pytest-xdist's workers too)
             item.user_properties.append((SLOW_REASON_PROPERTY, slow.kwargs["reason"]))
+    if hasattr(config, "workerinput"):  # a pytest-xdist worker
+        # pytest-xdist hands tests out in this order: the slow ones first, so that no long test starts last
+        # and runs alone at the end (a stable sort: the same order in every worker)
+        items.sort(key=lambda item: item.get_closest_marker("slow") is None)
     if not config.getoption("--quick"):
         return
     keep = [item for item in items if in_quick_tier(item)]

@@ -49,10 +49,11 @@ DEFAULT_SIZES_REASON = ("every interleaving at the default sizes (2 ranks x 2 sl
                         "410,978 states), the numbers docs/verification.md quotes; one run, shared by the tests that read it")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def default_check(tmp_path_factory):
     """``streamring model-check`` at its default sizes, run once for the tests that read it:
-    ``(exit code, JSON, printed text)``."""
+    ``(exit code, JSON, printed text)``. Session scope: a pytest-xdist worker that runs other modules'
+    tests between the two readers keeps it (a module-scoped one would be computed again)."""
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         rc, data = _cli(tmp_path_factory.mktemp("default"))
