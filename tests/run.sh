@@ -11,9 +11,4 @@ cd "$(dirname "$0")/.."
 # torch 2.13.0 first: on the project's machines its CPU build lies on disk (a bare `torch`
 # would resolve to a multi-GB CUDA build); GPU users install their own torch instead.
 .venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0 -e '.[test]'
-# The full run: 4 pytest-xdist workers on the 2 cores (4 keep both cores busy while ranks start up and
-# wait); tests that share one expensive fixture carry one pytest.mark.xdist_group and run in one worker.
-# The edit loop stays in one process (workers would cost it their start-up and gain nothing).
-workers=(-n 4 --dist loadgroup)
-for arg in "$@"; do [ "$arg" = --quick ] && workers=(); done
-exec .venv/bin/python -m pytest -q --durations=15 "${workers[@]}" "$@"
+exec .venv/bin/python -m pytest -q --durations=15 "$@"
