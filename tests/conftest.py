@@ -92,6 +92,12 @@ def pytest_collection_modifyitems(config, items):
         slow = item.get_closest_marker("slow")
         if slow is not None and not slow.kwargs.get("reason"):
             raise pytest.UsageError(f"{item.nodeid}: pytest.mark.slow needs reason='why it must take that long'")
+        if slow is not None:  # travels with the test's reports (from pytest-xdist's workers too)
+            item.user_properties.append((SLOW_REASON_PROPERTY, slow.kwargs["reason"]))
+    if hasattr(config, "workerinput"):  # a pytest-xdist worker
+        # pytest-xdist hands tests out in this order: the slow ones first, so that no long test starts last
+        # and runs alone at the end (a stable sort: the same order in every worker)
+        items.sort(key=lambda item: item.get_closest_marker("slow") is None)
     if not config.getoption("--quick"):
         return
     keep = [item for item in items if in_quick_tier(item)]
@@ -105,12 +111,18 @@ def pytest_collection_modifyitems(config, items):
     items[:] = keep
 
 
+SLOW_REASON_PROPERTY = "slow_reason"
 _durations: dict = {}  # node id -> seconds (setup + call + teardown)
-_items: dict = {}  # node id -> item
+_reasons: dict = {}  # node id -> its slow(reason=...)
 
 
 def pytest_runtest_logreport(report):
+    # (tests/run.sh runs the tests in pytest-xdist workers: their reports reach this hook in the main
+    # process, which collects no items itself, so the reason comes with the report)
     _durations[report.nodeid] = _durations.get(report.nodeid, 0.0) + report.duration
+    for name, value in report.user_properties:
+        if name == SLOW_REASON_PROPERTY:
+            _reasons[report.nodeid] = value
 
 
 def pytest_terminal_summary(terminalreporter, config):
@@ -120,14 +132,8 @@ def pytest_terminal_summary(terminalreporter, config):
         return
     terminalreporter.section(f"tests over {SLOW_S:.0f} s and why they must take that long")
     for s, nodeid in long:
-        item = _items.get(nodeid)
-        slow = item.get_closest_marker("slow") if item is not None else None
-        why = slow.kwargs["reason"] if slow is not None else "NO REASON GIVEN: mark it pytest.mark.slow(reason=...)"
+        why = _reasons.get(nodeid, "NO REASON GIVEN: mark it pytest.mark.slow(reason=...)")
         terminalreporter.write_line(f"{s:6.1f}s {nodeid}: {why}")
-
-
-def pytest_collection_finish(session):
-    _items.update((item.nodeid, item) for item in session.items)
 
 
 def wait_until(pred, timeout_s: float, period_s: float = 0.05):

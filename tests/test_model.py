@@ -49,10 +49,11 @@ DEFAULT_SIZES_REASON = ("every interleaving at the default sizes (2 ranks x 2 sl
                         "410,978 states), the numbers docs/verification.md quotes; one run, shared by the tests that read it")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def default_check(tmp_path_factory):
     """``streamring model-check`` at its default sizes, run once for the tests that read it:
-    ``(exit code, JSON, printed text)``."""
+    ``(exit code, JSON, printed text)``. Session scope: a pytest-xdist worker that runs other modules'
+    tests between the two readers keeps it (a module-scoped one would be computed again)."""
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         rc, data = _cli(tmp_path_factory.mktemp("default"))
@@ -63,6 +64,7 @@ def default_check(tmp_path_factory):
 # The correct protocol
 # --------------------------------------------------------------------------------------
 @pytest.mark.slow(reason=DEFAULT_SIZES_REASON)
+@pytest.mark.xdist_group("model-check-default-sizes")  # one worker computes default_check for both readers
 def test_correct_protocol_passes_exhaustively(default_check):
     rc, data, out = default_check
     assert rc == 0, out
@@ -255,6 +257,7 @@ def test_every_model_check_option_has_help():
 # --------------------------------------------------------------------------------------
 @pytest.mark.slow(reason="docs/cli.md's claim for the ready order: every interleaving at the default sizes "
                         "(879,348 states; its partial-order reduction leaves almost as many, so no cheaper proof)")
+@pytest.mark.xdist_group("model-check-default-sizes")
 def test_ready_order_passes_at_the_default_sizes_and_explores_more(tmp_path, capsys, default_check):
     rc, data = _cli(tmp_path, "--source-order", "ready")
     assert rc == 0, capsys.readouterr().out
