@@ -19,7 +19,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
       || { say "device_env: installing the carried wheels failed (see $LOG)"; exit 3; }
   fi
 else
-  say "device_env: no .whl/*.whl carried (run /work/shared/device/fetch-wheels.sh and carry .whl)"
+  say "device_env: no .whl/*.whl carried (run ../shared/device/fetch-wheels.sh and carry .whl)"
 fi
 export PYTHONPATH="$PWD/.site:$PWD:${PYTHONPATH:-}"
 NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ')

@@ -7,9 +7,9 @@
 #   .deepgemm/fmt-553ec11-include.tar.gz     its pinned fmt: include/ only
 #   .deepgemm/MANIFEST                       commits and sha256 of the three
 #
-# Run on a machine with the three git repositories (default: the mirrors that the `fetch` tool of
-# this workplace makes, /work/.mirror/<owner>+<name>/repo; or set DEEPGEMM_GIT, CUTLASS_GIT, FMT_GIT
-# to any clone's .git directory that holds those commits):
+# Run on a machine with the three git repositories (default: mirrors laid out as
+# $MIRROR_ROOT/<owner>+<name>/repo, MIRROR_ROOT defaulting to .mirror beside the checkout; or set
+# DEEPGEMM_GIT, CUTLASS_GIT, FMT_GIT to any clone's .git directory that holds those commits):
 #
 #   bash launch/pack_deep_gemm.sh
 set -euo pipefail
@@ -18,9 +18,10 @@ cd "$top"
 DG_COMMIT=54e2261
 CUTLASS_COMMIT=f3fde58
 FMT_COMMIT=553ec11
-DEEPGEMM_GIT=${DEEPGEMM_GIT:-/work/.mirror/deepseek-ai+DeepGEMM/repo}
-CUTLASS_GIT=${CUTLASS_GIT:-/work/.mirror/NVIDIA+cutlass/repo}
-FMT_GIT=${FMT_GIT:-/work/.mirror/fmtlib+fmt/repo}
+MIRROR_ROOT=${MIRROR_ROOT:-$(cd "$top/.." && pwd)/.mirror}
+DEEPGEMM_GIT=${DEEPGEMM_GIT:-$MIRROR_ROOT/deepseek-ai+DeepGEMM/repo}
+CUTLASS_GIT=${CUTLASS_GIT:-$MIRROR_ROOT/NVIDIA+cutlass/repo}
+FMT_GIT=${FMT_GIT:-$MIRROR_ROOT/fmtlib+fmt/repo}
 OUTDIR=.deepgemm
 
 # keep the folder out of git (worktrees share the main repository's info/exclude)
