@@ -21,6 +21,27 @@ import sys
 from pathlib import Path
 
 
+def _decide(row: dict, best: dict | None, margin: float, config: dict | None = None) -> dict:
+    """``row`` with the decision: streamed with ``best``'s configuration if it beat batch by more than
+    ``margin``, else batch with the reason. ``config``: what else a streamed row records ({key: default},
+    read from ``best``); a ``consumer`` among them is named in the reason too."""
+    extra = {k: best.get(k, d) for k, d in (config or {}).items()} if best else {}
+    if best is not None and best["streamed_over_batch"] < 1.0 - margin:
+        row.update(path="streamed", chunks=best["chunks"], num_slots=best["num_slots"], policy=best["policy"], **extra,
+                   streamed_over_batch=round(best["streamed_over_batch"], 4))
+    elif best is not None:
+        consumer = f", {extra['consumer']} consumer" if "consumer" in extra else ""
+        row.update(path="batch", chunks=1, reason=f"best streamed config ({best['chunks']} chunks, {best['policy']}"
+                                                  f"{consumer}) was {best['streamed_over_batch']:.3f}x the batch path")
+    else:
+        row.update(path="batch", chunks=1, reason="no streamed configuration passed")
+    return row
+
+
+def _fastest(streamed: list) -> dict | None:
+    return min(streamed, key=lambda s: s["streamed_over_batch"]) if streamed else None
+
+
 def _ep_rows(bench: dict, gemm_default: str | None, margin: float) -> list[dict]:
     """Table rows from the EP-layer benchmark's per-path rows."""
     groups: dict = {}
@@ -39,21 +60,12 @@ def _ep_rows(bench: dict, gemm_default: str | None, margin: float) -> list[dict]
     for (tokens, gemm, ranks), g in sorted(groups.items(), key=lambda kv: (kv[0][0], str(kv[0][1]), kv[0][2])):
         if g["batch"] is None:
             continue
-        best = min(g["streamed"], key=lambda s: s["streamed_over_batch"]) if g["streamed"] else None
         row = {"tokens": tokens, "ranks": ranks, "block_m": int(g["batch"]["block_m"]),
                "batch_ms": round(g["batch"]["median_ms"], 4)}
         if gemm is not None:
             row["gemm"] = gemm
-        if best is not None and best["streamed_over_batch"] < 1.0 - margin:
-            row.update(path="streamed", chunks=best["chunks"], num_slots=best["num_slots"], policy=best["policy"],
-                       consumer=best.get("consumer", "per_chunk"), source_order=best.get("source_order", "rank"),
-                       streamed_over_batch=round(best["streamed_over_batch"], 4))
-        else:
-            row.update(path="batch", chunks=1,
-                       reason=(f"best streamed config ({best['chunks']} chunks, {best['policy']}, "
-                               f"{best.get('consumer', 'per_chunk')} consumer) was {best['streamed_over_batch']:.3f}x "
-                               f"the batch path" if best else "no streamed configuration passed"))
-        rows.append(row)
+        rows.append(_decide(row, _fastest(g["streamed"]), margin,
+                            {"consumer": "per_chunk", "source_order": "rank"}))
     return rows
 
 
@@ -67,18 +79,8 @@ def build(bench: dict, source: str, margin: float, gemm_default: str | None = No
     for r in bench.get("rows", []):
         if "batch" not in r:
             continue
-        ok = [s for s in r.get("streamed", []) if s.get("ok")]
-        best = min(ok, key=lambda s: s["streamed_over_batch"]) if ok else None
         row = {"tokens": r["tokens"], "block_m": r["block_m"], "batch_ms": round(r["batch"]["median_ms"], 4)}
-        if best is not None and best["streamed_over_batch"] < 1.0 - margin:
-            row.update(path="streamed", chunks=best["chunks"], num_slots=best["num_slots"], policy=best["policy"],
-                       streamed_over_batch=round(best["streamed_over_batch"], 4))
-        else:
-            row.update(path="batch", chunks=1,
-                       reason=(f"best streamed config ({best['chunks']} chunks, {best['policy']}) was "
-                               f"{best['streamed_over_batch']:.3f}x the batch path" if best else
-                               "no streamed configuration passed"))
-        rows.append(row)
+        rows.append(_decide(row, _fastest([s for s in r.get("streamed", []) if s.get("ok")]), margin))
     if not rows:
         raise SystemExit("no benchmark rows with a batch timing in the input")
     return {"device": bench.get("device"), "source": source, "margin": margin,
