@@ -44,14 +44,17 @@ static __device__ __forceinline__ uint64_t full_mask(const RingDesc* d, int64_t 
 }
 static __device__ __forceinline__ uint64_t cur_epoch(const RingDesc* d) { return ld_relaxed_sys_u64(d->epoch); }
 
+// code | src << 8 | chunk << 24: an error (RS_FIRST_ERROR) or a slow wait (the wait beacon) names what
+// it is about (src -1 reads back as 0xffff: no single source, e.g. the owner's combine).
+static __device__ __forceinline__ uint64_t pack_wait(int code, int64_t src, int64_t chunk) {
+    return (uint64_t)code | ((uint64_t)(src & 0xffff) << 8) | ((uint64_t)(chunk & 0xffffffffll) << 24);
+}
+
 // Record an error in the status words. The first one keeps its details: RS_FIRST_ERROR packs
-// code | src << 8 | chunk << 24 | (field + 1) << 56 (field: the META_* word of an RE_META, else -1;
-// src -1 reads back as 0xffff: no single source, e.g. the owner's combine).
+// pack_wait(code, src, chunk) | (field + 1) << 56 (field: the META_* word of an RE_META, else -1).
 static __device__ void record_error(const RingDesc* d, int code, int64_t src, int64_t chunk, uint64_t seen,
                                     uint64_t want, int field = -1) {
-    unsigned long long packed = (unsigned long long)code | ((unsigned long long)(src & 0xffff) << 8) |
-                                ((unsigned long long)(chunk & 0xffffffffll) << 24) |
-                                ((unsigned long long)((field + 1) & 0xff) << 56);
+    unsigned long long packed = pack_wait(code, src, chunk) | ((unsigned long long)((field + 1) & 0xff) << 56);
     if (atomicCAS(&d->status[RS_FIRST_ERROR], 0ull, packed) == 0ull) {
         d->status[RS_BAD_SEEN] = seen;
         d->status[RS_BAD_WANT] = want;
@@ -75,9 +78,6 @@ static __device__ void record_error(const RingDesc* d, int code, int64_t src, in
 // after a fault are the waits still pending. Relaxed system-scope stores with no ordering duty (a
 // diagnostic, read by the host after the forward ended or faulted); the two words of a kind may come
 // from two waits of that kind, and a wait ending as another of its kind notes itself may erase that note.
-static __device__ __forceinline__ uint64_t pack_wait(int code, int64_t src, int64_t chunk) {
-    return (uint64_t)code | ((uint64_t)(src & 0xffff) << 8) | ((uint64_t)(chunk & 0xffffffffll) << 24);
-}
 static __device__ void note_slow_wait(const RingDesc* d, int kind, uint64_t packed, uint64_t want) {
     if (d->wait_beacon == nullptr) return;
     st_relaxed_sys_u64(&d->wait_beacon[2 * kind + WB_WANT], want);
