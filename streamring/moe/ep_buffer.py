@@ -627,8 +627,7 @@ class EPBuffer:
             raise ValueError("graph was not captured by this EPBuffer's capture()")
         limit = 2 * self.deadline_s + 5 if host_deadline_s is None else float(host_deadline_s)
         t0 = time.monotonic()
-        for p in self.paths.values():
-            p.ring.clear_wait_beacon()
+        path.ring.clear_wait_beacon()  # only this path's ring is read after a fault
         graph.replay()
         done = torch.cuda.Event()
         done.record()
