@@ -61,7 +61,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import signal
 import statistics
+import subprocess
 import sys
 import time
 import traceback
@@ -231,9 +234,12 @@ def time_interleaved(fns: dict, sets: int, load, replays: int) -> dict:
     times = {k: [] for k in fns}
     for s in range(sets):
         load(s)
-        for fn in fns.values():
-            fn()
-        torch.cuda.synchronize()
+        for k, fn in fns.items():  # once each, synchronised: a failing kernel is named before the timing
+            try:
+                fn()
+                torch.cuda.synchronize()
+            except Exception as exc:
+                raise RuntimeError(f"{k}: its first timed call failed: {type(exc).__name__}: {exc}") from exc
         ev = []
         for _ in range(replays):
             for k, fn in fns.items():
@@ -821,6 +827,35 @@ def streamed_equals_batch(T, shape, fw, args, dev, impl, choice, bm, x, batch_ou
         return None
 
 
+_DG_FIRST_CALL = """
+import torch, deep_gemm
+a = torch.randn(256, 256, device="cuda").to(torch.float8_e4m3fn)
+sf = torch.rand(256, 2, device="cuda")
+w = torch.randn(2, 256, 256, device="cuda").to(torch.float8_e4m3fn)
+w_sf = torch.rand(2, 2, 2, device="cuda")
+m_idx = torch.tensor([0] * 128 + [1] * 128, dtype=torch.int32, device="cuda")
+d = torch.empty(256, 256, dtype=torch.bfloat16, device="cuda")
+deep_gemm.m_grouped_fp8_gemm_nt_contiguous((a, sf), (w, w_sf), d, m_idx)
+torch.cuda.synchronize()
+"""
+
+
+def deep_gemm_first_call(timeout_s: float = 240.0) -> str | None:
+    """DeepGEMM's first grouped call (JIT compile included) in a child process: None when it works, else
+    what went wrong. A crash in deep_gemm (it segfaulted on 2026-12-01 when built with a compiler that
+    links libstdc++ statically) then ends the child, not the benchmark."""
+    try:
+        res = subprocess.run([sys.executable, "-c", _DG_FIRST_CALL], capture_output=True, text=True,
+                             timeout=timeout_s, env=os.environ.copy())
+    except subprocess.TimeoutExpired:
+        return f"its first call did not finish in {timeout_s:.0f} s in a child process"
+    if res.returncode == 0:
+        return None
+    how = (f"signal {signal.Signals(-res.returncode).name}" if res.returncode < 0 else f"rc {res.returncode}")
+    tail = (res.stderr or res.stdout).strip().splitlines()[-1:] or [""]
+    return f"its first call in a child process ended with {how}: {tail[0][:300]}"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", default="128,1024,8192,32768")
@@ -853,9 +888,14 @@ def main(argv=None) -> int:
         log(f"  {k}: {v}")
     dg = None
     dg_avail = DG.deep_gemm_available()
+    dg_reason = dg_avail.reason
     if args.deep_gemm == "auto" and dg_avail:
-        dg = DG.load()
-    log(f"DeepGEMM: {'timed' if dg is not None else 'not timed'}: {dg_avail.reason}")
+        first_call = deep_gemm_first_call()
+        if first_call is None:
+            dg = DG.load()
+        else:
+            dg_reason = f"{dg_reason}; but {first_call}"
+    log(f"DeepGEMM: {'timed' if dg is not None else 'not timed'}: {dg_reason}")
     shape = dsv3_shape()
     tokens = [int(v) for v in args.tokens.split(",") if v]
     layer_tokens = [int(v) for v in args.layer_tokens.split(",") if v]

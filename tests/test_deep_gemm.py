@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 from pathlib import Path
 
 import pytest
@@ -190,6 +191,28 @@ def test_compile_command_has_setup_py_flags_and_folders():
                  "-I/t/include", "-I/py/include", "-I/site/nvidia/cu13/include", "/b/DeepGEMM/csrc/python_api.cpp", "-lcudart", "-lnvrtc",
                  "-ltorch_python", "-L/usr/local/cuda/lib64", "-L/t/lib"):
         assert flag in cmd, flag
+
+
+@pytest.mark.skipif(shutil.which("g++") is None or shutil.which("nm") is None, reason="needs g++ and nm")
+def test_a_compiler_that_links_libstdcxx_statically_is_skipped(tmp_path, monkeypatch):
+    # the H200 host's $CXX links libstdc++.a into shared objects: _C then carried a second C++ runtime
+    # and crashed in std::regex. A wrapper that does the same is skipped for the plain g++.
+    static = tmp_path / "static-g++"
+    static.write_text(f"#!/bin/sh\nexec {shutil.which('g++')} -static-libstdc++ \"$@\"\n")
+    static.chmod(0o755)
+    monkeypatch.delenv("DG_CXX", raising=False)
+    monkeypatch.setenv("CXX", str(static))
+    logs = []
+    chosen = BDG.choose_compiler(tmp_path / "work", logs.append)
+    assert os.path.realpath(chosen) == os.path.realpath(shutil.which("g++")), logs
+    assert "statically" in logs[0] and "_ZNSt6locale7classicEv" in logs[0], logs
+    assert BDG.static_libstdcxx(str(static), tmp_path / "w2")  # the probe itself sees it
+    # DG_CXX is taken as is; a missing one is refused by name
+    monkeypatch.setenv("DG_CXX", str(static))
+    assert BDG.choose_compiler(tmp_path / "work", logs.append) == str(static)
+    monkeypatch.setenv("DG_CXX", str(tmp_path / "nope"))
+    with pytest.raises(BDG.DeepGemmBuildError, match="DG_CXX"):
+        BDG.choose_compiler(tmp_path / "work", logs.append)
 
 
 def test_missing_tarballs_say_how_to_make_them(tmp_path):

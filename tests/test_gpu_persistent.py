@@ -271,15 +271,24 @@ def test_l2_before_l1_computes_on_stale_h1(small):
 
 
 def test_arrival_before_store_is_seen_by_an_owner(small):
+    # The mutant signals, pauses 200 us, then stores: the owner's read lands in that window unless the
+    # watcher program was not running then. The correct queue must be clean on every try; the mutant
+    # must be seen on one of three (a race that a scheduler may hide once, never three times running).
     shape, _, _ = small
-    for inject in ("none", "arrival-before-store"):
-        case = _fresh(shape)
-        rows = _watch_rows(case)
-        _, _, status, watched = _concurrent(case, inject, sleep_cycles=1000, watch=True, witness_rows=rows)
-        w = watched.cpu().tolist()
-        assert -1 not in w, f"{inject}: an owner's arrival count never completed: {w}"
-        print(f"\n[persistent] {inject}: NaN elements an owner read right after each chunk's count completed: {w}")
-        if inject == "none":
-            assert sum(w) == 0, f"the correct queue let an owner read unwritten rows: {w}"
-        else:
-            assert sum(w) > 0, "arrival-before-store went unnoticed by the owner"
+    seen = []
+    for attempt in range(3):
+        for inject in ("none", "arrival-before-store"):
+            case = _fresh(shape)
+            rows = _watch_rows(case)
+            _, _, status, watched = _concurrent(case, inject, sleep_cycles=1000, watch=True, witness_rows=rows)
+            w = watched.cpu().tolist()
+            assert -1 not in w, f"{inject}: an owner's arrival count never completed: {w}"
+            print(f"\n[persistent] try {attempt}, {inject}: NaN elements an owner read right after each chunk's "
+                  f"count completed: {w}")
+            if inject == "none":
+                assert sum(w) == 0, f"the correct queue let an owner read unwritten rows: {w}"
+            else:
+                seen.append(sum(w))
+        if seen[-1] > 0:
+            break
+    assert seen[-1] > 0, f"arrival-before-store went unnoticed by the owner in {len(seen)} tries: {seen}"

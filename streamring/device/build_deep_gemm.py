@@ -191,14 +191,92 @@ def env_script(env: dict) -> str:
             f"export PYTHONPATH={q(env['PREFIX'])}${{PYTHONPATH:+:$PYTHONPATH}}\n")
 
 
+# libstdc++'s own (non-template) definitions: a shared object that defines them carries a private copy
+# of the runtime (a static libstdc++.a linked in) beside the one Python loaded
+LIBSTDCXX_OWN_SYMBOLS = ("_ZNKSt5ctypeIcE13_M_widen_initEv", "_ZNSt6locale7classicEv", "_ZNSt8ios_base4InitC1Ev")
+_PROBE_SOURCE = """#include <regex>
+#include <string>
+int streamring_probe(const char *s) {
+  const std::regex pattern(R"(#\\s*include\\s*[<"][^>"]+[>"])");
+  std::string code(s);
+  return (int)std::distance(std::sregex_iterator(code.begin(), code.end(), pattern), std::sregex_iterator());
+}
+"""
+
+
+def defined_libstdcxx_symbols(so: Path) -> list[str] | None:
+    """The libstdc++ runtime symbols ``so`` defines itself (``nm -D --defined-only``); None if ``nm``
+    cannot say."""
+    try:
+        res = subprocess.run(["nm", "-D", "--defined-only", str(so)], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if res.returncode != 0:
+        return None
+    names = {line.split()[-1] for line in res.stdout.splitlines() if line.strip()}
+    return [n for n in LIBSTDCXX_OWN_SYMBOLS if n in names]
+
+
+def static_libstdcxx(cxx: str, work: Path) -> list[str] | None:
+    """Build a small shared object with ``cxx`` (``std::regex``, as DeepGEMM's include parser) and return
+    the libstdc++ runtime symbols it defines itself: non-empty when ``cxx`` links libstdc++
+    statically into shared objects. None when the probe cannot be built or read."""
+    work.mkdir(parents=True, exist_ok=True)
+    src, so = work / "libstdcxx_probe.cpp", work / "libstdcxx_probe.so"
+    src.write_text(_PROBE_SOURCE)
+    try:
+        res = subprocess.run([cxx, "-shared", "-fPIC", "-O1", "-std=c++17", str(src), "-o", str(so)],
+                             capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return defined_libstdcxx_symbols(so) if res.returncode == 0 else None
+
+
+def choose_compiler(work: Path, log=print) -> str:
+    """The C++ compiler for ``deep_gemm._C``: ``$DG_CXX`` when set (taken as is); else the first of
+    ``$CXX``, ``g++`` on PATH and ``/usr/bin/g++`` that links libstdc++ dynamically into a shared object.
+
+    Why: on the H200 host ``$CXX`` (``/opt/gcc/bin/g++``) links libstdc++ statically, so ``_C``
+    carried a private copy of the C++ runtime beside the one Python and torch loaded, and the first
+    grouped GEMM call segfaulted in that copy's locale, inside ``std::regex`` (DeepGEMM's JIT include
+    parser; native backtrace of 2026-12-01: ``IncludeParser::get_includes`` ->
+    ``_BracketMatcher::_M_ready``). A probe library built with each candidate shows which ones do that."""
+    if os.environ.get("DG_CXX"):
+        cxx = os.environ["DG_CXX"]
+        if shutil.which(cxx) is None:
+            raise DeepGemmBuildError(f"DG_CXX={cxx!r}: no such compiler")
+        return cxx
+    seen, found = set(), []
+    for cxx in (os.environ.get("CXX"), "g++", "/usr/bin/g++"):
+        path = shutil.which(cxx) if cxx else None
+        if path is None or os.path.realpath(path) in seen:
+            continue
+        seen.add(os.path.realpath(path))
+        own = static_libstdcxx(path, Path(work) / f"probe{len(found)}")
+        found.append((path, own))
+        if own == []:
+            log(f"build_deep_gemm: compiler {path}: links libstdc++ dynamically")
+            return path
+        log(f"build_deep_gemm: compiler {path}: skipped: " + (
+            "its probe library could not be built or read" if own is None else
+            f"it links libstdc++ statically into shared objects (defines {', '.join(own)})"))
+    if not found:
+        raise DeepGemmBuildError("no C++ compiler: none of $CXX, g++ on PATH, /usr/bin/g++ exists (set DG_CXX)")
+    unknown = [p for p, own in found if own is None]
+    if unknown:
+        log(f"build_deep_gemm: warning: cannot tell how {unknown[0]} links libstdc++; using it (set DG_CXX to "
+            f"choose)")
+        return unknown[0]
+    raise DeepGemmBuildError(f"every compiler links libstdc++ statically ({[p for p, _ in found]}): deep_gemm._C "
+                             f"would carry a second C++ runtime and crash; set DG_CXX to a g++ that does not")
+
+
 def build(src: Path, prefix: Path, build_dir: Path, cuda_home: str, jit_cache: str, dry_run: bool = False,
           log=print) -> Path:
     t0 = time.monotonic()
     if not Path(cuda_home, "include", "cuda_runtime.h").is_file():
         raise DeepGemmBuildError(f"CUDA_HOME={cuda_home} has no include/cuda_runtime.h (set CUDA_HOME)")
-    cxx = os.environ.get("CXX", "g++")
-    if shutil.which(cxx) is None:
-        raise DeepGemmBuildError(f"no C++ compiler {cxx!r} on PATH (set CXX)")
+    cxx = choose_compiler(Path(build_dir), log)
     root = unpack(src, build_dir)
     info = torch_info()
     log(f"build_deep_gemm: torch {info['torch']} (CUDA {info['cuda']}), cxx11 abi {info['cxx11_abi']}, "
@@ -221,6 +299,10 @@ def build(src: Path, prefix: Path, build_dir: Path, cuda_home: str, jit_cache: s
         raise DeepGemmBuildError(f"{cxx} failed ({res.returncode}) after {time.monotonic() - t1:.0f} s:\n"
                                  f"{res.stderr[-6000:]}")
     log(f"build_deep_gemm: compiled _C in {time.monotonic() - t1:.0f} s ({so.stat().st_size / 1e6:.1f} MB)")
+    own = defined_libstdcxx_symbols(so)
+    if own:
+        raise DeepGemmBuildError(f"{so} defines libstdc++'s own {', '.join(own)}: {cxx} linked the C++ runtime "
+                                 f"statically, and a second runtime in the process crashes; set DG_CXX")
     pkg = install(root, so, prefix, info["ext_suffix"])
     env = runtime_env(prefix, cuda_home, jit_cache)
     (Path(prefix) / "deep_gemm_env.sh").write_text(env_script(env))

@@ -140,12 +140,16 @@ def _fence_sc_sys():
 
 
 @triton.jit
-def _pause_us(us: tl.constexpr):
+def _pause_us(us: tl.constexpr, NW: tl.constexpr):
     # a deliberate pause on a GPU (tests: the arrival-before-store mutation widens its window with it, a
-    # stalled L1 tile makes its L2 items wait); callers skip it under the interpreter (no inline asm)
-    for _ in range(us):
+    # stalled L1 tile makes its L2 items wait); callers skip it under the interpreter (no inline asm).
+    # Timed on %globaltimer: nanosleep alone may return after any time in [0, 2t]
+    t0 = _now_ns(0, NW)
+    now = t0
+    while now - t0 < us * 1000:
         tl.inline_asm_elementwise("nanosleep.u32 1000;\n\tmov.u32 $0, 0;", "=r", [], dtype=tl.int32,
                                   is_pure=False, pack=1)
+        now = _now_ns(0, NW)
 
 
 @triton.jit
@@ -354,7 +358,7 @@ def _persistent_moe_kernel(ctrl_ptr, ready_list_ptr, block_expert_ptr, a_ptr, as
                         _l2_done(pos, l2_done, ready_list_ptr, row_src_ptr, row_tok_ptr, row_chunk_ptr, comb_ptr,
                                  comb_delta_ptr, arrived_ptr, arrived_delta_ptr, witness_ptr, NT2, H, BM, WITNESS)
                         if _NATIVE:
-                            _pause_us(20)
+                            _pause_us(200, NW)
                         _l2_store(y, rows, ncol, comb_ptr, row_src_ptr, row_tok_ptr, comb_delta_ptr, H, True)
                     else:
                         _l2_store(y, rows, ncol, comb_ptr, row_src_ptr, row_tok_ptr, comb_delta_ptr, H, True)
@@ -364,7 +368,7 @@ def _persistent_moe_kernel(ctrl_ptr, ready_list_ptr, block_expert_ptr, a_ptr, as
             else:
                 if _NATIVE and STALL_L1_US > 0:  # tests: the first group's L1 tiles run late (L2 items wait)
                     if pos < GROUP:
-                        _pause_us(STALL_L1_US)
+                        _pause_us(STALL_L1_US, NW)
                 _l1_tile(pos, tile, 0, ready_list_ptr, block_expert_ptr, a_ptr, asf_ptr, w1_ptr, w1sf_ptr, h1_ptr,
                          h1sf_ptr, H, I, BM, STAGES)
                 # release of this tile's h1: every thread fences its own stores, the barrier joins them,
