@@ -20,8 +20,7 @@ import argparse
 import sys
 
 from .config import ConfigError, load_config
-from .model import EP_INJECT_MODES, LAYERS, MODEL_INJECT_MODES
-from .model_queue import QUEUE_INJECT_MODES
+from .model_names import EP_INJECT_MODES, LAYERS, MODEL_INJECT_MODES, QUEUE_INJECT_MODES
 from .protocol import INJECT_MODES, PROGRESS_POLICIES, SOURCE_ORDERS
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2

@@ -230,7 +230,6 @@ be dropped.
 
 from __future__ import annotations
 
-import enum
 import json
 import os
 import sys
@@ -241,6 +240,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import protocol as P
+# the names the CLI offers live in model_names (each rank's CLI loads them, not this checker)
+from .model_names import EP_INJECT_MODES, LAYERS, MODEL_INJECT_MODES, EPInject  # noqa: F401
 
 KINDS = ("route", "layout")
 WORD = (1 << 64) - 1
@@ -269,24 +270,6 @@ PROPERTY_TEXT = {
     PROP_DEADLOCK: "(5) every reachable state can reach the final state",
     PROP_SERIAL: "(6) the serialised schedule completes without violation",
 }
-LAYERS = ("ring", "ep")
-
-
-class EPInject(enum.Enum):
-    """Deliberately broken handoffs of the expert-parallel layer (``--layer ep`` only)."""
-
-    NONE = "none"
-    ACK_BEFORE_COPY = "ack-before-copy"  # input_consumed acknowledged before the copy's reads complete
-    SIGNAL_BEFORE_COMBINE = "signal-before-combine"  # arrived[c] added before the combine writes are released
-    SKIP_ARRIVAL_WAIT = "skip-arrival-wait"  # the owner reduces chunk c without waiting for its count
-    NO_COUNTER_RESET = "no-counter-reset"  # arrived[c] is not reset after the reduce
-    # the combine area indexed by slot (as the CPU layer's combine[slot][token][k]) instead of by
-    # logical token: with the early acknowledgement a later chunk of the slot overwrites entries
-    COMBINE_BY_SLOT = "combine-by-slot"
-
-
-EP_INJECT_MODES = tuple(m.value for m in EPInject if m is not EPInject.NONE)
-MODEL_INJECT_MODES = P.INJECT_MODES + EP_INJECT_MODES
 
 
 def parse_inject(value: str | None):
@@ -1926,7 +1909,7 @@ def check(cfg: ModelConfig, progress=None) -> CheckResult:
             res.counterexample = {"properties": [PROP_DEADLOCK], "steps": len(trace), "trace": trace,
                                   "message": "deadlock: a reachable non-final state where no process can move"}
     elif not stopped and not bounded:
-        bad, nfinal = _cannot_reach_final(model, states, esrc, edst)
+        bad, nfinal = _cannot_reach_final(model, states, esrc, edst, terminals)
         res.final_reachable = nfinal > 0
         if bad is None:
             props[PROP_DEADLOCK] = "PASS"
@@ -1949,37 +1932,44 @@ def check(cfg: ModelConfig, progress=None) -> CheckResult:
     return res
 
 
-def _cannot_reach_final(model: Model, states: list, esrc: array, edst: array) -> tuple[int | None, int]:
+def _cannot_reach_final(model: Model, states: list, esrc: array, edst: array,
+                        terminals: list | None = None) -> tuple[int | None, int]:
     """Reverse reachability from the final states over the explored graph.
 
     Returns the first (BFS-shortest) state that cannot reach a final state (None if every
-    state can) and the number of final states.
+    state can) and the number of final states. ``terminals``: the ids of the states without a
+    successor, where the final states are (nothing moves once every rank ended its last epoch);
+    None: look at every state. (numpy: the edges grouped by destination, then one
+    vectorised step per BFS level; the set reached does not depend on the order of the search.)
     """
+    import numpy as np
+
     n = len(states)
-    start = array("l", bytes(8 * (n + 1)))
-    for d in edst:
-        start[d + 1] += 1
-    for i in range(n):
-        start[i + 1] += start[i]
-    fill = array("l", start)
-    rev = array("l", bytes(8 * len(edst)))
-    for s, d in zip(esrc, edst):
-        rev[fill[d]] = s
-        fill[d] += 1
-    seen = bytearray(n)
-    stack = [i for i in range(n) if model.is_final(states[i])]
-    nfinal = len(stack)
-    for i in stack:
-        seen[i] = 1
-    while stack:
-        v = stack.pop()
-        for j in range(start[v], start[v + 1]):
-            u = rev[j]
-            if not seen[u]:
-                seen[u] = 1
-                stack.append(u)
-    idx = seen.find(0)
-    return (None if idx < 0 else idx), nfinal
+    src = np.array(esrc, dtype=np.int64)
+    dst = np.array(edst, dtype=np.int64)
+    order = np.argsort(dst, kind="stable")
+    rev = src[order]  # the predecessors of each state, grouped by state
+    start = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(np.bincount(dst, minlength=n), out=start[1:])
+    seen = np.zeros(n, dtype=bool)
+    frontier = np.fromiter((i for i in (range(n) if terminals is None else terminals) if model.is_final(states[i])),
+                           dtype=np.int64)
+    nfinal = len(frontier)
+    seen[frontier] = True
+    while len(frontier):
+        lo, hi = start[frontier], start[frontier + 1]
+        counts = hi - lo
+        total = int(counts.sum())
+        if total == 0:
+            break
+        # every index in [lo, hi) of every frontier state, in one array
+        offs = np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts)
+        pred = rev[np.repeat(lo, counts) + offs]
+        pred = np.unique(pred[~seen[pred]])
+        seen[pred] = True
+        frontier = pred
+    missing = np.flatnonzero(~seen)
+    return (int(missing[0]) if len(missing) else None), nfinal
 
 
 # --------------------------------------------------------------------------------------

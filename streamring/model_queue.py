@@ -59,10 +59,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .device.queue_order import L1, item_of, total_items
-from .model import (NOT_CHECKED, PROP_DEADLOCK, CheckResult, Violation, print_counterexample, print_properties,
-                    print_verdict)
+from .model import (NOT_CHECKED, PROP_DEADLOCK, CheckResult, Violation, _cannot_reach_final, print_counterexample,
+                    print_properties, print_verdict)
+from .model_names import QUEUE_INJECT_MODES  # noqa: F401  (one definition, shared with the CLI)
 
-QUEUE_INJECT_MODES = ("claim-before-ready", "l2-before-l1", "arrival-before-store")
 
 PROP_READY = "no-compute-on-unready-block"
 PROP_L1 = "no-l2-before-its-l1"
@@ -403,28 +403,6 @@ def check_queue(cfg: QueueConfig) -> CheckResult:
     res.properties = props
     res.time_s = time.perf_counter() - t0
     return res
-
-
-def _cannot_reach_final(model, states, esrc, edst):
-    """The first (BFS order) state from which no final state is reachable (or None), and the number of
-    final states."""
-    n = len(states)
-    rev = [[] for _ in range(n)]
-    for a, b in zip(esrc, edst):
-        rev[b].append(a)
-    seen = bytearray(n)
-    stack = [i for i in range(n) if model.is_final(states[i])]
-    nfinal = len(stack)
-    for i in stack:
-        seen[i] = 1
-    while stack:
-        v = stack.pop()
-        for u in rev[v]:
-            if not seen[u]:
-                seen[u] = 1
-                stack.append(u)
-    idx = seen.find(0)
-    return (None if idx < 0 else idx), nfinal
 
 
 def print_queue_result(res: CheckResult) -> None:
