@@ -19,23 +19,45 @@ def wait_for(ring: Ring, pred, what: str, waits: list | None = None):
     yield from ring.wait_steps(pred, what, waits)
 
 
+# The longest the scheduler sleeps while every role sleeps (it calls the heap's progress at least
+# this often): the delays are what the stress configs ask for, not time to poll in.
+MAX_IDLE_SLEEP_S = 0.002
+
+
 def sleep_for(seconds: float):
-    """Yield until ``seconds`` have passed."""
+    """Yield until ``seconds`` have passed; each yield is the time it ends (``time.monotonic``), so
+    that :func:`run_roles` can sleep while every role sleeps."""
     if seconds <= 0:
         return
     until = time.monotonic() + seconds
     while time.monotonic() < until:
-        yield
+        yield until
 
 
 def run_roles(roles: list, heap: SymmetricHeap) -> None:
-    """Step every generator until all are exhausted; errors propagate at once."""
+    """Step every generator until all are exhausted; errors propagate at once.
+
+    A role that waits on the ring yields None and is polled again at once (after the heap's progress
+    and :func:`~streamring.device.verbs.spin_pause`); when every live role is in :func:`sleep_for`,
+    the rank sleeps until the first of them ends (at most ``MAX_IDLE_SLEEP_S``) instead of polling:
+    with more ranks than cores, a rank that only waits out a delay then leaves the core to those
+    with work."""
     live = list(roles)
     while live:
+        wake = None  # the first end of a sleep, while every role stepped so far sleeps
         for g in list(live):
             try:
-                next(g)
+                until = next(g)
             except StopIteration:
                 live.remove(g)
+                continue
+            if until is None:
+                wake = -1.0  # a role waits on the ring: poll again
+            elif wake is None or 0 <= until < wake:
+                wake = until
         heap.progress()
-        spin_pause()
+        pause = (wake - time.monotonic()) if wake is not None and wake >= 0 else 0.0
+        if pause > 0:
+            time.sleep(min(pause, MAX_IDLE_SLEEP_S))
+        else:
+            spin_pause()

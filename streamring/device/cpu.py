@@ -99,6 +99,9 @@ class MpiHeap(SymmetricHeap):
         self._one = np.zeros(1, dtype=np.uint64)
         self._closed = False
         self._blocked: tuple[str, int, float] | None = None  # (what, pe, since) of the flush in progress
+        # called with each new region before the allocation's closing barrier (the host records the
+        # files a region maps: a job killed before it ends cannot unlink them itself)
+        self.after_alloc: list = []
         self._meet("heap creation")
         #: every rank's host (MPI processor name), for messages that name a peer
         self.hostnames: list[str] = self.comm.allgather(MPI.Get_processor_name())
@@ -161,6 +164,8 @@ class MpiHeap(SymmetricHeap):
         win.Sync()
         region = Region(name=name, nbytes=nbytes, local=local, handle=(win, peers))
         self._regions.append(region)
+        for hook in self.after_alloc:  # e.g. the host records the window's shared-memory file
+            hook(region)
         # Zero everywhere before anyone may signal into this region.
         self._meet(f"alloc {name!r}")
         return region

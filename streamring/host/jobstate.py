@@ -39,6 +39,30 @@ def register_rank(rank: int) -> None:
         (d / f"rank-{rank}.pid").write_text(f"{os.getpid()} {_HOST}")
 
 
+def record_job_files(rank: int) -> None:
+    """Record the MPI job files this rank maps now (``rank-R.files``; no-op outside the local launcher).
+
+    Called after each symmetric-heap allocation: a window's shared-memory segment may be made, and
+    the job killed, between two of the launcher's own scans of the job's processes; the launcher
+    removes what the ranks recorded as well as what it saw."""
+    d = job_dir()
+    if d is not None:
+        from .jobfiles import held_files
+
+        (d / f"rank-{rank}.files").write_text("\n".join(sorted(held_files(os.getpid()))))
+
+
+def recorded_job_files(d: Path) -> set[str]:
+    """Every path the ranks recorded with :func:`record_job_files`."""
+    out: set[str] = set()
+    for p in d.glob("rank-*.files"):
+        try:
+            out |= {line for line in p.read_text().splitlines() if line}
+        except OSError:
+            continue
+    return out
+
+
 def _read_pid_file(p: Path) -> tuple[int, str] | None:
     """``(pid, hostname)`` from a ``rank-R.pid`` file (hostname '' when absent); None if unreadable."""
     try:

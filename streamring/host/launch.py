@@ -23,8 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from .jobfiles import JobFiles
-from .jobstate import JOB_DIR_ENV, ranks_down, ranks_not_ok, summarize
+from .jobfiles import JobFiles, is_mpi_job_file
+from .jobstate import JOB_DIR_ENV, ranks_down, ranks_not_ok, recorded_job_files, summarize
 from .report import TERMINAL_COLUMNS_ENV, terminal_columns
 
 SPAWNED_ENV = "STREAMRING_SPAWNED"
@@ -161,6 +161,7 @@ def spawn_local(num_ranks: int, argv: list[str], extra_env: dict | None = None, 
         if rc != 0:
             for line in summarize(jdir, num_ranks, first_down, interrupted=interrupted):
                 print(f"streamring launcher: {line}", file=sys.stderr)
+        files.seen |= {f for f in recorded_job_files(jdir) if is_mpi_job_file(f)}
         shutil.rmtree(jdir, ignore_errors=True)
         files.remove_leftovers()
 

@@ -14,7 +14,7 @@ from ..config import Config, ConfigError
 from ..device.memcheck import HeapSizeError
 from ..protocol import DIAGNOSTIC_HOOKS
 from .bootstrap import abort_job, make_heap, watch_blocked_calls
-from .jobstate import job_dir, peer_report, register_rank, report_status
+from .jobstate import job_dir, peer_report, record_job_files, register_rank, report_status
 from .launch import SPAWNED_ENV, Launcher, detect_launcher
 from .prelaunch import agree_on_problems, job_problems
 from .report import Column, Report
@@ -120,6 +120,8 @@ def rank_main(command: str, cfg: Config, json_path: str | None = None) -> int:
                 return 2
         heap = make_heap(cfg)
         register_rank(heap.rank)
+        if hasattr(heap, "after_alloc"):
+            heap.after_alloc.append(lambda region, r=heap.rank: record_job_files(r))
         DIAGNOSTIC_HOOKS.append(lambda n=heap.num_ranks: peer_report(n))
         watching = watch_blocked_calls(heap, cfg.wait_timeout_s, DIAGNOSTIC_HOOKS)
         heap.barrier()
