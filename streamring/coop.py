@@ -44,7 +44,7 @@ def run_roles(roles: list, heap: SymmetricHeap) -> None:
     with work."""
     live = list(roles)
     while live:
-        wake = None  # the first end of a sleep, while every role stepped so far sleeps
+        polling, sleep_ends = False, []
         for g in list(live):
             try:
                 until = next(g)
@@ -52,11 +52,11 @@ def run_roles(roles: list, heap: SymmetricHeap) -> None:
                 live.remove(g)
                 continue
             if until is None:
-                wake = -1.0  # a role waits on the ring: poll again
-            elif wake is None or 0 <= until < wake:
-                wake = until
+                polling = True  # a role waits on the ring
+            else:
+                sleep_ends.append(until)
         heap.progress()
-        pause = (wake - time.monotonic()) if wake is not None and wake >= 0 else 0.0
+        pause = 0.0 if polling or not sleep_ends else min(sleep_ends) - time.monotonic()
         if pause > 0:
             time.sleep(min(pause, MAX_IDLE_SLEEP_S))
         else:

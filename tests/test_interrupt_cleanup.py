@@ -1,5 +1,6 @@
 """Ctrl-C to the local launcher: the job ends at once, no rank process or MPI file is left, no rank is blamed."""
 
+import os
 import signal
 import subprocess
 import sys
@@ -49,3 +50,19 @@ def test_ctrl_c_leaves_no_process_and_no_file_and_blames_no_rank():
     wait_until(lambda: not w.leftovers() and not running(), 5.0)
     assert w.leftovers() == [], (w.files, err)
     assert running() == [], running()
+
+
+def test_ranks_record_the_mpi_files_they_map_for_the_launcher(tmp_path, monkeypatch):
+    # a window made and its job killed between two launcher scans: the rank's own record names it
+    from streamring.host import jobfiles
+    from streamring.host.jobstate import JOB_DIR_ENV, record_job_files, recorded_job_files
+
+    shm = "/dev/shm/mpich_shm_recordtest_0"
+    monkeypatch.setenv(JOB_DIR_ENV, str(tmp_path))
+    monkeypatch.setattr(jobfiles, "held_files", lambda pid: {shm} if pid == os.getpid() else set())
+    record_job_files(3)
+    assert (tmp_path / "rank-3.files").is_file()
+    assert recorded_job_files(tmp_path) == {shm}
+    monkeypatch.delenv(JOB_DIR_ENV)
+    record_job_files(4)  # outside the local launcher: nothing written
+    assert not (tmp_path / "rank-4.files").exists()
