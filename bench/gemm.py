@@ -724,6 +724,26 @@ def make_table(rows: list, num_experts: int, topk: int, meta: dict) -> dict:
 # ----------------------------------------------------------------------------------------------
 # the whole batch layer, per GEMM implementation
 # ----------------------------------------------------------------------------------------------
+def layer_forward(impl: str, choice, block_m: int, x, shape, fw, dev):
+    """The batch layer on ``x`` (router, layout, ``blocks.moe_forward``) through ``impl``'s GEMMs, with its
+    own producer, block consumer and buffers: ``(fwd, out, bc)``; ``fwd()`` writes ``out`` (what
+    ``layer_rows`` captures, and ``launch/layer_probe.py`` runs alone)."""
+    T = x.shape[0]
+    prod = B.Producer(shape, fw, T, dev)
+    bc = B.BlockConsumer(shape, T, 1, block_m, dev)
+    # batch: one call over every block, so DeepGEMM may write y directly (see deep_gemm_experts)
+    GC.setup_consumer(bc, choice, staging_y=True)
+    sc = B.scratch_buffers(shape, T, dev)
+    out = torch.zeros(T, shape.hidden, dtype=torch.bfloat16, device=dev)
+
+    def fwd():
+        prod.route(x, sc["idx"][:T], sc["w"][:T])
+        prod.layout(x, sc["q"][:T], sc["sf"][:T])
+        B.moe_forward(sc["idx"][:T], sc["w"][:T], sc["q"][:T], sc["sf"][:T], fw, bc, out, gemm_impl=impl)
+
+    return fwd, out, bc
+
+
 def layer_rows(T, shape, fw, args, dev, table: dict, avail: dict) -> tuple[list, dict]:
     """``blocks.batch_forward`` (one CUDA graph) per implementation with this run's fastest variants."""
     H, I, E, Kk = shape.hidden, shape.intermediate, shape.num_experts, shape.topk
@@ -740,19 +760,7 @@ def layer_rows(T, shape, fw, args, dev, table: dict, avail: dict) -> tuple[list,
         choice = GC.choose_layer(rpe, H, I, {impl: ""}, table)
         bm = DG.BLOCK_M if impl == "deep_gemm" else args.block_m
         try:
-            prod = B.Producer(shape, fw, T, dev)
-            bc = B.BlockConsumer(shape, T, 1, bm, dev)
-            # batch: one call over every block, so DeepGEMM may write y directly (see deep_gemm_experts)
-            GC.setup_consumer(bc, choice, staging_y=True)
-            sc = B.scratch_buffers(shape, T, dev)
-            out = torch.zeros(T, H, dtype=torch.bfloat16, device=dev)
-
-            def fwd(prod=prod, bc=bc, sc=sc, out=out, impl=impl):
-                t = x.shape[0]
-                prod.route(x, sc["idx"][:t], sc["w"][:t])
-                prod.layout(x, sc["q"][:t], sc["sf"][:t])
-                B.moe_forward(sc["idx"][:t], sc["w"][:t], sc["q"][:t], sc["sf"][:t], fw, bc, out, gemm_impl=impl)
-
+            fwd, out, bc = layer_forward(impl, choice, bm, x, shape, fw, dev)
             fns[impl], mode = capture(fwd)
             torch.cuda.synchronize()
             outs[impl] = out

@@ -31,23 +31,13 @@ x = torch.randn(T, shape.hidden, device=dev).to(torch.bfloat16)
 
 
 def make(impl):
-    """The batch layer's forward for ``impl`` (its own producer, consumer and buffers, as bench.gemm)."""
+    """The batch layer's forward for ``impl``, as bench.gemm's layer rows build it."""
     choice = GC.choose_layer(T * shape.topk / shape.num_experts, shape.hidden, shape.intermediate, {impl: ""},
                              GC.load_table())
     bm = DG.BLOCK_M if impl == "deep_gemm" else 64
-    prod = B.Producer(shape, fw, T, dev)
-    bc = B.BlockConsumer(shape, T, 1, bm, dev)
-    GC.setup_consumer(bc, choice, staging_y=True)
-    sc = B.scratch_buffers(shape, T, dev)
-    out = torch.zeros(T, shape.hidden, dtype=torch.bfloat16, device=dev)
-
-    def fwd():
-        prod.route(x, sc["idx"][:T], sc["w"][:T])
-        prod.layout(x, sc["q"][:T], sc["sf"][:T])
-        B.moe_forward(sc["idx"][:T], sc["w"][:T], sc["q"][:T], sc["sf"][:T], fw, bc, out, gemm_impl=impl)
-
+    fwd, out, bc = BG.layer_forward(impl, choice, bm, x, shape, fw, dev)
     print(f"layer_probe: {impl} T={T}: choice {choice.l1.key} / {choice.l2.key}, block_m {bm}", flush=True)
-    return fwd, out, (prod, bc, sc)
+    return fwd, out, bc
 
 
 def step(name, fn):

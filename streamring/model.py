@@ -1909,7 +1909,7 @@ def check(cfg: ModelConfig, progress=None) -> CheckResult:
             res.counterexample = {"properties": [PROP_DEADLOCK], "steps": len(trace), "trace": trace,
                                   "message": "deadlock: a reachable non-final state where no process can move"}
     elif not stopped and not bounded:
-        bad, nfinal = _cannot_reach_final(model, states, esrc, edst, terminals)
+        bad, nfinal = cannot_reach_final(model, states, esrc, edst, terminals)
         res.final_reachable = nfinal > 0
         if bad is None:
             props[PROP_DEADLOCK] = "PASS"
@@ -1932,7 +1932,7 @@ def check(cfg: ModelConfig, progress=None) -> CheckResult:
     return res
 
 
-def _cannot_reach_final(model: Model, states: list, esrc: array, edst: array,
+def cannot_reach_final(model: Model, states: list, esrc: array, edst: array,
                         terminals: list | None = None) -> tuple[int | None, int]:
     """Reverse reachability from the final states over the explored graph.
 

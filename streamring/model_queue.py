@@ -59,7 +59,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .device.queue_order import L1, item_of, total_items
-from .model import (NOT_CHECKED, PROP_DEADLOCK, CheckResult, Violation, _cannot_reach_final, print_counterexample,
+from .model import (NOT_CHECKED, PROP_DEADLOCK, CheckResult, Violation, cannot_reach_final, print_counterexample,
                     print_properties, print_verdict)
 from .model_names import QUEUE_INJECT_MODES  # noqa: F401  (one definition, shared with the CLI)
 
@@ -393,7 +393,7 @@ def check_queue(cfg: QueueConfig) -> CheckResult:
     else:
         for p in QUEUE_PROPERTIES:
             props[p] = "PASS"
-        unreachable, nfinal = _cannot_reach_final(model, states, esrc, edst)
+        unreachable, nfinal = cannot_reach_final(model, states, esrc, edst)
         res.final_reachable = nfinal > 0
         if unreachable is not None:
             props[PROP_DEADLOCK] = "FAIL"
