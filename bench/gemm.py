@@ -17,14 +17,16 @@ distinct experts per token out of 256), rows = 8 T, block_m 64, the batch path's
   bf16 out; timed, not checked (its numerics are different);
 * ``deep_gemm`` (whenever ``import deep_gemm`` works, ``--deep-gemm auto``): the same routing and
   activations in a consumer of 128-row blocks (DeepGEMM's contiguous layout), L1 =
-  ``m_grouped_fp8_gemm_nt_contiguous`` over the whole block buffer with ``m_indices`` (-1 outside the
-  ready blocks) into a bf16 ``gu`` + ``swiglu_quant_blocks``, L2 with the routing weight folded into
-  its scales - exactly what ``gemm="deep_gemm"`` runs (``streamring/moe/deep_gemm_experts.py``), minus
-  the per-call preparation (``m_indices`` and the MN-major scale copies), timed apart as
-  ``deep_gemm_prep``; and ``deep_gemm_exact_m``: the same calls over only the allocated blocks (the
-  batch path allocates them first, so ``M`` = blocks x 128 with no -1 tail: each expert's rows padded to
-  128, DeepGEMM's own layout, as issue 21 measured it). ``ratio_vs_deep_gemm`` is against the faster of
-  the two.
+  ``m_grouped_fp8_gemm_nt_contiguous`` over the whole block buffer with the psum layout (only the
+  allocated blocks are scheduled; ``deep_gemm_ops.psum_layout``) into a bf16 ``gu`` +
+  ``swiglu_quant_blocks``, L2 with the routing weight folded into its scales - exactly what
+  ``gemm="deep_gemm"``'s batch path runs (``streamring/moe/deep_gemm_experts.py``), minus the per-call
+  preparation (the layouts and the MN-major scale copies), timed apart as ``deep_gemm_prep``;
+  ``deep_gemm_m_indices``: the same calls with ``m_indices`` (-1 outside the ready blocks: a streamed
+  chunk's call), checked bitwise equal to the psum call's rows before it is timed; and
+  ``deep_gemm_exact_m``: the ``m_indices`` calls over only the allocated blocks (the batch path
+  allocates them first, so ``M`` = blocks x 128 with no -1 tail: each expert's rows padded to 128,
+  DeepGEMM's own layout, as issue 21 measured it). ``ratio_vs_deep_gemm`` is against the fastest.
 
 CUTLASS variants are ``tile:out_dtype[:raster]`` (``--l1``) and ``tile[:raster]`` (``--l2``), tiles of
 ``cutlass_gemm.TILE_TABLE``, raster ``m`` (default) or ``n``. Every row carries the ratio to torch and
@@ -309,6 +311,7 @@ class Case:
             self.bd = B.BlockConsumer(shape, T, 1, DG.BLOCK_M, dev)
             rows_d = self.bd.max_blocks * DG.BLOCK_M
             self.d_m_idx = torch.full((rows_d,), -1, dtype=torch.int32, device=dev)
+            self.d_psum = torch.zeros(E, dtype=torch.int32, device=dev)
             self.d_status = torch.zeros(1, dtype=torch.int32, device=dev)
             self.d_a_sf = DG.mn_major_scales(rows_d, H // 128, dev)
             self.d_gu = torch.empty(rows_d, 2 * I, dtype=torch.bfloat16, device=dev)
@@ -360,24 +363,33 @@ class Case:
                  fw.w2, self.w_sf[("w2", plan.sf_n)], self.yc, block_m=bc.block_m)
 
     def deep_gemm_prep(self):
-        """What gemm='deep_gemm' does per call besides the GEMMs: m_indices and MN-major scale copies."""
+        """What gemm='deep_gemm' does per call besides the GEMMs: the psum layout (the batch path's call)
+        and m_indices (a streamed chunk's call; both made here), the MN-major scale copies."""
         bd = self.bd
         DG.ready_m_indices(bd.ready_list, bd.ready_hi, 0, 2, bd.max_blocks, bd.block_expert, self.shape.num_experts,
                            bd.block_m, out=self.d_m_idx, status=self.d_status)
+        DG.psum_layout(bd.state, bd.expert_blocks, bd.ready_hi, 0, 2, self.shape.num_experts, bd.block_m,
+                       out=self.d_psum, status=self.d_status)
         self.d_a_sf.copy_(bd.a_sf)
         self.d_h1t_sfw.copy_(self.d_h1_sfw)
 
-    def deep_gemm_l1(self):
+    def _dg(self, a, b, d, psum: bool):
+        if psum:
+            self.dg.m_grouped_fp8_gemm_nt_contiguous(a, b, d, self.d_psum, use_psum_layout=True)
+        else:
+            self.dg.m_grouped_fp8_gemm_nt_contiguous(a, b, d, self.d_m_idx)
+
+    def deep_gemm_l1(self, psum: bool = True):
+        """gemm='deep_gemm''s L1 over the whole block buffer: the psum layout (the batch path), or
+        ``m_indices`` with -1 rows (``psum=False``: a streamed chunk's call)."""
         bd, fw = self.bd, self.fw
-        self.dg.m_grouped_fp8_gemm_nt_contiguous((bd.a.view(FP8), self.d_a_sf), (fw.w1, fw.w1_sf), self.d_gu,
-                                                 self.d_m_idx)
+        self._dg((bd.a.view(FP8), self.d_a_sf), (fw.w1, fw.w1_sf), self.d_gu, psum)
         K.swiglu_quant_blocks(bd.ready_list, bd.ready_hi, 0, 2, bd.max_blocks, self.d_gu, self.d_h1, self.d_h1_sf,
                               bd.row_weight, self.d_h1_sfw, block_m=bd.block_m)
 
-    def deep_gemm_l2(self):
+    def deep_gemm_l2(self, psum: bool = True):
         bd, fw = self.bd, self.fw
-        self.dg.m_grouped_fp8_gemm_nt_contiguous((bd.h1.view(FP8), self.d_h1t_sfw), (fw.w2, fw.w2_sf), self.d_y,
-                                                 self.d_m_idx)
+        self._dg((bd.h1.view(FP8), self.d_h1t_sfw), (fw.w2, fw.w2_sf), self.d_y, psum)
 
     def deep_gemm_exact_l1(self):
         bd, fw, m = self.bd, self.fw, self.m_exact
@@ -544,10 +556,14 @@ def run_size(T, shape, fw, args, plans_l1, plans_l2, dev, dg=None) -> tuple[list
         if checks[("l1", "deep_gemm")]["ok"]:
             fns["l1"]["deep_gemm"] = c.deep_gemm_l1
             fns["l1"]["deep_gemm_prep"] = c.deep_gemm_prep
+            if checks.get(("l1", "deep_gemm_m_indices"), {}).get("ok"):
+                fns["l1"]["deep_gemm_m_indices"] = lambda c=c: c.deep_gemm_l1(psum=False)
             if c.m_exact > 0:
                 fns["l1"]["deep_gemm_exact_m"] = c.deep_gemm_exact_l1
         if checks[("l2", "deep_gemm")]["ok"]:
             fns["l2"]["deep_gemm"] = c.deep_gemm_l2
+            if checks.get(("l2", "deep_gemm_m_indices"), {}).get("ok"):
+                fns["l2"]["deep_gemm_m_indices"] = lambda c=c: c.deep_gemm_l2(psum=False)
             if c.m_exact > 0:
                 fns["l2"]["deep_gemm_exact_m"] = c.deep_gemm_exact_l2
     fns["l1"]["torch_scaled_grouped_mm"] = c.torch_l1
@@ -569,14 +585,14 @@ def run_size(T, shape, fw, args, plans_l1, plans_l2, dev, dg=None) -> tuple[list
         flops = 2.0 * c.rows * n * kk
         wbytes = c.experts_used * n * kk  # FP8 weights of the experts in use (every set uses all 256 here)
         t_torch = res.get("torch_scaled_grouped_mm", {}).get("median_ms")
-        # DeepGEMM's speed: the faster of its two forms (the consumer's whole-buffer call, exact M)
-        dgs = [res[k]["median_ms"] for k in ("deep_gemm", "deep_gemm_exact_m") if k in res]
+        # DeepGEMM's speed: the fastest of its forms (the consumer's psum and m_indices calls, exact M)
+        dgs = [res[k]["median_ms"] for k in ("deep_gemm", "deep_gemm_m_indices", "deep_gemm_exact_m") if k in res]
         t_dg = min(dgs) if dgs else None
         for impl, t in res.items():
             tf = flops / (t["median_ms"] * 1e-3) / 1e12
             gbs = wbytes / (t["median_ms"] * 1e-3) / 1e9
             row = {"tokens": T, "gemm": gemm, "impl": impl,
-                   "ours": impl not in ("torch_scaled_grouped_mm", "deep_gemm", "deep_gemm_prep", "deep_gemm_exact_m"),
+                   "ours": impl != "torch_scaled_grouped_mm" and not impl.startswith("deep_gemm"),
                    "median_ms": t["median_ms"], "min_ms": t["min_ms"], "max_ms": t["max_ms"], "n": t["n"],
                    "tflops": tf, "pct_dense_fp8_peak": 100.0 * tf / PEAK_FP8_TFLOPS, "weight_gbs": gbs,
                    "pct_hbm": 100.0 * gbs / HBM_GBS, "ratio_vs_torch": (t_torch / t["median_ms"]) if t_torch else None,
@@ -588,7 +604,7 @@ def run_size(T, shape, fw, args, plans_l1, plans_l2, dev, dg=None) -> tuple[list
             rows_out.append(row)
         for (g_, impl), r in checks.items():
             if g_ == gemm and not r["ok"]:
-                rows_out.append({"tokens": T, "gemm": gemm, "impl": impl, "ours": impl != "deep_gemm",
+                rows_out.append({"tokens": T, "gemm": gemm, "impl": impl, "ours": not impl.startswith("deep_gemm"),
                                  "median_ms": None, "tflops": None, "n_dim": n, "k_dim": kk,
                                  "variant": variant_of(impl, plans),
                                  "error": "failed the correctness check: not timed", "check": r})
@@ -625,6 +641,13 @@ def check_deep_gemm(c: Case, pick, args) -> dict:
         r3 = check_h1_sampled(c.d_h1[rows_s], c.d_h1_sf[rows_s], a_s, experts_s, fw.w1, fw.w1_sf)
         out[("l1", "deep_gemm")] = {"ok": r1["ok"] and r2["ok"] and r3["ok"], "gemm_vs_float64": r1,
                                     "h1_vs_triton": r2, "h1_vs_float64": r3}
+        # the m_indices call (a streamed chunk's form) must give the psum call's rows bitwise
+        gu_psum = c.d_gu[c.d_real_rows].clone()
+        poison(c.d_gu)
+        c.deep_gemm_l1(psum=False)
+        torch.cuda.synchronize()
+        same = bool(torch.equal(c.d_gu[c.d_real_rows], gu_psum))
+        out[("l1", "deep_gemm_m_indices")] = {"ok": same, "bitwise_equal_to_psum": same}
         # L2 on Triton's h1 of the 128-row consumer (its h1_sf x weight copied MN-major by the prep)
         poison(bd.y, c.d_y)
         torch.mul(bd.h1_sf, bd.row_weight[:, None], out=c.d_h1_sfw)
@@ -635,8 +658,14 @@ def check_deep_gemm(c: Case, pick, args) -> dict:
         h_s = deq_rows(bd.h1.view(FP8)[rows_s], bd.h1_sf[rows_s])
         r1 = check_sampled(c.d_y[rows_s], h_s, experts_s, fw.w2, fw.w2_sf, bd.row_weight[rows_s], out_round=2.0 ** -8)
         r2 = compare_rel(c.d_y, bd.y, c.d_real_rows, 2.0 ** -8)
-        out[("l2", "deep_gemm")] = {"ok": r1["ok"] and r2["ok"], "vs_float64": r1, "vs_triton": r2,
-                                    "status": int(c.d_status.item())}
+        out[("l2", "deep_gemm")] = {"ok": r1["ok"] and r2["ok"] and int(c.d_status.item()) == 0, "vs_float64": r1,
+                                    "vs_triton": r2, "status": int(c.d_status.item())}
+        y_psum = c.d_y[c.d_real_rows].clone()
+        poison(c.d_y)
+        c.deep_gemm_l2(psum=False)
+        torch.cuda.synchronize()
+        same = bool(torch.equal(c.d_y[c.d_real_rows], y_psum))
+        out[("l2", "deep_gemm_m_indices")] = {"ok": same, "bitwise_equal_to_psum": same}
     except Exception as exc:  # noqa: BLE001 - DeepGEMM failing is reported, the rest goes on
         torch.cuda.synchronize()
         err = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:400]}

@@ -4,11 +4,12 @@ For the GEMM implementations given (comma-separated) and a token count, in this 
 batch layer as ``bench.gemm`` builds it (``blocks.moe_forward`` after the producer), eager twice and
 captured in a CUDA graph, one after another; then every graph replayed 3 times in turn, synchronising
 after each step and printing ``layer_probe: T=<T> <impl> <step>: ok | <error>``; then each graph's
-replay time (median of REPLAYS, default 20, each synchronised). A CUDA error is sticky: give one
+replay time (median of REPLAYS, default 20, interleaved across the graphs, each synchronised). A CUDA error is sticky: give one
 implementation per process to see each alone, several to see them together.
 
     python3 launch/layer_probe.py deep_gemm 8192 [REPLAYS]
     python3 launch/layer_probe.py cutlass,deep_gemm 8192
+    python3 launch/layer_probe.py deep_gemm:indices 8192   # DeepGEMM without the psum layout (m_indices)
 """
 
 import statistics
@@ -30,13 +31,19 @@ fw = B.FastWeights.random(shape, 7, dev)
 x = torch.randn(T, shape.hidden, device=dev).to(torch.bfloat16)
 
 
-def make(impl):
-    """The batch layer's forward for ``impl``, as bench.gemm's layer rows build it."""
+def make(name):
+    """The batch layer's forward for ``name`` (an implementation; ``deep_gemm:indices`` is DeepGEMM with
+    ``m_indices`` in every call instead of the psum layout), as bench.gemm's layer rows build it."""
+    impl, _, mode = name.partition(":")
     choice = GC.choose_layer(T * shape.topk / shape.num_experts, shape.hidden, shape.intermediate, {impl: ""},
                              GC.load_table())
     bm = DG.BLOCK_M if impl == "deep_gemm" else 64
     fwd, out, bc = BG.layer_forward(impl, choice, bm, x, shape, fw, dev)
-    print(f"layer_probe: {impl} T={T}: choice {choice.l1.key} / {choice.l2.key}, block_m {bm}", flush=True)
+    if mode == "indices":
+        bc.deep_gemm.allow_psum = False
+    elif mode:
+        raise SystemExit(f"layer_probe: {name!r}: the only mode is deep_gemm:indices")
+    print(f"layer_probe: {name} T={T}: choice {choice.l1.key} / {choice.l2.key}, block_m {bm}", flush=True)
     return fwd, out, bc
 
 
@@ -73,18 +80,30 @@ for impl in impls:
 for i in range(3):
     for impl, g in graphs.items():
         ok = ok and step(f"{impl} replay {i}", g.replay)
-for impl, g in graphs.items():
-    if not ok:
-        break
-    print(f"layer_probe: {impl} T={T} graph == eager bitwise: {torch.equal(outs[impl], refs[impl])}", flush=True)
-    ms = []
+if ok:
+    for impl in graphs:
+        print(f"layer_probe: {impl} T={T} graph == eager bitwise: {torch.equal(outs[impl], refs[impl])}", flush=True)
+    # replays interleaved (A B A B ...), each timed alone, so that clock drift reaches every graph alike
+    ms = {impl: [] for impl in graphs}
     for _ in range(REPLAYS):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        ms.append(a.elapsed_time(b))
-    print(f"layer_probe: {impl} T={T} graph replay median {statistics.median(ms):.3f} ms (min {min(ms):.3f}, "
-          f"max {max(ms):.3f}, n {len(ms)})", flush=True)
+        for impl, g in graphs.items():
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            g.replay()
+            b.record()
+            torch.cuda.synchronize()
+            ms[impl].append(a.elapsed_time(b))
+    for impl, v in ms.items():
+        print(f"layer_probe: {impl} T={T} graph replay median {statistics.median(v):.3f} ms (min {min(v):.3f}, "
+              f"max {max(v):.3f}, n {len(v)})", flush=True)
+for held, impl in zip(keep, impls):
+    dgx = getattr(held, "deep_gemm", None)
+    if ok and dgx is not None:
+        print(f"layer_probe: {impl} psum layout used: {dgx.last_used_psum}; status: {DG.status_text(dgx.status())}",
+              flush=True)
+        ok = ok and dgx.status() == 0
+if ok and "deep_gemm" in outs and "deep_gemm:indices" in outs:
+    same = torch.equal(outs["deep_gemm"], outs["deep_gemm:indices"])
+    print(f"layer_probe: deep_gemm (psum) == deep_gemm:indices bitwise: {same}", flush=True)
+    ok = ok and same
 sys.exit(0 if ok else 1)

@@ -106,6 +106,78 @@ def test_mn_major_scales_have_the_layout_deep_gemm_passes_through():
 
 
 # ----------------------------------------------------------------------------------------------
+# the psum layout of one allocation (what DeepGEMM's psum scheduler walks)
+# ----------------------------------------------------------------------------------------------
+def _psum_consumer(chunks, num_experts=4, block_m=16, seed=0):
+    """A real BlockConsumer after len(chunks) dispatches (``chunks``: tokens per dispatch, top-2 routes
+    drawn with ``seed``) and the seal (Triton's CPU interpreter without a GPU)."""
+    pytest.importorskip("triton", reason="Triton is not installed")
+    from streamring.moe import blocks as B
+    from streamring.moe.math import MoEShape
+
+    shape = MoEShape(hidden=128, intermediate=128, num_experts=num_experts, topk=2, weight_dtype="fp8")
+    T = sum(chunks)
+    bc = B.BlockConsumer(shape, T, len(chunks) + 1, block_m, DEV)
+    g = torch.Generator().manual_seed(seed)
+    bc.begin()
+    base = 0
+    for c, n in enumerate(chunks):
+        idx = torch.stack([torch.randperm(num_experts, generator=g)[:2] for _ in range(n)]).to(DEV)
+        w = torch.rand(n, 2, generator=g).to(DEV)
+        q = torch.zeros(n, 128, dtype=FP8, device=DEV)
+        sf = torch.ones(n, 1, device=DEV)
+        bc.dispatch(c, idx, w, q, sf, base)
+        base += n
+    bc.seal(len(chunks))
+    return bc, shape
+
+
+def _rows_psum_walks(psum, bm):
+    """expert -> the rows DeepGEMM's psum scheduler gives it: ``[align(psum[e-1], bm), psum[e])``."""
+    rows, last = {}, 0
+    for e, end in enumerate(psum):
+        start = -(-last // bm) * bm
+        rows[e] = list(range(start, end)) if end > start else []
+        last = end
+    return rows
+
+
+def _rows_of_experts(bc, num_experts, bm):
+    """expert -> the rows its routes were placed in (the block table, in fill order)."""
+    fill = bc.state[:num_experts].tolist()
+    eb = bc.expert_blocks.tolist()
+    return {e: [eb[e][p // bm] * bm + p % bm for p in range(fill[e])] for e in range(num_experts)}
+
+
+@pytest.mark.parametrize("tokens, seed", [(1, 0), (9, 1), (40, 2), (64, 3)])
+def test_psum_layout_of_one_allocation_walks_exactly_each_experts_rows(tokens, seed):
+    bc, shape = _psum_consumer([tokens], seed=seed)
+    assert bc.covers_one_allocation(0, 2) and not bc.covers_one_allocation(1, 2)
+    status = torch.zeros(1, dtype=torch.int32, device=DEV)
+    psum = DG.psum_layout(bc.state, bc.expert_blocks, bc.ready_hi, 0, 2, shape.num_experts, 16, status=status)
+    assert int(status) == 0
+    assert _rows_psum_walks(psum.tolist(), 16) == _rows_of_experts(bc, shape.num_experts, 16)
+
+
+def test_psum_layout_refuses_blocks_of_two_allocations_and_partial_ranges():
+    # 3 dispatches: later chunks hand out blocks after earlier ones, so an expert's blocks are not
+    # contiguous in expert order (seed chosen so that they are not) - bit 32 and an all-zero psum
+    bc, shape = _psum_consumer([20, 20, 20], seed=4)
+    assert not bc.covers_one_allocation(0, 4)
+    status = torch.zeros(1, dtype=torch.int32, device=DEV)
+    psum = DG.psum_layout(bc.state, bc.expert_blocks, bc.ready_hi, 0, 4, shape.num_experts, 16, status=status)
+    assert int(status) == 32 and psum.tolist() == [0] * shape.num_experts
+    assert "not laid out expert by expert" in DG.status_text(32)
+    # one allocation, but a range that leaves the seal's blocks out
+    bc, shape = _psum_consumer([40], seed=2)
+    status.zero_()
+    DG.psum_layout(bc.state, bc.expert_blocks, bc.ready_hi, 0, 1, shape.num_experts, 16, status=status)
+    assert int(status) == 32
+    with pytest.raises(ValueError, match="num_experts = 4"):
+        DG.psum_layout(bc.state, bc.expert_blocks, bc.ready_hi, 0, 2, 4, 16, out=torch.zeros(3, dtype=torch.int32))
+
+
+# ----------------------------------------------------------------------------------------------
 # copy of the ready rows (Triton; the CPU interpreter without a GPU)
 # ----------------------------------------------------------------------------------------------
 def test_copy_ready_rows_touches_only_the_range():
@@ -363,7 +435,8 @@ def test_consumer_deep_gemm_matches_triton():
 @needs_deep_gemm
 @pytest.mark.parametrize("chunk, keep", [(37, True), (200, True), (640, False)])
 def test_consumer_deep_gemm_streamed_equals_batch_bitwise(chunk, keep):
-    """keep=False: L2 writes y directly, and DeepGEMM's zeros on the -1 rows of the seal's call wipe
+    """The batch call (psum layout) and the streamed calls (m_indices) give equal rows bitwise.
+    keep=False: L2 writes y directly, and DeepGEMM's zeros on the -1 rows of the seal's call wipe
     the first chunk's rows - why a consumer whose y must keep other rows uses the scratch + copy."""
     B, shape, fw, x = _moe_setup()
     T = x.shape[0]
@@ -382,6 +455,8 @@ def test_consumer_deep_gemm_streamed_equals_batch_bitwise(chunk, keep):
             prod.layout(x, sc["q"], sc["sf"])
             B.moe_forward(sc["idx"], sc["w"], sc["q"], sc["sf"], fw, bc, y, gemm_impl="deep_gemm")
         bc.deep_gemm.check()
+        # the batch call covers the forward's one allocation: the psum layout; a stream's seal call does not
+        assert bc.deep_gemm.last_used_psum is (not streamed)
         ys.append(y)
     assert torch.equal(ys[0], ys[1]) == keep
 

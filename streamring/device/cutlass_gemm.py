@@ -102,6 +102,8 @@ STATUS_BITS = {
     4: "a ready block id is outside [0, num_blocks) (skipped)",
     8: "a ready block's expert id is outside [0, num_experts) (skipped)",
     16: "the ready range lies outside the ready list (ready_hi[lo_index] < 0 or ready_hi[hi_index] > its length)",
+    32: "psum layout: the blocks are not laid out expert by expert, or the range is not every allocated block "
+        "(nothing was computed)",
 }
 
 _c_int, _c_void_p, _c_char_p = ctypes.c_int, ctypes.c_void_p, ctypes.c_char_p

@@ -186,6 +186,47 @@ def ready_m_indices(ready_list: torch.Tensor, ready_hi: torch.Tensor, lo_index: 
     return out
 
 
+def psum_layout(state: torch.Tensor, expert_blocks: torch.Tensor, ready_hi: torch.Tensor, lo_index: int,
+                hi_index: int, num_experts: int, block_m: int, out: torch.Tensor | None = None,
+                status: torch.Tensor | None = None) -> torch.Tensor:
+    """DeepGEMM's psum ``grouped_layout [num_experts]`` int32 of blocks laid out expert by expert:
+    ``psum[e] = 128 * (blocks of experts < e) + rows of e``.
+
+    With ``use_psum_layout=True`` DeepGEMM's scheduler walks expert ``e``'s tiles from
+    ``align(psum[e-1], 128)`` to ``psum[e]`` and schedules nothing past the last expert's rows: the
+    unused blocks at the end of the buffer (the worst-case capacity) cost no loads and no stores,
+    unlike ``m_indices`` = -1 rows. It needs every expert's blocks contiguous, in expert order, and
+    the call to cover every block: what one ``alloc_blocks`` call hands out
+    (:meth:`~streamring.moe.blocks.BlockConsumer.covers_one_allocation` says when the host knows it).
+    Checked on the device against the block table: ``expert_blocks[e, j] == start[e] + j`` for every
+    allocated block, every allocated block ready and inside ``ready_hi[lo_index] : ready_hi[hi_index]``;
+    otherwise the psum is all zeros (DeepGEMM computes nothing) and bit 32 is ORed into ``status``.
+
+    ``state`` is the consumer's ``[E + 2]`` word (rows per expert, blocks allocated, blocks ready).
+    Torch ops only: no host synchronisation, capturable.
+    """
+    E = num_experts
+    fill = state[:E].long()
+    nb = (fill + block_m - 1) // block_m
+    start = torch.cumsum(nb, 0) - nb
+    j = torch.arange(expert_blocks.shape[1], device=expert_blocks.device)
+    owned = j[None, :] < nb[:, None]
+    misplaced = (owned & (expert_blocks.long() != start[:, None] + j[None, :])).any()
+    allocated, ready = state[E].long(), state[E + 1].long()
+    span = ready_hi[hi_index].long() - ready_hi[lo_index].long()
+    bad = misplaced | (ready != allocated) | (span != allocated) | (nb.sum() != allocated)
+    psum = torch.where(bad, torch.zeros_like(fill), start * block_m + fill)
+    if out is None:
+        out = torch.empty(E, dtype=torch.int32, device=state.device)
+    elif out.dtype != torch.int32 or out.numel() != E or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous int32 tensor of num_experts = {E} elements, got "
+                         f"{out.dtype} {tuple(out.shape)}")
+    out.copy_(psum)
+    if status is not None:
+        status.bitwise_or_((bad.int() * 32).to(status.dtype).reshape(1))
+    return out
+
+
 def mn_major_scales(rows: int, cols: int, device) -> torch.Tensor:
     """A ``[rows, cols]`` float32 buffer laid out MN-major (strides ``(1, rows)``), zeroed: what DeepGEMM
     takes as activation scales without transposing them (``rows`` must be a multiple of 4, TMA)."""

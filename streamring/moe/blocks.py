@@ -177,6 +177,10 @@ class BlockConsumer:
             self.ep_tokens = ep_entries // shape.topk  # (source, token) pairs of one dispatch
             self._stage = None  # (x, x_sf) stage rows of pull="token", allocated at its first use
         self.gemm_kernels: set = set()  # compiled GEMM kernels launched so far (graph node priorities)
+        # this forward's block allocations so far (host side, so also right while a graph is captured):
+        # after exactly one dispatch and the seal, block ids were handed out expert by expert in one
+        # call (``alloc_blocks``), so each expert's blocks are contiguous and in expert order
+        self.allocations, self.sealed_at = 0, None
 
     def max_ready(self, tokens: int) -> int:
         """Most blocks one dispatch of ``tokens`` tokens can make ready (the GEMM grid bound)."""
@@ -186,6 +190,7 @@ class BlockConsumer:
         """Start a forward: no block allocated or ready (and, expert-parallel, no result row)."""
         self.state.zero_()
         self.ready_hi.zero_()
+        self.allocations, self.sealed_at = 0, None
         if self.ep:
             self.row_src.fill_(-1)
             self.pull_bytes.zero_()
@@ -204,6 +209,7 @@ class BlockConsumer:
         cstart = (torch.cumsum(counts, 0, dtype=torch.int32) - counts)
         K.alloc_blocks(counts, self.state, self.expert_blocks, self.block_expert, self.ready_list, self.ready_hi,
                        c + 1, num_experts=E, block_m=self.block_m, seal=False)
+        self.allocations += 1
         K.place_rows(sorted_e, order, counts, cstart, self.state, self.expert_blocks, x_q.view(torch.uint8), x_sf,
                      topk_w.reshape(-1), self.a, self.a_sf, self.row_weight, self.tok_row, token_base, topk=Kk,
                      block_m=self.block_m)
@@ -248,6 +254,7 @@ class BlockConsumer:
         cstart = torch.cumsum(counts, 0, dtype=torch.int32) - counts
         K.alloc_blocks(counts, self.state, self.expert_blocks, self.block_expert, self.ready_list, self.ready_hi,
                        (c if step is None else step) + 1, num_experts=E, block_m=self.block_m, seal=False)
+        self.allocations += 1
         K.ep_place_rows(sorted_e, order, counts, cstart, self.state, self.expert_blocks, src_list, ring[0], ring[1],
                         deltas[0], deltas[1], offs[0], offs[1], flat_w, self.a, self.a_sf, self.row_weight,
                         self.row_src, self.row_tok, self.row_chunk, c, tokens_per_slot=C, topk=Kk,
@@ -266,6 +273,14 @@ class BlockConsumer:
         """End of stream: every partial block becomes ready (``ready_hi[c + 1]``)."""
         K.alloc_blocks(self.ready_hi, self.state, self.expert_blocks, self.block_expert, self.ready_list,
                        self.ready_hi, c + 1, num_experts=self.shape.num_experts, block_m=self.block_m, seal=True)
+        self.sealed_at = c + 1
+
+    def covers_one_allocation(self, lo_index: int, hi_index: int) -> bool:
+        """Whether ``[lo_index, hi_index)`` is this forward's whole ready list after exactly one dispatch
+        and the seal: then every block is in the range and the blocks lie expert by expert
+        (``alloc_blocks`` hands ids out by a prefix sum over experts), the layout DeepGEMM's psum
+        path reads (:func:`streamring.device.deep_gemm_ops.psum_layout` re-checks it on the device)."""
+        return self.allocations == 1 and self.sealed_at is not None and lo_index == 0 and hi_index == self.sealed_at
 
     def compute(self, lo_index: int, hi_index: int, max_items: int, fw: FastWeights, pdl: bool = False,
                 max_ctas: int | None = None, out=None, direct=None) -> None:
@@ -314,16 +329,17 @@ class BlockConsumer:
             self.use_cutlass()
         self.cutlass.compute(lo_index, hi_index, max_items, fw, max_ctas=max_ctas)
 
-    def use_deep_gemm(self, *, keep_rows_outside_range: bool = True):
+    def use_deep_gemm(self, *, keep_rows_outside_range: bool = True, psum: bool = True):
         """Set up (once; allocates) the DeepGEMM expert GEMMs that :meth:`compute_deep_gemm` runs: a
         :class:`streamring.moe.deep_gemm_experts.DeepGemmExperts` (returned). Needs ``block_m`` 128
         (ValueError otherwise) and DeepGEMM (RuntimeError with the reason otherwise). Call it before a
         CUDA graph capture. ``keep_rows_outside_range=False`` lets L2 write ``y`` directly (DeepGEMM
         zeroes ``y``'s rows outside the ready range): only for a ``y`` read right after each call
-        (the expert-parallel layer's staging rows) or a single call over every block."""
+        (the expert-parallel layer's staging rows) or a single call over every block. ``psum=False``:
+        never the psum layout (every call passes ``m_indices``; for benchmarks)."""
         from .deep_gemm_experts import DeepGemmExperts
 
-        self.deep_gemm = DeepGemmExperts(self, keep_rows_outside_range=keep_rows_outside_range)
+        self.deep_gemm = DeepGemmExperts(self, keep_rows_outside_range=keep_rows_outside_range, psum=psum)
         return self.deep_gemm
 
     def compute_deep_gemm(self, lo_index: int, hi_index: int, max_items: int, fw: FastWeights, pdl: bool = False,

@@ -11,7 +11,11 @@ Per call (``streamring.device.deep_gemm_ops`` says what DeepGEMM wants and why):
    the activation scales copied into an MN-major buffer;
 2. L1: ``deep_gemm.m_grouped_fp8_gemm_nt_contiguous`` over the whole block buffer
    (``max_blocks * 128`` rows: the same kernel configuration whatever the range) into ``gu`` (bf16,
-   the only output DeepGEMM's contiguous path has);
+   the only output DeepGEMM's contiguous path has). A call that covers the forward's only allocation
+   (the batch path: one dispatch, the seal, one call over every block;
+   :meth:`~streamring.moe.blocks.BlockConsumer.covers_one_allocation`) passes the psum layout instead
+   of ``m_indices`` (:func:`~streamring.device.deep_gemm_ops.psum_layout`): DeepGEMM then schedules
+   only the allocated blocks, not the worst-case buffer's -1 rows, which it would load and store;
 3. :func:`~streamring.device.moe_triton.swiglu_quant_blocks`: ``h1``, ``h1_sf``, and
    ``h1_sf_w = h1_sf * routing weight`` (L2's activation scales), copied MN-major;
 4. L2 with those scales: the routing weight is applied inside the scale promotion, ``y`` is rounded
@@ -39,11 +43,12 @@ FP8 = torch.float8_e4m3fn
 class DeepGemmExperts:
     """DeepGEMM buffers for one :class:`~streamring.moe.blocks.BlockConsumer` (allocated here, once).
 
+    ``psum``: let a call over the forward's only allocation pass the psum layout (module doc).
     Raises ValueError unless ``bc.block_m`` is 128 and RuntimeError (with the reason) when DeepGEMM
     is not available (:func:`~streamring.device.deep_gemm_ops.deep_gemm_available`).
     """
 
-    def __init__(self, bc, *, keep_rows_outside_range: bool = True):
+    def __init__(self, bc, *, keep_rows_outside_range: bool = True, psum: bool = True):
         DG.check_block_m(bc.block_m, "block_m (BlockConsumer.block_m, the plan's block_m)")
         self.dg = DG.load()
         shape = bc.shape
@@ -52,7 +57,12 @@ class DeepGemmExperts:
         dev = bc.device
         self.bc = bc
         self.keep_rows_outside_range = bool(keep_rows_outside_range)
+        #: False: every call passes ``m_indices`` (the psum layout's baseline in benchmarks)
+        self.allow_psum = bool(psum)
         self.m_indices = torch.full((rows,), -1, dtype=torch.int32, device=dev)
+        self.psum = torch.zeros(shape.num_experts, dtype=torch.int32, device=dev)
+        #: whether the last :meth:`compute` passed the psum layout (True) or ``m_indices`` (False)
+        self.last_used_psum: bool | None = None
         self.status_word = torch.zeros(1, dtype=torch.int32, device=dev)
         self.a_sf_mn = DG.mn_major_scales(rows, H // 128, dev)
         self.gu = torch.zeros(rows, 2 * I, dtype=torch.bfloat16, device=dev)
@@ -67,25 +77,37 @@ class DeepGemmExperts:
         DG.ready_m_indices(bc.ready_list, bc.ready_hi, lo_index, hi_index, max_items, bc.block_expert,
                            bc.shape.num_experts, bc.block_m, out=self.m_indices, status=self.status_word)
 
-    def l1_swiglu(self, lo_index: int, hi_index: int, max_items: int, fw) -> None:
-        """L1 + SwiGLU/requant of the ready blocks (``m_indices`` must be current: :meth:`indices`)."""
+    def psum_indices(self, lo_index: int, hi_index: int) -> None:
+        """The psum layout of every allocated block (checked on the device: :attr:`status_word` bit 32)."""
+        bc = self.bc
+        DG.psum_layout(bc.state, bc.expert_blocks, bc.ready_hi, lo_index, hi_index, bc.shape.num_experts,
+                       bc.block_m, out=self.psum, status=self.status_word)
+
+    def _grouped(self, a, b, d, psum: bool) -> None:
+        if psum:
+            self.dg.m_grouped_fp8_gemm_nt_contiguous(a, b, d, self.psum, use_psum_layout=True)
+        else:
+            self.dg.m_grouped_fp8_gemm_nt_contiguous(a, b, d, self.m_indices)
+
+    def l1_swiglu(self, lo_index: int, hi_index: int, max_items: int, fw, psum: bool = False) -> None:
+        """L1 + SwiGLU/requant of the ready blocks (``m_indices`` must be current: :meth:`indices`; with
+        ``psum``, :attr:`psum`: :meth:`psum_indices`)."""
         bc = self.bc
         self.a_sf_mn.copy_(bc.a_sf)
-        self.dg.m_grouped_fp8_gemm_nt_contiguous((bc.a.view(FP8), self.a_sf_mn), (fw.w1, fw.w1_sf), self.gu,
-                                                 self.m_indices)
+        self._grouped((bc.a.view(FP8), self.a_sf_mn), (fw.w1, fw.w1_sf), self.gu, psum)
         K.swiglu_quant_blocks(bc.ready_list, bc.ready_hi, lo_index, hi_index, max_items, self.gu, bc.h1.view(FP8),
                               bc.h1_sf, bc.row_weight, self.h1_sf_w, block_m=bc.block_m)
 
-    def l2(self, lo_index: int, hi_index: int, max_items: int, fw) -> None:
-        """L2 (routing weight folded into the scales) of the ready blocks into ``bc.y``."""
+    def l2(self, lo_index: int, hi_index: int, max_items: int, fw, psum: bool = False) -> None:
+        """L2 (routing weight folded into the scales) of the ready blocks into ``bc.y``. With ``psum``
+        DeepGEMM stores only the allocated blocks' rows, so it writes ``bc.y`` directly."""
         bc = self.bc
         if bc.y is None:
             raise ValueError("gemm='deep_gemm' needs the consumer's local y (BlockConsumer(local_y=True))")
         self.h1_sf_w_mn.copy_(self.h1_sf_w)
-        out = self.y_scratch if self.y_scratch is not None else bc.y
-        self.dg.m_grouped_fp8_gemm_nt_contiguous((bc.h1.view(FP8), self.h1_sf_w_mn), (fw.w2, fw.w2_sf), out,
-                                                 self.m_indices)
-        if self.y_scratch is not None:
+        out = self.y_scratch if self.y_scratch is not None and not psum else bc.y
+        self._grouped((bc.h1.view(FP8), self.h1_sf_w_mn), (fw.w2, fw.w2_sf), out, psum)
+        if out is self.y_scratch:
             DG.copy_ready_rows(bc.ready_list, bc.ready_hi, lo_index, hi_index, max_items, self.y_scratch, bc.y,
                                block_m=bc.block_m)
 
@@ -95,9 +117,14 @@ class DeepGemmExperts:
                              f"device's SM count; a capped grid would change them), got {max_ctas}")
         if max_items <= 0:
             return
-        self.indices(lo_index, hi_index, max_items)
-        self.l1_swiglu(lo_index, hi_index, max_items, fw)
-        self.l2(lo_index, hi_index, max_items, fw)
+        psum = self.allow_psum and self.bc.covers_one_allocation(lo_index, hi_index)
+        if psum:
+            self.psum_indices(lo_index, hi_index)
+        else:
+            self.indices(lo_index, hi_index, max_items)
+        self.last_used_psum = psum
+        self.l1_swiglu(lo_index, hi_index, max_items, fw, psum)
+        self.l2(lo_index, hi_index, max_items, fw, psum)
 
     def status(self) -> int:
         """The ready-range status bits so far (synchronises); 0 = every range was fine."""

@@ -1,0 +1,54 @@
+"""One launch of each expert GEMM worth profiling, for Nsight Compute (``ncu``) to measure (issue 21:
+what limits our CUTLASS kernels where DeepGEMM is faster).
+
+At ``T`` tokens (default 8192; DeepSeek-V3 shape, uniform top-8 of 256, ``bench.gemm``'s inputs), after
+one warm-up call each, calls once: the CUTLASS L1 and L2 variants named (default the committed table's
+picks at 8192: ``coop128:bf16:n`` and ``pingpong64``) and, when ``import deep_gemm`` works, DeepGEMM's
+L1 and L2 on the exact M (its own layout). Between the calls it synchronises, so that each kernel is
+profiled alone. Run under ncu, e.g. (``launch/deep_gemm_layer.sh`` does)::
+
+    ncu --target-processes all -k regex:'device_kernel|sm90_fp8_gemm' --launch-skip 4 --launch-count 4 \\
+        --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \\
+        --section LaunchStats --section Occupancy python3 launch/gemm_profile.py 8192
+
+Without ncu it prints each call's time (CUDA events, one call: a sanity check, not a benchmark).
+"""
+
+import sys
+from types import SimpleNamespace
+
+import torch
+
+from bench import gemm as BG
+from streamring.device import cutlass_gemm as CG
+from streamring.device import deep_gemm_ops as DG
+from streamring.moe import blocks as B
+
+T = int(sys.argv[1]) if len(sys.argv) > 1 else 8192
+L1 = sys.argv[2] if len(sys.argv) > 2 else "coop128:bf16:n"
+L2 = sys.argv[3] if len(sys.argv) > 3 else "pingpong64"
+dev = torch.device("cuda")
+shape = BG.dsv3_shape()
+H, I = shape.hidden, shape.intermediate
+fw = B.FastWeights.random(shape, 7, dev)
+dg = DG.load() if DG.deep_gemm_available() else None
+c = BG.Case(T, shape, fw, SimpleNamespace(block_m=64, seed=1234, sets=1), dev, dg)
+c.load(0)
+(n1, (t1, d1, r1)), = BG.parse_variants(L1, "l1").items()
+(n2, (t2, _, r2)), = BG.parse_variants(L2, "l2").items()
+p1 = CG.GroupedGemm(2 * I, H, out_dtype=d1, tile=t1, raster=r1, capacity=c.bc.max_blocks)
+p2 = CG.GroupedGemm(H, I, out_dtype=torch.bfloat16, tile=t2, raster=r2, capacity=c.bc.max_blocks)
+calls = {n1: lambda: c.cutlass_l1(p1), n2: lambda: c.cutlass_l2(p2)}
+if dg is not None and c.m_exact > 0:
+    calls["deep_gemm_exact_m_l1"] = c.deep_gemm_exact_l1
+    calls["deep_gemm_exact_m_l2"] = c.deep_gemm_exact_l2
+for fn in calls.values():  # warm-up (JIT compiles, plans): the first launches of each kernel
+    fn()
+torch.cuda.synchronize()
+for name, fn in calls.items():
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    fn()
+    b.record()
+    torch.cuda.synchronize()
+    print(f"gemm_profile: T={T} {name}: {a.elapsed_time(b):.3f} ms (one call)", flush=True)
