@@ -295,13 +295,11 @@ def gemm_only_graph(buf: EPBuffer, layer):
     n = buf.paths["batch"].num_chunks * buf.paths["batch"].steps + 1  # dispatch steps + the seal
 
     def run():
-        if buf.gemm == "cutlass":
-            bc.compute_cutlass(0, n, bc.max_blocks, layer.fw)
-        elif buf.direct_l2:
+        if buf.direct_l2:
             bc.compute(0, n, bc.max_blocks, layer.fw, out=buf.comb_rows, direct=(bc.row_src, bc.row_tok,
                                                                                  buf.comb_delta))
-        else:
-            bc.compute(0, n, bc.max_blocks, layer.fw)
+        else:  # the buffer's own GEMMs (CUTLASS, DeepGEMM: one call over every block, its psum layout)
+            B.compute_blocks(bc, 0, n, bc.max_blocks, layer.fw, buf.gemm)
 
     run()
     torch.cuda.synchronize()
@@ -364,7 +362,8 @@ def bench_tokens(heap, T, shape, full, base, args, rows, timelines, budget):
                                    source_order=order, gemm=gemm,
                                    transport=args.transport, chunk_gemm_ctas=ctas, consumer=cons,
                                    reserved_sms=k or 0, pull=args.pull, side_puts=not args.no_side_puts,
-                                   chunk_combine=not args.no_chunk_combine,
+                                   chunk_combine=args.chunk_combine,
+                                   last_step_with_seal=not args.separate_seal_gemms,
                                    deadline_s=args.deadline_s,
                                    timeline=bool(plan), name="bench")
                     layer = buf.prepare_weights(full)
@@ -520,8 +519,11 @@ def main(argv=None) -> int:
                          "Triton GEMMs only)")
     ap.add_argument("--batch-consumer", default="per_chunk", choices=["per_chunk", "persistent"])
     ap.add_argument("--reserved-sms", type=ints, default=[16], help="persistent consumer: SMs left to the producers")
-    ap.add_argument("--no-chunk-combine", action="store_true",
-                    help="the owner's reduce once after the GEMMs instead of chunk by chunk on its own stream")
+    ap.add_argument("--chunk-combine", action="store_true",
+                    help="the owner's reduce chunk by chunk on its own stream instead of once after the GEMMs "
+                         "(EPBuffer(chunk_combine=True); off by default, as in the buffer)")
+    ap.add_argument("--separate-seal-gemms", action="store_true",
+                    help="a GEMM call per dispatch step and one for the seal (EPBuffer(last_step_with_seal=False))")
     ap.add_argument("--no-side-puts", action="store_true",
                     help="the result puts of the local-y GEMMs (CUTLASS) on the GEMM stream instead of their own")
     ap.add_argument("--pull", default="token", choices=["route", "token"], help="dispatch pull: per route or per token")

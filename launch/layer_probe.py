@@ -5,13 +5,16 @@ batch layer as ``bench.gemm`` builds it (``blocks.moe_forward`` after the produc
 captured in a CUDA graph, one after another; then every graph replayed 3 times in turn, synchronising
 after each step and printing ``layer_probe: T=<T> <impl> <step>: ok | <error>``; then each graph's
 replay time (median of REPLAYS, default 20, interleaved across the graphs, each synchronised). A CUDA error is sticky: give one
-implementation per process to see each alone, several to see them together.
+implementation per process to see each alone, several to see them together. With
+``LAYER_PROBE_KERNELS=1`` it also prints each implementation's kernels per forward (torch.profiler over 3
+eager forwards: device time per kernel name), the phases of the layer.
 
     python3 launch/layer_probe.py deep_gemm 8192 [REPLAYS]
     python3 launch/layer_probe.py cutlass,deep_gemm 8192
     python3 launch/layer_probe.py deep_gemm:indices 8192   # DeepGEMM without the psum layout (m_indices)
 """
 
+import os
 import statistics
 import sys
 import time
@@ -60,11 +63,12 @@ def step(name, fn):
 
 
 # every implementation set up, run eagerly and captured first (as bench.gemm's layer rows), then replayed
-graphs, outs, refs, keep = {}, {}, {}, []
+graphs, outs, refs, keep, fwds = {}, {}, {}, [], {}
 ok = True
 for impl in impls:
     fwd, out, held = make(impl)
     keep.append(held)
+    fwds[impl] = fwd
     ok = ok and step(f"{impl} eager 1", fwd) and step(f"{impl} eager 2", fwd)
     if not ok:
         break
@@ -96,6 +100,26 @@ if ok:
     for impl, v in ms.items():
         print(f"layer_probe: {impl} T={T} graph replay median {statistics.median(v):.3f} ms (min {min(v):.3f}, "
               f"max {max(v):.3f}, n {len(v)})", flush=True)
+if ok and os.environ.get("LAYER_PROBE_KERNELS"):
+    # where a forward's time goes: every kernel of 3 eager forwards per implementation (the same kernels
+    # the graph replays), device time per kernel name, largest first
+    from torch.profiler import ProfilerActivity, profile
+
+    for impl, fwd in fwds.items():
+        fwd()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                fwd()
+            torch.cuda.synchronize()
+        per = {}
+        for ev in prof.events():
+            if ev.device_type == torch.autograd.DeviceType.CUDA:
+                per[ev.name] = per.get(ev.name, 0.0) + ev.time_range.elapsed_us() / 3e3  # us -> ms per forward
+        tot = sum(per.values())
+        print(f"layer_probe: {impl} T={T} kernels per forward (eager, device time; sum {tot:.3f} ms):", flush=True)
+        for name, t in sorted(per.items(), key=lambda kv: -kv[1])[:14]:
+            print(f"layer_probe:   {t:8.3f} ms  {100 * t / tot:5.1f} %  {name[:110]}", flush=True)
 for held, impl in zip(keep, impls):
     dgx = getattr(held, "deep_gemm", None)
     if ok and dgx is not None:

@@ -90,6 +90,38 @@ def test_streamed_equals_batch_equals_single_process(setup):
     assert st["batch"]["published"] == 2 and st["batch"]["consumed"] == 1, st
 
 
+def test_last_step_with_seal_saves_a_gemm_call_and_keeps_the_bits(setup, monkeypatch):
+    """The last dispatch step's blocks computed in the seal's call (the default): one GEMM call per
+    forward fewer (the batch path: one instead of two), outputs bitwise those of a call per step."""
+    import streamring.moe.ep_buffer as EB
+
+    shape, fw, buf = setup
+    ranges = []
+    real = EB.EPBuffer._gemms
+
+    def gemms(self, path, layer, lo, hi, *a, **k):  # every GEMM call of a forward, as its ready range
+        ranges.append((lo, hi))
+        return real(self, path, layer, lo, hi, *a, **k)
+    monkeypatch.setattr(EB.EPBuffer, "_gemms", gemms)
+    x = tokens(37, 1)
+    sep = EPBuffer(EmulatedHeap(), shape, max_tokens_per_rank=40, num_slots=2, tokens_per_slot=16,
+                   policy="serialized", gemm="triton", last_step_with_seal=False)
+    try:
+        got = {}
+        for name, b in (("merged", buf), ("separate", sep)):
+            w = b.prepare_weights(fw)
+            for streaming in (False, True):
+                ranges.clear()
+                got[name, streaming] = (b.forward(x, w, streaming=streaming).clone(), list(ranges))
+    finally:
+        sep.close()
+    assert got["merged", False][1] == [(0, 2)] and got["separate", False][1] == [(0, 1), (1, 2)]
+    assert got["merged", True][1] == [(0, 1), (1, 2), (2, 4)]
+    assert got["separate", True][1] == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    for streaming in (False, True):
+        assert torch.equal(bits(got["merged", streaming][0]), bits(got["separate", streaming][0]))
+
+
 @pytest.mark.slow(reason=EMULATED)
 def test_one_buffer_serves_two_layers(setup):
     shape, fw, buf = setup

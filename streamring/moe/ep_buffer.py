@@ -206,6 +206,12 @@ class EPBuffer:
             arrival wait holds an SM slot that one CTA of CUTLASS's statically scheduled persistent grid
             then waits for, so that CTA's tiles run after all the others');
             ``docs/results/ep-schedule-experiments-1pe-2026-12-01.log``.
+        last_step_with_seal: the per-chunk consumer computes the last dispatch step's full blocks in the
+            seal's GEMM call, beside the partial blocks (default): one L1 and one L2 pass fewer over the
+            weights of the experts both would touch (the batch path: one call instead of two; with
+            DeepGEMM that call covers the forward's only allocation, so it takes the psum layout). False:
+            a call per dispatch step and one for the seal. Outputs are bitwise equal either way (rows are
+            computed independently).
         deadline_s: every device wait gives up after this long and records where it waited
             (:meth:`status`); nothing hangs.
         timeline: record per-chunk ``%globaltimer`` stamps (:meth:`timeline`).
@@ -221,7 +227,7 @@ class EPBuffer:
                  source_order: str = "rank", gemm: str = "auto", transport: str = "auto",
                  chunk_gemm_ctas: Optional[int] = None, high_priority: Optional[bool] = None, producer_sms: int = 16,
                  consumer: str = "per_chunk", reserved_sms: int = 16, pull: str = "token", side_puts: bool = True,
-                 chunk_combine: bool = False, deadline_s: float = 10.0,
+                 chunk_combine: bool = False, last_step_with_seal: bool = True, deadline_s: float = 10.0,
                  timeline: bool = False, inject: str = "none", name: str = "ep"):
         R, me = heap.num_ranks, heap.rank
         sizes = _check_sizes(shape, R, max_tokens_per_rank, num_slots, tokens_per_slot, block_m)
@@ -256,6 +262,7 @@ class EPBuffer:
         self.consumer, self.pull, self.reserved_sms = consumer, pull, reserved_sms
         self.side_puts = bool(side_puts)
         self.chunk_combine = bool(chunk_combine)
+        self.last_step_with_seal = bool(last_step_with_seal)
         if self.gemm == "deep_gemm" and chunk_gemm_ctas is not None:
             raise ValueError("chunk_gemm_ctas must be None with gemm 'deep_gemm' (DeepGEMM sizes its own grid)")
         self.heap, self.shape = heap, shape
@@ -879,7 +886,13 @@ class EPBuffer:
         entries = self.R * path.chunk * self.shape.topk
         return min(self.bc.max_blocks, entries // path.steps // self.bc.block_m + self.E_loc)
 
+    def _deferred_to_seal(self, path: _Path, c, j) -> bool:
+        """Whether step ``(c, j)``'s blocks are computed by the seal's call (``last_step_with_seal``)."""
+        return self.last_step_with_seal and c == path.num_chunks - 1 and j == path.steps - 1
+
     def _chunk_gemms(self, path: _Path, layer, c, j=0, side_puts=False):
+        if self._deferred_to_seal(path, c, j):
+            return  # the seal's call computes these blocks (its time is stamped there)
         with nvtx_range(f"streamring block GEMMs chunk {c} step {j}", color="green"):
             i = c * path.steps + j
             # the persistent (SM-sparing) grid only while later chunks are still being produced; the
@@ -893,7 +906,12 @@ class EPBuffer:
         with nvtx_range("streamring seal + GEMMs", color="red"):
             n = path.num_chunks * path.steps  # dispatch steps so far: the seal is the next ready index
             self.bc.seal(n)
-            self._gemms(path, layer, n, n + 1, min(self.bc.max_blocks, self.E_loc), None, side_puts)
+            last = self._deferred_to_seal(path, path.num_chunks - 1, path.steps - 1)
+            lo = n - 1 if last else n  # with the last step's blocks: ready_list[ready_hi[n-1] : ready_hi[n+1]]
+            most = self.E_loc + (self._max_ready_per_step(path) if last else 0)
+            self._gemms(path, layer, lo, n + 1, min(self.bc.max_blocks, most), None, side_puts)
+            if last:
+                self._stamp(path.num_chunks - 1, 4)
             self._stamp(path.num_chunks, 2)
 
     def _combine(self, path: _Path, out, c0: int, c1: int):
