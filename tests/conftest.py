@@ -85,7 +85,19 @@ def in_quick_tier(item) -> bool:
         item.get_closest_marker("ranks") or item.get_closest_marker("slow"))
 
 
+@pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
+    # after pytest-xdist's worker hook: under --dist loadgroup it names a grouped test by setting
+    # ``item._nodeid`` ("<nodeid>@<group>"), but pytest >= 9.2 derives ``nodeid`` from ``item._id``, so the
+    # suffix never reaches the scheduler and the groups are split across workers (each then builds the
+    # group's shared fixture, e.g. the default-size model check). Carry the suffix into ``_id``.
+    if hasattr(config, "workerinput") and config.getvalue("loadgroup"):
+        for item in items:
+            named = getattr(item, "_nodeid", None)
+            if isinstance(named, str) and "@" in named and item.nodeid != named and hasattr(item, "_id"):
+                from _pytest.nodeid import coerce_node_id
+
+                item._id = coerce_node_id(named)
     for item in items:
         if RANK_FIXTURES & set(item.fixturenames):
             item.add_marker("ranks")
