@@ -290,7 +290,9 @@ def rows_routed_here(buf: EPBuffer) -> int:
 
 def gemm_only_graph(buf: EPBuffer, layer):
     """A captured graph of this PE's expert GEMMs over the blocks of the last (batch) forward, alone:
-    L1 + SwiGLU + L2 of every ready block, as the layer runs them (no dispatch, signal or reduce)."""
+    L1 + SwiGLU + L2 of every ready block in ONE call (no dispatch, signal or reduce): as the default
+    buffer's batch path runs them (its last step's blocks go with the seal's); with
+    ``--separate-seal-gemms`` the layer makes two calls and this stays the one-call reference."""
     bc = buf.bc
     n = buf.paths["batch"].num_chunks * buf.paths["batch"].steps + 1  # dispatch steps + the seal
 

@@ -122,6 +122,29 @@ def test_last_step_with_seal_saves_a_gemm_call_and_keeps_the_bits(setup, monkeyp
         assert torch.equal(bits(got["merged", streaming][0]), bits(got["separate", streaming][0]))
 
 
+def test_a_gemm_status_makes_the_buffer_refuse(setup):
+    """A bad ready range met by the expert GEMMs (DeepGEMM's status word: e.g. its psum layout refused on
+    the device, so nothing was computed) is not silent: status() names it and the buffer is broken."""
+    shape, fw, _ = setup
+    buf = EPBuffer(EmulatedHeap(), shape, max_tokens_per_rank=40, num_slots=2, tokens_per_slot=16,
+                   policy="serialized", gemm="triton")
+    try:
+        assert buf.status()["gemm_status"] == 0 and not buf.broken
+
+        class RefusedPsum:  # what DeepGemmExperts.status() returns after psum_layout refused a layout
+            def status(self):
+                return 32
+
+        buf.bc.deep_gemm = RefusedPsum()
+        st = buf.status()
+        assert st["gemm_status"] == 32
+        assert "psum layout" in buf.broken and "rank 0" in buf.broken
+        with pytest.raises(RuntimeError, match="unusable"):
+            buf.forward(tokens(4, 1), buf.prepare_weights(fw))
+    finally:
+        buf.close()
+
+
 @pytest.mark.slow(reason=EMULATED)
 def test_one_buffer_serves_two_layers(setup):
     shape, fw, buf = setup

@@ -1,5 +1,6 @@
 """DeepGEMM's grouped FP8 GEMM (``deep_gemm.m_grouped_fp8_gemm_nt_contiguous``) over the block consumer's
-ready blocks: availability, the ``m_indices`` of a ready range, scale layouts, the row copy.
+ready blocks: availability, the ``m_indices`` of a ready range, the psum layout of a forward's only
+allocation, scale layouts, the row copy.
 
 DeepGEMM (commit 54e2261, deep_gemm 2.6.1; built by ``launch/build_deep_gemm.sh``, see
 ``docs/deep_gemm.md``) computes, for an ``[M, K]`` FP8 ``a`` whose rows are grouped contiguously,
@@ -17,11 +18,18 @@ DeepGEMM (commit 54e2261, deep_gemm 2.6.1; built by ``launch/build_deep_gemm.sh`
   are overwritten with 0 - a caller that needs rows outside the ready range kept must give DeepGEMM a
   scratch output and copy the ready rows (:func:`copy_ready_rows`).
 * **The kernel configuration depends on M** (``get_best_config`` with ``expected_m = m``: block N,
-  stages, cluster / multicast side), on N, K and the SM count. For the bitwise streamed == batch
-  contract every call of one consumer must pick the same configuration, so it is called over the
-  whole buffer, ``max_blocks * 128`` rows, with -1 outside the ready range: M never depends on how
-  many blocks are ready. (Each row's K loop and scale promotion are then the same whatever the range;
+  stages, cluster / multicast side), on N, K and the SM count. Every call of one consumer is over the
+  whole buffer, ``max_blocks * 128`` rows (-1 outside the ready range): M never depends on how many
+  blocks are ready. (Each row's K loop and scale promotion are then the same whatever the range;
   multicast on or off only changes who loads the same bytes.)
+* **The psum layout** (``use_psum_layout=True``, :func:`psum_layout`) is another scheduler
+  (``GemmType::MGroupedContiguousWithPsumLayout``) over the same M, N, K: it walks only the allocated
+  experts' tiles, and its configuration is chosen with the same ``expected_m``. Each row's arithmetic
+  (its K loop, the 128-column scale promotion, the bf16 rounding) does not depend on which scheduler
+  handed out its tile, so the batch call (psum) and a stream's calls (``m_indices``) give equal rows.
+  That rests on DeepGEMM's sources read at 54e2261 and on measurement (``tests/test_deep_gemm.py``:
+  streamed == batch bitwise with the batch call on the psum layout; ``bench.gemm`` checks the two
+  calls bitwise on the DeepSeek-V3 shapes): a DeepGEMM upgrade must re-run those checks.
 * **Scales**: ``b_sf`` ``[G, N/128, K/128]`` float32 contiguous is used as is; ``a_sf`` must be
   MN-major and TMA-aligned (``[M, K/128]`` with strides ``(1, align(M, 4))``), else DeepGEMM
   transposes it itself on every call (its ``get_mn_major_tma_aligned_tensor``: an allocation and a JIT
@@ -202,8 +210,10 @@ def psum_layout(state: torch.Tensor, expert_blocks: torch.Tensor, ready_hi: torc
     allocated block, every allocated block ready and inside ``ready_hi[lo_index] : ready_hi[hi_index]``;
     otherwise the psum is all zeros (DeepGEMM computes nothing) and bit 32 is ORed into ``status``.
 
-    ``state`` is the consumer's ``[E + 2]`` word (rows per expert, blocks allocated, blocks ready).
-    Torch ops only: no host synchronisation, capturable.
+    ``state`` is the consumer's ``[E + 2]`` word (rows per expert, blocks allocated, blocks ready);
+    ``block_m`` its block rows. DeepGEMM aligns each expert's start to 128 rows, so only a consumer of
+    :data:`BLOCK_M`-row blocks may pass the result to it (``DeepGemmExperts`` requires that); other
+    sizes are for tests of the layout rule. Torch ops only: no host synchronisation, capturable.
     """
     E = num_experts
     fill = state[:E].long()

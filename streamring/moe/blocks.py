@@ -177,10 +177,11 @@ class BlockConsumer:
             self.ep_tokens = ep_entries // shape.topk  # (source, token) pairs of one dispatch
             self._stage = None  # (x, x_sf) stage rows of pull="token", allocated at its first use
         self.gemm_kernels: set = set()  # compiled GEMM kernels launched so far (graph node priorities)
-        # this forward's block allocations so far (host side, so also right while a graph is captured):
-        # after exactly one dispatch and the seal, block ids were handed out expert by expert in one
-        # call (``alloc_blocks``), so each expert's blocks are contiguous and in expert order
-        self.allocations, self.sealed_at = 0, None
+        # this forward's dispatches that allocated blocks (the seal allocates none) and the ready index the
+        # seal wrote (``ready_hi[seal_ready_index]``), kept on the host, so also right while a graph is
+        # captured: after exactly one dispatch and the seal, block ids were handed out expert by expert in
+        # one call (``alloc_blocks``), so each expert's blocks are contiguous and in expert order
+        self.dispatch_allocations, self.seal_ready_index = 0, None
 
     def max_ready(self, tokens: int) -> int:
         """Most blocks one dispatch of ``tokens`` tokens can make ready (the GEMM grid bound)."""
@@ -190,7 +191,7 @@ class BlockConsumer:
         """Start a forward: no block allocated or ready (and, expert-parallel, no result row)."""
         self.state.zero_()
         self.ready_hi.zero_()
-        self.allocations, self.sealed_at = 0, None
+        self.dispatch_allocations, self.seal_ready_index = 0, None
         if self.ep:
             self.row_src.fill_(-1)
             self.pull_bytes.zero_()
@@ -209,7 +210,7 @@ class BlockConsumer:
         cstart = (torch.cumsum(counts, 0, dtype=torch.int32) - counts)
         K.alloc_blocks(counts, self.state, self.expert_blocks, self.block_expert, self.ready_list, self.ready_hi,
                        c + 1, num_experts=E, block_m=self.block_m, seal=False)
-        self.allocations += 1
+        self.dispatch_allocations += 1
         K.place_rows(sorted_e, order, counts, cstart, self.state, self.expert_blocks, x_q.view(torch.uint8), x_sf,
                      topk_w.reshape(-1), self.a, self.a_sf, self.row_weight, self.tok_row, token_base, topk=Kk,
                      block_m=self.block_m)
@@ -254,7 +255,7 @@ class BlockConsumer:
         cstart = torch.cumsum(counts, 0, dtype=torch.int32) - counts
         K.alloc_blocks(counts, self.state, self.expert_blocks, self.block_expert, self.ready_list, self.ready_hi,
                        (c if step is None else step) + 1, num_experts=E, block_m=self.block_m, seal=False)
-        self.allocations += 1
+        self.dispatch_allocations += 1
         K.ep_place_rows(sorted_e, order, counts, cstart, self.state, self.expert_blocks, src_list, ring[0], ring[1],
                         deltas[0], deltas[1], offs[0], offs[1], flat_w, self.a, self.a_sf, self.row_weight,
                         self.row_src, self.row_tok, self.row_chunk, c, tokens_per_slot=C, topk=Kk,
@@ -273,14 +274,15 @@ class BlockConsumer:
         """End of stream: every partial block becomes ready (``ready_hi[c + 1]``)."""
         K.alloc_blocks(self.ready_hi, self.state, self.expert_blocks, self.block_expert, self.ready_list,
                        self.ready_hi, c + 1, num_experts=self.shape.num_experts, block_m=self.block_m, seal=True)
-        self.sealed_at = c + 1
+        self.seal_ready_index = c + 1
 
     def covers_one_allocation(self, lo_index: int, hi_index: int) -> bool:
         """Whether ``[lo_index, hi_index)`` is this forward's whole ready list after exactly one dispatch
         and the seal: then every block is in the range and the blocks lie expert by expert
         (``alloc_blocks`` hands ids out by a prefix sum over experts), the layout DeepGEMM's psum
         path reads (:func:`streamring.device.deep_gemm_ops.psum_layout` re-checks it on the device)."""
-        return self.allocations == 1 and self.sealed_at is not None and lo_index == 0 and hi_index == self.sealed_at
+        return (self.dispatch_allocations == 1 and self.seal_ready_index is not None and lo_index == 0
+                and hi_index == self.seal_ready_index)
 
     def compute(self, lo_index: int, hi_index: int, max_items: int, fw: FastWeights, pdl: bool = False,
                 max_ctas: int | None = None, out=None, direct=None) -> None:

@@ -26,8 +26,9 @@ Per call (``streamring.device.deep_gemm_ops`` says what DeepGEMM wants and why):
    passes False and L2 writes ``y`` directly.
 
 Bitwise streamed == batch: DeepGEMM computes each row from that row's data and its expert's weights
-with a configuration fixed by (rows of the buffer, N, K, SMs), the SwiGLU/quant kernel is row-local,
-the copy is exact.
+with a configuration fixed by (rows of the buffer, N, K, SMs), whichever layout (psum or ``m_indices``)
+schedules its tile (``streamring.device.deep_gemm_ops`` says what that rests on, and what re-checks it);
+the SwiGLU/quant kernel is row-local, the copy is exact.
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ class DeepGemmExperts:
         DG.ready_m_indices(bc.ready_list, bc.ready_hi, lo_index, hi_index, max_items, bc.block_expert,
                            bc.shape.num_experts, bc.block_m, out=self.m_indices, status=self.status_word)
 
-    def psum_indices(self, lo_index: int, hi_index: int) -> None:
+    def build_psum_layout(self, lo_index: int, hi_index: int) -> None:
         """The psum layout of every allocated block (checked on the device: :attr:`status_word` bit 32)."""
         bc = self.bc
         DG.psum_layout(bc.state, bc.expert_blocks, bc.ready_hi, lo_index, hi_index, bc.shape.num_experts,
@@ -91,7 +92,7 @@ class DeepGemmExperts:
 
     def l1_swiglu(self, lo_index: int, hi_index: int, max_items: int, fw, psum: bool = False) -> None:
         """L1 + SwiGLU/requant of the ready blocks (``m_indices`` must be current: :meth:`indices`; with
-        ``psum``, :attr:`psum`: :meth:`psum_indices`)."""
+        ``psum``, :attr:`psum`: :meth:`build_psum_layout`)."""
         bc = self.bc
         self.a_sf_mn.copy_(bc.a_sf)
         self._grouped((bc.a.view(FP8), self.a_sf_mn), (fw.w1, fw.w1_sf), self.gu, psum)
@@ -119,7 +120,7 @@ class DeepGemmExperts:
             return
         psum = self.allow_psum and self.bc.covers_one_allocation(lo_index, hi_index)
         if psum:
-            self.psum_indices(lo_index, hi_index)
+            self.build_psum_layout(lo_index, hi_index)
         else:
             self.indices(lo_index, hi_index, max_items)
         self.last_used_psum = psum

@@ -35,11 +35,13 @@ Per chunk c (slot s = c % S) on every PE::
                                                         referenced after the copy
                                              event(c)
                                              GEMM stream: wait event(c); L1+SwiGLU, L2 of the
-                                             blocks dispatch c made ready; L2 stores each row in
+                                             blocks dispatch c made ready (the last dispatch's:
+                                             in the seal's call below); L2 stores each row in
                                              its owner's combine rows[token][k] (P2P), then
                                              ep_signal_arrivals ADDs the row counts to the
                                              owners' arrived[chunk] (release)
-    after the last chunk: seal -> GEMMs of the partial blocks -> signal; then (as owner)
+    after the last chunk: seal -> one GEMM call over the last dispatch's blocks and the partial
+    blocks (``last_step_with_seal``; else the partial blocks alone) -> signal; then (as owner)
     ep_wait_arrivals (arrived == expected, acquire) -> combine_owner (k-ordered sum) ->
     arrived := 0; after every stream joined: ring drain, advance_epoch.
 
@@ -91,6 +93,7 @@ import torch
 
 from ..device import kernels as DK
 from ..device import moe_triton as K
+from ..device.cutlass_gemm import status_text as gemm_status_text
 from ..device.ranges import annotate as nvtx_range
 from ..device.ringdesc import INJECT_BITS, RING_LAYOUT, RING_ROUTE, describe_status
 from ..device_ring import DeviceRing
@@ -596,7 +599,8 @@ class EPBuffer:
         path), corrupt routes dropped by the dispatch (``bad_routes``) and device token counts outside
         ``[0, T]`` that were clamped (``bad_counts``). Synchronises. Any error makes the buffer refuse
         further forwards (:attr:`broken`): ``close()`` it and build a new one on every PE."""
-        out = {"bad_routes": int(self.bad_routes.item()), "bad_counts": int(self.bad_counts.item())}
+        out = {"bad_routes": int(self.bad_routes.item()), "bad_counts": int(self.bad_counts.item()),
+               "gemm_status": self._gemm_status()}
         for name, p in self.paths.items():
             st = p.ring.status()
             for k in ("violations", "timeouts"):
@@ -609,7 +613,18 @@ class EPBuffer:
                                    num_slots=self.paths[first].num_slots, deadline_s=self.deadline_s) if first else ""
             self.broken = self.broken or line or (f"violations={out['violations']} timeouts={out['timeouts']} "
                                                   f"bad_routes={out['bad_routes']} bad_counts={out['bad_counts']}")
+        if out["gemm_status"]:
+            self.broken = self.broken or self._gemm_status_line(out["gemm_status"])
         return out
+
+    def _gemm_status(self) -> int:
+        """The expert GEMMs' ready-range status bits so far (DeepGEMM's; CUTLASS traps on its own), 0: fine.
+        Synchronises."""
+        dg = getattr(self.bc, "deep_gemm", None)
+        return dg.status() if dg is not None else 0
+
+    def _gemm_status_line(self, bits: int) -> str:
+        return f"rank {self.me}: the expert GEMMs met a bad ready range (status {bits:#x}: {gemm_status_text(bits)})"
 
     def replay(self, graph, *, host_deadline_s: Optional[float] = None) -> dict:
         """Replay ``graph`` (from :meth:`capture`) on the current stream, wait for it, return :meth:`status`;
@@ -647,9 +662,14 @@ class EPBuffer:
             # the dispatch's dropped-route count and the clamped device counts, readable once the forward ended
             st["bad_routes"] = int(self.bad_routes.item())
             st["bad_counts"] = int(self.bad_counts.item())
+            st["gemm_status"] = self._gemm_status()
         if not finished or st["violations"] or st["timeouts"] or st.get("bad_routes") or st.get("bad_counts"):
             self.broken = self.broken or f"{st.get('first_error') or st}"
         path.ring.check(st, finished=finished, host_deadline_s=limit, elapsed_s=time.monotonic() - t0)
+        if st.get("gemm_status"):
+            # e.g. DeepGEMM's psum layout refused on the device: nothing was computed, y holds stale rows
+            self.broken = self.broken or self._gemm_status_line(st["gemm_status"])
+            raise RuntimeError(f"{self.broken}; the buffer now refuses to run: rebuild it")
         if st.get("bad_counts"):
             raise ValueError(f"rank {self.me}: num_tokens was outside [0, rows of x] in {st['bad_counts']} forward(s) "
                              f"(clamped; the buffer now refuses to run: rebuild it)")
@@ -691,7 +711,9 @@ class EPBuffer:
         tail["seal_blocks"] = ready[n * k + 1] - ready[n * k]
         return {"chunks": chunks, "tail": tail, "policy": p.policy, "source_order": p.source_order,
                 "chunk_tokens": p.chunk, "num_slots": p.num_slots, "block_m": self.block_m, "rank": self.me,
-                "ranks": self.R, "path": p.name}
+                "ranks": self.R, "path": p.name,
+                # True: the last chunk's blocks_done is the seal's stamp (one GEMM call computed both)
+                "last_step_with_seal": self.last_step_with_seal}
 
     def memory_report(self) -> dict:
         """Bytes this buffer holds: symmetric (rings, combine area) and local (scratch)."""
