@@ -21,7 +21,7 @@ distinct experts per token out of 256), rows = 8 T, block_m 64, the batch path's
   allocated blocks are scheduled; ``deep_gemm_ops.psum_layout``) into a bf16 ``gu`` +
   ``swiglu_quant_blocks``, L2 with the routing weight folded into its scales - exactly what
   ``gemm="deep_gemm"``'s batch path runs (``streamring/moe/deep_gemm_experts.py``), minus the per-call
-  preparation (the layouts and the MN-major scale copies), timed apart as ``deep_gemm_prep``;
+  preparation (the psum layout and the MN-major scale copies), timed apart as ``deep_gemm_prep``;
   ``deep_gemm_m_indices``: the same calls with ``m_indices`` (-1 outside the ready blocks: a streamed
   chunk's call), checked bitwise equal to the psum call's rows before it is timed; and
   ``deep_gemm_exact_m``: the ``m_indices`` calls over only the allocated blocks (the batch path
@@ -363,21 +363,17 @@ class Case:
                  fw.w2, self.w_sf[("w2", plan.sf_n)], self.yc, block_m=bc.block_m)
 
     def deep_gemm_prep(self):
-        """What gemm='deep_gemm' does per call besides the GEMMs: the psum layout (the batch path's call)
-        and m_indices (a streamed chunk's call; both made here), the MN-major scale copies."""
+        """What gemm='deep_gemm''s batch call does besides the GEMMs: the psum layout and the MN-major scale
+        copies. (A streamed chunk's call builds m_indices instead: made once per input set in
+        :meth:`load`, for the ``deep_gemm_m_indices`` and ``deep_gemm_exact_m`` rows, and not timed.)"""
         bd = self.bd
-        DG.ready_m_indices(bd.ready_list, bd.ready_hi, 0, 2, bd.max_blocks, bd.block_expert, self.shape.num_experts,
-                           bd.block_m, out=self.d_m_idx, status=self.d_status)
         DG.psum_layout(bd.state, bd.expert_blocks, bd.ready_hi, 0, 2, self.shape.num_experts, bd.block_m,
                        out=self.d_psum, status=self.d_status)
         self.d_a_sf.copy_(bd.a_sf)
         self.d_h1t_sfw.copy_(self.d_h1_sfw)
 
     def _dg(self, a, b, d, psum: bool):
-        if psum:
-            self.dg.m_grouped_fp8_gemm_nt_contiguous(a, b, d, self.d_psum, use_psum_layout=True)
-        else:
-            self.dg.m_grouped_fp8_gemm_nt_contiguous(a, b, d, self.d_m_idx)
+        DG.grouped_gemm(self.dg, a, b, d, self.d_psum if psum else self.d_m_idx, psum)
 
     def deep_gemm_l1(self, psum: bool = True):
         """gemm='deep_gemm''s L1 over the whole block buffer: the psum layout (the batch path), or
@@ -439,6 +435,8 @@ class Case:
             self.triton_l1(bd)  # DeepGEMM L2's input, as Triton's h1 is CUTLASS L2's
             torch.mul(bd.h1_sf, bd.row_weight[:, None], out=self.d_h1_sfw)
             self.d_real_rows.copy_(bd.tok_row[order])
+            DG.ready_m_indices(bd.ready_list, bd.ready_hi, 0, 2, bd.max_blocks, bd.block_expert, shape.num_experts,
+                               bd.block_m, out=self.d_m_idx, status=self.d_status)
             self.deep_gemm_prep()
             if self.m_exact > 0:
                 self.d_a_sf_x.copy_(bd.a_sf[:self.m_exact])
@@ -623,6 +621,17 @@ def run_size(T, shape, fw, args, plans_l1, plans_l2, dev, dg=None) -> tuple[list
     return rows_out, summary
 
 
+def m_indices_equals_psum(d: torch.Tensor, rows: torch.Tensor, call) -> dict:
+    """After ``call()`` (psum layout) wrote ``d``: poison ``d``, ``call(psum=False)`` (m_indices: a streamed
+    chunk's form) and compare the routed ``rows`` bitwise."""
+    want = d[rows].clone()
+    poison(d)
+    call(psum=False)
+    torch.cuda.synchronize()
+    same = bool(torch.equal(d[rows], want))
+    return {"ok": same, "bitwise_equal_to_psum": same}
+
+
 def check_deep_gemm(c: Case, pick, args) -> dict:
     """DeepGEMM's L1 (+ SwiGLU) and L2 on set 0 against float64 and against Triton on the same 128-row
     blocks; outputs poisoned first."""
@@ -641,13 +650,7 @@ def check_deep_gemm(c: Case, pick, args) -> dict:
         r3 = check_h1_sampled(c.d_h1[rows_s], c.d_h1_sf[rows_s], a_s, experts_s, fw.w1, fw.w1_sf)
         out[("l1", "deep_gemm")] = {"ok": r1["ok"] and r2["ok"] and r3["ok"], "gemm_vs_float64": r1,
                                     "h1_vs_triton": r2, "h1_vs_float64": r3}
-        # the m_indices call (a streamed chunk's form) must give the psum call's rows bitwise
-        gu_psum = c.d_gu[c.d_real_rows].clone()
-        poison(c.d_gu)
-        c.deep_gemm_l1(psum=False)
-        torch.cuda.synchronize()
-        same = bool(torch.equal(c.d_gu[c.d_real_rows], gu_psum))
-        out[("l1", "deep_gemm_m_indices")] = {"ok": same, "bitwise_equal_to_psum": same}
+        out[("l1", "deep_gemm_m_indices")] = m_indices_equals_psum(c.d_gu, c.d_real_rows, c.deep_gemm_l1)
         # L2 on Triton's h1 of the 128-row consumer (its h1_sf x weight copied MN-major by the prep)
         poison(bd.y, c.d_y)
         torch.mul(bd.h1_sf, bd.row_weight[:, None], out=c.d_h1_sfw)
@@ -660,12 +663,7 @@ def check_deep_gemm(c: Case, pick, args) -> dict:
         r2 = compare_rel(c.d_y, bd.y, c.d_real_rows, 2.0 ** -8)
         out[("l2", "deep_gemm")] = {"ok": r1["ok"] and r2["ok"] and int(c.d_status.item()) == 0, "vs_float64": r1,
                                     "vs_triton": r2, "status": int(c.d_status.item())}
-        y_psum = c.d_y[c.d_real_rows].clone()
-        poison(c.d_y)
-        c.deep_gemm_l2(psum=False)
-        torch.cuda.synchronize()
-        same = bool(torch.equal(c.d_y[c.d_real_rows], y_psum))
-        out[("l2", "deep_gemm_m_indices")] = {"ok": same, "bitwise_equal_to_psum": same}
+        out[("l2", "deep_gemm_m_indices")] = m_indices_equals_psum(c.d_y, c.d_real_rows, c.deep_gemm_l2)
     except Exception as exc:  # noqa: BLE001 - DeepGEMM failing is reported, the rest goes on
         torch.cuda.synchronize()
         err = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:400]}

@@ -237,6 +237,16 @@ def psum_layout(state: torch.Tensor, expert_blocks: torch.Tensor, ready_hi: torc
     return out
 
 
+def grouped_gemm(dg, a, b, d, layout: torch.Tensor, psum: bool) -> None:
+    """``d = a @ b^T`` per expert through ``dg.m_grouped_fp8_gemm_nt_contiguous``: ``layout`` is the psum
+    layout (:func:`psum_layout`, ``psum=True``) or the ``m_indices`` of a ready range
+    (:func:`ready_m_indices`). ``a``, ``b``: ``(fp8 tensor, float32 scales)`` pairs; ``d`` bf16."""
+    if psum:
+        dg.m_grouped_fp8_gemm_nt_contiguous(a, b, d, layout, use_psum_layout=True)
+    else:
+        dg.m_grouped_fp8_gemm_nt_contiguous(a, b, d, layout)
+
+
 def mn_major_scales(rows: int, cols: int, device) -> torch.Tensor:
     """A ``[rows, cols]`` float32 buffer laid out MN-major (strides ``(1, rows)``), zeroed: what DeepGEMM
     takes as activation scales without transposing them (``rows`` must be a multiple of 4, TMA)."""

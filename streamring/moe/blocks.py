@@ -208,9 +208,7 @@ class BlockConsumer:
         sorted_e, order = torch.sort(flat, stable=True)
         counts = torch.zeros(E, dtype=torch.int32, device=self.device).scatter_add_(0, flat, self.ones[:n * Kk])
         cstart = (torch.cumsum(counts, 0, dtype=torch.int32) - counts)
-        K.alloc_blocks(counts, self.state, self.expert_blocks, self.block_expert, self.ready_list, self.ready_hi,
-                       c + 1, num_experts=E, block_m=self.block_m, seal=False)
-        self.dispatch_allocations += 1
+        self._alloc_blocks(counts, c + 1, seal=False)
         K.place_rows(sorted_e, order, counts, cstart, self.state, self.expert_blocks, x_q.view(torch.uint8), x_sf,
                      topk_w.reshape(-1), self.a, self.a_sf, self.row_weight, self.tok_row, token_base, topk=Kk,
                      block_m=self.block_m)
@@ -253,9 +251,7 @@ class BlockConsumer:
         counts = torch.zeros(E + 1, dtype=torch.int32, device=self.device).scatter_add_(0, flat_e.long(),
                                                                                          self.ones[:n])
         cstart = torch.cumsum(counts, 0, dtype=torch.int32) - counts
-        K.alloc_blocks(counts, self.state, self.expert_blocks, self.block_expert, self.ready_list, self.ready_hi,
-                       (c if step is None else step) + 1, num_experts=E, block_m=self.block_m, seal=False)
-        self.dispatch_allocations += 1
+        self._alloc_blocks(counts, (c if step is None else step) + 1, seal=False)
         K.ep_place_rows(sorted_e, order, counts, cstart, self.state, self.expert_blocks, src_list, ring[0], ring[1],
                         deltas[0], deltas[1], offs[0], offs[1], flat_w, self.a, self.a_sf, self.row_weight,
                         self.row_src, self.row_tok, self.row_chunk, c, tokens_per_slot=C, topk=Kk,
@@ -272,9 +268,17 @@ class BlockConsumer:
 
     def seal(self, c: int) -> None:
         """End of stream: every partial block becomes ready (``ready_hi[c + 1]``)."""
-        K.alloc_blocks(self.ready_hi, self.state, self.expert_blocks, self.block_expert, self.ready_list,
-                       self.ready_hi, c + 1, num_experts=self.shape.num_experts, block_m=self.block_m, seal=True)
-        self.seal_ready_index = c + 1
+        self._alloc_blocks(self.ready_hi, c + 1, seal=True)  # (counts unread when sealing)
+
+    def _alloc_blocks(self, counts, hi_index: int, *, seal: bool) -> None:
+        """``moe_triton.alloc_blocks`` on this consumer's block state, recording on the host what
+        :meth:`covers_one_allocation` reads: a dispatch's allocation, or the seal's ready index."""
+        K.alloc_blocks(counts, self.state, self.expert_blocks, self.block_expert, self.ready_list, self.ready_hi,
+                       hi_index, num_experts=self.shape.num_experts, block_m=self.block_m, seal=seal)
+        if seal:
+            self.seal_ready_index = hi_index
+        else:
+            self.dispatch_allocations += 1
 
     def covers_one_allocation(self, lo_index: int, hi_index: int) -> bool:
         """Whether ``[lo_index, hi_index)`` is this forward's whole ready list after exactly one dispatch

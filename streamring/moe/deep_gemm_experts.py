@@ -85,10 +85,7 @@ class DeepGemmExperts:
                        bc.block_m, out=self.psum, status=self.status_word)
 
     def _grouped(self, a, b, d, psum: bool) -> None:
-        if psum:
-            self.dg.m_grouped_fp8_gemm_nt_contiguous(a, b, d, self.psum, use_psum_layout=True)
-        else:
-            self.dg.m_grouped_fp8_gemm_nt_contiguous(a, b, d, self.m_indices)
+        DG.grouped_gemm(self.dg, a, b, d, self.psum if psum else self.m_indices, psum)
 
     def l1_swiglu(self, lo_index: int, hi_index: int, max_items: int, fw, psum: bool = False) -> None:
         """L1 + SwiGLU/requant of the ready blocks (``m_indices`` must be current: :meth:`indices`; with
