@@ -99,6 +99,114 @@ def router_logits(x, w_bf16, out) -> None:
     _router_logits_kernel[grid](x, x.stride(0), w_bf16, out, t, H=h, E=e, BM=64, BN=bn, BK=64, num_warps=4)
 
 
+@triton.jit
+def _pick_max(sel, cols, score):
+    # One top-k step of a row block: the column of each row's largest ``sel`` (the lowest column on a
+    # tie, as an iterative top-k picks), that column's ``score`` (exact: a sum of one value and zeros),
+    # and ``sel`` with the column taken out.
+    best = tl.argmax(sel, axis=1, tie_break_left=True)
+    hit = cols[None, :] == best[:, None]
+    return best, tl.sum(tl.where(hit, score, 0.0), axis=1), tl.where(hit, float("-inf"), sel)
+
+
+@triton.jit(do_not_specialize=["n_rows"])
+def _select_experts_kernel(logits_ptr, bias_ptr, idx_ptr, w_ptr, n_rows, routed_scale,
+                           E: tl.constexpr, EP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
+                           SOFTMAX: tl.constexpr, NORMALIZE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                           G: tl.constexpr, GP: tl.constexpr, TOPK_GROUP: tl.constexpr, BR: tl.constexpr):
+    # The routing rule of moe.math.select_experts, one row block per program, every step row-local.
+    # The k picks run largest first, so the weights are summed in the rule's order j = 0..k-1.
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    cols = tl.arange(0, EP)
+    rmask = rows < n_rows
+    cvalid = (cols < E)[None, :]
+    r64 = rows.to(tl.int64)
+    lg = tl.load(logits_ptr + r64[:, None] * E + cols[None, :], mask=rmask[:, None] & cvalid, other=0.0)
+    NEG = float("-inf")
+    if SOFTMAX:
+        mx = tl.max(tl.where(cvalid, lg, NEG), axis=1)
+        ex = tl.where(cvalid, tl.exp(lg - mx[:, None]), 0.0)
+        score = ex / tl.sum(ex, axis=1)[:, None]
+        sel = tl.where(cvalid, score, NEG)
+    else:
+        score = tl.sigmoid(lg)
+        sel = score
+        if HAS_BIAS:
+            sel = sel + tl.load(bias_ptr + cols, mask=cols < E, other=0.0)[None, :]
+        sel = tl.where(cvalid, sel, NEG)
+        if G > 1:
+            # group score: the sum of each group's two best ``sel``; keep the TOPK_GROUP best groups
+            grp = cols // (E // G)
+            gcols = tl.arange(0, GP)
+            gscore = tl.full((BR, GP), NEG, tl.float32)
+            for gi in tl.static_range(G):
+                v = tl.where((grp == gi)[None, :], sel, NEG)
+                if E // G > 1:
+                    _, top1, v = _pick_max(v, cols, v)
+                    gs = top1 + tl.max(v, axis=1)
+                else:
+                    gs = tl.max(v, axis=1)
+                gscore = tl.where(gcols[None, :] == gi, gs[:, None], gscore)
+            keep = tl.zeros((BR, EP), dtype=tl.int32)
+            for _ in tl.static_range(TOPK_GROUP):
+                best = tl.argmax(gscore, axis=1, tie_break_left=True)
+                keep = tl.where(grp[None, :] == best[:, None], 1, keep)
+                gscore = tl.where(gcols[None, :] == best[:, None], NEG, gscore)
+            sel = tl.where(keep != 0, sel, NEG)
+    ks = tl.arange(0, KP)
+    idx = tl.zeros((BR, KP), dtype=tl.int64)
+    w = tl.zeros((BR, KP), dtype=tl.float32)
+    total = tl.zeros((BR,), dtype=tl.float32)
+    for j in tl.static_range(K):
+        best, wj, sel = _pick_max(sel, cols, score)
+        idx = tl.where(ks[None, :] == j, best.to(tl.int64)[:, None], idx)
+        w = tl.where(ks[None, :] == j, wj[:, None], w)
+        total = total + wj
+    if SOFTMAX:
+        if NORMALIZE:
+            w = w / total[:, None]
+    else:
+        if NORMALIZE:
+            w = w / (total + 1e-20)[:, None]
+        w = w * routed_scale
+    omask = rmask[:, None] & (ks < K)[None, :]
+    tl.store(idx_ptr + r64[:, None] * K + ks[None, :], idx, mask=omask)
+    tl.store(w_ptr + r64[:, None] * K + ks[None, :], w, mask=omask)
+
+
+def select_experts(logits, bias, idx_out, w_out, *, topk: int, softmax: bool, normalize: bool, n_group: int = 1,
+                   topk_group: int = 1, routed_scaling_factor: float = 1.0) -> None:
+    """The routing rule of :func:`streamring.moe.math.select_experts` in one kernel: from float32
+    ``logits [T, E]`` write ``idx_out [T, topk]`` (int64, contiguous) and ``w_out [T, topk]``
+    (float32, contiguous).
+
+    ``softmax``: the ``softmax_topk`` rule (``normalize`` = its ``renormalize``); otherwise the
+    ``deepseek_v3`` rule (sigmoid scores, ``bias`` float32 ``[E]`` or None added for the choice,
+    ``n_group``/``topk_group`` group limit, ``normalize`` = ``norm_topk_prob``, then
+    ``routed_scaling_factor``). Experts are picked largest first, the lowest index on a tie, and
+    the weight sum runs in that order, as the rule says. Each row's result depends on that row only.
+    """
+    t, e = logits.shape
+    if t == 0:
+        return
+    if softmax and n_group != 1:
+        raise ValueError(f"select_experts: n_group applies to the deepseek_v3 rule only, got {n_group} with softmax")
+    if e % n_group or not 1 <= topk_group <= n_group or not 1 <= topk <= (e // n_group) * topk_group:
+        raise ValueError(f"select_experts: E={e}, n_group={n_group}, topk_group={topk_group}, topk={topk}: "
+                         f"need E % n_group == 0, 1 <= topk_group <= n_group, 1 <= topk <= "
+                         f"topk_group * E / n_group")
+    for name, tns, dtype in (("logits", logits, None), ("idx_out", idx_out, "int64"), ("w_out", w_out, "float32")):
+        if not tns.is_contiguous() or (dtype and str(tns.dtype) != f"torch.{dtype}"):
+            raise ValueError(f"select_experts: {name} must be contiguous{' ' + dtype if dtype else ''}, got "
+                             f"{tns.dtype} with strides {tns.stride()}")
+    br = 16
+    _select_experts_kernel[(triton.cdiv(t, br),)](
+        logits, bias if bias is not None else logits, idx_out, w_out, t, float(routed_scaling_factor),
+        E=e, EP=triton.next_power_of_2(e), K=topk, KP=triton.next_power_of_2(topk), SOFTMAX=softmax,
+        NORMALIZE=normalize, HAS_BIAS=bias is not None, G=n_group, GP=triton.next_power_of_2(n_group),
+        TOPK_GROUP=topk_group, BR=br, num_warps=4)
+
+
 @triton.jit(do_not_specialize=["x_stride", "n_rows"])
 def _quant_rows_kernel(x_ptr, x_stride, q_ptr, sf_ptr, n_rows, H: tl.constexpr, BR: tl.constexpr):
     pid_r = tl.program_id(0)

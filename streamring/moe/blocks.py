@@ -103,6 +103,18 @@ class FastWeights:
         return cls(w1, w1_sf, w2, w2_sf, router, bias)
 
 
+def select_experts_into(logits: torch.Tensor, bias: Optional[torch.Tensor], shape: MoEShape, idx_out: torch.Tensor,
+                        w_out: torch.Tensor) -> None:
+    """:func:`~streamring.moe.math.select_experts` (the routing rule of ``shape``) of float32 ``logits
+    [n, E]`` written into ``idx_out`` (int64 ``[n, topk]``) and ``w_out`` (float32 ``[n, topk]``) by one
+    kernel (the torch form is a dozen launches: about 0.4 ms of a forward at 8192 tokens)."""
+    softmax = shape.router == "softmax_topk"
+    K.select_experts(logits, None if bias is None else bias.float(), idx_out, w_out, topk=shape.topk, softmax=softmax,
+                     normalize=shape.renormalize if softmax else shape.norm_topk_prob,
+                     n_group=1 if softmax else shape.n_group, topk_group=1 if softmax else shape.topk_group,
+                     routed_scaling_factor=1.0 if softmax else shape.routed_scaling_factor)
+
+
 class Producer:
     """Router/top-k and FP8 layout producers for up to ``max_tokens`` tokens per call."""
 
@@ -115,9 +127,7 @@ class Producer:
         n = x.shape[0]
         lg = self.logits[:n]
         K.router_logits(x, self.fw.router, lg)
-        idx, w = select_experts(lg, self.fw.bias, self.shape)
-        idx_out.copy_(idx)
-        w_out.copy_(w)
+        select_experts_into(lg, self.fw.bias, self.shape, idx_out, w_out)
 
     @staticmethod
     def layout(x: torch.Tensor, q_out: torch.Tensor, sf_out: torch.Tensor) -> None:

@@ -100,8 +100,8 @@ from ..device_ring import DeviceRing
 from ..protocol import (GEMM_CHOICES, PROGRESS_POLICIES, REFUSED_POLICIES, SOURCE_ORDERS, CombineLayout, RingLayout,
                         WatchdogError)
 from . import gemm_choice as GC
-from .blocks import FP8, PULLS, BlockConsumer, FastWeights, compute_blocks
-from .math import MoEShape, MoEWeights, quantize_weight_fp8_block, select_experts
+from .blocks import FP8, PULLS, BlockConsumer, FastWeights, compute_blocks, select_experts_into
+from .math import MoEShape, MoEWeights, quantize_weight_fp8_block
 from .plan import PlanChoice
 from .timeline_events import CHUNK_EVENTS, STAMP_STRIDE, TAIL_EVENTS
 
@@ -797,11 +797,13 @@ class EPBuffer:
                 if routing is None:
                     lg = self.logits[:n]
                     K.router_logits(x[a:a + n], layer.fw.router, lg)
-                    idx, w = select_experts(lg, layer.fw.bias, layer.routing)
+                    select_experts_into(lg, layer.fw.bias, layer.routing, slot["topk_idx"][:n],
+                                        slot["topk_weights"][:n])
+                    idx, w = slot["topk_idx"][:n], slot["topk_weights"][:n]
                 else:
                     idx, w = routing[0][a:a + n], routing[1][a:a + n]
-                slot["topk_idx"][:n].copy_(idx)
-                slot["topk_weights"][:n].copy_(w)
+                    slot["topk_idx"][:n].copy_(idx)
+                    slot["topk_weights"][:n].copy_(w)
                 # my own view for the reduce: rows at and past this forward's count route nowhere
                 mine = self.my_idx[a:a + n]
                 mine.copy_(idx)

@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# The whole batch layer at $LAYER_TOKENS (8192) tokens on one H200 (issue 21's layer target, <= 7.5 ms),
+# in ONE device call, at most $LAYER_BUDGET_S (560 s):
+#
+#   bash launch/layer_h200.sh     # carry .gemm-build .deepgemm .whl .cache
+#
+# 1. DeepGEMM built from .deepgemm/ (launch/build_deep_gemm.sh);
+# 2. the GPU tests of what the layer runs: the producer's routing kernel against the rule
+#    (tests/test_blocks.py -k routing), tests/test_gpu_ep.py and tests/test_deep_gemm.py;
+# 3. launch/layer_probe.py with DeepGEMM, CUTLASS and Triton in one process (replays interleaved, each
+#    graph checked against its eager forward bitwise), $LAYER_RUNS (3) processes; the first also lists
+#    the kernels of one forward (device time per kernel: the layer's phases).
+# Logs: $OUT/layer.log (everything), $OUT/tests.log, $OUT/layer_run<i>.log.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export OUT="${OUT:-$PWD/out}"
+mkdir -p "$OUT"
+LOG="$OUT/layer.log"
+: > "$LOG"
+say() { echo "$*" | tee -a "$LOG"; }
+T0=$(date +%s)
+DEADLINE=$(( T0 + ${LAYER_BUDGET_S:-560} ))
+limit() { local want=$1 reserve=$2 l; l=$(( DEADLINE - $(date +%s) - reserve )); [ "$l" -lt "$want" ] && want=$l; [ "$want" -lt 5 ] && want=5; echo "$want"; }
+TOK=${LAYER_TOKENS:-8192}
+RUNS=${LAYER_RUNS:-3}
+say "commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')$(git diff --quiet 2>/dev/null || echo ' (with uncommitted changes)')"
+nvidia-smi -L 2>&1 | tee -a "$LOG"
+. launch/device_env.sh
+export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
+export DG_PREFIX="$PWD/.dg-site" DG_JIT_CACHE_DIR=${DG_JIT_CACHE_DIR:-/tmp/streamring-deep-gemm-jit}
+
+say "=== 1. DeepGEMM build ($(( $(date +%s) - T0 )) s)"
+DG_BUILD_TIMEOUT=$(limit 200 300) bash launch/build_deep_gemm.sh > "$OUT/deep_gemm_build.log" 2>&1
+DG_RC=$?
+IMPLS=cutlass,triton
+if [ "$DG_RC" = 0 ] && [ -f "$DG_PREFIX/deep_gemm_env.sh" ]; then
+  . "$DG_PREFIX/deep_gemm_env.sh"
+  IMPLS=deep_gemm,cutlass,triton
+  say "DeepGEMM: built and imports"
+else
+  say "DeepGEMM: NOT available (rc=$DG_RC, $OUT/deep_gemm_build.log): the layer runs without it"
+fi
+
+say "=== 2. GPU tests ($(( $(date +%s) - T0 )) s)"
+timeout "$(limit 200 200)" python3 -m pytest -q -rs -p no:cacheprovider tests/test_gpu_ep.py tests/test_deep_gemm.py \
+  tests/test_blocks.py::test_routing_kernel_equals_the_rule tests/test_blocks.py::test_routing_kernel_refuses_a_bad_group_limit \
+  > "$OUT/tests.log" 2>&1
+say "tests rc=$?"
+tail -6 "$OUT/tests.log" | tee -a "$LOG"
+
+say "=== 3. the batch layer at $TOK tokens, $IMPLS interleaved, $RUNS processes ($(( $(date +%s) - T0 )) s)"
+for i in $(seq 1 "$RUNS"); do
+  kernels=0
+  [ "$i" = 1 ] && kernels=1
+  LAYER_PROBE_KERNELS=$kernels timeout "$(limit 120 10)" python3 launch/layer_probe.py "$IMPLS" "$TOK" 30 \
+    > "$OUT/layer_run$i.log" 2>&1
+  say "layer_probe run $i rc=$?"
+  grep -E "median|bitwise|psum|Error|error" "$OUT/layer_run$i.log" | tee -a "$LOG"
+done
+say "=== done ($(( $(date +%s) - T0 )) s)"
