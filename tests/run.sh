@@ -10,16 +10,14 @@ cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || python3 -m venv .venv
 # torch 2.13.0 first: on the project's machines its CPU build lies on disk (a bare `torch`
 # would resolve to a multi-GB CUDA build); GPU users install their own torch instead.
-# pip byte-compiles what it installs on one core (about 55 s of a fresh install here); compileall does
-# it on every core (26 s), and the tests' processes must find the .pyc files (PYTHONDONTWRITEBYTECODE
-# may be set, and then nothing is compiled at import). Files that are not Python 3 (some packages
-# ship them) fail to compile under pip too; compileall's status says only that.
+# Bytecode: pip would byte-compile all it installs on one core (about 55 s of a fresh install here, and
+# compileall -j 0 still 26 s); instead each module is compiled at its first import and kept under
+# .venv/pycache (PYTHONPYCACHEPREFIX: the source tree stays clean), so only what the tests import is
+# compiled, once, and every later process (each rank imports torch) loads the .pyc. This overrides a
+# PYTHONDONTWRITEBYTECODE of the caller's environment for the test run only.
 .venv/bin/python -m pip install -q --disable-pip-version-check --no-compile torch==2.13.0 -e '.[test]'
-site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-if [ ! -e .venv/.compiled ] || [ -n "$(find "$site" -newer .venv/.compiled -name '*.py' -print -quit)" ]; then
-  .venv/bin/python -m compileall -q -j 0 "$site" >/dev/null 2>&1 || true
-  touch .venv/.compiled
-fi
+export PYTHONPYCACHEPREFIX="$PWD/.venv/pycache"
+unset PYTHONDONTWRITEBYTECODE
 # The full run: 2 pytest-xdist workers, one per core (measured 8:57 against 11:05 in one process; 4
 # workers measured no faster and starved a timing test); tests that share one expensive fixture carry
 # one pytest.mark.xdist_group and run in one worker; the slow tests are handed out first
