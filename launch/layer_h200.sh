@@ -7,10 +7,11 @@
 # 1. DeepGEMM built from .deepgemm/ (launch/build_deep_gemm.sh);
 # 2. the GPU tests of what the layer runs: the producer's routing kernel against the rule
 #    (tests/test_blocks.py -k routing), tests/test_gpu_ep.py and tests/test_deep_gemm.py;
-# 3. launch/layer_probe.py with DeepGEMM, CUTLASS and Triton in one process (replays interleaved, each
+# 3. bench/routing.py: the routing kernel's launch variants against the torch form of the rule;
+# 4. launch/layer_probe.py with DeepGEMM, CUTLASS and Triton in one process (replays interleaved, each
 #    graph checked against its eager forward bitwise), $LAYER_RUNS (3) processes; the first also lists
 #    the kernels of one forward (device time per kernel: the layer's phases).
-# Logs: $OUT/layer.log (everything), $OUT/tests.log, $OUT/layer_run<i>.log.
+# Logs: $OUT/layer.log (everything), $OUT/tests.log, $OUT/routing.{log,json}, $OUT/layer_run<i>.log.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export OUT="${OUT:-$PWD/out}"
@@ -48,7 +49,12 @@ timeout "$(limit 200 200)" python3 -m pytest -q -rs -p no:cacheprovider tests/te
 say "tests rc=$?"
 tail -6 "$OUT/tests.log" | tee -a "$LOG"
 
-say "=== 3. the batch layer at $TOK tokens, $IMPLS interleaved, $RUNS processes ($(( $(date +%s) - T0 )) s)"
+say "=== 3. bench.routing ($(( $(date +%s) - T0 )) s)"
+timeout "$(limit 90 200)" python3 -m bench.routing --json "$OUT/routing.json" > "$OUT/routing.log" 2>&1
+say "bench.routing rc=$?"
+grep -vE "^bench.routing: T=[0-9]+ kernel_" "$OUT/routing.log" | tee -a "$LOG"
+
+say "=== 4. the batch layer at $TOK tokens, $IMPLS interleaved, $RUNS processes ($(( $(date +%s) - T0 )) s)"
 for i in $(seq 1 "$RUNS"); do
   kernels=0
   [ "$i" = 1 ] && kernels=1

@@ -224,6 +224,7 @@ def test_persistent_gemm_grid_equals_one_cta_per_tile(setup, max_ctas):
 # (moe.math.select_experts): the same experts in the same order, the same weights to float32 rounding.
 ROUTING_CASES = {
     "dsv3-256x8-groups": dict(num_experts=256, topk=8, n_group=8, topk_group=4, routed_scaling_factor=2.5),
+    "dsv3-24x3-groups": dict(num_experts=24, topk=4, n_group=3, topk_group=2, routed_scaling_factor=1.5),
     "dsv3-one-expert-groups": dict(num_experts=8, topk=2, n_group=8, topk_group=3, routed_scaling_factor=1.0),
     "dsv3-no-groups-no-norm": dict(num_experts=24, topk=3, n_group=1, topk_group=1, norm_topk_prob=False),
     "softmax-renorm": dict(num_experts=16, topk=4, router="softmax_topk", n_group=1, topk_group=1),

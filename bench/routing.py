@@ -1,0 +1,110 @@
+#!/usr/bin/env python3
+"""The producer's routing (router logits -> top-k experts and weights) on one GPU: the one-kernel rule
+(``moe_triton.select_experts``, what the producers run) against the same rule in torch ops
+(``moe.math.select_experts``: sigmoid, group top-2, group top-k, mask, top-k, gather, sums).
+
+    python3 -m bench.routing [--tokens 1024,8192] [--json out/routing.json]
+
+DeepSeek-V3 routing (256 experts in 8 groups, 4 groups kept, top-8, bias, scaling 2.5) on float32
+logits drawn N(0, 1). Per token count, in the same run: every launch variant of the kernel (rows per
+program x warps) and the torch rule, each a CUDA graph of ``--graph-calls`` calls replayed
+``--replays`` times (interleaved); the median per call, and the ratio torch / variant (> 1: the kernel
+is faster). Before timing, every variant's experts are compared with the torch rule's (equal) and its
+weights (max relative difference printed; float32 rounding only). The router GEMM before it
+(``moe_triton.router_logits``) is timed beside them for scale.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+
+import torch
+
+from streamring.device import moe_triton as K
+from streamring.moe.blocks import select_experts_into
+from streamring.moe.math import select_experts
+
+from .gemm import dsv3_shape
+
+VARIANTS = [{"rows": r, "num_warps": w} for r, w in ((16, 4), (8, 8), (4, 4), (8, 4), (32, 8), (2, 2))]
+
+
+def graph_of(fn, calls: int) -> torch.cuda.CUDAGraph:
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            fn()
+    return g
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", default="1024,8192")
+    ap.add_argument("--replays", type=int, default=20)
+    ap.add_argument("--graph-calls", type=int, default=10)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench.routing: no CUDA GPU", file=sys.stderr)
+        return 2
+    shape = dsv3_shape()
+    dev = torch.device("cuda")
+    gen = torch.Generator(device="cpu").manual_seed(3)
+    bias = (torch.randn(shape.num_experts, generator=gen) * 0.1).to(dev)
+    results = []
+    for T in (int(t) for t in args.tokens.split(",")):
+        logits = torch.randn(T, shape.num_experts, generator=gen).to(dev)
+        x = torch.randn(T, shape.hidden, generator=gen).to(dev, torch.bfloat16)
+        router = (torch.randn(shape.num_experts, shape.hidden, generator=gen) / shape.hidden ** 0.5).to(dev, torch.bfloat16)
+        lg_out = torch.empty(T, shape.num_experts, device=dev)
+        ref_idx, ref_w = select_experts(logits, bias, shape)
+        idx = torch.empty(T, shape.topk, dtype=torch.int64, device=dev)
+        w = torch.empty(T, shape.topk, dtype=torch.float32, device=dev)
+        fns = {"torch_rule": lambda: select_experts(logits, bias, shape),
+               "router_logits": lambda: K.router_logits(x, router, lg_out)}
+        for v in VARIANTS:
+            name = f"kernel_r{v['rows']}_w{v['num_warps']}"
+            K.select_experts(logits, bias, idx, w, topk=shape.topk, softmax=False, normalize=True,
+                             n_group=shape.n_group, topk_group=shape.topk_group,
+                             routed_scaling_factor=shape.routed_scaling_factor, launch=v)
+            torch.cuda.synchronize()
+            same = torch.equal(idx, ref_idx)
+            rel = float(((w - ref_w).abs() / ref_w.abs()).max())
+            print(f"bench.routing: T={T} {name}: experts equal to the torch rule: {same}; weights max rel diff {rel:.2e}",
+                  flush=True)
+            if not same:
+                return 1
+            fns[name] = (lambda v=v: K.select_experts(
+                logits, bias, idx, w, topk=shape.topk, softmax=False, normalize=True, n_group=shape.n_group,
+                topk_group=shape.topk_group, routed_scaling_factor=shape.routed_scaling_factor, launch=v))
+        select_experts_into(logits, bias, shape, idx, w)  # the default launch, as the producers call it
+        graphs = {k: graph_of(f, args.graph_calls) for k, f in fns.items()}
+        times = {k: [] for k in graphs}
+        for _ in range(args.replays):
+            for k, g in graphs.items():
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                g.replay()
+                b.record()
+                b.synchronize()
+                times[k].append(a.elapsed_time(b) / args.graph_calls)
+        base = statistics.median(times["torch_rule"])
+        print(f"bench.routing: T={T}: median ms per call (torch rule / this: > 1 = faster than the torch rule)")
+        for k, ts in times.items():
+            med = statistics.median(ts)
+            print(f"  {k:20s} {med:8.4f} ms   x{base / med:6.2f}")
+            results.append({"tokens": T, "impl": k, "ms": med, "ratio_vs_torch_rule": base / med,
+                            "default": k == f"kernel_r{K.SELECT_EXPERTS_LAUNCH['rows']}_w{K.SELECT_EXPERTS_LAUNCH['num_warps']}"})
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"shape": "deepseek_v3 256 experts, 8 groups, top-4 groups, top-8", "rows": results}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
