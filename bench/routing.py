@@ -11,7 +11,8 @@ program x warps) and the torch rule, each a CUDA graph of ``--graph-calls`` call
 ``--replays`` times (interleaved); the median per call, and the ratio torch / variant (> 1: the kernel
 is faster). Before timing, every variant's experts are compared with the torch rule's (equal) and its
 weights (max relative difference printed; float32 rounding only). The router GEMM before it
-(``moe_triton.router_logits``) is timed beside them for scale.
+(``moe_triton.router_logits``) is timed beside them in tile variants (each checked against float32
+torch first); its tile must be one for every token count, so compare a variant across the sizes.
 """
 
 from __future__ import annotations
@@ -30,6 +31,14 @@ from streamring.moe.math import select_experts
 from .gemm import dsv3_shape
 
 VARIANTS = [{"rows": r, "num_warps": w} for r, w in ((16, 4), (8, 8), (4, 4), (8, 4), (32, 8), (2, 2))]
+#: router GEMM tiles (bm, bn, bk, warps, stages); the first is the one in use until measured otherwise
+ROUTER_VARIANTS = [dict(zip(("bm", "bn", "bk", "num_warps", "num_stages"), v)) for v in (
+    (64, 128, 64, 4, 3), (64, 128, 128, 4, 4), (32, 64, 64, 4, 4), (32, 128, 128, 4, 4), (64, 64, 128, 4, 4),
+    (64, 256, 64, 8, 3), (128, 128, 64, 8, 3), (32, 256, 64, 8, 4))]
+
+
+def router_name(v: dict) -> str:
+    return f"router_bm{v['bm']}_bn{v['bn']}_bk{v['bk']}_w{v['num_warps']}_s{v['num_stages']}"
 
 
 def graph_of(fn, calls: int) -> torch.cuda.CUDAGraph:
@@ -44,7 +53,7 @@ def graph_of(fn, calls: int) -> torch.cuda.CUDAGraph:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tokens", default="1024,8192")
+    ap.add_argument("--tokens", default="1024,4096,8192")
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--graph-calls", type=int, default=10)
     ap.add_argument("--json", default=None)
@@ -65,8 +74,15 @@ def main(argv=None) -> int:
         ref_idx, ref_w = select_experts(logits, bias, shape)
         idx = torch.empty(T, shape.topk, dtype=torch.int64, device=dev)
         w = torch.empty(T, shape.topk, dtype=torch.float32, device=dev)
-        fns = {"torch_rule": lambda: select_experts(logits, bias, shape),
-               "router_logits": lambda: K.router_logits(x, router, lg_out)}
+        fns = {"torch_rule": lambda: select_experts(logits, bias, shape)}
+        ref_lg = x.float() @ router.float().t()
+        for v in ROUTER_VARIANTS:
+            K.router_logits(x, router, lg_out, launch=v)
+            rel = float((lg_out - ref_lg).norm() / ref_lg.norm())
+            print(f"bench.routing: T={T} {router_name(v)}: relative difference to float32 torch {rel:.1e}", flush=True)
+            if rel > 1e-3:
+                return 1
+            fns[router_name(v)] = (lambda v=v: K.router_logits(x, router, lg_out, launch=v))
         for v in VARIANTS:
             name = f"kernel_r{v['rows']}_w{v['num_warps']}"
             K.select_experts(logits, bias, idx, w, topk=shape.topk, softmax=False, normalize=True,
@@ -97,9 +113,11 @@ def main(argv=None) -> int:
         print(f"bench.routing: T={T}: median ms per call (torch rule / this: > 1 = faster than the torch rule)")
         for k, ts in times.items():
             med = statistics.median(ts)
-            print(f"  {k:20s} {med:8.4f} ms   x{base / med:6.2f}")
+            print(f"  {k:32s} {med:8.4f} ms   x{base / med:6.2f}")
             results.append({"tokens": T, "impl": k, "ms": med, "ratio_vs_torch_rule": base / med,
-                            "default": k == f"kernel_r{K.SELECT_EXPERTS_LAUNCH['rows']}_w{K.SELECT_EXPERTS_LAUNCH['num_warps']}"})
+                            "default": k in (f"kernel_r{K.SELECT_EXPERTS_LAUNCH['rows']}_w"
+                                             f"{K.SELECT_EXPERTS_LAUNCH['num_warps']}",
+                                             router_name(K.ROUTER_LOGITS_LAUNCH))})
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"shape": "deepseek_v3 256 experts, 8 groups, top-4 groups, top-8", "rows": results}, f, indent=1)

@@ -52,7 +52,7 @@ tail -6 "$OUT/tests.log" | tee -a "$LOG"
 say "=== 3. bench.routing ($(( $(date +%s) - T0 )) s)"
 timeout "$(limit 90 200)" python3 -m bench.routing --json "$OUT/routing.json" > "$OUT/routing.log" 2>&1
 say "bench.routing rc=$?"
-grep -vE "^bench.routing: T=[0-9]+ kernel_" "$OUT/routing.log" | tee -a "$LOG"
+grep -vE "^bench.routing: T=[0-9]+ (kernel_|router_)" "$OUT/routing.log" | tee -a "$LOG"
 
 say "=== 4. the batch layer at $TOK tokens, $IMPLS interleaved, $RUNS processes ($(( $(date +%s) - T0 )) s)"
 for i in $(seq 1 "$RUNS"); do
