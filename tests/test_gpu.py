@@ -242,6 +242,8 @@ def _toolchain_or_skip():
         pytest.skip(f"no NVSHMEM headers/device library (set STREAMRING_NVSHMEM_INC): {str(exc)[:200]}")
 
 
+@pytest.mark.slow(reason="a cold build of the CUDA library: nvcc -rdc over every csrc/*.cu and the device link, "
+                        "about 35 s on the H200 machine")
 def test_cubin_builds_and_is_cached(monkeypatch, tmp_path):
     _toolchain_or_skip()
     monkeypatch.setenv("STREAMRING_CACHE", str(tmp_path))
