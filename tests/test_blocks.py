@@ -259,3 +259,25 @@ def test_routing_kernel_refuses_a_bad_group_limit():
     out_i, out_w = torch.zeros(4, 2, dtype=torch.int64, device=DEV), torch.zeros(4, 2, device=DEV)
     with pytest.raises(ValueError, match="topk_group"):
         B.K.select_experts(logits, None, out_i, out_w, topk=2, softmax=False, normalize=True, n_group=3)
+
+
+@pytest.mark.parametrize("case", ["dsv3-256x8-groups", "dsv3-24x3-groups", "softmax-renorm"])
+def test_routing_kernel_gives_valid_experts_for_nan_rows(case):
+    """Rows past a forward's device token count hold stale data, NaN included: the kernel still names
+    valid experts there (distinct, in range) and the other rows keep the rule's choice."""
+    from streamring.moe.math import select_experts
+
+    shape = small_shape(**ROUTING_CASES[case])
+    g = torch.Generator(device="cpu").manual_seed(4)
+    logits = torch.randn(20, shape.num_experts, generator=g)
+    logits[3] = float("nan")
+    logits[7, ::2] = float("nan")
+    logits = logits.to(DEV)
+    idx = torch.full((20, shape.topk), -7, dtype=torch.int64, device=DEV)
+    w = torch.zeros(20, shape.topk, device=DEV)
+    B.select_experts_into(logits, None, shape, idx, w)
+    idx = idx.cpu()
+    assert ((idx >= 0) & (idx < shape.num_experts)).all(), idx[[3, 7]]
+    assert all(len(set(r.tolist())) == shape.topk for r in idx)
+    finite = [r for r in range(20) if r not in (3, 7)]
+    assert torch.equal(idx[finite], select_experts(logits.cpu()[finite], None, shape)[0])

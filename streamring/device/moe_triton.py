@@ -146,6 +146,11 @@ def _select_experts_kernel(logits_ptr, bias_ptr, idx_ptr, w_ptr, n_rows, routed_
         if HAS_BIAS:
             sel = sel + tl.load(bias_ptr + cols, mask=cols < E, other=0.0)[None, :]
         sel = tl.where(cvalid, sel, NEG)
+    # A NaN score (rows past a forward's device token count hold stale data) competes as -1e30: below
+    # every real score, still above the -inf of masked and already picked columns (a group score, the
+    # sum of two, stays finite), so every pick is a distinct valid expert and no reduction sees NaN.
+    sel = tl.where(sel != sel, -1.0e30, sel)
+    if not SOFTMAX:
         if G > 1:
             # group score: the sum of each group's two best ``sel``; keep the TOPK_GROUP best groups
             EPG: tl.constexpr = E // G
