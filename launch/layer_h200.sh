@@ -24,7 +24,6 @@ DEADLINE=$(( T0 + ${LAYER_BUDGET_S:-560} ))
 limit() { local want=$1 reserve=$2 l; l=$(( DEADLINE - $(date +%s) - reserve )); [ "$l" -lt "$want" ] && want=$l; [ "$want" -lt 5 ] && want=5; echo "$want"; }
 TOK=${LAYER_TOKENS:-8192}
 RUNS=${LAYER_RUNS:-3}
-say "commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')$(git diff --quiet 2>/dev/null || echo ' (with uncommitted changes)')"
 nvidia-smi -L 2>&1 | tee -a "$LOG"
 . launch/device_env.sh
 export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
