@@ -526,8 +526,9 @@ def select_experts(logits: torch.Tensor, correction_bias: Optional[torch.Tensor]
     """The routing rule: top-k experts and their weights from router ``logits`` ``[T, E]``.
 
     The one definition of the rule, used by :func:`route` (CPU/torch path, float32 or float64
-    logits) and by the GPU producers (``streamring.moe.blocks.Producer``: Triton router logits).
-    Row-local operations only, so a token's choice never depends on the other rows.
+    logits). The GPU producers run the same rule in one kernel (``moe_triton.select_experts``
+    through ``streamring.moe.blocks.select_experts_into``; ``tests/test_blocks.py`` holds the two
+    equal). Row-local operations only, so a token's choice never depends on the other rows.
 
     * ``softmax_topk``: ``p = softmax(logits)``; ``topk_idx, w = topk(p, k)``; if
       ``shape.renormalize``, ``w /= sum(w)``.
