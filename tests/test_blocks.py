@@ -261,6 +261,8 @@ def test_routing_kernel_refuses_a_bad_group_limit():
         B.K.select_experts(logits, None, out_i, out_w, topk=2, softmax=False, normalize=True, n_group=3)
 
 
+# (Triton's CPU interpreter reduces a NaN row's softmax max with numpy, which warns; the GPU does not)
+@pytest.mark.filterwarnings("ignore:All-NaN slice encountered:RuntimeWarning")
 @pytest.mark.parametrize("case", ["dsv3-256x8-groups", "dsv3-24x3-groups", "softmax-renorm"])
 def test_routing_kernel_gives_valid_experts_for_nan_rows(case):
     """Rows past a forward's device token count hold stale data, NaN included: the kernel still names
