@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """The producer's routing (router logits -> top-k experts and weights) on one GPU: the one-kernel rule
-(``moe_triton.select_experts``, what the producers run) against the same rule in torch ops
+(``blocks.select_experts_into``, what the producers run) against the same rule in torch ops
 (``moe.math.select_experts``: sigmoid, group top-2, group top-k, mask, top-k, gather, sums).
 
     python3 -m bench.routing [--tokens 1024,8192] [--json out/routing.json]
@@ -85,9 +85,7 @@ def main(argv=None) -> int:
             fns[router_name(v)] = (lambda v=v: K.router_logits(x, router, lg_out, launch=v))
         for v in VARIANTS:
             name = f"kernel_r{v['rows']}_w{v['num_warps']}"
-            K.select_experts(logits, bias, idx, w, topk=shape.topk, softmax=False, normalize=True,
-                             n_group=shape.n_group, topk_group=shape.topk_group,
-                             routed_scaling_factor=shape.routed_scaling_factor, launch=v)
+            select_experts_into(logits, bias, shape, idx, w, launch=v)
             torch.cuda.synchronize()
             same = torch.equal(idx, ref_idx)
             rel = float(((w - ref_w).abs() / ref_w.abs()).max())
@@ -95,10 +93,7 @@ def main(argv=None) -> int:
                   flush=True)
             if not same:
                 return 1
-            fns[name] = (lambda v=v: K.select_experts(
-                logits, bias, idx, w, topk=shape.topk, softmax=False, normalize=True, n_group=shape.n_group,
-                topk_group=shape.topk_group, routed_scaling_factor=shape.routed_scaling_factor, launch=v))
-        select_experts_into(logits, bias, shape, idx, w)  # the default launch, as the producers call it
+            fns[name] = (lambda v=v: select_experts_into(logits, bias, shape, idx, w, launch=v))
         graphs = {k: graph_of(f, args.graph_calls) for k, f in fns.items()}
         times = {k: [] for k in graphs}
         for _ in range(args.replays):

@@ -104,15 +104,16 @@ class FastWeights:
 
 
 def select_experts_into(logits: torch.Tensor, bias: Optional[torch.Tensor], shape: MoEShape, idx_out: torch.Tensor,
-                        w_out: torch.Tensor) -> None:
+                        w_out: torch.Tensor, launch: Optional[dict] = None) -> None:
     """:func:`~streamring.moe.math.select_experts` (the routing rule of ``shape``) of float32 ``logits
     [n, E]`` written into ``idx_out`` (int64 ``[n, topk]``) and ``w_out`` (float32 ``[n, topk]``) by one
-    kernel (the torch form is a dozen launches: about 0.4 ms of a forward at 8192 tokens)."""
+    kernel (the torch form is a dozen launches: about 0.4 ms of a forward at 8192 tokens). ``launch``:
+    the kernel's rows per program and warps (default ``moe_triton.SELECT_EXPERTS_LAUNCH``)."""
     softmax = shape.router == "softmax_topk"
     K.select_experts(logits, None if bias is None else bias.float(), idx_out, w_out, topk=shape.topk, softmax=softmax,
                      normalize=shape.renormalize if softmax else shape.norm_topk_prob,
                      n_group=1 if softmax else shape.n_group, topk_group=1 if softmax else shape.topk_group,
-                     routed_scaling_factor=1.0 if softmax else shape.routed_scaling_factor)
+                     routed_scaling_factor=1.0 if softmax else shape.routed_scaling_factor, launch=launch)
 
 
 class Producer:
