@@ -15,19 +15,9 @@
 #       $OUT/layer_*.log, $OUT/ncu.log (+ $OUT/ncu.csv).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export OUT="${OUT:-$PWD/out}"
-mkdir -p "$OUT"
-LOG="$OUT/dgl.log"
-: > "$LOG"
-say() { echo "$*" | tee -a "$LOG"; }
-T0=$(date +%s)
-DEADLINE=$(( T0 + ${DGL_BUDGET_S:-540} ))
-left() { echo $(( DEADLINE - $(date +%s) )); }
-limit() { local want=$1 reserve=$2 l; l=$(( $(left) - reserve )); [ "$l" -lt "$want" ] && want=$l; [ "$want" -lt 5 ] && want=5; echo "$want"; }
+. launch/device_job.sh dgl.log "${DGL_BUDGET_S:-540}"
 TOK=${DGL_TOKENS:-8192}
 REPLAYS=${DGL_REPLAYS:-30}
-nvidia-smi -L 2>&1 | tee -a "$LOG"
-. launch/device_env.sh
 export STREAMRING_CACHE="${STREAMRING_CACHE:-/tmp/streamring-cache}"
 export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 export DG_PREFIX="$PWD/.dg-site" DG_JIT_CACHE_DIR=${DG_JIT_CACHE_DIR:-/tmp/streamring-deep-gemm-jit}

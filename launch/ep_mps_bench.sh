@@ -16,16 +16,7 @@
 # run on half the SMs; what it can show is the schedule: whether a late source delays only its rows.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export OUT="${OUT:-$PWD/out}"
-mkdir -p "$OUT"
-LOG="$OUT/epm.log"
-: > "$LOG"
-say() { echo "$*" | tee -a "$LOG"; }
-T0=$(date +%s)
-DEADLINE=$(( T0 + ${EPM_BUDGET_S:-560} ))
-left() { echo $(( DEADLINE - $(date +%s) )); }
-nvidia-smi -L 2>&1 | tee -a "$LOG"
-. launch/device_env.sh
+. launch/device_job.sh epm.log "${EPM_BUDGET_S:-560}"
 export STREAMRING_CACHE="${STREAMRING_CACHE:-$PWD/.cache/streamring}"
 export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 export DG_PREFIX="$PWD/.dg-site" DG_JIT_CACHE_DIR=${DG_JIT_CACHE_DIR:-/tmp/streamring-deep-gemm-jit}

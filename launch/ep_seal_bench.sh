@@ -13,16 +13,7 @@
 # 5. 2 PEs under MPS (50 % of the SMs each): the step-2 runs at 1024,4096 -> $OUT/ep-mps-{merged,separate}.json.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export OUT="${OUT:-$PWD/out}"
-mkdir -p "$OUT"
-LOG="$OUT/eps.log"
-: > "$LOG"
-say() { echo "$*" | tee -a "$LOG"; }
-T0=$(date +%s)
-DEADLINE=$(( T0 + ${EPS_BUDGET_S:-560} ))
-left() { echo $(( DEADLINE - $(date +%s) )); }
-nvidia-smi -L 2>&1 | tee -a "$LOG"
-. launch/device_env.sh
+. launch/device_job.sh eps.log "${EPS_BUDGET_S:-560}"
 export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 export DG_PREFIX="$PWD/.dg-site" DG_JIT_CACHE_DIR=${DG_JIT_CACHE_DIR:-/tmp/streamring-deep-gemm-jit}
 TOK=${EPS_TOKENS:-1024,4096,8192}

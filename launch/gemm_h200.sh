@@ -22,18 +22,7 @@
 # Env: GEMM_TOKENS (default 128,1024,8192,32768), GEMM_ARGS (extra bench arguments), GEMM_BUDGET_S.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export OUT="${OUT:-$PWD/out}"
-mkdir -p "$OUT"
-LOG="$OUT/gemm.log"
-: > "$LOG"
-say() { echo "$*" | tee -a "$LOG"; }
-T0=$(date +%s)
-DEADLINE=$(( T0 + ${GEMM_BUDGET_S:-520} ))
-left() { echo $(( DEADLINE - $(date +%s) )); }
-# a step's time limit: what it asks for, at most what is left minus a reserve for the steps after it
-limit() { local want=$1 reserve=$2 l; l=$(( $(left) - reserve )); [ "$l" -lt "$want" ] && want=$l; [ "$want" -lt 5 ] && want=5; echo "$want"; }
-nvidia-smi -L 2>&1 | tee -a "$LOG"
-. launch/device_env.sh
+. launch/device_job.sh gemm.log "${GEMM_BUDGET_S:-520}"
 export STREAMRING_CACHE="${STREAMRING_CACHE:-/tmp/streamring-cache}"
 export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 export DG_PREFIX="$PWD/.dg-site" DG_JIT_CACHE_DIR=${DG_JIT_CACHE_DIR:-/tmp/streamring-deep-gemm-jit}

@@ -14,18 +14,9 @@
 # Logs: $OUT/layer.log (everything), $OUT/tests.log, $OUT/routing.{log,json}, $OUT/layer_run<i>.log.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export OUT="${OUT:-$PWD/out}"
-mkdir -p "$OUT"
-LOG="$OUT/layer.log"
-: > "$LOG"
-say() { echo "$*" | tee -a "$LOG"; }
-T0=$(date +%s)
-DEADLINE=$(( T0 + ${LAYER_BUDGET_S:-560} ))
-limit() { local want=$1 reserve=$2 l; l=$(( DEADLINE - $(date +%s) - reserve )); [ "$l" -lt "$want" ] && want=$l; [ "$want" -lt 5 ] && want=5; echo "$want"; }
+. launch/device_job.sh layer.log "${LAYER_BUDGET_S:-560}"
 TOK=${LAYER_TOKENS:-8192}
 RUNS=${LAYER_RUNS:-3}
-nvidia-smi -L 2>&1 | tee -a "$LOG"
-. launch/device_env.sh
 export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 export DG_PREFIX="$PWD/.dg-site" DG_JIT_CACHE_DIR=${DG_JIT_CACHE_DIR:-/tmp/streamring-deep-gemm-jit}
 
