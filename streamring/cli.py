@@ -24,6 +24,13 @@ from .model_names import EP_INJECT_MODES, LAYERS, MODEL_INJECT_MODES, QUEUE_INJE
 from .protocol import INJECT_MODES, PROGRESS_POLICIES, SOURCE_ORDERS
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
+#: What a CPU rank of each command imports before its first step: the local launcher's preload server
+#: imports these once per job and starts the ranks as its forks (streamring.host.preload).
+RANK_MODULES = {
+    "run": ("streamring.cli", "streamring.host.rank_main", "streamring.runner", "torch", "streamring.moe.layer",
+            "streamring.moe.math", "streamring.moe.bitwise", "streamring.moe.ep_buffer"),
+    "stress": ("streamring.cli", "streamring.host.rank_main", "streamring.stress"),
+}
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -168,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
         if problems:
             return EXIT_USAGE
         try:
-            return spawn_local(cfg.ranks, argv)
+            preload = RANK_MODULES[args.command] if cfg.backend == "cpu" else ()
+            return spawn_local(cfg.ranks, argv, preload=preload)
         except LaunchError as exc:
             print(f"streamring: {exc}", file=sys.stderr)
             return EXIT_USAGE

@@ -383,7 +383,7 @@ def waiting_gives_core_away(heap):
     """Two ranks pinned to ONE core play ping-pong through a signal word; each wait is the ring's own
     ``Ring.wait_until``. Measured: the CPU time a waiter burns per handoff, for the pause as shipped,
     for an explicit ``os.sched_yield`` (the yielding baseline) and for no pause at all (the negative
-    control), interleaved in rounds so that load on the machine hits all three alike.
+    control), interleaved in short rounds so that load on the machine hits all three alike.
 
     The claim (``verbs.spin_pause``): ranks may outnumber cores, and a waiting rank gives its core to
     the rank it waits for instead of burning its scheduler slice. The no-pause control burns a whole
@@ -406,7 +406,8 @@ def waiting_gives_core_away(heap):
     words = heap.alloc("pingpong", 16)
     shipped = P.spin_pause
     variants = {"shipped": shipped, "sched_yield": os.sched_yield, "no_pause": lambda: None}
-    N, ROUNDS = 40, 4
+    # short rounds, interleaved: a burst of load from other jobs on the machine falls on all three alike
+    N, ROUNDS = 10, 16
     cpu_s = {name: [] for name in variants}
     value = 0
     try:

@@ -18,6 +18,8 @@ import os
 import tempfile
 from pathlib import Path
 
+from .preload_stub import PARENT_ENV
+
 SHM_DIR = "/dev/shm"
 SHM_PREFIXES = ("mpich_shm_", "mpich_shar_tmp", "sm_segment.", "vader_segment.")
 TMP_PREFIXES = ("hydra_hwloc_xmlfile_",)
@@ -93,16 +95,17 @@ def held_files(pid: int) -> set[str]:
 
 
 class JobFiles:
-    """Records the MPI job files held by a process tree (the launcher's ``mpiexec``) and removes the leftovers."""
+    """Records the MPI job files held by process trees (the launcher's ``mpiexec``, and its preload server if
+    any) and removes the leftovers."""
 
-    def __init__(self, root_pid: int):
-        self.root_pid = root_pid
+    def __init__(self, *root_pids: int):
+        self.root_pids = root_pids
         self.seen: set[str] = set()
         self.procs: dict[int, str] = {}  # every process of the tree seen, pid -> start time (its identity)
 
     def scan(self) -> None:
         """Record the tree and what it holds now (call it while the job runs; a few /proc reads per process)."""
-        for pid in process_tree(self.root_pid):
+        for pid in (p for root in self.root_pids for p in process_tree(root)):
             start = start_time(pid)
             if start is not None:
                 self.procs.setdefault(pid, start)
@@ -134,6 +137,12 @@ class JobFiles:
         return removed
 
 
+def launching_parent() -> int:
+    """The pid of the process that started this rank: Hydra's proxy (for a preloaded rank, its stub's
+    parent; see :mod:`streamring.host.preload`)."""
+    return int(os.environ.get(PARENT_ENV) or os.getppid())
+
+
 def unlink_own_job_files() -> list[str]:
     """In a rank that aborts: remove the names of its job's files (the mappings stay valid until exit).
 
@@ -141,7 +150,7 @@ def unlink_own_job_files() -> list[str]:
     temporary files. Every rank of the job mapped the segments during ``MPI_Init``, and the
     job is about to be torn down, so nobody opens them by name again.
     """
-    paths = held_files(os.getpid()) | held_files(os.getppid())
+    paths = held_files(os.getpid()) | held_files(launching_parent())
     removed = []
     for path in sorted(paths):
         try:

@@ -24,6 +24,8 @@ import time
 from pathlib import Path
 
 from .jobfiles import JobFiles, is_mpi_job_file
+from .preload import STUB as PRELOAD_STUB
+from .preload import PreloadServer, preload_enabled
 from .jobstate import JOB_DIR_ENV, ranks_down, ranks_not_ok, recorded_job_files, summarize
 from .report import TERMINAL_COLUMNS_ENV, terminal_columns
 
@@ -70,8 +72,13 @@ def find_mpiexec() -> str:
     return found
 
 
-def spawn_local(num_ranks: int, argv: list[str], extra_env: dict | None = None, timeout_s: float | None = None) -> int:
+def spawn_local(num_ranks: int, argv: list[str], extra_env: dict | None = None, timeout_s: float | None = None,
+                preload: tuple[str, ...] = ()) -> int:
     """Start ``num_ranks`` ranks of ``python -m streamring <argv>`` and return the job's exit code.
+
+    ``preload``: modules that every rank imports (CPU ranks only: a fork of a process that holds a
+    CUDA context is unusable). When given, with Hydra's ``mpiexec`` and ``STREAMRING_PRELOAD`` not
+    ``0``, one server imports them and the ranks start as its forks (:mod:`streamring.host.preload`).
 
     One rank raising aborts the whole MPI job (the rank calls ``MPI_Abort``), so
     the launcher returns promptly with a non-zero code and no rank is left behind.
@@ -83,13 +90,13 @@ def spawn_local(num_ranks: int, argv: list[str], extra_env: dict | None = None, 
         raise LaunchError(f"--ranks must be >= 1, got {num_ranks}")
     mpiexec = find_mpiexec()
     cmd = [mpiexec, *shlex.split(os.environ.get(MPIEXEC_ARGS_ENV, "")), "-n", str(num_ranks)]
-    if _is_openmpi(mpiexec):
+    openmpi = _is_openmpi(mpiexec)
+    if openmpi:
         cmd += ["--oversubscribe"]
     else:
         # Hydra: keep the other ranks alive when one dies, so their watchdogs can
         # report the slot states and the dead peer; their MPI_Abort then ends the job.
         cmd += ["-disable-auto-cleanup"]
-    cmd += [sys.executable, "-m", "streamring", *argv]
     env = dict(os.environ)
     env[SPAWNED_ENV] = "1"
     # The ranks' stdout is a pipe to mpiexec: tell them how wide our terminal is (none: a log).
@@ -106,12 +113,23 @@ def spawn_local(num_ranks: int, argv: list[str], extra_env: dict | None = None, 
     env.setdefault("PYTHONUNBUFFERED", "1")
     if extra_env:
         env.update(extra_env)
+    server = None
+    # (not with extra mpiexec arguments: they may put ranks on other hosts, where a fork of this host's
+    # server would be the wrong process on the wrong host)
+    if preload and preload_enabled(env) and not openmpi and not os.environ.get(MPIEXEC_ARGS_ENV):
+        server = PreloadServer(jdir, preload, env, num_ranks, argv)
+        env.update(server.rank_env())
+        cmd += [sys.executable, str(PRELOAD_STUB), *argv]
+    else:
+        cmd += [sys.executable, "-m", "streamring", *argv]
     try:
         proc = subprocess.Popen(cmd, env=env, start_new_session=True)
     except OSError as exc:
+        if server is not None:
+            server.stop()
         shutil.rmtree(jdir, ignore_errors=True)
         raise LaunchError(f"cannot start {mpiexec}: {exc}") from exc
-    files = JobFiles(proc.pid)
+    files = JobFiles(proc.pid, *([server.proc.pid] if server is not None else []))
     rc = 1
     interrupted = ""
 
@@ -157,6 +175,9 @@ def spawn_local(num_ranks: int, argv: list[str], extra_env: dict | None = None, 
         if proc.poll() is None:
             files.scan()
             _kill_group(proc)
+        if server is not None:
+            files.scan()
+            server.stop()
         _reap_tree(files)
         if rc != 0:
             for line in summarize(jdir, num_ranks, first_down, interrupted=interrupted):

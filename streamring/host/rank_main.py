@@ -17,6 +17,7 @@ from .bootstrap import abort_job, make_heap, watch_blocked_calls
 from .jobstate import job_dir, peer_report, record_job_files, register_rank, report_status
 from .launch import SPAWNED_ENV, Launcher, detect_launcher
 from .prelaunch import agree_on_problems, job_problems
+from .preload import PRELOADED_ENV
 from .report import Column, Report
 
 
@@ -97,6 +98,15 @@ def _early_problems(command: str, cfg: Config, json_path: str | None) -> list[st
     return agree_on_problems(comm, mine, cfg.wait_timeout_s)
 
 
+def process_facts() -> dict:
+    """How this rank's process started, for its row in the JSON: ``preloaded`` (a fork of the launcher's
+    preload server, :mod:`streamring.host.preload`, or a fresh interpreter) and, where torch is loaded,
+    ``torch_threads`` (its intra-op threads: a preloaded rank must run as many as a fresh one)."""
+    torch = sys.modules.get("torch")
+    return {"preloaded": os.environ.get(PRELOADED_ENV) == "1",
+            "torch_threads": torch.get_num_threads() if torch is not None else None}
+
+
 def rank_main(command: str, cfg: Config, json_path: str | None = None) -> int:
     """Run ``command`` on this rank; any exception takes the whole job down.
 
@@ -129,14 +139,14 @@ def rank_main(command: str, cfg: Config, json_path: str | None = None) -> int:
         if command == "stress":
             from ..stress import result_dict, run_stress
 
-            res = result_dict(run_stress(heap, cfg))
+            res = result_dict(run_stress(heap, cfg)) | process_facts()
             results = heap.allgather_obj(res)
             wall = time.monotonic() - t0
             code = report_stress(results, cfg, wall, json_path) if heap.rank == 0 else 0
         elif command == "run":
             from ..runner import run_layer
 
-            res = run_layer(heap, cfg)
+            res = run_layer(heap, cfg) | process_facts()
             results = heap.allgather_obj(res)
             wall = time.monotonic() - t0
             code = report_run(results, cfg, wall, json_path) if heap.rank == 0 else 0
