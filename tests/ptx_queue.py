@@ -67,7 +67,7 @@ def persistent_ptx(block_m: int, inject: int = 0) -> str:
     from streamring.device.moe_triton import _gemm_cfg
 
     sig = dict(a.split(":") for a in PERSISTENT_ARGS.split())
-    cfg = _gemm_cfg(block_m)
+    cfg = _gemm_cfg(block_m, gemm="persistent")
     consts = dict(H=7168, I=2048, BM=block_m, GROUP=8, STAGES=cfg["STAGES"], NW=cfg["num_warps"], INJECT=inject,
                   TRACE=False, WITNESS=False, STALL_L1_US=0)
     sig.update({k: "constexpr" for k in consts})

@@ -738,11 +738,26 @@ def _l2_kernel(ready_list_ptr, ready_hi_ptr, lo_index, hi_index, max_items, bloc
                            comb_delta_ptr, 2, H // 128, H, I, BM, GROUP, STAGES, PDL, PERSIST, DIRECT)
 
 
-def _gemm_cfg(block_m: int) -> dict:
-    # K-loop software pipelining (cp.async ring in shared memory) needs tl.range(num_stages=...)
-    if block_m >= 64:
-        return {"num_warps": 8, "STAGES": 3}
-    return {"num_warps": 4, "STAGES": 4}
+#: The expert GEMMs' launch: per GEMM, per block_m (the entry with the largest block_m at most the
+#: buffer's), measured on one H200 by ``bench.triton_gemm_launch`` (docs/results/triton-gemm-launch-*.json).
+#: STAGES: the K loop's software pipeline depth (cp.async ring in shared memory, tl.range(num_stages=...));
+#: 5 stages of a 128-row L1 tile do not fit in shared memory. One launch per (GEMM, block_m) serves the
+#: batch and the streamed path alike, and a launch changes no arithmetic (the benchmark checks the bits).
+GEMM_LAUNCH = {
+    "l1": {128: {"num_warps": 8, "STAGES": 4}, 64: {"num_warps": 8, "STAGES": 5}, 32: {"num_warps": 4, "STAGES": 4},
+           16: {"num_warps": 4, "STAGES": 5}},
+    "l2": {128: {"num_warps": 8, "STAGES": 4}, 64: {"num_warps": 4, "STAGES": 4}, 32: {"num_warps": 4, "STAGES": 4},
+           16: {"num_warps": 4, "STAGES": 6}},
+    # the persistent consumer's one kernel runs both GEMMs with one launch (streamring.device.persistent_moe)
+    "persistent": {64: {"num_warps": 8, "STAGES": 3}, 0: {"num_warps": 4, "STAGES": 4}},
+}
+
+
+def _gemm_cfg(block_m: int, launch: dict | None = None, gemm: str = "l1") -> dict:
+    if launch is not None:
+        return {"num_warps": launch["num_warps"], "STAGES": launch["STAGES"]}
+    table = GEMM_LAUNCH[gemm]
+    return dict(table[max((k for k in table if k <= block_m), default=min(table))])
 
 
 def _pdl_kw(pdl: bool) -> dict:
@@ -757,13 +772,15 @@ def _grid(max_items: int, group: int, nt: int, max_ctas: int | None) -> tuple[tu
 
 
 def expert_l1(ready_list, ready_hi, lo_index: int, hi_index: int, max_items: int, block_expert, a, asf, w1, w1sf, h1,
-              h1sf, *, block_m: int, group: int = 8, pdl: bool = False, max_ctas: int | None = None):
+              h1sf, *, block_m: int, group: int = 8, pdl: bool = False, max_ctas: int | None = None,
+              launch: dict | None = None):
     """L1 + SwiGLU + FP8 re-quantization of the ready blocks
     ``ready_list[ready_hi[lo_index] : ready_hi[hi_index]]``.
 
     The range is read on the device (the launch needs no host sync); ``max_items`` bounds the
     launch grid (``hi - lo`` must not exceed it). Returns Triton's compiled-kernel handle
-    (registers, shared memory: for occupancy reports).
+    (registers, shared memory: for occupancy reports). ``launch``: ``{"num_warps", "STAGES"}`` instead
+    of :data:`GEMM_LAUNCH`'s (for the benchmark that measures them).
     """
     if max_items <= 0:
         return None
@@ -772,18 +789,18 @@ def expert_l1(ready_list, ready_hi, lo_index: int, hi_index: int, max_items: int
     nt = i // 128
     grid, persist = _grid(max_items, group, nt, max_ctas)
     return _l1_swiglu_kernel[grid](ready_list, ready_hi, lo_index, hi_index, max_items, block_expert, a, asf, w1, w1sf, h1, h1sf, H=h, I=i,
-                            BM=block_m, GROUP=group, **_gemm_cfg(block_m), **_pdl_kw(pdl), **persist)
+                            BM=block_m, GROUP=group, **_gemm_cfg(block_m, launch), **_pdl_kw(pdl), **persist)
 
 
 def expert_l2(ready_list, ready_hi, lo_index: int, hi_index: int, max_items: int, block_expert, h1, h1sf, w2, w2sf,
               roww, y, *, block_m: int, group: int = 8, pdl: bool = False, max_ctas: int | None = None,
-              direct=None):
+              direct=None, launch: dict | None = None):
     """L2 of the ready blocks, times the routing weight, as bf16 rows (returns the kernel handle).
 
     ``direct=None``: row ``r`` goes to ``y[r]``. ``direct=(row_src, row_tok, comb_delta)``: row ``r``
     goes straight into its owner's combine rows, ``y + comb_delta[row_src[r]] + row_tok[r] * H``
     (``y`` is then this PE's combine rows, ``comb_delta`` int64 element distances to each PE's copy);
-    rows with ``row_src < 0`` (padding of a sealed block) are not stored.
+    rows with ``row_src < 0`` (padding of a sealed block) are not stored. ``launch``: as :func:`expert_l1`'s.
     """
     if max_items <= 0:
         return None
@@ -795,7 +812,7 @@ def expert_l2(ready_list, ready_hi, lo_index: int, hi_index: int, max_items: int
     else:
         row_src, row_tok, comb_delta = direct
     return _l2_kernel[grid](ready_list, ready_hi, lo_index, hi_index, max_items, block_expert, h1, h1sf, w2, w2sf, roww,
-                            y, row_src, row_tok, comb_delta, H=h, I=i, BM=block_m, GROUP=group, **_gemm_cfg(block_m),
+                            y, row_src, row_tok, comb_delta, H=h, I=i, BM=block_m, GROUP=group, **_gemm_cfg(block_m, launch, "l2"),
                             **_pdl_kw(pdl), **persist, DIRECT=direct is not None)
 
 

@@ -420,7 +420,7 @@ def persistent_moe(ctrl, cap: int, ready_list, block_expert, a, asf, w1, w1sf, h
     if not isinstance(ctas, int) or ctas < 1:
         raise ValueError(f"ctas must be an integer >= 1, got {ctas!r}")
     _, h, i = w2.shape
-    cfg = _gemm_cfg(block_m)
+    cfg = _gemm_cfg(block_m, gemm="persistent")
     nw = cfg["num_warps"]
     if trace is not None and trace.numel() < 4 * total_items(cap, i // 128, h // 128, group):
         raise ValueError(f"trace must hold 4 * total_items(cap) = {4 * total_items(cap, i // 128, h // 128, group)} "
