@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from bench.gemm import FP8, HBM_GBS, dsv3_shape, log
-from bench.triton_gemm_launch import consumer, l1, l2, routed_set
+from bench.triton_gemm_launch import consumer, l1, l2, routed_set, time_back_to_back
 from streamring.moe import blocks as B
 
 
@@ -100,18 +100,7 @@ def main(argv=None) -> int:
                     same = torch.equal(bc.y[rows].view(torch.int16), ref[rows].view(torch.int16))
                     log(f"T={T} flat c{c} s{s} w{w}: output {'bitwise equal to' if same else 'DIFFERS from'} the shipped L2's")
                     fns[f"flat c{c} s{s} w{w}"] = fn
-        times = {k: [] for k in fns}
-        for _ in range(args.rounds):
-            for k, fn in fns.items():
-                ev = []
-                for _ in range(args.replays):
-                    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    a.record()
-                    fn()
-                    b.record()
-                    ev.append((a, b))
-                torch.cuda.synchronize()
-                times[k] += [a.elapsed_time(b) for a, b in ev]
+        times = time_back_to_back(fns, args.rounds, args.replays)
         base = statistics.median(times["shipped"])
         print(f"\nT={T} block_m={bm} L2 ({experts} experts, {wbytes / 1e9:.2f} GB of weights)")
         for k, v in sorted(times.items(), key=lambda kv: statistics.median(kv[1])):

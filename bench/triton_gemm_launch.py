@@ -58,6 +58,25 @@ def l2(bc, fw, launch):
                                bc.h1_sf, fw.w2, fw.w2_sf, bc.row_weight, bc.y, block_m=bc.block_m, launch=launch)
 
 
+def time_back_to_back(fns: dict, rounds: int, replays: int) -> dict:
+    """Every call's milliseconds, per key of ``fns``: each function ``replays`` times in a row (eager
+    launches, CUDA events around each), all of them in turn, ``rounds`` times."""
+    times = {k: [] for k in fns}
+    for _ in range(rounds):
+        ev = []
+        for k, fn in fns.items():
+            for _ in range(replays):
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                fn()
+                b.record()
+                ev.append((k, a, b))
+        torch.cuda.synchronize()
+        for k, a, b in ev:
+            times[k].append(a.elapsed_time(b))
+    return times
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", default="128,1024")
@@ -110,19 +129,7 @@ def main(argv=None) -> int:
                     for gemm in ("l1", "l2"):
                         fns.pop((T, bm, name, gemm), None)
             log(f"T={T} bm={bm}: shipped launch {shipped}; {len(variants)} variants")
-        times = {k: [] for k in fns}
-        for _ in range(args.rounds):
-            ev = []
-            for k, fn in fns.items():
-                for _ in range(args.replays):
-                    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    a.record()
-                    fn()
-                    b.record()
-                    ev.append((k, a, b))
-            torch.cuda.synchronize()
-            for k, a, b in ev:
-                times[k].append(a.elapsed_time(b))
+        times = time_back_to_back(fns, args.rounds, args.replays)
         base = {(T2, bm, gemm): statistics.median(v) for (T2, bm, name, gemm), v in times.items() if name == "shipped"}
         best_shipped = {gemm: min(v for (t2, _, g), v in base.items() if g == gemm and t2 == T) for gemm in ("l1", "l2")}
         for (T2, bm, name, gemm), v in times.items():

@@ -43,22 +43,21 @@ def test_check_env(cli):
 # --------------------------------------------------------------------------------------
 # Preloaded ranks (streamring.host.preload): forks of one server that imported torch and the command
 # --------------------------------------------------------------------------------------
-def _run_rows(cli, preload: str, *args):
-    r = cli("run", "--ranks", 2, "--set", "layer.num_experts=8", *args, env={"STREAMRING_PRELOAD": preload})
+def _run_rows(cli, preload: str) -> list:
+    r = cli("run", "--ranks", 2, "--set", "layer.num_experts=8", env={"STREAMRING_PRELOAD": preload})
     assert r.rc == 0, r
-    return r, r.json["ranks"]
+    return r.json["ranks"]
 
 
 def test_preloaded_ranks_run_as_fresh_ones_do(cli):
     """The same job with the ranks preloaded (the default) and as fresh interpreters: every row says
     how its process started, the outputs are the same bits, and a preloaded rank runs as many torch
     threads as a fresh one (MKL, loaded in the server, picks its default from Hydra's MPI_LOCALNRANKS)."""
-    _, fresh = _run_rows(cli, "0")
-    _, pre = _run_rows(cli, "1")
+    fresh = _run_rows(cli, "0")
+    pre = _run_rows(cli, "1")
     assert [x["preloaded"] for x in fresh] == [False, False], fresh
     assert [x["preloaded"] for x in pre] == [True, True], pre
     assert [x["torch_threads"] for x in pre] == [x["torch_threads"] for x in fresh], (pre, fresh)
     for a, b in zip(pre, fresh):
         assert a["bitwise_equal"] and b["bitwise_equal"]
         assert a["ref_max_abs_err"] == b["ref_max_abs_err"], (a, b)  # the same output against the same reference
-
