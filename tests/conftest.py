@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -178,10 +179,13 @@ def _env(extra=None):
     return env
 
 
-def _run(cmd, timeout, env) -> subprocess.CompletedProcess:
-    """Run ``cmd`` in its own process group; on timeout take the whole group (and its MPI job) down."""
+def _run(cmd, timeout, env, started: list[int] | None = None) -> subprocess.CompletedProcess:
+    """Run ``cmd`` in its own process group; on timeout take the whole group (and its MPI job) down.
+    ``started``, if given, receives the process id."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(env), cwd=ROOT,
                             start_new_session=True)
+    if started is not None:
+        started.append(proc.pid)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -227,12 +231,28 @@ def mpiexec_path() -> str:
 
 
 @pytest.fixture
-def mpirun():
-    """Run ``mpiexec -n N python SCRIPT ARGS`` (the user's `mpirun` path)."""
+def mpirun(suite_leaves_no_mpi_files):
+    """Run ``mpiexec -n N python SCRIPT ARGS`` (the user's `mpirun` path).
+
+    A job that fails by ``MPI_Abort`` (a test script's failed check) leaves MPICH's shared-memory
+    segment behind: plain ``mpiexec`` has no launcher of streamring's to remove it. The files the
+    suite's watcher saw this job's processes hold are removed after a failed job, and the result says
+    so, so that the failure shows as itself and not also as the suite's leak guard. A job that
+    succeeded keeps its leftovers, for the guard to report."""
 
     def run(n, *args, timeout=240, env=None):
         cmd = [mpiexec_path(), "-n", str(n), sys.executable, *map(str, args)]
-        return Result(_run(cmd, timeout, env), None)
+        started: list[int] = []
+        proc = _run(cmd, timeout, env, started=started)
+        if proc.returncode != 0 and started:
+            suite_leaves_no_mpi_files.poll()
+            left = sorted(f for f in suite_leaves_no_mpi_files.files_by_child.get(started[0], ()) if os.path.exists(f))
+            for f in left:
+                with contextlib.suppress(OSError):
+                    os.unlink(f)
+            if left:
+                proc.stderr += f"\n[tests/conftest.py] the failed job left {left}: removed\n"
+        return Result(proc, None)
 
     return run
 
@@ -247,23 +267,30 @@ def _is_mpi_file(path: str) -> bool:
         (d == "/tmp" and name.startswith("hydra_hwloc_xmlfile_"))
 
 
-def descendants(root: int) -> set[int]:
-    """``root``'s live descendants (not ``root``), from the ppid of every process."""
-    parent = {}
+def descendants_by_child(root: int) -> dict[int, int]:
+    """``root``'s live descendants (not ``root``), each mapped to the child of ``root`` it descends from,
+    from the ppid of every process."""
+    children: dict[int, list[int]] = {}
     for d in Path("/proc").iterdir():
         if d.name.isdigit():
             try:
-                parent[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
             except (OSError, ValueError, IndexError):
                 continue
-    out, todo = set(), [root]
+            children.setdefault(ppid, []).append(int(d.name))
+    out: dict[int, int] = {}
+    todo = [(c, c) for c in children.get(root, [])]
     while todo:
-        p = todo.pop()
-        for c, pp in parent.items():
-            if pp == p and c not in out:
-                out.add(c)
-                todo.append(c)
+        p, top = todo.pop()
+        if p not in out:
+            out[p] = top
+            todo.extend((c, top) for c in children.get(p, []))
     return out
+
+
+def descendants(root: int) -> set[int]:
+    """``root``'s live descendants (not ``root``), from the ppid of every process."""
+    return set(descendants_by_child(root))
 
 
 def files_held(pid: int) -> set[str]:
@@ -292,6 +319,7 @@ class FileWatcher:
     def __init__(self, root: int, period_s: float = 0.2):
         self.root, self.period_s = root, period_s
         self.files: set[str] = set()
+        self.files_by_child: dict[int, set[str]] = {}  # the same files, by the child of root whose tree held them
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -301,8 +329,11 @@ class FileWatcher:
             self._stop.wait(self.period_s)
 
     def poll(self):
-        for pid in descendants(self.root):
-            self.files |= files_held(pid)
+        for pid, child in descendants_by_child(self.root).items():
+            held = files_held(pid)
+            if held:
+                self.files |= held
+                self.files_by_child.setdefault(child, set()).update(held)
 
     def __enter__(self):
         self._thread.start()

@@ -11,6 +11,7 @@ the traceback and aborts the job with a non-zero exit code.
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import sys
@@ -390,10 +391,14 @@ def waiting_gives_core_away(heap):
     slice per handoff (4 ms here: a 250 Hz tick). The sched_yield baseline burns tens of microseconds
     on an idle machine and about 1 ms under a load average of 10 on 2 cores (the scheduler does not
     always hand the core to the peer at once). The shipped pause runs the very same loop as the
-    baseline, so a correct build measures about 1x it (0.85-1.3x seen under that load); the bound is
-    2x. A build whose waiter never yields measures as the control, >= 3.4x the baseline even under
-    that load. The control must exceed the bound, or the run could not tell the two apart: then
-    the test fails as inconclusive rather than pass.
+    baseline, so a correct build measures about 1x it: 0.85-1.3x seen under that load, but on an idle
+    CI machine, where both are a few tens of microseconds, one run measured 47 against 23 us (2.04x).
+    A ratio to the baseline alone is noise at that scale; what tells a yielding waiter from a burning
+    one is which reference it sits nearer: the verdict is "yields" when the shipped figure is below
+    the geometric mean of the baseline and the control (47 us against sqrt(23 x 3945) = 301 us in that
+    run; 1.84x the baseline under load, where the control is >= 3.4x it). A build whose waiter never
+    yields measures as the control and lands above. The control must exceed 2x the baseline, or the
+    run could not tell the two apart: then the test fails as inconclusive rather than pass.
     """
     R, me = heap.num_ranks, heap.rank
     check(R == 2, "needs exactly 2 ranks")
@@ -432,13 +437,15 @@ def waiting_gives_core_away(heap):
     if me == 0:
         print("CPU time a waiter burns per handoff, 2 ranks on one core (median): "
               + ", ".join(f"{n} {v * 1e6:.0f} us" for n, v in med.items()))
-    base, bound = med["sched_yield"], 2.0
-    check(med["no_pause"] > bound * base,
-          f"inconclusive: a waiter without any pause burned {med['no_pause'] * 1e6:.0f} us per handoff, not more "
-          f"than {bound}x the yielding baseline {base * 1e6:.0f} us (were the ranks really sharing one core?)")
-    check(med["shipped"] <= bound * base,
-          f"a waiting rank does not give its core away: {med['shipped'] * 1e6:.0f} us of CPU per handoff against "
-          f"{base * 1e6:.0f} us with sched_yield (bound {bound}x; without any pause {med['no_pause'] * 1e6:.0f} us)")
+    base, burn = med["sched_yield"], med["no_pause"]
+    check(burn > 2.0 * base,
+          f"inconclusive: a waiter without any pause burned {burn * 1e6:.0f} us per handoff, not more "
+          f"than 2x the yielding baseline {base * 1e6:.0f} us (were the ranks really sharing one core?)")
+    bound = math.sqrt(base * burn)  # nearer the yielding baseline than the burning control, on a log scale
+    check(med["shipped"] < bound,
+          f"a waiting rank does not give its core away: {med['shipped'] * 1e6:.0f} us of CPU per handoff, nearer "
+          f"the {burn * 1e6:.0f} us of a waiter without any pause than the {base * 1e6:.0f} us of sched_yield "
+          f"(bound: their geometric mean, {bound * 1e6:.0f} us)")
     heap.barrier()
     heap.free(words)
     ring.close()
