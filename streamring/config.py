@@ -110,7 +110,9 @@ class RunConfig(_Strict):
         "auto", description="backend nvshmem: fast = the expert-parallel FP8 GPU layer (EPBuffer: device-side ring, "
                             "Triton kernels, CUDA graphs; needs layer.weight_dtype=fp8); host_verbs = the reference "
                             "layer (MoEBuffer through host verbs, torch ops); auto = fast for fp8 weights")
-    straggler: Optional["Straggler"] = Field(None, description="fast GPU path: delay one rank's producer (device side)")
+    straggler: Optional["Straggler"] = Field(
+        None, description="delay one rank's producers at the start of every forward, batch and streamed: device "
+                          "side on the fast GPU path, its producer roles sleeping on the CPU and host-verb layers")
     gemm: Literal[GEMM_CHOICES] = Field(  # type: ignore[valid-type]
         "auto", description="fast GPU path: the expert GEMMs of both the batch and the streamed path (auto: CUTLASS "
                             "when its library is built, else Triton)")
@@ -120,7 +122,7 @@ class RunConfig(_Strict):
 
 
 class Straggler(_Strict):
-    """A slow rank on purpose: rank ``rank``'s producer starts ``ms`` milliseconds late (device side)."""
+    """A slow rank on purpose: rank ``rank``'s producers start ``ms`` milliseconds late in every forward."""
 
     rank: int = Field(ge=0)
     ms: float = Field(gt=0, le=10_000)

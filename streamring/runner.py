@@ -122,6 +122,9 @@ def check_run_job(cfg: Config, num_ranks: int) -> None:
         raise ConfigError(f"layer: {exc} (layer.num_experts must be a multiple of the {R} ranks; see also "
                           f"layer.topk, layer.n_group, layer.topk_group)") from None
     per_rank(cfg.run.tokens_per_rank, R, "run.tokens_per_rank")
+    if cfg.run.straggler is not None and cfg.run.straggler.rank >= R:
+        raise ConfigError(f"run.straggler.rank must be in [0, {R}) (the job has {R} ranks), "
+                          f"got {cfg.run.straggler.rank}")
     f = cfg.run.fault
     if f is not None:
         if not use_fast_gpu_path(cfg):
@@ -176,6 +179,8 @@ def run_layer(heap: SymmetricHeap, cfg: Config) -> dict:
     buf = MoEBuffer(heap, shape, num_slots=cfg.ring.num_slots, tokens_per_slot=cfg.ring.tokens_per_slot,
                     max_tokens_per_rank=max(max(tokens), 1), wait_timeout_s=cfg.wait_timeout_s,
                     inject=Inject(cfg.run.inject))
+    if cfg.run.straggler is not None and cfg.run.straggler.rank == me:
+        buf.set_straggler(int(cfg.run.straggler.ms * 1e6))
     routing = None if cfg.run.routing == "router" else synthetic_routing(cfg.run.routing, me, shape, R,
                                                                          cfg.layer.seed)
     rtol, atol = reference_tolerance(shape)

@@ -214,6 +214,8 @@ def report_run(results: list[dict], cfg: Config, wall_s: float, json_path: str |
                  f"{gemms}): {len(results)} ranks, {L.num_experts} experts top-{L.topk} ({L.router}, "
                  f"fp8), hidden {L.hidden}, ring {cfg.ring.num_slots}x{cfg.ring.tokens_per_slot}, "
                  f"{cfg.run.epochs} epochs, mode {mode}")
+    if cfg.run.straggler is not None:
+        title += f", straggler: rank {cfg.run.straggler.rank}'s producers {cfg.run.straggler.ms:g} ms late"
     out.table(title, RUN_COLUMNS, rows)
     differ = [r["rank"] for r in results if both and not r["bitwise_equal"]]
     outside = [r["rank"] for r in results if not r["ref_ok"]]

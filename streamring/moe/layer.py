@@ -54,7 +54,7 @@ from typing import Callable, Optional, Union
 import numpy as np
 import torch
 
-from ..coop import run_roles, wait_for
+from ..coop import run_roles, sleep_for, wait_for
 from ..device.ranges import annotate as nvtx_range
 from ..device.verbs import SymmetricHeap
 from ..protocol import SOURCE_ORDERS, Inject, Ring, RingLayout, StreamPlan
@@ -165,6 +165,7 @@ class MoEBuffer:
         # Weights that prepare_weights checked once: forward skips their full validation (a scan of every
         # expert weight) on each call. Keyed by the object, so dropping the weights drops the entry.
         self._prepared: "weakref.WeakKeyDictionary[MoEWeights, tuple[MoEWeights, int]]" = weakref.WeakKeyDictionary()
+        self.straggler_s = 0.0  # set_straggler
 
     # ------------------------------------------------------------------------------
     def prepare_weights(self, weights: MoEWeights) -> MoEWeights:
@@ -188,6 +189,17 @@ class MoEBuffer:
             raise ValueError(f"weights must be a MoEWeights, got {type(weights).__name__}")
         self._prepared[weights] = self._local_weights(weights)
         return weights
+
+    def set_straggler(self, ns: int) -> None:
+        """Delay this rank's producers by ``ns`` nanoseconds at the start of every later forward (0: none).
+
+        A slow rank on purpose, as :meth:`streamring.moe.ep_buffer.EPBuffer.set_straggler` is on the GPU
+        layer: the route and layout producers sleep before their first chunk, batch and streamed alike,
+        while this rank's consumer and combiner already serve the other ranks' chunks. Local (not
+        collective)."""
+        if int(ns) < 0:
+            raise ValueError(f"ns must be >= 0, got {ns}")
+        self.straggler_s = int(ns) * 1e-9
 
     # ------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, weights: MoEWeights, *, streaming: bool = False,
@@ -353,6 +365,7 @@ class _Forward:
         return base, valid, self.x[base:base + valid]
 
     def route_producer(self):
+        yield from sleep_for(self.buf.straggler_s)
         for c in range(self.plan.num_chunks):
             yield from wait_for(self.ring, lambda: self.ring.try_reserve(c), f"reuse of my slot for chunk {c}")
             base, valid, xc = self._chunk_rows(c)
@@ -373,6 +386,7 @@ class _Forward:
             yield
 
     def layout_producer(self):
+        yield from sleep_for(self.buf.straggler_s)
         for c in range(self.plan.num_chunks):
             yield from wait_for(self.ring, lambda: self.ring.try_reserve(c), f"reuse of my slot for chunk {c}")
             base, valid, xc = self._chunk_rows(c)
