@@ -853,12 +853,19 @@ class Model:
         R, S = self.R, self.S
         inject = self.inject
         ep = self.ep
+        # (this runs once per state of every model check: the fields are read as locals)
+        EP, END, PPC, PSL, PVL, PAY = self.EP, self.END, self.PPC, self.PSL, self.PVL, self.PAY
+        RDY, ACK, COL, CPC, HLD, DNM = self.RDY, self.ACK, self.COL, self.CPC, self.HLD, self.DNM
+        NPH, pdone, cdone, nsteps, steps = self.NPH, self.pdone, self.cdone, self.nsteps, self.steps
+        b_done, b_pend, b_pay, b_rdy, b_pos = self.b_done, self.b_pend, self.b_pay, self.b_rdy, self.b_pos
+        b_pos_rs, b_col, b_ack, last_chunk = self.b_pos_rs, self.b_col, self.b_ack, self.last_chunk
+        ready_order, skip_ack_wait = self.ready_order, self.skip_ack_wait
         procs = [None] * self.NP
         all_ended = True
         for r in range(R):
-            e = st[self.EP + r]
+            e = st[EP + r]
             base = 6 * r
-            if st[self.END + r]:
+            if st[END + r]:
                 nxt = (self.BEGIN,) if e < self.E else ()
                 for i in range(6):
                     procs[base + i] = ((), 0, 0, 0, nxt)
@@ -874,46 +881,46 @@ class Model:
             for k in (0, 1):
                 i = 2 * r + k
                 pid = base + k
-                pc = st[self.PPC + i]
-                if pc >= self.pdone:
+                pc = st[PPC + i]
+                if pc >= pdone:
                     procs[pid] = ((), 0, 0, 0, nxt)
                 else:
-                    c, j = divmod(pc, self.nsteps)
-                    step, t = self.steps[j]
+                    c, j = divmod(pc, nsteps)
+                    step, t = steps[j]
                     s = c % S
                     g = gens[c]
-                    done_bit = self.b_done[pid] if pc + 1 == self.pdone else 0
+                    done_bit = b_done[pid] if pc + 1 == pdone else 0
                     if step == "reserve":
                         prev = c - S
-                        if prev < 0 or self.skip_ack_wait:
+                        if prev < 0 or skip_ack_wait:
                             lst = list(st)
-                            lst[self.PPC + i] = pc + 1
+                            lst[PPC + i] = pc + 1
                             op = "reserve-first" if prev < 0 else "reserve-skip"
                             procs[pid] = ((Trans(pid, (op, r, k, c, s, prev), tuple(lst)),), 0, 0, 0, ())
                         else:
                             gp = gens[prev]
-                            ci, ai = self.COL + r * S + s, self.ACK + r * S + s
+                            ci, ai = COL + r * S + s, ACK + r * S + s
                             if st[ci] == gp:
                                 lst = list(st)
-                                lst[self.PPC + i] = pc + 1
+                                lst[PPC + i] = pc + 1
                                 procs[pid] = ((Trans(pid, ("reserve-collected", r, k, c, s, prev), tuple(lst)),),
-                                              self.b_col[r][s], 0, 0, ())
+                                              b_col[r][s], 0, 0, ())
                             elif self.mask_full(st[ai]):
                                 lst = list(st)
-                                lst[self.PPC + i] = pc + 1
+                                lst[PPC + i] = pc + 1
                                 lst[ci] = gp
                                 lst[ai] = 0
                                 procs[pid] = ((Trans(pid, ("reserve-collect", r, k, c, s, prev), tuple(lst)),),
-                                              0, self.b_col[r][s] | self.b_ack[r][s], 0, ())
+                                              0, b_col[r][s] | b_ack[r][s], 0, ())
                             else:
                                 nes = tuple(6 * b + 2 for b in self.missing_bits(st[ai]))
                                 procs[pid] = ((), 0, 0, 0, nes)
                     elif step == "write":
-                        acc_r, acc_w = self.b_pos_rs[r][s] | self.b_pend[r][k], self.b_pend[r][k] | done_bit
+                        acc_r, acc_w = b_pos_rs[r][s] | b_pend[r][k], b_pend[r][k] | done_bit
                         viol = None
                         for d, c2, e2 in self._holders(st, r, s):
                             if (e2, c2) != (e, c):
-                                how = ("acquired, not yet acknowledged" if st[self.CPC + d] % self.NPH == 1 else
+                                how = ("acquired, not yet acknowledged" if st[CPC + d] % NPH == 1 else
                                        "acquired and acknowledged, but its copy out of the slot has not completed")
                                 viol = Violation((PROP_OVERWRITE,), (
                                     f"rank {r} {KINDS[k]} producer overwrites slot {s} with chunk {c} (epoch {e}) "
@@ -924,38 +931,38 @@ class Model:
                         else:
                             lst = list(st)
                             self._flush(lst, r, k)  # (always empty here: each write is followed by a release)
-                            lst[self.PSL + i] = s
-                            lst[self.PVL + i] = g
-                            lst[self.PPC + i] = pc + 1
+                            lst[PSL + i] = s
+                            lst[PVL + i] = g
+                            lst[PPC + i] = pc + 1
                             procs[pid] = ((Trans(pid, ("write", r, k, c, s, g), tuple(lst)),), acc_r, acc_w, 0, ())
                     else:  # publish to t, or fence: both release (flush) first
                         lst = list(st)
-                        ps = lst[self.PSL + i]
-                        acc_r, acc_w = self.b_pend[r][k], done_bit
+                        ps = lst[PSL + i]
+                        acc_r, acc_w = b_pend[r][k], done_bit
                         if ps >= 0:
-                            acc_r |= self.b_pos_rs[r][ps]
-                            acc_w |= self.b_pend[r][k] | self.b_pay[r][k][ps]
+                            acc_r |= b_pos_rs[r][ps]
+                            acc_w |= b_pend[r][k] | b_pay[r][k][ps]
                         fl = self._flush(lst, r, k)
                         if step == "publish":
-                            lst[self.RDY + ((2 * t + k) * R + r) * S + s] = g
-                            acc_w |= self.b_rdy[t][k][r][s]
+                            lst[RDY + ((2 * t + k) * R + r) * S + s] = g
+                            acc_w |= b_rdy[t][k][r][s]
                             desc = ("publish", r, k, c, s, g, t, ps >= 0)
                         else:
                             desc = ("fence", r, k, c, s, g, ps >= 0)
-                        lst[self.PPC + i] = pc + 1
+                        lst[PPC + i] = pc + 1
                         if fl is not None:
                             procs[pid] = ((Trans(pid, desc + (fl[1],), None, fl[0]),), acc_r, acc_w, 0, ())
                         else:
                             procs[pid] = ((Trans(pid, desc + (None,), tuple(lst)),), acc_r, acc_w, 0, ())
                 # pending-store drain
                 mpid = base + 3 + k
-                ps = st[self.PSL + i]
+                ps = st[PSL + i]
                 if self.cfg.early_drain and ps >= 0:
                     lst = list(st)
-                    v = lst[self.PVL + i]
+                    v = lst[PVL + i]
                     fl = self._flush(lst, r, k)
-                    acc_r = self.b_pend[r][k] | self.b_pos_rs[r][ps]
-                    acc_w = self.b_pend[r][k] | self.b_pay[r][k][ps]
+                    acc_r = b_pend[r][k] | b_pos_rs[r][ps]
+                    acc_w = b_pend[r][k] | b_pay[r][k][ps]
                     desc = ("drain", r, k, ps, v, fl[1] if fl else None)
                     tr = Trans(mpid, desc, None, fl[0]) if fl else Trans(mpid, desc, tuple(lst))
                     procs[mpid] = ((tr,), acc_r, acc_w, 0, ())
@@ -964,23 +971,23 @@ class Model:
             # ---- consumer ---------------------------------------------------------------
             d = r
             pid = base + 2
-            cpc = st[self.CPC + d]
-            if cpc >= self.cdone:
+            cpc = st[CPC + d]
+            if cpc >= cdone:
                 procs[pid] = ((), 0, 0, 0, nxt)
             else:
-                item, phase = divmod(cpc, self.NPH)
+                item, phase = divmod(cpc, NPH)
                 c, src = divmod(item, R)
-                if self.ready_order and phase >= 1:
-                    src = st[self.HLD + d]  # the source it holds, whichever rank that is
+                if ready_order and phase >= 1:
+                    src = st[HLD + d]  # the source it holds, whichever rank that is
                 s = c % S
-                done_bit = self.b_done[pid] if cpc + 1 == self.cdone else 0
-                if phase == 0 and not self.ready_order:
+                done_bit = b_done[pid] if cpc + 1 == cdone else 0
+                if phase == 0 and not ready_order:
                     procs[pid] = self._acquire_step(st, d, pid, src, c, e, cpc)
                 elif phase == 0:
                     # any source of chunk c not acknowledged yet, whichever is ready (several steps)
                     trans, acc_r, acc_w, groups = [], 0, 0, []
                     for src2 in range(R):
-                        if (st[self.DNM + d] >> src2) & 1:
+                        if (st[DNM + d] >> src2) & 1:
                             continue
                         tr, a_r, a_w, _, nes2 = self._acquire_step(st, d, pid, src2, c, e, cpc)
                         acc_r |= a_r
@@ -992,34 +999,34 @@ class Model:
                     procs[pid] = (tuple(trans), acc_r, acc_w, 0, () if trans else ("all",) + tuple(groups))
                 elif phase == 2:  # ack-before-copy: the copy's reads end after the acknowledgement
                     lst = list(st)
-                    lst[self.CPC + d] = cpc + 1
-                    if self.ready_order:
-                        done = st[self.DNM + d] | (1 << src)
-                        lst[self.DNM + d] = 0 if done == self.all_src else done  # chunk complete
-                        lst[self.HLD + d] = -1
+                    lst[CPC + d] = cpc + 1
+                    if ready_order:
+                        done = st[DNM + d] | (1 << src)
+                        lst[DNM + d] = 0 if done == self.all_src else done  # chunk complete
+                        lst[HLD + d] = -1
                     procs[pid] = ((Trans(pid, ("copied", d, src, c, s), tuple(lst)),), 0,
-                                  self.b_pos[d][src][s] | done_bit, 0, ())
+                                  b_pos[d][src][s] | done_bit, 0, ())
                 else:  # ack
-                    ai = self.ACK + src * S + s
+                    ai = ACK + src * S + s
                     m = st[ai]
                     bit = 1 << d
                     desc = ("ack", d, src, c, s, m, m | bit)
                     # (with ack-before-copy the slot stays held: the copy's reads are still running)
-                    acc_w = (self.b_pos[d][src][s] if not self.ack_before_copy else 0) | done_bit
+                    acc_w = (b_pos[d][src][s] if not self.ack_before_copy else 0) | done_bit
                     if m & bit and inject is P.Inject.NONE:
                         msg = (f"rank {d}: ack bit already set in rank {src}'s ack_mask[slot={s}] when "
                                f"acknowledging chunk {c} (double acknowledgement: Ring.ack raises)")
                         procs[pid] = ((Trans(pid, desc, None, Violation((PROP_PROTOCOL,), msg)),),
-                                      0, acc_w, self.b_ack[src][s], ())
+                                      0, acc_w, b_ack[src][s], ())
                     else:
                         lst = list(st)
                         lst[ai] = m | bit
-                        lst[self.CPC + d] = cpc + 1
-                        if self.ready_order and not self.ack_before_copy:
-                            done = st[self.DNM + d] | (1 << src)
-                            lst[self.DNM + d] = 0 if done == self.all_src else done  # chunk complete
-                            lst[self.HLD + d] = -1
-                        procs[pid] = ((Trans(pid, desc, tuple(lst)),), 0, acc_w, self.b_ack[src][s], ())
+                        lst[CPC + d] = cpc + 1
+                        if ready_order and not self.ack_before_copy:
+                            done = st[DNM + d] | (1 << src)
+                            lst[DNM + d] = 0 if done == self.all_src else done  # chunk complete
+                            lst[HLD + d] = -1
+                        procs[pid] = ((Trans(pid, desc, tuple(lst)),), 0, acc_w, b_ack[src][s], ())
             # ---- ep layer: compute, its pending combine store, the owner's reduce ----------
             if ep:
                 self._expand_ep(st, r, e, nxt, procs)
@@ -1027,10 +1034,12 @@ class Model:
             pid = base + 5
             # (the rank has not ended here, so a role is done when its program counter is)
             unfinished = ()
-            if st[self.PPC + 2 * r] < self.pdone or st[self.PPC + 2 * r + 1] < self.pdone or cpc < self.cdone:
-                unfinished = tuple(p for p, pc_, end_ in ((base, st[self.PPC + 2 * r], self.pdone),
-                                                          (base + 1, st[self.PPC + 2 * r + 1], self.pdone),
-                                                          (base + 2, cpc, self.cdone)) if pc_ < end_)
+            if st[PPC + 2 * r] < pdone:
+                unfinished += (base,)
+            if st[PPC + 2 * r + 1] < pdone:
+                unfinished += (base + 1,)
+            if cpc < cdone:
+                unfinished += (base + 2,)
             if ep:
                 unfinished += tuple(p for p in (self.CP[r], self.RP[r]) if not self.role_done(st, p))
             if unfinished:
@@ -1038,9 +1047,9 @@ class Model:
             else:
                 nes = ()
                 for s in range(S):
-                    lc = self.last_chunk[s]
-                    m = st[self.ACK + r * S + s]
-                    if lc >= 0 and st[self.COL + r * S + s] != gens[lc] and not self.mask_full(m):
+                    lc = last_chunk[s]
+                    m = st[ACK + r * S + s]
+                    if lc >= 0 and st[COL + r * S + s] != gens[lc] and not self.mask_full(m):
                         nes = tuple(6 * b + 2 for b in self.missing_bits(m))
                         break
                 if nes:
@@ -1048,38 +1057,38 @@ class Model:
                 else:
                     lst = list(st)
                     for s in range(S):
-                        lc = self.last_chunk[s]
-                        if lc >= 0 and lst[self.COL + r * S + s] != gens[lc]:
-                            lst[self.COL + r * S + s] = gens[lc]
-                            lst[self.ACK + r * S + s] = 0
-                    acc_r = self.b_done[base] | self.b_done[base + 1] | self.b_done[base + 2]
+                        lc = last_chunk[s]
+                        if lc >= 0 and lst[COL + r * S + s] != gens[lc]:
+                            lst[COL + r * S + s] = gens[lc]
+                            lst[ACK + r * S + s] = 0
+                    acc_r = b_done[base] | b_done[base + 1] | b_done[base + 2]
                     acc_w = self.b_ack_r[r] | self.b_col_r[r] | self.b_end[r]
                     if ep and e < self.E:
                         self._advance_epoch(lst, r)
-                        acc_r |= self.b_done[self.CP[r]] | self.b_done[self.RP[r]]
+                        acc_r |= b_done[self.CP[r]] | b_done[self.RP[r]]
                         acc_w |= (self.b_red_r[r] | self.b_arr_r[r] | self.b_pos_r[r]
-                                  | sum(self.b_done[p] for p in self.roles_of[r]))
+                                  | sum(b_done[p] for p in self.roles_of[r]))
                     else:
-                        lst[self.END + r] = 1
+                        lst[END + r] = 1
                     procs[pid] = ((Trans(pid, ("end", r, e), tuple(lst)),), acc_r, acc_w, 0, ())
         # ---- begin_stream of the next epoch (collective) ----------------------------------
-        e = st[self.EP]
+        e = st[EP]
         if ep:  # each rank begins its next epoch at its end of epoch (above)
             procs[self.BEGIN] = ((), 0, 0, 0, ())
         elif all_ended and e < self.E:
             lst = list(st)
             for r in range(R):
-                lst[self.EP + r] += 1
-                lst[self.END + r] = 0
-                lst[self.PPC + 2 * r] = lst[self.PPC + 2 * r + 1] = 0
-                lst[self.CPC + r] = 0
-                lst[self.HLD + r] = -1
-                lst[self.DNM + r] = 0
+                lst[EP + r] += 1
+                lst[END + r] = 0
+                lst[PPC + 2 * r] = lst[PPC + 2 * r + 1] = 0
+                lst[CPC + r] = 0
+                lst[HLD + r] = -1
+                lst[DNM + r] = 0
             procs[self.BEGIN] = ((Trans(self.BEGIN, ("begin", e + 1), tuple(lst)),), 0, self.ALL, 0, ())
         elif all_ended:
             procs[self.BEGIN] = ((), 0, 0, 0, ())
         else:
-            procs[self.BEGIN] = ((), 0, 0, 0, tuple(6 * r + 5 for r in range(R) if not st[self.END + r]))
+            procs[self.BEGIN] = ((), 0, 0, 0, tuple(6 * r + 5 for r in range(R) if not st[END + r]))
         return procs
 
     def _advance_epoch(self, lst: list, r: int) -> None:
