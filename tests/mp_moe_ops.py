@@ -143,18 +143,26 @@ def num_tokens_errors(heap):
 
 
 def op_inductor(heap):
-    """The default backend (inductor, C++ codegen): the op stays one extern node and gives the same bits."""
+    """The default backend (inductor, C++ codegen), compiled once with dynamic shapes: the op stays one extern
+    node and gives the same bits, at each rank's token count and at another. (Dynamic: both ranks generate the
+    same code, and it is the engine's case: any token count up to the buffer's maximum.)"""
     me = heap.rank
     w, buf = setup(heap)
     with register_layer(buf, w) as layer:
         block = Block(layer.id)
         x = tokens(me, [13, 29][me])
         t0 = time.monotonic()
-        compiled = torch.compile(block, fullgraph=True)
+        compiled = torch.compile(block, fullgraph=True, dynamic=True)
         y = compiled(x)
         compile_s = time.monotonic() - t0
         same(y, block(x), "compiled (inductor)", "eager")
         same(compiled(x), y, "compiled, second call", "first call")
+        # compiled with dynamic shapes: another token count on each rank runs the same compiled graph
+        x2 = tokens(me, [29, 13][me])
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        same(compiled(x2), block(x2), "compiled (inductor), other token count", "eager")
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs == 1, \
+            dict(torch._dynamo.utils.counters["stats"])  # no recompile
         print(f"INDUCTOR rank {me} first call (compile + run) {compile_s:.1f} s", flush=True)
     buf.close()
 

@@ -17,7 +17,8 @@ def test_num_tokens_is_validated_and_rows_past_it_are_ignored(mpirun):
 
 
 def test_op_under_inductor(mpirun):
-    """The default backend generates and compiles C++ (about 25 s on 2 shared cores, less from its cache)."""
+    """The default backend generates and compiles C++ once, with dynamic shapes (about 25 s on 2 shared cores with
+    a cold inductor cache, 8 s warm); a second token count on each rank runs the same graph (no recompile)."""
     r = mpirun(2, SCRIPT, "op_inductor", timeout=400)
     assert r.rc == 0 and "SCENARIO OK" in r.out, r
     assert r.out.count("INDUCTOR rank") == 2, r
