@@ -244,9 +244,10 @@ def mpirun(suite_leaves_no_mpi_files):
         cmd = [mpiexec_path(), "-n", str(n), sys.executable, *map(str, args)]
         started: list[int] = []
         proc = _run(cmd, timeout, env, started=started)
-        if proc.returncode != 0 and started:
-            suite_leaves_no_mpi_files.poll()
-            left = sorted(f for f in suite_leaves_no_mpi_files.files_by_child.get(started[0], ()) if os.path.exists(f))
+        # (popped whatever the outcome: a later job that reuses the process id starts with no files)
+        held = suite_leaves_no_mpi_files.files_by_child.pop(started[0], set()) if started else set()
+        if proc.returncode != 0:
+            left = sorted(f for f in held if os.path.exists(f))
             for f in left:
                 with contextlib.suppress(OSError):
                     os.unlink(f)
