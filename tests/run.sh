@@ -13,8 +13,8 @@ cd "$(dirname "$0")/.."
 # versions in about 10 s and finds them satisfied in a fraction of a second on every later run (pip: 7 s).
 # uv reads neither pip.conf nor PIP_* variables: the find-links pip is configured with are passed on
 # (on the project's machines torch's CPU build lies there). pip itself goes into the venv too, for users.
-# Where uv cannot be installed or fails, pip installs as before.
-# torch 2.13.0 first: on the project's machines its CPU build lies on disk (a bare `torch`
+# Where uv cannot be installed or fails, pip installs instead.
+# torch pinned to 2.13.0: on the project's machines its CPU build lies on disk (a bare `torch`
 # would resolve to a multi-GB CUDA build); GPU users install their own torch instead.
 # Bytecode: neither installer byte-compiles (pip would, on one core: about 55 s of a fresh install here,
 # and compileall -j 0 still 26 s); instead each module is compiled at its first import and kept under

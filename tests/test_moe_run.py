@@ -51,8 +51,8 @@ def test_broken_protocol_is_caught(cli, mode):
     none of these mutations can leave a rank waiting for something that was published."""
     # Fresh interpreters, not preloaded forks: these races show when the ranks run out of step. Measured
     # under a 2-core load: preloaded ranks (in step from the first chunk) caught skip-acquire 5/6 and
-    # skip-ack-wait 4/6 times, fresh ones 6/6 and 6/6; one rank's producers started 300 ms late (what
-    # run.straggler now does) did not make up for it (skip-ack-wait 4/6).
+    # skip-ack-wait 4/6 times, fresh ones 6/6 and 6/6; one rank's producers started 300 ms late
+    # (run.straggler) did not make up for it (skip-ack-wait 4/6).
     r = cli("run", "--ranks", 4, "--set", f"run.inject={mode}", "--set", "wait_timeout_s=5",
             "--set", "ring.num_slots=2", "--set", "ring.tokens_per_slot=8", timeout=200,
             env={"STREAMRING_PRELOAD": "0"})
