@@ -359,9 +359,9 @@ def _persistent_moe_kernel(ctrl_ptr, ready_list_ptr, block_expert_ptr, a_ptr, as
                                  comb_delta_ptr, arrived_ptr, arrived_delta_ptr, witness_ptr, NT2, H, BM, WITNESS)
                         if _NATIVE:
                             _pause_us(200, NW)
-                        _l2_store(y, rows, ncol, comb_ptr, row_src_ptr, row_tok_ptr, comb_delta_ptr, H, True)
+                        _l2_store(y, rows, ncol, BM, comb_ptr, row_src_ptr, row_tok_ptr, comb_delta_ptr, H, BM, True)
                     else:
-                        _l2_store(y, rows, ncol, comb_ptr, row_src_ptr, row_tok_ptr, comb_delta_ptr, H, True)
+                        _l2_store(y, rows, ncol, BM, comb_ptr, row_src_ptr, row_tok_ptr, comb_delta_ptr, H, BM, True)
                         _l2_done(pos, l2_done, ready_list_ptr, row_src_ptr, row_tok_ptr, row_chunk_ptr, comb_ptr,
                                  comb_delta_ptr, arrived_ptr, arrived_delta_ptr, witness_ptr, NT2, H, BM, WITNESS)
                 stop = stop | ~ready_h1

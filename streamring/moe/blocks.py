@@ -314,8 +314,8 @@ class BlockConsumer:
                          self.a.view(FP8), self.a_sf, fw.w1, fw.w1_sf, h1, self.h1_sf, block_m=self.block_m, pdl=pdl,
                          max_ctas=max_ctas)
         k2 = K.expert_l2(self.ready_list, self.ready_hi, lo_index, hi_index, max_items, self.block_expert, h1,
-                         self.h1_sf, fw.w2, fw.w2_sf, self.row_weight, self.y if out is None else out,
-                         block_m=self.block_m, pdl=pdl, max_ctas=max_ctas, direct=direct)
+                         self.h1_sf, fw.w2, fw.w2_sf, self.row_weight, self.y if out is None else out, self.state,
+                         self.expert_blocks, block_m=self.block_m, pdl=pdl, max_ctas=max_ctas, direct=direct)
         self.gemm_kernels.update(k for k in (k1, k2) if k is not None)
 
     def combine(self, out: torch.Tensor) -> None:
