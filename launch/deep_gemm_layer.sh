@@ -19,19 +19,10 @@ cd "$(dirname "$0")/.."
 TOK=${DGL_TOKENS:-8192}
 REPLAYS=${DGL_REPLAYS:-30}
 export STREAMRING_CACHE="${STREAMRING_CACHE:-/tmp/streamring-cache}"
-export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
-export DG_PREFIX="$PWD/.dg-site" DG_JIT_CACHE_DIR=${DG_JIT_CACHE_DIR:-/tmp/streamring-deep-gemm-jit}
 
 say "=== 1. DeepGEMM build ($(( $(date +%s) - T0 )) s)"
-DG_BUILD_TIMEOUT=$(limit 200 300) bash launch/build_deep_gemm.sh > "$OUT/deep_gemm_build.log" 2>&1
-DG_RC=$?
-tail -4 "$OUT/deep_gemm_build.log" | tee -a "$LOG"
-if [ "$DG_RC" = 0 ] && [ -f "$DG_PREFIX/deep_gemm_env.sh" ]; then
-  . "$DG_PREFIX/deep_gemm_env.sh"
-  say "DeepGEMM: built and imports"
-else
-  say "DeepGEMM: NOT available (rc=$DG_RC): its steps are skipped"
-fi
+dg_start "$(limit 200 300)"
+dg_wait "$(limit 200 300)"
 
 say "=== 2. tests/test_deep_gemm.py ($(( $(date +%s) - T0 )) s)"
 timeout "$(limit 150 240)" python3 -m pytest -q -rs tests/test_deep_gemm.py -p no:cacheprovider \

@@ -18,12 +18,9 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 . launch/device_job.sh epm.log "${EPM_BUDGET_S:-560}"
 export STREAMRING_CACHE="${STREAMRING_CACHE:-$PWD/.cache/streamring}"
-export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
-export DG_PREFIX="$PWD/.dg-site" DG_JIT_CACHE_DIR=${DG_JIT_CACHE_DIR:-/tmp/streamring-deep-gemm-jit}
 
 say "=== 1. DeepGEMM build in the background ($(( $(date +%s) - T0 )) s)"
-DG_BUILD_TIMEOUT=240 setsid bash launch/build_deep_gemm.sh > "$OUT/deep_gemm_build.log" 2>&1 &
-DG_PID=$!
+dg_start 240
 
 say "=== 2. EP layer, 2 PEs under MPS ($(( $(date +%s) - T0 )) s)"
 export CUDA_MPS_PIPE_DIRECTORY="$(mktemp -d)" CUDA_MPS_LOG_DIRECTORY="$(mktemp -d)"
@@ -46,14 +43,9 @@ fi
 unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
 
 say "=== 3. the one-GPU batch layer's kernels ($(( $(date +%s) - T0 )) s, $(left) s left)"
-wait "$DG_PID"
-DG_RC=$?
-tail -2 "$OUT/deep_gemm_build.log" | tee -a "$LOG"
+dg_wait "$(limit 240 30)"
 IMPLS=cutlass
-if [ "$DG_RC" = 0 ] && [ -f "$DG_PREFIX/deep_gemm_env.sh" ]; then
-  . "$DG_PREFIX/deep_gemm_env.sh"
-  IMPLS=deep_gemm,cutlass
-fi
+[ "$DG_RC" = 0 ] && IMPLS=deep_gemm,cutlass
 LAYER_PROBE_KERNELS=1 timeout $(( $(left) - 5 )) python3 launch/layer_probe.py "$IMPLS" 8192 30 \
   > "$OUT/layer_kernels.log" 2>&1
 say "layer_probe rc=$?"

@@ -14,13 +14,10 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 . launch/device_job.sh eps.log "${EPS_BUDGET_S:-560}"
-export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
-export DG_PREFIX="$PWD/.dg-site" DG_JIT_CACHE_DIR=${DG_JIT_CACHE_DIR:-/tmp/streamring-deep-gemm-jit}
 TOK=${EPS_TOKENS:-1024,4096,8192}
 COMMON="--routings uniform --chunks 1,2 --consumers per_chunk --no-baseline --replays 10"
 
-DG_BUILD_TIMEOUT=240 setsid bash launch/build_deep_gemm.sh > "$OUT/deep_gemm_build.log" 2>&1 &
-DG_PID=$!
+dg_start 240
 
 bench() {  # <name> <launcher prefix...> -- <bench args...>
   local name=$1; shift
@@ -39,13 +36,10 @@ bench ep-1pe-merged -- --tokens "$TOK" --gemms triton,cutlass
 bench ep-1pe-separate -- --tokens "$TOK" --gemms triton,cutlass --separate-seal-gemms
 
 say "=== 3. 1 PE, DeepGEMM ($(( $(date +%s) - T0 )) s)"
-wait "$DG_PID"
-if [ $? = 0 ] && [ -f "$DG_PREFIX/deep_gemm_env.sh" ]; then
-  . "$DG_PREFIX/deep_gemm_env.sh"
+dg_wait "$(limit 240 150)"
+if [ "$DG_RC" = 0 ]; then
   bench ep-1pe-dg-merged -- --tokens "$TOK" --gemms deep_gemm --block-m 128
   bench ep-1pe-dg-separate -- --tokens "$TOK" --gemms deep_gemm --block-m 128 --separate-seal-gemms
-else
-  say "DeepGEMM did not build: $(tail -2 "$OUT/deep_gemm_build.log")"
 fi
 
 say "=== 4. tests/test_gpu_ep.py ($(( $(date +%s) - T0 )) s)"

@@ -24,13 +24,9 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 . launch/device_job.sh gemm.log "${GEMM_BUDGET_S:-520}"
 export STREAMRING_CACHE="${STREAMRING_CACHE:-/tmp/streamring-cache}"
-export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
-export DG_PREFIX="$PWD/.dg-site" DG_JIT_CACHE_DIR=${DG_JIT_CACHE_DIR:-/tmp/streamring-deep-gemm-jit}
 
 say "=== 1. DeepGEMM build in the background ($(( $(date +%s) - T0 )) s)"
-# its own process group, so that the watchdog below can stop all of it (python, g++)
-DG_BUILD_TIMEOUT=${DG_BUILD_TIMEOUT:-300} setsid bash launch/build_deep_gemm.sh > "$OUT/deep_gemm_build.log" 2>&1 &
-DG_PID=$!
+dg_start "${DG_BUILD_TIMEOUT:-300}"
 
 say "=== 2. the prebuilt CUTLASS library ($(( $(date +%s) - T0 )) s)"
 timeout 60 python3 - <<'EOF' 2>&1 | tee -a "$LOG"
@@ -51,19 +47,8 @@ TESTS=$?
 tail -25 "$OUT/tests_cutlass.log" | tee -a "$LOG"
 
 say "=== waiting for the DeepGEMM build ($(( $(date +%s) - T0 )) s)"
-# it has its own 300 s limit; never wait past what the bench needs
-( sleep "$(limit 300 260)"; kill -- -"$DG_PID" 2>/dev/null ) &
-WATCH=$!
-wait "$DG_PID"
-DG_RC=$?
-kill "$WATCH" 2>/dev/null
-tail -6 "$OUT/deep_gemm_build.log" | tee -a "$LOG"
-if [ "$DG_RC" = 0 ] && [ -f "$DG_PREFIX/deep_gemm_env.sh" ]; then
-  . "$DG_PREFIX/deep_gemm_env.sh"
-  say "DeepGEMM: built and imports"
-else
-  say "DeepGEMM: NOT available (build rc=$DG_RC, see $OUT/deep_gemm_build.log): the bench runs without it"
-fi
+# it has its own 300 s limit; never wait past what the bench needs (without it the bench runs without it)
+dg_wait "$(limit 300 260)"
 
 say "=== 4. bench.gemm ($(( $(date +%s) - T0 )) s, $(left) s left)"
 DATE=$(date +%F)

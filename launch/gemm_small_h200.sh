@@ -11,21 +11,14 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 . launch/device_job.sh gemm-small.log "${BUDGET_S:-570}"
 export STREAMRING_CACHE="${STREAMRING_CACHE:-/tmp/streamring-cache}"
-export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
-export DG_PREFIX="$PWD/.dg-site" DG_JIT_CACHE_DIR=${DG_JIT_CACHE_DIR:-/tmp/streamring-deep-gemm-jit}
 say "=== 1. DeepGEMM build in the background"
-DG_BUILD_TIMEOUT=${DG_BUILD_TIMEOUT:-240} setsid bash launch/build_deep_gemm.sh > "$OUT/deep_gemm_build.log" 2>&1 &
-DG_PID=$!
+dg_start "${DG_BUILD_TIMEOUT:-240}"
 say "=== 2. Triton launch variants (${SWEEP_TOKENS:=8192} tokens, block_m ${SWEEP_BM:=64,128}; $(left) s left)"
 timeout "$(limit 150 380)" python -m bench.triton_gemm_launch --tokens "$SWEEP_TOKENS" --block-m "$SWEEP_BM" \
     --stages "${SWEEP_STAGES:-3,4,5}" --warps 4,8 --replays 5 --rounds 2 --json "$OUT/triton-gemm-launch-sweep.json" 2>&1 \
     | grep -v CUDAEvent | tee -a "$LOG"
 say "=== waiting for the DeepGEMM build ($(left) s left)"
-( sleep "$(limit 240 330)"; kill -- -"$DG_PID" 2>/dev/null ) &
-WATCH=$!
-wait "$DG_PID"; DG_RC=$?; kill "$WATCH" 2>/dev/null
-tail -3 "$OUT/deep_gemm_build.log" | tee -a "$LOG"
-[ "$DG_RC" = 0 ] && [ -f "$DG_PREFIX/deep_gemm_env.sh" ] && . "$DG_PREFIX/deep_gemm_env.sh" && say "DeepGEMM: built"
+dg_wait "$(limit 240 330)"
 say "=== 3. bench.gemm 128 tokens, block_m 16 ($(left) s left)"
 timeout "$(limit 130 200)" python -m bench.gemm --tokens 128 --block-m 16 --l1 "" --l2 "" --layer-tokens "" \
     --json "$OUT/gemm-128-bm16.json" > "$OUT/bench-128.log" 2>&1; say "rc=$?"

@@ -17,20 +17,12 @@ cd "$(dirname "$0")/.."
 . launch/device_job.sh layer.log "${LAYER_BUDGET_S:-560}"
 TOK=${LAYER_TOKENS:-8192}
 RUNS=${LAYER_RUNS:-3}
-export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
-export DG_PREFIX="$PWD/.dg-site" DG_JIT_CACHE_DIR=${DG_JIT_CACHE_DIR:-/tmp/streamring-deep-gemm-jit}
 
 say "=== 1. DeepGEMM build ($(( $(date +%s) - T0 )) s)"
-DG_BUILD_TIMEOUT=$(limit 200 300) bash launch/build_deep_gemm.sh > "$OUT/deep_gemm_build.log" 2>&1
-DG_RC=$?
+dg_start "$(limit 200 300)"
+dg_wait "$(limit 200 300)"
 IMPLS=cutlass,triton
-if [ "$DG_RC" = 0 ] && [ -f "$DG_PREFIX/deep_gemm_env.sh" ]; then
-  . "$DG_PREFIX/deep_gemm_env.sh"
-  IMPLS=deep_gemm,cutlass,triton
-  say "DeepGEMM: built and imports"
-else
-  say "DeepGEMM: NOT available (rc=$DG_RC, $OUT/deep_gemm_build.log): the layer runs without it"
-fi
+[ "$DG_RC" = 0 ] && IMPLS=deep_gemm,cutlass,triton
 
 say "=== 2. GPU tests ($(( $(date +%s) - T0 )) s)"
 timeout "$(limit 200 200)" python3 -m pytest -q -rs -p no:cacheprovider tests/test_gpu_ep.py tests/test_deep_gemm.py \
