@@ -2,8 +2,9 @@
 # One device call (nvidia-h200): the expert GEMMs where the weights dominate, DeepGEMM side by side.
 #   bash launch/gemm_small_h200.sh     # carry .whl .cache .gemm-build .deepgemm
 # 1. DeepGEMM built in the background (launch/build_deep_gemm.sh);
-# 2. bench.triton_gemm_launch (env SWEEP_TOKENS, SWEEP_BM, SWEEP_STAGES, SWEEP_WARPS, SWEEP_EVICT; default 8192
-#    tokens, block_m 64 and 128, no eviction hint besides none);
+# 2. bench.triton_gemm_launch (env SWEEP_TOKENS, SWEEP_BM, SWEEP_STAGES, SWEEP_WARPS; default 8192 tokens,
+#    block_m 64 and 128); its limits assume BUDGET_S near the default (a smaller one cuts the sweep and
+#    the DeepGEMM build to 5 s);
 # 3. bench.gemm at 128 tokens with 16-row blocks (Triton, DeepGEMM, torch) and at 1024 tokens with 64-row
 #    blocks (Triton, CUTLASS ping-pong 64 / cooperative 128, DeepGEMM, torch), each in one process;
 # 4. the GPU tests of the block consumer, the EP layer and DeepGEMM.
@@ -16,7 +17,7 @@ say "=== 1. DeepGEMM build in the background"
 dg_start "${DG_BUILD_TIMEOUT:-240}"
 say "=== 2. Triton launch variants (${SWEEP_TOKENS:=8192} tokens, block_m ${SWEEP_BM:=64,128}; $(left) s left)"
 timeout "$(limit 150 380)" python -m bench.triton_gemm_launch --tokens "$SWEEP_TOKENS" --block-m "$SWEEP_BM" \
-    --stages "${SWEEP_STAGES:-3,4,5}" --warps "${SWEEP_WARPS:-4,8}" --evict "${SWEEP_EVICT:-}" --replays 5 --rounds 2 --json "$OUT/triton-gemm-launch-sweep.json" 2>&1 \
+    --stages "${SWEEP_STAGES:-3,4,5}" --warps "${SWEEP_WARPS:-4,8}" --replays 5 --rounds 2 --json "$OUT/triton-gemm-launch-sweep.json" 2>&1 \
     | grep -v CUDAEvent | tee -a "$LOG"
 say "=== waiting for the DeepGEMM build ($(left) s left)"
 dg_wait "$(limit 240 330)"

@@ -599,7 +599,7 @@ def _tile_of(pid, NT: tl.constexpr, GROUP: tl.constexpr, n_items):
 
 @triton.jit
 def _l1_tile(i, nt, lo, ready_list_ptr, block_expert_ptr, a_ptr, asf_ptr, w1_ptr, w1sf_ptr, h1_ptr, h1sf_ptr,
-             H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, STAGES: tl.constexpr, W_EVICT: tl.constexpr):
+             H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, STAGES: tl.constexpr):
     BN: tl.constexpr = 128
     BK: tl.constexpr = 128
     NT: tl.constexpr = I // BN
@@ -616,8 +616,8 @@ def _l1_tile(i, nt, lo, ready_list_ptr, block_expert_ptr, a_ptr, asf_ptr, w1_ptr
     for ks in tl.range(0, KS, num_stages=STAGES):
         a = tl.load(a_ptr + rows[:, None] * H + ks * BK + kk[None, :])
         a_s = tl.load(asf_ptr + rows * KS + ks)
-        wg = tl.load(w_e + ncol.to(tl.int64)[:, None] * H + ks * BK + kk[None, :], eviction_policy=W_EVICT)
-        wu = tl.load(w_e + (I + ncol).to(tl.int64)[:, None] * H + ks * BK + kk[None, :], eviction_policy=W_EVICT)
+        wg = tl.load(w_e + ncol.to(tl.int64)[:, None] * H + ks * BK + kk[None, :])
+        wu = tl.load(w_e + (I + ncol).to(tl.int64)[:, None] * H + ks * BK + kk[None, :])
         sg = tl.load(s_e + nt * KS + ks)
         su = tl.load(s_e + (NT + nt) * KS + ks)
         acc_g += tl.dot(a, tl.trans(wg)) * (a_s[:, None] * sg)
@@ -630,7 +630,7 @@ def _l1_tile(i, nt, lo, ready_list_ptr, block_expert_ptr, a_ptr, asf_ptr, w1_ptr
 
 @triton.jit
 def _l2_rows(i, nt, lo, ready_list_ptr, block_expert_ptr, h1_ptr, h1sf_ptr, w2_ptr, w2sf_ptr, roww_ptr, used,
-             H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, STAGES: tl.constexpr, W_EVICT: tl.constexpr):
+             H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, STAGES: tl.constexpr):
     # L2 of one 128-column tile of ready block ``ready_list[lo + i]``, times the routing weight:
     # returns the bf16 tile and its rows / columns (stored by _l2_store). Only the block's first
     # ``used`` rows of h1 are read (the others enter the MMA as zeros: a row's result depends on its
@@ -651,7 +651,7 @@ def _l2_rows(i, nt, lo, ready_list_ptr, block_expert_ptr, h1_ptr, h1sf_ptr, w2_p
     for ks in tl.range(0, KS, num_stages=STAGES):
         a = tl.load(h1_ptr + rows[:, None] * I + ks * BK + kk[None, :], mask=row_used, other=0.0)
         a_s = tl.load(h1sf_ptr + rows * KS + ks)
-        w = tl.load(w_e + ncol.to(tl.int64)[:, None] * I + ks * BK + kk[None, :], eviction_policy=W_EVICT)
+        w = tl.load(w_e + ncol.to(tl.int64)[:, None] * I + ks * BK + kk[None, :])
         ws = tl.load(s_e + nt * KS + ks)
         acc += tl.dot(a, tl.trans(w)) * (a_s[:, None] * ws)
     rw = tl.load(roww_ptr + rows)
@@ -696,12 +696,12 @@ def _l2_store(y, rows, ncol, used, y_ptr, row_src_ptr, row_tok_ptr, comb_delta_p
 def _gemm_tile(t, n_items, lo, ready_list_ptr, block_expert_ptr, x_ptr, xsf_ptr, w_ptr, wsf_ptr, out_ptr, outsf_ptr,
                roww_ptr, row_src_ptr, row_tok_ptr, comb_delta_ptr, state_ptr, expert_blocks_ptr, LAYER: tl.constexpr,
                NT: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, MAXB: tl.constexpr,
-               GROUP: tl.constexpr, STAGES: tl.constexpr, DIRECT: tl.constexpr, W_EVICT: tl.constexpr):
+               GROUP: tl.constexpr, STAGES: tl.constexpr, DIRECT: tl.constexpr):
     i, nt, ok = _tile_of(t, NT, GROUP, n_items)
     if (i < n_items) & ok:
         if LAYER == 1:
             _l1_tile(i, nt, lo, ready_list_ptr, block_expert_ptr, x_ptr, xsf_ptr, w_ptr, wsf_ptr, out_ptr, outsf_ptr,
-                     H, I, BM, STAGES, W_EVICT)
+                     H, I, BM, STAGES)
         else:
             if DIRECT:
                 used = BM
@@ -709,7 +709,7 @@ def _gemm_tile(t, n_items, lo, ready_list_ptr, block_expert_ptr, x_ptr, xsf_ptr,
                 used = _block_rows_used(i, lo, ready_list_ptr, block_expert_ptr, state_ptr, expert_blocks_ptr, BM,
                                         MAXB)
             y, rows, ncol = _l2_rows(i, nt, lo, ready_list_ptr, block_expert_ptr, x_ptr, xsf_ptr, w_ptr, wsf_ptr,
-                                     roww_ptr, used, H, I, BM, STAGES, W_EVICT)
+                                     roww_ptr, used, H, I, BM, STAGES)
             _l2_store(y, rows, ncol, used, out_ptr, row_src_ptr, row_tok_ptr, comb_delta_ptr, H, BM, DIRECT)
 
 
@@ -719,7 +719,7 @@ def _gemm_over_ready_tiles(ready_list_ptr, ready_hi_ptr, lo_index, hi_index, max
                            comb_delta_ptr, state_ptr, expert_blocks_ptr, LAYER: tl.constexpr, NT: tl.constexpr,
                            H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, MAXB: tl.constexpr,
                            GROUP: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr, PERSIST: tl.constexpr,
-                           DIRECT: tl.constexpr, W_EVICT: tl.constexpr):
+                           DIRECT: tl.constexpr):
     # The tiles of L1 (LAYER 1: x = a, w = w1, out = h1 + scales) or L2 (LAYER 2: x = h1, w = w2, out = y or
     # the owners' combine rows) over the ready blocks ready_list[ready_hi[lo_index] : ready_hi[hi_index]].
     if PDL:
@@ -737,43 +737,40 @@ def _gemm_over_ready_tiles(ready_list_ptr, ready_hi_ptr, lo_index, hi_index, max
         while t < total:  # (a while loop: the CPU interpreter cannot range() over loaded values)
             _gemm_tile(t, n_items, lo, ready_list_ptr, block_expert_ptr, x_ptr, xsf_ptr, w_ptr, wsf_ptr, out_ptr,
                        outsf_ptr, roww_ptr, row_src_ptr, row_tok_ptr, comb_delta_ptr, state_ptr, expert_blocks_ptr,
-                       LAYER, NT, H, I, BM, MAXB, GROUP, STAGES, DIRECT, W_EVICT)
+                       LAYER, NT, H, I, BM, MAXB, GROUP, STAGES, DIRECT)
             t += tl.num_programs(0)
     else:
         _gemm_tile(tl.program_id(0), n_items, lo, ready_list_ptr, block_expert_ptr, x_ptr, xsf_ptr, w_ptr, wsf_ptr,
                    out_ptr, outsf_ptr, roww_ptr, row_src_ptr, row_tok_ptr, comb_delta_ptr, state_ptr,
-                   expert_blocks_ptr, LAYER, NT, H, I, BM, MAXB, GROUP, STAGES, DIRECT, W_EVICT)
+                   expert_blocks_ptr, LAYER, NT, H, I, BM, MAXB, GROUP, STAGES, DIRECT)
 
 
 @triton.jit(do_not_specialize=["lo_index", "hi_index", "max_items"])
 def _l1_swiglu_kernel(ready_list_ptr, ready_hi_ptr, lo_index, hi_index, max_items, block_expert_ptr, a_ptr, asf_ptr,
                       w1_ptr, w1sf_ptr, h1_ptr, h1sf_ptr, H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr,
-                      GROUP: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr, PERSIST: tl.constexpr,
-                      W_EVICT: tl.constexpr):
+                      GROUP: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr, PERSIST: tl.constexpr):
     # (h1sf_ptr stands in for L2's pointers, unused by LAYER 1)
     _gemm_over_ready_tiles(ready_list_ptr, ready_hi_ptr, lo_index, hi_index, max_items, block_expert_ptr, a_ptr,
                            asf_ptr, w1_ptr, w1sf_ptr, h1_ptr, h1sf_ptr, h1sf_ptr, h1sf_ptr, h1sf_ptr, h1sf_ptr,
-                           h1sf_ptr, h1sf_ptr, 1, I // 128, H, I, BM, 1, GROUP, STAGES, PDL, PERSIST, False, W_EVICT)
+                           h1sf_ptr, h1sf_ptr, 1, I // 128, H, I, BM, 1, GROUP, STAGES, PDL, PERSIST, False)
 
 
 @triton.jit(do_not_specialize=["lo_index", "hi_index", "max_items"])
 def _l2_kernel(ready_list_ptr, ready_hi_ptr, lo_index, hi_index, max_items, block_expert_ptr, h1_ptr, h1sf_ptr, w2_ptr,
                w2sf_ptr, roww_ptr, y_ptr, row_src_ptr, row_tok_ptr, comb_delta_ptr, state_ptr, expert_blocks_ptr,
                H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, MAXB: tl.constexpr, GROUP: tl.constexpr,
-               STAGES: tl.constexpr, PDL: tl.constexpr, PERSIST: tl.constexpr, DIRECT: tl.constexpr,
-               W_EVICT: tl.constexpr):
+               STAGES: tl.constexpr, PDL: tl.constexpr, PERSIST: tl.constexpr, DIRECT: tl.constexpr):
     # (y_ptr stands in for L1's output scales, unused by LAYER 2)
     _gemm_over_ready_tiles(ready_list_ptr, ready_hi_ptr, lo_index, hi_index, max_items, block_expert_ptr, h1_ptr,
                            h1sf_ptr, w2_ptr, w2sf_ptr, y_ptr, y_ptr, roww_ptr, row_src_ptr, row_tok_ptr,
                            comb_delta_ptr, state_ptr, expert_blocks_ptr, 2, H // 128, H, I, BM, MAXB, GROUP, STAGES,
-                           PDL, PERSIST, DIRECT, W_EVICT)
+                           PDL, PERSIST, DIRECT)
 
 
 #: The expert GEMMs' launch: per GEMM, per block_m (the entry with the largest block_m at most the
 #: buffer's), measured on one H200 by ``bench.triton_gemm_launch`` (docs/results/triton-gemm-launch-*.json).
 #: STAGES: the K loop's software pipeline depth (cp.async ring in shared memory, tl.range(num_stages=...));
-#: 5 stages of a 128-row L1 tile do not fit in shared memory. W_EVICT (default ""): the L2-cache eviction
-#: hint of the weight loads ("evict_first": each weight tile is read by one block group only once). One launch per (GEMM, block_m) serves the
+#: 5 stages of a 128-row L1 tile do not fit in shared memory. One launch per (GEMM, block_m) serves the
 #: batch and the streamed path alike, and a launch changes no arithmetic (the benchmark checks the bits).
 GEMM_LAUNCH = {
     "l1": {128: {"num_warps": 8, "STAGES": 4}, 64: {"num_warps": 8, "STAGES": 5}, 32: {"num_warps": 4, "STAGES": 4},
@@ -786,10 +783,10 @@ GEMM_LAUNCH = {
 
 
 def _gemm_cfg(block_m: int, launch: dict | None = None, gemm: str = "l1") -> dict:
-    if launch is None:
-        table = GEMM_LAUNCH[gemm]
-        launch = table[max((k for k in table if k <= block_m), default=min(table))]
-    return {"num_warps": launch["num_warps"], "STAGES": launch["STAGES"], "W_EVICT": launch.get("W_EVICT", "")}
+    if launch is not None:
+        return {"num_warps": launch["num_warps"], "STAGES": launch["STAGES"]}
+    table = GEMM_LAUNCH[gemm]
+    return dict(table[max((k for k in table if k <= block_m), default=min(table))])
 
 
 def _pdl_kw(pdl: bool) -> dict:
