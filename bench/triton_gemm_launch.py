@@ -1,5 +1,4 @@
-"""The Triton expert GEMMs' launch (``moe_triton.GEMM_LAUNCH``): block_m x pipeline depth x warps (x the
-L2 tile's columns, ``--bn``), timed.
+"""The Triton expert GEMMs' launch (``moe_triton.GEMM_LAUNCH``): block_m x pipeline depth x warps, timed.
 
 Where the weights dominate (few rows per expert) a GEMM is a stream of weight bytes; how close it comes to
 HBM bandwidth depends on how many bytes each SM keeps in flight (pipeline stages, CTAs per SM) and how
@@ -85,7 +84,6 @@ def main(argv=None) -> int:
     ap.add_argument("--block-m", default="16,32,64")
     ap.add_argument("--stages", default="3,4,5,6")
     ap.add_argument("--warps", default="4,8")
-    ap.add_argument("--bn", default="128", help="L2 tile columns (BN) to time, multiples of 128 (L1 keeps 128)")
     ap.add_argument("--replays", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (each times every variant)")
     ap.add_argument("--seed", type=int, default=1234)
@@ -105,15 +103,12 @@ def main(argv=None) -> int:
             bc = consumer(T, shape, bm, dev, routed)
             shipped = {g: K._gemm_cfg(bm, gemm=g) for g in ("l1", "l2")}
             variants = [("shipped", None)] + [
-                (f"s{s}w{w}" + (f"n{bn}" if bn != 128 else ""), {"STAGES": s, "num_warps": w, "BN": bn})
-                for s, w, bn in itertools.product((int(x) for x in args.stages.split(",")),
-                                                  (int(x) for x in args.warps.split(",")),
-                                                  (int(x) for x in args.bn.split(",")))]
+                (f"s{s}w{w}", {"STAGES": s, "num_warps": w})
+                for s, w in itertools.product((int(x) for x in args.stages.split(",")),
+                                              (int(x) for x in args.warps.split(",")))]
             for name, launch in variants:
                 ok = True
                 for gemm, make in (("l1", l1), ("l2", l2)):
-                    if gemm == "l1" and launch is not None and launch["BN"] != 128:
-                        continue  # BN is the L2 tile's: this L1 is the BN 128 variant's
                     fn = make(bc, fw, launch)
                     try:
                         l1(bc, fw, None)()  # L2's input: the shipped L1's h1
@@ -148,10 +143,10 @@ def main(argv=None) -> int:
         for gemm in ("l1", "l2"):
             mine = sorted((r for r in rows if r["tokens"] == T and r["gemm"] == gemm), key=lambda r: r["median_ms"])
             print(f"\nT={T} {gemm} ({experts} experts, {wbytes[gemm] / 1e9:.2f} GB of weights): fastest first")
-            print(f"{'block_m':>7s} {'launch':>10s} {'ms':>8s} {'GB/s':>7s} {'%HBM':>6s} {'vs shipped(bm)':>14s} "
+            print(f"{'block_m':>7s} {'launch':>8s} {'ms':>8s} {'GB/s':>7s} {'%HBM':>6s} {'vs shipped(bm)':>14s} "
                   f"{'vs best shipped':>15s}")
-            for r in mine[:16]:
-                print(f"{r['block_m']:7d} {r['launch']:>10s} {r['median_ms']:8.3f} {r['weight_gbs']:7.0f} "
+            for r in mine[:12]:
+                print(f"{r['block_m']:7d} {r['launch']:>8s} {r['median_ms']:8.3f} {r['weight_gbs']:7.0f} "
                       f"{r['pct_hbm']:6.1f} {r['speed_vs_shipped_same_bm']:13.3f}x {r['speed_vs_best_shipped']:14.3f}x")
     if args.json:
         with open(args.json, "w") as f:

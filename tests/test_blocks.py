@@ -165,26 +165,6 @@ def test_l2_stores_only_the_rows_that_hold_a_route(setup):
     assert int(routed[:n_rows].sum()) < n_rows, "this fixture has partial blocks (else nothing is checked)"
 
 
-def test_l2_tile_width_keeps_the_bits(setup):
-    """An L2 launch with 256-column tiles (two weight scales per tile) gives the bits of the shipped
-    128-column tiles (the same product per element), and a width that does not divide hidden is
-    refused with both named."""
-    from streamring.device import moe_triton as K
-
-    shape, fw, x = setup
-    yb, bc, sc = run_batch(shape, fw, x, 16)
-    ref = bc.y.clone()
-    bc.y.zero_()
-    K.expert_l2(bc.ready_list, bc.ready_hi, 0, 2, bc.max_blocks, bc.block_expert, bc.h1.view(B.FP8), bc.h1_sf,
-                fw.w2, fw.w2_sf, bc.row_weight, bc.y, bc.state, bc.expert_blocks, block_m=16,
-                launch={"num_warps": 4, "STAGES": 2, "BN": 256})
-    assert same_bits(bc.y, ref), bit_difference(bc.y, ref, "L2 with BN 256", "with BN 128")
-    with pytest.raises(ValueError, match="BN 384 must divide hidden 256"):
-        K.expert_l2(bc.ready_list, bc.ready_hi, 0, 2, bc.max_blocks, bc.block_expert, bc.h1.view(B.FP8),
-                    bc.h1_sf, fw.w2, fw.w2_sf, bc.row_weight, bc.y, bc.state, bc.expert_blocks, block_m=16,
-                    launch={"num_warps": 4, "STAGES": 2, "BN": 384})
-
-
 @pytest.mark.slow(reason=TRITON_ON_CPU)
 def test_hot_expert_many_blocks_and_empty_experts():
     shape = small_shape()

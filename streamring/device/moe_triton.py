@@ -630,14 +630,14 @@ def _l1_tile(i, nt, lo, ready_list_ptr, block_expert_ptr, a_ptr, asf_ptr, w1_ptr
 
 @triton.jit
 def _l2_rows(i, nt, lo, ready_list_ptr, block_expert_ptr, h1_ptr, h1sf_ptr, w2_ptr, w2sf_ptr, roww_ptr, used,
-             H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, STAGES: tl.constexpr, BN: tl.constexpr):
-    # L2 of one BN-column tile (BN a multiple of the 128-row weight scale block) of ready block
-    # ``ready_list[lo + i]``, times the routing weight:
+             H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, STAGES: tl.constexpr):
+    # L2 of one 128-column tile of ready block ``ready_list[lo + i]``, times the routing weight:
     # returns the bf16 tile and its rows / columns (stored by _l2_store). Only the block's first
     # ``used`` rows of h1 are read (the others enter the MMA as zeros: a row's result depends on its
     # own h1 row alone, so the used rows' bits are those of an unmasked read).
+    BN: tl.constexpr = 128
     BK: tl.constexpr = 128
-    SNT: tl.constexpr = H // 128
+    NT: tl.constexpr = H // BN
     KS: tl.constexpr = I // BK
     bid = tl.load(ready_list_ptr + lo + i)
     e = tl.load(block_expert_ptr + bid).to(tl.int64)
@@ -645,20 +645,15 @@ def _l2_rows(i, nt, lo, ready_list_ptr, block_expert_ptr, h1_ptr, h1sf_ptr, w2_p
     kk = tl.arange(0, BK)
     ncol = nt * BN + tl.arange(0, BN)
     w_e = w2_ptr + e * (H * I)
-    s_e = w2sf_ptr + e * (SNT * KS)
+    s_e = w2sf_ptr + e * (NT * KS)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     row_used = (tl.arange(0, BM) < used)[:, None]
     for ks in tl.range(0, KS, num_stages=STAGES):
         a = tl.load(h1_ptr + rows[:, None] * I + ks * BK + kk[None, :], mask=row_used, other=0.0)
         a_s = tl.load(h1sf_ptr + rows * KS + ks)
         w = tl.load(w_e + ncol.to(tl.int64)[:, None] * I + ks * BK + kk[None, :])
-        if BN == 128:
-            ws = tl.load(s_e + nt * KS + ks)
-            acc += tl.dot(a, tl.trans(w)) * (a_s[:, None] * ws)
-        else:
-            # one weight scale per 128 columns: the same product a_s * ws per element as a 128 tile
-            ws = tl.load(s_e + (ncol // 128) * KS + ks)
-            acc += tl.dot(a, tl.trans(w)) * (a_s[:, None] * ws[None, :])
+        ws = tl.load(s_e + nt * KS + ks)
+        acc += tl.dot(a, tl.trans(w)) * (a_s[:, None] * ws)
     rw = tl.load(roww_ptr + rows)
     y = (acc * rw[:, None]).to(tl.bfloat16)
     return y, rows, ncol
@@ -701,7 +696,7 @@ def _l2_store(y, rows, ncol, used, y_ptr, row_src_ptr, row_tok_ptr, comb_delta_p
 def _gemm_tile(t, n_items, lo, ready_list_ptr, block_expert_ptr, x_ptr, xsf_ptr, w_ptr, wsf_ptr, out_ptr, outsf_ptr,
                roww_ptr, row_src_ptr, row_tok_ptr, comb_delta_ptr, state_ptr, expert_blocks_ptr, LAYER: tl.constexpr,
                NT: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, MAXB: tl.constexpr,
-               GROUP: tl.constexpr, STAGES: tl.constexpr, DIRECT: tl.constexpr, BN: tl.constexpr):
+               GROUP: tl.constexpr, STAGES: tl.constexpr, DIRECT: tl.constexpr):
     i, nt, ok = _tile_of(t, NT, GROUP, n_items)
     if (i < n_items) & ok:
         if LAYER == 1:
@@ -714,7 +709,7 @@ def _gemm_tile(t, n_items, lo, ready_list_ptr, block_expert_ptr, x_ptr, xsf_ptr,
                 used = _block_rows_used(i, lo, ready_list_ptr, block_expert_ptr, state_ptr, expert_blocks_ptr, BM,
                                         MAXB)
             y, rows, ncol = _l2_rows(i, nt, lo, ready_list_ptr, block_expert_ptr, x_ptr, xsf_ptr, w_ptr, wsf_ptr,
-                                     roww_ptr, used, H, I, BM, STAGES, BN)
+                                     roww_ptr, used, H, I, BM, STAGES)
             _l2_store(y, rows, ncol, used, out_ptr, row_src_ptr, row_tok_ptr, comb_delta_ptr, H, BM, DIRECT)
 
 
@@ -724,7 +719,7 @@ def _gemm_over_ready_tiles(ready_list_ptr, ready_hi_ptr, lo_index, hi_index, max
                            comb_delta_ptr, state_ptr, expert_blocks_ptr, LAYER: tl.constexpr, NT: tl.constexpr,
                            H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, MAXB: tl.constexpr,
                            GROUP: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr, PERSIST: tl.constexpr,
-                           DIRECT: tl.constexpr, BN: tl.constexpr):
+                           DIRECT: tl.constexpr):
     # The tiles of L1 (LAYER 1: x = a, w = w1, out = h1 + scales) or L2 (LAYER 2: x = h1, w = w2, out = y or
     # the owners' combine rows) over the ready blocks ready_list[ready_hi[lo_index] : ready_hi[hi_index]].
     if PDL:
@@ -742,12 +737,12 @@ def _gemm_over_ready_tiles(ready_list_ptr, ready_hi_ptr, lo_index, hi_index, max
         while t < total:  # (a while loop: the CPU interpreter cannot range() over loaded values)
             _gemm_tile(t, n_items, lo, ready_list_ptr, block_expert_ptr, x_ptr, xsf_ptr, w_ptr, wsf_ptr, out_ptr,
                        outsf_ptr, roww_ptr, row_src_ptr, row_tok_ptr, comb_delta_ptr, state_ptr, expert_blocks_ptr,
-                       LAYER, NT, H, I, BM, MAXB, GROUP, STAGES, DIRECT, BN)
+                       LAYER, NT, H, I, BM, MAXB, GROUP, STAGES, DIRECT)
             t += tl.num_programs(0)
     else:
         _gemm_tile(tl.program_id(0), n_items, lo, ready_list_ptr, block_expert_ptr, x_ptr, xsf_ptr, w_ptr, wsf_ptr,
                    out_ptr, outsf_ptr, roww_ptr, row_src_ptr, row_tok_ptr, comb_delta_ptr, state_ptr,
-                   expert_blocks_ptr, LAYER, NT, H, I, BM, MAXB, GROUP, STAGES, DIRECT, BN)
+                   expert_blocks_ptr, LAYER, NT, H, I, BM, MAXB, GROUP, STAGES, DIRECT)
 
 
 @triton.jit(do_not_specialize=["lo_index", "hi_index", "max_items"])
@@ -757,27 +752,25 @@ def _l1_swiglu_kernel(ready_list_ptr, ready_hi_ptr, lo_index, hi_index, max_item
     # (h1sf_ptr stands in for L2's pointers, unused by LAYER 1)
     _gemm_over_ready_tiles(ready_list_ptr, ready_hi_ptr, lo_index, hi_index, max_items, block_expert_ptr, a_ptr,
                            asf_ptr, w1_ptr, w1sf_ptr, h1_ptr, h1sf_ptr, h1sf_ptr, h1sf_ptr, h1sf_ptr, h1sf_ptr,
-                           h1sf_ptr, h1sf_ptr, 1, I // 128, H, I, BM, 1, GROUP, STAGES, PDL, PERSIST, False, 128)
+                           h1sf_ptr, h1sf_ptr, 1, I // 128, H, I, BM, 1, GROUP, STAGES, PDL, PERSIST, False)
 
 
 @triton.jit(do_not_specialize=["lo_index", "hi_index", "max_items"])
 def _l2_kernel(ready_list_ptr, ready_hi_ptr, lo_index, hi_index, max_items, block_expert_ptr, h1_ptr, h1sf_ptr, w2_ptr,
                w2sf_ptr, roww_ptr, y_ptr, row_src_ptr, row_tok_ptr, comb_delta_ptr, state_ptr, expert_blocks_ptr,
                H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, MAXB: tl.constexpr, GROUP: tl.constexpr,
-               STAGES: tl.constexpr, PDL: tl.constexpr, PERSIST: tl.constexpr, DIRECT: tl.constexpr,
-               BN: tl.constexpr):
-    # (y_ptr stands in for L1's output scales, unused by LAYER 2; BN: its tile's columns)
+               STAGES: tl.constexpr, PDL: tl.constexpr, PERSIST: tl.constexpr, DIRECT: tl.constexpr):
+    # (y_ptr stands in for L1's output scales, unused by LAYER 2)
     _gemm_over_ready_tiles(ready_list_ptr, ready_hi_ptr, lo_index, hi_index, max_items, block_expert_ptr, h1_ptr,
                            h1sf_ptr, w2_ptr, w2sf_ptr, y_ptr, y_ptr, roww_ptr, row_src_ptr, row_tok_ptr,
-                           comb_delta_ptr, state_ptr, expert_blocks_ptr, 2, H // BN, H, I, BM, MAXB, GROUP, STAGES,
-                           PDL, PERSIST, DIRECT, BN)
+                           comb_delta_ptr, state_ptr, expert_blocks_ptr, 2, H // 128, H, I, BM, MAXB, GROUP, STAGES,
+                           PDL, PERSIST, DIRECT)
 
 
 #: The expert GEMMs' launch: per GEMM, per block_m (the entry with the largest block_m at most the
 #: buffer's), measured on one H200 by ``bench.triton_gemm_launch`` (docs/results/triton-gemm-launch-*.json).
 #: STAGES: the K loop's software pipeline depth (cp.async ring in shared memory, tl.range(num_stages=...));
-#: 5 stages of a 128-row L1 tile do not fit in shared memory. BN (L2 only, default 128): the columns of
-#: an L2 tile (a multiple of 128; the same product per element whatever it is). One launch per (GEMM, block_m) serves the
+#: 5 stages of a 128-row L1 tile do not fit in shared memory. One launch per (GEMM, block_m) serves the
 #: batch and the streamed path alike, and a launch changes no arithmetic (the benchmark checks the bits).
 GEMM_LAUNCH = {
     "l1": {128: {"num_warps": 8, "STAGES": 4}, 64: {"num_warps": 8, "STAGES": 5}, 32: {"num_warps": 4, "STAGES": 4},
@@ -790,13 +783,10 @@ GEMM_LAUNCH = {
 
 
 def _gemm_cfg(block_m: int, launch: dict | None = None, gemm: str = "l1") -> dict:
-    if launch is None:
-        table = GEMM_LAUNCH[gemm]
-        launch = table[max((k for k in table if k <= block_m), default=min(table))]
-    cfg = {"num_warps": launch["num_warps"], "STAGES": launch["STAGES"]}
-    if gemm == "l2":
-        cfg["BN"] = launch.get("BN", 128)
-    return cfg
+    if launch is not None:
+        return {"num_warps": launch["num_warps"], "STAGES": launch["STAGES"]}
+    table = GEMM_LAUNCH[gemm]
+    return dict(table[max((k for k in table if k <= block_m), default=min(table))])
 
 
 def _pdl_kw(pdl: bool) -> dict:
@@ -846,10 +836,7 @@ def expert_l2(ready_list, ready_hi, lo_index: int, hi_index: int, max_items: int
     if max_items <= 0:
         return None
     e, h, i = w2.shape
-    cfg = _gemm_cfg(block_m, launch, "l2")
-    if h % cfg["BN"]:
-        raise ValueError(f"the L2 tile's BN {cfg['BN']} must divide hidden {h}")
-    nt = h // cfg["BN"]
+    nt = h // 128
     grid, persist = _grid(max_items, group, nt, max_ctas)
     if direct is None:
         row_src = row_tok = comb_delta = roww  # unused (DIRECT is a constexpr False)
@@ -857,7 +844,7 @@ def expert_l2(ready_list, ready_hi, lo_index: int, hi_index: int, max_items: int
         row_src, row_tok, comb_delta = direct
     return _l2_kernel[grid](ready_list, ready_hi, lo_index, hi_index, max_items, block_expert, h1, h1sf, w2, w2sf, roww,
                             y, row_src, row_tok, comb_delta, state, expert_blocks, H=h, I=i, BM=block_m,
-                            MAXB=expert_blocks.shape[1], GROUP=group, **cfg,
+                            MAXB=expert_blocks.shape[1], GROUP=group, **_gemm_cfg(block_m, launch, "l2"),
                             **_pdl_kw(pdl), **persist, DIRECT=direct is not None)
 
 

@@ -353,7 +353,7 @@ def _persistent_moe_kernel(ctrl_ptr, ready_list_ptr, block_expert_ptr, a_ptr, as
                     ready_h1 = _wait_count(l1_done + pos, NT1, status_ptr, pos, deadline_ns, NW)
                 if ready_h1:
                     y, rows, ncol = _l2_rows(pos, tile, 0, ready_list_ptr, block_expert_ptr, h1_ptr, h1sf_ptr, w2_ptr,
-                                             w2sf_ptr, roww_ptr, BM, H, I, BM, STAGES, 128)
+                                             w2sf_ptr, roww_ptr, BM, H, I, BM, STAGES)
                     if ARRIVAL_FIRST:
                         _l2_done(pos, l2_done, ready_list_ptr, row_src_ptr, row_tok_ptr, row_chunk_ptr, comb_ptr,
                                  comb_delta_ptr, arrived_ptr, arrived_delta_ptr, witness_ptr, NT2, H, BM, WITNESS)
