@@ -11,13 +11,33 @@ import pytest
 from conftest import CONFIGS, ROOT, FileWatcher, _env, descendants, files_held, wait_until
 
 
+def _sigint_as_in_a_terminal():
+    # Ctrl-C reaches a terminal's foreground job with SIGINT at its default. A suite started in the
+    # background by a shell without job control runs with SIGINT ignored, the launcher would inherit
+    # that (Python keeps an inherited SIG_IGN) and sit out the signal.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.ranks
 def test_ctrl_c_leaves_no_process_and_no_file_and_blames_no_rank():
     proc = subprocess.Popen([sys.executable, "-m", "streamring", "stress", "--config", CONFIGS / "soak.yaml"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT,
-                            start_new_session=True)
-    w = FileWatcher(proc.pid, period_s=0.1)
+                            start_new_session=True, preexec_fn=_sigint_as_in_a_terminal)
     tree: set = set()
+    try:
+        _interrupt_and_check(proc, tree)
+    finally:
+        if proc.poll() is None:  # failed with the job still under way: end it, so no later test sees its files
+            for pid in tree | descendants(proc.pid) | {proc.pid}:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+            proc.communicate()
+
+
+def _interrupt_and_check(proc, tree: set):
+    w = FileWatcher(proc.pid, period_s=0.1)
 
     def every_rank_holds_the_segment():
         """The job is under way: Hydra's file exists and each of soak.yaml's 4 ranks maps the segment."""
