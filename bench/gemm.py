@@ -347,7 +347,7 @@ class Case:
     def triton_l2(self, bc=None):
         bc, fw = bc or self.bc, self.fw
         K.expert_l2(bc.ready_list, bc.ready_hi, 0, 2, bc.max_blocks, bc.block_expert, bc.h1.view(FP8), bc.h1_sf,
-                    fw.w2, fw.w2_sf, bc.row_weight, bc.y, bc.state, bc.expert_blocks, block_m=bc.block_m)
+                    fw.w2, fw.w2_sf, bc.row_weight, bc.y, bc.block_rows, block_m=bc.block_m)
 
     def cutlass_l1(self, plan: CG.GroupedGemm):
         bc, fw = self.bc, self.fw

@@ -55,8 +55,8 @@ def l1(bc, fw, launch):
 
 def l2(bc, fw, launch):
     return lambda: K.expert_l2(bc.ready_list, bc.ready_hi, 0, 2, bc.max_blocks, bc.block_expert, bc.h1.view(FP8),
-                               bc.h1_sf, fw.w2, fw.w2_sf, bc.row_weight, bc.y, bc.state, bc.expert_blocks,
-                               block_m=bc.block_m, launch=launch)
+                               bc.h1_sf, fw.w2, fw.w2_sf, bc.row_weight, bc.y, bc.block_rows, block_m=bc.block_m,
+                               launch=launch)
 
 
 def time_back_to_back(fns: dict, rounds: int, replays: int) -> dict:

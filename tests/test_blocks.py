@@ -163,6 +163,9 @@ def test_l2_stores_only_the_rows_that_hold_a_route(setup):
         f"rows stored {int(stored[:n_rows].sum())} against rows routed {int(routed[:n_rows].sum())} "
         f"of {n_rows} in {int(bc.state[E])} blocks")
     assert int(routed[:n_rows].sum()) < n_rows, "this fixture has partial blocks (else nothing is checked)"
+    # the count L2 reads per block (written by alloc_blocks as the block becomes ready)
+    per_block = routed[:n_rows].view(-1, bm).sum(dim=1)
+    assert bc.block_rows[: int(bc.state[E])].cpu().tolist() == per_block.tolist()
 
 
 @pytest.mark.slow(reason=TRITON_ON_CPU)

@@ -278,10 +278,14 @@ def quant_rows(x, q, sf) -> None:
 # block bookkeeping (one program: sequential over experts via prefix sums, hence deterministic)
 # ----------------------------------------------------------------------------------------------
 @triton.jit(do_not_specialize=["hi_index"])
-def _alloc_blocks_kernel(counts_ptr, state_ptr, expert_blocks_ptr, block_expert_ptr, ready_list_ptr,
+def _alloc_blocks_kernel(counts_ptr, state_ptr, expert_blocks_ptr, block_expert_ptr, ready_list_ptr, block_rows_ptr,
                          ready_hi_ptr, hi_index, E: tl.constexpr, EP: tl.constexpr, BM: tl.constexpr,
                          MAXB: tl.constexpr, SEAL: tl.constexpr):
     # state: [0, E) rows filled per expert, [E] blocks allocated, [E+1] blocks ready.
+    # block_rows[b]: the routed rows of block b, written when b becomes ready (BM, or a sealed partial
+    # block's fill) by this kernel, which also writes b into ready_list: a GEMM that reads b from the
+    # ready list runs after this kernel in stream order, so it reads b's final count. (A count derived
+    # from state[e] at GEMM time would race with a later dispatch's allocation on another stream.)
     e = tl.arange(0, EP)
     em = e < E
     fill_old = tl.load(state_ptr + e, mask=em, other=0)
@@ -307,10 +311,12 @@ def _alloc_blocks_kernel(counts_ptr, state_ptr, expert_blocks_ptr, block_expert_
         # end of stream: every partially filled block becomes ready
         j0 = fill_new // BM
         nr = (fill_new % BM != 0).to(tl.int32)
+        rows_ready = fill_new % BM
     else:
         # a block becomes ready the moment its last row is appended
         j0 = fill_old // BM
         nr = fill_new // BM - fill_old // BM
+        rows_ready = tl.full((EP,), BM, dtype=tl.int32)
     rbase = n_ready + tl.cumsum(nr, 0) - nr
     max_nr = tl.max(nr, 0)
     t = 0
@@ -321,6 +327,7 @@ def _alloc_blocks_kernel(counts_ptr, state_ptr, expert_blocks_ptr, block_expert_
         old_id = tl.load(expert_blocks_ptr + e * MAXB + j, mask=m & (j < nb_old), other=0)
         bid = tl.where(j >= nb_old, base + (j - nb_old), old_id)
         tl.store(ready_list_ptr + rbase + t, bid, mask=m)
+        tl.store(block_rows_ptr + bid, rows_ready, mask=m)
         t += 1
     tl.store(state_ptr + e, fill_new, mask=em)
     tl.store(state_ptr + E, n_blocks + tl.sum(new, 0))
@@ -328,15 +335,17 @@ def _alloc_blocks_kernel(counts_ptr, state_ptr, expert_blocks_ptr, block_expert_
     tl.store(ready_hi_ptr + hi_index, n_ready + tl.sum(nr, 0))
 
 
-def alloc_blocks(counts, state, expert_blocks, block_expert, ready_list, ready_hi, hi_index: int, *,
+def alloc_blocks(counts, state, expert_blocks, block_expert, ready_list, block_rows, ready_hi, hi_index: int, *,
                  num_experts: int, block_m: int, seal: bool) -> None:
     """Append ``counts[e]`` rows to every expert, allocate blocks, publish newly ready blocks.
 
     Writes ``ready_hi[hi_index]`` = number of ready blocks after this call; the blocks that
-    became ready are ``ready_list[ready_hi[hi_index-1] : ready_hi[hi_index]]``.
+    became ready are ``ready_list[ready_hi[hi_index-1] : ready_hi[hi_index]]``, and
+    ``block_rows[b]`` is the number of routed rows of each of them (``block_m`` but in a sealed
+    partial block).
     """
     ep = triton.next_power_of_2(num_experts)
-    _alloc_blocks_kernel[(1,)](counts, state, expert_blocks, block_expert, ready_list, ready_hi, hi_index,
+    _alloc_blocks_kernel[(1,)](counts, state, expert_blocks, block_expert, ready_list, block_rows, ready_hi, hi_index,
                                E=num_experts, EP=ep, BM=block_m, MAXB=expert_blocks.shape[1], SEAL=seal,
                                num_warps=4)
 
@@ -660,21 +669,6 @@ def _l2_rows(i, nt, lo, ready_list_ptr, block_expert_ptr, h1_ptr, h1sf_ptr, w2_p
 
 
 @triton.jit
-def _block_rows_used(i, lo, ready_list_ptr, block_expert_ptr, state_ptr, expert_blocks_ptr, BM: tl.constexpr,
-                     MAXB: tl.constexpr):
-    # Rows of ready block ``ready_list[lo + i]`` that hold a route: BM, except in an expert's last
-    # block while it is partial (only a sealed block can be: a block becomes ready before the seal
-    # only when full). state[e] (the expert's fill) only grows within a forward, so a full block
-    # read while a later dispatch appends rows is never taken for the partial one.
-    bid = tl.load(ready_list_ptr + lo + i)
-    e = tl.load(block_expert_ptr + bid)
-    fill = tl.load(state_ptr + e)
-    part = fill % BM
-    last = tl.load(expert_blocks_ptr + e * MAXB + fill // BM, mask=part != 0, other=-1)
-    return tl.where((bid == last) & (part != 0), part, BM)
-
-
-@triton.jit
 def _l2_store(y, rows, ncol, used, y_ptr, row_src_ptr, row_tok_ptr, comb_delta_ptr, H: tl.constexpr, BM: tl.constexpr,
               DIRECT: tl.constexpr):
     # DIRECT: ``used`` is not read (row_src < 0 marks the padding rows)
@@ -694,9 +688,9 @@ def _l2_store(y, rows, ncol, used, y_ptr, row_src_ptr, row_tok_ptr, comb_delta_p
 
 @triton.jit
 def _gemm_tile(t, n_items, lo, ready_list_ptr, block_expert_ptr, x_ptr, xsf_ptr, w_ptr, wsf_ptr, out_ptr, outsf_ptr,
-               roww_ptr, row_src_ptr, row_tok_ptr, comb_delta_ptr, state_ptr, expert_blocks_ptr, LAYER: tl.constexpr,
-               NT: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, MAXB: tl.constexpr,
-               GROUP: tl.constexpr, STAGES: tl.constexpr, DIRECT: tl.constexpr):
+               roww_ptr, row_src_ptr, row_tok_ptr, comb_delta_ptr, block_rows_ptr, LAYER: tl.constexpr,
+               NT: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, GROUP: tl.constexpr,
+               STAGES: tl.constexpr, DIRECT: tl.constexpr):
     i, nt, ok = _tile_of(t, NT, GROUP, n_items)
     if (i < n_items) & ok:
         if LAYER == 1:
@@ -706,8 +700,7 @@ def _gemm_tile(t, n_items, lo, ready_list_ptr, block_expert_ptr, x_ptr, xsf_ptr,
             if DIRECT:
                 used = BM
             else:
-                used = _block_rows_used(i, lo, ready_list_ptr, block_expert_ptr, state_ptr, expert_blocks_ptr, BM,
-                                        MAXB)
+                used = tl.load(block_rows_ptr + tl.load(ready_list_ptr + lo + i))
             y, rows, ncol = _l2_rows(i, nt, lo, ready_list_ptr, block_expert_ptr, x_ptr, xsf_ptr, w_ptr, wsf_ptr,
                                      roww_ptr, used, H, I, BM, STAGES)
             _l2_store(y, rows, ncol, used, out_ptr, row_src_ptr, row_tok_ptr, comb_delta_ptr, H, BM, DIRECT)
@@ -716,10 +709,9 @@ def _gemm_tile(t, n_items, lo, ready_list_ptr, block_expert_ptr, x_ptr, xsf_ptr,
 @triton.jit
 def _gemm_over_ready_tiles(ready_list_ptr, ready_hi_ptr, lo_index, hi_index, max_items, block_expert_ptr, x_ptr,
                            xsf_ptr, w_ptr, wsf_ptr, out_ptr, outsf_ptr, roww_ptr, row_src_ptr, row_tok_ptr,
-                           comb_delta_ptr, state_ptr, expert_blocks_ptr, LAYER: tl.constexpr, NT: tl.constexpr,
-                           H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, MAXB: tl.constexpr,
-                           GROUP: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr, PERSIST: tl.constexpr,
-                           DIRECT: tl.constexpr):
+                           comb_delta_ptr, block_rows_ptr, LAYER: tl.constexpr, NT: tl.constexpr,
+                           H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, GROUP: tl.constexpr,
+                           STAGES: tl.constexpr, PDL: tl.constexpr, PERSIST: tl.constexpr, DIRECT: tl.constexpr):
     # The tiles of L1 (LAYER 1: x = a, w = w1, out = h1 + scales) or L2 (LAYER 2: x = h1, w = w2, out = y or
     # the owners' combine rows) over the ready blocks ready_list[ready_hi[lo_index] : ready_hi[hi_index]].
     if PDL:
@@ -736,13 +728,13 @@ def _gemm_over_ready_tiles(ready_list_ptr, ready_hi_ptr, lo_index, hi_index, max
         t = tl.program_id(0)
         while t < total:  # (a while loop: the CPU interpreter cannot range() over loaded values)
             _gemm_tile(t, n_items, lo, ready_list_ptr, block_expert_ptr, x_ptr, xsf_ptr, w_ptr, wsf_ptr, out_ptr,
-                       outsf_ptr, roww_ptr, row_src_ptr, row_tok_ptr, comb_delta_ptr, state_ptr, expert_blocks_ptr,
-                       LAYER, NT, H, I, BM, MAXB, GROUP, STAGES, DIRECT)
+                       outsf_ptr, roww_ptr, row_src_ptr, row_tok_ptr, comb_delta_ptr, block_rows_ptr, LAYER, NT, H,
+                       I, BM, GROUP, STAGES, DIRECT)
             t += tl.num_programs(0)
     else:
         _gemm_tile(tl.program_id(0), n_items, lo, ready_list_ptr, block_expert_ptr, x_ptr, xsf_ptr, w_ptr, wsf_ptr,
-                   out_ptr, outsf_ptr, roww_ptr, row_src_ptr, row_tok_ptr, comb_delta_ptr, state_ptr,
-                   expert_blocks_ptr, LAYER, NT, H, I, BM, MAXB, GROUP, STAGES, DIRECT)
+                   out_ptr, outsf_ptr, roww_ptr, row_src_ptr, row_tok_ptr, comb_delta_ptr, block_rows_ptr, LAYER,
+                   NT, H, I, BM, GROUP, STAGES, DIRECT)
 
 
 @triton.jit(do_not_specialize=["lo_index", "hi_index", "max_items"])
@@ -752,19 +744,19 @@ def _l1_swiglu_kernel(ready_list_ptr, ready_hi_ptr, lo_index, hi_index, max_item
     # (h1sf_ptr stands in for L2's pointers, unused by LAYER 1)
     _gemm_over_ready_tiles(ready_list_ptr, ready_hi_ptr, lo_index, hi_index, max_items, block_expert_ptr, a_ptr,
                            asf_ptr, w1_ptr, w1sf_ptr, h1_ptr, h1sf_ptr, h1sf_ptr, h1sf_ptr, h1sf_ptr, h1sf_ptr,
-                           h1sf_ptr, h1sf_ptr, 1, I // 128, H, I, BM, 1, GROUP, STAGES, PDL, PERSIST, False)
+                           h1sf_ptr, 1, I // 128, H, I, BM, GROUP, STAGES, PDL, PERSIST, False)
 
 
 @triton.jit(do_not_specialize=["lo_index", "hi_index", "max_items"])
 def _l2_kernel(ready_list_ptr, ready_hi_ptr, lo_index, hi_index, max_items, block_expert_ptr, h1_ptr, h1sf_ptr, w2_ptr,
-               w2sf_ptr, roww_ptr, y_ptr, row_src_ptr, row_tok_ptr, comb_delta_ptr, state_ptr, expert_blocks_ptr,
-               H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, MAXB: tl.constexpr, GROUP: tl.constexpr,
-               STAGES: tl.constexpr, PDL: tl.constexpr, PERSIST: tl.constexpr, DIRECT: tl.constexpr):
+               w2sf_ptr, roww_ptr, y_ptr, row_src_ptr, row_tok_ptr, comb_delta_ptr, block_rows_ptr, H: tl.constexpr,
+               I: tl.constexpr, BM: tl.constexpr, GROUP: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr,
+               PERSIST: tl.constexpr, DIRECT: tl.constexpr):
     # (y_ptr stands in for L1's output scales, unused by LAYER 2)
     _gemm_over_ready_tiles(ready_list_ptr, ready_hi_ptr, lo_index, hi_index, max_items, block_expert_ptr, h1_ptr,
                            h1sf_ptr, w2_ptr, w2sf_ptr, y_ptr, y_ptr, roww_ptr, row_src_ptr, row_tok_ptr,
-                           comb_delta_ptr, state_ptr, expert_blocks_ptr, 2, H // 128, H, I, BM, MAXB, GROUP, STAGES,
-                           PDL, PERSIST, DIRECT)
+                           comb_delta_ptr, block_rows_ptr, 2, H // 128, H, I, BM, GROUP, STAGES, PDL, PERSIST,
+                           DIRECT)
 
 
 #: The expert GEMMs' launch: per GEMM, per block_m (the entry with the largest block_m at most the
@@ -822,13 +814,13 @@ def expert_l1(ready_list, ready_hi, lo_index: int, hi_index: int, max_items: int
 
 
 def expert_l2(ready_list, ready_hi, lo_index: int, hi_index: int, max_items: int, block_expert, h1, h1sf, w2, w2sf,
-              roww, y, state, expert_blocks, *, block_m: int, group: int = 8, pdl: bool = False,
+              roww, y, block_rows, *, block_m: int, group: int = 8, pdl: bool = False,
               max_ctas: int | None = None, direct=None, launch: dict | None = None):
     """L2 of the ready blocks, times the routing weight, as bf16 rows (returns the kernel handle).
 
-    ``direct=None``: row ``r`` goes to ``y[r]``, for the rows that hold a route: the padding rows of
-    an expert's sealed partial block (read from the block state: ``state``'s per-expert fill and
-    ``expert_blocks``, see :func:`alloc_blocks`) are not stored. ``direct=(row_src, row_tok, comb_delta)``: row ``r``
+    ``direct=None``: row ``r`` goes to ``y[r]``, for the rows that hold a route: of block ``b``, the
+    first ``block_rows[b]`` (see :func:`alloc_blocks`); the padding rows of a sealed partial block are
+    neither read from ``h1`` nor stored. ``direct=(row_src, row_tok, comb_delta)``: row ``r``
     goes straight into its owner's combine rows, ``y + comb_delta[row_src[r]] + row_tok[r] * H``
     (``y`` is then this PE's combine rows, ``comb_delta`` int64 element distances to each PE's copy);
     rows with ``row_src < 0`` (padding of a sealed block) are not stored. ``launch``: as :func:`expert_l1`'s.
@@ -843,8 +835,7 @@ def expert_l2(ready_list, ready_hi, lo_index: int, hi_index: int, max_items: int
     else:
         row_src, row_tok, comb_delta = direct
     return _l2_kernel[grid](ready_list, ready_hi, lo_index, hi_index, max_items, block_expert, h1, h1sf, w2, w2sf, roww,
-                            y, row_src, row_tok, comb_delta, state, expert_blocks, H=h, I=i, BM=block_m,
-                            MAXB=expert_blocks.shape[1], GROUP=group, **_gemm_cfg(block_m, launch, "l2"),
+                            y, row_src, row_tok, comb_delta, block_rows, H=h, I=i, BM=block_m, GROUP=group, **_gemm_cfg(block_m, launch, "l2"),
                             **_pdl_kw(pdl), **persist, DIRECT=direct is not None)
 
 

@@ -166,6 +166,7 @@ class BlockConsumer:
         self.expert_blocks = torch.zeros(E, -(-max_tokens // block_m) + 1, **i32)
         self.block_expert = torch.zeros(self.max_blocks, **i32)
         self.ready_list = torch.zeros(self.max_blocks, **i32)
+        self.block_rows = torch.zeros(self.max_blocks, **i32)  # routed rows per ready block (alloc_blocks)
         self.ready_hi = torch.zeros(max_chunks + 2, **i32)
         self.ones = torch.ones(max(max_tokens * Kk, ep_entries), **i32)
         # zero-filled once: rows of a partial block past its fill are computed but never read
@@ -284,8 +285,8 @@ class BlockConsumer:
     def _alloc_blocks(self, counts, hi_index: int, *, seal: bool) -> None:
         """``moe_triton.alloc_blocks`` on this consumer's block state, recording on the host what
         :meth:`covers_one_allocation` reads: a dispatch's allocation, or the seal's ready index."""
-        K.alloc_blocks(counts, self.state, self.expert_blocks, self.block_expert, self.ready_list, self.ready_hi,
-                       hi_index, num_experts=self.shape.num_experts, block_m=self.block_m, seal=seal)
+        K.alloc_blocks(counts, self.state, self.expert_blocks, self.block_expert, self.ready_list, self.block_rows,
+                       self.ready_hi, hi_index, num_experts=self.shape.num_experts, block_m=self.block_m, seal=seal)
         if seal:
             self.seal_ready_index = hi_index
         else:
@@ -314,8 +315,8 @@ class BlockConsumer:
                          self.a.view(FP8), self.a_sf, fw.w1, fw.w1_sf, h1, self.h1_sf, block_m=self.block_m, pdl=pdl,
                          max_ctas=max_ctas)
         k2 = K.expert_l2(self.ready_list, self.ready_hi, lo_index, hi_index, max_items, self.block_expert, h1,
-                         self.h1_sf, fw.w2, fw.w2_sf, self.row_weight, self.y if out is None else out, self.state,
-                         self.expert_blocks, block_m=self.block_m, pdl=pdl, max_ctas=max_ctas, direct=direct)
+                         self.h1_sf, fw.w2, fw.w2_sf, self.row_weight, self.y if out is None else out,
+                         self.block_rows, block_m=self.block_m, pdl=pdl, max_ctas=max_ctas, direct=direct)
         self.gemm_kernels.update(k for k in (k1, k2) if k is not None)
 
     def combine(self, out: torch.Tensor) -> None:
