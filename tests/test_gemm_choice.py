@@ -149,3 +149,48 @@ def test_setup_consumer_applies_the_choice():
                       staging_y=True)
     with pytest.raises(ValueError, match="choice.impl must be one of"):
         GC.setup_consumer(bc, GC.LayerChoice("cublas", GC.GemmChoice("x"), GC.GemmChoice("x"), ""), staging_y=True)
+
+
+def _run(path, tokens_ms: dict, block_m=64, date="2026-12-02"):
+    """A bench.gemm JSON with one Triton and one CUTLASS L1 row per token count."""
+    rows = []
+    for t, (tri, cut) in tokens_ms.items():
+        for impl, variant, ms in (("triton", "triton", tri), ("cutlass_pingpong64_bf16", "cutlass:pingpong64:bf16:m", cut)):
+            rows.append({"tokens": t, "gemm": "l1", "impl": impl, "variant": variant, "median_ms": ms, "n_dim": 4096,
+                         "k_dim": 7168, "block_m": block_m})
+    path.write_text(json.dumps({"meta": {"device": "NVIDIA H200", "date": date, "args": {"block_m": block_m}},
+                                "rows": rows}))
+    return str(path)
+
+
+def test_gemm_table_entries_come_whole_from_the_last_run_that_measured_them(tmp_path):
+    from bench import make_gemm_table as MT
+
+    old = _run(tmp_path / "old.json", {128: (2.0, 1.9), 1024: (2.1, 2.0)}, date="2026-12-01")
+    new = _run(tmp_path / "new.json", {1024: (1.9, 2.0)})
+    t = MT.merge([old, new])
+    by = {e["tokens"]: e for e in t["entries"]}
+    assert by[128]["source"] == old and by[128]["best"] == "cutlass:pingpong64:bf16:m"
+    assert by[1024]["source"] == new and by[1024]["times_ms"] == {"triton": 1.9, "cutlass:pingpong64:bf16:m": 2.0}
+    assert t["date"] == "2026-12-02"
+    other = _run(tmp_path / "bm16.json", {128: (1.7, 1.9)}, block_m=16)
+    with pytest.raises(ValueError, match=r"bm16\.json was measured with device 'NVIDIA H200', block_m 16; .*block_m 64"):
+        MT.merge([old, other])
+
+
+def test_the_committed_gemm_table_is_what_its_sources_make():
+    """streamring/moe/gemm_table.json == make_gemm_table of the runs it names (nothing edited by hand)."""
+    from pathlib import Path
+
+    from bench import make_gemm_table as MT
+
+    root = Path(__file__).resolve().parents[1]
+    committed = json.loads((root / "streamring/moe/gemm_table.json").read_text())
+    cmd = committed["source"].split()
+    assert cmd[:3] == ["python", "-m", "bench.make_gemm_table"], committed["source"]
+    files = cmd[3:]
+    assert files and all((root / f).is_file() for f in files), files
+    made = MT.merge([str(root / f) for f in files])
+    strip = lambda t: [{k: v for k, v in e.items() if k != "source"} for e in t["entries"]]  # noqa: E731
+    assert strip(made) == strip(committed)
+    assert [Path(e["source"]).name for e in made["entries"]] == [Path(e["source"]).name for e in committed["entries"]]

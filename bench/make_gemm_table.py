@@ -1,0 +1,77 @@
+#!/usr/bin/env python3
+"""Build the expert-GEMM heuristic table (``streamring/moe/gemm_table.json``) from ``bench.gemm`` runs.
+
+    python -m bench.make_gemm_table docs/results/gemm-2026-12-01-psum.json \
+        docs/results/gemm-1024-bm64-2026-12-02.json --out streamring/moe/gemm_table.json
+
+Each (tokens, GEMM) entry is taken whole from one run: the last file given that measured that size
+(:func:`bench.gemm.make_table` of its rows), so the times an entry compares were taken side by side
+in one process, never mixed across runs. Every entry names its file (``source``). The runs must share
+the device and the block size (``--block-m`` of ``bench.gemm``): the layer's choice reads one table
+for one block size, and a file measured with another is refused, naming both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from bench.gemm import make_table
+
+NUM_EXPERTS, TOPK = 256, 8  # the DeepSeek-V3 shape every bench.gemm run measures (bench.gemm.dsv3_shape)
+
+
+def merge(paths: list[str]) -> dict:
+    """The table of ``paths`` (later files replace earlier ones' entries of the same tokens and GEMM)."""
+    if not paths:
+        raise ValueError("give at least one bench.gemm JSON file")
+    entries: dict = {}
+    first = None
+    dates = []
+    for p in paths:
+        run = json.loads(Path(p).read_text())
+        meta = run.get("meta", {})
+        here = {"device": meta.get("device"), "block_m": meta.get("args", {}).get("block_m")}
+        if first is None:
+            first = (p, here)
+        elif here != first[1]:
+            raise ValueError(f"{p} was measured with device {here['device']!r}, block_m {here['block_m']}; "
+                             f"{first[0]} with device {first[1]['device']!r}, block_m {first[1]['block_m']}: "
+                             "one table holds one device and one block size")
+        table = make_table(run.get("rows", []), NUM_EXPERTS, TOPK, meta)
+        for e in table["entries"]:
+            entries[(e["tokens"], e["gemm"])] = dict(e, source=str(p))
+        dates.append(meta.get("date") or "")
+    out = sorted(entries.values(), key=lambda e: (e["gemm"], e["rows_per_expert"]))
+    return {"measured": bool(out), "date": max(dates), "device": first[1]["device"],
+            "source": "python -m bench.make_gemm_table " + " ".join(str(p) for p in paths),
+            "note": "per (rows per expert = tokens x top-k / experts, N, K): median ms of every implementation "
+                    "variant that passed its correctness check, all from the one run named by the entry's "
+                    "source; choose_gemm takes the fastest available one",
+            "entries": out}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("runs", nargs="+", help="bench.gemm --json files, oldest first")
+    ap.add_argument("--out", help="write the table here (default: print it)")
+    args = ap.parse_args(argv)
+    try:
+        table = merge(args.runs)
+    except (ValueError, OSError, json.JSONDecodeError) as exc:
+        print(f"make_gemm_table: {exc}", file=sys.stderr)
+        return 2
+    text = json.dumps(table, indent=1) + "\n"
+    if args.out:
+        Path(args.out).write_text(text)
+        for e in table["entries"]:
+            print(f"{e['tokens']:6d} {e['gemm']}: best {e['best']} ({e['times_ms'][e['best']]:.3f} ms) from {e['source']}")
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
