@@ -67,7 +67,8 @@ def main(argv=None) -> int:
     if args.out:
         Path(args.out).write_text(text)
         for e in table["entries"]:
-            print(f"{e['tokens']:6d} {e['gemm']}: best {e['best']} ({e['times_ms'][e['best']]:.3f} ms) from {e['source']}")
+            best = f"{e['best']} ({e['times_ms'][e['best']]:.3f} ms)" if e["best"] else "none of ours (torch only)"
+            print(f"{e['tokens']:6d} {e['gemm']}: best {best} from {e['source']}")
     else:
         sys.stdout.write(text)
     return 0

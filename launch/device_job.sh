@@ -32,11 +32,13 @@ dg_start() {
   DG_PID=$!
 }
 dg_wait() {
-  ( sleep "$1"; kill -- -"$DG_PID" 2>/dev/null ) &
-  local watch=$!
+  # polls instead of a background `sleep; kill` watchdog, whose orphaned sleep would hold the call's
+  # output open after the script ends
+  local waited=0
+  while kill -0 "$DG_PID" 2>/dev/null && [ "$waited" -lt "$1" ]; do sleep 1; waited=$(( waited + 1 )); done
+  kill -0 "$DG_PID" 2>/dev/null && kill -- -"$DG_PID" 2>/dev/null
   wait "$DG_PID"
   DG_RC=$?
-  kill "$watch" 2>/dev/null
   tail -4 "$OUT/deep_gemm_build.log" | tee -a "$LOG"
   if [ "$DG_RC" = 0 ] && [ -f "$DG_PREFIX/deep_gemm_env.sh" ]; then
     . "$DG_PREFIX/deep_gemm_env.sh"

@@ -186,6 +186,8 @@ def gemm_ptx(moe_triton_path: Path) -> dict[str, str]:
                     sig = dict(ready, h1_ptr="*fp8e4nv", h1sf_ptr="*fp32", w2_ptr="*fp8e4nv", w2sf_ptr="*fp32",
                                roww_ptr="*fp32", y_ptr="*bf16", row_src_ptr="*i32", row_tok_ptr="*i64",
                                comb_delta_ptr="*i64")
+                    if "block_rows_ptr" in mt._l2_kernel.arg_names:  # revisions with the routed rows per block
+                        sig["block_rows_ptr"] = "*i32"
                     c = dict(H=7168, I=2048, BM=bm, GROUP=8, STAGES=st, PDL=pdl, PERSIST=persist, DIRECT=direct)
                     out[f"l2_p{int(persist)}_pdl{int(pdl)}_d{int(direct)}_bm{bm}"] = _compile(
                         mt._l2_kernel, {**sig, **{k: "constexpr" for k in c}}, c, nw)

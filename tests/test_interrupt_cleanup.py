@@ -1,5 +1,6 @@
 """Ctrl-C to the local launcher: the job ends at once, no rank process or MPI file is left, no rank is blamed."""
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -23,22 +24,35 @@ def test_ctrl_c_leaves_no_process_and_no_file_and_blames_no_rank():
     proc = subprocess.Popen([sys.executable, "-m", "streamring", "stress", "--config", CONFIGS / "soak.yaml"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT,
                             start_new_session=True, preexec_fn=_sigint_as_in_a_terminal)
+    w = FileWatcher(proc.pid, period_s=0.1)
     tree: set = set()
     try:
-        _interrupt_and_check(proc, tree)
-    finally:
-        if proc.poll() is None:  # failed with the job still under way: end it, so no later test sees its files
-            for pid in tree | descendants(proc.pid) | {proc.pid}:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except OSError:
-                    pass
-            proc.communicate()
+        _interrupt_and_check(proc, w, tree)
+    except BaseException:
+        _end_failed_job(proc, w, tree)
+        raise
 
 
-def _interrupt_and_check(proc, tree: set):
-    w = FileWatcher(proc.pid, period_s=0.1)
+def _end_failed_job(proc, w, tree: set):
+    """After a failure, so that no later test sees this job: the launcher's own teardown first (SIGTERM
+    to its session), then SIGKILL to every process of the job still there, then the MPI files its
+    processes held."""
+    with contextlib.suppress(OSError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.communicate(timeout=10)
+    for pid in tree | descendants(proc.pid) | {proc.pid}:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.communicate(timeout=10)
+    w.poll()
+    for f in w.leftovers():
+        with contextlib.suppress(OSError):
+            os.unlink(f)
 
+
+def _interrupt_and_check(proc, w, tree: set):
     def every_rank_holds_the_segment():
         """The job is under way: Hydra's file exists and each of soak.yaml's 4 ranks maps the segment."""
         assert proc.poll() is None, proc.communicate()

@@ -697,10 +697,7 @@ def _gemm_tile(t, n_items, lo, ready_list_ptr, block_expert_ptr, x_ptr, xsf_ptr,
             _l1_tile(i, nt, lo, ready_list_ptr, block_expert_ptr, x_ptr, xsf_ptr, w_ptr, wsf_ptr, out_ptr, outsf_ptr,
                      H, I, BM, STAGES)
         else:
-            if DIRECT:
-                used = BM
-            else:
-                used = tl.load(block_rows_ptr + tl.load(ready_list_ptr + lo + i))
+            used = tl.load(block_rows_ptr + tl.load(ready_list_ptr + lo + i))
             y, rows, ncol = _l2_rows(i, nt, lo, ready_list_ptr, block_expert_ptr, x_ptr, xsf_ptr, w_ptr, wsf_ptr,
                                      roww_ptr, used, H, I, BM, STAGES)
             _l2_store(y, rows, ncol, used, out_ptr, row_src_ptr, row_tok_ptr, comb_delta_ptr, H, BM, DIRECT)
@@ -818,9 +815,10 @@ def expert_l2(ready_list, ready_hi, lo_index: int, hi_index: int, max_items: int
               max_ctas: int | None = None, direct=None, launch: dict | None = None):
     """L2 of the ready blocks, times the routing weight, as bf16 rows (returns the kernel handle).
 
-    ``direct=None``: row ``r`` goes to ``y[r]``, for the rows that hold a route: of block ``b``, the
-    first ``block_rows[b]`` (see :func:`alloc_blocks`); the padding rows of a sealed partial block are
-    neither read from ``h1`` nor stored. ``direct=(row_src, row_tok, comb_delta)``: row ``r``
+    Of block ``b`` only the first ``block_rows[b]`` rows hold a route (see :func:`alloc_blocks`): the
+    ``h1`` rows of the others (the padding of a sealed partial block) are not read (their scales and
+    routing weights are), and their results are not stored.
+    ``direct=None``: row ``r`` goes to ``y[r]``. ``direct=(row_src, row_tok, comb_delta)``: row ``r``
     goes straight into its owner's combine rows, ``y + comb_delta[row_src[r]] + row_tok[r] * H``
     (``y`` is then this PE's combine rows, ``comb_delta`` int64 element distances to each PE's copy);
     rows with ``row_src < 0`` (padding of a sealed block) are not stored. ``launch``: as :func:`expert_l1`'s.

@@ -107,6 +107,11 @@ def _nearest_entry(table: Mapping, rows_per_expert: float, n: int, k: int) -> di
     return best
 
 
+def _measured_in(entry: Mapping, table: Mapping) -> str:
+    """Where an entry's times come from: its run (``bench.make_gemm_table`` names it), else the table's date."""
+    return entry.get("source") or table.get("date", "?")
+
+
 def _available_times(entry: Mapping, available: set) -> dict:
     out = {}
     for key, ms in entry["times_ms"].items():
@@ -137,7 +142,7 @@ def choose_gemm(rows_per_expert: float, n: int, k: int, available: Iterable[str]
     c = parse_key(key)
     return GemmChoice(c.impl, c.tile, c.out, c.raster, times[key],
                       f"measured: {key} {times[key]:.3f} ms at {entry['rows_per_expert']:g} rows per expert "
-                      f"(N={n} K={k}, {table.get('date', '?')})")
+                      f"(N={n} K={k}, {_measured_in(entry, table)})")
 
 
 @dataclass(frozen=True)
@@ -176,7 +181,7 @@ def choose_layer(rows_per_expert: float, hidden: int, intermediate: int, availab
                 c = parse_key(key)
                 picks.append(GemmChoice(c.impl, c.tile, c.out, c.raster, times[key],
                                         f"measured: {key} {times[key]:.3f} ms at {e['rows_per_expert']:g} rows per "
-                                        f"expert (N={n} K={k}, {table.get('date', '?')})"))
+                                        f"expert (N={n} K={k}, {_measured_in(e, table)})"))
             if len(picks) == 2:
                 totals[impl] = picks
     if totals:
