@@ -18,15 +18,14 @@ import json
 import sys
 from pathlib import Path
 
-from bench.gemm import make_table
-
-NUM_EXPERTS, TOPK = 256, 8  # the DeepSeek-V3 shape every bench.gemm run measures (bench.gemm.dsv3_shape)
+from bench.gemm import dsv3_shape, make_table
 
 
 def merge(paths: list[str]) -> dict:
     """The table of ``paths`` (later files replace earlier ones' entries of the same tokens and GEMM)."""
     if not paths:
         raise ValueError("give at least one bench.gemm JSON file")
+    shape = dsv3_shape()  # the shape every bench.gemm run measures
     entries: dict = {}
     first = None
     dates = []
@@ -40,7 +39,7 @@ def merge(paths: list[str]) -> dict:
             raise ValueError(f"{p} was measured with device {here['device']!r}, block_m {here['block_m']}; "
                              f"{first[0]} with device {first[1]['device']!r}, block_m {first[1]['block_m']}: "
                              "one table holds one device and one block size")
-        table = make_table(run.get("rows", []), NUM_EXPERTS, TOPK, meta)
+        table = make_table(run.get("rows", []), shape.num_experts, shape.topk, meta)
         for e in table["entries"]:
             entries[(e["tokens"], e["gemm"])] = dict(e, source=str(p))
         dates.append(meta.get("date") or "")

@@ -52,8 +52,8 @@ def compute_with(bc, pdl_l1: bool, pdl_l2: bool):
         K.expert_l1(bc.ready_list, bc.ready_hi, lo, hi, max_items, bc.block_expert, bc.a.view(B.FP8), bc.a_sf, fw.w1,
                     fw.w1_sf, h1, bc.h1_sf, block_m=bc.block_m, pdl=pdl_l1, max_ctas=max_ctas)
         K.expert_l2(bc.ready_list, bc.ready_hi, lo, hi, max_items, bc.block_expert, h1, bc.h1_sf, fw.w2, fw.w2_sf,
-                    bc.row_weight, bc.y if out is None else out, bc.block_rows, block_m=bc.block_m, pdl=pdl_l2, max_ctas=max_ctas,
-                    direct=direct)
+                    bc.row_weight, bc.y if out is None else out, bc.block_rows, block_m=bc.block_m, pdl=pdl_l2,
+                    max_ctas=max_ctas, direct=direct)
     return compute
 
 
