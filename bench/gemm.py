@@ -257,6 +257,21 @@ def time_interleaved(fns: dict, sets: int, load, replays: int) -> dict:
             for k, v in times.items()}
 
 
+def uniform_inputs(T: int, shape: MoEShape, gen: torch.Generator, dev) -> tuple:
+    """One input set of ``T`` tokens: ``(topk_idx, topk_w, x_q, x_sf)``, each token's ``topk`` distinct
+    experts drawn uniformly (as peer benchmarks route), weights normalised and scaled as the router's,
+    activations N(0, 1) quantized to FP8 with 1x128 scales."""
+    E, Kk, H = shape.num_experts, shape.topk, shape.hidden
+    idx = torch.rand(T, E, generator=gen, device=dev).argsort(dim=1)[:, :Kk].contiguous()
+    w = torch.rand(T, Kk, generator=gen, device=dev) + 0.1
+    w = (w / w.sum(dim=1, keepdim=True) * shape.routed_scaling_factor).float().contiguous()
+    x = torch.randn(T, H, generator=gen, device=dev).to(torch.bfloat16)
+    q = torch.empty(T, H, dtype=FP8, device=dev)
+    sf = torch.empty(T, H // 128, dtype=torch.float32, device=dev)
+    K.quant_rows(x, q, sf)
+    return idx, w, q, sf
+
+
 # ----------------------------------------------------------------------------------------------
 # one token count
 # ----------------------------------------------------------------------------------------------
@@ -274,14 +289,7 @@ class Case:
         gen.manual_seed(args.seed + T)
         self.sets = []
         for _ in range(args.sets):
-            idx = torch.rand(T, E, generator=gen, device=dev).argsort(dim=1)[:, :Kk].contiguous()
-            w = torch.rand(T, Kk, generator=gen, device=dev) + 0.1
-            w = (w / w.sum(dim=1, keepdim=True) * shape.routed_scaling_factor).float().contiguous()
-            x = torch.randn(T, H, generator=gen, device=dev).to(torch.bfloat16)
-            q = torch.empty(T, H, dtype=FP8, device=dev)
-            sf = torch.empty(T, H // 128, dtype=torch.float32, device=dev)
-            K.quant_rows(x, q, sf)
-            self.sets.append((idx, w, q, sf))
+            self.sets.append(uniform_inputs(T, shape, gen, dev))
         self.rows = T * Kk
         # the CUTLASS path's own outputs (the Triton path writes bc.h1 / bc.h1_sf / bc.y)
         self.gu = {torch.float32: torch.empty(rows_buf, 2 * I, dtype=torch.float32, device=dev),

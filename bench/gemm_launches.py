@@ -1,0 +1,244 @@
+"""Per-chunk expert-GEMM launches against one launch over the same blocks, on one GPU.
+
+Issue 20 asks the CUTLASS consumer either to claim its tiles from the device queue (as the Triton
+persistent consumer does) or to show, with numbers, that a bounded number of launches per forward
+is equivalent. A queue-claiming tile scheduler runs the same tiles as the per-chunk launches: the
+chunks' ready blocks, grouped the same way. What it can save is what lies *between* the launches:
+each launch's last wave (its tail), the launch gaps and the L1 -> L2 boundary of every chunk. This
+script measures that saving's upper bound directly, for each GEMM implementation:
+
+* ``per_chunk``: the blocks of a streamed forward of ``C`` chunks (``C`` dispatches, then the seal),
+  computed as the per-chunk consumer computes them: one call per chunk, the last chunk's full blocks
+  together with the seal's partial blocks (``EPBuffer(last_step_with_seal=True)``, its default):
+  ``C`` L1 + ``C`` L2 launches (CUTLASS: plus its SwiGLU kernel each);
+* ``one_launch``: the SAME blocks (the same ready list, so the same groups and tiles) in ONE call
+  over the whole ready list: what any scheduler that claims these tiles could reach at best,
+  since it still has to run every one of them;
+* ``batch``: one dispatch of all tokens and the seal, one call (the batch-ready path's blocks:
+  fewer partial blocks, and with 128-row CUTLASS tiles fewer M tiles per expert).
+
+DeepGEMM (``deep_gemm``, when it imports) runs on 128-row blocks (its contiguous layout); its
+calls over a range take ``m_indices``, the batch call the psum layout.
+
+``per_chunk / one_launch`` is therefore the most a queue-claiming scheduler can gain over bounded
+launches; ``one_launch / batch`` is what chunking itself costs in tiles (partial blocks sealed late,
+an expert's rows split across calls, its weights read again), which no scheduler removes. Triton
+also gets ``per_chunk_pdl`` (programmatic dependent launch: the next grid launches while the last
+one drains). Every form is checked bitwise against ``one_launch`` (``y`` poisoned with NaN first)
+before it is timed.
+
+Uniform top-8 routing (``bench.gemm.uniform_inputs``), DeepSeek-V3 shape, ``--block-m`` rows per
+block. Each form is one CUDA graph; for each of ``--sets`` input sets the graphs are replayed
+``--replays`` times interleaved (``bench.gemm.time_interleaved``); medians. The CUTLASS variants
+are what ``gemm="cutlass"`` takes at that size from the committed table (``gemm_choice``).
+
+    python -m bench.gemm_launches --tokens 1024,4096,8192 --chunks 2,4,8 \
+        --json docs/results/gemm-launches-<date>.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+from bench.gemm import capture, deep_gemm_first_call, dsv3_shape, log, time_interleaved, uniform_inputs
+from streamring.device import cutlass_gemm as CG
+from streamring.device import deep_gemm_ops as DG
+from streamring.moe import blocks as B
+from streamring.moe import gemm_choice as GC
+
+IMPLS = ("cutlass", "triton", "deep_gemm")
+
+
+class Forward:
+    """The blocks of one forward of ``T`` tokens dispatched in ``chunks`` chunks (1: the batch path)."""
+
+    def __init__(self, T: int, chunks: int, shape, block_m: int, impl: str, choice, dev):
+        self.T, self.chunks, self.impl = T, chunks, impl
+        self.bc = B.BlockConsumer(shape, T, chunks, DG.BLOCK_M if impl == "deep_gemm" else block_m, dev)
+        if impl != "triton":
+            GC.setup_consumer(self.bc, choice, staging_y=False)
+        self.bounds = [(c * T // chunks, (c + 1) * T // chunks) for c in range(chunks)]
+
+    def load(self, inputs) -> None:
+        """Dispatch ``inputs`` chunk by chunk, then seal (not timed: the GEMMs only read the block state)."""
+        idx, w, q, sf = inputs
+        bc = self.bc
+        bc.begin()
+        for c, (a, b) in enumerate(self.bounds):
+            bc.dispatch(c, idx[a:b], w[a:b], q[a:b], sf[a:b], a)
+        bc.seal(self.chunks)
+
+    def steps(self) -> list[tuple[int, int, int]]:
+        """``(lo_index, hi_index, max_items)`` of the per-chunk calls: one per chunk, the last one
+        also covering the seal's partial blocks."""
+        bc, C = self.bc, self.chunks
+        out = [(c, c + 1, bc.max_ready(b - a)) for c, (a, b) in enumerate(self.bounds[:-1])]
+        a, b = self.bounds[-1]
+        out.append((C - 1, C + 1, min(bc.max_blocks, bc.max_ready(b - a) + bc.max_ready(0))))
+        return out
+
+    def call(self, lo: int, hi: int, max_items: int, fw, pdl: bool = False) -> None:
+        B.compute_blocks(self.bc, lo, hi, max_items, fw, self.impl, pdl=pdl)
+
+    def per_chunk(self, fw, pdl: bool = False):
+        return lambda: [self.call(lo, hi, m, fw, pdl) for lo, hi, m in self.steps()]
+
+    def one_launch(self, fw):
+        return lambda: self.call(0, self.chunks + 1, self.bc.max_blocks, fw)
+
+
+def ready_rows(fwd: Forward) -> torch.Tensor:
+    """Row indices of ``y`` that hold a route (the rows every form must store identically)."""
+    bc = fwd.bc
+    n = int(bc.ready_hi[fwd.chunks + 1])
+    blocks = bc.ready_list[:n].long()
+    rows = bc.block_rows[blocks].long()
+    base = blocks * bc.block_m
+    offs = torch.arange(bc.block_m, device=blocks.device)
+    mask = offs[None, :] < rows[:, None]
+    return (base[:, None] + offs[None, :])[mask]
+
+
+def same_output(fwd: Forward, run, ref_y: torch.Tensor, rows: torch.Tensor) -> bool:
+    fwd.bc.y.fill_(float("nan"))
+    run()
+    torch.cuda.synchronize()
+    return torch.equal(fwd.bc.y[rows].view(torch.int16), ref_y.view(torch.int16))
+
+
+def measure(T: int, chunks: int, impl: str, shape, fw, args, dev, sets: list) -> list[dict]:
+    rows_per_expert = T * shape.topk / shape.num_experts
+    choice = GC.choose_layer(rows_per_expert, shape.hidden, shape.intermediate, {impl})
+    if impl == "cutlass" and (args.cutlass_l1 or args.cutlass_l2):
+        l1 = GC.parse_key(args.cutlass_l1) if args.cutlass_l1 else choice.l1
+        l2 = GC.parse_key(args.cutlass_l2) if args.cutlass_l2 else choice.l2
+        choice = GC.LayerChoice("cutlass", l1, l2, f"--cutlass-l1 {l1.key} --cutlass-l2 {l2.key}")
+    streamed = Forward(T, chunks, shape, args.block_m, impl, choice, dev)
+    batch = Forward(T, 1, shape, args.block_m, impl, choice, dev)
+    streamed.load(sets[0])
+    batch.load(sets[0])
+    forms = {"per_chunk": streamed.per_chunk(fw), "one_launch": streamed.one_launch(fw)}
+    if impl == "triton":
+        forms["per_chunk_pdl"] = streamed.per_chunk(fw, pdl=True)
+    # the same rows, bitwise, from every form over the streamed blocks; batch against them too
+    rows = ready_rows(streamed)
+    streamed.bc.y.fill_(float("nan"))
+    forms["one_launch"]()
+    torch.cuda.synchronize()
+    ref_y = streamed.bc.y[rows].clone()
+    checks = {name: same_output(streamed, fn, ref_y, rows) for name, fn in forms.items() if name != "one_launch"}
+    bad = [k for k, ok in checks.items() if not ok]
+    if bad:
+        raise RuntimeError(f"T={T} C={chunks} {impl}: {bad} not bitwise equal to one_launch over the same blocks")
+    graphs = {name: capture(fn)[0] for name, fn in forms.items()}
+    graphs["batch"] = capture(batch.one_launch(fw))[0]
+
+    def load(s):
+        streamed.load(sets[s])
+        batch.load(sets[s])
+
+    t = time_interleaved(graphs, len(sets), load, args.replays)
+    n_ready = int(streamed.bc.ready_hi[chunks + 1])
+    n_batch = int(batch.bc.ready_hi[2])
+    ms = {k: v["median_ms"] for k, v in t.items()}
+    row = {"tokens": T, "chunks": chunks, "impl": impl, "block_m": streamed.bc.block_m,
+           "variant": {"l1": choice.l1.key, "l2": choice.l2.key}, "choice_source": choice.source,
+           "calls_per_forward": len(streamed.steps()), "blocks_streamed": n_ready, "blocks_batch": n_batch,
+           "times": t, "ms": ms, "bitwise_vs_one_launch": checks,
+           "per_chunk_over_one_launch": ms["per_chunk"] / ms["one_launch"],
+           "one_launch_over_batch": ms["one_launch"] / ms["batch"],
+           "per_chunk_over_batch": ms["per_chunk"] / ms["batch"],
+           "scheduler_saving_bound_ms": ms["per_chunk"] - ms["one_launch"]}
+    if "per_chunk_pdl" in ms:
+        row["per_chunk_pdl_over_one_launch"] = ms["per_chunk_pdl"] / ms["one_launch"]
+    del streamed, batch
+    torch.cuda.empty_cache()
+    return [row]
+
+
+def print_rows(rows: list[dict]) -> None:
+    print(f"{'tokens':>6} {'C':>2} {'impl':8} {'blocks':>11} {'batch':>8} {'one':>8} {'per-chunk':>9} {'pdl':>8} "
+          f"{'chunk/one':>9} {'one/batch':>9} {'bound ms':>8}")
+    for r in rows:
+        m = r["ms"]
+        pdl = f"{m['per_chunk_pdl']:8.3f}" if "per_chunk_pdl" in m else f"{'-':>8}"
+        print(f"{r['tokens']:6d} {r['chunks']:2d} {r['impl']:8} {r['blocks_batch']:5d}/{r['blocks_streamed']:5d} "
+              f"{m['batch']:8.3f} {m['one_launch']:8.3f} {m['per_chunk']:9.3f} {pdl} "
+              f"{r['per_chunk_over_one_launch']:9.3f} {r['one_launch_over_batch']:9.3f} "
+              f"{r['scheduler_saving_bound_ms']:8.3f}", flush=True)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", default="1024,4096,8192", help="tokens per forward (one PE)")
+    ap.add_argument("--chunks", default="2,4,8", help="chunk counts of the streamed forward")
+    ap.add_argument("--impls", default=",".join(IMPLS), help=f"GEMM implementations, of {IMPLS}")
+    ap.add_argument("--block-m", type=int, default=64)
+    ap.add_argument("--cutlass-l1", default="", help="CUTLASS L1 variant instead of the table's choice, e.g. "
+                                                     "cutlass:pingpong64:bf16:m")
+    ap.add_argument("--cutlass-l2", default="", help="CUTLASS L2 variant instead of the table's choice")
+    ap.add_argument("--sets", type=int, default=2, help="input sets (routing + activations)")
+    ap.add_argument("--replays", type=int, default=10, help="timed replays per set and form")
+    ap.add_argument("--budget-s", type=float, default=0.0, help="start no new case after this long (0: no limit)")
+    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--json", help="write the rows here (docs/results/gemm-launches-<date>.json)")
+    args = ap.parse_args(argv)
+    impls = [v for v in args.impls.split(",") if v]
+    for opt in ("cutlass_l1", "cutlass_l2"):
+        key = getattr(args, opt)
+        try:
+            ok = not key or (GC.parse_key(key).impl == "cutlass" and GC.parse_key(key).tile in CG.TILE_TABLE)
+        except ValueError:
+            ok = False
+        if not ok:
+            ap.error(f"--{opt.replace('_', '-')}: {key!r} is not cutlass:<tile>:<bf16|f32>:<m|n> with a tile of "
+                     f"{sorted(CG.TILE_TABLE)}")
+    for v in impls:
+        if v not in IMPLS:
+            ap.error(f"--impls: {v!r} is not one of {IMPLS}")
+    if not torch.cuda.is_available():
+        print("error: no CUDA GPU", file=sys.stderr)
+        return 2
+    dev = torch.device("cuda")
+    shape = dsv3_shape()
+    fw = B.FastWeights.random(shape, 7, dev)
+    t0 = time.monotonic()
+    rows: list[dict] = []
+    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "args": vars(args),
+            "date": time.strftime("%Y-%m-%d"), "skipped": []}
+    if "deep_gemm" in impls:
+        avail = DG.deep_gemm_available()
+        why = deep_gemm_first_call() if avail else avail.reason
+        if why:
+            impls.remove("deep_gemm")
+            meta["skipped"].append(f"deep_gemm: {why}")
+            log(meta["skipped"][-1])
+    for T in (int(v) for v in args.tokens.split(",") if v):
+        gen = torch.Generator(device=dev)
+        gen.manual_seed(args.seed + T)
+        sets = [uniform_inputs(T, shape, gen, dev) for _ in range(args.sets)]
+        for impl in impls:
+            for C in (int(v) for v in args.chunks.split(",") if v):
+                if args.budget_s and time.monotonic() - t0 > args.budget_s:
+                    meta["skipped"].append(f"T={T} C={C} {impl}: past --budget-s {args.budget_s:g}")
+                    log(meta["skipped"][-1])
+                    continue
+                log(f"T={T} C={C} {impl}")
+                rows += measure(T, C, impl, shape, fw, args, dev, sets)
+                print_rows(rows[-1:])
+                if args.json:
+                    with open(args.json, "w") as f:
+                        json.dump({"meta": meta, "rows": rows}, f, indent=1, default=str)
+    print("\nall cases (ms, medians; chunk/one = what a queue-claiming scheduler could save at most, "
+          "one/batch = what chunking costs in tiles):")
+    print_rows(rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
