@@ -2,7 +2,7 @@
 """Build the expert-GEMM heuristic table (``streamring/moe/gemm_table.json``) from ``bench.gemm`` runs.
 
     python -m bench.make_gemm_table docs/results/gemm-2026-12-01-psum.json \
-        docs/results/gemm-1024-bm64-2026-12-02.json --out streamring/moe/gemm_table.json
+        docs/results/gemm-1024-bm64-2026-12-02-s9.json --out streamring/moe/gemm_table.json
 
 Each (tokens, GEMM) entry is taken whole from one run: the last file given that measured that size
 (:func:`bench.gemm.make_table` of its rows), so the times an entry compares were taken side by side
