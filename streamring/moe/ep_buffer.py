@@ -195,7 +195,10 @@ class EPBuffer:
             ``"persistent"`` (ONE persistent kernel per forward claiming ready blocks from a device queue,
             ``streamring.moe.work_queue``; Triton GEMMs over P2P, launched first with ``reserved_sms`` SMs
             left to the producer and dispatch of the streamed path: with none left they starve and the
-            queue's deadline ends the forward with an error, measured).
+            queue's deadline ends the forward with an error, measured). CUTLASS and DeepGEMM run
+            per-chunk calls only: on one H200 CUTLASS's per-chunk calls cost at most 5 % over one call
+            running the same tiles, the most a queue-claiming scheduler could save
+            (``python -m bench.gemm_launches``, ``docs/performance.md``, session 9).
         pull: ``"token"`` (the dispatch reads each needed token's row from its source's slot once, then
             expands it locally; the slot is acknowledged right after that read) or ``"route"`` (one read
             per route, up to top-k per token).
