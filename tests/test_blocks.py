@@ -219,6 +219,39 @@ def test_negative_control_truncated_grid_is_caught(setup):
     assert not same_bits(yb, y)
 
 
+def test_per_chunk_calls_compute_what_one_call_computes(setup):
+    """bench.gemm_launches compares C per-chunk GEMM calls with ONE call over the same ready list
+    (the most a queue-claiming scheduler could save); that rests on both computing the same blocks:
+    every routed row bitwise equal, as many blocks as the batch path's, each block exactly once.
+    A per-chunk form that skips the seal's partial blocks is caught by the same comparison."""
+    from bench import gemm_launches as GL
+
+    shape, fw, x = setup
+    T = x.shape[0]
+    prod = B.Producer(shape, fw, T, DEV)
+    sc = B.scratch_buffers(shape, T, DEV)
+    prod.route(x, sc["idx"], sc["w"])
+    prod.layout(x, sc["q"], sc["sf"])
+    inputs = (sc["idx"][:T], sc["w"][:T], sc["q"][:T], sc["sf"][:T])
+    streamed, batch = GL.Forward(T, 3, shape, 16, "triton", None, DEV), GL.Forward(T, 1, shape, 16, "triton", None, DEV)
+    streamed.load(inputs)
+    batch.load(inputs)
+    n = int(streamed.bc.ready_hi[4])
+    assert n == int(batch.bc.ready_hi[2]) == int(batch.bc.state[shape.num_experts])
+    assert sorted(streamed.bc.ready_list[:n].cpu().tolist()) == list(range(n))
+    assert streamed.steps()[-1][:2] == (2, 4), "the last call covers the last chunk and the seal"
+    rows = GL.ready_rows(streamed)
+    assert rows.numel() == T * shape.topk
+    streamed.bc.y.fill_(float("nan"))
+    streamed.one_launch(fw)()
+    ref = streamed.bc.y[rows].clone()
+    assert not torch.isnan(ref.float()).any()
+    assert GL.same_output(streamed, streamed.per_chunk(fw), ref, rows)
+    # negative control: per-chunk calls without the seal's blocks leave routed rows unwritten
+    seal_dropped = lambda: [streamed.call(lo, min(hi, 3), m, fw) for lo, hi, m in streamed.steps()]  # noqa: E731
+    assert not GL.same_output(streamed, seal_dropped, ref, rows)
+
+
 def test_block_m_is_validated():
     with pytest.raises(ValueError, match="block_m must be one of"):
         B.BlockConsumer(small_shape(), 8, 2, 24, DEV)
