@@ -186,7 +186,10 @@ class EPBuffer:
         gemm: ``"triton"``, ``"cutlass"``, ``"deep_gemm"`` (``block_m`` 128, when ``import deep_gemm``
             works) or ``"auto"`` (:func:`resolve_gemm`: the fastest available one of the measured table);
             :attr:`gemm` is the resolved implementation, :attr:`gemm_choice` its variants and why. Every
-            path of this buffer runs the same GEMMs.
+            path of this buffer runs the same GEMMs. With ``"deep_gemm"`` a streamed forward's GEMM call
+            per chunk spans the whole block buffer (``m_indices``, -1 outside the chunk's blocks): 1.5-4.4x
+            the time of one call at 2-8 chunks on one H200 (``python -m bench.gemm_launches``), so
+            ``streaming="auto"`` keeps such a buffer on the batch path (its tuned table measured it so).
         transport: ``"auto"`` (P2P when every peer is load/store reachable, else NVSHMEM RMA),
             ``"p2p"`` or ``"nv"`` (forces RMA; see the module doc).
         chunk_gemm_ctas, high_priority: see :class:`~streamring.moe.plan.PlanChoice`.
