@@ -3,29 +3,30 @@
 Issue 20 asks the CUTLASS consumer either to claim its tiles from the device queue (as the Triton
 persistent consumer does) or to show, with numbers, that a bounded number of launches per forward
 is equivalent. A queue-claiming tile scheduler runs the same tiles as the per-chunk launches: the
-chunks' ready blocks, grouped the same way. What it can save is what lies *between* the launches:
-each launch's last wave (its tail), the launch gaps and the L1 -> L2 boundary of every chunk. This
-script measures that saving's upper bound directly, for each GEMM implementation:
+chunks' ready blocks. What it changes is what lies *between* the launches: each launch's last wave
+(its tail), the launch gaps and the L1 -> L2 boundary of every chunk. This script times, for each
+GEMM implementation:
 
 * ``per_chunk``: the blocks of a streamed forward of ``C`` chunks (``C`` dispatches, then the seal),
   computed as the per-chunk consumer computes them: one call per chunk, the last chunk's full blocks
   together with the seal's partial blocks (``EPBuffer(last_step_with_seal=True)``, its default):
   ``C`` L1 + ``C`` L2 launches (CUTLASS: plus its SwiGLU kernel each);
-* ``one_launch``: the SAME blocks (the same ready list, so the same groups and tiles) in ONE call
-  over the whole ready list: what any scheduler that claims these tiles could reach at best,
-  since it still has to run every one of them;
-* ``batch``: one dispatch of all tokens and the seal, one call (the batch-ready path's blocks:
-  fewer partial blocks, and with 128-row CUTLASS tiles fewer M tiles per expert).
+* ``one_launch``: the SAME blocks (the same ready list) in ONE call: the same tiles with no launch
+  boundary between the chunks, which is what a scheduler claiming them from a queue would run
+  (the tile order inside the call is the library's; it is not a lower bound on time);
+* ``batch``: one dispatch of all tokens and the seal, one call (the batch-ready path's blocks, each
+  expert's blocks side by side in the ready list).
 
 DeepGEMM (``deep_gemm``, when it imports) runs on 128-row blocks (its contiguous layout); its
 calls over a range take ``m_indices``, the batch call the psum layout.
 
-``per_chunk / one_launch`` is therefore the most a queue-claiming scheduler can gain over bounded
-launches; ``one_launch / batch`` is what chunking itself costs in tiles (partial blocks sealed late,
-an expert's rows split across calls, its weights read again), which no scheduler removes. Triton
-also gets ``per_chunk_pdl`` (programmatic dependent launch: the next grid launches while the last
-one drains). Every form is checked bitwise against ``one_launch`` (``y`` poisoned with NaN first)
-before it is timed.
+``per_chunk / one_launch`` is therefore what bounded launches cost against one launch of the same
+tiles; ``one_launch / batch`` what the chunk order of the same blocks costs (an expert's blocks
+apart in the ready list: smaller CUTLASS groups, weight tiles less often shared in L2), which no
+scheduler over these blocks removes. Triton also gets ``per_chunk_pdl`` (programmatic dependent
+launch: the next grid launches while the last one drains). Before any timing every form's outputs
+and intermediates are filled with NaN and it is run: ``per_chunk`` (and ``per_chunk_pdl``) must store
+``one_launch``'s ``y`` rows bit for bit, and ``batch`` the same row for every (token, k) route.
 
 Uniform top-8 routing (``bench.gemm.uniform_inputs``), DeepSeek-V3 shape, ``--block-m`` rows per
 block. Each form is one CUDA graph; for each of ``--sets`` input sets the graphs are replayed
@@ -45,10 +46,11 @@ import time
 
 import torch
 
-from bench.gemm import capture, deep_gemm_first_call, dsv3_shape, log, time_interleaved, uniform_inputs
+from bench.gemm import capture, deep_gemm_first_call, dsv3_shape, log, poison, time_interleaved, uniform_inputs
 from streamring.device import cutlass_gemm as CG
 from streamring.device import deep_gemm_ops as DG
 from streamring.moe import blocks as B
+from streamring.moe.bitwise import same_bits
 from streamring.moe import gemm_choice as GC
 
 IMPLS = ("cutlass", "triton", "deep_gemm")
@@ -104,12 +106,36 @@ def ready_rows(fwd: Forward) -> torch.Tensor:
     return (base[:, None] + offs[None, :])[mask]
 
 
-def same_output(fwd: Forward, run, ref_y: torch.Tensor, rows: torch.Tensor) -> bool:
-    fwd.bc.y.fill_(float("nan"))
+def outputs(fwd: Forward) -> list:
+    """Every buffer a form writes: ``y`` and the intermediates L2 reads (``h1``, its scales, CUTLASS's and
+    DeepGEMM's L1 outputs and scale copies), so that a form which skips blocks cannot pass on another
+    form's leftovers."""
+    bc = fwd.bc
+    out = [bc.y, bc.h1, bc.h1_sf]
+    for helper, names in ((getattr(bc, "cutlass", None), ("gu", "h1_sf_w")),
+                          (getattr(bc, "deep_gemm", None), ("gu", "h1_sf_w", "h1_sf_w_mn", "y_scratch"))):
+        if helper is not None:
+            out += [t for t in (getattr(helper, n, None) for n in names) if t is not None]
+    return out
+
+
+def run_poisoned(fwd: Forward, run) -> None:
+    poison(*outputs(fwd))
     run()
     if fwd.bc.y.is_cuda:
         torch.cuda.synchronize()
-    return torch.equal(fwd.bc.y[rows].view(torch.int16), ref_y.view(torch.int16))
+
+
+def same_output(fwd: Forward, run, ref_y: torch.Tensor, rows: torch.Tensor) -> bool:
+    """Whether ``run`` (outputs poisoned first) stores ``ref_y`` into ``y``'s ``rows``, bit for bit."""
+    run_poisoned(fwd, run)
+    return same_bits(fwd.bc.y[rows], ref_y)
+
+
+def by_route(fwd: Forward) -> torch.Tensor:
+    """``y``'s row of every (token, k) route, in route order (comparable across block layouts)."""
+    bc = fwd.bc
+    return bc.y[bc.tok_row[: fwd.T * bc.shape.topk]]
 
 
 def measure(T: int, chunks: int, impl: str, shape, fw, args, dev, sets: list) -> list[dict]:
@@ -126,18 +152,24 @@ def measure(T: int, chunks: int, impl: str, shape, fw, args, dev, sets: list) ->
     forms = {"per_chunk": streamed.per_chunk(fw), "one_launch": streamed.one_launch(fw)}
     if impl == "triton":
         forms["per_chunk_pdl"] = streamed.per_chunk(fw, pdl=True)
-    # the same rows, bitwise, from every form over the streamed blocks; batch against them too
+    # the same rows, bitwise, from every form over the streamed blocks; batch route by route against them
     rows = ready_rows(streamed)
-    streamed.bc.y.fill_(float("nan"))
-    forms["one_launch"]()
-    torch.cuda.synchronize()
+    run_poisoned(streamed, forms["one_launch"])
     ref_y = streamed.bc.y[rows].clone()
+    ref_routes = by_route(streamed).clone()
     checks = {name: same_output(streamed, fn, ref_y, rows) for name, fn in forms.items() if name != "one_launch"}
+    run_poisoned(batch, batch.one_launch(fw))
+    checks["batch"] = same_bits(by_route(batch), ref_routes)
     bad = [k for k, ok in checks.items() if not ok]
     if bad:
-        raise RuntimeError(f"T={T} C={chunks} {impl}: {bad} not bitwise equal to one_launch over the same blocks")
-    graphs = {name: capture(fn)[0] for name, fn in forms.items()}
-    graphs["batch"] = capture(batch.one_launch(fw))[0]
+        raise RuntimeError(f"T={T} C={chunks} {impl}: {bad} not bitwise equal to one_launch over the streamed blocks")
+    captured = {name: capture(fn) for name, fn in forms.items()}
+    captured["batch"] = capture(batch.one_launch(fw))
+    modes = {name: mode for name, (_, mode) in captured.items()}
+    if len(set(modes.values())) > 1:
+        raise RuntimeError(f"T={T} C={chunks} {impl}: forms captured differently {modes}: graphs and eager "
+                           "launches do not compare")
+    graphs = {name: fn for name, (fn, _) in captured.items()}
 
     def load(s):
         streamed.load(sets[s])
@@ -150,14 +182,14 @@ def measure(T: int, chunks: int, impl: str, shape, fw, args, dev, sets: list) ->
     row = {"tokens": T, "chunks": chunks, "impl": impl, "block_m": streamed.bc.block_m,
            "variant": {"l1": choice.l1.key, "l2": choice.l2.key}, "choice_source": choice.source,
            "calls_per_forward": len(streamed.steps()), "blocks_streamed": n_ready, "blocks_batch": n_batch,
-           "times": t, "ms": ms, "bitwise_vs_one_launch": checks,
+           "times": t, "ms": ms, "bitwise_vs_one_launch": checks, "timed_as": modes,
            "per_chunk_over_one_launch": ms["per_chunk"] / ms["one_launch"],
            "one_launch_over_batch": ms["one_launch"] / ms["batch"],
            "per_chunk_over_batch": ms["per_chunk"] / ms["batch"],
            "scheduler_saving_bound_ms": ms["per_chunk"] - ms["one_launch"]}
     if "per_chunk_pdl" in ms:
         row["per_chunk_pdl_over_one_launch"] = ms["per_chunk_pdl"] / ms["one_launch"]
-    del streamed, batch
+    del streamed, batch, forms, captured, graphs
     torch.cuda.empty_cache()
     return [row]
 
@@ -219,6 +251,11 @@ def main(argv=None) -> int:
             impls.remove("deep_gemm")
             meta["skipped"].append(f"deep_gemm: {why}")
             log(meta["skipped"][-1])
+    def write():
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"meta": meta, "rows": rows}, f, indent=1, default=str)
+
     for T in (int(v) for v in args.tokens.split(",") if v):
         gen = torch.Generator(device=dev)
         gen.manual_seed(args.seed + T)
@@ -232,11 +269,10 @@ def main(argv=None) -> int:
                 log(f"T={T} C={C} {impl}")
                 rows += measure(T, C, impl, shape, fw, args, dev, sets)
                 print_rows(rows[-1:])
-                if args.json:
-                    with open(args.json, "w") as f:
-                        json.dump({"meta": meta, "rows": rows}, f, indent=1, default=str)
-    print("\nall cases (ms, medians; chunk/one = what a queue-claiming scheduler could save at most, "
-          "one/batch = what chunking costs in tiles):")
+                write()
+    write()  # the skips after the last measured case too
+    print("\nall cases (ms, medians; chunk/one = per-chunk calls against one call running the same tiles, "
+          "one/batch = the same blocks in chunk order against the batch blocks):")
     print_rows(rows)
     return 0
 

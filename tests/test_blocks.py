@@ -222,8 +222,9 @@ def test_negative_control_truncated_grid_is_caught(setup):
 def test_per_chunk_calls_compute_what_one_call_computes(setup):
     """bench.gemm_launches compares C per-chunk GEMM calls with ONE call over the same ready list
     (the most a queue-claiming scheduler could save); that rests on both computing the same blocks:
-    every routed row bitwise equal, as many blocks as the batch path's, each block exactly once.
-    A per-chunk form that skips the seal's partial blocks is caught by the same comparison."""
+    every routed row bitwise equal, as many blocks as the batch path's, each block exactly once, and
+    the batch blocks' rows route by route. A per-chunk form that skips the seal's partial blocks is
+    caught by the same comparison."""
     from bench import gemm_launches as GL
 
     shape, fw, x = setup
@@ -247,6 +248,9 @@ def test_per_chunk_calls_compute_what_one_call_computes(setup):
     ref = streamed.bc.y[rows].clone()
     assert not torch.isnan(ref.float()).any()
     assert GL.same_output(streamed, streamed.per_chunk(fw), ref, rows)
+    # the batch blocks give every (token, k) route the same row, bit for bit
+    GL.run_poisoned(batch, batch.one_launch(fw))
+    assert same_bits(GL.by_route(batch), GL.by_route(streamed))
     # negative control: per-chunk calls without the seal's blocks leave routed rows unwritten
     seal_dropped = lambda: [streamed.call(lo, min(hi, 3), m, fw) for lo, hi, m in streamed.steps()]  # noqa: E731
     assert not GL.same_output(streamed, seal_dropped, ref, rows)
