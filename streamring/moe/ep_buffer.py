@@ -187,7 +187,7 @@ class EPBuffer:
             works) or ``"auto"`` (:func:`resolve_gemm`: the fastest available one of the measured table);
             :attr:`gemm` is the resolved implementation, :attr:`gemm_choice` its variants and why. Every
             path of this buffer runs the same GEMMs. With ``"deep_gemm"`` a streamed forward's GEMM call
-            per chunk spans the whole block buffer (``m_indices``, -1 outside the chunk's blocks): 1.5-4.4x
+            per chunk spans the whole block buffer (``m_indices``, -1 outside the chunk's blocks): 1.5-4.5x
             the time of one call at 2-8 chunks on one H200 (``python -m bench.gemm_launches``), so
             ``streaming="auto"`` keeps such a buffer on the batch path (its tuned table measured it so).
         transport: ``"auto"`` (P2P when every peer is load/store reachable, else NVSHMEM RMA),
@@ -199,9 +199,9 @@ class EPBuffer:
             ``streamring.moe.work_queue``; Triton GEMMs over P2P, launched first with ``reserved_sms`` SMs
             left to the producer and dispatch of the streamed path: with none left they starve and the
             queue's deadline ends the forward with an error, measured). CUTLASS and DeepGEMM run
-            per-chunk calls only: on one H200 CUTLASS's per-chunk calls cost at most 5 % over one call
-            running the same tiles, the most a queue-claiming scheduler could save
-            (``python -m bench.gemm_launches``, ``docs/performance.md``, session 9).
+            per-chunk calls only: on one H200 CUTLASS's per-chunk calls take -2.3 % to +5.2 % against
+            one call running the same tiles without launch boundaries, what a queue-claiming
+            scheduler would run (``python -m bench.gemm_launches``, ``docs/performance.md``, session 9).
         pull: ``"token"`` (the dispatch reads each needed token's row from its source's slot once, then
             expands it locally; the slot is acknowledged right after that read) or ``"route"`` (one read
             per route, up to top-k per token).
