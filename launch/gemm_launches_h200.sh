@@ -18,13 +18,16 @@ CH=${LAUNCHES_CHUNKS:-2,4,8}
 IMPLS=${LAUNCHES_IMPLS:-cutlass,triton,deep_gemm}
 OURS=$(echo "$IMPLS" | tr , '\n' | grep -v '^deep_gemm$' | paste -sd, -)
 
-case ",$IMPLS," in *,deep_gemm,*) say "=== 1. DeepGEMM build in the background"; dg_start 200 ;; esac
+# time kept for the DeepGEMM step when it runs, else a small margin for the summary
+KEEP=10
+case ",$IMPLS," in *,deep_gemm,*) say "=== 1. DeepGEMM build in the background"; dg_start 200; KEEP=120 ;; esac
 
 if [ -n "$OURS" ]; then
   say "=== 2. $OURS ($(left) s left)"
   # shellcheck disable=SC2086  # LAUNCHES_ARGS: several options
-  timeout "$(limit 330 90)" python3 -m bench.gemm_launches --tokens "$TOK" --chunks "$CH" --impls "$OURS" \
-    --budget-s "$(limit 300 120)" --json "$OUT/gemm-launches.json" ${LAUNCHES_ARGS:-} 2>&1 | tee -a "$LOG"
+  timeout "$(limit 330 $(( KEEP - 5 )))" python3 -m bench.gemm_launches --tokens "$TOK" --chunks "$CH" \
+    --impls "$OURS" --budget-s "$(limit 300 $(( KEEP + 30 )))" --json "$OUT/gemm-launches.json" ${LAUNCHES_ARGS:-} \
+    2>&1 | tee -a "$LOG"
   say "rc=${PIPESTATUS[0]}"
 fi
 if [ -n "${DG_PID:-}" ]; then
