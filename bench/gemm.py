@@ -452,7 +452,8 @@ class Case:
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s bytes as integers of its width (NaN patterns compare equal to themselves)."""
+    """``t``'s bytes as integers of its width (NaN patterns compare equal to themselves); the same width,
+    so strided views (DeepGEMM's MN-major scales) can be viewed too, where a byte view could not."""
     return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
 
 

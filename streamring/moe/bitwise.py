@@ -11,15 +11,21 @@ from typing import Optional
 import torch
 
 
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s bytes as ``[numel, itemsize]`` uint8 (on the CPU)."""
-    t = t.detach().contiguous().cpu()
+def _bytes(t: torch.Tensor, cpu: bool = True) -> torch.Tensor:
+    """``t``'s bytes as ``[numel, itemsize]`` uint8 (on the CPU, or where ``t`` is with ``cpu=False``)."""
+    t = t.detach().contiguous()
+    if cpu:
+        t = t.cpu()
     return t.reshape(-1).view(torch.uint8).reshape(t.numel(), t.element_size())
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """True iff ``a`` and ``b`` have the same dtype, shape and bytes."""
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(_bytes(a), _bytes(b))
+    """True iff ``a`` and ``b`` have the same dtype, shape and bytes (compared where both are when they
+    share a device: a GPU's outputs of a GiB are not copied to the host for a yes/no)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    cpu = a.device != b.device
+    return torch.equal(_bytes(a, cpu), _bytes(b, cpu))
 
 
 def bit_difference(a: torch.Tensor, b: torch.Tensor, a_name: str = "a", b_name: str = "b") -> Optional[str]:
