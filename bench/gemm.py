@@ -28,8 +28,9 @@ distinct experts per token out of 256), rows = 8 T, block_m 64, the batch path's
   allocates them first, so ``M`` = blocks x 128 with no -1 tail: each expert's rows padded to 128,
   DeepGEMM's own layout, as issue 21 measured it). ``ratio_vs_deep_gemm`` is against the fastest.
 
-CUTLASS variants are ``tile:out_dtype[:raster]`` (``--l1``) and ``tile[:raster]`` (``--l2``), tiles of
-``cutlass_gemm.TILE_TABLE``, raster ``m`` (default) or ``n``. Every row carries the ratio to torch and
+CUTLASS variants are ``tile:out_dtype[:raster[:s<swizzle>]]`` (``--l1``) and ``tile[:raster[:s<swizzle>]]``
+(``--l2``), tiles of ``cutlass_gemm.TILE_TABLE``, raster ``m`` (default) or ``n``, the group scheduler's
+swizzle ``s1`` (default), ``s2``, ``s4`` or ``s8``. Every row carries the ratio to torch and
 to DeepGEMM (its time / ours: > 1 means faster than DeepGEMM), and ``variant``: the name the
 heuristic table uses (``streamring/moe/gemm_choice.py``). ``--table PATH`` writes that table: per
 (rows per expert, N, K) every variant's median and the fastest.
@@ -465,21 +466,26 @@ def poison(*ts) -> None:
 
 
 def parse_variants(spec: str, gemm: str) -> dict:
-    """``--l1`` / ``--l2`` into ``{name: (tile, out dtype, raster)}`` (names as the rows carry them)."""
+    """``--l1`` / ``--l2`` into ``{name: (tile, out dtype, raster, swizzle)}`` (names as the rows carry
+    them): L1 entries ``tile:out_dtype[:raster[:s<swizzle>]]``, L2 entries ``tile[:raster[:s<swizzle>]]``."""
     dts = {"f32": torch.float32, "bf16": torch.bfloat16}
+    swizzles = {f"s{s}": s for s in CG.SWIZZLES}
     out = {}
     for v in (x for x in spec.split(",") if x):
         parts = v.split(":")
+        defaults = ["", "bf16", "m", "s1"] if gemm == "l1" else ["", "m", "s1"]
+        given = parts + defaults[len(parts):]
         if gemm == "l1":
-            tile, dt, raster = (parts + ["m"])[:3] if len(parts) >= 2 else (parts[0], "bf16", "m")
+            tile, dt, raster, swz = given[:4]
         else:
-            tile, raster, dt = parts[0], (parts[1] if len(parts) > 1 else "m"), "bf16"
-        if dt not in dts or raster not in CG.RASTERS:
+            (tile, raster, swz), dt = given[:3], "bf16"
+        if len(parts) > len(defaults) or dt not in dts or raster not in CG.RASTERS or swz not in swizzles:
             raise ValueError(f"--{gemm} entry {v!r}: out dtype must be one of {sorted(dts)}, raster one of "
-                             f"{sorted(CG.RASTERS)}")
+                             f"{sorted(CG.RASTERS)}, swizzle one of {sorted(swizzles)}")
         CG.variant_id(tile, dts[dt])  # names what does not exist
-        name = f"cutlass_{tile}" + (f"_{dt}" if gemm == "l1" else "") + ("_n" if raster == "n" else "")
-        out[name] = (tile, dts[dt], raster)
+        name = (f"cutlass_{tile}" + (f"_{dt}" if gemm == "l1" else "") + ("_n" if raster == "n" else "")
+                + (f"_{swz}" if swz != "s1" else ""))
+        out[name] = (tile, dts[dt], raster, swizzles[swz])
     return out
 
 
@@ -487,7 +493,8 @@ def variant_of(impl: str, plans: dict) -> str | None:
     """The heuristic table's key of a row's implementation (None for torch and the prep row)."""
     if impl in plans:
         p = plans[impl]
-        return GC.variant_key("cutlass", p.tile, "f32" if p.out_dtype == torch.float32 else "bf16", p.raster)
+        return GC.variant_key("cutlass", p.tile, "f32" if p.out_dtype == torch.float32 else "bf16", p.raster,
+                              p.swizzle)
     if impl in ("triton", "deep_gemm"):
         return impl
     return None
@@ -914,9 +921,9 @@ def main(argv=None) -> int:
     ap.add_argument("--block-m", type=int, default=64)
     ap.add_argument("--l1", default="coop128:f32,coop128:bf16,pingpong64:f32,pingpong64:bf16,coop128_m2:bf16,"
                                     "coop192_m2:bf16,coop192_n2:bf16,pingpong192:bf16,coop128:bf16:n,coop192_m2:bf16:n",
-                    help="CUTLASS L1 variants tile:out_dtype[:raster]")
+                    help="CUTLASS L1 variants tile:out_dtype[:raster[:s<swizzle>]]")
     ap.add_argument("--l2", default="coop128,pingpong64,coop128_m2,coop192_m2,coop192_n2,pingpong192,coop128:n,"
-                                    "coop192_m2:n", help="CUTLASS L2 variants tile[:raster]")
+                                    "coop192_m2:n", help="CUTLASS L2 variants tile[:raster[:s<swizzle>]]")
     ap.add_argument("--deep-gemm", choices=["auto", "off"], default="auto",
                     help="time DeepGEMM beside ours when import deep_gemm works (auto)")
     ap.add_argument("--layer-tokens", default="8192", help="token counts of the whole-layer rows ('' for none)")
@@ -953,9 +960,11 @@ def main(argv=None) -> int:
     log("weights ready")
     max_blocks = max(-(-t * shape.topk // args.block_m) + shape.num_experts for t in tokens)  # = bc.max_blocks
     plans_l1 = {name: CG.GroupedGemm(2 * shape.intermediate, shape.hidden, out_dtype=dt, tile=tile, raster=raster,
-                                     capacity=max_blocks) for name, (tile, dt, raster) in var_l1.items()}
+                                     swizzle=swz, capacity=max_blocks)
+                for name, (tile, dt, raster, swz) in var_l1.items()}
     plans_l2 = {name: CG.GroupedGemm(shape.hidden, shape.intermediate, out_dtype=torch.bfloat16, tile=tile,
-                                     raster=raster, capacity=max_blocks) for name, (tile, dt, raster) in var_l2.items()}
+                                     raster=raster, swizzle=swz, capacity=max_blocks)
+                for name, (tile, dt, raster, swz) in var_l2.items()}
     all_rows, summary = [], {}
     failed = False
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "cutlass_library": info,

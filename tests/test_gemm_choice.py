@@ -77,11 +77,30 @@ def test_layer_takes_one_implementation_for_both_gemms():
 
 
 def test_keys_round_trip_and_bad_keys_are_named():
-    for c in (GC.GemmChoice("cutlass", "coop192_n2", "bf16", "n"), GC.GemmChoice("deep_gemm"), GC.GemmChoice("triton")):
+    for c in (GC.GemmChoice("cutlass", "coop192_n2", "bf16", "n"), GC.GemmChoice("cutlass", "coop128", "f32", "m", 4),
+              GC.GemmChoice("deep_gemm"), GC.GemmChoice("triton")):
         back = GC.parse_key(c.key)
-        assert (back.impl, back.tile, back.out, back.raster) == (c.impl, c.tile, c.out, c.raster)
-    with pytest.raises(ValueError, match="names no implementation"):
-        GC.parse_key("cutlass:coop128:f16:m")
+        assert (back.impl, back.tile, back.out, back.raster, back.swizzle) == (c.impl, c.tile, c.out, c.raster,
+                                                                               c.swizzle)
+    # the default swizzle is left out of the key, so the tables measured before it existed still read
+    assert GC.GemmChoice("cutlass", "coop128", "bf16", "n").key == "cutlass:coop128:bf16:n"
+    assert GC.GemmChoice("cutlass", "coop128", "bf16", "n", 8).key == "cutlass:coop128:bf16:n:s8"
+    for bad in ("cutlass:coop128:f16:m", "cutlass:coop128:bf16:m:s1", "cutlass:coop128:bf16:m:s3",
+                "cutlass:coop128:bf16:m:4"):
+        with pytest.raises(ValueError, match="names no implementation"):
+            GC.parse_key(bad)
+
+
+def test_key_swizzles_are_the_librarys():
+    CG = pytest.importorskip("streamring.device.cutlass_gemm")
+    assert set(CG.SWIZZLES) == {1, *GC.KEY_SWIZZLES}
+
+
+def test_a_measured_swizzle_reaches_the_choice():
+    t = {"measured": True, "entries": [{"rows_per_expert": 256, "n": 4096, "k": 7168,
+                                        "times_ms": {"cutlass:coop128:bf16:m": 6.0, "cutlass:coop128:bf16:n:s4": 5.5}}]}
+    c = GC.choose_gemm(256, 4096, 7168, {"cutlass"}, t)
+    assert (c.tile, c.raster, c.swizzle, c.ms) == ("coop128", "n", 4, 5.5)
 
 
 def test_resolve_layer_refuses_deep_gemm_with_another_block_m():
@@ -135,16 +154,16 @@ def test_setup_consumer_applies_the_choice():
     from streamring.moe.math import MoEShape
 
     shape = MoEShape(hidden=256, intermediate=256, num_experts=4, topk=2, router="softmax_topk", weight_dtype="fp8")
-    t = table(entry(4, 512, 256, {"cutlass:coop192_m2:bf16:n": 1.0, "triton": 2.0}),
+    t = table(entry(4, 512, 256, {"cutlass:coop192_m2:bf16:n:s4": 1.0, "triton": 2.0}),
               entry(4, 256, 256, {"cutlass:pingpong64:f32:m": 1.0, "cutlass:coop128:bf16:m": 1.5, "triton": 2.0}))
     lc = GC.choose_layer(4, 256, 256, {"cutlass", "triton"}, t)
     assert lc.impl == "cutlass"
     bc = B.BlockConsumer(shape, 8, 1, 64, "cpu")
     GC.setup_consumer(bc, lc, staging_y=True)
     g1, g2 = bc.cutlass.gemm1, bc.cutlass.gemm2
-    assert (g1.tile, g1.raster, g1.out_dtype, g1.sf_n) == ("coop192_m2", "n", torch.bfloat16, 64)
-    # L2's table entry names an f32 variant; L2's output is bf16 always, its tile and raster are what count
-    assert (g2.tile, g2.raster) == ("pingpong64", "m")
+    assert (g1.tile, g1.raster, g1.swizzle, g1.out_dtype, g1.sf_n) == ("coop192_m2", "n", 4, torch.bfloat16, 64)
+    # L2's table entry names an f32 variant; L2's output is bf16 always, its tile and order are what count
+    assert (g2.tile, g2.raster, g2.swizzle) == ("pingpong64", "m", 1)
     GC.setup_consumer(bc, GC.LayerChoice("triton", GC.GemmChoice("triton"), GC.GemmChoice("triton"), ""),
                       staging_y=True)
     with pytest.raises(ValueError, match="choice.impl must be one of"):
@@ -194,3 +213,21 @@ def test_the_committed_gemm_table_is_what_its_sources_make():
     strip = lambda t: [{k: v for k, v in e.items() if k != "source"} for e in t["entries"]]  # noqa: E731
     assert strip(made) == strip(committed)
     assert [Path(e["source"]).name for e in made["entries"]] == [Path(e["source"]).name for e in committed["entries"]]
+
+
+def test_bench_variant_specs_carry_the_swizzle():
+    import torch
+
+    from bench import gemm as BGm
+
+    v = BGm.parse_variants("coop128:bf16,coop128:f32:n:s4,pingpong64", "l1")
+    assert v == {"cutlass_coop128_bf16": ("coop128", torch.bfloat16, "m", 1),
+                 "cutlass_coop128_f32_n_s4": ("coop128", torch.float32, "n", 4),
+                 "cutlass_pingpong64_bf16": ("pingpong64", torch.bfloat16, "m", 1)}
+    assert BGm.parse_variants("coop128:m:s8,pingpong64:n", "l2") == {
+        "cutlass_coop128_s8": ("coop128", torch.bfloat16, "m", 8),
+        "cutlass_pingpong64_n": ("pingpong64", torch.bfloat16, "n", 1)}
+    for bad, gemm in (("coop128:bf16:m:s3", "l1"), ("coop128:m:4", "l2"), ("coop128:bf16:m:s2:x", "l1"),
+                      ("coop128:q", "l2")):
+        with pytest.raises(ValueError, match="swizzle one of"):
+            BGm.parse_variants(bad, gemm)

@@ -324,14 +324,16 @@ class BlockConsumer:
         K.combine(self.tok_row, self.y, out, topk=self.shape.topk)
 
     def use_cutlass(self, *, tile_l1: str = "coop128", tile_l2: str = "coop128", l1_out_dtype=torch.float32,
-                    trap_on_error: bool = True, raster_l1: str = "m", raster_l2: str = "m"):
+                    trap_on_error: bool = True, raster_l1: str = "m", raster_l2: str = "m", swizzle_l1: int = 1,
+                    swizzle_l2: int = 1):
         """Set up (once; allocates) the CUTLASS expert GEMMs that :meth:`compute_cutlass` runs:
         a :class:`streamring.moe.cutlass_experts.CutlassExperts` (returned). Call it before a CUDA
         graph capture so that its buffers are not allocated inside the capture."""
         from .cutlass_experts import CutlassExperts
 
         self.cutlass = CutlassExperts(self, tile_l1=tile_l1, tile_l2=tile_l2, l1_out_dtype=l1_out_dtype,
-                                      trap_on_error=trap_on_error, raster_l1=raster_l1, raster_l2=raster_l2)
+                                      trap_on_error=trap_on_error, raster_l1=raster_l1, raster_l2=raster_l2,
+                                      swizzle_l1=swizzle_l1, swizzle_l2=swizzle_l2)
         return self.cutlass
 
     def compute_cutlass(self, lo_index: int, hi_index: int, max_items: int, fw: FastWeights, pdl: bool = False,

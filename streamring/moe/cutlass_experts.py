@@ -34,22 +34,24 @@ class CutlassExperts:
 
     ``tile_l1`` / ``tile_l2``: keys of :data:`streamring.device.cutlass_gemm.TILE_TABLE`;
     ``l1_out_dtype``: float32 or bfloat16 (the tiles added for issue 21 have bf16 only);
-    ``raster_l1`` / ``raster_l2``: ``"m"`` or ``"n"`` (the group scheduler's order). Allocates the L1
+    ``raster_l1`` / ``raster_l2``: ``"m"`` or ``"n"`` and ``swizzle_l1`` / ``swizzle_l2``: 1, 2, 4 or 8
+    (the group scheduler's tile order; neither changes a bit of the output). Allocates the L1
     output ``[rows, 2I]`` and the L2 scale buffer once, here. A tile that reads one weight scale per
     64 rows gets the weights' scales repeated (:func:`~streamring.device.cutlass_gemm.weight_scales_for`),
     made on first use and again whenever the scale tensor changes.
     """
 
     def __init__(self, bc, *, tile_l1: str = "coop128", tile_l2: str = "coop128", l1_out_dtype=torch.float32,
-                 trap_on_error: bool = True, raster_l1: str = "m", raster_l2: str = "m"):
+                 trap_on_error: bool = True, raster_l1: str = "m", raster_l2: str = "m", swizzle_l1: int = 1,
+                 swizzle_l2: int = 1):
         shape = bc.shape
         H, I = shape.hidden, shape.intermediate
         rows = bc.max_blocks * bc.block_m
         self.bc = bc
         self.gemm1 = CG.GroupedGemm(2 * I, H, out_dtype=l1_out_dtype, tile=tile_l1, capacity=bc.max_blocks,
-                                    trap_on_error=trap_on_error, raster=raster_l1)
+                                    trap_on_error=trap_on_error, raster=raster_l1, swizzle=swizzle_l1)
         self.gemm2 = CG.GroupedGemm(H, I, out_dtype=torch.bfloat16, tile=tile_l2, capacity=bc.max_blocks,
-                                    trap_on_error=trap_on_error, raster=raster_l2)
+                                    trap_on_error=trap_on_error, raster=raster_l2, swizzle=swizzle_l2)
         self.gu = torch.zeros(rows, 2 * I, dtype=l1_out_dtype, device=bc.device)
         self.h1_sf_w = torch.zeros(rows, I // 128, dtype=torch.float32, device=bc.device)
         self._scales: dict = {}  # (which, sf_n) -> (key of the source tensor, repeated scales)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Iterable, Mapping
 
@@ -29,43 +29,52 @@ IMPLS = ("cutlass", "deep_gemm", "triton")
 NEAREST_FACTOR = 2.0
 #: below this many rows per expert the fallback rule takes the 64-row ping-pong tile
 PINGPONG_BELOW_ROWS = 128
+#: the group scheduler swizzles a key may name after the raster (``cutlass_gemm.SWIZZLES`` less the
+#: default 1, which a key leaves out; not imported: that module loads torch)
+KEY_SWIZZLES = (2, 4, 8)
 
 
 @dataclass(frozen=True)
 class GemmChoice:
     """One GEMM's implementation: ``impl`` (:data:`IMPLS`), for CUTLASS its ``tile``
     (``cutlass_gemm.TILE_TABLE``), ``out`` (``"bf16"``/``"f32"``, the L1 output) and ``raster``
-    (``"m"``/``"n"``); ``ms`` the measured median (None when the fallback rule chose); ``source``
-    what decided."""
+    (``"m"``/``"n"``) and ``swizzle`` (1, 2, 4, 8: the group scheduler's tile order); ``ms`` the
+    measured median (None when the fallback rule chose); ``source`` what decided."""
 
     impl: str
     tile: str | None = None
     out: str | None = None
     raster: str = "m"
+    swizzle: int = 1
     ms: float | None = None
     source: str = ""
 
     @property
     def key(self) -> str:
-        return variant_key(self.impl, self.tile, self.out, self.raster)
+        return variant_key(self.impl, self.tile, self.out, self.raster, self.swizzle)
 
 
-def variant_key(impl: str, tile: str | None = None, out: str | None = None, raster: str = "m") -> str:
-    """The table's name of an implementation variant: ``cutlass:<tile>:<out>:<raster>``, ``deep_gemm``,
-    ``triton``."""
+def variant_key(impl: str, tile: str | None = None, out: str | None = None, raster: str = "m",
+                swizzle: int = 1) -> str:
+    """The table's name of an implementation variant: ``cutlass:<tile>:<out>:<raster>`` (with
+    ``:s<swizzle>`` appended when the swizzle is not 1), ``deep_gemm``, ``triton``."""
     if impl == "cutlass":
-        return f"cutlass:{tile}:{out or 'bf16'}:{raster}"
+        return f"cutlass:{tile}:{out or 'bf16'}:{raster}" + (f":s{swizzle}" if swizzle != 1 else "")
     return impl
 
 
 def parse_key(key: str) -> GemmChoice:
     """:func:`variant_key` backwards (ValueError for a key that names no implementation)."""
     parts = key.split(":")
-    if parts[0] == "cutlass" and len(parts) == 4 and parts[2] in ("bf16", "f32") and parts[3] in ("m", "n"):
-        return GemmChoice("cutlass", tile=parts[1], out=parts[2], raster=parts[3])
+    swizzles = {"": 1, **{f"s{s}": s for s in KEY_SWIZZLES}}
+    swz = parts[4] if len(parts) == 5 else ""
+    if (parts[0] == "cutlass" and len(parts) in (4, 5) and parts[2] in ("bf16", "f32") and parts[3] in ("m", "n")
+            and swz in swizzles):
+        return GemmChoice("cutlass", tile=parts[1], out=parts[2], raster=parts[3], swizzle=swizzles[swz])
     if key in ("deep_gemm", "triton"):
         return GemmChoice(key)
-    raise ValueError(f"table key {key!r} names no implementation (cutlass:<tile>:<bf16|f32>:<m|n>, deep_gemm, triton)")
+    raise ValueError(f"table key {key!r} names no implementation (cutlass:<tile>:<bf16|f32>:<m|n>[:s<2|4|8>], "
+                     f"deep_gemm, triton)")
 
 
 def fallback(rows_per_expert: float, available: Iterable[str], why: str = "") -> GemmChoice:
@@ -139,10 +148,9 @@ def choose_gemm(rows_per_expert: float, n: int, k: int, available: Iterable[str]
     if not times:
         return fallback(rows_per_expert, avail, f"no available implementation measured at N={n} K={k}")
     key = min(times, key=times.get)
-    c = parse_key(key)
-    return GemmChoice(c.impl, c.tile, c.out, c.raster, times[key],
-                      f"measured: {key} {times[key]:.3f} ms at {entry['rows_per_expert']:g} rows per expert "
-                      f"(N={n} K={k}, {_measured_in(entry, table)})")
+    return replace(parse_key(key), ms=times[key],
+                   source=f"measured: {key} {times[key]:.3f} ms at {entry['rows_per_expert']:g} rows per expert "
+                          f"(N={n} K={k}, {_measured_in(entry, table)})")
 
 
 @dataclass(frozen=True)
@@ -178,10 +186,9 @@ def choose_layer(rows_per_expert: float, hidden: int, intermediate: int, availab
                 if not times:
                     break
                 key = min(times, key=times.get)
-                c = parse_key(key)
-                picks.append(GemmChoice(c.impl, c.tile, c.out, c.raster, times[key],
-                                        f"measured: {key} {times[key]:.3f} ms at {e['rows_per_expert']:g} rows per "
-                                        f"expert (N={n} K={k}, {_measured_in(e, table)})"))
+                picks.append(replace(parse_key(key), ms=times[key],
+                                     source=f"measured: {key} {times[key]:.3f} ms at {e['rows_per_expert']:g} rows "
+                                            f"per expert (N={n} K={k}, {_measured_in(e, table)})"))
             if len(picks) == 2:
                 totals[impl] = picks
     if totals:
@@ -248,7 +255,7 @@ def setup_consumer(bc, choice: LayerChoice, *, staging_y: bool) -> None:
     if choice.impl == "cutlass":
         out = {"bf16": torch.bfloat16, "f32": torch.float32}[choice.l1.out or "bf16"]
         bc.use_cutlass(tile_l1=choice.l1.tile, tile_l2=choice.l2.tile, l1_out_dtype=out, raster_l1=choice.l1.raster,
-                       raster_l2=choice.l2.raster)
+                       raster_l2=choice.l2.raster, swizzle_l1=choice.l1.swizzle, swizzle_l2=choice.l2.swizzle)
     elif choice.impl == "deep_gemm":
         bc.use_deep_gemm(keep_rows_outside_range=not staging_y)
     elif choice.impl != "triton":
