@@ -214,6 +214,10 @@ def compare_rel(x, y, rows, limit: float, chunk=16384) -> dict:
 # ----------------------------------------------------------------------------------------------
 # timing
 # ----------------------------------------------------------------------------------------------
+#: ``--no-graphs``: :func:`capture` returns the eager call (diagnosis: is a fault a graph replay's?)
+NO_GRAPHS = False
+
+
 def capture(fn):
     """A CUDA graph of ``fn`` (after an eager warm-up that compiles); falls back to eager on failure."""
     s = torch.cuda.Stream()
@@ -221,6 +225,8 @@ def capture(fn):
     with torch.cuda.stream(s):
         fn()
     torch.cuda.synchronize()
+    if NO_GRAPHS:
+        return fn, "eager"
     try:
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, capture_error_mode="thread_local"):
@@ -931,7 +937,11 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=0.0, help="start no new size after this long (0: no limit)")
     ap.add_argument("--sample-rows", type=int, default=64, help="rows checked against the float64 reference")
     ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--no-graphs", action="store_true",
+                    help="time eager calls instead of CUDA graph replays (a diagnosis; graphs are the measurement)")
     args = ap.parse_args(argv)
+    global NO_GRAPHS
+    NO_GRAPHS = args.no_graphs
     if not torch.cuda.is_available():
         print("error: no CUDA GPU", file=sys.stderr)
         return 2
