@@ -218,8 +218,23 @@ def compare_rel(x, y, rows, limit: float, chunk=16384) -> dict:
 NO_GRAPHS = False
 
 
+class GraphCall:
+    """A captured graph, called like the function it was captured from, which it keeps: the graph
+    reads and writes the buffers that function's closure holds (a layer's producer and scratch
+    tensors) but holds no reference to them, so without ``fn`` they could be freed while the graph
+    lives, the allocator would hand their memory to buffers made later, and a replay would read and
+    write those instead (an illegal address at best)."""
+
+    def __init__(self, graph, fn):
+        self.graph, self.fn = graph, fn
+
+    def __call__(self):
+        self.graph.replay()
+
+
 def capture(fn):
-    """A CUDA graph of ``fn`` (after an eager warm-up that compiles); falls back to eager on failure."""
+    """A CUDA graph of ``fn`` (after an eager warm-up that compiles) as a :class:`GraphCall`; falls
+    back to eager on failure."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -232,7 +247,7 @@ def capture(fn):
         with torch.cuda.graph(g, capture_error_mode="thread_local"):
             fn()
         torch.cuda.synchronize()
-        return g.replay, "graph"
+        return GraphCall(g, fn), "graph"
     except Exception as exc:  # noqa: BLE001 - recorded; eager timing still measures the kernel
         torch.cuda.synchronize()
         log(f"    graph capture failed ({type(exc).__name__}: {str(exc)[:160]}); timing eagerly")
