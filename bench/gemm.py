@@ -868,7 +868,8 @@ def layer_rows(T, shape, fw, args, dev, table: dict, avail: dict) -> tuple[list,
                                "f64_limit": B.FAST_PATH_REL_TOL}})
     t_auto = next((r["median_ms"] for r in rows if r["impl"] == auto.impl), None)
     meta["auto"]["median_ms"] = t_auto
-    print(f"\n  T={T} the batch layer (router + layout + dispatch + GEMMs + combine), one GPU, CUDA graph")
+    modes = sorted({inf["mode"] for inf in info.values() if "mode" in inf}) or ["-"]
+    print(f"\n  T={T} the batch layer (router + layout + dispatch + GEMMs + combine), one GPU, {'/'.join(modes)}")
     print(f"  {'impl':10s} {'block_m':>7s} {'ms':>8s} {'vs f64':>8s} {'vs Triton':>9s} {'str==bat':>8s}  variants")
     for r in rows:
         if r["median_ms"] is None:
@@ -955,6 +956,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-graphs", action="store_true",
                     help="time eager calls instead of CUDA graph replays (a diagnosis; graphs are the measurement)")
     args = ap.parse_args(argv)
+    if args.no_graphs and args.table:
+        ap.error("--no-graphs times eager calls, which the heuristic table must not hold: drop --table")
     global NO_GRAPHS
     NO_GRAPHS = args.no_graphs
     if not torch.cuda.is_available():

@@ -199,7 +199,7 @@ def main(argv=None) -> int:
     ap.add_argument("--impls", default=",".join(IMPLS), help=f"GEMM implementations, of {IMPLS}")
     ap.add_argument("--block-m", type=int, default=64)
     ap.add_argument("--cutlass-l1", default="", help="CUTLASS L1 variant instead of the table's choice, e.g. "
-                                                     "cutlass:pingpong64:bf16:m")
+                                                     "cutlass:pingpong64:bf16:m (or ...:m:s4, a swizzle)")
     ap.add_argument("--cutlass-l2", default="", help="CUTLASS L2 variant instead of the table's choice")
     ap.add_argument("--sets", type=int, default=2, help="input sets (routing + activations)")
     ap.add_argument("--replays", type=int, default=10, help="timed replays per set and form")
@@ -215,7 +215,7 @@ def main(argv=None) -> int:
         except ValueError:
             ok = False
         if not ok:
-            ap.error(f"--{opt.replace('_', '-')}: {key!r} is not cutlass:<tile>:<bf16|f32>:<m|n> with a tile of "
+            ap.error(f"--{opt.replace('_', '-')}: {key!r} is not cutlass:<tile>:<bf16|f32>:<m|n>[:s<2|4|8>] with a tile of "
                      f"{sorted(CG.TILE_TABLE)}")
     for v in impls:
         if v not in IMPLS:

@@ -7,9 +7,11 @@
 # DeepGEMM is built from .deepgemm/ first (launch/build_deep_gemm.sh; without it only ours is
 # profiled), then `ncu` runs launch/gemm_profile.py: one warm-up call each, then one profiled launch of
 # the CUTLASS L1 and L2 variants named and DeepGEMM's L1 and L2 (its own layout, exact M).
+# (Ran on the H200 with --launch-skip 4 --launch-count 4 instead, which needs DeepGEMM's launches.)
 # Logs: $OUT/gemm_ncu.log (the lines that matter), $OUT/ncu.log (ncu's whole report).
 # Env: NCU_TOKENS (default 32768), NCU_L1 / NCU_L2 (bench.gemm variant specs, default the table's
-# CUTLASS picks at 32768: coop128:bf16:n and coop128:n:s4), NCU_BUDGET_S (default 360).
+# CUTLASS picks at 32768, within run-to-run noise of s1: coop128:bf16:n and coop128:n:s4),
+# NCU_BUDGET_S (default 360).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 . launch/device_job.sh gemm_ncu.log "${NCU_BUDGET_S:-360}"
@@ -20,8 +22,10 @@ T=${NCU_TOKENS:-32768}
 NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
 [ -x "$NCU" ] || { say "gemm_ncu: ncu not found"; exit 1; }
 say "=== ncu at $T tokens ($(left) s left)"
+# --profile-from-start off: gemm_profile.py brackets its profiled calls with cudaProfilerStart/Stop, so the
+# warm-up launches are left out whether or not DeepGEMM's two kernels are among them
 timeout "$(limit 300 10)" "$NCU" --target-processes all -k regex:'device_kernel|sm90_fp8_gemm' \
-  --launch-skip 4 --launch-count 4 --section SpeedOfLight --section ComputeWorkloadAnalysis \
+  --profile-from-start off --section SpeedOfLight --section ComputeWorkloadAnalysis \
   --section WarpStateStats --section LaunchStats --section Occupancy --section MemoryWorkloadAnalysis \
   python3 launch/gemm_profile.py "$T" "${NCU_L1:-coop128:bf16:n}" "${NCU_L2:-coop128:n:s4}" > "$OUT/ncu.log" 2>&1
 rc=$?

@@ -2,10 +2,12 @@
 what limits our CUTLASS kernels where DeepGEMM is faster).
 
 At ``T`` tokens (default 8192; DeepSeek-V3 shape, uniform top-8 of 256, ``bench.gemm``'s inputs), after
-one warm-up call each, calls once: the CUTLASS L1 and L2 variants named (default the committed table's
-picks at 8192: ``coop128:bf16:n`` and ``pingpong64``) and, when ``import deep_gemm`` works, DeepGEMM's
-L1 and L2 on the exact M (its own layout). Between the calls it synchronises, so that each kernel is
-profiled alone. Run under ncu, e.g. (``launch/deep_gemm_layer.sh`` does)::
+one warm-up call each, calls once: the CUTLASS L1 and L2 variants named (default ``coop128:bf16:n`` and
+``pingpong64``, the fastest at 8192 within run-to-run noise: docs/performance.md, session 10) and, when
+``import deep_gemm`` works, DeepGEMM's L1 and L2 on the exact M (its own layout). Between the calls it
+synchronises, so that each kernel is profiled alone; the profiled calls lie between
+``cudaProfilerStart``/``Stop``, so ``ncu --profile-from-start off`` sees exactly them
+(``launch/gemm_ncu.sh``), with or without DeepGEMM. Run under ncu, e.g. (``launch/deep_gemm_layer.sh`` does)::
 
     ncu --target-processes all -k regex:'device_kernel|sm90_fp8_gemm' --launch-skip 4 --launch-count 4 \\
         --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \\
@@ -45,6 +47,7 @@ if dg is not None and c.m_exact > 0:
 for fn in calls.values():  # warm-up (JIT compiles, plans): the first launches of each kernel
     fn()
 torch.cuda.synchronize()
+torch.cuda.profiler.start()
 for name, fn in calls.items():
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     a.record()
@@ -52,3 +55,4 @@ for name, fn in calls.items():
     b.record()
     torch.cuda.synchronize()
     print(f"gemm_profile: T={T} {name}: {a.elapsed_time(b):.3f} ms (one call)", flush=True)
+torch.cuda.profiler.stop()

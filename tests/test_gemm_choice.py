@@ -86,9 +86,11 @@ def test_keys_round_trip_and_bad_keys_are_named():
     assert GC.GemmChoice("cutlass", "coop128", "bf16", "n").key == "cutlass:coop128:bf16:n"
     assert GC.GemmChoice("cutlass", "coop128", "bf16", "n", 8).key == "cutlass:coop128:bf16:n:s8"
     for bad in ("cutlass:coop128:f16:m", "cutlass:coop128:bf16:m:s1", "cutlass:coop128:bf16:m:s3",
-                "cutlass:coop128:bf16:m:4"):
+                "cutlass:coop128:bf16:m:4", "cutlass:coop128:bf16:m:", "cutlass:coop128:bf16"):
         with pytest.raises(ValueError, match="names no implementation"):
             GC.parse_key(bad)
+    with pytest.raises(ValueError, match="swizzle must be 1 or one of"):
+        GC.GemmChoice("cutlass", "coop128", "bf16", "m", 3).key
 
 
 def test_key_swizzles_are_the_librarys():

@@ -59,6 +59,8 @@ def variant_key(impl: str, tile: str | None = None, out: str | None = None, rast
     """The table's name of an implementation variant: ``cutlass:<tile>:<out>:<raster>`` (with
     ``:s<swizzle>`` appended when the swizzle is not 1), ``deep_gemm``, ``triton``."""
     if impl == "cutlass":
+        if swizzle != 1 and swizzle not in KEY_SWIZZLES:
+            raise ValueError(f"swizzle must be 1 or one of {KEY_SWIZZLES}, got {swizzle!r}")
         return f"cutlass:{tile}:{out or 'bf16'}:{raster}" + (f":s{swizzle}" if swizzle != 1 else "")
     return impl
 
@@ -66,11 +68,10 @@ def variant_key(impl: str, tile: str | None = None, out: str | None = None, rast
 def parse_key(key: str) -> GemmChoice:
     """:func:`variant_key` backwards (ValueError for a key that names no implementation)."""
     parts = key.split(":")
-    swizzles = {"": 1, **{f"s{s}": s for s in KEY_SWIZZLES}}
-    swz = parts[4] if len(parts) == 5 else ""
-    if (parts[0] == "cutlass" and len(parts) in (4, 5) and parts[2] in ("bf16", "f32") and parts[3] in ("m", "n")
-            and swz in swizzles):
-        return GemmChoice("cutlass", tile=parts[1], out=parts[2], raster=parts[3], swizzle=swizzles[swz])
+    swizzles = {f"s{s}": s for s in KEY_SWIZZLES}
+    swizzle = 1 if len(parts) == 4 else swizzles.get(parts[4]) if len(parts) == 5 else None
+    if (parts[0] == "cutlass" and swizzle is not None and parts[2] in ("bf16", "f32") and parts[3] in ("m", "n")):
+        return GemmChoice("cutlass", tile=parts[1], out=parts[2], raster=parts[3], swizzle=swizzle)
     if key in ("deep_gemm", "triton"):
         return GemmChoice(key)
     raise ValueError(f"table key {key!r} names no implementation (cutlass:<tile>:<bf16|f32>:<m|n>[:s<2|4|8>], "
