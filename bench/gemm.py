@@ -214,10 +214,6 @@ def compare_rel(x, y, rows, limit: float, chunk=16384) -> dict:
 # ----------------------------------------------------------------------------------------------
 # timing
 # ----------------------------------------------------------------------------------------------
-#: ``--no-graphs``: :func:`capture` returns the eager call (diagnosis: is a fault a graph replay's?)
-NO_GRAPHS = False
-
-
 class GraphCall:
     """A captured graph, called like the function it was captured from, which it keeps: the graph
     reads and writes the buffers that function's closure holds (a layer's producer and scratch
@@ -232,15 +228,16 @@ class GraphCall:
         self.graph.replay()
 
 
-def capture(fn):
+def capture(fn, eager: bool = False):
     """A CUDA graph of ``fn`` (after an eager warm-up that compiles) as a :class:`GraphCall`; falls
-    back to eager on failure."""
+    back to eager on failure. ``eager`` (``--no-graphs``, a diagnosis: is a fault a graph replay's?):
+    ``fn`` itself after the warm-up."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
         fn()
     torch.cuda.synchronize()
-    if NO_GRAPHS:
+    if eager:
         return fn, "eager"
     try:
         g = torch.cuda.CUDAGraph()
@@ -488,25 +485,28 @@ def poison(*ts) -> None:
 
 def parse_variants(spec: str, gemm: str) -> dict:
     """``--l1`` / ``--l2`` into ``{name: (tile, out dtype, raster, swizzle)}`` (names as the rows carry
-    them): L1 entries ``tile:out_dtype[:raster[:s<swizzle>]]``, L2 entries ``tile[:raster[:s<swizzle>]]``."""
+    them): L1 entries ``tile:out_dtype[:raster[:s<swizzle>]]``, L2 entries ``tile[:raster[:s<swizzle>]]``;
+    an entry is read as the table key it names (``gemm_choice.parse_key``)."""
     dts = {"f32": torch.float32, "bf16": torch.bfloat16}
-    swizzles = {f"s{s}": s for s in CG.SWIZZLES}
     out = {}
     for v in (x for x in spec.split(",") if x):
         parts = v.split(":")
         defaults = ["", "bf16", "m", "s1"] if gemm == "l1" else ["", "m", "s1"]
         given = parts + defaults[len(parts):]
-        if gemm == "l1":
-            tile, dt, raster, swz = given[:4]
-        else:
-            (tile, raster, swz), dt = given[:3], "bf16"
-        if len(parts) > len(defaults) or dt not in dts or raster not in CG.RASTERS or swz not in swizzles:
+        if gemm == "l2":
+            given.insert(1, "bf16")
+        fields = ["cutlass", *given[:3]] + ([given[3]] if given[3] != "s1" else [])  # a key leaves out s1
+        try:
+            c = None if len(parts) > len(defaults) else GC.parse_key(":".join(fields))
+        except ValueError:
+            c = None
+        if c is None:
             raise ValueError(f"--{gemm} entry {v!r}: out dtype must be one of {sorted(dts)}, raster one of "
-                             f"{sorted(CG.RASTERS)}, swizzle one of {sorted(swizzles)}")
-        CG.variant_id(tile, dts[dt])  # names what does not exist
-        name = (f"cutlass_{tile}" + (f"_{dt}" if gemm == "l1" else "") + ("_n" if raster == "n" else "")
-                + (f"_{swz}" if swz != "s1" else ""))
-        out[name] = (tile, dts[dt], raster, swizzles[swz])
+                             f"{sorted(CG.RASTERS)}, swizzle one of {[f's{s}' for s in CG.SWIZZLES]}")
+        CG.variant_id(c.tile, dts[c.out])  # names what does not exist
+        name = (f"cutlass_{c.tile}" + (f"_{c.out}" if gemm == "l1" else "") + ("_n" if c.raster == "n" else "")
+                + (f"_s{c.swizzle}" if c.swizzle != 1 else ""))
+        out[name] = (c.tile, dts[c.out], c.raster, c.swizzle)
     return out
 
 
@@ -614,7 +614,7 @@ def run_size(T, shape, fw, args, plans_l1, plans_l2, dev, dg=None) -> tuple[list
         runners = {}
         for k, fn in fns[gemm].items():
             try:
-                runners[k], modes[(gemm, k)] = capture(fn)
+                runners[k], modes[(gemm, k)] = capture(fn, args.no_graphs)
             except Exception as exc:  # noqa: BLE001 - e.g. torch._scaled_grouped_mm missing
                 log(f"  {gemm} {k}: cannot run: {type(exc).__name__}: {str(exc)[:200]}")
                 checks.setdefault((gemm, k), {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:300]})
@@ -829,7 +829,7 @@ def layer_rows(T, shape, fw, args, dev, table: dict, avail: dict) -> tuple[list,
         bm = DG.BLOCK_M if impl == "deep_gemm" else args.block_m
         try:
             fwd, out, bc = layer_forward(impl, choice, bm, x, shape, fw, dev)
-            fns[impl], mode = capture(fwd)
+            fns[impl], mode = capture(fwd, args.no_graphs)
             torch.cuda.synchronize()
             outs[impl] = out
             info[impl] = {"choice": choice, "block_m": bm, "mode": mode, "bc": bc}
@@ -958,8 +958,6 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.no_graphs and args.table:
         ap.error("--no-graphs times eager calls, which the heuristic table must not hold: drop --table")
-    global NO_GRAPHS
-    NO_GRAPHS = args.no_graphs
     if not torch.cuda.is_available():
         print("error: no CUDA GPU", file=sys.stderr)
         return 2
