@@ -233,3 +233,11 @@ def test_bench_variant_specs_carry_the_swizzle():
                       ("coop128:q", "l2")):
         with pytest.raises(ValueError, match="swizzle one of"):
             BGm.parse_variants(bad, gemm)
+
+
+def test_bench_refuses_eager_timings_in_the_table(capsys):
+    from bench import gemm as BGm
+
+    with pytest.raises(SystemExit) as e:
+        BGm.main(["--no-graphs", "--table", "never-written.json"])
+    assert e.value.code == 2 and "drop --table" in capsys.readouterr().err
