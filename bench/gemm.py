@@ -819,14 +819,14 @@ def layer_rows(T, shape, fw, args, dev, table: dict, avail: dict) -> tuple[list,
     g = torch.Generator(device=dev).manual_seed(args.seed + 77)
     x = torch.randn(T, H, generator=g, device=dev).to(torch.bfloat16)
     impls = [i for i in ("triton", "cutlass", "deep_gemm") if not avail.get(i, "missing")]
-    auto = GC.choose_layer(rpe, H, I, avail, table)
+    auto = GC.choose_layer(rpe, H, I, avail, table, block_m=args.block_m)
     meta = {"tokens": T, "rows_per_expert": rpe, "auto": {"impl": auto.impl, "l1": auto.l1.key, "l2": auto.l2.key,
                                                           "source": auto.source, "skipped": auto.skipped}}
     log(f"layer T={T}: auto picks {auto.impl} (L1 {auto.l1.key}, L2 {auto.l2.key}): {auto.source}")
     outs, fns, info = {}, {}, {}
     for impl in impls:
-        choice = GC.choose_layer(rpe, H, I, {impl: ""}, table)
         bm = DG.BLOCK_M if impl == "deep_gemm" else args.block_m
+        choice = GC.choose_layer(rpe, H, I, {impl: ""}, table, block_m=bm)
         try:
             fwd, out, bc = layer_forward(impl, choice, bm, x, shape, fw, dev)
             fns[impl], mode = capture(fwd, args.no_graphs)

@@ -128,7 +128,7 @@ def same_output(fwd: Forward, run, ref: torch.Tensor) -> bool:
 
 def measure(T: int, chunks: int, impl: str, shape, fw, args, dev, sets: list) -> list[dict]:
     rows_per_expert = T * shape.topk / shape.num_experts
-    choice = GC.choose_layer(rows_per_expert, shape.hidden, shape.intermediate, {impl})
+    choice = GC.choose_layer(rows_per_expert, shape.hidden, shape.intermediate, {impl}, block_m=args.block_m)
     if impl == "cutlass" and (args.cutlass_l1 or args.cutlass_l2):
         l1 = GC.parse_key(args.cutlass_l1) if args.cutlass_l1 else choice.l1
         l2 = GC.parse_key(args.cutlass_l2) if args.cutlass_l2 else choice.l2

@@ -241,3 +241,23 @@ def test_bench_refuses_eager_timings_in_the_table(capsys):
     with pytest.raises(SystemExit) as e:
         BGm.main(["--no-graphs", "--table", "never-written.json"])
     assert e.value.code == 2 and "drop --table" in capsys.readouterr().err
+
+
+def test_pair_tiles_only_for_128_row_blocks():
+    t = table(entry(512, *L1, {"cutlass:pair128:bf16:m:s4": 3.0, "cutlass:coop128:bf16:m": 4.0, "deep_gemm": 3.5}),
+              entry(512, *L2, {"cutlass:pair192:bf16:m": 1.5, "cutlass:coop128:bf16:m": 2.0, "deep_gemm": 1.8}))
+    c = GC.choose_gemm(512, *L1, {"cutlass"}, t, block_m=128)
+    assert (c.tile, c.swizzle) == ("pair128", 4)
+    for bm in (None, 16, 64):  # a pair tile takes one 128-row block per tile
+        assert GC.choose_gemm(512, *L1, {"cutlass"}, t, block_m=bm).tile == "coop128"
+    lc = GC.choose_layer(512, 7168, 2048, {"cutlass", "deep_gemm"}, t, block_m=128)
+    assert (lc.impl, lc.l1.tile, lc.l2.tile) == ("cutlass", "pair128", "pair192")
+    assert GC.choose_layer(512, 7168, 2048, {"cutlass", "deep_gemm"}, t, block_m=64).impl == "deep_gemm"
+    assert GC.usable_at(GC.parse_key("cutlass:coop128:bf16:m"), 16)
+
+
+def test_pair_tiles_mirror_the_library_table():
+    CG = pytest.importorskip("streamring.device.cutlass_gemm", reason="torch is not installed")
+    pairs = {name for name, t in CG.TILE_TABLE.items() if t.pair}
+    assert pairs == set(GC.PAIR_TILES)
+    assert {CG.TILE_TABLE[name].mnk[0] for name in pairs} == {GC.PAIR_BLOCK_M}

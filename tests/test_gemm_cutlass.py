@@ -81,7 +81,9 @@ def test_every_variant_belongs_to_exactly_one_part():
     text = SRC.read_text()
     n = int(re.search(r"constexpr int kNumVariants = (\d+);", text).group(1))
     for v in range(n):
-        assert f"SR_VARIANT_DECL({v})" in text and f"#if SR_GEMM_OWNS({v})\nSR_VARIANT_DEF({v})" in text
+        assert f"SR_VARIANT_DECL({v})" in text
+        assert (f"#if SR_GEMM_OWNS({v})\nSR_VARIANT_DEF({v})" in text) != (f"#if SR_GEMM_OWNS({v})\nSR_PAIR_VARIANT_DEF({v})"
+                                                                         in text)
         assert f"case {v}: return new_plan_{v}();" in text and f"case {v}: variant_info_{v}(out); return true;" in text
     assert n == CG.NUM_VARIANTS
 
@@ -326,17 +328,37 @@ def test_grouped_gemm_validates_its_configuration():
         CG.GroupedGemm(256, 256, capacity=4, swizzle=3)
     g = CG.GroupedGemm(256, 384, tile="coop192_n2", capacity=4, raster="n", swizzle=2)
     assert (g.variant, g.sf_n, g.raster, g.swizzle) == (6, 64, "n", 2)
+    g = CG.GroupedGemm(256, 384, tile="pair192", capacity=4)
+    assert (g.variant, g.sf_n, g.pair_block_m) == (9, 64, 128) and CG.GroupedGemm(256, 384, capacity=4).pair_block_m is None
+
+
+def test_check_run_args_pair_tiles_want_128_row_blocks_and_room_for_every_block():
+    args = _cpu_args()
+    args.update(require_cuda=False, pair_block_m=128)
+    with pytest.raises(ValueError, match="block_m must be 128 for a pair tile"):
+        CG.check_run_args(**args)
+    nb = args["block_expert"].numel()
+    args.update(block_m=128, a=torch.zeros(nb * 128, args["k"], dtype=FP8),
+                a_sf=torch.ones(nb * 128, args["k"] // 128), d=torch.zeros(nb * 128, args["n"], dtype=torch.bfloat16))
+    assert CG.check_run_args(**args).rows == nb * 128
+    args.update(capacity=nb - 1, max_items=nb - 1)
+    with pytest.raises(ValueError, match="more than capacity"):
+        CG.check_run_args(**args)
 
 
 def parse_variant_table(text: str) -> dict:
-    """``{variant: (tile M, N, K, cluster M, N, sf_n, out)}`` from the ``using V<i> = Config<...>`` lines."""
+    """``{variant: (tile M, N, K, cluster M, N, sf_n, out, pair)}`` from the ``using V<i> = Config<...>`` and
+    ``using V<i> = PairConfig<...>`` lines (a pair config's cluster is 2x1)."""
     tiles = {"CoopTile": (128, 128, 128), "PingTile": (64, 128, 128), "Tile192": (128, 192, 128),
              "PingTile192": (64, 192, 128)}
     clusters = {"ClusterN2": (1, 2), "ClusterM2": (2, 1), "Cluster1": (1, 1)}
     out = {}
     for m in re.finditer(r"using V(\d+) = Config<(\w+), (\w+), \w+, \w+, ([\w:]+)(?:, (\d+))?>;", text):
         v, tile, cl, dt, sfn = m.groups()
-        out[int(v)] = (*tiles[tile], *clusters[cl], int(sfn or 128), "f32" if dt == "float" else "bf16")
+        out[int(v)] = (*tiles[tile], *clusters[cl], int(sfn or 128), "f32" if dt == "float" else "bf16", False)
+    for m in re.finditer(r"using V(\d+) = PairConfig<(\w+), ([\w:]+)(?:, (\d+))?>;", text):
+        v, tile, dt, sfn = m.groups()
+        out[int(v)] = (*tiles[tile], 2, 1, int(sfn or 128), "f32" if dt == "float" else "bf16", True)
     return out
 
 
@@ -346,7 +368,7 @@ def test_python_variant_table_matches_the_cu():
     py = {}
     for name, t in CG.TILE_TABLE.items():
         for dt, vid in t.variants.items():
-            py[vid] = (*t.mnk, *t.cluster, t.sf_n, "f32" if dt == torch.float32 else "bf16")
+            py[vid] = (*t.mnk, *t.cluster, t.sf_n, "f32" if dt == torch.float32 else "bf16", t.pair)
     assert py == table
     assert CG.variant_id("coop128", torch.float32) == 1 and CG.variant_id("pingpong192", torch.bfloat16) == 7
 
@@ -492,6 +514,7 @@ needs_gpu = pytest.mark.skipif(_REASON is not None, reason=f"GPU test skipped: {
 
 VARIANTS = [(tile, dt) for tile, t in CG.TILE_TABLE.items() for dt in t.variants]
 NEW_TILES = ["coop128_m2", "coop192_m2", "coop192_n2", "pingpong192"]  # issue 21's (bf16 only)
+PAIR_TILES = [tile for tile, t in CG.TILE_TABLE.items() if t.pair]
 
 
 class Problem:
@@ -555,9 +578,11 @@ def rows_of(blocks, bm):
 
 @needs_gpu
 @pytest.mark.parametrize("tile, out_dtype", VARIANTS)
-@pytest.mark.parametrize("bm", [64, 16])
+@pytest.mark.parametrize("bm", [64, 16, 128])
 def test_matches_float64_reference_only_ready_rows_written(tile, out_dtype, bm):
-    p = Problem(bm=bm, nb=24 if bm == 64 else 40, out_dtype=out_dtype, seed=bm)
+    if CG.TILE_TABLE[tile].pair and bm != 128:
+        pytest.skip("a pair tile takes 128-row blocks only")
+    p = Problem(bm=bm, nb=40 if bm == 16 else 24, out_dtype=out_dtype, seed=bm)
     plan = CG.GroupedGemm(p.n, p.k, out_dtype=out_dtype, tile=tile, capacity=64, trap_on_error=False)
     ids = list(range(p.nb))
     ready = [ids[i] for i in (list(range(3, 11)) + [0, 1] + list(range(14, p.nb - 3)))]  # runs, a gap, a tail left out
@@ -722,6 +747,107 @@ def test_status_word_reports_bad_ranges():
     plan.reset_status()
     run(plan, p, [0, 1], ready_hi=p.ready([2, 1]), d=p.poisoned())
     assert plan.status() == 2
+
+
+# ----------------------------------------------------------------------------------------------
+# pair tiles (one 128-row block per tile, two per 2x1 cluster, the weight tile multicast per tile)
+# ----------------------------------------------------------------------------------------------
+def _pair_problem(seed, nb=21, e=4):
+    """128-row blocks whose experts come in runs of 1 to 4 blocks: consecutive ready pairs are of one
+    expert (multicast) or of two (each CTA loads its own weight tile)."""
+    return Problem(bm=128, nb=nb, e=e, seed=seed)
+
+
+@needs_gpu
+@pytest.mark.parametrize("tile", PAIR_TILES)
+def test_pair_tile_ranges_piecewise_equal_at_once_and_match_float64(tile):
+    p = _pair_problem(31)
+    plan = CG.GroupedGemm(p.n, p.k, tile=tile, capacity=p.nb, trap_on_error=False)
+    order = list(range(p.nb))
+    order[3:9] = [8, 3, 5, 4, 7, 6]  # pairs straddle experts differently than in block order
+    rl = p.ready(order[:19])  # odd: the last cluster has one item; blocks 19 and 20 not ready
+    at_once = run(plan, p, rl, ready_hi=p.ready([0, 19]), max_items=p.nb, d=p.poisoned())
+    plan.check()
+    ref, absum = p.reference(order[:19])
+    got = at_once[rows_of(order[:19], p.bm)]
+    ok = within_tolerance(got, ref, absum, torch.bfloat16)
+    assert bool(ok.all()), int((~ok).sum())
+    assert bool(at_once[rows_of([19, 20], p.bm)].isnan().all())
+    # chunks of 0, 1, 2, 3 and 13 items: every block's pair (and multicast) differs, its bits do not
+    cuts = p.ready([0, 0, 1, 3, 6, 19])
+    piece = p.poisoned()
+    for j in range(5):
+        run(plan, p, rl, lo=j, hi=j + 1, ready_hi=cuts, max_items=p.nb, d=piece)
+    plan.check()
+    assert torch.equal(piece.isnan(), at_once.isnan())
+    assert torch.equal(torch.nan_to_num(piece), torch.nan_to_num(at_once))
+
+
+@needs_gpu
+@pytest.mark.parametrize("tile", PAIR_TILES)
+def test_pair_tile_order_and_grid_do_not_change_a_bit(tile):
+    p = _pair_problem(37, nb=30, e=3)
+    ids = list(range(p.nb))
+    ref = run(CG.GroupedGemm(p.n, p.k, capacity=p.nb, tile=tile), p, ids, d=p.poisoned())
+    for raster, swizzle, ctas in (("n", 1, None), ("m", 2, None), ("m", 8, None), ("m", 1, 2), ("n", 4, 6)):
+        got = run(CG.GroupedGemm(p.n, p.k, capacity=p.nb, tile=tile, raster=raster, swizzle=swizzle), p, ids,
+                  d=p.poisoned(), max_ctas=ctas)
+        assert torch.equal(got, ref), (raster, swizzle, ctas)
+
+
+@needs_gpu
+def test_pair_tile_agrees_with_coop128_to_rounding():
+    p = _pair_problem(41, nb=16)
+    ids = list(range(p.nb))
+    ref = run(CG.GroupedGemm(p.n, p.k, capacity=16, out_dtype=torch.float32), p, ids,
+              d=torch.full((p.nb * p.bm, p.n), float("nan"), device="cuda"))
+    for tile in PAIR_TILES:
+        got = run(CG.GroupedGemm(p.n, p.k, capacity=16, tile=tile), p, ids, d=p.poisoned())
+        rel = float((got.float() - ref).norm() / ref.norm())
+        assert rel < 2.0 ** -8, (tile, rel)
+
+
+@needs_gpu
+def test_pair_tile_cuda_graph_replay_follows_the_device_ready_list():
+    p = _pair_problem(43, nb=16)
+    plan = CG.GroupedGemm(p.n, p.k, tile="pair128", capacity=16)
+    rl = p.ready(list(range(16)))
+    rh = p.ready([0, 4])
+    d = p.poisoned()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        run(plan, p, rl, ready_hi=rh, max_items=16, d=d)  # eager first (builds the kernel parameters)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        run(plan, p, rl, ready_hi=rh, max_items=16, d=d)
+    for ids in ([9, 10, 11], [0, 1, 2, 3, 4, 5, 6, 7, 8, 12, 13]):
+        d.fill_(float("nan"))
+        rl[:len(ids)] = p.ready(ids)
+        rh[1] = len(ids)
+        g.replay()
+        torch.cuda.synchronize()
+        eager = run(plan, p, rl, ready_hi=rh, max_items=16, d=p.poisoned())
+        assert torch.equal(d.isnan(), eager.isnan()) and torch.equal(torch.nan_to_num(d), torch.nan_to_num(eager))
+        assert not bool(d[rows_of(ids, p.bm)].isnan().any())
+
+
+@needs_gpu
+def test_pair_tile_refuses_a_block_twice_with_two_partners():
+    p = _pair_problem(47, nb=12, e=4)
+    be = p.block_expert.tolist()
+    a = next(b for b in range(1, 12) if be[b] != be[1])  # block 0 paired once with 1, once with a
+    assert be[a] != be[1]
+    plan = CG.GroupedGemm(p.n, p.k, tile="pair128", capacity=12, trap_on_error=False)
+    d = run(plan, p, [0, 1, a, 0], d=p.poisoned())
+    assert plan.status() == 64
+    with pytest.raises(CG.GemmLibraryError, match="a block id appears twice"):
+        plan.check()
+    assert bool(d.isnan().all())  # nothing computed
+    plan.reset_status()
+    run(plan, p, [0, 1, 0, 1], d=p.poisoned())  # twice, same partner each time: consistent, computed
+    assert plan.status() == 0
 
 
 # ----------------------------------------------------------------------------------------------

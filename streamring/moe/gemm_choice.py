@@ -32,6 +32,11 @@ PINGPONG_BELOW_ROWS = 128
 #: the group scheduler swizzles a key may name after the raster (``cutlass_gemm.SWIZZLES`` less the
 #: default 1, which a key leaves out; not imported: that module loads torch)
 KEY_SWIZZLES = (2, 4, 8)
+#: CUTLASS tiles that take one block per tile (``cutlass_gemm.TILE_TABLE``'s ``pair`` tiles; not
+#: imported: that module loads torch. tests/test_gemm_choice.py holds the two equal), and the block
+#: size they need: a consumer of other blocks never gets them from the table
+PAIR_TILES = ("pair128", "pair192")
+PAIR_BLOCK_M = 128
 
 
 @dataclass(frozen=True)
@@ -122,30 +127,36 @@ def _measured_in(entry: Mapping, table: Mapping) -> str:
     return entry.get("source") or table.get("date", "?")
 
 
-def _available_times(entry: Mapping, available: set) -> dict:
+def usable_at(choice: GemmChoice, block_m: int | None) -> bool:
+    """Whether a consumer of ``block_m``-row blocks can run ``choice`` (None: the block size is not
+    known, so only what runs at every block size)."""
+    return choice.tile not in PAIR_TILES or block_m == PAIR_BLOCK_M
+
+
+def _available_times(entry: Mapping, available: set, block_m: int | None) -> dict:
     out = {}
     for key, ms in entry["times_ms"].items():
         try:
             c = parse_key(key)
         except ValueError:  # e.g. torch's time, kept in the table for reference
             continue
-        if c.impl in available and ms is not None:
+        if c.impl in available and ms is not None and usable_at(c, block_m):
             out[key] = float(ms)
     return out
 
 
-def choose_gemm(rows_per_expert: float, n: int, k: int, available: Iterable[str], table: Mapping | None = None
-                ) -> GemmChoice:
+def choose_gemm(rows_per_expert: float, n: int, k: int, available: Iterable[str], table: Mapping | None = None,
+                block_m: int | None = None) -> GemmChoice:
     """The fastest measured variant of the ``available`` implementations for one GEMM of ``n`` output
-    columns and reduction ``k`` at ``rows_per_expert`` (tokens x top-k / experts); the fallback rule
-    where nothing measured applies."""
+    columns and reduction ``k`` at ``rows_per_expert`` (tokens x top-k / experts) that a consumer of
+    ``block_m``-row blocks can run (:func:`usable_at`); the fallback rule where nothing measured applies."""
     avail = set(available) & set(IMPLS)
     table = load_table() if table is None else table
     entry = _nearest_entry(table, rows_per_expert, n, k)
     if entry is None:
         return fallback(rows_per_expert, avail, f"no measured entry for N={n} K={k} near {rows_per_expert:g} rows "
                                                 f"per expert")
-    times = _available_times(entry, avail)
+    times = _available_times(entry, avail, block_m)
     if not times:
         return fallback(rows_per_expert, avail, f"no available implementation measured at N={n} K={k}")
     key = min(times, key=times.get)
@@ -166,10 +177,11 @@ class LayerChoice:
 
 
 def choose_layer(rows_per_expert: float, hidden: int, intermediate: int, available: Mapping[str, str] | Iterable[str],
-                 table: Mapping | None = None) -> LayerChoice:
+                 table: Mapping | None = None, block_m: int | None = None) -> LayerChoice:
     """One implementation for both GEMMs: the one whose best L1 + best L2 times are smallest where
     both are measured, else the fallback rule. ``available``: implementation names, or
-    :func:`available_impls`' mapping (name -> "" when usable, else why not)."""
+    :func:`available_impls`' mapping (name -> "" when usable, else why not); ``block_m``: the
+    consumer's block size (:func:`usable_at`)."""
     if isinstance(available, Mapping):
         skipped = {k: v for k, v in available.items() if v}
         avail = {k for k, v in available.items() if not v}
@@ -183,7 +195,7 @@ def choose_layer(rows_per_expert: float, hidden: int, intermediate: int, availab
         for impl in sorted(avail & set(IMPLS)):
             picks = []
             for e, (n, k) in zip(entries, shapes):
-                times = _available_times(e, {impl})
+                times = _available_times(e, {impl}, block_m)
                 if not times:
                     break
                 key = min(times, key=times.get)
@@ -244,7 +256,7 @@ def resolve_layer(gemm: str, plan, shape, tokens_per_rank, table: Mapping | None
         avail = {gemm: ""}
     else:
         raise ValueError(f"gemm must be 'auto' or one of {IMPLS}, got {gemm!r}")
-    return choose_layer(rows_per_expert, shape.hidden, shape.intermediate, avail, table)
+    return choose_layer(rows_per_expert, shape.hidden, shape.intermediate, avail, table, block_m=plan.block_m)
 
 
 def setup_consumer(bc, choice: LayerChoice, *, staging_y: bool) -> None:

@@ -51,6 +51,7 @@
 #include <mutex>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "cutlass/cutlass.h"
 #include "cutlass/version.h"
@@ -89,6 +90,7 @@
 #define SR_STATUS_BAD_BLOCK 4        // a ready block id outside [0, num_blocks): item skipped
 #define SR_STATUS_BAD_EXPERT 8       // block_expert of a ready block outside [0, num_experts): item skipped
 #define SR_STATUS_RANGE_OUTSIDE 16   // ready_hi[lo] < 0 or ready_hi[hi] > ready_len: nothing computed
+#define SR_STATUS_DUPLICATE_BLOCK 64 // pair variants: a block id twice in the range with different partners: nothing computed
 
 // Error codes returned by the entry points.
 #define SR_OK 0
@@ -199,6 +201,9 @@ using Cluster1 = Shape<_1, _1, _1>;
 //   5: 128x192 cooperative, cluster 2x1, bf16 out, weight scales repeated to 64 rows
 //   6: 128x192 cooperative, cluster 1x2, bf16 out, weight scales repeated to 64 rows
 //   7: 64x192 ping-pong, cluster 1x1, bf16 out, weight scales repeated to 64 rows
+//   8: pair 128x128 cooperative, cluster 2x1, bf16 out: one 128-row block per tile, the weight tile
+//      multicast when the cluster's two blocks are one expert's (PairConfig, below; block_m 128 only)
+//   9: pair 128x192, as 8, weight scales repeated to 64 rows
 // Stages: as many as the shared memory left by the epilogue holds (StageCountAutoCarveout).
 // Not here: 128x256 cooperative (2x1): with CUTLASS's second (promotion) accumulator a consumer
 // warpgroup's 64x256 tile spills (ptxas -v, nvcc 13.0: 168 registers, 780 bytes of spill stores).
@@ -210,7 +215,7 @@ using V4 = Config<CoopTile, ClusterM2, Coop, CoopEpi, cutlass::bfloat16_t>;
 using V5 = Config<Tile192, ClusterM2, Coop, CoopEpi, cutlass::bfloat16_t, 64>;
 using V6 = Config<Tile192, ClusterN2, Coop, CoopEpi, cutlass::bfloat16_t, 64>;
 using V7 = Config<PingTile192, Cluster1, Ping, PingEpi, cutlass::bfloat16_t, 64>;
-constexpr int kNumVariants = 8;
+constexpr int kNumVariants = 10;
 
 // ------------------------------------------------------------------------------------------------
 // Ready range -> grouped problem arrays (one CTA; deterministic)
@@ -649,6 +654,584 @@ struct VariantInfo {
   }
 };
 
+// ------------------------------------------------------------------------------------------------
+// Pair variants: one 128-row block per tile, two ready blocks per 2-CTA cluster
+// ------------------------------------------------------------------------------------------------
+// Why: in the grouped kernels above, the persistent CTAs that share an expert's weight tile drift
+// apart, and with K = 7168 a 128-wide weight panel is 0.9 MB: the 132 tiles in flight touch more
+// than the 50 MB L2 holds, so each expert's weights come from HBM about 2.5 times at 8192 tokens
+// (Nsight Compute, docs/performance.md). Variant 4's 2x1 cluster shares the weight tile through TMA
+// multicast but rounds every group up to the cluster. Here the two CTAs of a cluster take ready
+// items 2p and 2p+1 (consecutive in ready order) at the same N tile, and multicast the weight tile
+// when both blocks are one expert's - decided per tile, so nothing is rounded up. One TMA
+// descriptor per operand covers every block (A and D are [rows, X] with the expert as CUTLASS's
+// batch mode of stride 0, W is [E][N, K] with the expert as its batch mode), so there is no
+// per-group tensormap update either.
+//
+// Bitwise contract: a tile is exactly one block (block_m = tile M = 128), every tile runs its whole
+// K loop in order with the same promotion as the grouped kernels, and the multicast changes only who
+// issues a weight tile's loads, never the bytes that arrive. A block's padding rows are computed from
+// its own padding rows and stored into its own rows of D. An odd item count leaves the last cluster
+// one item: both CTAs compute it (identical bytes to the same rows).
+
+struct PairSchedulerTag {};
+
+// A pair plan's swizzle s orders its tiles in bands of kPairBandPerSwizzle * s pairs (2 to 16 pairs:
+// a 16-pair band's activation rows, 29 MB at K = 7168, still fit the 50 MB L2 beside its weight tiles).
+constexpr int kPairBandPerSwizzle = 2;
+
+// (outside the class: GCC wants a nested struct's member initializers complete before a default argument uses it)
+struct PairSchedulerArguments : cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90::Arguments {
+  int const* item_block = nullptr;   // block id of ready item j (valid items only, ready order)
+  int const* item_expert = nullptr;  // its expert
+  int const* item_count = nullptr;   // how many items (written on the device by the setup kernel)
+  int band_pairs = 1;
+};
+struct PairSchedulerParams : cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90::Params {
+  int const* item_block = nullptr;
+  int const* item_expert = nullptr;
+  int const* item_count = nullptr;
+  int tiles_n = 0;
+  int band_pairs = 1;
+  int along_n = 0;
+};
+
+// CUTLASS's static persistent scheduler with the tile order replaced: unit u of a cluster is
+// (pair, N tile); pairs are cut into bands of band_pairs pairs, and inside a band the order is along
+// M (the band's pairs at N tile 0, then at N tile 1, ...: the band's activation rows stay in L2 while
+// its weight tiles are shared by the pairs of one expert) or, with raster along N, every N tile of a
+// pair before the next pair. Items come from the setup kernel (item_block / item_expert / item_count).
+class PairScheduler : public cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90 {
+  using Base = cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90;
+
+ public:
+  using Arguments = PairSchedulerArguments;
+  using Params = PairSchedulerParams;
+
+  template <class ProblemShapeMNKL, class TileShape, class ClusterShape>
+  static Params to_underlying_arguments(ProblemShapeMNKL problem_shape_mnkl, TileShape tile_shape,
+                                        ClusterShape cluster_shape, cutlass::KernelHardwareInfo const& hw_info,
+                                        Arguments const& args, void* workspace = nullptr,
+                                        uint32_t epilogue_subtile = 1, uint32_t ktile_start_alignment_count = 1u) {
+    static_assert(size<0>(ClusterShape{}) == 2 && size<1>(ClusterShape{}) == 1 && size<2>(ClusterShape{}) == 1,
+                  "the pair scheduler gives the two CTAs of a 2x1 cluster one item each");
+    Params p;
+    static_cast<Base::Params&>(p) = Base::to_underlying_arguments(problem_shape_mnkl, tile_shape, cluster_shape,
+                                                                   hw_info, args, workspace, epilogue_subtile,
+                                                                   ktile_start_alignment_count);
+    p.item_block = args.item_block;
+    p.item_expert = args.item_expert;
+    p.item_count = args.item_count;
+    p.tiles_n = int((int64_t(get<1>(problem_shape_mnkl)) + size<1>(TileShape{}) - 1) / size<1>(TileShape{}));
+    p.band_pairs = args.band_pairs > 0 ? args.band_pairs : 1;
+    p.along_n = args.raster_order == RasterOrderOptions::AlongN ? 1 : 0;
+    return p;
+  }
+
+  // The persistent grid: max_active_clusters clusters of 2 CTAs along x (the plan caps it).
+  template <class ProblemShapeMNKL, class BlockShape, class ClusterShape>
+  static dim3 get_grid_shape(Params const&, ProblemShapeMNKL, BlockShape, ClusterShape,
+                             cutlass::KernelHardwareInfo hw_info, Arguments = Arguments{}, bool = true) {
+    int clusters = hw_info.max_active_clusters > 0 ? hw_info.max_active_clusters : hw_info.sm_count / 2;
+    return dim3(2 * std::max(1, clusters), 1, 1);
+  }
+
+  CUTLASS_HOST_DEVICE PairScheduler() {}
+
+  CUTLASS_DEVICE explicit PairScheduler(Params const& p) : p_(p) {
+#if defined(__CUDA_ARCH__)
+    rank_ = int(cute::block_rank_in_cluster());
+    unit_ = int64_t(blockIdx.x >> 1);
+    clusters_ = int64_t(gridDim.x >> 1);
+    // written by the setup kernel earlier on this stream (no programmatic dependent launch here)
+    count_ = *p.item_count;
+    pairs_ = (count_ + 1) / 2;
+    units_ = int64_t(pairs_) * p.tiles_n;
+#endif
+  }
+
+  template <class ClusterShape>
+  CUTLASS_DEVICE WorkTileInfo initial_work_tile_info(ClusterShape) { return work_for(unit_); }
+
+  CUTLASS_DEVICE WorkTileInfo get_current_work() const { return work_for(unit_); }
+
+  CUTLASS_DEVICE WorkTileInfo work_for(int64_t u) const {
+    if (u >= units_) return WorkTileInfo::invalid_work_tile();
+    int64_t const band_units = int64_t(p_.band_pairs) * p_.tiles_n;
+    int64_t const band = u / band_units;
+    int const off = int(u - band * band_units);
+    int const first = int(band) * p_.band_pairs;
+    int pair, tile_n;
+    if (p_.along_n) {
+      pair = first + off / p_.tiles_n;
+      tile_n = off % p_.tiles_n;
+    } else {
+      int const in_band = min(p_.band_pairs, pairs_ - first);
+      tile_n = off / in_band;
+      pair = first + off % in_band;
+    }
+    int j = 2 * pair + rank_;
+    if (j >= count_) j = 2 * pair;  // the last cluster of an odd count: both CTAs take the item
+    return {p_.item_block[j], tile_n, p_.item_expert[j], true};
+  }
+
+  CUTLASS_DEVICE auto fetch_next_work(WorkTileInfo) {
+    unit_ += clusters_;
+    return cute::make_tuple(work_for(unit_), true);
+  }
+
+  template <class TileSchedulerPipeline, class TileSchedulerPipelineState>
+  CUTLASS_DEVICE auto fetch_next_work(WorkTileInfo w, TileSchedulerPipeline&, TileSchedulerPipelineState) {
+    return fetch_next_work(w);
+  }
+
+  CUTLASS_DEVICE bool is_last_tile(WorkTileInfo&, uint32_t advance_count = 1) const {
+    return !work_for(unit_ + clusters_ * int64_t(advance_count)).is_valid();
+  }
+
+ private:
+  Params p_{};
+  int rank_ = 0, count_ = 0, pairs_ = 0;
+  int64_t unit_ = 0, clusters_ = 1, units_ = 0;
+};
+
+// CUTLASS's FP8 blockwise mainloop with the weight tile's multicast decided per tile. The scheduler
+// puts a tile's expert in the batch coordinate l; partner_expert[block] is the expert of the block's
+// partner in its cluster (set by the setup kernel for this run), so both CTAs of a cluster reach the
+// same decision: multicast (each loads one half of the weight tile into both CTAs) when the experts
+// match, else each CTA loads both halves into itself. Either way each CTA's barrier receives the
+// whole tile's bytes, as the pipeline's transaction count expects. The stage release is cluster-wide
+// in both cases (PipelineTmaAsync over the 2x1 cluster), which is only stricter than needed when the
+// tile is not shared; the two CTAs run the same number of tiles with the same K, so they stay paired.
+template <class Base>
+struct PairMulticastMainloop : Base {
+  using BaseArguments = typename Base::Arguments;
+  using BaseParams = typename Base::Params;
+  using typename Base::DispatchPolicy;
+  using typename Base::MainloopPipeline;
+  using typename Base::PipelineState;
+  using typename Base::TensorStorage;
+  using typename Base::SmemLayoutA;
+  using typename Base::SmemLayoutB;
+  using typename Base::GmemTiledCopyB;
+  using ClusterShape = typename DispatchPolicy::ClusterShape;
+
+  struct Arguments : BaseArguments {
+    int const* partner_expert = nullptr;
+  };
+  struct Params : BaseParams {
+    int const* partner_expert = nullptr;
+  };
+
+  template <class ProblemShape>
+  static Params to_underlying_arguments(ProblemShape const& problem_shape, Arguments const& args, void* workspace) {
+    Params p;
+    static_cast<BaseParams&>(p) = Base::to_underlying_arguments(problem_shape, static_cast<BaseArguments const&>(args),
+                                                                workspace);
+    p.partner_expert = args.partner_expert;
+    return p;
+  }
+
+  template <class TensorA, class TensorB, class TensorScaleA, class TensorScaleB, class KTileIterator,
+            class BlockCoord>
+  CUTLASS_DEVICE void load(Params const& mainloop_params, MainloopPipeline pipeline, PipelineState smem_pipe_write,
+                           cute::tuple<TensorA, TensorB, TensorScaleA, TensorScaleB> const& load_inputs,
+                           BlockCoord const& blk_coord, KTileIterator k_tile_iter, int k_tile_count, int thread_idx,
+                           uint32_t block_rank_in_cluster, TensorStorage& shared_tensors) {
+    static_assert(!Base::IsTmaLoadSFA && !Base::IsTmaLoadSFB, "the scales are loaded by the auxiliary warp (cp.async)");
+    static_assert(size<0>(ClusterShape{}) == 2 && size<1>(ClusterShape{}) == 1, "a 2x1 cluster");
+    static_assert(cute::is_same_v<GmemTiledCopyB, SM90_TMA_LOAD_MULTICAST>, "the weight tile is multicast along M");
+    (void)thread_idx;
+    int lane_predicate = cute::elect_one_sync();
+    Tensor sA = make_tensor(make_smem_ptr(shared_tensors.smem_A.data()), SmemLayoutA{});  // (BLK_M,BLK_K,PIPE)
+    Tensor sB = make_tensor(make_smem_ptr(shared_tensors.smem_B.data()), SmemLayoutB{});  // (BLK_N,BLK_K,PIPE)
+    Tensor gA_mkl = get<0>(load_inputs);
+    Tensor gB_nkl = get<1>(load_inputs);
+    auto [m_coord, n_coord, k_coord, l_coord] = blk_coord;
+    Tensor gA = gA_mkl(_, _, m_coord, _, l_coord);  // the batch mode of A has stride 0: l does not move it
+    Tensor gB = gB_nkl(_, _, n_coord, _, l_coord);  // expert l's weights
+    auto tma_a = mainloop_params.tma_load_a.get_slice(0);  // cluster N = 1: A is not multicast
+    Tensor tAgA = tma_a.partition_S(gA);
+    Tensor tAsA = tma_a.partition_D(sA);
+    auto tma_b0 = mainloop_params.tma_load_b.get_slice(0);
+    auto tma_b1 = mainloop_params.tma_load_b.get_slice(1);
+    Tensor tBgB0 = tma_b0.partition_S(gB);
+    Tensor tBsB0 = tma_b0.partition_D(sB);
+    Tensor tBgB1 = tma_b1.partition_S(gB);
+    Tensor tBsB1 = tma_b1.partition_D(sB);
+    uint16_t const both = 0b11;
+    uint16_t const self = uint16_t(1u << block_rank_in_cluster);
+    bool const shared = mainloop_params.partner_expert[m_coord] == int(l_coord);
+    CUTLASS_PRAGMA_NO_UNROLL
+    for (; k_tile_count > 0; --k_tile_count) {
+      pipeline.producer_acquire(smem_pipe_write);
+      int write_stage = smem_pipe_write.index();
+      using BarrierType = typename MainloopPipeline::ProducerBarrierType;
+      BarrierType* tma_barrier = pipeline.producer_get_barrier(smem_pipe_write);
+      if (lane_predicate) {
+        copy(mainloop_params.tma_load_a.with(*tma_barrier, 0), tAgA(_, _, _, *k_tile_iter), tAsA(_, _, _, write_stage));
+        if (shared) {
+          if (block_rank_in_cluster == 0)
+            copy(mainloop_params.tma_load_b.with(*tma_barrier, both), tBgB0(_, _, _, *k_tile_iter), tBsB0(_, _, _, write_stage));
+          else
+            copy(mainloop_params.tma_load_b.with(*tma_barrier, both), tBgB1(_, _, _, *k_tile_iter), tBsB1(_, _, _, write_stage));
+        } else {
+          copy(mainloop_params.tma_load_b.with(*tma_barrier, self), tBgB0(_, _, _, *k_tile_iter), tBsB0(_, _, _, write_stage));
+          copy(mainloop_params.tma_load_b.with(*tma_barrier, self), tBgB1(_, _, _, *k_tile_iter), tBsB1(_, _, _, write_stage));
+        }
+      }
+      ++k_tile_iter;
+      ++smem_pipe_write;
+    }
+  }
+};
+
+}  // namespace sr
+
+namespace cutlass::gemm::kernel::detail {
+template <class ArchTag, class TileShape, class ClusterShape, uint32_t SchedulerPipelineStageCount>
+struct TileSchedulerSelector<sr::PairSchedulerTag, ArchTag, TileShape, ClusterShape, SchedulerPipelineStageCount> {
+  using Scheduler = sr::PairScheduler;
+};
+}  // namespace cutlass::gemm::kernel::detail
+
+namespace sr {
+
+template <class TileShape_, class ElementD_, int SfN_ = 128>
+struct PairConfig {
+  static constexpr int kSfN = SfN_;
+  using TileShape = TileShape_;
+  using ClusterShape = Shape<_2, _1, _1>;
+  using ElementA = cutlass::float_e4m3_t;
+  using ElementB = cutlass::float_e4m3_t;
+  using ElementC = void;
+  using ElementD = ElementD_;
+  // (rows, K, expert): the expert is the batch mode, with stride 0 for A and D (one buffer of rows)
+  using StrideA = cute::Stride<int64_t, cute::Int<1>, cute::Int<0>>;
+  using StrideB = cute::Stride<int64_t, cute::Int<1>, int64_t>;  // W[e][N, K]
+  using StrideD = cute::Stride<int64_t, cute::Int<1>, cute::Int<0>>;
+  static constexpr int AlignmentA = 16, AlignmentB = 16;
+  static constexpr int AlignmentD = 128 / cutlass::sizeof_bits<ElementD>::value;
+  using ElementAccumulator = float;
+  using ElementCompute = float;
+  using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, SfN_, 128, cute::GMMA::Major::K,
+                                                                cute::GMMA::Major::K>;
+  using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
+  using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
+  using ProblemShape = Shape<int, int, int, int>;
+
+  using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+      cutlass::epilogue::collective::EpilogueTileAuto, ElementAccumulator, ElementCompute, ElementC, StrideD,
+      AlignmentD, ElementD, StrideD, AlignmentD, cutlass::epilogue::TmaWarpSpecializedCooperative,
+      cutlass::epilogue::fusion::LinearCombination<ElementD, ElementCompute, ElementC, ElementCompute>>::CollectiveOp;
+
+  using BaseMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementA, cute::tuple<StrideA, LayoutSFA>, AlignmentA,
+      ElementB, cute::tuple<StrideB, LayoutSFB>, AlignmentB, ElementAccumulator, TileShape, ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
+          sizeof(typename CollectiveEpilogue::SharedStorage))>,
+      cutlass::gemm::KernelTmaWarpSpecializedCooperativeFP8Blockwise>::CollectiveOp;
+  using CollectiveMainloop = PairMulticastMainloop<BaseMainloop>;
+
+  using GemmKernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue,
+                                                          PairSchedulerTag>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
+  using Params = typename GemmKernel::Params;
+  using Arguments = typename Gemm::Arguments;
+};
+
+// Ready range -> the pair kernel's items (one CTA; deterministic): the valid items in ready order,
+// their count, and each item's partner expert by block id. The range checks and status bits are the
+// grouped setup's; a block id met twice with different partners is refused (SR_STATUS_DUPLICATE_BLOCK,
+// nothing computed): the two CTAs of a cluster must reach one multicast decision.
+struct PairSetupArgs {
+  SetupArgs s;
+  int* item_block;
+  int* item_expert;
+  int* item_count;
+  int* partner_expert;  // [capacity >= num_blocks]
+};
+
+static __global__ void __launch_bounds__(kSetupThreads, 1) setup_pairs_kernel(PairSetupArgs ps) {  // static: one per part
+  SetupArgs const& s = ps.s;
+  __shared__ int s_flags;
+  __shared__ int s_count;
+  if (threadIdx.x == 0) s_flags = 0;
+  __syncthreads();
+  int const lo = s.ready_hi[s.lo_index];
+  int const hi = s.ready_hi[s.hi_index];
+  int n = hi - lo;
+  if (n > 0 && (lo < 0 || hi > s.ready_len)) {
+    if (threadIdx.x == 0) atomicOr(&s_flags, SR_STATUS_RANGE_OUTSIDE);
+    n = 0;
+  }
+  if (n < 0) {
+    if (threadIdx.x == 0) atomicOr(&s_flags, SR_STATUS_RANGE_NEGATIVE);
+    n = 0;
+  }
+  if (n > s.max_items) {
+    if (threadIdx.x == 0) atomicOr(&s_flags, SR_STATUS_RANGE_CLAMPED);
+    n = s.max_items;
+  }
+  int carry = 0;
+  for (int base = 0; base < n; base += kSetupThreads) {
+    int i = base + threadIdx.x;
+    int bid = -1, e = -1, ok = 0;
+    if (i < n) {
+      ok = load_item(s, lo, i, &bid, &e);
+      if (!ok) atomicOr(&s_flags, (bid < 0 || bid >= s.num_blocks) ? SR_STATUS_BAD_BLOCK : SR_STATUS_BAD_EXPERT);
+    }
+    int total;
+    int before = block_exclusive_scan(ok, &total);
+    if (ok) {
+      ps.item_block[carry + before] = bid;
+      ps.item_expert[carry + before] = e;
+    }
+    carry += total;
+  }
+  int const count = carry;
+  __syncthreads();  // items written above are read below (same CTA: __syncthreads orders global memory)
+  for (int j = threadIdx.x; j < count; j += kSetupThreads) {
+    int partner = (j ^ 1) < count ? (j ^ 1) : j;
+    ps.partner_expert[ps.item_block[j]] = ps.item_expert[partner];
+  }
+  __syncthreads();
+  int bad = 0;
+  for (int j = threadIdx.x; j < count; j += kSetupThreads) {
+    int partner = (j ^ 1) < count ? (j ^ 1) : j;
+    if (ps.partner_expert[ps.item_block[j]] != ps.item_expert[partner]) bad = 1;
+  }
+  if (bad) atomicOr(&s_flags, SR_STATUS_DUPLICATE_BLOCK);
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    s_count = (s_flags & SR_STATUS_DUPLICATE_BLOCK) ? 0 : count;
+    *ps.item_count = s_count;
+    if (s_flags != 0) {
+      atomicOr(s.status, s_flags);
+      if (s.trap_on_error) {
+        printf("streamring CUTLASS pair gemm setup: bad ready range (status 0x%x: 1 = longer than max_items=%d, "
+               "2 = negative, 4 = block id outside [0,%d), 8 = expert outside [0,%d), 16 = outside the ready list "
+               "of %d, 64 = a block id twice); ready_hi[%d]=%d ready_hi[%d]=%d\n",
+               s_flags, s.max_items, s.num_blocks, s.num_experts, s.ready_len, s.lo_index, lo, s.hi_index, hi);
+        __trap();
+      }
+    }
+  }
+}
+
+template <class Cfg>
+struct PairPlan final : PlanBase {
+  using Gemm = typename Cfg::Gemm;
+  using GemmKernel = typename Cfg::GemmKernel;
+  static constexpr int kTileM = size<0>(typename Cfg::TileShape{});
+
+  int* arrays = nullptr;  // item_block | item_expert | partner_expert (capacity each) | item_count
+  int max_active_clusters = 0;
+  RunArgs last{};  // the last setup's arguments (read_groups describes its items)
+  std::mutex mu;
+  // kernel parameters (TMA descriptors of the run's buffers) per (buffers, sizes, grid)
+  std::map<std::vector<int64_t>, typename Cfg::Params> params_cache;
+
+  ~PairPlan() override {
+    if (arrays) cudaFree(arrays);
+  }
+  int* item_block() { return arrays; }
+  int* item_expert() { return arrays + capacity; }
+  int* partner_expert() { return arrays + 2 * size_t(capacity); }
+  int* item_count() { return arrays + 3 * size_t(capacity); }
+
+  int create() override {
+    SR_CUDA(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device));
+    int major = 0, minor = 0;
+    SR_CUDA(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+    SR_CUDA(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+    if (major != 9 || minor != 0)
+      return fail(SR_ERR_DEVICE, "the CUTLASS FP8 blockwise pair GEMM is built for sm_90a (H100/H200); device " +
+                                     std::to_string(device) + " has compute capability " + std::to_string(major) +
+                                     "." + std::to_string(minor));
+    SR_CUDA(cudaMalloc(&arrays, (3 * size_t(capacity) + 1) * sizeof(int)));
+    SR_CUDA(cudaMemset(arrays, 0, (3 * size_t(capacity) + 1) * sizeof(int)));
+    int smem = GemmKernel::SharedStorageSize;
+    SR_CUDA(cudaFuncSetAttribute(cutlass::device_kernel<GemmKernel>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    max_active_clusters = cutlass::KernelHardwareInfo::query_device_max_active_clusters<GemmKernel>();
+    if (max_active_clusters <= 0) {
+      cudaError_t e = cudaGetLastError();
+      return fail(SR_ERR_CUDA, std::string("cudaOccupancyMaxActiveClusters found no cluster of this kernel fits "
+                                           "on the device (shared memory ") + std::to_string(smem) + " B): " +
+                                   cudaGetErrorString(e));
+    }
+    return SR_OK;
+  }
+
+  typename Cfg::Arguments arguments(RunArgs const& r, int ctas) {
+    cutlass::KernelHardwareInfo hw;
+    hw.device_id = device;
+    hw.sm_count = ctas;
+    hw.max_active_clusters = std::max(1, std::min(max_active_clusters, ctas / 2));
+    int const rows = r.num_blocks * kTileM;
+    auto sfa = Cfg::ScaleConfig::tile_atom_to_shape_SFA(make_shape(rows, n, k, r.num_experts));
+    typename Cfg::LayoutSFA layout_sfa = make_layout(shape(sfa), replace<2>(stride(sfa), 0));  // one row buffer
+    typename Cfg::LayoutSFB layout_sfb = Cfg::ScaleConfig::tile_atom_to_shape_SFB(make_shape(rows, n, k, r.num_experts));
+    typename Cfg::StrideA stride_a = make_stride(int64_t(k), Int<1>{}, Int<0>{});
+    typename Cfg::StrideB stride_b = make_stride(int64_t(k), Int<1>{}, int64_t(n) * k);
+    typename Cfg::StrideD stride_d = make_stride(int64_t(n), Int<1>{}, Int<0>{});
+    typename Cfg::Arguments args{};
+    args.mode = cutlass::gemm::GemmUniversalMode::kBatched;
+    args.problem_shape = make_shape(rows, n, k, r.num_experts);
+    auto& ml = args.mainloop;
+    ml.ptr_A = static_cast<typename Cfg::ElementA const*>(r.a);
+    ml.dA = stride_a;
+    ml.ptr_B = static_cast<typename Cfg::ElementB const*>(r.w);
+    ml.dB = stride_b;
+    ml.ptr_SFA = r.a_sf;
+    ml.layout_SFA = layout_sfa;
+    ml.ptr_SFB = r.w_sf;
+    ml.layout_SFB = layout_sfb;
+    ml.partner_expert = partner_expert();
+    auto& ep = args.epilogue;
+    ep.ptr_C = nullptr;
+    ep.dC = stride_d;
+    ep.ptr_D = static_cast<typename Cfg::ElementD*>(r.d);
+    ep.dD = stride_d;
+    ep.thread.alpha = 1.0f;  // exact: D = round(acc)
+    ep.thread.beta = 0.0f;
+    args.hw_info = hw;
+    args.scheduler.raster_order = raster == 1 ? cutlass::gemm::kernel::detail::RasterOrderOptions::AlongN
+                                              : cutlass::gemm::kernel::detail::RasterOrderOptions::AlongM;
+    args.scheduler.max_swizzle_size = 1;
+    args.scheduler.band_pairs = kPairBandPerSwizzle * swizzle;
+    args.scheduler.item_block = item_block();
+    args.scheduler.item_expert = item_expert();
+    args.scheduler.item_count = item_count();
+    return args;
+  }
+
+  int params_for(RunArgs const& r, int ctas, typename Cfg::Params** out) {
+    std::lock_guard<std::mutex> lock(mu);
+    std::vector<int64_t> key{reinterpret_cast<int64_t>(r.a), reinterpret_cast<int64_t>(r.a_sf),
+                             reinterpret_cast<int64_t>(r.w), reinterpret_cast<int64_t>(r.w_sf),
+                             reinterpret_cast<int64_t>(r.d), r.num_blocks, r.num_experts, ctas};
+    auto it = params_cache.find(key);
+    if (it == params_cache.end()) {
+      auto args = arguments(r, ctas);
+      cutlass::Status st = Gemm::can_implement(args);
+      if (st != cutlass::Status::kSuccess)
+        return fail(SR_ERR_CUTLASS, std::string("CUTLASS can_implement refused the pair GEMM: ") +
+                                        cutlass::cutlassGetStatusString(st));
+      if (Gemm::get_workspace_size(args) != 0) return fail(SR_ERR_CUTLASS, "the pair GEMM unexpectedly needs a workspace");
+      it = params_cache.emplace(key, GemmKernel::to_underlying_arguments(args, nullptr)).first;
+    }
+    *out = &it->second;
+    return SR_OK;
+  }
+
+  int check_device() {
+    int cur = -1;
+    SR_CUDA(cudaGetDevice(&cur));
+    if (cur != device)
+      return fail(SR_ERR_ARG, "the current CUDA device is " + std::to_string(cur) + " but this plan was created on device " +
+                                  std::to_string(device));
+    return SR_OK;
+  }
+
+  int check_run(RunArgs const& r) {
+    if (r.max_items < 0 || r.max_items > capacity)
+      return fail(SR_ERR_ARG, "max_items=" + std::to_string(r.max_items) + " outside [0, capacity=" +
+                                  std::to_string(capacity) + "] of this plan");
+    if (r.block_m != kTileM)
+      return fail(SR_ERR_ARG, "variant " + std::to_string(variant) + " (one " + std::to_string(kTileM) +
+                                  "-row block per tile) needs block_m == " + std::to_string(kTileM) + ", got " +
+                                  std::to_string(r.block_m));
+    if (r.num_blocks <= 0 || r.num_experts <= 0 || r.ready_len < 0)
+      return fail(SR_ERR_ARG, "num_blocks and num_experts must be positive, ready_len non-negative");
+    if (r.num_blocks > capacity)
+      return fail(SR_ERR_ARG, "num_blocks=" + std::to_string(r.num_blocks) + " exceeds this plan's capacity=" +
+                                  std::to_string(capacity) + " (the pair variants keep one entry per block id)");
+    if (int64_t(r.num_blocks) * kTileM > INT32_MAX)
+      return fail(SR_ERR_ARG, "num_blocks * 128 rows exceeds the 32-bit problem shape");
+    if (!r.ready_list || !r.ready_hi || !r.block_expert || !r.a || !r.a_sf || !r.w || !r.w_sf || !r.d || !r.status)
+      return fail(SR_ERR_ARG, "a device pointer argument is null");
+    if (r.lo_index < 0 || r.hi_index < 0) return fail(SR_ERR_ARG, "lo_index and hi_index must be >= 0");
+    if ((reinterpret_cast<uintptr_t>(r.a) | reinterpret_cast<uintptr_t>(r.w) | reinterpret_cast<uintptr_t>(r.d)) & 15)
+      return fail(SR_ERR_ARG, "a, w and d must be 16-byte aligned (TMA)");
+    if ((reinterpret_cast<uintptr_t>(r.a_sf) | reinterpret_cast<uintptr_t>(r.w_sf)) & 3)
+      return fail(SR_ERR_ARG, "a_sf and w_sf must be 4-byte aligned");
+    return check_device();
+  }
+
+  int launch_setup(RunArgs const& r, cudaStream_t stream) {
+    SetupArgs s{r.ready_list, r.ready_len, r.ready_hi, r.lo_index, r.hi_index, r.max_items, r.block_expert, r.num_blocks,
+                r.num_experts, r.block_m, n, k, static_cast<char const*>(r.a),
+                reinterpret_cast<char const*>(r.a_sf), static_cast<char const*>(r.w),
+                reinterpret_cast<char const*>(r.w_sf), static_cast<char*>(r.d), r.status, trap_on_error};
+    PairSetupArgs ps{s, item_block(), item_expert(), item_count(), partner_expert()};
+    setup_pairs_kernel<<<1, kSetupThreads, 0, stream>>>(ps);
+    SR_CUDA(cudaGetLastError());
+    last = r;
+    return SR_OK;
+  }
+
+  int run(RunArgs const& r, cudaStream_t stream) override {
+    int rc = check_run(r);
+    if (rc) return rc;
+    if (r.max_items == 0) return SR_OK;
+    int ctas = r.max_ctas > 0 && r.max_ctas < sm_count ? r.max_ctas : sm_count;
+    ctas = std::max(2, ctas / 2 * 2);
+    typename Cfg::Params* params = nullptr;
+    rc = params_for(r, ctas, &params);
+    if (rc) return rc;
+    rc = launch_setup(r, stream);
+    if (rc) return rc;
+    cutlass::Status st = Gemm::run(*params, stream);
+    if (st != cutlass::Status::kSuccess) {
+      cudaError_t e = cudaGetLastError();
+      return fail(SR_ERR_CUTLASS, std::string("CUTLASS pair GEMM launch failed: ") + cutlass::cutlassGetStatusString(st) +
+                                      " / " + cudaGetErrorString(e));
+    }
+    SR_CUDA(cudaGetLastError());
+    return SR_OK;
+  }
+
+  int setup_only(RunArgs const& r, cudaStream_t stream) override {
+    int rc = check_run(r);
+    if (rc) return rc;
+    if (r.max_items == 0) return SR_OK;
+    return launch_setup(r, stream);
+  }
+
+  // The last setup's items as one-block groups: item g has M = 128 (0 past the count) and the
+  // addresses its tile reads and writes.
+  int read_groups(int count, int* m_out, int64_t* a_out, int64_t* b_out, int64_t* sfa_out, int64_t* sfb_out,
+                  int64_t* d_out) override {
+    if (count < 0 || count > capacity) return fail(SR_ERR_ARG, "count outside [0, capacity]");
+    int rc = check_device();
+    if (rc) return rc;
+    SR_CUDA(cudaDeviceSynchronize());
+    int items = 0;
+    SR_CUDA(cudaMemcpy(&items, item_count(), sizeof(int), cudaMemcpyDeviceToHost));
+    std::vector<int> blocks(capacity), experts(capacity);
+    SR_CUDA(cudaMemcpy(blocks.data(), item_block(), capacity * sizeof(int), cudaMemcpyDeviceToHost));
+    SR_CUDA(cudaMemcpy(experts.data(), item_expert(), capacity * sizeof(int), cudaMemcpyDeviceToHost));
+    int64_t const kk = k, nn = n, sfk = k / 128;
+    int64_t const dsize = sizeof(typename Cfg::ElementD);
+    for (int g = 0; g < count; ++g) {
+      bool live = g < items;
+      int64_t row0 = live ? int64_t(blocks[g]) * kTileM : 0, e = live ? experts[g] : 0;
+      m_out[g] = live ? kTileM : 0;
+      a_out[g] = reinterpret_cast<int64_t>(last.a) + row0 * kk;
+      sfa_out[g] = reinterpret_cast<int64_t>(last.a_sf) + row0 * sfk * 4;
+      b_out[g] = reinterpret_cast<int64_t>(last.w) + e * nn * kk;
+      sfb_out[g] = reinterpret_cast<int64_t>(last.w_sf) + e * (nn / Cfg::kSfN) * sfk * 4;
+      d_out[g] = reinterpret_cast<int64_t>(last.d) + row0 * nn * dsize;
+    }
+    return SR_OK;
+  }
+};
+
+using V8 = PairConfig<CoopTile, cutlass::bfloat16_t>;
+using V9 = PairConfig<Tile192, cutlass::bfloat16_t, 64>;
+
 // Per variant: a new plan, and its description. Declared in every part, defined in the part that
 // compiles the variant.
 #define SR_VARIANT_DECL(i) \
@@ -656,6 +1239,9 @@ struct VariantInfo {
   void variant_info_##i(int* out);
 #define SR_VARIANT_DEF(i) \
   PlanBase* new_plan_##i() { return new Plan<V##i>(); } \
+  void variant_info_##i(int* out) { VariantInfo<V##i>::fill(out); }
+#define SR_PAIR_VARIANT_DEF(i) \
+  PlanBase* new_plan_##i() { return new PairPlan<V##i>(); } \
   void variant_info_##i(int* out) { VariantInfo<V##i>::fill(out); }
 SR_VARIANT_DECL(0)
 SR_VARIANT_DECL(1)
@@ -665,6 +1251,8 @@ SR_VARIANT_DECL(4)
 SR_VARIANT_DECL(5)
 SR_VARIANT_DECL(6)
 SR_VARIANT_DECL(7)
+SR_VARIANT_DECL(8)
+SR_VARIANT_DECL(9)
 #if SR_GEMM_OWNS(0)
 SR_VARIANT_DEF(0)
 #endif
@@ -689,6 +1277,12 @@ SR_VARIANT_DEF(6)
 #if SR_GEMM_OWNS(7)
 SR_VARIANT_DEF(7)
 #endif
+#if SR_GEMM_OWNS(8)
+SR_PAIR_VARIANT_DEF(8)
+#endif
+#if SR_GEMM_OWNS(9)
+SR_PAIR_VARIANT_DEF(9)
+#endif
 
 #if SR_GEMM_PART == 0
 // nullptr for an unknown variant
@@ -702,6 +1296,8 @@ static PlanBase* new_plan(int variant) {
     case 5: return new_plan_5();
     case 6: return new_plan_6();
     case 7: return new_plan_7();
+    case 8: return new_plan_8();
+    case 9: return new_plan_9();
     default: return nullptr;
   }
 }
@@ -716,6 +1312,8 @@ static bool variant_info(int variant, int* out) {
     case 5: variant_info_5(out); return true;
     case 6: variant_info_6(out); return true;
     case 7: variant_info_7(out); return true;
+    case 8: variant_info_8(out); return true;
+    case 9: variant_info_9(out); return true;
     default: return false;
   }
 }
