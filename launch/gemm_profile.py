@@ -34,10 +34,12 @@ shape = BG.dsv3_shape()
 H, I = shape.hidden, shape.intermediate
 fw = B.FastWeights.random(shape, 7, dev)
 dg = DG.load() if DG.deep_gemm_available() else None
-c = BG.Case(T, shape, fw, SimpleNamespace(block_m=64, seed=1234, sets=1), dev, dg)
-c.load(0)
 (n1, (t1, d1, r1, s1)), = BG.parse_variants(L1, "l1").items()
 (n2, (t2, _, r2, s2)), = BG.parse_variants(L2, "l2").items()
+# bench.gemm's 64-row blocks, or 128 where a tile takes one 128-row block per tile
+BM = 128 if CG.TILE_TABLE[t1].block_tile or CG.TILE_TABLE[t2].block_tile else 64
+c = BG.Case(T, shape, fw, SimpleNamespace(block_m=BM, seed=1234, sets=1), dev, dg)
+c.load(0)
 p1 = CG.GroupedGemm(2 * I, H, out_dtype=d1, tile=t1, raster=r1, swizzle=s1, capacity=c.bc.max_blocks)
 p2 = CG.GroupedGemm(H, I, out_dtype=torch.bfloat16, tile=t2, raster=r2, swizzle=s2, capacity=c.bc.max_blocks)
 calls = {n1: lambda: c.cutlass_l1(p1), n2: lambda: c.cutlass_l2(p2)}

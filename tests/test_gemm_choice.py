@@ -243,7 +243,7 @@ def test_bench_refuses_eager_timings_in_the_table(capsys):
     assert e.value.code == 2 and "drop --table" in capsys.readouterr().err
 
 
-def test_pair_tiles_only_for_128_row_blocks():
+def test_block_tiles_only_for_128_row_blocks():
     t = table(entry(512, *L1, {"cutlass:pair128:bf16:m:s4": 3.0, "cutlass:coop128:bf16:m": 4.0, "deep_gemm": 3.5}),
               entry(512, *L2, {"cutlass:pair192:bf16:m": 1.5, "cutlass:coop128:bf16:m": 2.0, "deep_gemm": 1.8}))
     c = GC.choose_gemm(512, *L1, {"cutlass"}, t, block_m=128)
@@ -256,8 +256,8 @@ def test_pair_tiles_only_for_128_row_blocks():
     assert GC.usable_at(GC.parse_key("cutlass:coop128:bf16:m"), 16)
 
 
-def test_pair_tiles_mirror_the_library_table():
+def test_block_tiles_mirror_the_library_table():
     CG = pytest.importorskip("streamring.device.cutlass_gemm", reason="torch is not installed")
-    pairs = {name for name, t in CG.TILE_TABLE.items() if t.pair}
-    assert pairs == set(GC.PAIR_TILES)
-    assert {CG.TILE_TABLE[name].mnk[0] for name in pairs} == {GC.PAIR_BLOCK_M}
+    tiles = {name for name, t in CG.TILE_TABLE.items() if t.block_tile}
+    assert tiles == set(GC.BLOCK_TILES)
+    assert {CG.TILE_TABLE[name].mnk[0] for name in tiles} == {GC.BLOCK_TILE_M}

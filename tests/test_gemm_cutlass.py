@@ -329,13 +329,13 @@ def test_grouped_gemm_validates_its_configuration():
     g = CG.GroupedGemm(256, 384, tile="coop192_n2", capacity=4, raster="n", swizzle=2)
     assert (g.variant, g.sf_n, g.raster, g.swizzle) == (6, 64, "n", 2)
     g = CG.GroupedGemm(256, 384, tile="pair192", capacity=4)
-    assert (g.variant, g.sf_n, g.pair_block_m) == (9, 64, 128) and CG.GroupedGemm(256, 384, capacity=4).pair_block_m is None
+    assert (g.variant, g.sf_n, g.tile_block_m) == (9, 64, 128) and CG.GroupedGemm(256, 384, capacity=4).tile_block_m is None
 
 
-def test_check_run_args_pair_tiles_want_128_row_blocks_and_room_for_every_block():
+def test_check_run_args_block_tiles_want_128_row_blocks_and_room_for_every_block():
     args = _cpu_args()
-    args.update(require_cuda=False, pair_block_m=128)
-    with pytest.raises(ValueError, match="block_m must be 128 for a pair tile"):
+    args.update(require_cuda=False, tile_block_m=128)
+    with pytest.raises(ValueError, match="block_m must be 128 for a one-block-per-tile tile"):
         CG.check_run_args(**args)
     nb = args["block_expert"].numel()
     args.update(block_m=128, a=torch.zeros(nb * 128, args["k"], dtype=FP8),
@@ -356,9 +356,9 @@ def parse_variant_table(text: str) -> dict:
     for m in re.finditer(r"using V(\d+) = Config<(\w+), (\w+), \w+, \w+, ([\w:]+)(?:, (\d+))?>;", text):
         v, tile, cl, dt, sfn = m.groups()
         out[int(v)] = (*tiles[tile], *clusters[cl], int(sfn or 128), "f32" if dt == "float" else "bf16", False)
-    for m in re.finditer(r"using V(\d+) = PairConfig<(\w+), ([\w:]+)(?:, (\d+))?>;", text):
-        v, tile, dt, sfn = m.groups()
-        out[int(v)] = (*tiles[tile], 2, 1, int(sfn or 128), "f32" if dt == "float" else "bf16", True)
+    for m in re.finditer(r"using V(\d+) = PairConfig<(\w+), ([\w:]+)(?:, (\d+))?(?:, (\d))?>;", text):
+        v, tile, dt, sfn, cm = m.groups()
+        out[int(v)] = (*tiles[tile], int(cm or 2), 1, int(sfn or 128), "f32" if dt == "float" else "bf16", True)
     return out
 
 
@@ -368,7 +368,7 @@ def test_python_variant_table_matches_the_cu():
     py = {}
     for name, t in CG.TILE_TABLE.items():
         for dt, vid in t.variants.items():
-            py[vid] = (*t.mnk, *t.cluster, t.sf_n, "f32" if dt == torch.float32 else "bf16", t.pair)
+            py[vid] = (*t.mnk, *t.cluster, t.sf_n, "f32" if dt == torch.float32 else "bf16", t.block_tile)
     assert py == table
     assert CG.variant_id("coop128", torch.float32) == 1 and CG.variant_id("pingpong192", torch.bfloat16) == 7
 
@@ -514,7 +514,7 @@ needs_gpu = pytest.mark.skipif(_REASON is not None, reason=f"GPU test skipped: {
 
 VARIANTS = [(tile, dt) for tile, t in CG.TILE_TABLE.items() for dt in t.variants]
 NEW_TILES = ["coop128_m2", "coop192_m2", "coop192_n2", "pingpong192"]  # issue 21's (bf16 only)
-PAIR_TILES = [tile for tile, t in CG.TILE_TABLE.items() if t.pair]
+BLOCK_TILES = [tile for tile, t in CG.TILE_TABLE.items() if t.block_tile]
 
 
 class Problem:
@@ -580,8 +580,8 @@ def rows_of(blocks, bm):
 @pytest.mark.parametrize("tile, out_dtype", VARIANTS)
 @pytest.mark.parametrize("bm", [64, 16, 128])
 def test_matches_float64_reference_only_ready_rows_written(tile, out_dtype, bm):
-    if CG.TILE_TABLE[tile].pair and bm != 128:
-        pytest.skip("a pair tile takes 128-row blocks only")
+    if CG.TILE_TABLE[tile].block_tile and bm != 128:
+        pytest.skip("a one-block-per-tile tile takes 128-row blocks only")
     p = Problem(bm=bm, nb=40 if bm == 16 else 24, out_dtype=out_dtype, seed=bm)
     plan = CG.GroupedGemm(p.n, p.k, out_dtype=out_dtype, tile=tile, capacity=64, trap_on_error=False)
     ids = list(range(p.nb))
@@ -750,7 +750,8 @@ def test_status_word_reports_bad_ranges():
 
 
 # ----------------------------------------------------------------------------------------------
-# pair tiles (one 128-row block per tile, two per 2x1 cluster, the weight tile multicast per tile)
+# one-block tiles (one 128-row block per tile; pair tiles: two per 2x1 cluster, the weight tile
+# multicast per tile; block128: one per CTA)
 # ----------------------------------------------------------------------------------------------
 def _pair_problem(seed, nb=21, e=4):
     """128-row blocks whose experts come in runs of 1 to 4 blocks: consecutive ready pairs are of one
@@ -759,7 +760,7 @@ def _pair_problem(seed, nb=21, e=4):
 
 
 @needs_gpu
-@pytest.mark.parametrize("tile", PAIR_TILES)
+@pytest.mark.parametrize("tile", BLOCK_TILES)
 def test_pair_tile_ranges_piecewise_equal_at_once_and_match_float64(tile):
     p = _pair_problem(31)
     plan = CG.GroupedGemm(p.n, p.k, tile=tile, capacity=p.nb, trap_on_error=False)
@@ -784,7 +785,7 @@ def test_pair_tile_ranges_piecewise_equal_at_once_and_match_float64(tile):
 
 
 @needs_gpu
-@pytest.mark.parametrize("tile", PAIR_TILES)
+@pytest.mark.parametrize("tile", BLOCK_TILES)
 def test_pair_tile_order_and_grid_do_not_change_a_bit(tile):
     p = _pair_problem(37, nb=30, e=3)
     ids = list(range(p.nb))
@@ -801,7 +802,7 @@ def test_pair_tile_agrees_with_coop128_to_rounding():
     ids = list(range(p.nb))
     ref = run(CG.GroupedGemm(p.n, p.k, capacity=16, out_dtype=torch.float32), p, ids,
               d=torch.full((p.nb * p.bm, p.n), float("nan"), device="cuda"))
-    for tile in PAIR_TILES:
+    for tile in BLOCK_TILES:
         got = run(CG.GroupedGemm(p.n, p.k, capacity=16, tile=tile), p, ids, d=p.poisoned())
         rel = float((got.float() - ref).norm() / ref.norm())
         assert rel < 2.0 ** -8, (tile, rel)
@@ -848,6 +849,10 @@ def test_pair_tile_refuses_a_block_twice_with_two_partners():
     plan.reset_status()
     run(plan, p, [0, 1, 0, 1], d=p.poisoned())  # twice, same partner each time: consistent, computed
     assert plan.status() == 0
+    # one block per CTA (no cluster decision to agree on): the same range is computed
+    single = CG.GroupedGemm(p.n, p.k, tile="block128", capacity=12, trap_on_error=False)
+    d = run(single, p, [0, 1, a, 0], d=p.poisoned())
+    assert single.status() == 0 and not bool(d[rows_of([0, 1, a], p.bm)].isnan().any())
 
 
 # ----------------------------------------------------------------------------------------------

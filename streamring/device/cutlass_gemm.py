@@ -48,7 +48,7 @@ class Tile:
     sf_n: int           # rows of W per weight scale the kernel reads (64: w_sf repeated, weight_scales_for)
     variants: dict      # out dtype -> the library's variant id
     doc: str
-    pair: bool = False  # one block_m = tile-M block per tile, two ready blocks per 2x1 cluster (PairPlan)
+    block_tile: bool = False  # one block per tile (block_m must be tile M; the .cu's PairPlan)
 
 
 # The library's variant table (tests compare it with the .cu and with the loaded library).
@@ -68,9 +68,12 @@ TILE_TABLE = {
     "pair128": Tile((128, 128, 128), (2, 1), 128, {torch.bfloat16: 8},
                     "128x128x128 tile, cooperative, one 128-row block per tile, ready blocks 2p and 2p+1 in a 2x1 "
                     "cluster sharing the weight tile (multicast) when one expert's; block_m 128 only; swizzle s: "
-                    "tiles in bands of 2s pairs", pair=True),
+                    "tiles in bands of 2s pairs", block_tile=True),
     "pair192": Tile((128, 192, 128), (2, 1), 64, {torch.bfloat16: 9},
-                    "128x192x128 pair tile (as pair128), weight scales per 64 rows", pair=True),
+                    "128x192x128 pair tile (as pair128), weight scales per 64 rows", block_tile=True),
+    "block128": Tile((128, 128, 128), (1, 1), 128, {torch.bfloat16: 10},
+                     "128x128x128 tile, cooperative, one 128-row block per tile (pair128's layout and order) with a "
+                     "1x1 cluster: no multicast; block_m 128 only", block_tile=True),
 }
 TILES = {name: i for i, name in enumerate(TILE_TABLE)}
 TILE_DOC = {name: t.doc for name, t in TILE_TABLE.items()}
@@ -295,7 +298,7 @@ class RunShape:
 
 def check_run_args(n: int, k: int, out_dtype, capacity: int, ready_list, ready_hi, lo_index, hi_index, max_items,
                    block_expert, a, a_sf, w, w_sf, d, block_m, max_ctas, require_cuda: bool = True,
-                   sf_n: int = SF_BLOCK, pair_block_m: int | None = None) -> RunShape:
+                   sf_n: int = SF_BLOCK, tile_block_m: int | None = None) -> RunShape:
     """Every check of :meth:`GroupedGemm.run`; the messages name the argument and what it must be.
     (``require_cuda=False``: the same checks on CPU tensors, for tests on machines without a GPU.)"""
 
@@ -321,11 +324,12 @@ def check_run_args(n: int, k: int, out_dtype, capacity: int, ready_list, ready_h
     num_blocks = block_expert.numel()
     if num_blocks == 0:
         raise ValueError("block_expert is empty (no blocks)")
-    if pair_block_m is not None:
-        if block_m != pair_block_m:
-            raise ValueError(f"block_m must be {pair_block_m} for a pair tile (one block per tile), got {block_m}")
+    if tile_block_m is not None:
+        if block_m != tile_block_m:
+            raise ValueError(f"block_m must be {tile_block_m} for a one-block-per-tile tile (pair128, pair192, "
+                             f"block128), got {block_m}")
         if num_blocks > capacity:
-            raise ValueError(f"block_expert has {num_blocks} blocks, more than capacity={capacity}: a pair tile's plan "
+            raise ValueError(f"block_expert has {num_blocks} blocks, more than capacity={capacity}: a one-block tile's plan "
                              "keeps one entry per block id (make the plan with capacity >= the number of blocks)")
     rows = num_blocks * block_m
     _tensor("w", w, FP8, 3, dev)
@@ -381,7 +385,7 @@ class GroupedGemm:
             raise ValueError(f"swizzle must be one of {SWIZZLES}, got {swizzle!r}")
         self.raster, self.swizzle = raster, swizzle
         self.sf_n = TILE_TABLE[tile].sf_n
-        self.pair_block_m = TILE_TABLE[tile].mnk[0] if TILE_TABLE[tile].pair else None
+        self.tile_block_m = TILE_TABLE[tile].mnk[0] if TILE_TABLE[tile].block_tile else None
         for name, v in (("n", n), ("k", k)):
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0 or v % SF_BLOCK:
                 raise ValueError(f"{name} must be a positive multiple of 128 (the scale block), got {v!r}")
@@ -417,7 +421,7 @@ class GroupedGemm:
               d, block_m, max_ctas) -> None:
         rs = check_run_args(self.n, self.k, self.out_dtype, self.capacity, ready_list, ready_hi, lo_index, hi_index,
                             max_items, block_expert, a, a_sf, w, w_sf, d, block_m, max_ctas, sf_n=self.sf_n,
-                            pair_block_m=self.pair_block_m)
+                            tile_block_m=self.tile_block_m)
         self._ensure(ready_list.device)
         stream = torch.cuda.current_stream(self.device).cuda_stream
         with torch.cuda.device(self.device):

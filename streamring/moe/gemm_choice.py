@@ -32,11 +32,11 @@ PINGPONG_BELOW_ROWS = 128
 #: the group scheduler swizzles a key may name after the raster (``cutlass_gemm.SWIZZLES`` less the
 #: default 1, which a key leaves out; not imported: that module loads torch)
 KEY_SWIZZLES = (2, 4, 8)
-#: CUTLASS tiles that take one block per tile (``cutlass_gemm.TILE_TABLE``'s ``pair`` tiles; not
+#: CUTLASS tiles that take one block per tile (``cutlass_gemm.TILE_TABLE``'s ``block_tile`` tiles; not
 #: imported: that module loads torch. tests/test_gemm_choice.py holds the two equal), and the block
 #: size they need: a consumer of other blocks never gets them from the table
-PAIR_TILES = ("pair128", "pair192")
-PAIR_BLOCK_M = 128
+BLOCK_TILES = ("pair128", "pair192", "block128")
+BLOCK_TILE_M = 128
 
 
 @dataclass(frozen=True)
@@ -130,7 +130,7 @@ def _measured_in(entry: Mapping, table: Mapping) -> str:
 def usable_at(choice: GemmChoice, block_m: int | None) -> bool:
     """Whether a consumer of ``block_m``-row blocks can run ``choice`` (None: the block size is not
     known, so only what runs at every block size)."""
-    return choice.tile not in PAIR_TILES or block_m == PAIR_BLOCK_M
+    return choice.tile not in BLOCK_TILES or block_m == BLOCK_TILE_M
 
 
 def _available_times(entry: Mapping, available: set, block_m: int | None) -> dict:

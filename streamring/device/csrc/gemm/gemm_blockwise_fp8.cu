@@ -204,6 +204,7 @@ using Cluster1 = Shape<_1, _1, _1>;
 //   8: pair 128x128 cooperative, cluster 2x1, bf16 out: one 128-row block per tile, the weight tile
 //      multicast when the cluster's two blocks are one expert's (PairConfig, below; block_m 128 only)
 //   9: pair 128x192, as 8, weight scales repeated to 64 rows
+//   10: block 128x128: the pair layout and order with a 1x1 cluster (one block per CTA, no multicast)
 // Stages: as many as the shared memory left by the epilogue holds (StageCountAutoCarveout).
 // Not here: 128x256 cooperative (2x1): with CUTLASS's second (promotion) accumulator a consumer
 // warpgroup's 64x256 tile spills (ptxas -v, nvcc 13.0: 168 registers, 780 bytes of spill stores).
@@ -215,7 +216,7 @@ using V4 = Config<CoopTile, ClusterM2, Coop, CoopEpi, cutlass::bfloat16_t>;
 using V5 = Config<Tile192, ClusterM2, Coop, CoopEpi, cutlass::bfloat16_t, 64>;
 using V6 = Config<Tile192, ClusterN2, Coop, CoopEpi, cutlass::bfloat16_t, 64>;
 using V7 = Config<PingTile192, Cluster1, Ping, PingEpi, cutlass::bfloat16_t, 64>;
-constexpr int kNumVariants = 10;
+constexpr int kNumVariants = 11;
 
 // ------------------------------------------------------------------------------------------------
 // Ready range -> grouped problem arrays (one CTA; deterministic)
@@ -694,6 +695,7 @@ struct PairSchedulerParams : cutlass::gemm::kernel::detail::PersistentTileSchedu
   int tiles_n = 0;
   int band_pairs = 1;
   int along_n = 0;
+  int cluster_m = 2;  // items per cluster: 2 (pairs) or 1
 };
 
 // CUTLASS's static persistent scheduler with the tile order replaced: unit u of a cluster is
@@ -713,8 +715,9 @@ class PairScheduler : public cutlass::gemm::kernel::detail::PersistentTileSchedu
                                         ClusterShape cluster_shape, cutlass::KernelHardwareInfo const& hw_info,
                                         Arguments const& args, void* workspace = nullptr,
                                         uint32_t epilogue_subtile = 1, uint32_t ktile_start_alignment_count = 1u) {
-    static_assert(size<0>(ClusterShape{}) == 2 && size<1>(ClusterShape{}) == 1 && size<2>(ClusterShape{}) == 1,
-                  "the pair scheduler gives the two CTAs of a 2x1 cluster one item each");
+    static_assert((size<0>(ClusterShape{}) == 1 || size<0>(ClusterShape{}) == 2) && size<1>(ClusterShape{}) == 1 &&
+                      size<2>(ClusterShape{}) == 1,
+                  "the pair scheduler gives each CTA of a 1x1 or 2x1 cluster one item");
     Params p;
     static_cast<Base::Params&>(p) = Base::to_underlying_arguments(problem_shape_mnkl, tile_shape, cluster_shape,
                                                                    hw_info, args, workspace, epilogue_subtile,
@@ -725,15 +728,17 @@ class PairScheduler : public cutlass::gemm::kernel::detail::PersistentTileSchedu
     p.tiles_n = int((int64_t(get<1>(problem_shape_mnkl)) + size<1>(TileShape{}) - 1) / size<1>(TileShape{}));
     p.band_pairs = args.band_pairs > 0 ? args.band_pairs : 1;
     p.along_n = args.raster_order == RasterOrderOptions::AlongN ? 1 : 0;
+    p.cluster_m = size<0>(ClusterShape{});
     return p;
   }
 
-  // The persistent grid: max_active_clusters clusters of 2 CTAs along x (the plan caps it).
+  // The persistent grid: max_active_clusters clusters along x (the plan caps it).
   template <class ProblemShapeMNKL, class BlockShape, class ClusterShape>
   static dim3 get_grid_shape(Params const&, ProblemShapeMNKL, BlockShape, ClusterShape,
                              cutlass::KernelHardwareInfo hw_info, Arguments = Arguments{}, bool = true) {
-    int clusters = hw_info.max_active_clusters > 0 ? hw_info.max_active_clusters : hw_info.sm_count / 2;
-    return dim3(2 * std::max(1, clusters), 1, 1);
+    int const cm = size<0>(ClusterShape{});
+    int clusters = hw_info.max_active_clusters > 0 ? hw_info.max_active_clusters : hw_info.sm_count / cm;
+    return dim3(cm * std::max(1, clusters), 1, 1);
   }
 
   CUTLASS_HOST_DEVICE PairScheduler() {}
@@ -741,11 +746,11 @@ class PairScheduler : public cutlass::gemm::kernel::detail::PersistentTileSchedu
   CUTLASS_DEVICE explicit PairScheduler(Params const& p) : p_(p) {
 #if defined(__CUDA_ARCH__)
     rank_ = int(cute::block_rank_in_cluster());
-    unit_ = int64_t(blockIdx.x >> 1);
-    clusters_ = int64_t(gridDim.x >> 1);
+    unit_ = int64_t(blockIdx.x / p.cluster_m);
+    clusters_ = int64_t(gridDim.x / p.cluster_m);
     // written by the setup kernel earlier on this stream (no programmatic dependent launch here)
     count_ = *p.item_count;
-    pairs_ = (count_ + 1) / 2;
+    pairs_ = (count_ + p.cluster_m - 1) / p.cluster_m;
     units_ = int64_t(pairs_) * p.tiles_n;
 #endif
   }
@@ -770,8 +775,8 @@ class PairScheduler : public cutlass::gemm::kernel::detail::PersistentTileSchedu
       tile_n = off / in_band;
       pair = first + off % in_band;
     }
-    int j = 2 * pair + rank_;
-    if (j >= count_) j = 2 * pair;  // the last cluster of an odd count: both CTAs take the item
+    int j = p_.cluster_m * pair + rank_;
+    if (j >= count_) j = p_.cluster_m * pair;  // the last pair of an odd count: both CTAs take the item
     return {p_.item_block[j], tile_n, p_.item_expert[j], true};
   }
 
@@ -897,11 +902,14 @@ struct TileSchedulerSelector<sr::PairSchedulerTag, ArchTag, TileShape, ClusterSh
 
 namespace sr {
 
-template <class TileShape_, class ElementD_, int SfN_ = 128>
+// ClusterM_ 2: the pair kernel above; 1: the same layout and tile order, one item per CTA, every
+// CTA loading its own tiles (no multicast, no cluster-wide stage release).
+template <class TileShape_, class ElementD_, int SfN_ = 128, int ClusterM_ = 2>
 struct PairConfig {
   static constexpr int kSfN = SfN_;
+  static constexpr int kClusterM = ClusterM_;
   using TileShape = TileShape_;
-  using ClusterShape = Shape<_2, _1, _1>;
+  using ClusterShape = Shape<Int<ClusterM_>, _1, _1>;
   using ElementA = cutlass::float_e4m3_t;
   using ElementB = cutlass::float_e4m3_t;
   using ElementC = void;
@@ -932,7 +940,7 @@ struct PairConfig {
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename CollectiveEpilogue::SharedStorage))>,
       cutlass::gemm::KernelTmaWarpSpecializedCooperativeFP8Blockwise>::CollectiveOp;
-  using CollectiveMainloop = PairMulticastMainloop<BaseMainloop>;
+  using CollectiveMainloop = cute::conditional_t<ClusterM_ == 2, PairMulticastMainloop<BaseMainloop>, BaseMainloop>;
 
   using GemmKernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue,
                                                           PairSchedulerTag>;
@@ -951,6 +959,7 @@ struct PairSetupArgs {
   int* item_expert;
   int* item_count;
   int* partner_expert;  // [capacity >= num_blocks]
+  int pairs;            // 1: items 2p and 2p+1 share a cluster (partners checked); 0: one item per CTA
 };
 
 static __global__ void __launch_bounds__(kSetupThreads, 1) setup_pairs_kernel(PairSetupArgs ps) {  // static: one per part
@@ -1002,7 +1011,7 @@ static __global__ void __launch_bounds__(kSetupThreads, 1) setup_pairs_kernel(Pa
     int partner = (j ^ 1) < count ? (j ^ 1) : j;
     if (ps.partner_expert[ps.item_block[j]] != ps.item_expert[partner]) bad = 1;
   }
-  if (bad) atomicOr(&s_flags, SR_STATUS_DUPLICATE_BLOCK);
+  if (bad && ps.pairs) atomicOr(&s_flags, SR_STATUS_DUPLICATE_BLOCK);
   __syncthreads();
   if (threadIdx.x == 0) {
     s_count = (s_flags & SR_STATUS_DUPLICATE_BLOCK) ? 0 : count;
@@ -1068,7 +1077,7 @@ struct PairPlan final : PlanBase {
     cutlass::KernelHardwareInfo hw;
     hw.device_id = device;
     hw.sm_count = ctas;
-    hw.max_active_clusters = std::max(1, std::min(max_active_clusters, ctas / 2));
+    hw.max_active_clusters = std::max(1, std::min(max_active_clusters, ctas / Cfg::kClusterM));
     int const rows = r.num_blocks * kTileM;
     auto sfa = Cfg::ScaleConfig::tile_atom_to_shape_SFA(make_shape(rows, n, k, r.num_experts));
     typename Cfg::LayoutSFA layout_sfa = make_layout(shape(sfa), replace<2>(stride(sfa), 0));  // one row buffer
@@ -1088,7 +1097,7 @@ struct PairPlan final : PlanBase {
     ml.layout_SFA = layout_sfa;
     ml.ptr_SFB = r.w_sf;
     ml.layout_SFB = layout_sfb;
-    ml.partner_expert = partner_expert();
+    if constexpr (Cfg::kClusterM == 2) ml.partner_expert = partner_expert();
     auto& ep = args.epilogue;
     ep.ptr_C = nullptr;
     ep.dC = stride_d;
@@ -1165,7 +1174,7 @@ struct PairPlan final : PlanBase {
                 r.num_experts, r.block_m, n, k, static_cast<char const*>(r.a),
                 reinterpret_cast<char const*>(r.a_sf), static_cast<char const*>(r.w),
                 reinterpret_cast<char const*>(r.w_sf), static_cast<char*>(r.d), r.status, trap_on_error};
-    PairSetupArgs ps{s, item_block(), item_expert(), item_count(), partner_expert()};
+    PairSetupArgs ps{s, item_block(), item_expert(), item_count(), partner_expert(), Cfg::kClusterM == 2 ? 1 : 0};
     setup_pairs_kernel<<<1, kSetupThreads, 0, stream>>>(ps);
     SR_CUDA(cudaGetLastError());
     last = r;
@@ -1176,8 +1185,9 @@ struct PairPlan final : PlanBase {
     int rc = check_run(r);
     if (rc) return rc;
     if (r.max_items == 0) return SR_OK;
+    int const cm = Cfg::kClusterM;
     int ctas = r.max_ctas > 0 && r.max_ctas < sm_count ? r.max_ctas : sm_count;
-    ctas = std::max(2, ctas / 2 * 2);
+    ctas = std::max(cm, ctas / cm * cm);
     typename Cfg::Params* params = nullptr;
     rc = params_for(r, ctas, &params);
     if (rc) return rc;
@@ -1231,6 +1241,7 @@ struct PairPlan final : PlanBase {
 
 using V8 = PairConfig<CoopTile, cutlass::bfloat16_t>;
 using V9 = PairConfig<Tile192, cutlass::bfloat16_t, 64>;
+using V10 = PairConfig<CoopTile, cutlass::bfloat16_t, 128, 1>;
 
 // Per variant: a new plan, and its description. Declared in every part, defined in the part that
 // compiles the variant.
@@ -1253,6 +1264,7 @@ SR_VARIANT_DECL(6)
 SR_VARIANT_DECL(7)
 SR_VARIANT_DECL(8)
 SR_VARIANT_DECL(9)
+SR_VARIANT_DECL(10)
 #if SR_GEMM_OWNS(0)
 SR_VARIANT_DEF(0)
 #endif
@@ -1283,6 +1295,9 @@ SR_PAIR_VARIANT_DEF(8)
 #if SR_GEMM_OWNS(9)
 SR_PAIR_VARIANT_DEF(9)
 #endif
+#if SR_GEMM_OWNS(10)
+SR_PAIR_VARIANT_DEF(10)
+#endif
 
 #if SR_GEMM_PART == 0
 // nullptr for an unknown variant
@@ -1298,6 +1313,7 @@ static PlanBase* new_plan(int variant) {
     case 7: return new_plan_7();
     case 8: return new_plan_8();
     case 9: return new_plan_9();
+    case 10: return new_plan_10();
     default: return nullptr;
   }
 }
@@ -1314,6 +1330,7 @@ static bool variant_info(int variant, int* out) {
     case 7: variant_info_7(out); return true;
     case 8: variant_info_8(out); return true;
     case 9: variant_info_9(out); return true;
+    case 10: variant_info_10(out); return true;
     default: return false;
   }
 }
