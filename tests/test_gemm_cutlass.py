@@ -356,9 +356,10 @@ def parse_variant_table(text: str) -> dict:
     for m in re.finditer(r"using V(\d+) = Config<(\w+), (\w+), \w+, \w+, ([\w:]+)(?:, (\d+))?>;", text):
         v, tile, cl, dt, sfn = m.groups()
         out[int(v)] = (*tiles[tile], *clusters[cl], int(sfn or 128), "f32" if dt == "float" else "bf16", False)
-    for m in re.finditer(r"using V(\d+) = PairConfig<(\w+), ([\w:]+)(?:, (\d+))?(?:, (\d))?>;", text):
-        v, tile, dt, sfn, cm = m.groups()
-        out[int(v)] = (*tiles[tile], int(cm or 2), 1, int(sfn or 128), "f32" if dt == "float" else "bf16", True)
+    for m in re.finditer(r"using V(\d+) = PairConfig<(\w+), ([\w:]+)(?:, (\d+))?(?:, (\d))?(?:, (\d))?>;", text):
+        v, tile, dt, sfn, cm, cn = m.groups()
+        out[int(v)] = (*tiles[tile], int(cm or 2), int(cn or 1), int(sfn or 128), "f32" if dt == "float" else "bf16",
+                       True)
     return out
 
 

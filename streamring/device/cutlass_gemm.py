@@ -74,6 +74,9 @@ TILE_TABLE = {
     "block128": Tile((128, 128, 128), (1, 1), 128, {torch.bfloat16: 10},
                      "128x128x128 tile, cooperative, one 128-row block per tile (pair128's layout and order) with a "
                      "1x1 cluster: no multicast; block_m 128 only", block_tile=True),
+    "block128_n2": Tile((128, 128, 128), (1, 2), 128, {torch.bfloat16: 11},
+                        "128x128x128 tile, cooperative, one 128-row block per tile, a 1x2 cluster: two N tiles of one "
+                        "block, the A tile multicast; block_m 128 only", block_tile=True),
 }
 TILES = {name: i for i, name in enumerate(TILE_TABLE)}
 TILE_DOC = {name: t.doc for name, t in TILE_TABLE.items()}

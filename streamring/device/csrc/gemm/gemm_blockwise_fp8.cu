@@ -205,6 +205,9 @@ using Cluster1 = Shape<_1, _1, _1>;
 //      multicast when the cluster's two blocks are one expert's (PairConfig, below; block_m 128 only)
 //   9: pair 128x192, as 8, weight scales repeated to 64 rows
 //   10: block 128x128: the pair layout and order with a 1x1 cluster (one block per CTA, no multicast)
+//   11: block 128x128 with a 1x2 cluster: two N tiles of one block, the A tile multicast
+// Not here: a 128x192 block tile with the 1x2 cluster (CuTe's "Stride Divisibility Condition" fails in
+// this non-grouped collective, CUTLASS 4.2).
 // Stages: as many as the shared memory left by the epilogue holds (StageCountAutoCarveout).
 // Not here: 128x256 cooperative (2x1): with CUTLASS's second (promotion) accumulator a consumer
 // warpgroup's 64x256 tile spills (ptxas -v, nvcc 13.0: 168 registers, 780 bytes of spill stores).
@@ -216,7 +219,7 @@ using V4 = Config<CoopTile, ClusterM2, Coop, CoopEpi, cutlass::bfloat16_t>;
 using V5 = Config<Tile192, ClusterM2, Coop, CoopEpi, cutlass::bfloat16_t, 64>;
 using V6 = Config<Tile192, ClusterN2, Coop, CoopEpi, cutlass::bfloat16_t, 64>;
 using V7 = Config<PingTile192, Cluster1, Ping, PingEpi, cutlass::bfloat16_t, 64>;
-constexpr int kNumVariants = 11;
+constexpr int kNumVariants = 12;
 
 // ------------------------------------------------------------------------------------------------
 // Ready range -> grouped problem arrays (one CTA; deterministic)
@@ -696,6 +699,7 @@ struct PairSchedulerParams : cutlass::gemm::kernel::detail::PersistentTileSchedu
   int band_pairs = 1;
   int along_n = 0;
   int cluster_m = 2;  // items per cluster: 2 (pairs) or 1
+  int cluster_n = 1;  // N tiles of one item per cluster: 1, or 2 (the A tile multicast)
 };
 
 // CUTLASS's static persistent scheduler with the tile order replaced: unit u of a cluster is
@@ -715,9 +719,8 @@ class PairScheduler : public cutlass::gemm::kernel::detail::PersistentTileSchedu
                                         ClusterShape cluster_shape, cutlass::KernelHardwareInfo const& hw_info,
                                         Arguments const& args, void* workspace = nullptr,
                                         uint32_t epilogue_subtile = 1, uint32_t ktile_start_alignment_count = 1u) {
-    static_assert((size<0>(ClusterShape{}) == 1 || size<0>(ClusterShape{}) == 2) && size<1>(ClusterShape{}) == 1 &&
-                      size<2>(ClusterShape{}) == 1,
-                  "the pair scheduler gives each CTA of a 1x1 or 2x1 cluster one item");
+    static_assert(size<0>(ClusterShape{}) * size<1>(ClusterShape{}) <= 2 && size<2>(ClusterShape{}) == 1,
+                  "the pair scheduler takes 1x1, 2x1 (two items) and 1x2 (two N tiles of one item) clusters");
     Params p;
     static_cast<Base::Params&>(p) = Base::to_underlying_arguments(problem_shape_mnkl, tile_shape, cluster_shape,
                                                                    hw_info, args, workspace, epilogue_subtile,
@@ -729,6 +732,7 @@ class PairScheduler : public cutlass::gemm::kernel::detail::PersistentTileSchedu
     p.band_pairs = args.band_pairs > 0 ? args.band_pairs : 1;
     p.along_n = args.raster_order == RasterOrderOptions::AlongN ? 1 : 0;
     p.cluster_m = size<0>(ClusterShape{});
+    p.cluster_n = size<1>(ClusterShape{});
     return p;
   }
 
@@ -736,22 +740,25 @@ class PairScheduler : public cutlass::gemm::kernel::detail::PersistentTileSchedu
   template <class ProblemShapeMNKL, class BlockShape, class ClusterShape>
   static dim3 get_grid_shape(Params const&, ProblemShapeMNKL, BlockShape, ClusterShape,
                              cutlass::KernelHardwareInfo hw_info, Arguments = Arguments{}, bool = true) {
-    int const cm = size<0>(ClusterShape{});
-    int clusters = hw_info.max_active_clusters > 0 ? hw_info.max_active_clusters : hw_info.sm_count / cm;
-    return dim3(cm * std::max(1, clusters), 1, 1);
+    int const cm = size<0>(ClusterShape{}), cn = size<1>(ClusterShape{});
+    int clusters = hw_info.max_active_clusters > 0 ? hw_info.max_active_clusters : hw_info.sm_count / (cm * cn);
+    return dim3(cm * std::max(1, clusters), cn, 1);
   }
 
   CUTLASS_HOST_DEVICE PairScheduler() {}
 
   CUTLASS_DEVICE explicit PairScheduler(Params const& p) : p_(p) {
 #if defined(__CUDA_ARCH__)
-    rank_ = int(cute::block_rank_in_cluster());
-    unit_ = int64_t(blockIdx.x / p.cluster_m);
+    int const rank = int(cute::block_rank_in_cluster());  // x (along M) fastest
+    rank_ = rank % p.cluster_m;
+    rank_n_ = rank / p.cluster_m;
+    unit_ = int64_t(blockIdx.x / p.cluster_m);  // the grid is (cluster_m * clusters, cluster_n)
     clusters_ = int64_t(gridDim.x / p.cluster_m);
+    units_n_ = (p.tiles_n + p.cluster_n - 1) / p.cluster_n;
     // written by the setup kernel earlier on this stream (no programmatic dependent launch here)
     count_ = *p.item_count;
     pairs_ = (count_ + p.cluster_m - 1) / p.cluster_m;
-    units_ = int64_t(pairs_) * p.tiles_n;
+    units_ = int64_t(pairs_) * units_n_;
 #endif
   }
 
@@ -762,19 +769,20 @@ class PairScheduler : public cutlass::gemm::kernel::detail::PersistentTileSchedu
 
   CUTLASS_DEVICE WorkTileInfo work_for(int64_t u) const {
     if (u >= units_) return WorkTileInfo::invalid_work_tile();
-    int64_t const band_units = int64_t(p_.band_pairs) * p_.tiles_n;
+    int64_t const band_units = int64_t(p_.band_pairs) * units_n_;
     int64_t const band = u / band_units;
     int const off = int(u - band * band_units);
     int const first = int(band) * p_.band_pairs;
     int pair, tile_n;
     if (p_.along_n) {
-      pair = first + off / p_.tiles_n;
-      tile_n = off % p_.tiles_n;
+      pair = first + off / units_n_;
+      tile_n = off % units_n_;
     } else {
       int const in_band = min(p_.band_pairs, pairs_ - first);
       tile_n = off / in_band;
       pair = first + off % in_band;
     }
+    tile_n = tile_n * p_.cluster_n + rank_n_;  // past N on an odd tile count: TMA zero-fills, stores nothing
     int j = p_.cluster_m * pair + rank_;
     if (j >= count_) j = p_.cluster_m * pair;  // the last pair of an odd count: both CTAs take the item
     return {p_.item_block[j], tile_n, p_.item_expert[j], true};
@@ -796,7 +804,7 @@ class PairScheduler : public cutlass::gemm::kernel::detail::PersistentTileSchedu
 
  private:
   Params p_{};
-  int rank_ = 0, count_ = 0, pairs_ = 0;
+  int rank_ = 0, rank_n_ = 0, units_n_ = 1, count_ = 0, pairs_ = 0;
   int64_t unit_ = 0, clusters_ = 1, units_ = 0;
 };
 
@@ -903,13 +911,16 @@ struct TileSchedulerSelector<sr::PairSchedulerTag, ArchTag, TileShape, ClusterSh
 namespace sr {
 
 // ClusterM_ 2: the pair kernel above; 1: the same layout and tile order, one item per CTA, every
-// CTA loading its own tiles (no multicast, no cluster-wide stage release).
-template <class TileShape_, class ElementD_, int SfN_ = 128, int ClusterM_ = 2>
+// CTA loading its own tiles (no multicast, no cluster-wide stage release); ClusterN_ 2 (with
+// ClusterM_ 1): the two CTAs take adjacent N tiles of one item and CUTLASS's own mainloop multicasts
+// the A tile (always valid: one block, one expert).
+template <class TileShape_, class ElementD_, int SfN_ = 128, int ClusterM_ = 2, int ClusterN_ = 1>
 struct PairConfig {
   static constexpr int kSfN = SfN_;
   static constexpr int kClusterM = ClusterM_;
+  static constexpr int kClusterSize = ClusterM_ * ClusterN_;
   using TileShape = TileShape_;
-  using ClusterShape = Shape<Int<ClusterM_>, _1, _1>;
+  using ClusterShape = Shape<Int<ClusterM_>, Int<ClusterN_>, _1>;
   using ElementA = cutlass::float_e4m3_t;
   using ElementB = cutlass::float_e4m3_t;
   using ElementC = void;
@@ -1077,7 +1088,7 @@ struct PairPlan final : PlanBase {
     cutlass::KernelHardwareInfo hw;
     hw.device_id = device;
     hw.sm_count = ctas;
-    hw.max_active_clusters = std::max(1, std::min(max_active_clusters, ctas / Cfg::kClusterM));
+    hw.max_active_clusters = std::max(1, std::min(max_active_clusters, ctas / Cfg::kClusterSize));
     int const rows = r.num_blocks * kTileM;
     auto sfa = Cfg::ScaleConfig::tile_atom_to_shape_SFA(make_shape(rows, n, k, r.num_experts));
     typename Cfg::LayoutSFA layout_sfa = make_layout(shape(sfa), replace<2>(stride(sfa), 0));  // one row buffer
@@ -1185,9 +1196,9 @@ struct PairPlan final : PlanBase {
     int rc = check_run(r);
     if (rc) return rc;
     if (r.max_items == 0) return SR_OK;
-    int const cm = Cfg::kClusterM;
+    int const cs = Cfg::kClusterSize;
     int ctas = r.max_ctas > 0 && r.max_ctas < sm_count ? r.max_ctas : sm_count;
-    ctas = std::max(cm, ctas / cm * cm);
+    ctas = std::max(cs, ctas / cs * cs);
     typename Cfg::Params* params = nullptr;
     rc = params_for(r, ctas, &params);
     if (rc) return rc;
@@ -1242,6 +1253,7 @@ struct PairPlan final : PlanBase {
 using V8 = PairConfig<CoopTile, cutlass::bfloat16_t>;
 using V9 = PairConfig<Tile192, cutlass::bfloat16_t, 64>;
 using V10 = PairConfig<CoopTile, cutlass::bfloat16_t, 128, 1>;
+using V11 = PairConfig<CoopTile, cutlass::bfloat16_t, 128, 1, 2>;
 
 // Per variant: a new plan, and its description. Declared in every part, defined in the part that
 // compiles the variant.
@@ -1265,6 +1277,7 @@ SR_VARIANT_DECL(7)
 SR_VARIANT_DECL(8)
 SR_VARIANT_DECL(9)
 SR_VARIANT_DECL(10)
+SR_VARIANT_DECL(11)
 #if SR_GEMM_OWNS(0)
 SR_VARIANT_DEF(0)
 #endif
@@ -1298,6 +1311,9 @@ SR_PAIR_VARIANT_DEF(9)
 #if SR_GEMM_OWNS(10)
 SR_PAIR_VARIANT_DEF(10)
 #endif
+#if SR_GEMM_OWNS(11)
+SR_PAIR_VARIANT_DEF(11)
+#endif
 
 #if SR_GEMM_PART == 0
 // nullptr for an unknown variant
@@ -1314,6 +1330,7 @@ static PlanBase* new_plan(int variant) {
     case 8: return new_plan_8();
     case 9: return new_plan_9();
     case 10: return new_plan_10();
+    case 11: return new_plan_11();
     default: return nullptr;
   }
 }
@@ -1331,6 +1348,7 @@ static bool variant_info(int variant, int* out) {
     case 8: variant_info_8(out); return true;
     case 9: variant_info_9(out); return true;
     case 10: variant_info_10(out); return true;
+    case 11: variant_info_11(out); return true;
     default: return false;
   }
 }
