@@ -4,11 +4,12 @@
     python -m bench.make_gemm_table docs/results/gemm-2026-12-01-psum.json \
         docs/results/gemm-1024-bm64-2026-12-02-s9.json --out streamring/moe/gemm_table.json
 
-Each (tokens, GEMM) entry is taken whole from one run: the last file given that measured that size
-(:func:`bench.gemm.make_table` of its rows), so the times an entry compares were taken side by side
-in one process, never mixed across runs. Every entry names its file (``source``). The runs must share
-the device and the block size (``--block-m`` of ``bench.gemm``): the layer's choice reads one table
-for one block size, and a file measured with another is refused, naming both.
+Each (tokens, GEMM, block size) entry is taken whole from one run: the last file given that measured
+that size with that ``--block-m`` (:func:`bench.gemm.make_table` of its rows), so the times an entry
+compares were taken side by side in one process, never mixed across runs. Every entry names its file
+(``source``) and the run's block size (``run_block_m``; ``gemm_choice`` prefers the entries of the
+consumer's block size: the one-block-per-tile CUTLASS tiles are measured at 128 only). The runs must
+share the device: a file measured on another is refused, naming both.
 """
 
 from __future__ import annotations
@@ -32,18 +33,18 @@ def merge(paths: list[str]) -> dict:
     for p in paths:
         run = json.loads(Path(p).read_text())
         meta = run.get("meta", {})
-        here = {"device": meta.get("device"), "block_m": meta.get("args", {}).get("block_m")}
+        here = {"device": meta.get("device")}
+        block_m = meta.get("args", {}).get("block_m")
         if first is None:
             first = (p, here)
         elif here != first[1]:
-            raise ValueError(f"{p} was measured with device {here['device']!r}, block_m {here['block_m']}; "
-                             f"{first[0]} with device {first[1]['device']!r}, block_m {first[1]['block_m']}: "
-                             "one table holds one device and one block size")
+            raise ValueError(f"{p} was measured on device {here['device']!r}, {first[0]} on "
+                             f"{first[1]['device']!r}: one table holds one device")
         table = make_table(run.get("rows", []), shape.num_experts, shape.topk, meta)
         for e in table["entries"]:
-            entries[(e["tokens"], e["gemm"])] = dict(e, source=str(p))
+            entries[(e["tokens"], e["gemm"], block_m)] = dict(e, run_block_m=block_m, source=str(p))
         dates.append(meta.get("date") or "")
-    out = sorted(entries.values(), key=lambda e: (e["gemm"], e["rows_per_expert"]))
+    out = sorted(entries.values(), key=lambda e: (e["gemm"], e["rows_per_expert"], e["run_block_m"] or 0))
     return {"measured": bool(out), "date": max(dates), "device": first[1]["device"],
             "source": "python -m bench.make_gemm_table " + " ".join(str(p) for p in paths),
             "note": "per (rows per expert = tokens x top-k / experts, N, K): median ms of every implementation "

@@ -8,6 +8,7 @@ table keys, and that the table ``bench.gemm`` writes is what ``choose_gemm`` rea
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -194,8 +195,17 @@ def test_gemm_table_entries_come_whole_from_the_last_run_that_measured_them(tmp_
     assert by[128]["source"] == old and by[128]["best"] == "cutlass:pingpong64:bf16:m"
     assert by[1024]["source"] == new and by[1024]["times_ms"] == {"triton": 1.9, "cutlass:pingpong64:bf16:m": 2.0}
     assert t["date"] == "2026-12-02"
+    # another block size: its own entries beside the others, tagged; another device: refused
     other = _run(tmp_path / "bm16.json", {128: (1.7, 1.9)}, block_m=16)
-    with pytest.raises(ValueError, match=r"bm16\.json was measured with device 'NVIDIA H200', block_m 16; .*block_m 64"):
+    t2 = MT.merge([old, other])
+    got = {(e["tokens"], e["run_block_m"]): e["source"] for e in t2["entries"]}
+    assert got == {(128, 64): old, (1024, 64): old, (128, 16): other}
+    assert GC.choose_gemm(128 * 8 / 256, 4096, 7168, {"triton"}, t2, block_m=16).ms == 1.7
+    assert GC.choose_gemm(128 * 8 / 256, 4096, 7168, {"triton"}, t2, block_m=64).ms == 2.0
+    elsewhere = json.loads(Path(other).read_text())
+    elsewhere["meta"]["device"] = "NVIDIA H100"
+    Path(other).write_text(json.dumps(elsewhere))
+    with pytest.raises(ValueError, match=r"bm16\.json was measured on device 'NVIDIA H100', .*old\.json on 'NVIDIA H200'"):
         MT.merge([old, other])
 
 

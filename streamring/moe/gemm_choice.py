@@ -106,10 +106,13 @@ def load_table(path: str | Path | None = None) -> dict:
     return json.loads(p.read_text())
 
 
-def _nearest_entry(table: Mapping, rows_per_expert: float, n: int, k: int) -> dict | None:
+def _nearest_entry(table: Mapping, rows_per_expert: float, n: int, k: int, block_m: int | None = None
+                   ) -> dict | None:
+    """The entry of (n, k) nearest in rows per expert (within :data:`NEAREST_FACTOR`); among those as near,
+    one measured with the consumer's ``block_m`` (``run_block_m``) first."""
     if not table.get("measured"):
         return None
-    best, dist = None, None
+    best, rank = None, None
     for e in table.get("entries", []):
         if e.get("n") != n or e.get("k") != k or not e.get("times_ms"):
             continue
@@ -117,8 +120,9 @@ def _nearest_entry(table: Mapping, rows_per_expert: float, n: int, k: int) -> di
         if rpe <= 0 or rows_per_expert <= 0:
             continue
         d = abs(math.log(rpe / rows_per_expert))
-        if d <= math.log(NEAREST_FACTOR) and (dist is None or d < dist):
-            best, dist = e, d
+        r = (round(d, 9), block_m is None or e.get("run_block_m") != block_m)
+        if d <= math.log(NEAREST_FACTOR) and (rank is None or r < rank):
+            best, rank = e, r
     return best
 
 
@@ -152,7 +156,7 @@ def choose_gemm(rows_per_expert: float, n: int, k: int, available: Iterable[str]
     ``block_m``-row blocks can run (:func:`usable_at`); the fallback rule where nothing measured applies."""
     avail = set(available) & set(IMPLS)
     table = load_table() if table is None else table
-    entry = _nearest_entry(table, rows_per_expert, n, k)
+    entry = _nearest_entry(table, rows_per_expert, n, k, block_m)
     if entry is None:
         return fallback(rows_per_expert, avail, f"no measured entry for N={n} K={k} near {rows_per_expert:g} rows "
                                                 f"per expert")
@@ -189,7 +193,7 @@ def choose_layer(rows_per_expert: float, hidden: int, intermediate: int, availab
         skipped, avail = {}, set(available)
     table = load_table() if table is None else table
     shapes = ((2 * intermediate, hidden), (hidden, intermediate))
-    entries = [_nearest_entry(table, rows_per_expert, n, k) for n, k in shapes]
+    entries = [_nearest_entry(table, rows_per_expert, n, k, block_m) for n, k in shapes]
     totals = {}
     if all(entries):
         for impl in sorted(avail & set(IMPLS)):
