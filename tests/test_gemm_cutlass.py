@@ -904,16 +904,18 @@ def test_consumer_cutlass_matches_triton(l1_dtype):
 
 
 @needs_gpu
-@pytest.mark.parametrize("chunk, tiles", [(13, ("coop128", "coop128")), (40, ("coop128", "coop128")),
-                                          (13, ("coop192_m2", "pingpong192")), (40, ("coop128_m2", "coop192_n2"))])
-def test_consumer_cutlass_streamed_equals_batch_bitwise(chunk, tiles):
+@pytest.mark.parametrize("chunk, tiles, bm", [(13, ("coop128", "coop128"), 16), (40, ("coop128", "coop128"), 16),
+                                              (13, ("coop192_m2", "pingpong192"), 16),
+                                              (40, ("coop128_m2", "coop192_n2"), 16),
+                                              (13, ("pair128", "block128"), 128), (40, ("block128_n2", "pair128_n2"), 128)])
+def test_consumer_cutlass_streamed_equals_batch_bitwise(chunk, tiles, bm):
     B, shape, fw, x = _moe_setup()
     T = x.shape[0]
     ys = []
     for streamed in (False, True):
         prod = B.Producer(shape, fw, T, "cuda")
         sc = B.scratch_buffers(shape, T, "cuda")
-        bc = B.BlockConsumer(shape, T, -(-T // chunk) + 1, 16, "cuda")
+        bc = B.BlockConsumer(shape, T, -(-T // chunk) + 1, bm, "cuda")
         l1_dtype = torch.float32 if tiles[0] == "coop128" else torch.bfloat16
         bc.use_cutlass(trap_on_error=False, tile_l1=tiles[0], tile_l2=tiles[1], l1_out_dtype=l1_dtype)
         y = torch.zeros_like(x)

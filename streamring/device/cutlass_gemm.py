@@ -13,6 +13,15 @@ the 128x128 ones), fp32 accumulation, ``d`` bfloat16 or float32. The range is re
 is allocated and nothing is read back, so runs can be captured in a CUDA graph. Rows of blocks not in
 the range are not written.
 
+Two kinds of tiles (:data:`TILE_TABLE`): the grouped ones run CUTLASS's pointer-array grouped GEMM
+over runs of one expert's consecutive blocks (any ``block_m``); the one-block tiles (``block_tile``:
+``pair128``, ``pair192``, ``pair128_n2``, ``block128``, ``block128_n2``) take exactly one 128-row block per tile
+(``block_m`` must be 128, and the plan's capacity at least the number of blocks), with one tensor
+map per operand and the expert as CUTLASS's batch coordinate; ``pair*`` tiles give ready blocks 2p
+and 2p+1 to the two CTAs of a 2x1 cluster and multicast the weight tile when both are one expert's,
+``block128_n2`` gives one block's two adjacent N tiles to a 1x2 cluster that shares the A tile,
+``pair128_n2`` does both in a 2x2 cluster.
+
 The library is found (and, where nvcc and CUTLASS's headers are available, built) lazily by
 :func:`load_library`: ``$STREAMRING_GEMM_LIB``, then the repository's ``.gemm-build/``, then the build
 cache of :mod:`streamring.device.build_gemm`. A library built from another version of the source is
@@ -77,6 +86,10 @@ TILE_TABLE = {
     "block128_n2": Tile((128, 128, 128), (1, 2), 128, {torch.bfloat16: 11},
                         "128x128x128 tile, cooperative, one 128-row block per tile, a 1x2 cluster: two N tiles of one "
                         "block, the A tile multicast; block_m 128 only", block_tile=True),
+    "pair128_n2": Tile((128, 128, 128), (2, 2), 128, {torch.bfloat16: 12},
+                       "128x128x128 tile, cooperative, a 2x2 cluster: ready blocks 2p and 2p+1 by two N tiles, the A "
+                       "tile shared along N, the weight tile along M when one expert's; block_m 128 only",
+                       block_tile=True),
 }
 TILES = {name: i for i, name in enumerate(TILE_TABLE)}
 TILE_DOC = {name: t.doc for name, t in TILE_TABLE.items()}

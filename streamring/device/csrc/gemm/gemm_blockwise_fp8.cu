@@ -9,6 +9,8 @@
 // last one get M = 0 (no tiles). Then CUTLASS's SM90 warp-specialized ptr-array grouped GEMM with
 // FP8 blockwise scaling (KernelPtrArrayTmaWarpSpecialized{Cooperative,Pingpong}FP8Blockwise, persistent
 // grid, group tile scheduler - no stream-K, no split-K) runs with problem_count = max_items.
+// The pair variants (8-11, "Pair variants" below) take the same ready range with a non-grouped
+// kernel: one 128-row block per tile, the expert as the batch coordinate of one TMA descriptor.
 //
 // Why every row depends only on its own data (the bitwise streamed == batch contract): the K loop runs
 // over all of K in a fixed order for every output tile (the group scheduler never splits K), each
@@ -206,6 +208,7 @@ using Cluster1 = Shape<_1, _1, _1>;
 //   9: pair 128x192, as 8, weight scales repeated to 64 rows
 //   10: block 128x128: the pair layout and order with a 1x1 cluster (one block per CTA, no multicast)
 //   11: block 128x128 with a 1x2 cluster: two N tiles of one block, the A tile multicast
+//   12: pair 128x128 with a 2x2 cluster: the pairs of 8 by two N tiles, both the A and the weight tile shared
 // Not here: a 128x192 block tile with the 1x2 cluster (CuTe's "Stride Divisibility Condition" fails in
 // this non-grouped collective, CUTLASS 4.2).
 // Stages: as many as the shared memory left by the epilogue holds (StageCountAutoCarveout).
@@ -219,7 +222,7 @@ using V4 = Config<CoopTile, ClusterM2, Coop, CoopEpi, cutlass::bfloat16_t>;
 using V5 = Config<Tile192, ClusterM2, Coop, CoopEpi, cutlass::bfloat16_t, 64>;
 using V6 = Config<Tile192, ClusterN2, Coop, CoopEpi, cutlass::bfloat16_t, 64>;
 using V7 = Config<PingTile192, Cluster1, Ping, PingEpi, cutlass::bfloat16_t, 64>;
-constexpr int kNumVariants = 12;
+constexpr int kNumVariants = 13;
 
 // ------------------------------------------------------------------------------------------------
 // Ready range -> grouped problem arrays (one CTA; deterministic)
@@ -719,8 +722,8 @@ class PairScheduler : public cutlass::gemm::kernel::detail::PersistentTileSchedu
                                         ClusterShape cluster_shape, cutlass::KernelHardwareInfo const& hw_info,
                                         Arguments const& args, void* workspace = nullptr,
                                         uint32_t epilogue_subtile = 1, uint32_t ktile_start_alignment_count = 1u) {
-    static_assert(size<0>(ClusterShape{}) * size<1>(ClusterShape{}) <= 2 && size<2>(ClusterShape{}) == 1,
-                  "the pair scheduler takes 1x1, 2x1 (two items) and 1x2 (two N tiles of one item) clusters");
+    static_assert(size<0>(ClusterShape{}) <= 2 && size<1>(ClusterShape{}) <= 2 && size<2>(ClusterShape{}) == 1,
+                  "the pair scheduler takes clusters of 1 or 2 items (M) by 1 or 2 N tiles of each");
     Params p;
     static_cast<Base::Params&>(p) = Base::to_underlying_arguments(problem_shape_mnkl, tile_shape, cluster_shape,
                                                                    hw_info, args, workspace, epilogue_subtile,
@@ -852,7 +855,8 @@ struct PairMulticastMainloop : Base {
                            BlockCoord const& blk_coord, KTileIterator k_tile_iter, int k_tile_count, int thread_idx,
                            uint32_t block_rank_in_cluster, TensorStorage& shared_tensors) {
     static_assert(!Base::IsTmaLoadSFA && !Base::IsTmaLoadSFB, "the scales are loaded by the auxiliary warp (cp.async)");
-    static_assert(size<0>(ClusterShape{}) == 2 && size<1>(ClusterShape{}) == 1, "a 2x1 cluster");
+    constexpr int kClusterN = size<1>(ClusterShape{});
+    static_assert(size<0>(ClusterShape{}) == 2 && kClusterN <= 2, "a 2x1 or 2x2 cluster");
     static_assert(cute::is_same_v<GmemTiledCopyB, SM90_TMA_LOAD_MULTICAST>, "the weight tile is multicast along M");
     (void)thread_idx;
     int lane_predicate = cute::elect_one_sync();
@@ -863,7 +867,15 @@ struct PairMulticastMainloop : Base {
     auto [m_coord, n_coord, k_coord, l_coord] = blk_coord;
     Tensor gA = gA_mkl(_, _, m_coord, _, l_coord);  // the batch mode of A has stride 0: l does not move it
     Tensor gB = gB_nkl(_, _, n_coord, _, l_coord);  // expert l's weights
-    auto tma_a = mainloop_params.tma_load_a.get_slice(0);  // cluster N = 1: A is not multicast
+    auto block_layout = Layout<ClusterShape>{};  // (m, n) -> rank in the cluster
+    uint32_t const cta_m = block_rank_in_cluster % 2, cta_n = block_rank_in_cluster / 2;
+    // A: with two N tiles per cluster, the two CTAs of one item (same m) each load half and multicast
+    // it to both (always valid: one block); with one, each CTA loads its own.
+    auto tma_a = mainloop_params.tma_load_a.get_slice(cta_n);
+    uint16_t mask_a = 0;
+    if constexpr (kClusterN == 2) {
+      for (int n = 0; n < kClusterN; ++n) mask_a |= uint16_t(1u << block_layout(cta_m, n, Int<0>{}));
+    }
     Tensor tAgA = tma_a.partition_S(gA);
     Tensor tAsA = tma_a.partition_D(sA);
     auto tma_b0 = mainloop_params.tma_load_b.get_slice(0);
@@ -872,7 +884,8 @@ struct PairMulticastMainloop : Base {
     Tensor tBsB0 = tma_b0.partition_D(sB);
     Tensor tBgB1 = tma_b1.partition_S(gB);
     Tensor tBsB1 = tma_b1.partition_D(sB);
-    uint16_t const both = 0b11;
+    // B: the two CTAs of one N tile (same n, items 2p and 2p+1)
+    uint16_t const both = uint16_t((1u << block_layout(0, cta_n, Int<0>{})) | (1u << block_layout(1, cta_n, Int<0>{})));
     uint16_t const self = uint16_t(1u << block_rank_in_cluster);
     bool const shared = mainloop_params.partner_expert[m_coord] == int(l_coord);
     CUTLASS_PRAGMA_NO_UNROLL
@@ -882,9 +895,9 @@ struct PairMulticastMainloop : Base {
       using BarrierType = typename MainloopPipeline::ProducerBarrierType;
       BarrierType* tma_barrier = pipeline.producer_get_barrier(smem_pipe_write);
       if (lane_predicate) {
-        copy(mainloop_params.tma_load_a.with(*tma_barrier, 0), tAgA(_, _, _, *k_tile_iter), tAsA(_, _, _, write_stage));
+        copy(mainloop_params.tma_load_a.with(*tma_barrier, mask_a), tAgA(_, _, _, *k_tile_iter), tAsA(_, _, _, write_stage));
         if (shared) {
-          if (block_rank_in_cluster == 0)
+          if (cta_m == 0)
             copy(mainloop_params.tma_load_b.with(*tma_barrier, both), tBgB0(_, _, _, *k_tile_iter), tBsB0(_, _, _, write_stage));
           else
             copy(mainloop_params.tma_load_b.with(*tma_barrier, both), tBgB1(_, _, _, *k_tile_iter), tBsB1(_, _, _, write_stage));
@@ -1254,6 +1267,7 @@ using V8 = PairConfig<CoopTile, cutlass::bfloat16_t>;
 using V9 = PairConfig<Tile192, cutlass::bfloat16_t, 64>;
 using V10 = PairConfig<CoopTile, cutlass::bfloat16_t, 128, 1>;
 using V11 = PairConfig<CoopTile, cutlass::bfloat16_t, 128, 1, 2>;
+using V12 = PairConfig<CoopTile, cutlass::bfloat16_t, 128, 2, 2>;
 
 // Per variant: a new plan, and its description. Declared in every part, defined in the part that
 // compiles the variant.
@@ -1278,6 +1292,7 @@ SR_VARIANT_DECL(8)
 SR_VARIANT_DECL(9)
 SR_VARIANT_DECL(10)
 SR_VARIANT_DECL(11)
+SR_VARIANT_DECL(12)
 #if SR_GEMM_OWNS(0)
 SR_VARIANT_DEF(0)
 #endif
@@ -1314,6 +1329,9 @@ SR_PAIR_VARIANT_DEF(10)
 #if SR_GEMM_OWNS(11)
 SR_PAIR_VARIANT_DEF(11)
 #endif
+#if SR_GEMM_OWNS(12)
+SR_PAIR_VARIANT_DEF(12)
+#endif
 
 #if SR_GEMM_PART == 0
 // nullptr for an unknown variant
@@ -1331,6 +1349,7 @@ static PlanBase* new_plan(int variant) {
     case 9: return new_plan_9();
     case 10: return new_plan_10();
     case 11: return new_plan_11();
+    case 12: return new_plan_12();
     default: return nullptr;
   }
 }
@@ -1349,6 +1368,7 @@ static bool variant_info(int variant, int* out) {
     case 9: variant_info_9(out); return true;
     case 10: variant_info_10(out); return true;
     case 11: variant_info_11(out); return true;
+    case 12: variant_info_12(out); return true;
     default: return false;
   }
 }
