@@ -257,7 +257,11 @@ def test_arrival_before_store_is_caught(setup, inject):
         assert seen == 0, f"an owner could read {seen} unwritten elements at an arrival signal"
     else:
         rows = sum(rows_of_positions(case.pes[0].bc, range(q.state()["ready"])).values())
-        assert seen == rows * 128, f"the mutation's witness saw {seen} poisoned elements, expected {rows} rows x 128"
+        # at least the last tile's 128 columns of every row: the mutation signals before storing them.
+        # Not exactly: stores of the block's earlier tiles need not be visible to the witness's read at
+        # that moment either (seen once on the H200 under the whole GPU suite: 60 rows' worth for 46
+        # rows; alone it counted exactly 46 x 128 three times out of three, 2026-12-02)
+        assert seen >= rows * 128, f"the mutation's witness saw {seen} poisoned elements, expected >= {rows} rows x 128"
 
 
 def test_unsealed_queue_times_out_instead_of_hanging(setup):

@@ -9,7 +9,7 @@
 // last one get M = 0 (no tiles). Then CUTLASS's SM90 warp-specialized ptr-array grouped GEMM with
 // FP8 blockwise scaling (KernelPtrArrayTmaWarpSpecialized{Cooperative,Pingpong}FP8Blockwise, persistent
 // grid, group tile scheduler - no stream-K, no split-K) runs with problem_count = max_items.
-// The pair variants (8-11, "Pair variants" below) take the same ready range with a non-grouped
+// The pair variants (8-12, "Pair variants" below) take the same ready range with a non-grouped
 // kernel: one 128-row block per tile, the expert as the batch coordinate of one TMA descriptor.
 //
 // Why every row depends only on its own data (the bitwise streamed == batch contract): the K loop runs
