@@ -694,22 +694,23 @@ def test_raster_and_swizzle_do_not_change_a_bit(tile):
 
 
 @needs_gpu
-def test_new_tiles_agree_with_coop128_to_rounding():
+@pytest.mark.parametrize("bm, tiles", [(64, NEW_TILES), (128, BLOCK_TILES)])
+def test_new_tiles_agree_with_coop128_to_rounding(bm, tiles):
     """Every tile computes the same products; only the accumulation's rounding may differ (bf16 out)."""
-    p = Problem(bm=64, nb=16, seed=23, n=384, k=512)
+    p = Problem(bm=bm, nb=16, seed=23, n=384, k=512)
     ids = list(range(16))
     ref = run(CG.GroupedGemm(p.n, p.k, capacity=16, out_dtype=torch.float32), p, ids,
               d=torch.full((p.nb * p.bm, p.n), float("nan"), device="cuda"))
-    for tile in NEW_TILES:
+    for tile in tiles:
         got = run(CG.GroupedGemm(p.n, p.k, capacity=16, tile=tile), p, ids, d=p.poisoned())
         rel = float((got.float() - ref).norm() / ref.norm())
         assert rel < 2.0 ** -8, (tile, rel)
 
 
 @needs_gpu
-@pytest.mark.parametrize("tile", ["coop128", "pingpong64", "coop192_m2"])
+@pytest.mark.parametrize("tile", ["coop128", "pingpong64", "coop192_m2", "pair128"])
 def test_cuda_graph_replay_follows_the_device_ready_list(tile):
-    p = Problem(bm=64, nb=16, seed=17)
+    p = Problem(bm=128 if CG.TILE_TABLE[tile].block_tile else 64, nb=16, seed=17)
     plan = CG.GroupedGemm(p.n, p.k, tile=tile, capacity=16)
     rl = p.ready(list(range(16)))
     rh = p.ready([0, 4])
@@ -795,44 +796,6 @@ def test_pair_tile_order_and_grid_do_not_change_a_bit(tile):
         got = run(CG.GroupedGemm(p.n, p.k, capacity=p.nb, tile=tile, raster=raster, swizzle=swizzle), p, ids,
                   d=p.poisoned(), max_ctas=ctas)
         assert torch.equal(got, ref), (raster, swizzle, ctas)
-
-
-@needs_gpu
-def test_pair_tile_agrees_with_coop128_to_rounding():
-    p = _pair_problem(41, nb=16)
-    ids = list(range(p.nb))
-    ref = run(CG.GroupedGemm(p.n, p.k, capacity=16, out_dtype=torch.float32), p, ids,
-              d=torch.full((p.nb * p.bm, p.n), float("nan"), device="cuda"))
-    for tile in BLOCK_TILES:
-        got = run(CG.GroupedGemm(p.n, p.k, capacity=16, tile=tile), p, ids, d=p.poisoned())
-        rel = float((got.float() - ref).norm() / ref.norm())
-        assert rel < 2.0 ** -8, (tile, rel)
-
-
-@needs_gpu
-def test_pair_tile_cuda_graph_replay_follows_the_device_ready_list():
-    p = _pair_problem(43, nb=16)
-    plan = CG.GroupedGemm(p.n, p.k, tile="pair128", capacity=16)
-    rl = p.ready(list(range(16)))
-    rh = p.ready([0, 4])
-    d = p.poisoned()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        run(plan, p, rl, ready_hi=rh, max_items=16, d=d)  # eager first (builds the kernel parameters)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        run(plan, p, rl, ready_hi=rh, max_items=16, d=d)
-    for ids in ([9, 10, 11], [0, 1, 2, 3, 4, 5, 6, 7, 8, 12, 13]):
-        d.fill_(float("nan"))
-        rl[:len(ids)] = p.ready(ids)
-        rh[1] = len(ids)
-        g.replay()
-        torch.cuda.synchronize()
-        eager = run(plan, p, rl, ready_hi=rh, max_items=16, d=p.poisoned())
-        assert torch.equal(d.isnan(), eager.isnan()) and torch.equal(torch.nan_to_num(d), torch.nan_to_num(eager))
-        assert not bool(d[rows_of(ids, p.bm)].isnan().any())
 
 
 @needs_gpu

@@ -303,6 +303,41 @@ __device__ __forceinline__ bool load_item(SetupArgs const& s, int lo, int i, int
   return x >= 0 && x < s.num_experts;
 }
 
+// How many items of the range [lo, hi) of the ready list a setup kernel takes: 0 for a range outside
+// the list or negative, at most max_items; thread 0 ORs what was wrong into *flags (shared memory).
+static __device__ int ready_item_count(SetupArgs const& s, int lo, int hi, int* flags) {
+  int n = hi - lo;
+  int bits = 0;
+  if (n > 0 && (lo < 0 || hi > s.ready_len)) {
+    bits |= SR_STATUS_RANGE_OUTSIDE;
+    n = 0;
+  }
+  if (n < 0) {
+    bits |= SR_STATUS_RANGE_NEGATIVE;
+    n = 0;
+  }
+  if (n > s.max_items) {
+    bits |= SR_STATUS_RANGE_CLAMPED;
+    n = s.max_items;
+  }
+  if (threadIdx.x == 0 && bits) atomicOr(flags, bits);
+  return n;
+}
+
+// Thread 0 of a setup kernel: OR flags into the caller's status word and, with trap_on_error, say
+// what was wrong and trap (the next synchronisation fails: loud, never a silent wrong result).
+static __device__ void report_setup_flags(SetupArgs const& s, int flags, int lo, int hi) {
+  if (flags == 0) return;
+  atomicOr(s.status, flags);
+  if (s.trap_on_error) {
+    printf("streamring CUTLASS gemm setup: bad ready range (status 0x%x: 1 = longer than max_items=%d, "
+           "2 = negative, 4 = block id outside [0,%d), 8 = expert outside [0,%d), 16 = outside the ready list of %d, "
+           "64 = a block id twice with two partners); ready_hi[%d]=%d ready_hi[%d]=%d\n",
+           flags, s.max_items, s.num_blocks, s.num_experts, s.ready_len, s.lo_index, lo, s.hi_index, hi);
+    __trap();
+  }
+}
+
 template <class Cfg>
 __global__ void __launch_bounds__(kSetupThreads, 1) setup_groups_kernel(SetupArgs s, ProblemArrays<Cfg> p) {
   __shared__ int s_flags;
@@ -310,19 +345,7 @@ __global__ void __launch_bounds__(kSetupThreads, 1) setup_groups_kernel(SetupArg
   __syncthreads();
   int const lo = s.ready_hi[s.lo_index];
   int const hi = s.ready_hi[s.hi_index];
-  int n = hi - lo;
-  if (n > 0 && (lo < 0 || hi > s.ready_len)) {
-    if (threadIdx.x == 0) atomicOr(&s_flags, SR_STATUS_RANGE_OUTSIDE);
-    n = 0;
-  }
-  if (n < 0) {
-    if (threadIdx.x == 0) atomicOr(&s_flags, SR_STATUS_RANGE_NEGATIVE);
-    n = 0;
-  }
-  if (n > s.max_items) {
-    if (threadIdx.x == 0) atomicOr(&s_flags, SR_STATUS_RANGE_CLAMPED);
-    n = s.max_items;
-  }
+  int const n = ready_item_count(s, lo, hi, &s_flags);
   // pass 1: run starts/ends, group index of each item by a scan of the start flags
   int carry = 0;
   for (int base = 0; base < n; base += kSetupThreads) {
@@ -377,16 +400,7 @@ __global__ void __launch_bounds__(kSetupThreads, 1) setup_groups_kernel(SetupArg
     p.layout_sfb[g] = Cfg::ScaleConfig::tile_atom_to_shape_SFB(make_shape(m, s.n, s.k, 1));
   }
   __syncthreads();
-  if (threadIdx.x == 0 && s_flags != 0) {
-    atomicOr(s.status, s_flags);
-    if (s.trap_on_error) {
-      printf("streamring CUTLASS gemm setup: bad ready range (status 0x%x: 1 = longer than max_items=%d, "
-             "2 = negative, 4 = block id outside [0,%d), 8 = expert outside [0,%d), 16 = outside the ready list of %d); "
-             "ready_hi[%d]=%d ready_hi[%d]=%d\n",
-             s_flags, s.max_items, s.num_blocks, s.num_experts, s.ready_len, s.lo_index, lo, s.hi_index, hi);
-      __trap();
-    }
-  }
+  if (threadIdx.x == 0) report_setup_flags(s, s_flags, lo, hi);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -408,16 +422,123 @@ struct RunArgs {
   int max_ctas;
 };
 
+// What every plan does the same way; a plan kind (Plan: grouped, PairPlan: one block per tile)
+// supplies its arrays, argument checks, setup kernel and kernel parameters.
 struct PlanBase {
   int variant = -1, n = 0, k = 0, capacity = 0, device = -1, sm_count = 0, trap_on_error = 1;
-  int raster = 0;   // the group scheduler's order inside a group: 0 = along M, 1 = along N
-  int swizzle = 1;  // its max_swizzle_size (1, 2, 4 or 8)
+  int raster = 0;   // the tile order: 0 = along M, 1 = along N
+  int swizzle = 1;  // the grouped scheduler's max_swizzle_size, a pair plan's band (1, 2, 4 or 8)
+  int max_active_clusters = 0;
   virtual ~PlanBase() = default;
   virtual int create() = 0;
-  virtual int run(RunArgs const& r, cudaStream_t stream) = 0;
-  virtual int setup_only(RunArgs const& r, cudaStream_t stream) = 0;
   virtual int read_groups(int count, int* m_out, int64_t* a_out, int64_t* b_out, int64_t* sfa_out, int64_t* sfb_out,
                           int64_t* d_out) = 0;
+  virtual int check_run(RunArgs const& r) = 0;
+  virtual int launch_setup(RunArgs const& r, cudaStream_t stream) = 0;
+  // the kernel's parameters for run r on a grid of ctas CTAs (built once and cached by the plan)
+  virtual int prepare(RunArgs const& r, int ctas, void const** params) = 0;
+  virtual int launch(void const* params, cudaStream_t stream) = 0;
+  virtual int cluster_size() const = 0;
+
+  // Setup kernel + GEMM on `stream`.
+  int run(RunArgs const& r, cudaStream_t stream) {
+    int rc = check_run(r);
+    if (rc) return rc;
+    if (r.max_items == 0) return SR_OK;  // nothing can be ready (the Triton launchers return too)
+    // persistent grid size: the device, or max_ctas rounded down to whole clusters (at least one)
+    int const cs = cluster_size();
+    int ctas = r.max_ctas > 0 && r.max_ctas < sm_count ? r.max_ctas : sm_count;
+    ctas = std::max(cs, ctas / cs * cs);
+    void const* params = nullptr;
+    rc = prepare(r, ctas, &params);
+    if (rc) return rc;
+    rc = launch_setup(r, stream);
+    if (rc) return rc;
+    return launch(params, stream);
+  }
+
+  // The setup kernel alone (tests read its output back with read_groups).
+  int setup_only(RunArgs const& r, cudaStream_t stream) {
+    int rc = check_run(r);
+    if (rc) return rc;
+    if (r.max_items == 0) return SR_OK;
+    return launch_setup(r, stream);
+  }
+
+  // The plan's device: its SM count; a refusal unless it is what the kernels are built for.
+  int query_device(char const* what) {
+    SR_CUDA(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device));
+    int major = 0, minor = 0;
+    SR_CUDA(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+    SR_CUDA(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+    if (major != 9 || minor != 0)
+      return fail(SR_ERR_DEVICE, std::string(what) + " is built for sm_90a (H100/H200); device " +
+                                     std::to_string(device) + " has compute capability " + std::to_string(major) +
+                                     "." + std::to_string(minor));
+    return SR_OK;
+  }
+
+  // Shared memory above 48 KB must be opted into, once per kernel (not during a capture); then how
+  // many of its clusters fit on the device (max_active_clusters).
+  template <class GemmKernel>
+  int prepare_kernel() {
+    int smem = GemmKernel::SharedStorageSize;
+    SR_CUDA(cudaFuncSetAttribute(cutlass::device_kernel<GemmKernel>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    max_active_clusters = cutlass::KernelHardwareInfo::query_device_max_active_clusters<GemmKernel>();
+    if (max_active_clusters <= 0) {
+      cudaError_t e = cudaGetLastError();
+      return fail(SR_ERR_CUDA, std::string("cudaOccupancyMaxActiveClusters found no cluster of this kernel fits "
+                                           "on the device (shared memory ") + std::to_string(smem) + " B): " +
+                                   cudaGetErrorString(e));
+    }
+    return SR_OK;
+  }
+
+  template <class Gemm>
+  int launch_gemm(void const* params, cudaStream_t stream, char const* what) {
+    using Params = typename Gemm::GemmKernel::Params;
+    cutlass::Status st = Gemm::run(*const_cast<Params*>(static_cast<Params const*>(params)), stream);
+    if (st != cutlass::Status::kSuccess) {
+      cudaError_t e = cudaGetLastError();
+      return fail(SR_ERR_CUTLASS, std::string(what) + " launch failed: " + cutlass::cutlassGetStatusString(st) +
+                                      " / " + cudaGetErrorString(e));
+    }
+    SR_CUDA(cudaGetLastError());
+    return SR_OK;
+  }
+
+  int check_device() {
+    int cur = -1;
+    SR_CUDA(cudaGetDevice(&cur));
+    if (cur != device)
+      return fail(SR_ERR_ARG, "the current CUDA device is " + std::to_string(cur) + " but this plan was created on device " +
+                                  std::to_string(device));
+    return SR_OK;
+  }
+
+  SetupArgs setup_args(RunArgs const& r) const {
+    return SetupArgs{r.ready_list, r.ready_len, r.ready_hi, r.lo_index, r.hi_index, r.max_items, r.block_expert,
+                     r.num_blocks, r.num_experts, r.block_m, n, k, static_cast<char const*>(r.a),
+                     reinterpret_cast<char const*>(r.a_sf), static_cast<char const*>(r.w),
+                     reinterpret_cast<char const*>(r.w_sf), static_cast<char*>(r.d), r.status, trap_on_error};
+  }
+
+  // The checks of every run (a plan kind adds its own before them).
+  int check_common_run(RunArgs const& r) {
+    if (r.max_items < 0 || r.max_items > capacity)
+      return fail(SR_ERR_ARG, "max_items=" + std::to_string(r.max_items) + " outside [0, capacity=" +
+                                  std::to_string(capacity) + "] of this plan");
+    if (r.block_m <= 0 || r.num_blocks <= 0 || r.num_experts <= 0 || r.ready_len < 0)
+      return fail(SR_ERR_ARG, "block_m, num_blocks and num_experts must be positive, ready_len non-negative");
+    if (!r.ready_list || !r.ready_hi || !r.block_expert || !r.a || !r.a_sf || !r.w || !r.w_sf || !r.d || !r.status)
+      return fail(SR_ERR_ARG, "a device pointer argument is null");
+    if (r.lo_index < 0 || r.hi_index < 0) return fail(SR_ERR_ARG, "lo_index and hi_index must be >= 0");
+    if ((reinterpret_cast<uintptr_t>(r.a) | reinterpret_cast<uintptr_t>(r.w) | reinterpret_cast<uintptr_t>(r.d)) & 15)
+      return fail(SR_ERR_ARG, "a, w and d must be 16-byte aligned (TMA)");
+    if ((reinterpret_cast<uintptr_t>(r.a_sf) | reinterpret_cast<uintptr_t>(r.w_sf)) & 3)
+      return fail(SR_ERR_ARG, "a_sf and w_sf must be 4-byte aligned");
+    return check_device();
+  }
 };
 
 template <class Cfg>
@@ -429,7 +550,6 @@ struct Plan final : PlanBase {
   void* workspace = nullptr;  // CUTLASS's (tensormaps per SM)
   size_t workspace_bytes = 0;
   ProblemArrays<Cfg> p{};
-  int max_active_clusters = 0;
   std::mutex mu;
   std::map<std::pair<int, int>, typename Cfg::Params> params_cache;  // (max_items, ctas) -> kernel params
 
@@ -439,14 +559,8 @@ struct Plan final : PlanBase {
   }
 
   int create() override {
-    SR_CUDA(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device));
-    int major = 0, minor = 0;
-    SR_CUDA(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-    SR_CUDA(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
-    if (major != 9 || minor != 0)
-      return fail(SR_ERR_DEVICE, "the CUTLASS FP8 blockwise grouped GEMM is built for sm_90a (H100/H200); device " +
-                                     std::to_string(device) + " has compute capability " + std::to_string(major) +
-                                     "." + std::to_string(minor));
+    int rc = query_device("the CUTLASS FP8 blockwise grouped GEMM");
+    if (rc) return rc;
     // one allocation for every per-group array
     size_t off = 0;
     size_t offs[13];
@@ -485,17 +599,8 @@ struct Plan final : PlanBase {
     p.layout_sfb = reinterpret_cast<typename Cfg::LayoutSFB*>(base + offs[10]);
     p.group_first = reinterpret_cast<int*>(base + offs[11]);
     p.group_last = reinterpret_cast<int*>(base + offs[12]);
-
-    // shared memory above 48 KB must be opted into, once per kernel (not during a capture)
-    int smem = GemmKernel::SharedStorageSize;
-    SR_CUDA(cudaFuncSetAttribute(cutlass::device_kernel<GemmKernel>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    max_active_clusters = cutlass::KernelHardwareInfo::query_device_max_active_clusters<GemmKernel>();
-    if (max_active_clusters <= 0) {
-      cudaError_t e = cudaGetLastError();
-      return fail(SR_ERR_CUDA, std::string("cudaOccupancyMaxActiveClusters found no cluster of this kernel fits "
-                                           "on the device (shared memory ") + std::to_string(smem) + " B): " +
-                                   cudaGetErrorString(e));
-    }
+    rc = prepare_kernel<GemmKernel>();
+    if (rc) return rc;
     auto args = arguments(capacity, sm_count);
     workspace_bytes = Gemm::get_workspace_size(args);
     if (workspace_bytes > 0) SR_CUDA(cudaMalloc(&workspace, workspace_bytes));
@@ -553,70 +658,27 @@ struct Plan final : PlanBase {
     return SR_OK;
   }
 
-  int launch_setup(RunArgs const& r, cudaStream_t stream) {
-    SetupArgs s{r.ready_list, r.ready_len, r.ready_hi, r.lo_index, r.hi_index, r.max_items, r.block_expert, r.num_blocks,
-                r.num_experts, r.block_m, n, k, static_cast<char const*>(r.a),
-                reinterpret_cast<char const*>(r.a_sf), static_cast<char const*>(r.w),
-                reinterpret_cast<char const*>(r.w_sf), static_cast<char*>(r.d), r.status, trap_on_error};
+  int launch_setup(RunArgs const& r, cudaStream_t stream) override {
+    SetupArgs s = setup_args(r);
     setup_groups_kernel<Cfg><<<1, kSetupThreads, 0, stream>>>(s, p);
     SR_CUDA(cudaGetLastError());
     return SR_OK;
   }
 
-  int check_device() {
-    int cur = -1;
-    SR_CUDA(cudaGetDevice(&cur));
-    if (cur != device)
-      return fail(SR_ERR_ARG, "the current CUDA device is " + std::to_string(cur) + " but this plan was created on device " +
-                                  std::to_string(device));
-    return SR_OK;
+  int check_run(RunArgs const& r) override { return check_common_run(r); }
+
+  int cluster_size() const override { return size(typename Cfg::ClusterShape{}); }
+
+  // (the tensormap workspace is indexed by CTA and sized for the device, so any grid fits)
+  int prepare(RunArgs const& r, int ctas, void const** params) override {
+    typename Cfg::Params* cached = nullptr;
+    int rc = params_for(r.max_items, ctas, &cached);
+    *params = cached;
+    return rc;
   }
 
-  int check_run(RunArgs const& r) {
-    if (r.max_items < 0 || r.max_items > capacity)
-      return fail(SR_ERR_ARG, "max_items=" + std::to_string(r.max_items) + " outside [0, capacity=" +
-                                  std::to_string(capacity) + "] of this plan");
-    if (r.block_m <= 0 || r.num_blocks <= 0 || r.num_experts <= 0 || r.ready_len < 0)
-      return fail(SR_ERR_ARG, "block_m, num_blocks and num_experts must be positive, ready_len non-negative");
-    if (!r.ready_list || !r.ready_hi || !r.block_expert || !r.a || !r.a_sf || !r.w || !r.w_sf || !r.d || !r.status)
-      return fail(SR_ERR_ARG, "a device pointer argument is null");
-    if (r.lo_index < 0 || r.hi_index < 0) return fail(SR_ERR_ARG, "lo_index and hi_index must be >= 0");
-    if ((reinterpret_cast<uintptr_t>(r.a) | reinterpret_cast<uintptr_t>(r.w) | reinterpret_cast<uintptr_t>(r.d)) & 15)
-      return fail(SR_ERR_ARG, "a, w and d must be 16-byte aligned (TMA)");
-    if ((reinterpret_cast<uintptr_t>(r.a_sf) | reinterpret_cast<uintptr_t>(r.w_sf)) & 3)
-      return fail(SR_ERR_ARG, "a_sf and w_sf must be 4-byte aligned");
-    return check_device();
-  }
-
-  int run(RunArgs const& r, cudaStream_t stream) override {
-    int rc = check_run(r);
-    if (rc) return rc;
-    if (r.max_items == 0) return SR_OK;  // nothing can be ready (the Triton launchers return too)
-    // persistent grid size: the device, or max_ctas rounded down to whole clusters (at least one);
-    // the tensormap workspace is indexed by CTA and sized for the device, so any such grid fits
-    int const cluster_size = size(typename Cfg::ClusterShape{});
-    int ctas = r.max_ctas > 0 && r.max_ctas < sm_count ? r.max_ctas : sm_count;
-    ctas = std::max(cluster_size, ctas / cluster_size * cluster_size);
-    typename Cfg::Params* params = nullptr;
-    rc = params_for(r.max_items, ctas, &params);
-    if (rc) return rc;
-    rc = launch_setup(r, stream);
-    if (rc) return rc;
-    cutlass::Status st = Gemm::run(*params, stream);
-    if (st != cutlass::Status::kSuccess) {
-      cudaError_t e = cudaGetLastError();
-      return fail(SR_ERR_CUTLASS, std::string("CUTLASS grouped GEMM launch failed: ") + cutlass::cutlassGetStatusString(st) +
-                                      " / " + cudaGetErrorString(e));
-    }
-    SR_CUDA(cudaGetLastError());
-    return SR_OK;
-  }
-
-  int setup_only(RunArgs const& r, cudaStream_t stream) override {
-    int rc = check_run(r);
-    if (rc) return rc;
-    if (r.max_items == 0) return SR_OK;
-    return launch_setup(r, stream);
+  int launch(void const* params, cudaStream_t stream) override {
+    return launch_gemm<Gemm>(params, stream, "CUTLASS grouped GEMM");
   }
 
   int read_groups(int count, int* m_out, int64_t* a_out, int64_t* b_out, int64_t* sfa_out, int64_t* sfb_out,
@@ -989,24 +1051,11 @@ struct PairSetupArgs {
 static __global__ void __launch_bounds__(kSetupThreads, 1) setup_pairs_kernel(PairSetupArgs ps) {  // static: one per part
   SetupArgs const& s = ps.s;
   __shared__ int s_flags;
-  __shared__ int s_count;
   if (threadIdx.x == 0) s_flags = 0;
   __syncthreads();
   int const lo = s.ready_hi[s.lo_index];
   int const hi = s.ready_hi[s.hi_index];
-  int n = hi - lo;
-  if (n > 0 && (lo < 0 || hi > s.ready_len)) {
-    if (threadIdx.x == 0) atomicOr(&s_flags, SR_STATUS_RANGE_OUTSIDE);
-    n = 0;
-  }
-  if (n < 0) {
-    if (threadIdx.x == 0) atomicOr(&s_flags, SR_STATUS_RANGE_NEGATIVE);
-    n = 0;
-  }
-  if (n > s.max_items) {
-    if (threadIdx.x == 0) atomicOr(&s_flags, SR_STATUS_RANGE_CLAMPED);
-    n = s.max_items;
-  }
+  int const n = ready_item_count(s, lo, hi, &s_flags);
   int carry = 0;
   for (int base = 0; base < n; base += kSetupThreads) {
     int i = base + threadIdx.x;
@@ -1038,18 +1087,8 @@ static __global__ void __launch_bounds__(kSetupThreads, 1) setup_pairs_kernel(Pa
   if (bad && ps.pairs) atomicOr(&s_flags, SR_STATUS_DUPLICATE_BLOCK);
   __syncthreads();
   if (threadIdx.x == 0) {
-    s_count = (s_flags & SR_STATUS_DUPLICATE_BLOCK) ? 0 : count;
-    *ps.item_count = s_count;
-    if (s_flags != 0) {
-      atomicOr(s.status, s_flags);
-      if (s.trap_on_error) {
-        printf("streamring CUTLASS pair gemm setup: bad ready range (status 0x%x: 1 = longer than max_items=%d, "
-               "2 = negative, 4 = block id outside [0,%d), 8 = expert outside [0,%d), 16 = outside the ready list "
-               "of %d, 64 = a block id twice); ready_hi[%d]=%d ready_hi[%d]=%d\n",
-               s_flags, s.max_items, s.num_blocks, s.num_experts, s.ready_len, s.lo_index, lo, s.hi_index, hi);
-        __trap();
-      }
-    }
+    *ps.item_count = (s_flags & SR_STATUS_DUPLICATE_BLOCK) ? 0 : count;
+    report_setup_flags(s, s_flags, lo, hi);
   }
 }
 
@@ -1060,7 +1099,6 @@ struct PairPlan final : PlanBase {
   static constexpr int kTileM = size<0>(typename Cfg::TileShape{});
 
   int* arrays = nullptr;  // item_block | item_expert | partner_expert (capacity each) | item_count
-  int max_active_clusters = 0;
   RunArgs last{};  // the last setup's arguments (read_groups describes its items)
   std::mutex mu;
   // kernel parameters (TMA descriptors of the run's buffers) per (buffers, sizes, grid)
@@ -1075,26 +1113,11 @@ struct PairPlan final : PlanBase {
   int* item_count() { return arrays + 3 * size_t(capacity); }
 
   int create() override {
-    SR_CUDA(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device));
-    int major = 0, minor = 0;
-    SR_CUDA(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-    SR_CUDA(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
-    if (major != 9 || minor != 0)
-      return fail(SR_ERR_DEVICE, "the CUTLASS FP8 blockwise pair GEMM is built for sm_90a (H100/H200); device " +
-                                     std::to_string(device) + " has compute capability " + std::to_string(major) +
-                                     "." + std::to_string(minor));
+    int rc = query_device("the CUTLASS FP8 blockwise pair GEMM");
+    if (rc) return rc;
     SR_CUDA(cudaMalloc(&arrays, (3 * size_t(capacity) + 1) * sizeof(int)));
     SR_CUDA(cudaMemset(arrays, 0, (3 * size_t(capacity) + 1) * sizeof(int)));
-    int smem = GemmKernel::SharedStorageSize;
-    SR_CUDA(cudaFuncSetAttribute(cutlass::device_kernel<GemmKernel>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    max_active_clusters = cutlass::KernelHardwareInfo::query_device_max_active_clusters<GemmKernel>();
-    if (max_active_clusters <= 0) {
-      cudaError_t e = cudaGetLastError();
-      return fail(SR_ERR_CUDA, std::string("cudaOccupancyMaxActiveClusters found no cluster of this kernel fits "
-                                           "on the device (shared memory ") + std::to_string(smem) + " B): " +
-                                   cudaGetErrorString(e));
-    }
-    return SR_OK;
+    return prepare_kernel<GemmKernel>();
   }
 
   typename Cfg::Arguments arguments(RunArgs const& r, int ctas) {
@@ -1159,79 +1182,38 @@ struct PairPlan final : PlanBase {
     return SR_OK;
   }
 
-  int check_device() {
-    int cur = -1;
-    SR_CUDA(cudaGetDevice(&cur));
-    if (cur != device)
-      return fail(SR_ERR_ARG, "the current CUDA device is " + std::to_string(cur) + " but this plan was created on device " +
-                                  std::to_string(device));
-    return SR_OK;
-  }
-
-  int check_run(RunArgs const& r) {
-    if (r.max_items < 0 || r.max_items > capacity)
-      return fail(SR_ERR_ARG, "max_items=" + std::to_string(r.max_items) + " outside [0, capacity=" +
-                                  std::to_string(capacity) + "] of this plan");
+  int check_run(RunArgs const& r) override {
     if (r.block_m != kTileM)
       return fail(SR_ERR_ARG, "variant " + std::to_string(variant) + " (one " + std::to_string(kTileM) +
                                   "-row block per tile) needs block_m == " + std::to_string(kTileM) + ", got " +
                                   std::to_string(r.block_m));
-    if (r.num_blocks <= 0 || r.num_experts <= 0 || r.ready_len < 0)
-      return fail(SR_ERR_ARG, "num_blocks and num_experts must be positive, ready_len non-negative");
     if (r.num_blocks > capacity)
       return fail(SR_ERR_ARG, "num_blocks=" + std::to_string(r.num_blocks) + " exceeds this plan's capacity=" +
                                   std::to_string(capacity) + " (the pair variants keep one entry per block id)");
     if (int64_t(r.num_blocks) * kTileM > INT32_MAX)
       return fail(SR_ERR_ARG, "num_blocks * 128 rows exceeds the 32-bit problem shape");
-    if (!r.ready_list || !r.ready_hi || !r.block_expert || !r.a || !r.a_sf || !r.w || !r.w_sf || !r.d || !r.status)
-      return fail(SR_ERR_ARG, "a device pointer argument is null");
-    if (r.lo_index < 0 || r.hi_index < 0) return fail(SR_ERR_ARG, "lo_index and hi_index must be >= 0");
-    if ((reinterpret_cast<uintptr_t>(r.a) | reinterpret_cast<uintptr_t>(r.w) | reinterpret_cast<uintptr_t>(r.d)) & 15)
-      return fail(SR_ERR_ARG, "a, w and d must be 16-byte aligned (TMA)");
-    if ((reinterpret_cast<uintptr_t>(r.a_sf) | reinterpret_cast<uintptr_t>(r.w_sf)) & 3)
-      return fail(SR_ERR_ARG, "a_sf and w_sf must be 4-byte aligned");
-    return check_device();
+    return check_common_run(r);
   }
 
-  int launch_setup(RunArgs const& r, cudaStream_t stream) {
-    SetupArgs s{r.ready_list, r.ready_len, r.ready_hi, r.lo_index, r.hi_index, r.max_items, r.block_expert, r.num_blocks,
-                r.num_experts, r.block_m, n, k, static_cast<char const*>(r.a),
-                reinterpret_cast<char const*>(r.a_sf), static_cast<char const*>(r.w),
-                reinterpret_cast<char const*>(r.w_sf), static_cast<char*>(r.d), r.status, trap_on_error};
-    PairSetupArgs ps{s, item_block(), item_expert(), item_count(), partner_expert(), Cfg::kClusterM == 2 ? 1 : 0};
+  int launch_setup(RunArgs const& r, cudaStream_t stream) override {
+    PairSetupArgs ps{setup_args(r), item_block(), item_expert(), item_count(), partner_expert(), Cfg::kClusterM == 2 ? 1 : 0};
     setup_pairs_kernel<<<1, kSetupThreads, 0, stream>>>(ps);
     SR_CUDA(cudaGetLastError());
     last = r;
     return SR_OK;
   }
 
-  int run(RunArgs const& r, cudaStream_t stream) override {
-    int rc = check_run(r);
-    if (rc) return rc;
-    if (r.max_items == 0) return SR_OK;
-    int const cs = Cfg::kClusterSize;
-    int ctas = r.max_ctas > 0 && r.max_ctas < sm_count ? r.max_ctas : sm_count;
-    ctas = std::max(cs, ctas / cs * cs);
-    typename Cfg::Params* params = nullptr;
-    rc = params_for(r, ctas, &params);
-    if (rc) return rc;
-    rc = launch_setup(r, stream);
-    if (rc) return rc;
-    cutlass::Status st = Gemm::run(*params, stream);
-    if (st != cutlass::Status::kSuccess) {
-      cudaError_t e = cudaGetLastError();
-      return fail(SR_ERR_CUTLASS, std::string("CUTLASS pair GEMM launch failed: ") + cutlass::cutlassGetStatusString(st) +
-                                      " / " + cudaGetErrorString(e));
-    }
-    SR_CUDA(cudaGetLastError());
-    return SR_OK;
+  int cluster_size() const override { return Cfg::kClusterSize; }
+
+  int prepare(RunArgs const& r, int ctas, void const** params) override {
+    typename Cfg::Params* cached = nullptr;
+    int rc = params_for(r, ctas, &cached);
+    *params = cached;
+    return rc;
   }
 
-  int setup_only(RunArgs const& r, cudaStream_t stream) override {
-    int rc = check_run(r);
-    if (rc) return rc;
-    if (r.max_items == 0) return SR_OK;
-    return launch_setup(r, stream);
+  int launch(void const* params, cudaStream_t stream) override {
+    return launch_gemm<Gemm>(params, stream, "CUTLASS pair GEMM");
   }
 
   // The last setup's items as one-block groups: item g has M = 128 (0 past the count) and the
