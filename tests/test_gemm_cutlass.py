@@ -356,7 +356,8 @@ def parse_variant_table(text: str) -> dict:
     for m in re.finditer(r"using V(\d+) = Config<(\w+), (\w+), \w+, \w+, ([\w:]+)(?:, (\d+))?>;", text):
         v, tile, cl, dt, sfn = m.groups()
         out[int(v)] = (*tiles[tile], *clusters[cl], int(sfn or 128), "f32" if dt == "float" else "bf16", False)
-    for m in re.finditer(r"using V(\d+) = PairConfig<(\w+), ([\w:]+)(?:, (\d+))?(?:, (\d))?(?:, (\d))?>;", text):
+    for m in re.finditer(r"using V(\d+) = PairConfig<(\w+), ([\w:]+)(?:, (\d+))?(?:, (\d))?(?:, (\d))?(?:,\s+[\w:]+)*>;",
+                         text):
         v, tile, dt, sfn, cm, cn = m.groups()
         out[int(v)] = (*tiles[tile], int(cm or 2), int(cn or 1), int(sfn or 128), "f32" if dt == "float" else "bf16",
                        True)
@@ -870,7 +871,8 @@ def test_consumer_cutlass_matches_triton(l1_dtype):
 @pytest.mark.parametrize("chunk, tiles, bm", [(13, ("coop128", "coop128"), 16), (40, ("coop128", "coop128"), 16),
                                               (13, ("coop192_m2", "pingpong192"), 16),
                                               (40, ("coop128_m2", "coop192_n2"), 16),
-                                              (13, ("pair128", "block128"), 128), (40, ("block128_n2", "pair128_n2"), 128)])
+                                              (13, ("pair128", "block128"), 128), (40, ("block128_n2", "pair128_n2"), 128),
+                                              (27, ("block64pp", "block64pp"), 128)])
 def test_consumer_cutlass_streamed_equals_batch_bitwise(chunk, tiles, bm):
     B, shape, fw, x = _moe_setup()
     T = x.shape[0]

@@ -15,9 +15,10 @@ the range are not written.
 
 Two kinds of tiles (:data:`TILE_TABLE`): the grouped ones run CUTLASS's pointer-array grouped GEMM
 over runs of one expert's consecutive blocks (any ``block_m``); the one-block tiles (``block_tile``:
-``pair128``, ``pair192``, ``pair128_n2``, ``block128``, ``block128_n2``) take exactly one 128-row block per tile
-(``block_m`` must be 128, and the plan's capacity at least the number of blocks), with one tensor
-map per operand and the expert as CUTLASS's batch coordinate; ``pair*`` tiles give ready blocks 2p
+``pair128``, ``pair192``, ``pair128_n2``, ``block128``, ``block128_n2``, ``block64pp``) take one
+128-row block per tile (``block64pp``: per two 64-row ping-pong tiles; ``block_m`` must be 128 and
+the plan's capacity at least the number of blocks), with one tensor map per operand and the
+expert as CUTLASS's batch coordinate; ``pair*`` tiles give ready blocks 2p
 and 2p+1 to the two CTAs of a 2x1 cluster and multicast the weight tile when both are one expert's,
 ``block128_n2`` gives one block's two adjacent N tiles to a 1x2 cluster that shares the A tile,
 ``pair128_n2`` does both in a 2x2 cluster.
@@ -57,7 +58,7 @@ class Tile:
     sf_n: int           # rows of W per weight scale the kernel reads (64: w_sf repeated, weight_scales_for)
     variants: dict      # out dtype -> the library's variant id
     doc: str
-    block_tile: bool = False  # one block per tile (block_m must be tile M; the .cu's PairPlan)
+    block_tile: bool = False  # one block per tile or two (block_m must be BLOCK_TILE_ROWS; the .cu's PairPlan)
 
 
 # The library's variant table (tests compare it with the .cu and with the loaded library).
@@ -90,7 +91,12 @@ TILE_TABLE = {
                        "128x128x128 tile, cooperative, a 2x2 cluster: ready blocks 2p and 2p+1 by two N tiles, the A "
                        "tile shared along N, the weight tile along M when one expert's; block_m 128 only",
                        block_tile=True),
+    "block64pp": Tile((64, 128, 128), (1, 1), 128, {torch.bfloat16: 13},
+                      "64x128x128 tile, ping-pong, cluster 1x1, a 128-row block's two halves as two tiles (one "
+                      "warpgroup's epilogue beside the other's mainloop); block_m 128 only", block_tile=True),
 }
+#: the block size of every ``block_tile`` tile (``kBlockTileRows`` in the .cu)
+BLOCK_TILE_ROWS = 128
 TILES = {name: i for i, name in enumerate(TILE_TABLE)}
 TILE_DOC = {name: t.doc for name, t in TILE_TABLE.items()}
 NUM_VARIANTS = 1 + max(v for t in TILE_TABLE.values() for v in t.variants.values())
@@ -401,7 +407,7 @@ class GroupedGemm:
             raise ValueError(f"swizzle must be one of {SWIZZLES}, got {swizzle!r}")
         self.raster, self.swizzle = raster, swizzle
         self.sf_n = TILE_TABLE[tile].sf_n
-        self.tile_block_m = TILE_TABLE[tile].mnk[0] if TILE_TABLE[tile].block_tile else None
+        self.tile_block_m = BLOCK_TILE_ROWS if TILE_TABLE[tile].block_tile else None
         for name, v in (("n", n), ("k", k)):
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0 or v % SF_BLOCK:
                 raise ValueError(f"{name} must be a positive multiple of 128 (the scale block), got {v!r}")

@@ -35,7 +35,7 @@ KEY_SWIZZLES = (2, 4, 8)
 #: CUTLASS tiles that take one block per tile (``cutlass_gemm.TILE_TABLE``'s ``block_tile`` tiles; not
 #: imported: that module loads torch. tests/test_gemm_choice.py holds the two equal), and the block
 #: size they need: a consumer of other blocks never gets them from the table
-BLOCK_TILES = ("pair128", "pair192", "pair128_n2", "block128", "block128_n2")
+BLOCK_TILES = ("pair128", "pair192", "pair128_n2", "block128", "block128_n2", "block64pp")
 BLOCK_TILE_M = 128
 
 

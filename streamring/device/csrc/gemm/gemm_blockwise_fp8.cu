@@ -9,7 +9,7 @@
 // last one get M = 0 (no tiles). Then CUTLASS's SM90 warp-specialized ptr-array grouped GEMM with
 // FP8 blockwise scaling (KernelPtrArrayTmaWarpSpecialized{Cooperative,Pingpong}FP8Blockwise, persistent
 // grid, group tile scheduler - no stream-K, no split-K) runs with problem_count = max_items.
-// The pair variants (8-12, "Pair variants" below) take the same ready range with a non-grouped
+// The pair variants (8-13, "Pair variants" below) take the same ready range with a non-grouped
 // kernel: one 128-row block per tile, the expert as the batch coordinate of one TMA descriptor.
 //
 // Why every row depends only on its own data (the bitwise streamed == batch contract): the K loop runs
@@ -208,7 +208,8 @@ using Cluster1 = Shape<_1, _1, _1>;
 //   9: pair 128x192, as 8, weight scales repeated to 64 rows
 //   10: block 128x128: the pair layout and order with a 1x1 cluster (one block per CTA, no multicast)
 //   11: block 128x128 with a 1x2 cluster: two N tiles of one block, the A tile multicast
-//   12: pair 128x128 with a 2x2 cluster: the pairs of 8 by two N tiles, both the A and the weight tile shared
+//   12: pair 128x128 with a 2x2 cluster: variant 8's pairs by two N tiles, the A and the weight tile both shared
+//   13: block 64x128 ping-pong, 1x1: a block's two 64-row tiles, one consumer warpgroup's epilogue beside the other's mainloop
 // Not here: a 128x192 block tile with the 1x2 cluster (CuTe's "Stride Divisibility Condition" fails in
 // this non-grouped collective, CUTLASS 4.2).
 // Stages: as many as the shared memory left by the epilogue holds (StageCountAutoCarveout).
@@ -222,7 +223,7 @@ using V4 = Config<CoopTile, ClusterM2, Coop, CoopEpi, cutlass::bfloat16_t>;
 using V5 = Config<Tile192, ClusterM2, Coop, CoopEpi, cutlass::bfloat16_t, 64>;
 using V6 = Config<Tile192, ClusterN2, Coop, CoopEpi, cutlass::bfloat16_t, 64>;
 using V7 = Config<PingTile192, Cluster1, Ping, PingEpi, cutlass::bfloat16_t, 64>;
-constexpr int kNumVariants = 13;
+constexpr int kNumVariants = 14;
 
 // ------------------------------------------------------------------------------------------------
 // Ready range -> grouped problem arrays (one CTA; deterministic)
@@ -745,6 +746,9 @@ struct VariantInfo {
 
 struct PairSchedulerTag {};
 
+// The rows of a block for the one-block plans: a cooperative tile is one block, a ping-pong tile half.
+constexpr int kBlockTileRows = 128;
+
 // A pair plan's swizzle s orders its tiles in bands of kPairBandPerSwizzle * s pairs (2 to 16 pairs:
 // a 16-pair band's activation rows, 29 MB at K = 7168, still fit the 50 MB L2 beside its weight tiles).
 constexpr int kPairBandPerSwizzle = 2;
@@ -765,6 +769,7 @@ struct PairSchedulerParams : cutlass::gemm::kernel::detail::PersistentTileSchedu
   int along_n = 0;
   int cluster_m = 2;  // items per cluster: 2 (pairs) or 1
   int cluster_n = 1;  // N tiles of one item per cluster: 1, or 2 (the A tile multicast)
+  int tiles_per_block = 1;  // M tiles per block: 1, or 2 (64-row ping-pong tiles, one-item clusters)
 };
 
 // CUTLASS's static persistent scheduler with the tile order replaced: unit u of a cluster is
@@ -798,6 +803,10 @@ class PairScheduler : public cutlass::gemm::kernel::detail::PersistentTileSchedu
     p.along_n = args.raster_order == RasterOrderOptions::AlongN ? 1 : 0;
     p.cluster_m = size<0>(ClusterShape{});
     p.cluster_n = size<1>(ClusterShape{});
+    static_assert(kBlockTileRows % size<0>(TileShape{}) == 0, "a block is a whole number of tiles");
+    p.tiles_per_block = kBlockTileRows / size<0>(TileShape{});
+    static_assert(kBlockTileRows == size<0>(TileShape{}) || size<0>(ClusterShape{}) == 1,
+                  "a pair cluster takes whole blocks");
     return p;
   }
 
@@ -821,7 +830,7 @@ class PairScheduler : public cutlass::gemm::kernel::detail::PersistentTileSchedu
     clusters_ = int64_t(gridDim.x / p.cluster_m);
     units_n_ = (p.tiles_n + p.cluster_n - 1) / p.cluster_n;
     // written by the setup kernel earlier on this stream (no programmatic dependent launch here)
-    count_ = *p.item_count;
+    count_ = *p.item_count * p.tiles_per_block;  // the M tiles, a block's in a row
     pairs_ = (count_ + p.cluster_m - 1) / p.cluster_m;
     units_ = int64_t(pairs_) * units_n_;
 #endif
@@ -850,7 +859,8 @@ class PairScheduler : public cutlass::gemm::kernel::detail::PersistentTileSchedu
     tile_n = tile_n * p_.cluster_n + rank_n_;  // past N on an odd tile count: TMA zero-fills, stores nothing
     int j = p_.cluster_m * pair + rank_;
     if (j >= count_) j = p_.cluster_m * pair;  // the last pair of an odd count: both CTAs take the item
-    return {p_.item_block[j], tile_n, p_.item_expert[j], true};
+    int const item = j / p_.tiles_per_block;
+    return {p_.item_block[item] * p_.tiles_per_block + j % p_.tiles_per_block, tile_n, p_.item_expert[item], true};
   }
 
   CUTLASS_DEVICE auto fetch_next_work(WorkTileInfo) {
@@ -862,6 +872,9 @@ class PairScheduler : public cutlass::gemm::kernel::detail::PersistentTileSchedu
   CUTLASS_DEVICE auto fetch_next_work(WorkTileInfo w, TileSchedulerPipeline&, TileSchedulerPipelineState) {
     return fetch_next_work(w);
   }
+
+  // (the ping-pong kernel steps its two consumer warpgroups through alternate units this way)
+  CUTLASS_DEVICE void advance_to_next_work(uint32_t advance_count = 1) { unit_ += clusters_ * int64_t(advance_count); }
 
   CUTLASS_DEVICE bool is_last_tile(WorkTileInfo&, uint32_t advance_count = 1) const {
     return !work_for(unit_ + clusters_ * int64_t(advance_count)).is_valid();
@@ -989,7 +1002,9 @@ namespace sr {
 // CTA loading its own tiles (no multicast, no cluster-wide stage release); ClusterN_ 2 (with
 // ClusterM_ 1): the two CTAs take adjacent N tiles of one item and CUTLASS's own mainloop multicasts
 // the A tile (always valid: one block, one expert).
-template <class TileShape_, class ElementD_, int SfN_ = 128, int ClusterM_ = 2, int ClusterN_ = 1>
+template <class TileShape_, class ElementD_, int SfN_ = 128, int ClusterM_ = 2, int ClusterN_ = 1,
+          class KernelSchedule_ = cutlass::gemm::KernelTmaWarpSpecializedCooperativeFP8Blockwise,
+          class EpilogueSchedule_ = cutlass::epilogue::TmaWarpSpecializedCooperative>
 struct PairConfig {
   static constexpr int kSfN = SfN_;
   static constexpr int kClusterM = ClusterM_;
@@ -1017,7 +1032,7 @@ struct PairConfig {
   using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
       cutlass::epilogue::collective::EpilogueTileAuto, ElementAccumulator, ElementCompute, ElementC, StrideD,
-      AlignmentD, ElementD, StrideD, AlignmentD, cutlass::epilogue::TmaWarpSpecializedCooperative,
+      AlignmentD, ElementD, StrideD, AlignmentD, EpilogueSchedule_,
       cutlass::epilogue::fusion::LinearCombination<ElementD, ElementCompute, ElementC, ElementCompute>>::CollectiveOp;
 
   using BaseMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
@@ -1025,7 +1040,7 @@ struct PairConfig {
       ElementB, cute::tuple<StrideB, LayoutSFB>, AlignmentB, ElementAccumulator, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename CollectiveEpilogue::SharedStorage))>,
-      cutlass::gemm::KernelTmaWarpSpecializedCooperativeFP8Blockwise>::CollectiveOp;
+      KernelSchedule_>::CollectiveOp;
   using CollectiveMainloop = cute::conditional_t<ClusterM_ == 2, PairMulticastMainloop<BaseMainloop>, BaseMainloop>;
 
   using GemmKernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue,
@@ -1096,7 +1111,7 @@ template <class Cfg>
 struct PairPlan final : PlanBase {
   using Gemm = typename Cfg::Gemm;
   using GemmKernel = typename Cfg::GemmKernel;
-  static constexpr int kTileM = size<0>(typename Cfg::TileShape{});
+  static constexpr int kTileM = kBlockTileRows;  // the block's rows (one or two tiles of the kernel)
 
   int* arrays = nullptr;  // item_block | item_expert | partner_expert (capacity each) | item_count
   RunArgs last{};  // the last setup's arguments (read_groups describes its items)
@@ -1185,7 +1200,7 @@ struct PairPlan final : PlanBase {
   int check_run(RunArgs const& r) override {
     if (r.block_m != kTileM)
       return fail(SR_ERR_ARG, "variant " + std::to_string(variant) + " (one " + std::to_string(kTileM) +
-                                  "-row block per tile) needs block_m == " + std::to_string(kTileM) + ", got " +
+                                  "-row block per item) needs block_m == " + std::to_string(kTileM) + ", got " +
                                   std::to_string(r.block_m));
     if (r.num_blocks > capacity)
       return fail(SR_ERR_ARG, "num_blocks=" + std::to_string(r.num_blocks) + " exceeds this plan's capacity=" +
@@ -1250,6 +1265,8 @@ using V9 = PairConfig<Tile192, cutlass::bfloat16_t, 64>;
 using V10 = PairConfig<CoopTile, cutlass::bfloat16_t, 128, 1>;
 using V11 = PairConfig<CoopTile, cutlass::bfloat16_t, 128, 1, 2>;
 using V12 = PairConfig<CoopTile, cutlass::bfloat16_t, 128, 2, 2>;
+using V13 = PairConfig<PingTile, cutlass::bfloat16_t, 128, 1, 1, cutlass::gemm::KernelTmaWarpSpecializedPingpongFP8Blockwise,
+                       cutlass::epilogue::TmaWarpSpecialized>;
 
 // Per variant: a new plan, and its description. Declared in every part, defined in the part that
 // compiles the variant.
@@ -1275,6 +1292,7 @@ SR_VARIANT_DECL(9)
 SR_VARIANT_DECL(10)
 SR_VARIANT_DECL(11)
 SR_VARIANT_DECL(12)
+SR_VARIANT_DECL(13)
 #if SR_GEMM_OWNS(0)
 SR_VARIANT_DEF(0)
 #endif
@@ -1314,6 +1332,9 @@ SR_PAIR_VARIANT_DEF(11)
 #if SR_GEMM_OWNS(12)
 SR_PAIR_VARIANT_DEF(12)
 #endif
+#if SR_GEMM_OWNS(13)
+SR_PAIR_VARIANT_DEF(13)
+#endif
 
 #if SR_GEMM_PART == 0
 // nullptr for an unknown variant
@@ -1332,6 +1353,7 @@ static PlanBase* new_plan(int variant) {
     case 10: return new_plan_10();
     case 11: return new_plan_11();
     case 12: return new_plan_12();
+    case 13: return new_plan_13();
     default: return nullptr;
   }
 }
@@ -1351,6 +1373,7 @@ static bool variant_info(int variant, int* out) {
     case 10: variant_info_10(out); return true;
     case 11: variant_info_11(out); return true;
     case 12: variant_info_12(out); return true;
+    case 13: variant_info_13(out); return true;
     default: return false;
   }
 }
