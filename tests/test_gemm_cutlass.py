@@ -347,8 +347,9 @@ def test_check_run_args_block_tiles_want_128_row_blocks_and_room_for_every_block
 
 
 def parse_variant_table(text: str) -> dict:
-    """``{variant: (tile M, N, K, cluster M, N, sf_n, out, pair)}`` from the ``using V<i> = Config<...>`` and
-    ``using V<i> = PairConfig<...>`` lines (a pair config's cluster is 2x1)."""
+    """``{variant: (tile M, N, K, cluster M, N, sf_n, out, block_tile)}`` from the ``using V<i> = Config<...>``
+    and ``using V<i> = PairConfig<...>`` lines (a PairConfig's cluster: its 4th and 5th arguments, 2x1 when
+    left out; its kernel and epilogue schedules are not compared)."""
     tiles = {"CoopTile": (128, 128, 128), "PingTile": (64, 128, 128), "Tile192": (128, 192, 128),
              "PingTile192": (64, 192, 128)}
     clusters = {"ClusterN2": (1, 2), "ClusterM2": (2, 1), "Cluster1": (1, 1)}
@@ -516,7 +517,7 @@ needs_gpu = pytest.mark.skipif(_REASON is not None, reason=f"GPU test skipped: {
 
 VARIANTS = [(tile, dt) for tile, t in CG.TILE_TABLE.items() for dt in t.variants]
 NEW_TILES = ["coop128_m2", "coop192_m2", "coop192_n2", "pingpong192"]  # issue 21's (bf16 only)
-BLOCK_TILES = [tile for tile, t in CG.TILE_TABLE.items() if t.block_tile]
+BLOCK_TILES = list(CG.BLOCK_TILES)
 
 
 class Problem:

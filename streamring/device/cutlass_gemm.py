@@ -95,8 +95,9 @@ TILE_TABLE = {
                       "64x128x128 tile, ping-pong, cluster 1x1, a 128-row block's two halves as two tiles (one "
                       "warpgroup's epilogue beside the other's mainloop); block_m 128 only", block_tile=True),
 }
-#: the block size of every ``block_tile`` tile (``kBlockTileRows`` in the .cu)
+#: the block size of every ``block_tile`` tile (``kBlockTileRows`` in the .cu), and those tiles
 BLOCK_TILE_ROWS = 128
+BLOCK_TILES = tuple(name for name, t in TILE_TABLE.items() if t.block_tile)
 TILES = {name: i for i, name in enumerate(TILE_TABLE)}
 TILE_DOC = {name: t.doc for name, t in TILE_TABLE.items()}
 NUM_VARIANTS = 1 + max(v for t in TILE_TABLE.values() for v in t.variants.values())
@@ -348,8 +349,8 @@ def check_run_args(n: int, k: int, out_dtype, capacity: int, ready_list, ready_h
         raise ValueError("block_expert is empty (no blocks)")
     if tile_block_m is not None:
         if block_m != tile_block_m:
-            raise ValueError(f"block_m must be {tile_block_m} for a one-block-per-tile tile (pair128, pair192, "
-                             f"block128), got {block_m}")
+            raise ValueError(f"block_m must be {tile_block_m} for a one-block-per-tile tile "
+                             f"({', '.join(BLOCK_TILES)}), got {block_m}")
         if num_blocks > capacity:
             raise ValueError(f"block_expert has {num_blocks} blocks, more than capacity={capacity}: a one-block tile's plan "
                              "keeps one entry per block id (make the plan with capacity >= the number of blocks)")

@@ -36,7 +36,7 @@ KEY_SWIZZLES = (2, 4, 8)
 #: imported: that module loads torch. tests/test_gemm_choice.py holds the two equal), and the block
 #: size they need: a consumer of other blocks never gets them from the table
 BLOCK_TILES = ("pair128", "pair192", "pair128_n2", "block128", "block128_n2", "block64pp")
-BLOCK_TILE_M = 128
+BLOCK_TILE_ROWS = 128
 
 
 @dataclass(frozen=True)
@@ -134,7 +134,7 @@ def _measured_in(entry: Mapping, table: Mapping) -> str:
 def usable_at(choice: GemmChoice, block_m: int | None) -> bool:
     """Whether a consumer of ``block_m``-row blocks can run ``choice`` (None: the block size is not
     known, so only what runs at every block size)."""
-    return choice.tile not in BLOCK_TILES or block_m == BLOCK_TILE_M
+    return choice.tile not in BLOCK_TILES or block_m == BLOCK_TILE_ROWS
 
 
 def _available_times(entry: Mapping, available: set, block_m: int | None) -> dict:
@@ -147,6 +147,14 @@ def _available_times(entry: Mapping, available: set, block_m: int | None) -> dic
         if c.impl in available and ms is not None and usable_at(c, block_m):
             out[key] = float(ms)
     return out
+
+
+def _fastest(entry: Mapping, times: Mapping, n: int, k: int, table: Mapping) -> GemmChoice:
+    """The fastest of ``times`` (an entry's available variants) as a choice that says where it was measured."""
+    key = min(times, key=times.get)
+    return replace(parse_key(key), ms=times[key],
+                   source=f"measured: {key} {times[key]:.3f} ms at {entry['rows_per_expert']:g} rows per expert "
+                          f"(N={n} K={k}, {_measured_in(entry, table)})")
 
 
 def choose_gemm(rows_per_expert: float, n: int, k: int, available: Iterable[str], table: Mapping | None = None,
@@ -163,10 +171,7 @@ def choose_gemm(rows_per_expert: float, n: int, k: int, available: Iterable[str]
     times = _available_times(entry, avail, block_m)
     if not times:
         return fallback(rows_per_expert, avail, f"no available implementation measured at N={n} K={k}")
-    key = min(times, key=times.get)
-    return replace(parse_key(key), ms=times[key],
-                   source=f"measured: {key} {times[key]:.3f} ms at {entry['rows_per_expert']:g} rows per expert "
-                          f"(N={n} K={k}, {_measured_in(entry, table)})")
+    return _fastest(entry, times, n, k, table)
 
 
 @dataclass(frozen=True)
@@ -202,10 +207,7 @@ def choose_layer(rows_per_expert: float, hidden: int, intermediate: int, availab
                 times = _available_times(e, {impl}, block_m)
                 if not times:
                     break
-                key = min(times, key=times.get)
-                picks.append(replace(parse_key(key), ms=times[key],
-                                     source=f"measured: {key} {times[key]:.3f} ms at {e['rows_per_expert']:g} rows "
-                                            f"per expert (N={n} K={k}, {_measured_in(e, table)})"))
+                picks.append(_fastest(e, times, n, k, table))
             if len(picks) == 2:
                 totals[impl] = picks
     if totals:

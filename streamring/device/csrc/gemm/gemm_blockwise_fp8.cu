@@ -129,6 +129,12 @@ static int cuda_fail(char const* what, cudaError_t err) {
 // ------------------------------------------------------------------------------------------------
 // Kernel configurations
 // ------------------------------------------------------------------------------------------------
+// 1 x 128 activation scales, SfN x 128 weight scales, both K-major (see the file comment): the scale
+// layout of every variant, grouped and pair.
+template <int SfN>
+using BlockwiseScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, SfN, 128, cute::GMMA::Major::K,
+                                                                       cute::GMMA::Major::K>;
+
 // SfN_: rows of W per weight scale the kernel reads (128: w_sf as stored; 64: each 128-row scale
 // repeated twice, for tiles whose N is not a multiple of 128 - CUTLASS wants the tile N to be a
 // multiple of the scale granularity N).
@@ -151,9 +157,7 @@ struct Config {
   using ElementAccumulator = float;
   using ElementCompute = float;
 
-  // 1 x 128 activation scales, SfN x 128 weight scales, both K-major (see the file comment).
-  using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, SfN_, 128, cute::GMMA::Major::K,
-                                                                cute::GMMA::Major::K>;
+  using ScaleConfig = BlockwiseScaleConfig<SfN_>;
   using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
   using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
 
@@ -436,7 +440,8 @@ struct PlanBase {
                           int64_t* d_out) = 0;
   virtual int check_run(RunArgs const& r) = 0;
   virtual int launch_setup(RunArgs const& r, cudaStream_t stream) = 0;
-  // the kernel's parameters for run r on a grid of ctas CTAs (built once and cached by the plan)
+  // the kernel's parameters (a Cfg::Params*) for run r on a grid of ctas CTAs, built once and cached
+  // by the plan
   virtual int prepare(RunArgs const& r, int ctas, void const** params) = 0;
   virtual int launch(void const* params, cudaStream_t stream) = 0;
   virtual int cluster_size() const = 0;
@@ -514,6 +519,15 @@ struct PlanBase {
     if (cur != device)
       return fail(SR_ERR_ARG, "the current CUDA device is " + std::to_string(cur) + " but this plan was created on device " +
                                   std::to_string(device));
+    return SR_OK;
+  }
+
+  // Before read_groups copies `count` entries back: the count checked, the device's work finished.
+  int begin_read(int count) {
+    if (count < 0 || count > capacity) return fail(SR_ERR_ARG, "count outside [0, capacity]");
+    int rc = check_device();
+    if (rc) return rc;
+    SR_CUDA(cudaDeviceSynchronize());
     return SR_OK;
   }
 
@@ -642,12 +656,13 @@ struct Plan final : PlanBase {
     return args;
   }
 
-  int params_for(int max_items, int ctas, typename Cfg::Params** out) {
+  // (the tensormap workspace is indexed by CTA and sized for the device, so any grid fits)
+  int prepare(RunArgs const& r, int ctas, void const** out) override {
     std::lock_guard<std::mutex> lock(mu);
-    auto key = std::make_pair(max_items, ctas);
+    auto key = std::make_pair(r.max_items, ctas);
     auto it = params_cache.find(key);
     if (it == params_cache.end()) {
-      auto args = arguments(max_items, ctas);
+      auto args = arguments(r.max_items, ctas);
       cutlass::Status st = Gemm::can_implement(args);
       if (st != cutlass::Status::kSuccess)
         return fail(SR_ERR_CUTLASS, std::string("CUTLASS can_implement refused: ") + cutlass::cutlassGetStatusString(st));
@@ -670,24 +685,14 @@ struct Plan final : PlanBase {
 
   int cluster_size() const override { return size(typename Cfg::ClusterShape{}); }
 
-  // (the tensormap workspace is indexed by CTA and sized for the device, so any grid fits)
-  int prepare(RunArgs const& r, int ctas, void const** params) override {
-    typename Cfg::Params* cached = nullptr;
-    int rc = params_for(r.max_items, ctas, &cached);
-    *params = cached;
-    return rc;
-  }
-
   int launch(void const* params, cudaStream_t stream) override {
     return launch_gemm<Gemm>(params, stream, "CUTLASS grouped GEMM");
   }
 
   int read_groups(int count, int* m_out, int64_t* a_out, int64_t* b_out, int64_t* sfa_out, int64_t* sfb_out,
                   int64_t* d_out) override {
-    if (count < 0 || count > capacity) return fail(SR_ERR_ARG, "count outside [0, capacity]");
-    int rc = check_device();
+    int rc = begin_read(count);
     if (rc) return rc;
-    SR_CUDA(cudaDeviceSynchronize());
     for (int g = 0; g < count; ++g) {
       typename Cfg::UnderlyingProblemShape shape;
       void* ptrs[5];
@@ -1023,8 +1028,7 @@ struct PairConfig {
   static constexpr int AlignmentD = 128 / cutlass::sizeof_bits<ElementD>::value;
   using ElementAccumulator = float;
   using ElementCompute = float;
-  using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, SfN_, 128, cute::GMMA::Major::K,
-                                                                cute::GMMA::Major::K>;
+  using ScaleConfig = BlockwiseScaleConfig<SfN_>;
   using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
   using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
   using ProblemShape = Shape<int, int, int, int>;
@@ -1088,18 +1092,18 @@ static __global__ void __launch_bounds__(kSetupThreads, 1) setup_pairs_kernel(Pa
     carry += total;
   }
   int const count = carry;
-  __syncthreads();  // items written above are read below (same CTA: __syncthreads orders global memory)
-  for (int j = threadIdx.x; j < count; j += kSetupThreads) {
-    int partner = (j ^ 1) < count ? (j ^ 1) : j;
-    ps.partner_expert[ps.item_block[j]] = ps.item_expert[partner];
+  if (ps.pairs) {  // (uniform across the CTA: the __syncthreads below are reached by every thread)
+    // item j's partner in its cluster: j ^ 1, or j itself for the last item of an odd count
+    auto partner = [count](int j) { return (j ^ 1) < count ? (j ^ 1) : j; };
+    __syncthreads();  // items written above are read below (same CTA: __syncthreads orders global memory)
+    for (int j = threadIdx.x; j < count; j += kSetupThreads)
+      ps.partner_expert[ps.item_block[j]] = ps.item_expert[partner(j)];
+    __syncthreads();
+    int bad = 0;
+    for (int j = threadIdx.x; j < count; j += kSetupThreads)
+      if (ps.partner_expert[ps.item_block[j]] != ps.item_expert[partner(j)]) bad = 1;
+    if (bad) atomicOr(&s_flags, SR_STATUS_DUPLICATE_BLOCK);
   }
-  __syncthreads();
-  int bad = 0;
-  for (int j = threadIdx.x; j < count; j += kSetupThreads) {
-    int partner = (j ^ 1) < count ? (j ^ 1) : j;
-    if (ps.partner_expert[ps.item_block[j]] != ps.item_expert[partner]) bad = 1;
-  }
-  if (bad && ps.pairs) atomicOr(&s_flags, SR_STATUS_DUPLICATE_BLOCK);
   __syncthreads();
   if (threadIdx.x == 0) {
     *ps.item_count = (s_flags & SR_STATUS_DUPLICATE_BLOCK) ? 0 : count;
@@ -1111,7 +1115,6 @@ template <class Cfg>
 struct PairPlan final : PlanBase {
   using Gemm = typename Cfg::Gemm;
   using GemmKernel = typename Cfg::GemmKernel;
-  static constexpr int kTileM = kBlockTileRows;  // the block's rows (one or two tiles of the kernel)
 
   int* arrays = nullptr;  // item_block | item_expert | partner_expert (capacity each) | item_count
   RunArgs last{};  // the last setup's arguments (read_groups describes its items)
@@ -1140,7 +1143,7 @@ struct PairPlan final : PlanBase {
     hw.device_id = device;
     hw.sm_count = ctas;
     hw.max_active_clusters = std::max(1, std::min(max_active_clusters, ctas / Cfg::kClusterSize));
-    int const rows = r.num_blocks * kTileM;
+    int const rows = r.num_blocks * kBlockTileRows;
     auto sfa = Cfg::ScaleConfig::tile_atom_to_shape_SFA(make_shape(rows, n, k, r.num_experts));
     typename Cfg::LayoutSFA layout_sfa = make_layout(shape(sfa), replace<2>(stride(sfa), 0));  // one row buffer
     typename Cfg::LayoutSFB layout_sfb = Cfg::ScaleConfig::tile_atom_to_shape_SFB(make_shape(rows, n, k, r.num_experts));
@@ -1178,7 +1181,7 @@ struct PairPlan final : PlanBase {
     return args;
   }
 
-  int params_for(RunArgs const& r, int ctas, typename Cfg::Params** out) {
+  int prepare(RunArgs const& r, int ctas, void const** out) override {
     std::lock_guard<std::mutex> lock(mu);
     std::vector<int64_t> key{reinterpret_cast<int64_t>(r.a), reinterpret_cast<int64_t>(r.a_sf),
                              reinterpret_cast<int64_t>(r.w), reinterpret_cast<int64_t>(r.w_sf),
@@ -1198,15 +1201,15 @@ struct PairPlan final : PlanBase {
   }
 
   int check_run(RunArgs const& r) override {
-    if (r.block_m != kTileM)
-      return fail(SR_ERR_ARG, "variant " + std::to_string(variant) + " (one " + std::to_string(kTileM) +
-                                  "-row block per item) needs block_m == " + std::to_string(kTileM) + ", got " +
+    if (r.block_m != kBlockTileRows)
+      return fail(SR_ERR_ARG, "variant " + std::to_string(variant) + " (one " + std::to_string(kBlockTileRows) +
+                                  "-row block per item) needs block_m == " + std::to_string(kBlockTileRows) + ", got " +
                                   std::to_string(r.block_m));
     if (r.num_blocks > capacity)
       return fail(SR_ERR_ARG, "num_blocks=" + std::to_string(r.num_blocks) + " exceeds this plan's capacity=" +
                                   std::to_string(capacity) + " (the pair variants keep one entry per block id)");
-    if (int64_t(r.num_blocks) * kTileM > INT32_MAX)
-      return fail(SR_ERR_ARG, "num_blocks * 128 rows exceeds the 32-bit problem shape");
+    if (int64_t(r.num_blocks) * kBlockTileRows > INT32_MAX)
+      return fail(SR_ERR_ARG, "num_blocks * " + std::to_string(kBlockTileRows) + " rows exceeds the 32-bit problem shape");
     return check_common_run(r);
   }
 
@@ -1220,13 +1223,6 @@ struct PairPlan final : PlanBase {
 
   int cluster_size() const override { return Cfg::kClusterSize; }
 
-  int prepare(RunArgs const& r, int ctas, void const** params) override {
-    typename Cfg::Params* cached = nullptr;
-    int rc = params_for(r, ctas, &cached);
-    *params = cached;
-    return rc;
-  }
-
   int launch(void const* params, cudaStream_t stream) override {
     return launch_gemm<Gemm>(params, stream, "CUTLASS pair GEMM");
   }
@@ -1235,10 +1231,8 @@ struct PairPlan final : PlanBase {
   // addresses its tile reads and writes.
   int read_groups(int count, int* m_out, int64_t* a_out, int64_t* b_out, int64_t* sfa_out, int64_t* sfb_out,
                   int64_t* d_out) override {
-    if (count < 0 || count > capacity) return fail(SR_ERR_ARG, "count outside [0, capacity]");
-    int rc = check_device();
+    int rc = begin_read(count);
     if (rc) return rc;
-    SR_CUDA(cudaDeviceSynchronize());
     int items = 0;
     SR_CUDA(cudaMemcpy(&items, item_count(), sizeof(int), cudaMemcpyDeviceToHost));
     std::vector<int> blocks(capacity), experts(capacity);
@@ -1248,8 +1242,8 @@ struct PairPlan final : PlanBase {
     int64_t const dsize = sizeof(typename Cfg::ElementD);
     for (int g = 0; g < count; ++g) {
       bool live = g < items;
-      int64_t row0 = live ? int64_t(blocks[g]) * kTileM : 0, e = live ? experts[g] : 0;
-      m_out[g] = live ? kTileM : 0;
+      int64_t row0 = live ? int64_t(blocks[g]) * kBlockTileRows : 0, e = live ? experts[g] : 0;
+      m_out[g] = live ? kBlockTileRows : 0;
       a_out[g] = reinterpret_cast<int64_t>(last.a) + row0 * kk;
       sfa_out[g] = reinterpret_cast<int64_t>(last.a_sf) + row0 * sfk * 4;
       b_out[g] = reinterpret_cast<int64_t>(last.w) + e * nn * kk;
