@@ -129,6 +129,16 @@ _durations: dict = {}  # node id -> seconds (setup + call + teardown)
 _reasons: dict = {}  # node id -> its slow(reason=...)
 
 
+_running_test = [""]  # node id of the test this process runs now (the leak guard names it)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    _running_test[0] = item.nodeid
+    yield
+    _running_test[0] = ""
+
+
 def pytest_runtest_logreport(report):
     # (tests/run.sh runs the tests in pytest-xdist workers: their reports reach this hook in the main
     # process, which collects no items itself, so the reason comes with the report)
@@ -325,6 +335,7 @@ class FileWatcher:
         self.root, self.period_s = root, period_s
         self.files: set[str] = set()
         self.files_by_child: dict[int, set[str]] = {}  # the same files, by the child of root whose tree held them
+        self.first_seen_in: dict[str, str] = {}  # file -> the test running when it was first seen
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -337,6 +348,8 @@ class FileWatcher:
         for pid, child in descendants_by_child(self.root).items():
             held = files_held(pid)
             if held:
+                for f in held - self.files:
+                    self.first_seen_in[f] = _running_test[0] or "(between tests)"
                 self.files |= held
                 self.files_by_child.setdefault(child, set()).update(held)
 
@@ -360,7 +373,8 @@ def suite_leaves_no_mpi_files():
     # (a job's files are removed by its launcher before it exits; the deadline covers a slow unlink)
     wait_until(lambda: not w.leftovers(), 5.0)
     left = w.leftovers()
-    assert not left, f"the test suite left MPI files behind: {left}"
+    assert not left, "the test suite left MPI files behind: " + \
+        ", ".join(f"{f} (first seen during {w.first_seen_in.get(f, '?')})" for f in left)
 
 # How each `streamring stress --inject MODE` must fail, in rank order and in ready order alike: the
 # violation kinds its checkers must report in the JSON; or, where a consumer reads before the publish

@@ -100,3 +100,32 @@ def test_ranks_record_the_mpi_files_they_map_for_the_launcher(tmp_path, monkeypa
     monkeypatch.delenv(JOB_DIR_ENV)
     record_job_files(4)  # outside the local launcher: nothing written
     assert not (tmp_path / "rank-4.files").exists()
+
+
+def test_orphaned_segments_are_this_users_new_unheld_ones(tmp_path):
+    # a job that died inside the MPI call making a window: the segment its root made is nobody's
+    from streamring.host.jobfiles import orphaned_files
+
+    older = tmp_path / "mpich_shar_tmpOLDER0"
+    older.write_bytes(b"x")
+    time.sleep(0.05)  # (ctime comes from the kernel's coarse clock)
+    since = time.time()
+    time.sleep(0.05)
+    orphan, held, mapped, unlike = (tmp_path / n for n in (
+        "mpich_shar_tmpORPHAN", "mpich_shar_tmpHELD00", "mpich_shm_MAPPED", "not_mpich_NEW000"))
+    for f in (orphan, held, mapped, unlike):
+        f.write_bytes(b"\0" * 4096)
+    # one process holds a segment open, another maps one (its descriptor closed): a live job's files
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; f = open(sys.argv[1], 'rb'); "
+                               "print(flush=True); time.sleep(60)", str(held)], stdout=subprocess.PIPE)
+    mapper = subprocess.Popen([sys.executable, "-c", "import mmap, sys, time\n"
+                               "with open(sys.argv[1], 'r+b') as f: m = mmap.mmap(f.fileno(), 4096)\n"
+                               "print(flush=True); time.sleep(60)", str(mapped)], stdout=subprocess.PIPE)
+    try:
+        holder.stdout.readline(), mapper.stdout.readline()
+        assert orphaned_files(since, str(tmp_path)) == [str(orphan)]
+        mapper.kill(), mapper.wait()
+        assert orphaned_files(since, str(tmp_path)) == sorted([str(orphan), str(mapped)])
+    finally:
+        for p in (holder, mapper):
+            p.kill(), p.wait()

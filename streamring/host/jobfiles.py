@@ -9,7 +9,9 @@ a before/after listing: the launcher records the files that the processes of *it
 job (``mpiexec`` and every descendant) hold open or map while they run, and removes
 those that are left when the job has ended. A rank that aborts removes the names of
 the files its own job holds before the abort tears the job down (under a plain
-``mpirun`` there is no launcher of ours to do it).
+``mpirun`` there is no launcher of ours to do it). After a failed job the launcher also removes the
+segments this user made while the job ran that no process holds any more (:func:`orphaned_files`):
+a job that dies inside the MPI call making a window can end before a scan saw the segment.
 """
 
 from __future__ import annotations
@@ -135,6 +137,64 @@ class JobFiles:
             except OSError:
                 continue
         return removed
+
+
+def orphaned_files(since: float, directory: str = SHM_DIR) -> list[str]:
+    """Shared-memory segments of an MPI library (``SHM_PREFIXES`` in ``directory``) that this user
+    made at or after ``since`` (``time.time()``) and that no process holds open or maps now.
+
+    A job can die while one of its windows is being made: MPICH's local root creates the segment,
+    every local rank maps it, and the root unlinks it once all of them have; a rank that fails
+    before mapping it stops the others inside that one MPI call, and a job that ends within one of
+    :meth:`JobFiles.scan`'s periods of the segment's creation leaves it unseen. Such a file is
+    nobody's: from its creation to its unlink some process holds it (the creator's descriptor, then
+    the mappings), and a live job of another user cannot hold a file of this user's (``mkstemp``
+    makes it 0600). The directory is listed before the processes are read, so a segment made
+    in between is not looked at."""
+    uid = os.getuid()
+    candidates = set()
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    for name in names:
+        if name.startswith(SHM_PREFIXES):
+            path = os.path.join(directory, name)
+            try:
+                st = os.stat(path)
+            except OSError:
+                continue
+            if st.st_uid == uid and st.st_ctime >= since:
+                candidates.add(path)
+    return sorted(candidates - held_among(candidates)) if candidates else []
+
+
+def held_among(paths: set[str]) -> set[str]:
+    """Those of ``paths`` that some process (of those whose ``/proc`` entries this user may read) holds
+    open or maps now; a name that was unlinked and made again does not count as its old holders'."""
+    held: set[str] = set()
+    suffixes = {p: f" {p}\n".encode() for p in paths}
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            fds = []
+        for fd in fds:
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target in paths:  # (an unlinked file reads "PATH (deleted)")
+                held.add(target)
+        try:
+            with open(f"/proc/{pid}/maps", "rb") as maps:
+                data = maps.read()
+        except OSError:
+            continue
+        held |= {p for p, line_end in suffixes.items() if line_end in data}
+    return held
 
 
 def launching_parent() -> int:

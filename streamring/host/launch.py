@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .jobfiles import JobFiles, is_mpi_job_file
+from .jobfiles import JobFiles, is_mpi_job_file, orphaned_files
 from .preload import STUB as PRELOAD_STUB
 from .preload import PreloadServer, preload_enabled
 from .jobstate import JOB_DIR_ENV, ranks_down, ranks_not_ok, recorded_job_files, summarize
@@ -122,6 +122,7 @@ def spawn_local(num_ranks: int, argv: list[str], extra_env: dict | None = None, 
         cmd += [sys.executable, str(PRELOAD_STUB), *argv]
     else:
         cmd += [sys.executable, "-m", "streamring", *argv]
+    started_at = time.time()  # (wall clock: compared with the ctime of the job's segments)
     try:
         proc = subprocess.Popen(cmd, env=env, start_new_session=True)
     except OSError as exc:
@@ -185,6 +186,9 @@ def spawn_local(num_ranks: int, argv: list[str], extra_env: dict | None = None, 
         files.seen |= {f for f in recorded_job_files(jdir) if is_mpi_job_file(f)}
         shutil.rmtree(jdir, ignore_errors=True)
         files.remove_leftovers()
+        if rc != 0:
+            files.seen |= set(orphaned_files(started_at))
+            files.remove_leftovers()
 
 
 #: How often the launcher records the files its job holds (a few /proc reads per process).
