@@ -248,16 +248,22 @@ def mpirun(suite_leaves_no_mpi_files):
     segment behind: plain ``mpiexec`` has no launcher of streamring's to remove it. The files the
     suite's watcher saw this job's processes hold are removed after a failed job, and the result says
     so, so that the failure shows as itself and not also as the suite's leak guard. A job that
-    succeeded keeps its leftovers, for the guard to report."""
+    succeeded keeps its leftovers, for the guard to report. A segment the watcher had no poll to see
+    (a job that failed inside the MPI call making it), or that a poll still running when the job ended
+    recorded after this run took the job's files, is found as the launcher finds it: made by this user
+    while the job ran and held by no process (:func:`streamring.host.jobfiles.orphaned_files`)."""
 
     def run(n, *args, timeout=240, env=None):
+        from streamring.host.jobfiles import orphaned_files
+
         cmd = [mpiexec_path(), "-n", str(n), sys.executable, *map(str, args)]
         started: list[int] = []
+        started_at = time.time()
         proc = _run(cmd, timeout, env, started=started)
         # (popped whatever the outcome: a later job that reuses the process id starts with no files)
         held = suite_leaves_no_mpi_files.files_by_child.pop(started[0], set()) if started else set()
         if proc.returncode != 0:
-            left = sorted(f for f in held if os.path.exists(f))
+            left = sorted({f for f in held if os.path.exists(f)} | set(orphaned_files(started_at)))
             for f in left:
                 with contextlib.suppress(OSError):
                     os.unlink(f)
