@@ -71,8 +71,9 @@ def start_time(pid: int) -> str | None:
         return None
 
 
-def held_files(pid: int) -> set[str]:
-    """MPI job files that ``pid`` holds open or maps now (deleted ones left out)."""
+def held_files(pid: int, wanted=is_mpi_job_file, maps_dir: str = SHM_DIR) -> set[str]:
+    """The files ``wanted`` accepts (MPI job files by default) that ``pid`` holds open or maps now
+    (deleted ones left out; a mapping counts only in ``maps_dir``, the shared-memory directory)."""
     found = set()
     try:
         for fd in os.listdir(f"/proc/{pid}/fd"):
@@ -80,16 +81,16 @@ def held_files(pid: int) -> set[str]:
                 target = os.readlink(f"/proc/{pid}/fd/{fd}")
             except OSError:
                 continue
-            if not target.endswith(" (deleted)") and is_mpi_job_file(target):
+            if not target.endswith(" (deleted)") and wanted(target):
                 found.add(target)
     except OSError:
         pass
     try:
         with open(f"/proc/{pid}/maps") as maps:
             for line in maps:
-                if SHM_DIR in line and not line.rstrip().endswith("(deleted)"):
+                if maps_dir in line and not line.rstrip().endswith("(deleted)"):
                     path = line.split(None, 5)[-1].strip()
-                    if is_mpi_job_file(path):
+                    if wanted(path):
                         found.add(path)
     except OSError:
         pass
@@ -166,35 +167,13 @@ def orphaned_files(since: float, directory: str = SHM_DIR) -> list[str]:
                 continue
             if st.st_uid == uid and st.st_ctime >= since:
                 candidates.add(path)
-    return sorted(candidates - held_among(candidates)) if candidates else []
-
-
-def held_among(paths: set[str]) -> set[str]:
-    """Those of ``paths`` that some process (of those whose ``/proc`` entries this user may read) holds
-    open or maps now; a name that was unlinked and made again does not count as its old holders'."""
+    if not candidates:
+        return []
     held: set[str] = set()
-    suffixes = {p: f" {p}\n".encode() for p in paths}
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            fds = os.listdir(f"/proc/{pid}/fd")
-        except OSError:
-            fds = []
-        for fd in fds:
-            try:
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
-            except OSError:
-                continue
-            if target in paths:  # (an unlinked file reads "PATH (deleted)")
-                held.add(target)
-        try:
-            with open(f"/proc/{pid}/maps", "rb") as maps:
-                data = maps.read()
-        except OSError:
-            continue
-        held |= {p for p, line_end in suffixes.items() if line_end in data}
-    return held
+    for pid in os.listdir("/proc"):  # (every process this user may read: see above for other users')
+        if pid.isdigit():
+            held |= held_files(int(pid), candidates.__contains__, directory)
+    return sorted(candidates - held)
 
 
 def launching_parent() -> int:

@@ -184,11 +184,10 @@ def spawn_local(num_ranks: int, argv: list[str], extra_env: dict | None = None, 
             for line in summarize(jdir, num_ranks, first_down, interrupted=interrupted):
                 print(f"streamring launcher: {line}", file=sys.stderr)
         files.seen |= {f for f in recorded_job_files(jdir) if is_mpi_job_file(f)}
-        shutil.rmtree(jdir, ignore_errors=True)
-        files.remove_leftovers()
         if rc != 0:
             files.seen |= set(orphaned_files(started_at))
-            files.remove_leftovers()
+        shutil.rmtree(jdir, ignore_errors=True)
+        files.remove_leftovers()
 
 
 #: How often the launcher records the files its job holds (a few /proc reads per process).
