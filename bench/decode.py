@@ -24,6 +24,7 @@ import torch
 from bench.ep_layer import dsv3_shape, log, stats, timed
 from streamring.moe import blocks as B
 from streamring.moe.ep_buffer import EPBuffer
+from streamring.moe.tuning import EPTuning
 
 
 def main(argv=None) -> int:
@@ -46,7 +47,8 @@ def main(argv=None) -> int:
     shape = dsv3_shape(args.block_m)
     full = B.FastWeights.random(shape, 5, dev)
     buf = EPBuffer(heap, shape, max_tokens_per_rank=args.max_tokens, num_slots=2,
-                   tokens_per_slot=args.tokens_per_slot, block_m=args.block_m, gemm=args.gemm, name="decode")
+                   tokens_per_slot=args.tokens_per_slot, gemm=args.gemm, tuning=EPTuning(block_m=args.block_m),
+                   name="decode")
     layer = buf.prepare_weights(full)
     g = torch.Generator(device=dev)
     g.manual_seed(100 + me)

@@ -103,11 +103,12 @@ def exp_blocks(dev, pdl_l1, pdl_l2) -> dict:
 def exp_ring(dev) -> dict:
     from streamring.device.nvshmem import NvshmemHeap
     from streamring.moe.ep_buffer import EPBuffer
+    from streamring.moe.tuning import EPTuning
 
     heap = NvshmemHeap.bootstrap(launcher="local")
     fw = B.FastWeights.random(SHAPE, 7, dev)
-    bufs = {name: EPBuffer(heap, SHAPE, max_tokens_per_rank=T, num_slots=2, tokens_per_slot=CHUNK, block_m=16,
-                           policy="serialized", gemm="triton", name=name) for name in ("plain", "pdl")}
+    bufs = {name: EPBuffer(heap, SHAPE, max_tokens_per_rank=T, num_slots=2, tokens_per_slot=CHUNK, gemm="triton",
+                           tuning=EPTuning(block_m=16, policy="serialized"), name=name) for name in ("plain", "pdl")}
     bufs["pdl"].bc.compute = compute_with(bufs["pdl"].bc, True, True)
     out = {"eager": [], "graph": []}
     x = xs(1, dev)

@@ -35,6 +35,7 @@ def main(argv=None) -> int:
     from streamring.device.nvshmem import NvshmemHeap
     from streamring.moe import blocks as B
     from streamring.moe.ep_buffer import EPBuffer
+    from streamring.moe.tuning import EPTuning
     from streamring.moe.math import MoEShape
 
     heap = NvshmemHeap.bootstrap(launcher="local")
@@ -46,9 +47,9 @@ def main(argv=None) -> int:
     g.manual_seed(5)
     x = torch.randn(T, shape.hidden, generator=g, device=heap.device).to(torch.bfloat16)
     outs, problems = {}, []
-    buf = EPBuffer(heap, shape, max_tokens_per_rank=T, num_slots=2, tokens_per_slot=40, block_m=16,
-                   policy=args.policy, transport=args.transport, gemm="triton", deadline_s=args.deadline_s,
-                   name="once")
+    buf = EPBuffer(heap, shape, max_tokens_per_rank=T, num_slots=2, tokens_per_slot=40, gemm="triton",
+                   deadline_s=args.deadline_s, name="once",
+                   tuning=EPTuning(block_m=16, policy=args.policy, transport=args.transport))
     w = buf.prepare_weights(fw)
     for name in ("batch", "stream"):
         streaming = name == "stream"

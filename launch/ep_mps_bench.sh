@@ -1,53 +1,60 @@
 #!/usr/bin/env bash
-# Issue 20 on ONE H200: the expert-parallel layer with 2 PEs sharing the GPU under MPS (half the SMs
-# each), batch against streamed, with a 1 ms straggler on each PE in turn; then where the time of the
-# one-GPU batch layer goes (kernels per forward). One device call, at most $EPM_BUDGET_S (560 s):
+# The expert-parallel layer's streaming benchmark on ONE H200: 2 PEs sharing the GPU under MPS (half the
+# SMs each), batch against streamed, on time and with late ranks, in one device call of at most
+# $EPM_BUDGET_S (540 s):
 #
-#   bash launch/ep_mps_bench.sh     # carry .whl .cache .gemm-build .deepgemm
+#   bash launch/ep_mps_bench.sh     # carry .whl (launch/fetch_wheels.sh)
 #
-# 1. in the background: DeepGEMM built from .deepgemm/ (for step 3);
-# 2. MPS daemon, CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50, `mpiexec -n 2 python3 -m bench.ep_layer` at
-#    $EPM_TOKENS (1024,4096) tokens per rank, uniform routing, chunks 1/2/4, consumers per_chunk and
-#    persistent, $EPM_GEMMS (triton,cutlass); no torch + NCCL baseline (NCCL refuses two ranks on one
-#    GPU) -> $OUT/ep-layer-mps.json, $OUT/ep-timelines-mps.json; MPS stopped;
-# 3. LAYER_PROBE_KERNELS=1 launch/layer_probe.py deep_gemm,cutlass 8192: replay times and the kernels
-#    per forward of the one-GPU batch layer.
-# What two PEs on one GPU cannot show: NVLink transfers (every pull is GPU-local), and each PE's GEMMs
-# run on half the SMs; what it can show is the schedule: whether a late source delays only its rows.
+# 1. unless EPM_TESTS=0: the GPU tests of the streamed layer's dispatch orders (tests/test_gpu_ep.py, 1 PE)
+#    and `streamring run` with 2 PEs in arrival order with a 3 ms straggler (bitwise streamed == batch);
+# 2. `mpiexec -n 2 python3 -m bench.ep_layer` at $EPM_TOKENS (1024,4096,8192) tokens per PE,
+#    $EPM_EXPERTS (32) experts per PE, uniform routing, Triton GEMMs (EPM_GEMMS), chunks 2 and 4, the
+#    ready and arrival orders, stragglers of 1 and 3 ms on either PE and a 0..2 ms random skew; no torch +
+#    NCCL baseline (NCCL refuses two ranks on one GPU) -> $OUT/ep-layer-mps.json, $OUT/ep-timelines-mps.json
+#    and their drawing $OUT/ep-timeline-mps.png;
+# What two PEs on one GPU cannot show: NVLink transfers (every pull is GPU-local), and each PE's GEMMs run
+# on half the SMs; what it shows is the schedule: whether a late source delays only its own rows.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-. launch/device_job.sh epm.log "${EPM_BUDGET_S:-560}"
+. launch/device_job.sh epm.log "${EPM_BUDGET_S:-540}"
 export STREAMRING_CACHE="${STREAMRING_CACHE:-$PWD/.cache/streamring}"
-
-say "=== 1. DeepGEMM build in the background ($(( $(date +%s) - T0 )) s)"
-dg_start 240
-
-say "=== 2. EP layer, 2 PEs under MPS ($(( $(date +%s) - T0 )) s)"
 export CUDA_MPS_PIPE_DIRECTORY="$(mktemp -d)" CUDA_MPS_LOG_DIRECTORY="$(mktemp -d)"
-if nvidia-cuda-mps-control -d >>"$LOG" 2>&1; then
-  sleep 1
-  BUDGET=$(( $(left) - 150 ))
-  CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50 timeout "$BUDGET" mpiexec --allow-run-as-root --bind-to none -n 2 \
-    -x CUDA_MPS_ACTIVE_THREAD_PERCENTAGE -x CUDA_MPS_PIPE_DIRECTORY -x CUDA_MPS_LOG_DIRECTORY \
-    python3 -m bench.ep_layer --tokens "${EPM_TOKENS:-1024,4096}" --routings uniform --chunks 1,2,4 \
-    --consumers per_chunk,persistent --gemms "${EPM_GEMMS:-triton,cutlass}" --no-baseline \
-    --budget-s $(( BUDGET - 60 )) --json "$OUT/ep-layer-mps.json" --timeline-json "$OUT/ep-timelines-mps.json" \
-    ${EPM_ARGS:-} > "$OUT/ep_mps.log" 2>&1
-  say "ep_layer rc=$?"
-  tail -60 "$OUT/ep_mps.log" | tee -a "$LOG"
-  echo quit | nvidia-cuda-mps-control >/dev/null 2>&1
-  sleep 1
-else
+if ! nvidia-cuda-mps-control -d >>"$LOG" 2>&1; then
   say "could not start the MPS daemon"
+  exit 3
 fi
-unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
-
-say "=== 3. the one-GPU batch layer's kernels ($(( $(date +%s) - T0 )) s, $(left) s left)"
-dg_wait "$(limit 240 30)"
-IMPLS=cutlass
-[ "$DG_RC" = 0 ] && IMPLS=deep_gemm,cutlass
-LAYER_PROBE_KERNELS=1 timeout $(( $(left) - 5 )) python3 launch/layer_probe.py "$IMPLS" 8192 30 \
-  > "$OUT/layer_kernels.log" 2>&1
-say "layer_probe rc=$?"
-grep -E "median|bitwise|kernels|layer_probe:   |Error|error" "$OUT/layer_kernels.log" | tee -a "$LOG"
+sleep 1
+mpi2() {
+  CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50 mpiexec --allow-run-as-root --bind-to none -n 2 \
+    -x CUDA_MPS_ACTIVE_THREAD_PERCENTAGE -x CUDA_MPS_PIPE_DIRECTORY -x CUDA_MPS_LOG_DIRECTORY -x PYTHONPATH \
+    -x STREAMRING_CACHE -x NVSHMEM_DISABLE_NVLS "$@"
+}
+if [ "${EPM_TESTS:-1}" = 1 ]; then
+  say "=== 1a. GPU tests of the streamed layer's dispatch orders, 1 PE ($(( $(date +%s) - T0 )) s)"
+  CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=100 timeout "$(limit 180 330)" python3 -m pytest -q -x -p no:cacheprovider \
+    tests/test_gpu_ep.py -k "streamed_equals_batch or persistent" > "$OUT/gpu_ep_tests.log" 2>&1
+  say "gpu_ep tests rc=$?"
+  tail -3 "$OUT/gpu_ep_tests.log" | tee -a "$LOG"
+  say "=== 1b. streamring run, 2 PEs, arrival order, a 3 ms straggler ($(( $(date +%s) - T0 )) s)"
+  timeout "$(limit 90 320)" mpi2 python3 -m streamring run --backend nvshmem --set ranks=2 \
+    --set layer.weight_dtype=fp8 --set layer.router=deepseek_v3 --set layer.num_experts=16 --set layer.n_group=4 \
+    --set layer.topk_group=2 --set layer.topk=4 --set layer.hidden=512 --set layer.intermediate=256 \
+    --set run.block_m=16 --set run.tokens_per_rank=300 --set ring.num_slots=5 --set ring.tokens_per_slot=64 \
+    --set run.epochs=3 --set run.source_order=arrival --set "run.straggler={rank: 1, ms: 3}" \
+    > "$OUT/run_arrival.log" 2>&1
+  say "run arrival rc=$?"
+  tail -6 "$OUT/run_arrival.log" | tee -a "$LOG"
+fi
+say "=== 2. EP layer, 2 PEs under MPS ($(( $(date +%s) - T0 )) s)"
+BUDGET=$(( $(left) - 30 ))
+timeout "$BUDGET" mpi2 python3 -m bench.ep_layer --tokens "${EPM_TOKENS:-1024,4096,8192}" --routings uniform \
+  --experts-per-pe "${EPM_EXPERTS:-32}" --chunks 2,4 --orders ready,arrival --consumers per_chunk \
+  --gemms "${EPM_GEMMS:-triton}" --straggler-ms 1,3 --skew-ms 2 --no-baseline --budget-s $(( BUDGET - 60 )) \
+  --json "$OUT/ep-layer-mps.json" --timeline-json "$OUT/ep-timelines-mps.json" ${EPM_ARGS:-} > "$OUT/ep_mps.log" 2>&1
+say "ep_layer rc=$?"
+grep -A200 "^pub->acq across PEs: p50" "$OUT/ep_mps.log" | tee -a "$LOG" | tail -60
+echo quit | nvidia-cuda-mps-control >/dev/null 2>&1
+if [ -s "$OUT/ep-timelines-mps.json" ]; then
+  python3 -m streamring timeline "$OUT/ep-timelines-mps.json" --out "$OUT/ep-timeline-mps.png" 2>&1 | tail -4 | tee -a "$LOG"
+fi
 say "=== done ($(( $(date +%s) - T0 )) s)"

@@ -13,7 +13,7 @@ from typing import Literal, Optional, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, ValidationError, field_validator, model_validator
 
-from .protocol import GEMM_CHOICES, INJECT_MODES, PROGRESS_POLICIES, SF_BLOCK, SOURCE_ORDERS
+from .protocol import EP_SOURCE_ORDERS, GEMM_CHOICES, INJECT_MODES, PROGRESS_POLICIES, SF_BLOCK, SOURCE_ORDERS
 
 
 class ConfigError(ValueError):
@@ -99,8 +99,10 @@ class RunConfig(_Strict):
     )
     mode: Literal["both", "batch", "stream"] = "both"
     scheduler: Literal["chunk_local", "reservation"] = "chunk_local"
-    source_order: Literal[SOURCE_ORDERS] = Field(  # type: ignore[valid-type]
-        "rank", description="streamed consumer: sources of a chunk in rank order, or any ready source first")
+    source_order: Literal[EP_SOURCE_ORDERS] = Field(  # type: ignore[valid-type]
+        "rank", description="streamed consumer: sources of a chunk in rank order, or any ready source first; "
+                            "arrival (the expert-parallel GPU layer only): all chunks of the first source to "
+                            "publish, then the next (needs ring.num_slots >= the chunks of a forward)")
     block_m: int = Field(16, ge=1, description="rows per expert block")
     epochs: int = Field(2, ge=1, description="forward calls (one stream epoch each) on the same buffers")
     routing: Literal["router", "uniform", "hot_expert", "one_rank"] = "router"

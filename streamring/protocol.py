@@ -123,6 +123,9 @@ INJECT_MODES = tuple(m.value for m in Inject if m is not Inject.NONE)
 # checked up to 3 ranks), or any source whose chunk is ready first (an RFC later optimisation,
 # model-checked at 2 ranks; see streamring.model).
 SOURCE_ORDERS = ("rank", "ready")
+# The expert-parallel GPU layer's dispatch orders: the ring's two and ``arrival`` (sources in the order their
+# first chunk is published, all of a source's chunks before the next source's; streamring.moe.ep_buffer)
+EP_SOURCE_ORDERS = SOURCE_ORDERS + ("arrival",)
 
 # How a consumer that is enqueued on a GPU *before* its producers still lets them run (the RFC's
 # "progress mechanism"); one definition for the config, the device ring, its self-test and the

@@ -136,6 +136,16 @@ def check_run_job(cfg: Config, num_ranks: int) -> None:
             raise ConfigError(f"run.fault.epoch must be in [0, run.epochs={cfg.run.epochs}), got {f.epoch}")
         if cfg.run.mode == "batch":
             raise ConfigError("run.fault fails a streamed forward: run.mode must be 'both' or 'stream', got 'batch'")
+    if cfg.run.source_order == "arrival":
+        if not use_fast_gpu_path(cfg):
+            raise ConfigError("run.source_order 'arrival' is a dispatch order of the expert-parallel GPU layer "
+                              "(--backend nvshmem, layer.weight_dtype=fp8); elsewhere use 'rank' or 'ready'")
+        most = max(max(per_rank(cfg.run.tokens_per_rank, R, "run.tokens_per_rank")), 1)
+        chunks = -(-most // min(cfg.ring.tokens_per_slot, most))
+        if cfg.ring.num_slots < chunks:
+            raise ConfigError(f"run.source_order 'arrival' needs ring.num_slots >= the chunks of a forward "
+                              f"({most} tokens / ring.tokens_per_slot={cfg.ring.tokens_per_slot} = {chunks}), "
+                              f"got ring.num_slots={cfg.ring.num_slots}")
     if use_fast_gpu_path(cfg) and cfg.nvshmem.progress in REFUSED_POLICIES:
         # the expert-parallel layer refuses it (see moe/ep_buffer.py): say so before launch
         allowed = [p for p in PROGRESS_POLICIES if p not in REFUSED_POLICIES]
@@ -238,7 +248,9 @@ def run_layer_gpu(heap, cfg: Config) -> dict:
     import torch
 
     from .moe import blocks as B
+    from .moe import ep_debug
     from .moe.ep_buffer import EPBuffer
+    from .moe.tuning import EPTuning
 
     R, me = heap.num_ranks, heap.rank
     check_run_job(cfg, R)
@@ -257,11 +269,12 @@ def run_layer_gpu(heap, cfg: Config) -> dict:
     full = B.FastWeights.random(shape, cfg.layer.seed, dev)  # every expert, for this rank's reference
     st = cfg.run.straggler
     max_tokens = max(max(tokens), 1)
+    tuning = EPTuning(block_m=cfg.run.block_m, policy=cfg.nvshmem.progress, source_order=cfg.run.source_order,
+                      transport=cfg.nvshmem.transport, producer_sms=cfg.nvshmem.producer_sms)
     buf = EPBuffer(heap, shape, max_tokens_per_rank=max_tokens, num_slots=cfg.ring.num_slots,
-                   tokens_per_slot=min(cfg.ring.tokens_per_slot, max_tokens), block_m=cfg.run.block_m,
-                   policy=cfg.nvshmem.progress, source_order=cfg.run.source_order, gemm=cfg.run.gemm,
-                   transport=cfg.nvshmem.transport, producer_sms=cfg.nvshmem.producer_sms,
-                   deadline_s=cfg.wait_timeout_s, inject=cfg.run.inject, name="run")
+                   tokens_per_slot=min(cfg.ring.tokens_per_slot, max_tokens), gemm=cfg.run.gemm,
+                   deadline_s=cfg.wait_timeout_s, tuning=tuning, name="run")
+    ep_debug.inject(buf, cfg.run.inject)
     layer = buf.prepare_weights(full)
     T = tokens[me]
     x_buf = torch.zeros(T, shape.hidden, dtype=torch.bfloat16, device=dev)

@@ -307,6 +307,7 @@ def layer_broken(heap) -> list[str]:
     from streamring.device.ringdesc import META_VALID
     from streamring.moe import blocks as B
     from streamring.moe.ep_buffer import EPBuffer
+    from streamring.moe.tuning import EPTuning
     from streamring.moe.math import MoEShape
 
     R, me = heap.num_ranks, heap.rank
@@ -322,8 +323,8 @@ def layer_broken(heap) -> list[str]:
     failures = []
 
     def make():
-        buf = EPBuffer(heap, shape, max_tokens_per_rank=T, num_slots=2, tokens_per_slot=40, block_m=16,
-                       policy="spin_kernel", deadline_s=0.5, gemm="triton", name="hostile-layer")
+        buf = EPBuffer(heap, shape, max_tokens_per_rank=T, num_slots=2, tokens_per_slot=40, deadline_s=0.5,
+                       gemm="triton", tuning=EPTuning(block_m=16, policy="spin_kernel"), name="hostile-layer")
         return buf, buf.prepare_weights(fw)
 
     def corrupt_once(buf, what):

@@ -374,6 +374,7 @@ def drop_in_gpu(heap):
     FP8 reference above models), so only the FP8-level bound applies: <= FP8_REL_RMS_MAX at the first MoE
     layer and at the logits, 0 routing flips against transformers' router, and no graph break at the layer."""
     from streamring.moe.ep_buffer import EPBuffer
+    from streamring.moe.tuning import EPTuning
 
     me, dev = heap.rank, heap.device
     cfg = config()
@@ -381,8 +382,8 @@ def drop_in_gpu(heap):
     ids = torch.randint(0, cfg.vocab_size, (1 + me, 11 - 2 * me), generator=torch.Generator().manual_seed(10 + me))
     ids = ids.to(dev)
     shape = moe_shape_from_config(cfg, weight_dtype="fp8", block_m=16)
-    buf = EPBuffer(heap, shape, max_tokens_per_rank=32, num_slots=2, tokens_per_slot=8, block_m=16,
-                   policy="spin_kernel", gemm="triton", name="hf")
+    buf = EPBuffer(heap, shape, max_tokens_per_rank=32, num_slots=2, tokens_per_slot=8, gemm="triton",
+                   tuning=EPTuning(block_m=16, policy="spin_kernel"), name="hf")
     unmod_taps = Taps(model)
     with torch.no_grad():
         unmod = model(ids).logits

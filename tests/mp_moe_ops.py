@@ -18,7 +18,8 @@ from mpi4py import MPI  # noqa: E402
 torch.set_num_threads(1)  # two ranks share the two cores
 
 from streamring.device.cpu import MpiHeap  # noqa: E402
-from streamring.moe import MoEBuffer, MoEShape, MoEWeights, moe_forward, register_layer  # noqa: E402
+from streamring.moe import MoEBuffer, MoEShape, MoEWeights, register_layer  # noqa: E402
+from streamring.moe.ops import moe_forward  # noqa: E402
 from streamring.moe.bitwise import bit_difference  # noqa: E402
 from streamring.moe.ops import registered_layers  # noqa: E402
 

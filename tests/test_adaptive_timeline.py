@@ -151,22 +151,23 @@ def test_committed_results_draw():
     assert all(len(lanes(t)) == 3 * len(t["chunks"]) + 2 for t in tls)
 
 
-def test_plan_validation_names_fields():
-    from streamring.moe.plan import PlanChoice
+def test_tuning_validation_names_fields():
+    from streamring.moe.tuning import EPTuning
 
-    with pytest.raises(ValueError, match="policy must be one of"):
-        PlanChoice(chunk_tokens=64, num_slots=2, block_m=64, policy="fast").validate()
-    with pytest.raises(ValueError, match="refused with policy 'stream_wait'"):
-        PlanChoice(chunk_tokens=64, num_slots=2, block_m=64, policy="stream_wait", high_priority=True).validate()
-    with pytest.raises(ValueError, match="num_slots must be >= 1"):
-        PlanChoice(chunk_tokens=64, num_slots=0, block_m=64, policy="spin_kernel").validate()
-    assert PlanChoice(chunk_tokens=64, num_slots=2, block_m=64, policy="stream_wait").validate()
+    with pytest.raises(ValueError, match=r"policy\n  Input should be 'serialized', 'stream_wait', 'spin_kernel' or "
+                                         r"'green_ctx'"):
+        EPTuning(policy="fast")
+    with pytest.raises(ValueError, match=r"reserved_sms\n  Input should be greater than or equal to 1"):
+        EPTuning(reserved_sms=0)
+    with pytest.raises(ValueError, match=r"chunk_gemm_ctas\n  Input should be greater than or equal to 1"):
+        EPTuning(chunk_gemm_ctas=0)
+    assert EPTuning(policy="stream_wait").policy == "stream_wait"
 
 
-def test_priority_streams_default_follows_the_policy():
-    from streamring.moe.plan import PlanChoice
+def test_priority_streams_follow_the_policy():
+    """High-priority producer and dispatch streams with spin_kernel only: a consumer blocked in
+    cuStreamWaitValue64 (stream_wait) has no deadline, so nothing may depend on its stream going first."""
+    from streamring.moe.tuning import EPTuning
 
-    plan = lambda policy, prio=None: PlanChoice(chunk_tokens=64, num_slots=2, block_m=64, policy=policy,  # noqa: E731
-                                                high_priority=prio)
-    assert plan("spin_kernel").priority_streams() and not plan("stream_wait").priority_streams()
-    assert not plan("spin_kernel", False).priority_streams() and plan("serialized", True).priority_streams()
+    assert EPTuning(policy="spin_kernel").priority_streams
+    assert not any(EPTuning(policy=p).priority_streams for p in ("stream_wait", "serialized", "green_ctx"))

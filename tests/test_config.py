@@ -52,3 +52,19 @@ def test_bad_override_syntax_and_missing_file(tmp_path):
     bad.write_text("- a list\n")
     with pytest.raises(ConfigError, match="mapping"):
         load_config(bad)
+
+
+def test_arrival_order_is_the_gpu_layers_and_needs_a_slot_per_chunk():
+    """run.source_order 'arrival' is refused before launch off the expert-parallel GPU layer, and on it when a
+    forward has more chunks than the ring has slots (the errors name the fields)."""
+    from streamring.runner import ConfigError, check_run_job
+
+    cpu = load_config(None, ["run.source_order=arrival"])
+    with pytest.raises(ConfigError, match="run.source_order 'arrival' is a dispatch order of the expert-parallel"):
+        check_run_job(cpu, 4)
+    gpu = ["backend=nvshmem", "layer.weight_dtype=fp8", "run.source_order=arrival", "run.tokens_per_rank=100",
+           "ring.tokens_per_slot=32"]
+    with pytest.raises(ConfigError, match=r"needs ring.num_slots >= the chunks of a forward \(100 tokens / "
+                                          r"ring.tokens_per_slot=32 = 4\), got ring.num_slots="):
+        check_run_job(load_config(None, gpu + ["ring.num_slots=2"]), 4)
+    check_run_job(load_config(None, gpu + ["ring.num_slots=4"]), 4)

@@ -32,6 +32,9 @@ from emulated_device import EmulatedHeap  # noqa: E402
 from streamring.moe import blocks as B  # noqa: E402
 from streamring.moe.ep_buffer import EPBuffer, memory_report  # noqa: E402
 from streamring.moe.math import MoEShape, MoEWeights  # noqa: E402
+from streamring.moe.tuning import EPTuning  # noqa: E402
+
+SERIAL = EPTuning(policy="serialized")
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU emulation; GPUs run tests/test_gpu_ep.py")
 EMULATED = "the emulated device runs the layer's GPU kernels in Triton's CPU interpreter: 2 to 7 s a case on 2 cores"
@@ -68,7 +71,7 @@ def setup():
     shape = shape_()
     fw = B.FastWeights.random(shape, 3, "cpu")
     buf = EPBuffer(EmulatedHeap(), shape, max_tokens_per_rank=40, num_slots=2, tokens_per_slot=16,
-                   policy="serialized", gemm="triton")
+                   gemm="triton", tuning=SERIAL)
     yield shape, fw, buf
     buf.close()
 
@@ -94,9 +97,10 @@ def test_streamed_equals_batch_equals_single_process(setup):
     assert done["batch"] == {"published": 2, "consumed": 1}, (done, st)
 
 
-def test_last_step_with_seal_saves_a_gemm_call_and_keeps_the_bits(setup, monkeypatch):
-    """The last dispatch step's blocks computed in the seal's call (the default): one GEMM call per
-    forward fewer (the batch path: one instead of two), outputs bitwise those of a call per step."""
+def test_every_source_order_computes_the_last_step_in_the_seal_call_and_keeps_the_bits(setup, monkeypatch):
+    """The last dispatch step's blocks are computed in the seal's call: one GEMM call per forward fewer
+    (the batch path: one call over its step and the seal), in every dispatch order; the orders' outputs are
+    bitwise equal."""
     import streamring.moe.ep_buffer as EB
 
     shape, fw, _ = setup  # buffers of its own: the shared one's status counts are asserted elsewhere
@@ -108,23 +112,32 @@ def test_last_step_with_seal_saves_a_gemm_call_and_keeps_the_bits(setup, monkeyp
         return real(self, path, layer, lo, hi, *a, **k)
     monkeypatch.setattr(EB.EPBuffer, "_gemms", gemms)
     x = tokens(37, 1)
-    buf, sep = (EPBuffer(EmulatedHeap(), shape, max_tokens_per_rank=40, num_slots=2, tokens_per_slot=16,
-                         policy="serialized", gemm="triton", last_step_with_seal=merged) for merged in (True, False))
-    try:
-        got = {}
-        for name, b in (("merged", buf), ("separate", sep)):
+    got = {}
+    for order in ("rank", "ready", "arrival"):  # 3 chunks: arrival needs 3 slots
+        b = EPBuffer(EmulatedHeap(), shape, max_tokens_per_rank=40, num_slots=3, tokens_per_slot=16, gemm="triton",
+                     tuning=EPTuning(policy="serialized", source_order=order))
+        try:
             w = b.prepare_weights(fw)
             for streaming in (False, True):
                 ranges.clear()
-                got[name, streaming] = (b.forward(x, w, streaming=streaming).clone(), list(ranges))
-    finally:
-        buf.close()
-        sep.close()
-    assert got["merged", False][1] == [(0, 2)] and got["separate", False][1] == [(0, 1), (1, 2)]
-    assert got["merged", True][1] == [(0, 1), (1, 2), (2, 4)]
-    assert got["separate", True][1] == [(0, 1), (1, 2), (2, 3), (3, 4)]
-    for streaming in (False, True):
-        assert torch.equal(bits(got["merged", streaming][0]), bits(got["separate", streaming][0]))
+                got[order, streaming] = (b.forward(x, w, streaming=streaming).clone(), list(ranges))
+        finally:
+            b.close()
+    for order in ("rank", "ready", "arrival"):
+        assert got[order, False][1] == [(0, 2)], order
+        assert got[order, True][1] == [(0, 1), (1, 2), (2, 4)], order
+        for streaming in (False, True):
+            assert torch.equal(bits(got[order, streaming][0]), bits(got["rank", False][0])), (order, streaming)
+
+
+def test_arrival_order_needs_a_slot_per_chunk(setup):
+    """A consumer taking all of one source's chunks first could wait for a slot that only its own later
+    acknowledgement frees: arrival order is refused when a forward has more chunks than slots."""
+    shape, _, _ = setup
+    with pytest.raises(ValueError, match=r"source_order 'arrival' needs num_slots >= the chunks of a forward .*= 3\), "
+                                         r"got num_slots=2"):
+        EPBuffer(EmulatedHeap(), shape, max_tokens_per_rank=40, num_slots=2, tokens_per_slot=16,
+                 tuning=EPTuning(policy="serialized", source_order="arrival"))
 
 
 def test_a_gemm_status_makes_the_buffer_refuse(setup):
@@ -132,7 +145,7 @@ def test_a_gemm_status_makes_the_buffer_refuse(setup):
     the device, so nothing was computed) is not silent: status() names it and the buffer is broken."""
     shape, fw, _ = setup
     buf = EPBuffer(EmulatedHeap(), shape, max_tokens_per_rank=40, num_slots=2, tokens_per_slot=16,
-                   policy="serialized", gemm="triton")
+                   gemm="triton", tuning=SERIAL)
     try:
         assert buf.status()["gemm_status"] == 0 and not buf.broken
 
@@ -183,7 +196,7 @@ def test_count_outside_the_rows_is_clamped_then_refused():
     shape = shape_()
     fw = B.FastWeights.random(shape, 3, "cpu")
     buf = EPBuffer(EmulatedHeap(), shape, max_tokens_per_rank=40, num_slots=2, tokens_per_slot=16,
-                   policy="serialized", gemm="triton")
+                   gemm="triton", tuning=SERIAL)
     w = buf.prepare_weights(fw)
     x = tokens(20, 4)
     with pytest.raises(ValueError, match=r"num_tokens must be in \[0, 20\]"):
@@ -198,8 +211,7 @@ def test_count_outside_the_rows_is_clamped_then_refused():
 def test_bf16_weights_are_prepared_into_fp8():
     shape = shape_(weight_dtype="bf16")
     mw = MoEWeights.random(shape, seed=5)
-    buf = EPBuffer(EmulatedHeap(), shape, max_tokens_per_rank=24, tokens_per_slot=8, policy="serialized",
-                   gemm="triton")
+    buf = EPBuffer(EmulatedHeap(), shape, max_tokens_per_rank=24, tokens_per_slot=8, gemm="triton", tuning=SERIAL)
     w = buf.prepare_weights(mw)
     assert w.fw.w1.dtype == torch.float8_e4m3fn and tuple(w.fw.w1.shape) == (4, 256, 128)
     x = tokens(24, 6)
@@ -230,10 +242,23 @@ def test_bad_arguments_name_the_field(setup):
         buf.forward(tokens(4, 1), w, stream_epoch=9)
     with pytest.raises(ValueError, match="routing.hidden=256 differs"):
         buf.prepare_weights(fw, shape_(hidden=256))
-    with pytest.raises(ValueError, match="block_m must be one of"):
-        EPBuffer(EmulatedHeap(), shape, max_tokens_per_rank=8, block_m=48, policy="serialized")
-    with pytest.raises(ValueError, match="policy 'pdl' is refused"):
-        EPBuffer(EmulatedHeap(), shape, max_tokens_per_rank=8, policy="pdl")
+    # the tuning's errors name the field and its allowed values
+    with pytest.raises(ValueError, match=r"block_m\n  Input should be 16, 32, 64 or 128"):
+        EPTuning(block_m=48)
+    with pytest.raises(ValueError, match="policy 'pdl' is refused by the expert-parallel layer"):
+        EPTuning(policy="pdl")
+    with pytest.raises(ValueError, match=r"source_order\n  Input should be 'rank', 'ready' or 'arrival'"):
+        EPTuning(source_order="fifo")
+    with pytest.raises(ValueError, match=r"producer_sms must be a multiple of 8"):
+        EPTuning(producer_sms=12)
+    with pytest.raises(ValueError, match=r"side_puts\n  Extra inputs are not permitted"):
+        EPTuning(side_puts=False)
+    with pytest.raises(ValueError, match="frozen"):
+        SERIAL.policy = "spin_kernel"
+    with pytest.raises(ValueError, match="tuning must be an EPTuning, got dict"):
+        EPBuffer(EmulatedHeap(), shape, max_tokens_per_rank=8, tuning={"policy": "serialized"})
+    with pytest.raises(TypeError, match="unexpected keyword argument 'policy'"):
+        EPBuffer(EmulatedHeap(), shape, max_tokens_per_rank=8, policy="serialized")
 
 
 def test_auto_streams_only_where_the_table_measured_a_win(setup, monkeypatch):
@@ -345,17 +370,16 @@ def test_the_torch_op_runs_the_gpu_buffer(setup):
         assert sum("streamring.moe_forward" in o for o in ops) == 1, ops
 
 
-@pytest.mark.parametrize("pull", quick_subset(["route", "token"], quick=["route"], reason=EMULATED))
-def test_persistent_consumer_and_token_pull_keep_the_output(pull):
+def test_persistent_consumer_keeps_the_output():
     """consumer='persistent' (one launch of the persistent expert kernel per forward, fed by the ready
-    queue) and both dispatch pulls give the per-chunk consumer's output, bitwise; the pull counters say
-    what a route pull and a token pull read from peers' slots (none here: one PE reads only its own)."""
+    queue) gives the per-chunk consumer's output, bitwise; the pull counters say what the dispatch read from
+    peers' slots (none here: one PE reads only its own)."""
     shape = shape_()
     fw = B.FastWeights.random(shape, 3, "cpu")
     x = tokens(29, 12)
     want = single_batch(shape, fw, x)
     buf = EPBuffer(EmulatedHeap(), shape, max_tokens_per_rank=32, num_slots=2, tokens_per_slot=16,
-                   policy="serialized", gemm="triton", consumer="persistent", pull=pull)
+                   gemm="triton", tuning=EPTuning(policy="serialized", consumer="persistent"))
     try:
         w = buf.prepare_weights(fw)
         for streaming in (False, True):
@@ -366,5 +390,5 @@ def test_persistent_consumer_and_token_pull_keep_the_output(pull):
     finally:
         buf.close()
     with pytest.raises(ValueError, match="consumer 'persistent' runs the Triton GEMMs"):
-        EPBuffer(EmulatedHeap(), shape, max_tokens_per_rank=8, policy="serialized", gemm="cutlass",
-                 consumer="persistent")
+        EPBuffer(EmulatedHeap(), shape, max_tokens_per_rank=8, gemm="cutlass",
+                 tuning=EPTuning(policy="serialized", consumer="persistent"))

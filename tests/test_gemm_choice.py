@@ -107,19 +107,16 @@ def test_a_measured_swizzle_reaches_the_choice():
 
 
 def test_resolve_layer_refuses_deep_gemm_with_another_block_m():
-    class Plan:
-        block_m, policy = 64, "spin_kernel"
-
     class Shape:
         topk, num_experts, hidden, intermediate = 8, 256, 7168, 2048
 
-    with pytest.raises(ValueError, match=r"plan\.block_m must be 128 for gemm='deep_gemm'"):
-        GC.resolve_layer("deep_gemm", Plan, Shape, [8192])
+    with pytest.raises(ValueError, match=r"block_m must be 128 for gemm='deep_gemm'"):
+        GC.resolve_layer("deep_gemm", 64, Shape, [8192])
     with pytest.raises(ValueError, match="gemm must be 'auto' or one of"):
-        GC.resolve_layer("cublas", Plan, Shape, [8192])
-    lc = GC.resolve_layer("triton", Plan, Shape, [8192])
+        GC.resolve_layer("cublas", 64, Shape, [8192])
+    lc = GC.resolve_layer("triton", 64, Shape, [8192])
     assert lc.impl == "triton"
-    lc = GC.resolve_layer("cutlass", Plan, Shape, [4096, 4096], table=table())  # 256 rows per expert
+    lc = GC.resolve_layer("cutlass", 64, Shape, [4096, 4096], table=table())  # 256 rows per expert
     assert (lc.impl, lc.l1.tile) == ("cutlass", "coop128")
 
 

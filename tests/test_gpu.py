@@ -24,7 +24,7 @@ from streamring import gpu_selftest
 from streamring.config import NvshmemConfig
 from streamring.device import build, kernels
 from streamring.device import ringdesc as gpu
-from streamring.protocol import PROGRESS_POLICIES, RingLayout, make_gen
+from streamring.protocol import EP_SOURCE_ORDERS, PROGRESS_POLICIES, REFUSED_POLICIES, RingLayout, make_gen
 
 ROOT = Path(__file__).resolve().parents[1]
 CSRC = ROOT / "streamring" / "device" / "csrc"
@@ -102,10 +102,12 @@ def test_generation_packing_matches_protocol():
 
 
 def test_policies_are_defined_once():
-    from streamring.moe import plan
+    from streamring.moe import tuning
 
     choices = NvshmemConfig.model_fields["progress"].annotation.__args__
-    assert tuple(choices) == PROGRESS_POLICIES == gpu_selftest.POLICIES == plan.POLICIES
+    assert tuple(choices) == PROGRESS_POLICIES == gpu_selftest.POLICIES
+    assert tuning.EP_POLICIES == tuple(p for p in PROGRESS_POLICIES if p not in REFUSED_POLICIES)
+    assert tuning.EP_SOURCE_ORDERS is EP_SOURCE_ORDERS
 
 
 def test_generated_constants_come_from_the_python_definitions():

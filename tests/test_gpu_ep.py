@@ -65,16 +65,22 @@ def _bits(t):
 
 def _buffer(heap, shape, *, policy="spin_kernel", transport="p2p", order="rank", gemm="triton", max_tokens=157,
             tokens_per_slot=40, **kw):
+    """A buffer of 4 chunks of 40 tokens: 2 slots (wrapping), 4 for arrival order (a slot per chunk)."""
     from streamring.moe.ep_buffer import EPBuffer
+    from streamring.moe.tuning import EPTuning
 
-    return EPBuffer(heap, shape, max_tokens_per_rank=max_tokens, num_slots=2, tokens_per_slot=tokens_per_slot,
-                    block_m=16, policy=policy, transport=transport, source_order=order, gemm=gemm, **kw)
+    deadline = {"deadline_s": kw.pop("deadline_s")} if "deadline_s" in kw else {}
+    tuning = EPTuning(block_m=16, policy=policy, transport=transport, source_order=order, **kw)
+    slots = 4 if order == "arrival" else 2
+    return EPBuffer(heap, shape, max_tokens_per_rank=max_tokens, num_slots=slots, tokens_per_slot=tokens_per_slot,
+                    gemm=gemm, tuning=tuning, **deadline)
 
 
 @pytest.mark.parametrize("policy,transport,order", [
     ("serialized", "p2p", "rank"), ("spin_kernel", "p2p", "rank"), ("stream_wait", "p2p", "rank"),
     ("green_ctx", "p2p", "rank"), ("spin_kernel", "nv", "rank"), ("serialized", "nv", "rank"),
-    ("spin_kernel", "p2p", "ready"), ("spin_kernel", "nv", "ready")])
+    ("spin_kernel", "p2p", "ready"), ("spin_kernel", "nv", "ready"), ("spin_kernel", "p2p", "arrival"),
+    ("serialized", "p2p", "arrival"), ("spin_kernel", "nv", "arrival")])
 def test_streamed_equals_batch_equals_single_process(env, policy, transport, order):
     heap, shape, fw = env
     T = 157
@@ -199,15 +205,15 @@ def test_cutlass_gemms_keep_streamed_equal_to_batch(env, policy, order):
         buf.close()
 
 
-@pytest.mark.parametrize("policy,order,pull", [("spin_kernel", "rank", "token"), ("spin_kernel", "ready", "token"),
-                                               ("serialized", "rank", "route"), ("stream_wait", "rank", "token")])
-def test_persistent_consumer_equals_single_process(env, policy, order, pull):
+@pytest.mark.parametrize("policy,order", [("spin_kernel", "rank"), ("spin_kernel", "ready"), ("serialized", "rank"),
+                                          ("stream_wait", "rank"), ("spin_kernel", "arrival")])
+def test_persistent_consumer_equals_single_process(env, policy, order):
     """consumer='persistent': ONE persistent expert kernel per forward, launched before any block is ready
     (streamed, multi-stream policies) with SMs left to the producer and dispatch, fed by the ready queue;
     captured, replayed with new inputs: bitwise the single-process block path, no ring error."""
     heap, shape, fw = env
     T = 157
-    buf = _buffer(heap, shape, policy=policy, order=order, consumer="persistent", pull=pull, reserved_sms=16)
+    buf = _buffer(heap, shape, policy=policy, order=order, consumer="persistent", reserved_sms=16)
     try:
         w = buf.prepare_weights(fw)
         for streaming in (False, True):

@@ -73,9 +73,10 @@ def _bits(t):
 
 def _buffer(heap, shape, T, policy, name, deadline_s):
     from streamring.moe.ep_buffer import EPBuffer
+    from streamring.moe.tuning import EPTuning
 
-    return EPBuffer(heap, shape, max_tokens_per_rank=T, num_slots=2, tokens_per_slot=40, block_m=16, policy=policy,
-                    gemm="triton", deadline_s=deadline_s, name=name)
+    return EPBuffer(heap, shape, max_tokens_per_rank=T, num_slots=2, tokens_per_slot=40, gemm="triton",
+                    deadline_s=deadline_s, tuning=EPTuning(block_m=16, policy=policy), name=name)
 
 
 def _batch_out(heap, shape, fw, x):

@@ -29,7 +29,7 @@ class AdaptiveTableError(ValueError):
 @dataclass(frozen=True)
 class AdaptiveChoice:
     """What to run for ``tokens`` tokens: ``path`` is 'batch' or 'streamed'; for 'streamed',
-    ``chunk_tokens``, ``num_slots`` and ``policy`` (a ``streamring.moe.plan.POLICIES`` name)."""
+    ``chunk_tokens``, ``num_slots`` and ``policy`` (a ``streamring.moe.tuning.EP_POLICIES`` name)."""
 
     tokens: int
     path: str
@@ -40,15 +40,6 @@ class AdaptiveChoice:
     table_tokens: int = 0
     note: str = ""
     chunks: int = 1
-
-    def plan(self):
-        """A :class:`~streamring.moe.plan.PlanChoice` for a streamed choice, else None."""
-        if self.path != "streamed":
-            return None
-        from .plan import PlanChoice
-
-        return PlanChoice(chunk_tokens=self.chunk_tokens, num_slots=self.num_slots, block_m=self.block_m,
-                          policy=self.policy)
 
 
 def load_table(path: str | Path = DEFAULT_TABLE) -> dict:

@@ -41,7 +41,7 @@ Per chunk c (slot s = c % S) on every PE::
                                              ep_signal_arrivals ADDs the row counts to the
                                              owners' arrived[chunk] (release)
     after the last chunk: seal -> one GEMM call over the last dispatch's blocks and the partial
-    blocks (``last_step_with_seal``; else the partial blocks alone) -> signal; then (as owner)
+    blocks -> signal; then (as owner)
     ep_wait_arrivals (arrived == expected, acquire) -> combine_owner (k-ordered sum) ->
     arrived := 0; after every stream joined: ring drain, advance_epoch.
 
@@ -67,18 +67,27 @@ Ordering argument (the RFC's release/acquire, each step in one place):
   sums the k results of a token in the order k = 0..K-1, so the streamed output equals the batch
   output bitwise whatever the chunking, the progress policy or the arrival order.
 
-Progress policies (``streamring.protocol.PROGRESS_POLICIES``) of the streamed path: the dispatch
+Dispatch orders (``EPTuning.source_order``): ``rank`` takes chunk c of every source in one step;
+``ready`` takes chunk c's sources one step each, whichever is ready first (``ring_wait_any``);
+``arrival`` takes, per step j, the j-th source to publish its chunk 0 and then that source's later
+chunks (a one-bit pending mask: the same acquire, check and deadline), so a late source delays only
+its own rows. Progress of ``arrival``: every chunk of a forward has its own slot (``num_slots >=
+chunks``, checked), so no producer waits for an acknowledgement and every published chunk stays
+takeable until taken; with fewer slots, a consumer holding on to one source while another waits for
+that consumer's acknowledgement of an earlier chunk could deadlock, so it is refused.
+
+Progress policies (``streamring.moe.tuning.EP_POLICIES``) of the streamed path: the dispatch
 stream is enqueued before the producer and must not block it: ``serialized`` (one stream, chunk by
 chunk), ``spin_kernel`` (one-thread acquire kernels with a deadline; producer and dispatch streams at
 high priority), ``stream_wait`` (``cuStreamWaitValue64`` on the ring's doorbells, no SM held),
 ``green_ctx`` (producer and consumer on disjoint SM partitions; P2P transport). ``pdl`` is refused
-here: see :data:`REFUSED_POLICIES`. The batch path always runs ``serialized``.
+here (``streamring.protocol.REFUSED_POLICIES``). The batch path always runs ``serialized``.
 
 Transports (chosen once per buffer): ``p2p`` (NVLink loads/stores through peer pointers: the
 dispatch pulls rows from the peers' slots, L2 stores into the peers' combine rows) or ``nv``
 (NVSHMEM device RMA, for peers without a pointer, e.g. on another node: every source's slot is
 fetched with gets into a local mirror, L2 writes locally and ``ep_put_rows`` puts the rows).
-``transport='nv'`` forces that path between GPUs of one host, so it is tested there.
+``EPTuning(transport='nv')`` forces that path between GPUs of one host, so it is tested there.
 """
 
 from __future__ import annotations
@@ -95,23 +104,17 @@ from ..device import kernels as DK
 from ..device import moe_triton as K
 from ..device.cutlass_gemm import status_text as gemm_status_text
 from ..device.ranges import annotate as nvtx_range
-from ..device.ringdesc import INJECT_BITS, RING_LAYOUT, RING_ROUTE, describe_status
+from ..device.ringdesc import RING_LAYOUT, RING_ROUTE, describe_status
 from ..device_ring import DeviceRing
-from ..protocol import (GEMM_CHOICES, PROGRESS_POLICIES, REFUSED_POLICIES, SOURCE_ORDERS, CombineLayout, RingLayout,
-                        WatchdogError)
+from ..protocol import GEMM_CHOICES, CombineLayout, RingLayout, WatchdogError
 from . import gemm_choice as GC
-from .blocks import FP8, PULLS, BlockConsumer, FastWeights, compute_blocks, select_experts_into
+from .blocks import FP8, BlockConsumer, FastWeights, compute_blocks, select_experts_into
 from .math import MoEShape, MoEWeights, quantize_weight_fp8_block
-from .plan import PlanChoice
 from .timeline_events import CHUNK_EVENTS, STAMP_STRIDE, TAIL_EVENTS
+from .tuning import BLOCK_MS, EPTuning
 
-TRANSPORTS = ("auto", "p2p", "nv")
-#: how the expert GEMMs run: one L1 and one L2 grid per dispatch step ("per_chunk", any GEMM and
-#: transport) or ONE persistent kernel per forward claiming ready blocks from a device queue
-#: ("persistent", Triton GEMMs over P2P; ``streamring.moe.work_queue``)
-CONSUMERS = ("per_chunk", "persistent")
 GEMMS = GEMM_CHOICES
-BLOCK_MS = (16, 32, 64, 128)
+
 
 def cutlass_unavailable_reason() -> Optional[str]:
     """Why the CUTLASS GEMM library is not taken here (``None`` when it loads). Never builds anything:
@@ -128,8 +131,7 @@ def resolve_gemm(gemm: str, shape: MoEShape, num_ranks: int, max_tokens_per_rank
     streamed-vs-batch comparison never measures two GEMMs' rounding."""
     if gemm not in GEMMS:
         raise ValueError(f"gemm must be one of {GEMMS}, got {gemm!r}")
-    plan = PlanChoice(chunk_tokens=1, num_slots=1, block_m=block_m, policy="serialized")
-    return GC.resolve_layer(gemm, plan, shape, [max_tokens_per_rank] * num_ranks)
+    return GC.resolve_layer(gemm, block_m, shape, [max_tokens_per_rank] * num_ranks)
 
 
 @dataclass
@@ -157,7 +159,9 @@ class _Path:
     num_slots: int
     policy: str
     source_order: str
-    steps: int  # dispatch steps per chunk: 1 (every source at once) or R (ready order)
+    steps: int  # dispatch steps per chunk: 1 (every source at once) or R (ready and arrival orders)
+    order: list  # the dispatch steps (chunk c, step j of c) in the order they are enqueued
+    step_index: dict  # (c, j) -> its position in ``order`` (the block consumer's ready index)
     slots: list  # typed views of my slots (DeviceRing.slot_views)
     chunk_base: torch.Tensor  # int64 [num_chunks]: c * chunk
     chunk_valid: torch.Tensor  # int64 [num_chunks]: this forward's valid tokens of my chunk c
@@ -175,116 +179,73 @@ class EPBuffer:
         shape: sizes of every layer that will use this buffer (``hidden``, ``intermediate``,
             ``num_experts`` a multiple of the PEs, ``topk``; ``hidden``/``intermediate`` multiples of
             128) and the default routing of :meth:`prepare_weights`.
-        num_slots, tokens_per_slot: the streamed ring (the RFC's ``front_num_slots`` /
-            ``front_tokens_per_slot``); default ``tokens_per_slot``: half of ``max_tokens_per_rank``.
         max_tokens_per_rank: the most tokens any PE passes to one forward (sizes the batch ring, the
             combine area and the expert blocks).
-        block_m: rows per expert block, one of ``BLOCK_MS`` (default ``shape.block_m``).
-        policy: progress policy of the streamed path (``PROGRESS_POLICIES`` but ``REFUSED_POLICIES``).
-        source_order: ``"rank"`` or ``"ready"`` (per chunk, whichever source is ready first, decided
-            on the device by ``ring_wait_any``: a late source delays only its own rows).
+        num_slots, tokens_per_slot: the streamed ring (the RFC's ``front_num_slots`` /
+            ``front_tokens_per_slot``); default ``tokens_per_slot``: half of ``max_tokens_per_rank``.
         gemm: ``"triton"``, ``"cutlass"``, ``"deep_gemm"`` (``block_m`` 128, when ``import deep_gemm``
             works) or ``"auto"`` (:func:`resolve_gemm`: the fastest available one of the measured table);
             :attr:`gemm` is the resolved implementation, :attr:`gemm_choice` its variants and why. Every
-            path of this buffer runs the same GEMMs. With ``"deep_gemm"`` a streamed forward's GEMM call
-            per chunk spans the whole block buffer (``m_indices``, -1 outside the chunk's blocks): 1.5-4.5x
-            the time of one call at 2-8 chunks on one H200 (``python -m bench.gemm_launches``), so
-            ``streaming="auto"`` keeps such a buffer on the batch path (its tuned table measured it so).
-        transport: ``"auto"`` (P2P when every peer is load/store reachable, else NVSHMEM RMA),
-            ``"p2p"`` or ``"nv"`` (forces RMA; see the module doc).
-        chunk_gemm_ctas, high_priority: see :class:`~streamring.moe.plan.PlanChoice`.
-        producer_sms: ``green_ctx`` only: SMs of the producer partition.
-        consumer: ``"per_chunk"`` (an L1 and an L2 grid per dispatch step; any GEMM and transport) or
-            ``"persistent"`` (ONE persistent kernel per forward claiming ready blocks from a device queue,
-            ``streamring.moe.work_queue``; Triton GEMMs over P2P, launched first with ``reserved_sms`` SMs
-            left to the producer and dispatch of the streamed path: with none left they starve and the
-            queue's deadline ends the forward with an error, measured). CUTLASS and DeepGEMM run
-            per-chunk calls only: on one H200 CUTLASS's per-chunk calls take -2.3 % to +5.2 % against
-            one call running the same tiles without launch boundaries, what a queue-claiming
-            scheduler would run (``python -m bench.gemm_launches``, ``docs/performance.md``, session 9).
-        pull: ``"token"`` (the dispatch reads each needed token's row from its source's slot once, then
-            expands it locally; the slot is acknowledged right after that read) or ``"route"`` (one read
-            per route, up to top-k per token).
-        side_puts: the result puts of a local-``y`` GEMM (CUTLASS, RMA) on a stream of their own in the
-            multi-stream policies (default), so the next blocks' GEMMs do not wait for them; else on the
-            GEMM stream. Measured neutral on one H200 (8.74 ms both ways; its puts are local), not
-            measured across GPUs.
-        chunk_combine: the owner's reduce chunk by chunk on a stream of its own as each chunk's rows
-            arrive; default off: one reduce after the GEMMs. Measured on one H200 (DeepSeek-V3 shape, 4096
-            tokens, 2 chunks, CUTLASS): 13.7 ms with it against 8.7 ms without (its early, spinning
-            arrival wait holds an SM slot that one CTA of CUTLASS's statically scheduled persistent grid
-            then waits for, so that CTA's tiles run after all the others');
-            ``docs/results/ep-schedule-experiments-1pe-2026-12-01.log``.
-        last_step_with_seal: the per-chunk consumer computes the last dispatch step's full blocks in the
-            seal's GEMM call, beside the partial blocks (default): one L1 and one L2 pass fewer over the
-            weights of the experts both would touch (the batch path: one call instead of two; with
-            DeepGEMM that call covers the forward's only allocation, so it takes the psum layout). False:
-            a call per dispatch step and one for the seal. Outputs are bitwise equal either way (rows are
-            computed independently).
+            path of this buffer runs the same GEMMs, so a streamed-vs-batch comparison never measures two
+            GEMMs' rounding.
         deadline_s: every device wait gives up after this long and records where it waited
             (:meth:`status`); nothing hangs.
-        timeline: record per-chunk ``%globaltimer`` stamps (:meth:`timeline`).
-        inject: a deliberate protocol mutation (``streamring.protocol.INJECT_MODES``; tests and the
-            GPU check): ``skip-acquire``, ``signal-before-payload``, ``skip-ack-wait``,
-            ``ignore-epoch``; the run's bitwise and status checks must then fail.
+        tuning: the scheduling switches (:class:`~streamring.moe.tuning.EPTuning`; default: the measured
+            defaults).
+        name: prefix of this buffer's symmetric allocations (distinct per buffer of one process).
+
+    The streamed path's GEMMs run per dispatch step; the last step's full blocks go into the seal's call
+    beside the partial blocks (one L1 and one L2 pass fewer over the weights of the experts both touch).
+    With a local ``y`` (CUTLASS, DeepGEMM, RMA transport) the result puts run on a stream of their own, so
+    the next blocks' GEMMs do not wait for them.
 
     Memory: :meth:`memory_report` (or :func:`memory_report` before building one).
     """
 
     def __init__(self, heap, shape: MoEShape, *, max_tokens_per_rank: int, num_slots: int = 2,
-                 tokens_per_slot: Optional[int] = None, block_m: Optional[int] = None, policy: str = "spin_kernel",
-                 source_order: str = "rank", gemm: str = "auto", transport: str = "auto",
-                 chunk_gemm_ctas: Optional[int] = None, high_priority: Optional[bool] = None, producer_sms: int = 16,
-                 consumer: str = "per_chunk", reserved_sms: int = 16, pull: str = "token", side_puts: bool = True,
-                 chunk_combine: bool = False, last_step_with_seal: bool = True, deadline_s: float = 10.0,
-                 timeline: bool = False, inject: str = "none", name: str = "ep"):
+                 tokens_per_slot: Optional[int] = None, gemm: str = "auto", deadline_s: float = 10.0,
+                 tuning: Optional[EPTuning] = None, name: str = "ep"):
         R, me = heap.num_ranks, heap.rank
-        sizes = _check_sizes(shape, R, max_tokens_per_rank, num_slots, tokens_per_slot, block_m)
+        if tuning is None:
+            tuning = EPTuning()
+        elif not isinstance(tuning, EPTuning):
+            raise ValueError(f"tuning must be an EPTuning, got {type(tuning).__name__}")
+        #: the scheduling switches this buffer runs (frozen)
+        self.tuning = tu = tuning
+        sizes = _check_sizes(shape, R, max_tokens_per_rank, num_slots, tokens_per_slot, tu.block_m)
         self.max_tokens, C, S, self.block_m = sizes
-        if policy in REFUSED_POLICIES:
-            allowed = [p for p in PROGRESS_POLICIES if p not in REFUSED_POLICIES]
-            raise ValueError(f"policy {policy!r} is refused by the expert-parallel layer: "
-                             f"{REFUSED_POLICIES[policy]}; use one of {allowed}")
-        PlanChoice(chunk_tokens=C, num_slots=S, block_m=self.block_m, policy=policy, high_priority=high_priority,
-                   chunk_gemm_ctas=chunk_gemm_ctas).validate()
-        if source_order not in SOURCE_ORDERS:
-            raise ValueError(f"source_order must be one of {SOURCE_ORDERS}, got {source_order!r}")
-        if source_order == "ready" and R > 64:
-            raise ValueError(f"source_order 'ready' supports up to 64 PEs, got {R}")
-        if inject not in INJECT_BITS:
-            raise ValueError(f"inject must be one of {list(INJECT_BITS)}, got {inject!r}")
-        if transport not in TRANSPORTS:
-            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
-        if consumer not in CONSUMERS:
-            raise ValueError(f"consumer must be one of {CONSUMERS}, got {consumer!r}")
-        if pull not in PULLS:
-            raise ValueError(f"pull must be one of {PULLS}, got {pull!r}")
-        if not isinstance(reserved_sms, int) or reserved_sms < 0:
-            raise ValueError(f"reserved_sms must be an int >= 0, got {reserved_sms!r}")
+        policy, source_order, transport, consumer = tu.policy, tu.source_order, tu.transport, tu.consumer
+        if source_order != "rank" and R > 64:
+            raise ValueError(f"tuning.source_order {source_order!r} supports up to 64 PEs, got {R}")
+        n_chunks = -(-self.max_tokens // C)
+        if source_order == "arrival" and S < n_chunks:
+            raise ValueError(f"tuning.source_order 'arrival' needs num_slots >= the chunks of a forward "
+                             f"(max_tokens_per_rank / tokens_per_slot = {n_chunks}), got num_slots={S}: a consumer "
+                             f"taking all of one source's chunks first could wait for a slot only its own later "
+                             f"acknowledgement frees")
+        if source_order == "arrival" and policy == "stream_wait":
+            raise ValueError("tuning.source_order 'arrival' with policy 'stream_wait' would wait for every source's "
+                             "doorbell of a chunk before taking any: use policy 'spin_kernel'")
         #: the expert GEMMs of every path (implementation and variants; :attr:`gemm` names the implementation)
         self.gemm_choice = resolve_gemm(gemm, shape, R, self.max_tokens, self.block_m)
         self.gemm = self.gemm_choice.impl
         if consumer == "persistent" and (self.gemm != "triton" or transport == "nv" or policy == "green_ctx"):
-            raise ValueError(f"consumer 'persistent' runs the Triton GEMMs storing straight into the owners over "
+            raise ValueError(f"tuning.consumer 'persistent' runs the Triton GEMMs storing straight into the owners over "
                              f"P2P: it needs gemm 'triton' (got {self.gemm!r}), transport 'auto' or 'p2p' (got "
                              f"{transport!r}) and a policy other than 'green_ctx' (got {policy!r})")
-        self.consumer, self.pull, self.reserved_sms = consumer, pull, reserved_sms
-        self.side_puts = bool(side_puts)
-        self.chunk_combine = bool(chunk_combine)
-        self.last_step_with_seal = bool(last_step_with_seal)
-        if self.gemm == "deep_gemm" and chunk_gemm_ctas is not None:
-            raise ValueError("chunk_gemm_ctas must be None with gemm 'deep_gemm' (DeepGEMM sizes its own grid)")
+        self.consumer, self.reserved_sms = consumer, tu.reserved_sms
+        if self.gemm == "deep_gemm" and tu.chunk_gemm_ctas is not None:
+            raise ValueError("tuning.chunk_gemm_ctas must be None with gemm 'deep_gemm' (DeepGEMM sizes its own grid)")
         self.heap, self.shape = heap, shape
         self.R, self.me = R, me
         self.E_loc = shape.num_experts // R
         #: the experts this PE holds (rank r holds ``[r * E/R, (r+1) * E/R)``)
         self.local_experts = range(me * self.E_loc, (me + 1) * self.E_loc)
         self.policy, self.source_order = policy, source_order
-        self.chunk_gemm_ctas = chunk_gemm_ctas
-        self.priority_streams = PlanChoice(chunk_tokens=C, num_slots=S, block_m=self.block_m, policy=policy,
-                                           high_priority=high_priority).priority_streams()
-        self.inject = inject
-        self._inject_bits = INJECT_BITS[inject]
+        self.chunk_gemm_ctas = tu.chunk_gemm_ctas
+        self.priority_streams = tu.priority_streams
+        self.inject = "none"  # a deliberate protocol mutation: streamring.moe.ep_debug.inject (tests only)
+        self._inject_bits = 0
         self.deadline_s = deadline_s
         self.dev = dev = heap.device
         self._on_gpu = torch.device(dev).type == "cuda"
@@ -340,13 +301,18 @@ class EPBuffer:
         self.flat_w = torch.zeros(self.entries, dtype=torch.float32, device=dev)
         self.pending = torch.zeros(1, dtype=torch.int64, device=dev)  # ready order: sources not yet taken
         self.chosen = torch.zeros(R, dtype=torch.int32, device=dev)  # ready order: the source of step j
+        # arrival order, chunks after the first: the one source a step waits for, and where its wait writes it
+        self.one_bit = torch.ones(1, dtype=torch.int64, device=dev)
+        self.pending_one = torch.zeros(1, dtype=torch.int64, device=dev)
+        self.chosen_again = torch.zeros(1, dtype=torch.int32, device=dev)
         self.src_all = torch.arange(R, dtype=torch.int32, device=dev)
         self.bad_routes = torch.zeros(1, dtype=torch.int32, device=dev)
         # bytes the dispatch reads from peers' slots (last forward): [0] one row per route, [1] one per token
         self.pull_bytes = torch.zeros(2, dtype=torch.int64, device=dev)
         self.bad_counts = torch.zeros(1, dtype=torch.int32, device=dev)  # num_tokens outside [0, T], clamped
         self.straggler_t = torch.zeros(1, dtype=torch.int64, device=dev)
-        self.stamps = torch.zeros((max_chunks + 1) * STAMP_STRIDE, dtype=torch.int64, device=dev) if timeline else None
+        self._max_chunks = max_chunks
+        self.stamps = None  # per-chunk %globaltimer stamps: streamring.moe.ep_debug.record_timeline
         self._stamp_path: Optional[_Path] = None
         self._recording = True
         # -- the block consumer (local scratch, shared by every layer) --------------------------------
@@ -368,7 +334,7 @@ class EPBuffer:
             self.sm_count = torch.cuda.get_device_properties(dev).multi_processor_count if self._on_gpu else 1
             self.comb_arrived_delta = ((self._comb_peers_t - self.comb_base) // 8).contiguous()  # int64 words
         # -- streams ----------------------------------------------------------------------------------
-        self._make_streams(policy, producer_sms)
+        self._make_streams(policy, tu.producer_sms)
         for p in self.paths.values():
             p.ring.set_epoch(1)
         heap.barrier()
@@ -386,8 +352,15 @@ class EPBuffer:
         mirror = None
         if ring.transport == "nv":  # NVSHMEM gets into a local mirror laid out like the ring, one copy per source
             mirror = torch.zeros(R, layout.nbytes, dtype=torch.uint8, device=dev)
+        steps = 1 if source_order == "rank" else R
+        # arrival: step j takes the j-th source to publish its first chunk, then that source's later chunks
+        if source_order == "arrival":
+            order = [(c, j) for j in range(steps) for c in range(num_chunks)]
+        else:
+            order = [(c, j) for c in range(num_chunks) for j in range(steps)]
         return _Path(name=name, ring=ring, chunk=chunk, num_chunks=num_chunks, num_slots=S, policy=policy,
-                     source_order=source_order, steps=R if source_order == "ready" else 1,
+                     source_order=source_order, steps=steps, order=order,
+                     step_index={cj: i for i, cj in enumerate(order)},
                      slots=[ring.slot_views(s) for s in range(S)],
                      chunk_base=torch.arange(num_chunks, dtype=torch.int64, device=dev) * chunk,
                      chunk_valid=torch.zeros(num_chunks, dtype=torch.int64, device=dev),
@@ -397,7 +370,7 @@ class EPBuffer:
     def _make_streams(self, policy, producer_sms):
         self.green = None
         self.events = []
-        self.cstream = self.ustream = None
+        self.ustream = None
         if policy == "green_ctx":
             from ..device.green import make_green_pair
 
@@ -414,14 +387,12 @@ class EPBuffer:
             self.pstream = torch.cuda.Stream(device=self.dev, priority=hi)
             self.dstream = torch.cuda.Stream(device=self.dev, priority=hi)
             self.gstream = torch.cuda.Stream(device=self.dev, priority=0)
-            # the owner's reduce, chunk by chunk, and (GEMMs with a local y) the puts of the result rows:
-            # off the GEMM stream, so the next blocks' GEMMs do not wait for them
-            self.cstream = torch.cuda.Stream(device=self.dev, priority=0)
+            # (GEMMs with a local y) the puts of the result rows: off the GEMM stream, so the next blocks'
+            # GEMMs do not wait for them
             self.ustream = torch.cuda.Stream(device=self.dev, priority=0)
             st = self.paths["stream"]
             n_steps = st.num_chunks * st.steps
             self.events = [torch.cuda.Event() for _ in range(n_steps)]
-            self.produced = [torch.cuda.Event() for _ in range(st.num_chunks)]
             self.computed = [torch.cuda.Event() for _ in range(n_steps + 1)]
 
     # -- layers -----------------------------------------------------------------------------------
@@ -702,24 +673,27 @@ class EPBuffer:
         self.straggler_t.fill_(int(ns))
 
     def timeline(self) -> dict:
-        """Per-chunk device timestamps of the last stamped forward (needs ``timeline=True``), in us."""
+        """Per-chunk device timestamps of the last stamped forward, in us (after
+        :func:`streamring.moe.ep_debug.record_timeline`). A chunk's ``acquired`` is its first dispatch step's,
+        ``dispatched_acked`` and ``blocks_done`` its last step's; ``blocks_ready`` counts the blocks all its
+        steps made ready."""
         if self.stamps is None or self._stamp_path is None:
-            raise ValueError("no timeline: build the EPBuffer with timeline=True and run a forward")
+            raise ValueError("no timeline: call streamring.moe.ep_debug.record_timeline(buffer) and run a forward")
         p = self._stamp_path
         st = self.stamps.view(-1, STAMP_STRIDE).cpu().numpy().astype(np.int64)
         t0 = int(st[p.num_chunks, 0])
         chunks = [{ev: (int(st[c, j]) - t0) / 1e3 for j, ev in enumerate(CHUNK_EVENTS)} for c in range(p.num_chunks)]
         tail = {ev: (int(st[p.num_chunks, j]) - t0) / 1e3 for j, ev in enumerate(TAIL_EVENTS)}
-        n, k = p.num_chunks, p.steps
-        ready = self.bc.ready_hi.cpu().tolist()[: n * k + 2]
-        for c in range(n):
-            chunks[c]["blocks_ready"] = ready[(c + 1) * k] - ready[c * k]
-        tail["seal_blocks"] = ready[n * k + 1] - ready[n * k]
+        n = len(p.order)
+        ready = self.bc.ready_hi.cpu().tolist()[: n + 2]
+        for c in range(p.num_chunks):
+            chunks[c]["blocks_ready"] = sum(ready[i + 1] - ready[i] for i, (cc, _) in enumerate(p.order) if cc == c)
+        tail["seal_blocks"] = ready[n + 1] - ready[n]
         return {"chunks": chunks, "tail": tail, "policy": p.policy, "source_order": p.source_order,
                 "chunk_tokens": p.chunk, "num_slots": p.num_slots, "block_m": self.block_m, "rank": self.me,
                 "ranks": self.R, "path": p.name,
-                # True: the last chunk's blocks_done is the seal's stamp (one GEMM call computed both)
-                "last_step_with_seal": self.last_step_with_seal}
+                # the last dispatch step's blocks_done is the seal's stamp (one GEMM call computes both)
+                "last_step_with_seal": True}
 
     def memory_report(self) -> dict:
         """Bytes this buffer holds: symmetric (rings, combine area) and local (scratch)."""
@@ -836,17 +810,25 @@ class EPBuffer:
         torch.sum((self.my_idx[a:a + path.chunk] >= 0).view(-1), dim=0, out=self.expected[c])
 
     def _dispatch(self, path: _Path, c, j=0):
-        """Dispatch step j of chunk c: every source (rank order) or the j-th ready source."""
+        """Dispatch step j of chunk c: every source (rank order), the j-th source of chunk c to be ready
+        (ready order), or chunk c of the j-th source to publish its first chunk (arrival order)."""
         with nvtx_range(f"streamring acquire+dispatch+ack chunk {c} step {j}", color="orange"):
             r, st = path.ring, self._current_stream()
             s = c % path.num_slots
             L = r.layout
-            ready = path.source_order == "ready"
+            ready = path.source_order != "rank"
             if path.policy == "stream_wait" and j == 0:
                 r.wait_doorbells(st, c)
             if ready:
                 srcs = self.chosen[j:j + 1]
-                r.wait_any(st, c, path.valid_tab, self.pending, j == 0, srcs, inject=self._inject_bits)
+                if path.source_order == "arrival" and c > 0:
+                    # the source is the one step j took at chunk 0: wait for exactly that one (a one-bit
+                    # pending mask), with the same acquire, metadata check and deadline as any ready wait
+                    torch.bitwise_left_shift(self.one_bit, srcs.to(torch.int64), out=self.pending_one)
+                    r.wait_any(st, c, path.valid_tab, self.pending_one, False, self.chosen_again,
+                               inject=self._inject_bits)
+                else:
+                    r.wait_any(st, c, path.valid_tab, self.pending, j == 0, srcs, inject=self._inject_bits)
             else:
                 srcs = self.src_all
                 r.acquire_checked(st, c, path.valid_tab, inject=self._inject_bits)
@@ -873,10 +855,10 @@ class EPBuffer:
                 else:
                     r.ack(st, c)
             self.bc.dispatch_ep(c, flat_e, flat_w, srcs, (ring_u8, ring_u8.view(torch.float32)), (d_u8, d_f32),
-                                (L.x_off(s), L.x_sf_off(s) // 4), step=c * path.steps + j, pull=self.pull,
+                                (L.x_off(s), L.x_sf_off(s) // 4), step=path.step_index[c, j], pull="token",
                                 on_slot_released=release)
             if self.queue is not None:
-                self.queue.publish(c * path.steps + j)  # the persistent consumer picks the new blocks up
+                self.queue.publish(path.step_index[c, j])  # the persistent consumer picks the new blocks up
             if j == path.steps - 1:
                 self._stamp(c, 3)
 
@@ -916,32 +898,28 @@ class EPBuffer:
         entries = self.R * path.chunk * self.shape.topk
         return min(self.bc.max_blocks, entries // path.steps // self.bc.block_m + self.E_loc)
 
-    def _deferred_to_seal(self, path: _Path, c, j) -> bool:
-        """Whether step ``(c, j)``'s blocks are computed by the seal's call (``last_step_with_seal``)."""
-        return self.last_step_with_seal and c == path.num_chunks - 1 and j == path.steps - 1
-
     def _chunk_gemms(self, path: _Path, layer, c, j=0, side_puts=False):
-        if self._deferred_to_seal(path, c, j):
-            return  # the seal's call computes these blocks (its time is stamped there)
+        i = path.step_index[c, j]
+        if i == len(path.order) - 1:
+            # the last dispatch step's full blocks go into the seal's call beside the partial blocks: one L1
+            # and one L2 pass fewer over the weights of the experts both touch (its time is stamped there)
+            return
         with nvtx_range(f"streamring block GEMMs chunk {c} step {j}", color="green"):
-            i = c * path.steps + j
-            # the persistent (SM-sparing) grid only while later chunks are still being produced; the
-            # last chunk's blocks, like the sealed ones, take the whole GPU
-            ctas = self.chunk_gemm_ctas if (path.name == "stream" and c < path.num_chunks - 1) else None
+            # the persistent (SM-sparing) grid only while later steps' sources are still being produced;
+            # the last ones' blocks, like the sealed ones, take the whole GPU
+            ctas = self.chunk_gemm_ctas if (path.name == "stream" and i < len(path.order) - path.steps) else None
             self._gemms(path, layer, i, i + 1, self._max_ready_per_step(path), ctas, side_puts)
             if j == path.steps - 1:
                 self._stamp(c, 4)
 
     def _seal(self, path: _Path, layer, side_puts=False):
         with nvtx_range("streamring seal + GEMMs", color="red"):
-            n = path.num_chunks * path.steps  # dispatch steps so far: the seal is the next ready index
+            n = len(path.order)  # dispatch steps so far: the seal is the next ready index
             self.bc.seal(n)
-            last = self._deferred_to_seal(path, path.num_chunks - 1, path.steps - 1)
-            lo = n - 1 if last else n  # with the last step's blocks: ready_list[ready_hi[n-1] : ready_hi[n+1]]
-            most = self.E_loc + (self._max_ready_per_step(path) if last else 0)
-            self._gemms(path, layer, lo, n + 1, min(self.bc.max_blocks, most), None, side_puts)
-            if last:
-                self._stamp(path.num_chunks - 1, 4)
+            # with the last step's blocks: ready_list[ready_hi[n-1] : ready_hi[n+1]]
+            most = self.E_loc + self._max_ready_per_step(path)
+            self._gemms(path, layer, n - 1, n + 1, min(self.bc.max_blocks, most), None, side_puts)
+            self._stamp(path.order[-1][0], 4)
             self._stamp(path.num_chunks, 2)
 
     def _combine(self, path: _Path, out, c0: int, c1: int):
@@ -977,7 +955,7 @@ class EPBuffer:
                           deadline_ns=int(self.deadline_s * 1e9))
 
     def _seal_queue(self, path: _Path):
-        n = path.num_chunks * path.steps  # dispatch steps so far: the seal is the next ready index
+        n = len(path.order)  # dispatch steps so far: the seal is the next ready index
         self.bc.seal(n)
         self.queue.seal(n)
         self._stamp(path.num_chunks, 2)
@@ -996,75 +974,83 @@ class EPBuffer:
         self.bc.begin()
         if persistent:
             self.queue.reset()
-        if path.policy == "serialized" or order == "serialized" or self.pstream is None:  # one stream, chunk by chunk
-            for c in range(C):
-                self._produce(path, layer, x, c, routing)
-                for j in range(path.steps):
-                    self._dispatch(path, c, j)
-                    if not persistent:
-                        self._chunk_gemms(path, layer, c, j)
-            self._stamp(C, 1)
-            if persistent:
-                # every block is published before the launch: one stream can never wait on itself
-                self._seal_queue(path)
-                self._launch_consumer(path, layer, self.sm_count)
-            else:
-                self._seal(path, layer)
-            self._combine(path, out, 0, C)
+        if path.policy == "serialized" or order == "serialized" or self.pstream is None:
+            self._enqueue_serialized(path, layer, x, out, routing)
         else:
-            sides = [s_ for s_ in dict.fromkeys((self.pstream, self.dstream, self.gstream, self.cstream,
-                                                 self.ustream)) if s_ is not None]
-            side_puts = self.side_puts and self.ustream is not None and not self.direct_l2
-            for st in sides:
-                st.wait_stream(origin)
-            if persistent:
-                # launched before any block is ready: its CTAs claim blocks as the dispatch publishes them, and
-                # leave reserved_sms SMs to the producer and the dispatch, which must progress while they wait
-                with self._side("g"):
-                    self._launch_consumer(path, layer, self.sm_count - self.reserved_sms)
-            # the consumer is enqueued FIRST: the progress policy must keep it from blocking producers
-            with self._side("d"):
-                for c in range(C):
-                    for j in range(path.steps):
-                        self._dispatch(path, c, j)
-                        if persistent:
-                            continue
-                        if self.events:
-                            self.events[c * path.steps + j].record()
-                        else:
-                            self._chunk_gemms(path, layer, c, j)  # green_ctx: dispatch and GEMMs share a stream
-                if persistent:
-                    self._seal_queue(path)
-            if self.events and not persistent:
-                with self._side("g"):
-                    for c in range(C):
-                        for j in range(path.steps):
-                            self.gstream.wait_event(self.events[c * path.steps + j])
-                            self._chunk_gemms(path, layer, c, j, side_puts)
-                    self._seal(path, layer, side_puts)
-            elif not persistent:
-                with self._side("g"):
-                    self._seal(path, layer, side_puts)
-            with self._side("p"):
-                for c in range(C):
-                    self._produce(path, layer, x, c, routing)
-                    if self.cstream is not None:
-                        self.produced[c].record()
-                self._stamp(C, 1)
-            if self.cstream is not None and self.chunk_combine:
-                # the owner's reduce of each chunk once its rows are back, beside the GEMMs of later blocks
-                with torch.cuda.stream(self.cstream):
-                    for c in range(C):
-                        self.cstream.wait_event(self.produced[c])
-                        self._combine(path, out, c, c + 1)
-            else:  # one reduce after the producer and the GEMMs (green_ctx: on the consumer's partition)
-                self.gstream.wait_stream(self.pstream)
-                with self._side("g"):
-                    self._combine(path, out, 0, C)
-            for st in sides:
-                origin.wait_stream(st)
+            self._enqueue_streams(path, layer, x, out, routing, origin)
         r.drain(origin)
         r.advance_epoch(origin)
+
+    def _enqueue_serialized(self, path, layer, x, out, routing):
+        """One stream. Rank and ready orders: chunk by chunk (produce c, then its dispatch steps and GEMMs).
+        Arrival order takes all of a source's chunks before the next source's, so every chunk is produced
+        first (each in its own slot: no reuse wait) and then dispatched in that order."""
+        C, persistent = path.num_chunks, self.queue is not None
+        produced = 0
+        for c, j in path.order:
+            while produced <= c:
+                self._produce(path, layer, x, produced, routing)
+                produced += 1
+            if path.source_order == "arrival":
+                while produced < C:
+                    self._produce(path, layer, x, produced, routing)
+                    produced += 1
+            self._dispatch(path, c, j)
+            if not persistent:
+                self._chunk_gemms(path, layer, c, j)
+        self._stamp(C, 1)
+        if persistent:
+            # every block is published before the launch: one stream can never wait on itself
+            self._seal_queue(path)
+            self._launch_consumer(path, layer, self.sm_count)
+        else:
+            self._seal(path, layer)
+        self._combine(path, out, 0, C)
+
+    def _enqueue_streams(self, path, layer, x, out, routing, origin):
+        """Producer, dispatch and GEMM streams (spin_kernel, stream_wait, green_ctx): the consumer side is
+        enqueued first, so the progress policy must keep its waits from blocking the producer."""
+        C, persistent = path.num_chunks, self.queue is not None
+        sides = [s_ for s_ in dict.fromkeys((self.pstream, self.dstream, self.gstream, self.ustream))
+                 if s_ is not None]
+        side_puts = self.ustream is not None and not self.direct_l2
+        for st in sides:
+            st.wait_stream(origin)
+        if persistent:
+            # launched before any block is ready: its CTAs claim blocks as the dispatch publishes them, and
+            # leave reserved_sms SMs to the producer and the dispatch, which must progress while they wait
+            with self._side("g"):
+                self._launch_consumer(path, layer, self.sm_count - self.reserved_sms)
+        with self._side("d"):
+            for i, (c, j) in enumerate(path.order):
+                self._dispatch(path, c, j)
+                if persistent:
+                    continue
+                if self.events:
+                    self.events[i].record()
+                else:
+                    self._chunk_gemms(path, layer, c, j)  # green_ctx: dispatch and GEMMs share a stream
+            if persistent:
+                self._seal_queue(path)
+        if self.events and not persistent:
+            with self._side("g"):
+                for i, (c, j) in enumerate(path.order):
+                    self.gstream.wait_event(self.events[i])
+                    self._chunk_gemms(path, layer, c, j, side_puts)
+                self._seal(path, layer, side_puts)
+        elif not persistent:
+            with self._side("g"):
+                self._seal(path, layer, side_puts)
+        with self._side("p"):
+            for c in range(C):
+                self._produce(path, layer, x, c, routing)
+            self._stamp(C, 1)
+        # one reduce after the producer and the GEMMs (green_ctx: on the consumer's partition)
+        self.gstream.wait_stream(self.pstream)
+        with self._side("g"):
+            self._combine(path, out, 0, C)
+        for st in sides:
+            origin.wait_stream(st)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -243,26 +243,26 @@ def available_impls(block_m: int, policy: str = "serialized") -> dict[str, str]:
     return out
 
 
-def resolve_layer(gemm: str, plan, shape, tokens_per_rank, table: Mapping | None = None) -> LayerChoice:
+def resolve_layer(gemm: str, block_m: int, shape, tokens_per_rank, table: Mapping | None = None) -> LayerChoice:
     """The expert-parallel layer's GEMMs for its ``gemm`` argument: ``"auto"`` takes the fastest
     available implementation of the table at the layer's rows per expert (every PE's tokens x top-k /
     experts); an explicit implementation takes its own fastest variants (``"deep_gemm"``: ValueError
-    unless ``plan.block_m`` is 128, RuntimeError with the reason when DeepGEMM is not available)."""
+    unless ``block_m`` is 128, RuntimeError with the reason when DeepGEMM is not available)."""
     rows_per_expert = sum(int(t) for t in tokens_per_rank) * shape.topk / shape.num_experts
     if gemm == "auto":
-        avail: Mapping[str, str] = available_impls(plan.block_m, plan.policy)
+        avail: Mapping[str, str] = available_impls(block_m)
     elif gemm in IMPLS:
         if gemm == "deep_gemm":
             from ..device import deep_gemm_ops as DG
 
-            DG.check_block_m(plan.block_m, "plan.block_m")
+            DG.check_block_m(block_m, "block_m")
             a = DG.deep_gemm_available()
             if not a:
                 raise RuntimeError(f"gemm='deep_gemm' is not available: {a.reason}")
         avail = {gemm: ""}
     else:
         raise ValueError(f"gemm must be 'auto' or one of {IMPLS}, got {gemm!r}")
-    return choose_layer(rows_per_expert, shape.hidden, shape.intermediate, avail, table, block_m=plan.block_m)
+    return choose_layer(rows_per_expert, shape.hidden, shape.intermediate, avail, table, block_m=block_m)
 
 
 def setup_consumer(bc, choice: LayerChoice, *, staging_y: bool) -> None:

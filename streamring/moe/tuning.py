@@ -1,0 +1,84 @@
+"""How an :class:`~streamring.moe.ep_buffer.EPBuffer` schedules its forwards: the switches an engine
+normally leaves alone (plain data; no GPU imports).
+
+Every field has the default that the measured tables chose (``docs/performance.md``); each other
+value either wins in some measured row or is a correctness fallback. Options that lost everywhere
+they were measured are not offered (``docs/performance.md``, "Retired options", keeps the
+measurements that retired them).
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from ..protocol import EP_SOURCE_ORDERS, PROGRESS_POLICIES, REFUSED_POLICIES
+
+#: progress policies of the streamed path (the device ring's own self-test also runs the refused ones)
+EP_POLICIES = tuple(p for p in PROGRESS_POLICIES if p not in REFUSED_POLICIES)
+BLOCK_MS = (16, 32, 64, 128)
+
+
+class EPTuning(BaseModel):
+    """The scheduling switches of an :class:`~streamring.moe.ep_buffer.EPBuffer` (frozen; errors name the field
+    and its allowed values).
+
+    Attributes:
+        block_m: rows per expert block, one of ``BLOCK_MS``; ``None``: the shape's ``block_m``. DeepGEMM and
+            the one-block CUTLASS tiles need 128; small blocks pad less at decode sizes.
+        policy: progress policy of the streamed path (``EP_POLICIES``): ``spin_kernel`` (one-thread acquire
+            kernels with a deadline; producer and dispatch streams at high priority), ``stream_wait``
+            (``cuStreamWaitValue64`` on the ring's doorbells: no SM held while waiting), ``green_ctx``
+            (producer and consumer on disjoint SM partitions, ``producer_sms`` for the producer),
+            ``serialized`` (one stream, chunk by chunk: the correctness fallback). The batch path always runs
+            serialized.
+        source_order: the streamed dispatch order (``EP_SOURCE_ORDERS``). ``arrival`` needs every chunk of a
+            forward in its own slot (``num_slots >= chunks``): a consumer that takes all of one source's chunks
+            before the next's could otherwise wait for a slot that only its own later acknowledgement frees.
+        transport: ``auto`` (NVLink loads/stores where every peer is reachable, else NVSHMEM RMA), ``p2p`` or
+            ``nv`` (RMA even between GPUs of one host: how the inter-node path is tested on one host).
+        consumer: ``per_chunk`` (an L1 and an L2 grid per dispatch step; any GEMM and transport) or
+            ``persistent`` (one kernel per forward claiming ready blocks from a device queue; Triton GEMMs over
+            P2P, ``reserved_sms`` SMs left to the producer and the dispatch).
+        reserved_sms: the persistent consumer's SMs left to the producer and the dispatch (at least 1: with none
+            they starve and the queue's deadline ends the forward with an error).
+        producer_sms: ``green_ctx``: SMs of the producer partition (a multiple of 8).
+        chunk_gemm_ctas: the per-chunk GEMMs' persistent grid size while later chunks are still produced
+            (``None``: one CTA per tile); fewer CTAs than the GPU holds leave room for the producer.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    block_m: Optional[Literal[BLOCK_MS]] = None  # type: ignore[valid-type]
+    policy: Literal[EP_POLICIES] = "spin_kernel"  # type: ignore[valid-type]
+    source_order: Literal[EP_SOURCE_ORDERS] = "rank"  # type: ignore[valid-type]
+    transport: Literal["auto", "p2p", "nv"] = "auto"
+    consumer: Literal["per_chunk", "persistent"] = "per_chunk"
+    reserved_sms: int = Field(16, ge=1)
+    producer_sms: int = Field(16, ge=8)
+    chunk_gemm_ctas: Optional[int] = Field(None, ge=1)
+
+    @field_validator("policy", mode="before")
+    @classmethod
+    def _refused_policy(cls, v):
+        if v in REFUSED_POLICIES:
+            raise ValueError(f"policy {v!r} is refused by the expert-parallel layer: {REFUSED_POLICIES[v]}; "
+                             f"use one of {list(EP_POLICIES)}")
+        return v
+
+    @field_validator("producer_sms")
+    @classmethod
+    def _multiple_of_8(cls, v):
+        if v % 8:
+            raise ValueError(f"producer_sms must be a multiple of 8 (green contexts split SMs in groups of 8), "
+                             f"got {v}")
+        return v
+
+    @property
+    def priority_streams(self) -> bool:
+        """Producer and dispatch streams at high priority: with ``spin_kernel`` only (their CTAs are then
+        scheduled before the next pending CTA of a large GEMM grid). ``stream_wait`` keeps default priorities:
+        a consumer blocked in ``cuStreamWaitValue64`` has no deadline, so nothing may depend on its stream
+        being scheduled first."""
+        return self.policy == "spin_kernel"
