@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Build the adaptive policy's tuned table from layer-benchmark results.
 
-    python3 -m bench.make_adaptive_table docs/results/ep-layer-2026-11-30.json:triton \
-        docs/results/ep-layer-cutlass-2026-11-30.json:cutlass --out streamring/moe/adaptive_table.json
+    python3 -m bench.make_adaptive_table docs/results/ep-layer-2h200-triton-128-8192-2026-11-30.json:triton \
+        docs/results/ep-layer-2h200-cutlass-1024-8192-2026-11-30.json:cutlass --out streamring/moe/adaptive_table.json
 
 Two input forms: the expert-parallel layer benchmark (``python -m bench.ep_layer``: one row per
 measured path) and the older single-layer benchmark (rows with ``batch`` and ``streamed`` lists).

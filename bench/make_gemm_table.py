@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Build the expert-GEMM heuristic table (``streamring/moe/gemm_table.json``) from ``bench.gemm`` runs.
 
-    python -m bench.make_gemm_table docs/results/gemm-2026-12-01-psum.json \
-        docs/results/gemm-1024-bm64-2026-12-02-s9.json --out streamring/moe/gemm_table.json
+    python -m bench.make_gemm_table docs/results/gemm-all-vs-deepgemm-psum-128-32768-2026-12-01.json \
+        docs/results/gemm-triton-vs-deepgemm-1024-bm64-2026-12-02.json --out streamring/moe/gemm_table.json
 
 Each (tokens, GEMM, block size) entry is taken whole from one run: the last file given that measured
 that size with that ``--block-m`` (:func:`bench.gemm.make_table` of its rows), so the times an entry

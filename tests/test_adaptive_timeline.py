@@ -146,7 +146,7 @@ def test_committed_results_draw():
     """The committed benchmark result has timelines the command can draw."""
     from streamring.timeline import lanes, load_timelines
 
-    tls = load_timelines(ROOT / "docs/results/gpu-layer-2026-11-29.json")
+    tls = load_timelines(ROOT / "docs/results/layer-1pe-h200-prototype-timelines-2026-11-29.json")
     assert {t["tokens"] for t in tls} >= {8192, 32768}
     assert all(len(lanes(t)) == 3 * len(t["chunks"]) + 2 for t in tls)
 
