@@ -10,7 +10,7 @@ expert-parallel layer's ``gemm="auto"`` resolves through it), :func:`setup_consu
 Where the table has no measured entry for (N, K) near the asked rows per expert (within a factor of
 :data:`NEAREST_FACTOR`), or the table is marked ``"measured": false``, the rule that held before the
 table existed decides: CUTLASS with the 64-row ping-pong tile below 128 rows per expert (weight-read
-bound), the 128x128 cooperative tile from 128 on (``docs/results/gemm-2026-11-30.json``), bf16 L1
+bound), the 128x128 cooperative tile from 128 on (``docs/results/gemm-cutlass-triton-vs-torch-128-32768-2026-11-30.json``), bf16 L1
 output; Triton where CUTLASS is not available. The choice says which of the two decided
 (:attr:`GemmChoice.source`).
 """
