@@ -5,8 +5,9 @@
 #
 #   bash launch/ep_mps_bench.sh     # carry .whl (launch/fetch_wheels.sh)
 #
-# 1. unless EPM_TESTS=0: the GPU tests of the streamed layer's dispatch orders (tests/test_gpu_ep.py, 1 PE)
-#    and `streamring run` with 2 PEs in arrival order with a 3 ms straggler (bitwise streamed == batch);
+# 1. unless EPM_TESTS=0: the GPU tests of the streamed layer's dispatch orders (tests/test_gpu_ep.py, 1 PE);
+#    unless EPM_RUN=0: `streamring run` with 2 PEs in arrival order with a 3 ms straggler (bitwise
+#    streamed == batch);
 # 2. `mpiexec -n 2 python3 -m bench.ep_layer` at $EPM_TOKENS (1024,4096,8192) tokens per PE,
 #    $EPM_EXPERTS (32) experts per PE, uniform routing, Triton GEMMs (EPM_GEMMS), chunks 2 and 4, the
 #    ready and arrival orders, stragglers of 1 and 3 ms on either PE and a 0..2 ms random skew; no torch +
@@ -24,37 +25,40 @@ if ! nvidia-cuda-mps-control -d >>"$LOG" 2>&1; then
   exit 3
 fi
 sleep 1
-mpi2() {
-  CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50 mpiexec --allow-run-as-root --bind-to none -n 2 \
-    -x CUDA_MPS_ACTIVE_THREAD_PERCENTAGE -x CUDA_MPS_PIPE_DIRECTORY -x CUDA_MPS_LOG_DIRECTORY -x PYTHONPATH \
-    -x STREAMRING_CACHE -x NVSHMEM_DISABLE_NVLS "$@"
-}
+# two PEs, half the SMs each (an array, not a function: `timeout` runs programs)
+MPI2=(env CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50 mpiexec --allow-run-as-root --bind-to none -n 2
+      -x CUDA_MPS_ACTIVE_THREAD_PERCENTAGE -x CUDA_MPS_PIPE_DIRECTORY -x CUDA_MPS_LOG_DIRECTORY -x PYTHONPATH
+      -x STREAMRING_CACHE -x NVSHMEM_DISABLE_NVLS)
+RC=0
 if [ "${EPM_TESTS:-1}" = 1 ]; then
   say "=== 1a. GPU tests of the streamed layer's dispatch orders, 1 PE ($(( $(date +%s) - T0 )) s)"
   CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=100 timeout "$(limit 180 330)" python3 -m pytest -q -x -p no:cacheprovider \
-    tests/test_gpu_ep.py -k "streamed_equals_batch or persistent" > "$OUT/gpu_ep_tests.log" 2>&1
-  say "gpu_ep tests rc=$?"
+    tests/test_gpu_ep.py -k "${EPM_TESTS_K:-streamed_equals_batch or persistent}" > "$OUT/gpu_ep_tests.log" 2>&1
+  rc=$?; [ $rc = 0 ] || RC=$rc; say "gpu_ep tests rc=$rc"
   tail -3 "$OUT/gpu_ep_tests.log" | tee -a "$LOG"
+fi
+if [ "${EPM_RUN:-1}" = 1 ]; then
   say "=== 1b. streamring run, 2 PEs, arrival order, a 3 ms straggler ($(( $(date +%s) - T0 )) s)"
-  timeout "$(limit 90 320)" mpi2 python3 -m streamring run --backend nvshmem --set ranks=2 \
+  timeout "$(limit 90 320)" "${MPI2[@]}" python3 -m streamring run --backend nvshmem --set ranks=2 \
     --set layer.weight_dtype=fp8 --set layer.router=deepseek_v3 --set layer.num_experts=16 --set layer.n_group=4 \
     --set layer.topk_group=2 --set layer.topk=4 --set layer.hidden=512 --set layer.intermediate=256 \
     --set run.block_m=16 --set run.tokens_per_rank=300 --set ring.num_slots=5 --set ring.tokens_per_slot=64 \
     --set run.epochs=3 --set run.source_order=arrival --set "run.straggler={rank: 1, ms: 3}" \
     > "$OUT/run_arrival.log" 2>&1
-  say "run arrival rc=$?"
+  rc=$?; [ $rc = 0 ] || RC=$rc; say "run arrival rc=$rc"
   tail -6 "$OUT/run_arrival.log" | tee -a "$LOG"
 fi
 say "=== 2. EP layer, 2 PEs under MPS ($(( $(date +%s) - T0 )) s)"
 BUDGET=$(( $(left) - 30 ))
-timeout "$BUDGET" mpi2 python3 -m bench.ep_layer --tokens "${EPM_TOKENS:-1024,4096,8192}" --routings uniform \
+timeout "$BUDGET" "${MPI2[@]}" python3 -m bench.ep_layer --tokens "${EPM_TOKENS:-1024,4096,8192}" --routings uniform \
   --experts-per-pe "${EPM_EXPERTS:-32}" --chunks 2,4 --orders ready,arrival --consumers per_chunk \
   --gemms "${EPM_GEMMS:-triton}" --straggler-ms 1,3 --skew-ms 2 --no-baseline --budget-s $(( BUDGET - 60 )) \
   --json "$OUT/ep-layer-mps.json" --timeline-json "$OUT/ep-timelines-mps.json" ${EPM_ARGS:-} > "$OUT/ep_mps.log" 2>&1
-say "ep_layer rc=$?"
+rc=$?; [ $rc = 0 ] || RC=$rc; say "ep_layer rc=$rc"
 grep -A200 "^pub->acq across PEs: p50" "$OUT/ep_mps.log" | tee -a "$LOG" | tail -60
 echo quit | nvidia-cuda-mps-control >/dev/null 2>&1
 if [ -s "$OUT/ep-timelines-mps.json" ]; then
   python3 -m streamring timeline "$OUT/ep-timelines-mps.json" --out "$OUT/ep-timeline-mps.png" 2>&1 | tail -4 | tee -a "$LOG"
 fi
-say "=== done ($(( $(date +%s) - T0 )) s)"
+say "=== done ($(( $(date +%s) - T0 )) s, rc $RC)"
+exit $RC
