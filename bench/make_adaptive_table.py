@@ -6,10 +6,10 @@
 
 Two input forms: the expert-parallel layer benchmark (``python -m bench.ep_layer``: one row per
 measured path) and the older single-layer benchmark (rows with ``batch`` and ``streamed`` lists).
-For every (token count per rank, GEMM, ranks): the fastest streamed configuration that passed its
-checks (bitwise equal to batch, no ring violation or timeout), without a straggler and with uniform
+For every (token count per rank, GEMM, ranks, experts per PE): the fastest streamed configuration that
+passed its checks (bitwise equal to batch, no ring violation or timeout), with no late rank and uniform
 routing, if it beat the batch path of the same run (streamed/batch < 1 - margin), else the batch path
-(one chunk). ``FILE:GEMM`` names the GEMM of rows that do not record a resolved one (results older
+(one chunk). Results older than the ``experts_per_pe`` key put DeepSeek-V3's 256 experts on their ranks. ``FILE:GEMM`` names the GEMM of rows that do not record a resolved one (results older
 than the ``gemm`` key, or ``auto``).
 """
 
@@ -46,21 +46,22 @@ def _ep_rows(bench: dict, gemm_default: str | None, margin: float) -> list[dict]
     """Table rows from the EP-layer benchmark's per-path rows."""
     groups: dict = {}
     for r in bench.get("rows", []):
-        if r.get("straggler_ms") or r.get("routing", "uniform") != "uniform":
+        if r.get("straggler_ms") or r.get("skew_ms") or r.get("routing", "uniform") != "uniform":
             continue
         gemm = r.get("gemm")
         gemm = gemm_default if gemm in (None, "auto") and gemm_default else gemm
-        key = (int(r["tokens_per_rank"]), gemm, int(r.get("ranks", 1)))
+        ranks = int(r.get("ranks", 1))
+        key = (int(r["tokens_per_rank"]), gemm, ranks, int(r.get("experts_per_pe") or 256 // ranks))
         groups.setdefault(key, {"batch": None, "streamed": []})
         if r["path"] == "batch":
             groups[key]["batch"] = r
         elif r.get("ok") and r.get("bitwise_equal_to_batch") and r.get("streamed_over_batch") is not None:
             groups[key]["streamed"].append(r)
     rows = []
-    for (tokens, gemm, ranks), g in sorted(groups.items(), key=lambda kv: (kv[0][0], str(kv[0][1]), kv[0][2])):
+    for (tokens, gemm, ranks, epp), g in sorted(groups.items(), key=lambda kv: (kv[0][0], str(kv[0][1]), kv[0][2:])):
         if g["batch"] is None:
             continue
-        row = {"tokens": tokens, "ranks": ranks, "block_m": int(g["batch"]["block_m"]),
+        row = {"tokens": tokens, "ranks": ranks, "experts_per_pe": epp, "block_m": int(g["batch"]["block_m"]),
                "batch_ms": round(g["batch"]["median_ms"], 4)}
         if gemm is not None:
             row["gemm"] = gemm

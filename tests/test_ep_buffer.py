@@ -270,10 +270,13 @@ def test_auto_streams_only_where_the_table_measured_a_win(setup, monkeypatch):
     w = buf.prepare_weights(fw)
     x = tokens(37, 4)
     want = single_batch(shape, fw, x)
-    win = {"rows": [{"tokens": 32, "ranks": 1, "gemm": "triton", "block_m": 16, "path": "streamed", "chunks": 3,
-                     "num_slots": 2, "policy": "serialized", "streamed_over_batch": 0.9}]}
+    win = {"rows": [{"tokens": 32, "ranks": 1, "experts_per_pe": 4, "gemm": "triton", "block_m": 16,
+                     "path": "streamed", "chunks": 3, "num_slots": 2, "policy": "serialized",
+                     "streamed_over_batch": 0.9}]}
     cases = [(win, True, "streamed"),
              ({"rows": [{**win["rows"][0], "chunks": 2}]}, False, "streamed"),  # measured with other chunking
+             ({"rows": [{**win["rows"][0], "source_order": "arrival"}]}, False, "streamed"),  # another order
+             ({"rows": [{**win["rows"][0], "experts_per_pe": 32}]}, False, "batch"),  # another expert load
              ({"rows": [{**win["rows"][0], "gemm": "cutlass"}]}, False, "batch"),  # nothing for this GEMM
              ({"rows": [{"tokens": 32, "ranks": 1, "gemm": "triton", "block_m": 16, "path": "batch"}]}, False, "batch")]
     for table, streams, answer in cases:

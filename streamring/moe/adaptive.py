@@ -40,6 +40,7 @@ class AdaptiveChoice:
     table_tokens: int = 0
     note: str = ""
     chunks: int = 1
+    source_order: str = "rank"
 
 
 def load_table(path: str | Path = DEFAULT_TABLE) -> dict:
@@ -70,21 +71,24 @@ def load_table(path: str | Path = DEFAULT_TABLE) -> dict:
     return t
 
 
-def choose(tokens: int, table: dict | None = None, *, gemm: str | None = None,
-           ranks: int | None = None, min_chunk_tokens: int = 16) -> AdaptiveChoice:
+def choose(tokens: int, table: dict | None = None, *, gemm: str | None = None, ranks: int | None = None,
+           experts_per_pe: int | None = None, min_chunk_tokens: int = 16) -> AdaptiveChoice:
     """The batch path or a streamed plan for ``tokens`` tokens (per rank), from ``table`` (default: the
-    repo's tuned table). ``gemm`` and ``ranks`` keep the rows measured with that GEMM implementation and
-    rank count (rows that record one); when none is left, the batch path (the correctness fallback:
-    nothing was measured for that setting). A streamed row whose chunks would hold fewer than
+    repo's tuned table). ``gemm``, ``ranks`` and ``experts_per_pe`` keep the rows measured with that GEMM
+    implementation, rank count and per-PE expert load (rows without ``experts_per_pe`` held 256 experts
+    over their ranks); when none is left, the batch path (the correctness fallback: nothing was measured
+    for that setting). A streamed row whose chunks would hold fewer than
     ``min_chunk_tokens`` tokens at this count gives the batch path."""
     if not isinstance(tokens, int) or tokens < 1:
         raise ValueError(f"tokens must be a positive int, got {tokens!r}")
     t = table if table is not None else load_table()
     rows = [r for r in t["rows"] if (gemm is None or r.get("gemm", gemm) == gemm)
-            and (ranks is None or r.get("ranks", ranks) == ranks)]
+            and (ranks is None or r.get("ranks", ranks) == ranks)
+            and (experts_per_pe is None or r.get("experts_per_pe", 256 // r.get("ranks", 1)) == experts_per_pe)]
     if not rows:
         return AdaptiveChoice(tokens, "batch", 0, tokens,
-                              note=f"no measured row for gemm={gemm!r} on {ranks} ranks: the batch path")
+                              note=f"no measured row for gemm={gemm!r} on {ranks} ranks with {experts_per_pe} experts "
+                                   f"per PE: the batch path")
     rows = sorted(rows, key=lambda r: r["tokens"])
     row = rows[0]
     for r in rows:
@@ -100,4 +104,5 @@ def choose(tokens: int, table: dict | None = None, *, gemm: str | None = None,
                               note=f"{chunks} chunks of {tokens} tokens would be under {min_chunk_tokens} tokens "
                                    f"each")
     return AdaptiveChoice(tokens, "streamed", int(row["block_m"]), chunk_tokens, num_slots=int(row["num_slots"]),
-                          policy=row["policy"], table_tokens=int(row["tokens"]), chunks=chunks)
+                          policy=row["policy"], table_tokens=int(row["tokens"]), chunks=chunks,
+                          source_order=row.get("source_order", "rank"))

@@ -444,17 +444,19 @@ class EPBuffer:
     def adaptive_streaming(self, tokens: int) -> bool:
         """``streaming="auto"``: whether the tuned table (:mod:`streamring.moe.adaptive`, made by
         ``python -m bench.make_adaptive_table`` from the layer benchmark) has a measured streamed win for
-        ``tokens`` rows per PE with this buffer's GEMM implementation, PE count and chunk count. Batch
-        everywhere else (no win measured, another chunking, no row for this setting, 0 rows): the batch
-        path is the correctness fallback and what streaming must beat. :attr:`last_adaptive` keeps the
+        ``tokens`` rows per PE with this buffer's GEMM implementation, PE count, experts per PE, chunk count
+        and dispatch order. Batch everywhere else (no win measured, another chunking or order, no row for
+        this setting, 0 rows): the batch path is the correctness fallback and what streaming must beat. :attr:`last_adaptive` keeps the
         table's answer."""
         from . import adaptive
 
         if tokens < 1:
             return False
-        # the buffer streams in its own chunks: a measured win counts only for the same chunk count
-        self.last_adaptive = choice = adaptive.choose(int(tokens), gemm=self.gemm, ranks=self.R, min_chunk_tokens=1)
-        return choice.path == "streamed" and choice.chunks == self.paths["stream"].num_chunks
+        # the buffer streams in its own chunks and order: a measured win counts only for the same ones
+        self.last_adaptive = choice = adaptive.choose(int(tokens), gemm=self.gemm, ranks=self.R,
+                                                      experts_per_pe=self.E_loc, min_chunk_tokens=1)
+        st = self.paths["stream"]
+        return choice.path == "streamed" and choice.chunks == st.num_chunks and choice.source_order == st.source_order
 
     def forward(self, x: torch.Tensor, weights: LayerWeights, *, streaming: bool | str = False,
                 stream_epoch: Optional[int] = None, num_tokens=None, out: Optional[torch.Tensor] = None,
