@@ -124,7 +124,7 @@ def test_resolve_layer_refuses_deep_gemm_with_another_block_m():
 
 
 def test_the_table_bench_writes_is_what_choose_reads(tmp_path):
-    from bench import gemm as BGm
+    from bench import gemm_lib as BGm
 
     rows = [
         {"tokens": 8192, "gemm": "l1", "impl": "cutlass_coop192_m2_bf16", "median_ms": 4.0, "rows": 65536,
@@ -230,7 +230,7 @@ def test_the_committed_gemm_table_is_what_its_sources_make():
 def test_bench_variant_specs_carry_the_swizzle():
     import torch
 
-    from bench import gemm as BGm
+    from bench import gemm_lib as BGm
 
     v = BGm.parse_variants("coop128:bf16,coop128:f32:n:s4,pingpong64", "l1")
     assert v == {"cutlass_coop128_bf16": ("coop128", torch.bfloat16, "m", 1),
@@ -270,3 +270,18 @@ def test_block_tiles_mirror_the_library_table():
     CG = pytest.importorskip("streamring.device.cutlass_gemm", reason="torch is not installed")
     assert set(CG.BLOCK_TILES) == set(GC.BLOCK_TILES) and CG.BLOCK_TILES
     assert CG.BLOCK_TILE_ROWS == GC.BLOCK_TILE_ROWS
+
+
+def test_bench_dsv3_shape_scales_the_expert_groups():
+    """bench.common.dsv3_shape is the one DeepSeek-V3 shape of every benchmark: 8 groups, top-4 groups at
+    256 experts; one group per 32 experts otherwise (at least one), topk_group = min(4, groups)."""
+    from bench.common import dsv3_shape
+
+    s = dsv3_shape(64)
+    assert (s.hidden, s.intermediate, s.num_experts, s.topk, s.n_group, s.topk_group, s.block_m) == \
+        (7168, 2048, 256, 8, 8, 4, 64)
+    assert (s.router, s.routed_scaling_factor, s.norm_topk_prob, s.weight_dtype) == ("deepseek_v3", 2.5, True, "fp8")
+    assert [(dsv3_shape(16, e).n_group, dsv3_shape(16, e).topk_group) for e in (8, 16, 32, 64, 96, 128, 512)] == \
+        [(1, 1), (1, 1), (1, 1), (2, 2), (3, 3), (4, 4), (16, 4)]
+    with pytest.raises(ValueError):
+        dsv3_shape(16, 100)  # 3 groups do not divide 100 experts
