@@ -285,3 +285,67 @@ def test_bench_dsv3_shape_scales_the_expert_groups():
         [(1, 1), (1, 1), (1, 1), (2, 2), (3, 3), (4, 4), (16, 4)]
     with pytest.raises(ValueError):
         dsv3_shape(16, 100)  # 3 groups do not divide 100 experts
+
+
+def _no_cutlass_library(monkeypatch, tmp_path):
+    """This process as on a machine where the CUTLASS library was never built: an empty build cache,
+    no .gemm-build/, no $STREAMRING_GEMM_LIB, nothing loaded or noticed yet."""
+    from streamring.device import build_gemm as BG
+    from streamring.device import cutlass_gemm as CG
+
+    monkeypatch.setenv("STREAMRING_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("STREAMRING_GEMM_LIB", raising=False)
+    monkeypatch.setattr(BG, "REPO_BUILD_DIR", tmp_path / "no-gemm-build")
+    monkeypatch.setattr(CG, "_lib", None)
+    monkeypatch.setattr(CG, "_noticed", set())
+    return CG
+
+
+def test_auto_without_the_cutlass_library_says_so_once_and_never_builds(monkeypatch, tmp_path, capsys):
+    """gemm='auto' where the library is absent: CUTLASS is left out with the reason, stderr says once per
+    process that it is absent, how long building takes, the command, and which GEMMs run instead; no
+    build starts (nothing is compiled into the cache)."""
+    CG = _no_cutlass_library(monkeypatch, tmp_path)
+
+    class Plan:
+        block_m, policy = 64, "serialized"
+
+    class Shape:
+        topk, num_experts, hidden, intermediate = 8, 256, 7168, 2048
+
+    avail = GC.available_impls(64)
+    assert avail["cutlass"].startswith(GC.CUTLASS_NOT_BUILT) and avail["triton"] == "", avail
+    assert capsys.readouterr().err == ""  # asking what is available says nothing; a run's choice does
+    lc = GC.resolve_layer("auto", Plan, Shape, [8192])
+    assert lc.impl != "cutlass" and "cutlass" in lc.skipped
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.startswith("streamring: ")]
+    assert len(lines) == 1, err
+    want = {"triton": "gemm='auto' runs the Triton GEMMs instead", "deep_gemm": "gemm='auto' runs DeepGEMM instead"}
+    assert want[lc.impl] in lines[0], lines
+    assert ("the CUTLASS GEMM library is not built" in lines[0] and "about 2 minutes on 16 cores, 3.5 minutes on 2"
+            in lines[0] and "`python -m streamring.device.build_gemm --out .gemm-build`" in lines[0]), lines
+    GC.resolve_layer("auto", Plan, Shape, [1024])  # once per process
+    assert "streamring: " not in capsys.readouterr().err
+    assert not list((tmp_path / "cache").glob("gemm/*.so"))
+    with pytest.raises(CG.GemmLibraryMissing):
+        CG.load_library(build=False)
+
+
+def test_a_cutlass_build_inside_a_run_announces_itself(monkeypatch, tmp_path, capsys):
+    """Where a CUTLASS GEMM is asked for (a GroupedGemm made: gemm='cutlass') and no library is built,
+    the build that starts says so first on stderr, with how long it takes; here CUTLASS's headers are
+    absent too, so the build then fails naming what it tried."""
+    import importlib.util
+
+    from streamring.device import build_gemm as BG
+
+    CG = _no_cutlass_library(monkeypatch, tmp_path)
+    monkeypatch.setenv("STREAMRING_CUTLASS_DIR", str(tmp_path / "nope"))
+    monkeypatch.setattr(BG, "REPO", tmp_path)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(CG.GemmLibraryError, match="cannot be built here: .*CUTLASS's headers were not found"):
+        CG.library_path(build=True)
+    err = capsys.readouterr().err
+    assert err.count("streamring: the CUTLASS GEMM library is not built") == 1, err
+    assert "building it now (a line per compile unit follows)" in err and "3.5 minutes on 2" in err, err
