@@ -108,7 +108,8 @@ def find_cutlass() -> Path:
     raise BuildError(
         "cannot build the CUTLASS grouped GEMM: CUTLASS's headers were not found. Tried: " + "; ".join(tried)
         + ". Get them from the nvidia-cutlass wheel: `pip download --no-deps nvidia-cutlass==4.2.0.0 -d .whl && "
-        "unzip -q -o .whl/nvidia_cutlass-4.2.0.0-py3-none-any.whl -d .whl/cutlass` in the repository root, or "
+        "unzip -q -o .whl/nvidia_cutlass-4.2.0.0-py3-none-any.whl -d .whl/cutlass` in the repository root "
+        "(`bash launch/fetch_wheels.sh --cutlass` does both), or "
         "point STREAMRING_CUTLASS_DIR at a CUTLASS checkout (the folder holding include/ and tools/).")
 
 
