@@ -275,7 +275,7 @@ def make_table(rows: list, num_experts: int, topk: int, meta: dict) -> dict:
 def layer_forward(impl: str, choice, block_m: int, x, shape, fw, dev):
     """The batch layer on ``x`` (router, layout, ``blocks.moe_forward``) through ``impl``'s GEMMs, with its
     own producer, block consumer and buffers: ``(fwd, out, bc)``; ``fwd()`` writes ``out`` (what
-    ``layer_rows`` captures, and ``launch/layer_probe.py`` runs alone)."""
+    ``layer_rows`` captures, and ``bench.layer_replay`` runs alone)."""
     T = x.shape[0]
     prod = B.Producer(shape, fw, T, dev)
     bc = B.BlockConsumer(shape, T, 1, block_m, dev)
