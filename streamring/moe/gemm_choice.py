@@ -231,15 +231,16 @@ def available_impls(block_m: int, policy: str = "serialized") -> dict[str, str]:
     if policy == "pdl":
         out["cutlass"] = out["deep_gemm"] = "no programmatic dependent launch (plan.policy 'pdl')"
         return out
-    try:
-        from ..device import cutlass_gemm as CG
+    from ..device import cutlass_gemm as CG
 
+    try:
         CG.load_library(build=False)
         CG.library_info()
         out["cutlass"] = ""
-    except Exception as exc:  # noqa: BLE001 - not built, no toolchain, no GPU
-        missing = type(exc).__name__ == "GemmLibraryMissing"
-        out["cutlass"] = f"{CUTLASS_NOT_BUILT if missing else 'CUTLASS library unavailable'}: {str(exc)[:200]}"
+    except CG.GemmLibraryMissing as exc:
+        out["cutlass"] = f"{CUTLASS_NOT_BUILT}: {str(exc)[:200]}"
+    except Exception as exc:  # noqa: BLE001 - built for another source, cannot load, no GPU
+        out["cutlass"] = f"CUTLASS library unavailable: {str(exc)[:200]}"
     from ..device import deep_gemm_ops as DG
 
     if block_m != DG.BLOCK_M:
