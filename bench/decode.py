@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from bench.ep_layer import dsv3_shape, log, stats, timed
+from bench.common import dsv3_shape, log, stats, timed
 from streamring.moe import blocks as B
 from streamring.moe.ep_buffer import EPBuffer
 from streamring.moe.tuning import EPTuning

@@ -57,6 +57,9 @@ times interleaved (A B C A B C ...) with CUDA events; medians. Per size a table:
 
     python -m bench.gemm --tokens 128,1024,8192,32768 --json docs/results/gemm-<date>.json \
         --table streamring/moe/gemm_table.json
+
+This file is the script; what other scripts reuse of it is in :mod:`bench.gemm_lib` (the input case,
+variant specs, the table, the batch layer) and :mod:`bench.common` (shape, inputs, timing).
 """
 
 from __future__ import annotations
@@ -64,10 +67,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import signal
-import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -76,25 +75,11 @@ import torch
 
 from streamring.device import cutlass_gemm as CG
 from streamring.device import deep_gemm_ops as DG
-from streamring.device import moe_triton as K
 from streamring.moe import blocks as B
 from streamring.moe import gemm_choice as GC
-from streamring.moe.math import MoEShape
-
-FP8 = torch.float8_e4m3fn
-PEAK_FP8_TFLOPS = 1979.0  # H200 dense FP8
-HBM_GBS = 4800.0  # H200 nominal
-T0 = time.monotonic()
-
-
-def log(*a):
-    print(f"[{time.monotonic() - T0:7.1f}s]", *a, flush=True)
-
-
-def dsv3_shape() -> MoEShape:
-    return MoEShape(hidden=7168, intermediate=2048, num_experts=256, topk=8, router="deepseek_v3", n_group=8,
-                    topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True, weight_dtype="fp8")
-
+from bench.common import (FP8, HBM_GBS, PEAK_FP8_TFLOPS, T0, capture, dsv3_shape, log, poison,
+                          time_interleaved)
+from bench.gemm_lib import Case, deep_gemm_first_call, layer_forward, make_table, parse_variants
 
 # ----------------------------------------------------------------------------------------------
 # numerics helpers
@@ -209,305 +194,6 @@ def compare_rel(x, y, rows, limit: float, chunk=16384) -> dict:
         den += float((b ** 2).sum())
     rel = math.sqrt(num / max(den, 1e-300))
     return {"ok": rel < limit, "rel_fro": rel, "limit": limit}
-
-
-# ----------------------------------------------------------------------------------------------
-# timing
-# ----------------------------------------------------------------------------------------------
-class GraphCall:
-    """A captured graph, called like the function it was captured from, which it keeps: the graph
-    reads and writes the buffers that function's closure holds (a layer's producer and scratch
-    tensors) but holds no reference to them, so without ``fn`` they could be freed while the graph
-    lives, the allocator would hand their memory to buffers made later, and a replay would read and
-    write those instead (an illegal address at best)."""
-
-    def __init__(self, graph, fn):
-        self.graph, self.fn = graph, fn
-
-    def __call__(self):
-        self.graph.replay()
-
-
-def capture(fn, eager: bool = False):
-    """A CUDA graph of ``fn`` (after an eager warm-up that compiles) as a :class:`GraphCall`; falls
-    back to eager on failure. ``eager`` (``--no-graphs``, a diagnosis: is a fault a graph replay's?):
-    ``fn`` itself after the warm-up."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.synchronize()
-    if eager:
-        return fn, "eager"
-    try:
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, capture_error_mode="thread_local"):
-            fn()
-        torch.cuda.synchronize()
-        return GraphCall(g, fn), "graph"
-    except Exception as exc:  # noqa: BLE001 - recorded; eager timing still measures the kernel
-        torch.cuda.synchronize()
-        log(f"    graph capture failed ({type(exc).__name__}: {str(exc)[:160]}); timing eagerly")
-        return fn, "eager"
-
-
-def time_interleaved(fns: dict, sets: int, load, replays: int) -> dict:
-    times = {k: [] for k in fns}
-    for s in range(sets):
-        load(s)
-        for k, fn in fns.items():  # once each, synchronised: a failing kernel is named before the timing
-            try:
-                fn()
-                torch.cuda.synchronize()
-            except Exception as exc:
-                raise RuntimeError(f"{k}: its first timed call failed: {type(exc).__name__}: {exc}") from exc
-        ev = []
-        for _ in range(replays):
-            for k, fn in fns.items():
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                fn()
-                b.record()
-                ev.append((k, a, b))
-        torch.cuda.synchronize()
-        for k, a, b in ev:
-            times[k].append(a.elapsed_time(b))
-    return {k: {"median_ms": statistics.median(v), "min_ms": min(v), "max_ms": max(v), "n": len(v)}
-            for k, v in times.items()}
-
-
-def uniform_inputs(T: int, shape: MoEShape, gen: torch.Generator, dev) -> tuple:
-    """One input set of ``T`` tokens: ``(topk_idx, topk_w, x_q, x_sf)``, each token's ``topk`` distinct
-    experts drawn uniformly (as peer benchmarks route), weights normalised and scaled as the router's,
-    activations N(0, 1) quantized to FP8 with 1x128 scales."""
-    E, Kk, H = shape.num_experts, shape.topk, shape.hidden
-    idx = torch.rand(T, E, generator=gen, device=dev).argsort(dim=1)[:, :Kk].contiguous()
-    w = torch.rand(T, Kk, generator=gen, device=dev) + 0.1
-    w = (w / w.sum(dim=1, keepdim=True) * shape.routed_scaling_factor).float().contiguous()
-    x = torch.randn(T, H, generator=gen, device=dev).to(torch.bfloat16)
-    q = torch.empty(T, H, dtype=FP8, device=dev)
-    sf = torch.empty(T, H // 128, dtype=torch.float32, device=dev)
-    K.quant_rows(x, q, sf)
-    return idx, w, q, sf
-
-
-# ----------------------------------------------------------------------------------------------
-# one token count
-# ----------------------------------------------------------------------------------------------
-class Case:
-    """Buffers and input sets of one token count (a consumer of ``--block-m`` rows per block for Triton
-    and CUTLASS; with DeepGEMM a second one of 128-row blocks, same routing and activations)."""
-
-    def __init__(self, T: int, shape: MoEShape, fw: B.FastWeights, args, dev, dg=None):
-        self.T, self.shape, self.fw, self.dev, self.dg = T, shape, fw, dev, dg
-        E, Kk, H, I = shape.num_experts, shape.topk, shape.hidden, shape.intermediate
-        self.bc = B.BlockConsumer(shape, T, 1, args.block_m, dev)
-        bc = self.bc
-        rows_buf = bc.max_blocks * bc.block_m
-        gen = torch.Generator(device=dev)
-        gen.manual_seed(args.seed + T)
-        self.sets = []
-        for _ in range(args.sets):
-            self.sets.append(uniform_inputs(T, shape, gen, dev))
-        self.rows = T * Kk
-        # the CUTLASS path's own outputs (the Triton path writes bc.h1 / bc.h1_sf / bc.y)
-        self.gu = {torch.float32: torch.empty(rows_buf, 2 * I, dtype=torch.float32, device=dev),
-                   torch.bfloat16: torch.empty(rows_buf, 2 * I, dtype=torch.bfloat16, device=dev)}
-        self.h1c = torch.empty(rows_buf, I, dtype=FP8, device=dev)
-        self.h1c_sf = torch.empty(rows_buf, I // 128, dtype=torch.float32, device=dev)
-        self.h1c_sfw = torch.empty_like(self.h1c_sf)
-        self.yc = torch.empty(rows_buf, H, dtype=torch.bfloat16, device=dev)
-        self.h1t_sfw = torch.empty_like(self.h1c_sf)  # Triton's h1_sf x routing weight: CUTLASS L2's input
-        # weight scales as the 64-row-scale tiles read them (made once per weights)
-        self.w_sf = {("w1", 128): fw.w1_sf, ("w2", 128): fw.w2_sf,
-                     ("w1", 64): CG.weight_scales_for(fw.w1_sf, 64), ("w2", 64): CG.weight_scales_for(fw.w2_sf, 64)}
-        # torch._scaled_grouped_mm inputs (rows sorted by expert), refilled per set
-        self.real_rows = torch.empty(self.rows, dtype=torch.int64, device=dev)
-        self.a_t = torch.empty(self.rows, H, dtype=FP8, device=dev)
-        self.a_t_scale = torch.empty(self.rows, dtype=torch.float32, device=dev)
-        self.h_t = torch.empty(self.rows, I, dtype=FP8, device=dev)
-        self.h_t_scale = torch.empty(self.rows, dtype=torch.float32, device=dev)
-        self.offs = torch.empty(E, dtype=torch.int32, device=dev)
-        self.w1_t = fw.w1.transpose(1, 2)
-        self.w2_t = fw.w2.transpose(1, 2)
-        self.w1_col_scale = fw.w1_sf.amax(dim=2).repeat_interleave(128, dim=1).contiguous()  # [E, 2I]
-        self.w2_col_scale = fw.w2_sf.amax(dim=2).repeat_interleave(128, dim=1).contiguous()  # [E, H]
-        self.experts_used = 0
-        if dg is not None:
-            # DeepGEMM: 128-row blocks; its buffers as DeepGemmExperts holds them
-            self.bd = B.BlockConsumer(shape, T, 1, DG.BLOCK_M, dev)
-            rows_d = self.bd.max_blocks * DG.BLOCK_M
-            self.d_m_idx = torch.full((rows_d,), -1, dtype=torch.int32, device=dev)
-            self.d_psum = torch.zeros(E, dtype=torch.int32, device=dev)
-            self.d_status = torch.zeros(1, dtype=torch.int32, device=dev)
-            self.d_a_sf = DG.mn_major_scales(rows_d, H // 128, dev)
-            self.d_gu = torch.empty(rows_d, 2 * I, dtype=torch.bfloat16, device=dev)
-            self.d_h1 = torch.empty(rows_d, I, dtype=FP8, device=dev)
-            self.d_h1_sf = torch.empty(rows_d, I // 128, dtype=torch.float32, device=dev)
-            self.d_h1_sfw = torch.empty_like(self.d_h1_sf)
-            self.d_h1t_sfw = DG.mn_major_scales(rows_d, I // 128, dev)  # Triton's h1_sf x weight, MN-major
-            self.d_y = torch.empty(rows_d, H, dtype=torch.bfloat16, device=dev)
-            self.d_real_rows = torch.empty(self.rows, dtype=torch.int64, device=dev)
-            # DeepGEMM over the allocated blocks only: M = the most blocks any set allocates (the batch
-            # path hands out ids 0..n-1), scales MN-major for exactly M rows
-            self.m_exact = 0
-            for s in range(len(self.sets)):
-                idx, w, q, sf = self.sets[s]
-                self.bd.begin()
-                self.bd.dispatch(0, idx, w, q, sf, 0)
-                self.bd.seal(1)
-                n = int(self.bd.ready_hi[2])
-                ids = self.bd.ready_list[:n].sort().values
-                if not torch.equal(ids, torch.arange(n, dtype=ids.dtype, device=dev)):
-                    self.m_exact = -1  # blocks not 0..n-1: no exact-M variant
-                    break
-                self.m_exact = max(self.m_exact, n * DG.BLOCK_M)
-            if self.m_exact > 0:
-                self.d_a_sf_x = DG.mn_major_scales(self.m_exact, H // 128, dev)
-                self.d_h1t_sfw_x = DG.mn_major_scales(self.m_exact, I // 128, dev)
-
-    def triton_l1(self, bc=None):
-        bc, fw = bc or self.bc, self.fw
-        K.expert_l1(bc.ready_list, bc.ready_hi, 0, 2, bc.max_blocks, bc.block_expert, bc.a.view(FP8), bc.a_sf,
-                    fw.w1, fw.w1_sf, bc.h1.view(FP8), bc.h1_sf, block_m=bc.block_m)
-
-    def triton_l2(self, bc=None):
-        bc, fw = bc or self.bc, self.fw
-        K.expert_l2(bc.ready_list, bc.ready_hi, 0, 2, bc.max_blocks, bc.block_expert, bc.h1.view(FP8), bc.h1_sf,
-                    fw.w2, fw.w2_sf, bc.row_weight, bc.y, bc.block_rows, block_m=bc.block_m)
-
-    def cutlass_l1(self, plan: CG.GroupedGemm):
-        bc, fw = self.bc, self.fw
-        gu = self.gu[plan.out_dtype]
-        plan.run(bc.ready_list, bc.ready_hi, 0, 2, bc.max_blocks, bc.block_expert, bc.a.view(FP8), bc.a_sf, fw.w1,
-                 self.w_sf[("w1", plan.sf_n)], gu, block_m=bc.block_m)
-        K.swiglu_quant_blocks(bc.ready_list, bc.ready_hi, 0, 2, bc.max_blocks, gu, self.h1c, self.h1c_sf,
-                              bc.row_weight, self.h1c_sfw, block_m=bc.block_m)
-
-    def cutlass_l2(self, plan: CG.GroupedGemm):
-        bc, fw = self.bc, self.fw
-        plan.run(bc.ready_list, bc.ready_hi, 0, 2, bc.max_blocks, bc.block_expert, bc.h1.view(FP8), self.h1t_sfw,
-                 fw.w2, self.w_sf[("w2", plan.sf_n)], self.yc, block_m=bc.block_m)
-
-    def deep_gemm_prep(self):
-        """What gemm='deep_gemm''s batch call does besides the GEMMs: the psum layout and the MN-major scale
-        copies. (A streamed chunk's call builds m_indices instead: made once per input set in
-        :meth:`load`, for the ``deep_gemm_m_indices`` and ``deep_gemm_exact_m`` rows, and not timed.)"""
-        bd = self.bd
-        DG.psum_layout(bd.state, bd.expert_blocks, bd.ready_hi, 0, 2, self.shape.num_experts, bd.block_m,
-                       out=self.d_psum, status=self.d_status)
-        self.d_a_sf.copy_(bd.a_sf)
-        self.d_h1t_sfw.copy_(self.d_h1_sfw)
-
-    def _dg(self, a, b, d, psum: bool):
-        DG.grouped_gemm(self.dg, a, b, d, self.d_psum if psum else self.d_m_idx, psum)
-
-    def deep_gemm_l1(self, psum: bool = True):
-        """gemm='deep_gemm''s L1 over the whole block buffer: the psum layout (the batch path), or
-        ``m_indices`` with -1 rows (``psum=False``: a streamed chunk's call)."""
-        bd, fw = self.bd, self.fw
-        self._dg((bd.a.view(FP8), self.d_a_sf), (fw.w1, fw.w1_sf), self.d_gu, psum)
-        K.swiglu_quant_blocks(bd.ready_list, bd.ready_hi, 0, 2, bd.max_blocks, self.d_gu, self.d_h1, self.d_h1_sf,
-                              bd.row_weight, self.d_h1_sfw, block_m=bd.block_m)
-
-    def deep_gemm_l2(self, psum: bool = True):
-        bd, fw = self.bd, self.fw
-        self._dg((bd.h1.view(FP8), self.d_h1t_sfw), (fw.w2, fw.w2_sf), self.d_y, psum)
-
-    def deep_gemm_exact_l1(self):
-        bd, fw, m = self.bd, self.fw, self.m_exact
-        self.dg.m_grouped_fp8_gemm_nt_contiguous((bd.a.view(FP8)[:m], self.d_a_sf_x), (fw.w1, fw.w1_sf),
-                                                 self.d_gu[:m], self.d_m_idx[:m])
-        K.swiglu_quant_blocks(bd.ready_list, bd.ready_hi, 0, 2, bd.max_blocks, self.d_gu, self.d_h1, self.d_h1_sf,
-                              bd.row_weight, self.d_h1_sfw, block_m=bd.block_m)
-
-    def deep_gemm_exact_l2(self):
-        bd, fw, m = self.bd, self.fw, self.m_exact
-        self.dg.m_grouped_fp8_gemm_nt_contiguous((bd.h1.view(FP8)[:m], self.d_h1t_sfw_x), (fw.w2, fw.w2_sf),
-                                                 self.d_y[:m], self.d_m_idx[:m])
-
-    def torch_l1(self):
-        return torch._scaled_grouped_mm(self.a_t, self.w1_t, self.a_t_scale, self.w1_col_scale, offs=self.offs,
-                                        out_dtype=torch.bfloat16)
-
-    def torch_l2(self):
-        return torch._scaled_grouped_mm(self.h_t, self.w2_t, self.h_t_scale, self.w2_col_scale, offs=self.offs,
-                                        out_dtype=torch.bfloat16)
-
-    def load(self, s: int) -> None:
-        """Dispatch input set ``s`` into the blocks (batch path), run the Triton L1 once (L2's input),
-        and refill torch's sorted-row inputs (and DeepGEMM's consumer, its m_indices and scales)."""
-        idx, w, q, sf = self.sets[s]
-        bc, shape = self.bc, self.shape
-        bc.begin()
-        bc.dispatch(0, idx, w, q, sf, 0)
-        bc.seal(1)
-        self.triton_l1()
-        torch.mul(bc.h1_sf, bc.row_weight[:, None], out=self.h1t_sfw)
-        flat = idx.reshape(-1)
-        order = torch.sort(flat, stable=True).indices
-        self.real_rows.copy_(bc.tok_row[order])
-        counts = torch.bincount(flat, minlength=shape.num_experts)
-        self.offs.copy_(torch.cumsum(counts, 0).to(torch.int32))
-        self.experts_used = int((counts > 0).sum())
-        torch.index_select(bc.a.view(FP8), 0, self.real_rows, out=self.a_t)
-        torch.amax(bc.a_sf[self.real_rows], dim=1, out=self.a_t_scale)
-        torch.index_select(bc.h1.view(FP8), 0, self.real_rows, out=self.h_t)
-        torch.amax(self.h1t_sfw[self.real_rows], dim=1, out=self.h_t_scale)
-        if self.dg is not None:
-            bd = self.bd
-            bd.begin()
-            bd.dispatch(0, idx, w, q, sf, 0)
-            bd.seal(1)
-            self.triton_l1(bd)  # DeepGEMM L2's input, as Triton's h1 is CUTLASS L2's
-            torch.mul(bd.h1_sf, bd.row_weight[:, None], out=self.d_h1_sfw)
-            self.d_real_rows.copy_(bd.tok_row[order])
-            DG.ready_m_indices(bd.ready_list, bd.ready_hi, 0, 2, bd.max_blocks, bd.block_expert, shape.num_experts,
-                               bd.block_m, out=self.d_m_idx, status=self.d_status)
-            self.deep_gemm_prep()
-            if self.m_exact > 0:
-                self.d_a_sf_x.copy_(bd.a_sf[:self.m_exact])
-                self.d_h1t_sfw_x.copy_(self.d_h1_sfw[:self.m_exact])
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s bytes as integers of its width (NaN patterns compare equal to themselves); the same width,
-    so strided views (DeepGEMM's MN-major scales) can be viewed too, where a byte view could not."""
-    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
-
-
-def poison(*ts) -> None:
-    """Fill outputs with 0xFF bytes (NaN in e4m3, bf16 and float32; also FP8 data kept as uint8) so a
-    kernel that stores nothing cannot pass a comparison."""
-    for t in ts:
-        bits(t).fill_(255 if t.element_size() == 1 else -1)
-
-
-def parse_variants(spec: str, gemm: str) -> dict:
-    """``--l1`` / ``--l2`` into ``{name: (tile, out dtype, raster, swizzle)}`` (names as the rows carry
-    them): L1 entries ``tile:out_dtype[:raster[:s<swizzle>]]``, L2 entries ``tile[:raster[:s<swizzle>]]``;
-    an entry is read as the table key it names (``gemm_choice.parse_key``)."""
-    dts = {"f32": torch.float32, "bf16": torch.bfloat16}
-    out = {}
-    for v in (x for x in spec.split(",") if x):
-        parts = v.split(":")
-        defaults = ["", "bf16", "m", "s1"] if gemm == "l1" else ["", "m", "s1"]
-        given = parts + defaults[len(parts):]
-        if gemm == "l2":
-            given.insert(1, "bf16")
-        fields = ["cutlass", *given[:3]] + ([given[3]] if given[3] != "s1" else [])  # a key leaves out s1
-        try:
-            c = None if len(parts) > len(defaults) else GC.parse_key(":".join(fields))
-        except ValueError:
-            c = None
-        if c is None:
-            raise ValueError(f"--{gemm} entry {v!r}: out dtype must be one of {sorted(dts)}, raster one of "
-                             f"{sorted(CG.RASTERS)}, swizzle one of {[f's{s}' for s in CG.SWIZZLES]}")
-        CG.variant_id(c.tile, dts[c.out])  # names what does not exist
-        name = (f"cutlass_{c.tile}" + (f"_{c.out}" if gemm == "l1" else "") + ("_n" if c.raster == "n" else "")
-                + (f"_s{c.swizzle}" if c.swizzle != 1 else ""))
-        out[name] = (c.tile, dts[c.out], c.raster, c.swizzle)
-    return out
 
 
 def variant_of(impl: str, plans: dict) -> str | None:
@@ -761,57 +447,6 @@ def targets(summary_by_t: dict) -> list[str]:
     return out
 
 
-def make_table(rows: list, num_experts: int, topk: int, meta: dict) -> dict:
-    """The heuristic table (``streamring/moe/gemm_table.json``) from this run's GEMM rows: per (tokens,
-    GEMM) the rows per expert, N, K, every timed variant's median (torch's for reference) and the best."""
-    groups: dict = {}
-    for r in rows:
-        if r.get("gemm") not in ("l1", "l2") or r.get("median_ms") is None:
-            continue
-        key = r["variant"] if r.get("variant") else (r["impl"] if r["impl"] == "torch_scaled_grouped_mm" else None)
-        if key is None:
-            continue
-        g = groups.setdefault((r["tokens"], r["gemm"]), {"rows_per_expert": r["tokens"] * topk / num_experts,
-                                                         "tokens": r["tokens"], "gemm": r["gemm"], "n": r["n_dim"],
-                                                         "k": r["k_dim"], "times_ms": {}, "block_m": {}})
-        g["times_ms"][key] = round(float(r["median_ms"]), 4)
-        g["block_m"][key] = r.get("block_m")
-    entries = []
-    for g in groups.values():
-        cands = {k: v for k, v in g["times_ms"].items() if k != "torch_scaled_grouped_mm"}
-        g["best"] = min(cands, key=cands.get) if cands else None
-        entries.append(g)
-    entries.sort(key=lambda e: (e["gemm"], e["rows_per_expert"]))
-    return {"measured": bool(entries), "date": meta.get("date"), "device": meta.get("device"),
-            "source": "python -m bench.gemm (docs/results/gemm-<date>.json holds the full rows)",
-            "note": "per (rows per expert = tokens x top-k / experts, N, K): median ms of every implementation "
-                    "variant that passed its correctness check; choose_gemm takes the fastest available one",
-            "entries": entries}
-
-
-# ----------------------------------------------------------------------------------------------
-# the whole batch layer, per GEMM implementation
-# ----------------------------------------------------------------------------------------------
-def layer_forward(impl: str, choice, block_m: int, x, shape, fw, dev):
-    """The batch layer on ``x`` (router, layout, ``blocks.moe_forward``) through ``impl``'s GEMMs, with its
-    own producer, block consumer and buffers: ``(fwd, out, bc)``; ``fwd()`` writes ``out`` (what
-    ``layer_rows`` captures, and ``launch/layer_probe.py`` runs alone)."""
-    T = x.shape[0]
-    prod = B.Producer(shape, fw, T, dev)
-    bc = B.BlockConsumer(shape, T, 1, block_m, dev)
-    # batch: one call over every block, so DeepGEMM may write y directly (see deep_gemm_experts)
-    GC.setup_consumer(bc, choice, staging_y=True)
-    sc = B.scratch_buffers(shape, T, dev)
-    out = torch.zeros(T, shape.hidden, dtype=torch.bfloat16, device=dev)
-
-    def fwd():
-        prod.route(x, sc["idx"][:T], sc["w"][:T])
-        prod.layout(x, sc["q"][:T], sc["sf"][:T])
-        B.moe_forward(sc["idx"][:T], sc["w"][:T], sc["q"][:T], sc["sf"][:T], fw, bc, out, gemm_impl=impl)
-
-    return fwd, out, bc
-
-
 def layer_rows(T, shape, fw, args, dev, table: dict, avail: dict) -> tuple[list, dict]:
     """``blocks.batch_forward`` (one CUDA graph) per implementation with this run's fastest variants."""
     H, I, E, Kk = shape.hidden, shape.intermediate, shape.num_experts, shape.topk
@@ -904,35 +539,6 @@ def streamed_equals_batch(T, shape, fw, args, dev, impl, choice, bm, x, batch_ou
         return None
 
 
-_DG_FIRST_CALL = """
-import torch, deep_gemm
-a = torch.randn(256, 256, device="cuda").to(torch.float8_e4m3fn)
-sf = torch.rand(256, 2, device="cuda")
-w = torch.randn(2, 256, 256, device="cuda").to(torch.float8_e4m3fn)
-w_sf = torch.rand(2, 2, 2, device="cuda")
-m_idx = torch.tensor([0] * 128 + [1] * 128, dtype=torch.int32, device="cuda")
-d = torch.empty(256, 256, dtype=torch.bfloat16, device="cuda")
-deep_gemm.m_grouped_fp8_gemm_nt_contiguous((a, sf), (w, w_sf), d, m_idx)
-torch.cuda.synchronize()
-"""
-
-
-def deep_gemm_first_call(timeout_s: float = 240.0) -> str | None:
-    """DeepGEMM's first grouped call (JIT compile included) in a child process: None when it works, else
-    what went wrong. A crash in deep_gemm (it segfaulted on 2026-12-01 when built with a compiler that
-    links libstdc++ statically) then ends the child, not the benchmark."""
-    try:
-        res = subprocess.run([sys.executable, "-c", _DG_FIRST_CALL], capture_output=True, text=True,
-                             timeout=timeout_s, env=os.environ.copy())
-    except subprocess.TimeoutExpired:
-        return f"its first call did not finish in {timeout_s:.0f} s in a child process"
-    if res.returncode == 0:
-        return None
-    how = (f"signal {signal.Signals(-res.returncode).name}" if res.returncode < 0 else f"rc {res.returncode}")
-    tail = (res.stderr or res.stdout).strip().splitlines()[-1:] or [""]
-    return f"its first call in a child process ended with {how}: {tail[0][:300]}"
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", default="128,1024,8192,32768")
@@ -977,7 +583,7 @@ def main(argv=None) -> int:
         else:
             dg_reason = f"{dg_reason}; but {first_call}"
     log(f"DeepGEMM: {'timed' if dg is not None else 'not timed'}: {dg_reason}")
-    shape = dsv3_shape()
+    shape = dsv3_shape(args.block_m)
     tokens = [int(v) for v in args.tokens.split(",") if v]
     layer_tokens = [int(v) for v in args.layer_tokens.split(",") if v]
     log(f"device {torch.cuda.get_device_name()}; torch {torch.__version__}; weights (256 experts, FP8) ...")

@@ -28,9 +28,9 @@ launch: the next grid launches while the last one drains). Before any timing eve
 and intermediates are filled with NaN and it is run: ``per_chunk`` (and ``per_chunk_pdl``) must store
 ``one_launch``'s row for every (token, k) route bit for bit, and so must ``batch``.
 
-Uniform top-8 routing (``bench.gemm.uniform_inputs``), DeepSeek-V3 shape, ``--block-m`` rows per
+Uniform top-8 routing (``bench.common.uniform_inputs``), DeepSeek-V3 shape, ``--block-m`` rows per
 block. Each form is one CUDA graph; for each of ``--sets`` input sets the graphs are replayed
-``--replays`` times interleaved (``bench.gemm.time_interleaved``); medians. The CUTLASS variants
+``--replays`` times interleaved (``bench.common.time_interleaved``); medians. The CUTLASS variants
 are what ``gemm="cutlass"`` takes at that size from the committed table (``gemm_choice``).
 
     python -m bench.gemm_launches --tokens 1024,4096,8192 --chunks 2,4,8 \
@@ -46,7 +46,8 @@ import time
 
 import torch
 
-from bench.gemm import capture, deep_gemm_first_call, dsv3_shape, log, poison, time_interleaved, uniform_inputs
+from bench.common import capture, dsv3_shape, log, poison, time_interleaved, uniform_inputs
+from bench.gemm_lib import deep_gemm_first_call
 from streamring.device import cutlass_gemm as CG
 from streamring.device import deep_gemm_ops as DG
 from streamring.moe import blocks as B
@@ -224,7 +225,7 @@ def main(argv=None) -> int:
         print("error: no CUDA GPU", file=sys.stderr)
         return 2
     dev = torch.device("cuda")
-    shape = dsv3_shape()
+    shape = dsv3_shape(args.block_m)
     fw = B.FastWeights.random(shape, 7, dev)
     t0 = time.monotonic()
     rows: list[dict] = []

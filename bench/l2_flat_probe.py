@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from bench.gemm import FP8, HBM_GBS, dsv3_shape, log
+from bench.common import FP8, HBM_GBS, dsv3_shape, log
 from bench.triton_gemm_launch import consumer, l1, l2, routed_set, time_back_to_back
 from streamring.moe import blocks as B
 
@@ -72,7 +72,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args(argv)
     dev = torch.device("cuda")
-    shape = dsv3_shape()
+    shape = dsv3_shape(64)  # each consumer takes its own block_m (--tokens' pairs)
     fw = B.FastWeights.random(shape, 7, dev)
     for pair in args.tokens.split(","):
         T, bm = (int(x) for x in pair.split(":"))

@@ -5,7 +5,7 @@
         docs/results/gemm-triton-vs-deepgemm-1024-bm64-2026-12-02.json --out streamring/moe/gemm_table.json
 
 Each (tokens, GEMM, block size) entry is taken whole from one run: the last file given that measured
-that size with that ``--block-m`` (:func:`bench.gemm.make_table` of its rows), so the times an entry
+that size with that ``--block-m`` (:func:`bench.gemm_lib.make_table` of its rows), so the times an entry
 compares were taken side by side in one process, never mixed across runs. Every entry names its file
 (``source``) and the run's block size (``run_block_m``; ``gemm_choice`` prefers the entries of the
 consumer's block size: the one-block-per-tile CUTLASS tiles are measured at 128 only). The runs must
@@ -19,14 +19,15 @@ import json
 import sys
 from pathlib import Path
 
-from bench.gemm import dsv3_shape, make_table
+from bench.common import dsv3_shape
+from bench.gemm_lib import make_table
 
 
 def merge(paths: list[str]) -> dict:
     """The table of ``paths`` (later files replace earlier ones' entries of the same tokens and GEMM)."""
     if not paths:
         raise ValueError("give at least one bench.gemm JSON file")
-    shape = dsv3_shape()  # the shape every bench.gemm run measures
+    shape = dsv3_shape(64)  # the shape every bench.gemm run measures (its experts and top-k)
     entries: dict = {}
     first = None
     dates = []

@@ -28,7 +28,7 @@ from streamring.device import moe_triton as K
 from streamring.moe.blocks import select_experts_into
 from streamring.moe.math import select_experts
 
-from .gemm import dsv3_shape
+from .common import dsv3_shape
 
 VARIANTS = [{"rows": r, "num_warps": w} for r, w in ((16, 4), (8, 8), (4, 4), (8, 4), (32, 8), (2, 2))]
 #: router GEMM tiles (bm, bn, bk, warps, stages); the first is the one in use until measured otherwise
@@ -61,7 +61,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("bench.routing: no CUDA GPU", file=sys.stderr)
         return 2
-    shape = dsv3_shape()
+    shape = dsv3_shape(64)  # the router only: no block size enters
     dev = torch.device("cuda")
     gen = torch.Generator(device="cpu").manual_seed(3)
     bias = (torch.randn(shape.num_experts, generator=gen) * 0.1).to(dev)

@@ -22,7 +22,7 @@ import sys
 
 import torch
 
-from bench.gemm import FP8, HBM_GBS, dsv3_shape, log, poison, uniform_inputs
+from bench.common import FP8, HBM_GBS, dsv3_shape, log, poison, uniform_inputs
 from streamring.device import moe_triton as K
 from streamring.moe import blocks as B
 from streamring.moe.bitwise import same_bits
@@ -84,7 +84,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     dev = torch.device("cuda")
-    shape = dsv3_shape()
+    shape = dsv3_shape(64)  # each consumer takes its own block_m (the sweep's)
     E, H, I = shape.num_experts, shape.hidden, shape.intermediate
     fw = B.FastWeights.random(shape, 7, dev)
     rows = []

@@ -1,9 +1,36 @@
-# Sourced by the device-run scripts (launch/gpu_*.sh): the environment of a GPU machine run.
-# Installs the carried wheels (.whl/: nvshmem4py, pydantic, ...) into .site (the machine has no
-# network), puts .site and the repo on PYTHONPATH, and sets what every run needs.
-# Expects: the repo root as the current directory, $LOG, and a `say` function.
+# The ONE environment of a GPU machine run, sourced by every device script (launch/gpu_check.sh,
+# gpu_ep_bench.sh, ep_mps_bench.sh, gemm_bench.sh, faults.sh, sanitize.sh, device_tracks.sh) from the
+# repo root, after `set -uo pipefail`:
+#
+#   . launch/device_env.sh [LOG_NAME [BUDGET_S]]
+#
+# - installs the carried wheels (.whl/: nvshmem4py, pydantic, ...; made by launch/fetch_wheels.sh on a
+#   machine with network) into .site (the GPU machine has none), puts .site and the repo on PYTHONPATH;
+# - sets what every run needs: OUT (default ./out), NVLink multicast off, MPI as root, the cubin cache,
+#   CUDA_DEVICE_MAX_CONNECTIONS, NGPU;
+# - LOG and say: with LOG_NAME, LOG=$OUT/LOG_NAME (emptied) and say (echo, and append to LOG), and the GPUs
+#   are listed into it; without, the caller's LOG and say (else $OUT/device.log and a plain say);
+# - with BUDGET_S (the call's whole time): T0, DEADLINE, left (seconds to DEADLINE) and
+#   `limit WANT RESERVE` (a step's time limit: what it asks for, at most what is left minus a reserve for
+#   the steps after it, at least 5 s);
+# - dg_start / dg_wait (below): DeepGEMM built from the carried .deepgemm/ (launch/build_deep_gemm.sh).
 export OUT="${OUT:-$PWD/out}"
 mkdir -p "$OUT"
+if [ -n "${1:-}" ]; then
+  LOG="$OUT/$1"
+  : > "$LOG"
+  say() { echo "$*" | tee -a "$LOG"; }
+else
+  LOG="${LOG:-$OUT/device.log}"
+  declare -F say >/dev/null || say() { echo "$*" | tee -a "$LOG"; }
+fi
+if [ -n "${2:-}" ]; then
+  T0=$(date +%s)
+  DEADLINE=$(( T0 + $2 ))
+  left() { echo $(( DEADLINE - $(date +%s) )); }
+  limit() { local want=$1 reserve=$2 l; l=$(( $(left) - reserve )); [ "$l" -lt "$want" ] && want=$l; [ "$want" -lt 5 ] && want=5; echo "$want"; }
+fi
+[ -n "${1:-}" ] && nvidia-smi -L 2>&1 | tee -a "$LOG"
 export PYTHONUNBUFFERED=1
 # NVLink multicast stays off everywhere (shared machines): never remove these.
 export NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
@@ -19,8 +46,37 @@ if ls .whl/*.whl >/dev/null 2>&1; then
       || { say "device_env: installing the carried wheels failed (see $LOG)"; exit 3; }
   fi
 else
-  say "device_env: no .whl/*.whl carried (run ../shared/device/fetch-wheels.sh and carry .whl)"
+  say "device_env: no .whl/*.whl carried (run \`bash launch/fetch_wheels.sh\` where there is network, and carry .whl)"
 fi
 export PYTHONPATH="$PWD/.site:$PWD:${PYTHONPATH:-}"
 NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ')
 export NGPU
+
+# DeepGEMM from the carried .deepgemm/ (launch/build_deep_gemm.sh with the host's g++ and torch):
+#   dg_start TIMEOUT_S   starts the build in the background, in its own process group (its own limit)
+#   dg_wait MAX_WAIT_S   waits at most that long (then stops the build's whole group), sources the built
+#                        package's environment; DG_RC=0 when deep_gemm imports, else the build's status
+# A script that needs DeepGEMM before anything else runs `dg_start T; dg_wait T`.
+export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
+export DG_PREFIX="$PWD/.dg-site" DG_JIT_CACHE_DIR=${DG_JIT_CACHE_DIR:-/tmp/streamring-deep-gemm-jit}
+dg_start() {
+  DG_BUILD_TIMEOUT=$1 setsid bash launch/build_deep_gemm.sh > "$OUT/deep_gemm_build.log" 2>&1 &
+  DG_PID=$!
+}
+dg_wait() {
+  # polls instead of a background `sleep; kill` watchdog, whose orphaned sleep would hold the call's
+  # output open after the script ends
+  local waited=0
+  while kill -0 "$DG_PID" 2>/dev/null && [ "$waited" -lt "$1" ]; do sleep 1; waited=$(( waited + 1 )); done
+  kill -0 "$DG_PID" 2>/dev/null && kill -- -"$DG_PID" 2>/dev/null
+  wait "$DG_PID"
+  DG_RC=$?
+  tail -4 "$OUT/deep_gemm_build.log" | tee -a "$LOG"
+  if [ "$DG_RC" = 0 ] && [ -f "$DG_PREFIX/deep_gemm_env.sh" ]; then
+    . "$DG_PREFIX/deep_gemm_env.sh"
+    say "DeepGEMM: built and imports"
+  else
+    [ "$DG_RC" = 0 ] && DG_RC=1
+    say "DeepGEMM: NOT available (build rc=$DG_RC, see $OUT/deep_gemm_build.log)"
+  fi
+}

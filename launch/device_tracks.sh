@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Several single-GPU jobs in ONE device call, one track per GPU, at the same time:
 #
-#   TRACK0="bash launch/gemm_h200.sh" TRACK1="bash launch/probe_gpu.sh" bash launch/device_tracks.sh
+#   TRACK0="bash launch/gemm_bench.sh" TRACK1="GPU_CHECK_PHASES=single bash launch/gpu_check.sh" bash launch/device_tracks.sh
 #
 # Each TRACK<i> runs with CUDA_VISIBLE_DEVICES=<i> and OUT=$OUT/track<i> (its logs and JSON), under a
 # wall-clock limit (TRACK_BUDGET_S, default 540 s). The carried wheels are installed once, first (two

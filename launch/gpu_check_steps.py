@@ -245,8 +245,8 @@ def mps_env(n: int) -> dict:
     """The environment of a PE when n share one GPU under MPS: an equal share of the SMs, and an equal share
     of the 32 hardware work queues one process asks for (launch/device_env.sh; each stream its own queue,
     for the stream_wait policy). With 32 queues per client, 4 clients could not create their contexts
-    (CUDA out of memory in torch.cuda.set_device) where 2 and 3 could; launch/mps_probe.sh tells whether
-    the queues are the cause (docs/gpu.md)."""
+    (CUDA out of memory in torch.cuda.set_device) where 2 and 3 could (docs/gpu.md); the first step of
+    the phase (:func:`mps_contexts`) prints what else holds the GPU when a context fails."""
     return {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(100 // n), "CUDA_DEVICE_MAX_CONNECTIONS": str(max(4, 32 // n))}
 
 
@@ -254,8 +254,8 @@ def phase_multi(state: dict) -> None:
     TMP.mkdir(parents=True, exist_ok=True)
     mps = mps_env
     for n in (2, 4):  # first of all: the contexts themselves (says what else holds the GPU if they fail)
-        run_step(state, f"MPS: {n} processes each make a CUDA context", [PY, "launch/mps_contexts.py", str(n)], 60,
-                 pes=n, env=mps(n))
+        run_step(state, f"MPS: {n} processes each make a CUDA context",
+                 [PY, "launch/gpu_check_steps.py", "--mps-contexts", str(n)], 60, pes=n, env=mps(n))
     # 2 PEs
     gj = TMP / "graph-2.json"
     run_step(state, f"gpu-check x{REPLAYS} replays, all policies", mpiexec(
@@ -497,7 +497,7 @@ def fault_judge(launcher: str, marker: str, probes: dict = PROBES, mpirun_recove
 
     ``mpirun_recovery``: Open MPI's mpirun ran with orte_enable_recovery=1 (without it, it ends every rank
     the moment one is killed, before the survivor can say anything). It then exits 0 even after an
-    MPI_Abort (launch/faults_h200.sh measures it), so (b) takes mpirun's own line that rank 0 aborted with
+    MPI_Abort (launch/faults.sh measures it), so (b) takes mpirun's own line that rank 0 aborted with
     a non-zero error code instead of mpirun's exit code."""
     baseline = probes["memory"]()
 
@@ -655,11 +655,56 @@ def report(state: dict) -> int:
     return 0 if not fails else 1
 
 
+_MPS_CLIENT = r"""
+import os, sys, time
+try:
+    import torch
+    torch.cuda.set_device(0)
+    torch.zeros(1, device="cuda")
+    print(f"ok pid {os.getpid()}", flush=True)
+    time.sleep(2)
+except Exception as exc:
+    print(f"FAIL pid {os.getpid()}: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}", flush=True)
+    sys.exit(1)
+"""
+
+
+def mps_contexts(n: int) -> int:
+    """Can ``n`` processes create a CUDA context each on this GPU under the running MPS daemon? (The
+    multi-PE phase's first step, ``--mps-contexts N``.) Starts them at once, each with
+    CUDA_MPS_ACTIVE_THREAD_PERCENTAGE = 100 / n and the phase's CUDA_DEVICE_MAX_CONNECTIONS, each holding
+    its context until all have tried; one line per process, and on a failure what else holds the GPU
+    (nvidia-smi's compute processes: leftovers of an earlier step) and the connections each asked for.
+    Exit 0 iff all ``n`` succeed."""
+    env = dict(os.environ, CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=str(100 // n))
+    procs = [subprocess.Popen([PY, "-c", _MPS_CLIENT], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for _ in range(n)]
+    outs = [p.communicate(timeout=120)[0].strip() for p in procs]
+    ok = sum(p.returncode == 0 for p in procs)
+    conns = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "unset (8)")
+    print(f"mps contexts: {ok} of {n} processes made a context (CUDA_DEVICE_MAX_CONNECTIONS={conns}, "
+          f"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE={100 // n})")
+    for o in outs:
+        print("  " + o.splitlines()[-1] if o else "  (no output)")
+    if ok < n:
+        apps = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,process_name,used_memory",
+                               "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
+        print("  other compute processes on the GPU now: " + (apps.replace("\n", "; ") or "none"))
+        print("  (leftovers would show above; with none, the clients' connection count is the suspect: run the "
+              "step again with another CUDA_DEVICE_MAX_CONNECTIONS)")
+    return 0 if ok == n else 1
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--phase", required=True, choices=["single", "multi", "gpus", "report", "mps-failed", "faults1",
-                                                       "faults", "mutate", "sanitize"])
+    ap.add_argument("--phase", choices=["single", "multi", "gpus", "report", "mps-failed", "faults1",
+                                        "faults", "mutate", "sanitize"])
+    ap.add_argument("--mps-contexts", type=int, metavar="N", help="only: N processes each make a CUDA context")
     args = ap.parse_args()
+    if args.mps_contexts:
+        return mps_contexts(args.mps_contexts)
+    if not args.phase:
+        ap.error("--phase or --mps-contexts is required")
     OUT.mkdir(parents=True, exist_ok=True)
     state = load_state()
     if args.phase == "single":

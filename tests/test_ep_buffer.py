@@ -311,8 +311,9 @@ def test_explicit_stream_epochs_must_grow(setup):
 def test_shared_buffer_bytes_at_the_deepseek_v3_shape(max_tokens):
     """One buffer for every layer costs at most 1.1x one layer's streamed ring plus combine area
     (the batch ring is the extra); the figures go to docs/engine.md."""
-    dsv3 = MoEShape(hidden=7168, intermediate=2048, num_experts=256, topk=8, router="deepseek_v3", n_group=8,
-                    topk_group=4, routed_scaling_factor=2.5, weight_dtype="fp8", block_m=64)
+    from bench.common import dsv3_shape
+
+    dsv3 = dsv3_shape(64)
     rep = memory_report(dsv3, 2, max_tokens_per_rank=max_tokens, num_slots=2, tokens_per_slot=max_tokens // 2)
     assert rep["symmetric"] == rep["batch_ring"] + rep["stream_ring"] + rep["combine"]
     assert rep["ratio"] <= 1.1, rep

@@ -121,7 +121,7 @@ def test_resolve_layer_refuses_deep_gemm_with_another_block_m():
 
 
 def test_the_table_bench_writes_is_what_choose_reads(tmp_path):
-    from bench import gemm as BGm
+    from bench import gemm_lib as BGm
 
     rows = [
         {"tokens": 8192, "gemm": "l1", "impl": "cutlass_coop192_m2_bf16", "median_ms": 4.0, "rows": 65536,
@@ -227,7 +227,7 @@ def test_the_committed_gemm_table_is_what_its_sources_make():
 def test_bench_variant_specs_carry_the_swizzle():
     import torch
 
-    from bench import gemm as BGm
+    from bench import gemm_lib as BGm
 
     v = BGm.parse_variants("coop128:bf16,coop128:f32:n:s4,pingpong64", "l1")
     assert v == {"cutlass_coop128_bf16": ("coop128", torch.bfloat16, "m", 1),
@@ -267,3 +267,82 @@ def test_block_tiles_mirror_the_library_table():
     CG = pytest.importorskip("streamring.device.cutlass_gemm", reason="torch is not installed")
     assert set(CG.BLOCK_TILES) == set(GC.BLOCK_TILES) and CG.BLOCK_TILES
     assert CG.BLOCK_TILE_ROWS == GC.BLOCK_TILE_ROWS
+
+
+def test_bench_dsv3_shape_scales_the_expert_groups():
+    """bench.common.dsv3_shape is the one DeepSeek-V3 shape of every benchmark: 8 groups, top-4 groups at
+    256 experts; one group per 32 experts otherwise (at least one), topk_group = min(4, groups)."""
+    from bench.common import dsv3_shape
+
+    s = dsv3_shape(64)
+    assert (s.hidden, s.intermediate, s.num_experts, s.topk, s.n_group, s.topk_group, s.block_m) == \
+        (7168, 2048, 256, 8, 8, 4, 64)
+    assert (s.router, s.routed_scaling_factor, s.norm_topk_prob, s.weight_dtype) == ("deepseek_v3", 2.5, True, "fp8")
+    assert [(dsv3_shape(16, e).n_group, dsv3_shape(16, e).topk_group) for e in (8, 16, 32, 64, 96, 128, 512)] == \
+        [(1, 1), (1, 1), (1, 1), (2, 2), (3, 3), (4, 4), (16, 4)]
+    with pytest.raises(ValueError):
+        dsv3_shape(16, 100)  # 3 groups do not divide 100 experts
+
+
+def _no_cutlass_library(monkeypatch, tmp_path):
+    """This process as on a machine where the CUTLASS library was never built: an empty build cache,
+    no .gemm-build/, no $STREAMRING_GEMM_LIB, nothing loaded or noticed yet."""
+    from streamring.device import build_gemm as BG
+    from streamring.device import cutlass_gemm as CG
+
+    monkeypatch.setenv("STREAMRING_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("STREAMRING_GEMM_LIB", raising=False)
+    monkeypatch.setattr(BG, "REPO_BUILD_DIR", tmp_path / "no-gemm-build")
+    monkeypatch.setattr(CG, "_lib", None)
+    monkeypatch.setattr(CG, "_noticed", set())
+    return CG
+
+
+def test_auto_without_the_cutlass_library_says_so_once_and_never_builds(monkeypatch, tmp_path, capsys):
+    """gemm='auto' where the library is absent: CUTLASS is left out with the reason, stderr says once per
+    process that it is absent, how long building takes, the command, and which GEMMs run instead; no
+    build starts (nothing is compiled into the cache)."""
+    CG = _no_cutlass_library(monkeypatch, tmp_path)
+
+    class Plan:
+        block_m, policy = 64, "serialized"
+
+    class Shape:
+        topk, num_experts, hidden, intermediate = 8, 256, 7168, 2048
+
+    avail = GC.available_impls(64)
+    assert avail["cutlass"].startswith(GC.CUTLASS_NOT_BUILT) and avail["triton"] == "", avail
+    assert capsys.readouterr().err == ""  # asking what is available says nothing; a run's choice does
+    lc = GC.resolve_layer("auto", Plan, Shape, [8192])
+    assert lc.impl != "cutlass" and "cutlass" in lc.skipped
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.startswith("streamring: ")]
+    assert len(lines) == 1, err
+    want = {"triton": "gemm='auto' runs the Triton GEMMs instead", "deep_gemm": "gemm='auto' runs DeepGEMM instead"}
+    assert want[lc.impl] in lines[0], lines
+    assert ("the CUTLASS GEMM library is not built" in lines[0] and "about 2 minutes on 16 cores, 3.5 minutes on 2"
+            in lines[0] and "`python -m streamring.device.build_gemm --out .gemm-build`" in lines[0]), lines
+    GC.resolve_layer("auto", Plan, Shape, [1024])  # once per process
+    assert "streamring: " not in capsys.readouterr().err
+    assert not list((tmp_path / "cache").glob("gemm/*.so"))
+    with pytest.raises(CG.GemmLibraryMissing):
+        CG.load_library(build=False)
+
+
+def test_a_cutlass_build_inside_a_run_announces_itself(monkeypatch, tmp_path, capsys):
+    """Where a CUTLASS GEMM is asked for (a GroupedGemm made: gemm='cutlass') and no library is built,
+    the build that starts says so first on stderr, with how long it takes; here CUTLASS's headers are
+    absent too, so the build then fails naming what it tried."""
+    import importlib.util
+
+    from streamring.device import build_gemm as BG
+
+    CG = _no_cutlass_library(monkeypatch, tmp_path)
+    monkeypatch.setenv("STREAMRING_CUTLASS_DIR", str(tmp_path / "nope"))
+    monkeypatch.setattr(BG, "REPO", tmp_path)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(CG.GemmLibraryError, match="cannot be built here: .*CUTLASS's headers were not found"):
+        CG.library_path(build=True)
+    err = capsys.readouterr().err
+    assert err.count("streamring: the CUTLASS GEMM library is not built") == 1, err
+    assert "building it now (a line per compile unit follows)" in err and "3.5 minutes on 2" in err, err

@@ -42,7 +42,7 @@ if not torch.cuda.is_available():
 from streamring.device import build_gemm as BG  # noqa: E402
 from streamring.device import cutlass_gemm as CG  # noqa: E402
 import ready_range_reference as RR  # noqa: E402
-from streamring.device.build import BuildError  # noqa: E402
+from streamring.device.build import BuildError, find_nvcc  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 SRC = Path(BG.SOURCE)
@@ -904,3 +904,28 @@ def test_compute_cutlass_refuses_pdl_and_unknown_impls():
         bc.compute_cutlass(0, 1, 1, fw, pdl=True)
     with pytest.raises(ValueError, match="gemm_impl"):
         B.compute_blocks(bc, 0, 1, 1, fw, gemm_impl="cublas")
+
+
+def test_run_parts_prints_a_line_per_compile_unit(tmp_path):
+    """build_gemm compiles its parts at once; each unit's line (with the seconds since the build began)
+    is printed as it finishes, and a failed unit's command and output come back in the BuildError.
+    Real nvcc on two small translation units (no GPU needed)."""
+    try:
+        nvcc = find_nvcc()
+    except BuildError as exc:
+        pytest.skip(f"no nvcc: {exc}")
+    good = tmp_path / "good.cu"
+    good.write_text("__global__ void k(int *p) { p[threadIdx.x] = 1; }\n")
+    bad = tmp_path / "bad.cu"
+    bad.write_text("__global__ void k(int *p) { p[threadIdx.x] = undeclared_name; }\n")
+    lines = []
+    cmds = [[nvcc, "-c", str(good), "-o", str(tmp_path / f"{i}.o")] for i in range(2)]
+    BG.run_parts(cmds, lines.append, what="good.cu")
+    assert len(lines) == 2, lines
+    for n, line in enumerate(lines, 1):
+        assert re.fullmatch(rf"compile unit {n}/2 \(part [01] of good\.cu\) compiled after \d+ s", line), line
+    assert sorted(int(re.search(r"part (\d)", x).group(1)) for x in lines) == [0, 1]
+    lines.clear()
+    with pytest.raises(BuildError, match=r"(?s)nvcc failed .*bad\.cu.*undeclared_name"):
+        BG.run_parts([cmds[0], [nvcc, "-c", str(bad), "-o", str(tmp_path / "bad.o")]], lines.append, what="x.cu")
+    assert len(lines) == 2 and sum("FAILED" in x for x in lines) == 1, lines

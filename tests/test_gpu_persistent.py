@@ -113,8 +113,9 @@ def _run_queue(case, q, combs, arrived, status, ctas, **kw):
 
 @pytest.fixture(scope="module")
 def deepseek():
-    shape = MoEShape(hidden=7168, intermediate=2048, num_experts=256, topk=8, router="deepseek_v3", n_group=8,
-                     topk_group=4, routed_scaling_factor=2.5, weight_dtype="fp8", block_m=64)
+    from bench.common import dsv3_shape
+
+    shape = dsv3_shape(64)
     return shape, B.FastWeights.random(shape, 7, DEV)
 
 

@@ -26,7 +26,10 @@ keyed by the sha256 of every source in ``csrc/``, the arch, the ``nvcc --version
 text and NVSHMEM's version header, so editing a source or switching compilers
 rebuilds and nothing else does.
 
-Run ``python -m streamring.device.build`` to build and print the cubin's path.
+Run ``python -m streamring.device.build`` to build and print the cubin's path;
+``python -m streamring.device.build --gemm .gemm-build`` also builds the CUTLASS GEMM library
+(:mod:`streamring.device.build_gemm`) into ``.gemm-build/``: everything the GPU path builds, ahead of
+any run, each with a line per compile unit.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from .ringdesc import CSRC, check_header, consts_header
@@ -196,7 +200,9 @@ def build_cubin(arch: str | None = None, force: bool = False, verbose: bool = Fa
     """Build (or reuse from the cache) the cubin of every ``csrc/*.cu``; returns its path.
 
     Raises :class:`BuildError` naming what is missing (nvcc, NVSHMEM headers or device library)
-    or what is inconsistent (the descriptor header against the Python layout).
+    or what is inconsistent (the descriptor header against the Python layout). A build is never
+    silent (it may start inside a run, at the heap's bootstrap): when the cubin is not cached, stderr
+    gets a line saying so and how long it takes, then a line per compile unit with the seconds since.
     """
     arch = arch or os.environ.get("STREAMRING_CUDA_ARCH") or DEFAULT_ARCH
     if not arch.startswith("sm_"):
@@ -216,12 +222,17 @@ def build_cubin(arch: str | None = None, force: bool = False, verbose: bool = Fa
         if verbose:
             print(f"streamring build: cached {target}", file=sys.stderr)
         return target
+    t0 = time.monotonic()
+    srcs = kernel_sources()
+    print(f"streamring build: the ring kernels' cubin is not in the cache ({target.name} under {out_dir}): "
+          f"compiling {len(srcs)} csrc/*.cu with nvcc -rdc, then the device link (about 35 s on the H200 machine; "
+          f"`python -m streamring.device.build` builds it ahead)", file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory(prefix="streamring-build-", dir=out_dir) as tmp:
         gen = Path(tmp) / "gen"
         gen.mkdir()
         (gen / GENERATED_HEADER).write_text(consts_header())
         objs = []
-        for src in kernel_sources():
+        for i, src in enumerate(srcs):
             obj = Path(tmp) / (src.stem + ".o")
             cc = [nvcc, f"-arch={arch}", "-rdc=true", "-O3", "-std=c++17", f"-I{inc}", f"-I{gen}", f"-I{CSRC}",
                   "-c", str(src), "-o", str(obj)]
@@ -229,6 +240,8 @@ def build_cubin(arch: str | None = None, force: bool = False, verbose: bool = Fa
                 print("streamring build: " + " ".join(cc), file=sys.stderr)
             _run(cc, f"nvcc compile of {src.name}", timeout)
             objs.append(str(obj))
+            print(f"streamring build: compile unit {i + 1}/{len(srcs)} ({src.name}) compiled after "
+                  f"{time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
         cub = Path(tmp) / "ring.cubin"
         link = [nvcc, f"-arch={arch}", "-dlink", "--cubin", "-o", str(cub), *objs, f"-L{lib}", "-lnvshmem_device"]
         if verbose:
@@ -236,8 +249,7 @@ def build_cubin(arch: str | None = None, force: bool = False, verbose: bool = Fa
         _run(link, "nvcc device link (-dlink --cubin)", timeout)
         # Atomic publish: concurrent builders (several ranks) each replace with an identical file.
         os.replace(cub, target)
-    if verbose:
-        print(f"streamring build: built {target}", file=sys.stderr)
+    print(f"streamring build: built {target} in {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
     return target
 
 
@@ -246,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--arch", default=None, help=f"GPU arch (default $STREAMRING_CUDA_ARCH or {DEFAULT_ARCH})")
     ap.add_argument("--force", action="store_true", help="rebuild even when cached")
     ap.add_argument("-v", "--verbose", action="store_true")
+    ap.add_argument("--gemm", metavar="DIR", help="also build the CUTLASS GEMM library into DIR (e.g. .gemm-build, "
+                                                  "where it is looked for first); a line per compile unit")
     args = ap.parse_args(argv)
     try:
         path = build_cubin(args.arch, force=args.force, verbose=args.verbose)
@@ -253,6 +267,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"streamring build: {exc}", file=sys.stderr)
         return 2
     print(path)
+    if args.gemm:
+        from .build_gemm import main as build_gemm_main
+
+        return build_gemm_main(["--out", args.gemm] + (["--force"] if args.force else [])
+                               + (["-v"] if args.verbose else []))
     return 0
 
 

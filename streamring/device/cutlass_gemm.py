@@ -26,7 +26,11 @@ and 2p+1 to the two CTAs of a 2x1 cluster and multicast the weight tile when bot
 The library is found (and, where nvcc and CUTLASS's headers are available, built) lazily by
 :func:`load_library`: ``$STREAMRING_GEMM_LIB``, then the repository's ``.gemm-build/``, then the build
 cache of :mod:`streamring.device.build_gemm`. A library built from another version of the source is
-refused (its embedded sha256 must match the source next to this file).
+refused (its embedded sha256 must match the source next to this file). A build is never silent: where
+none is found and one starts (a ``GroupedGemm`` made, e.g. ``gemm="cutlass"``), stderr says so once per
+process, with how long it takes, and a line per compile unit follows; ``gemm="auto"`` never builds
+(``gemm_choice.available_impls`` loads with ``build=False``) and says on stderr, once, that the library
+is absent and which GEMMs run instead.
 
 Device-side range errors (a range longer than ``max_items``, a negative range, a block or expert id
 out of range) set bits of the plan's status word (:data:`STATUS_BITS`); with ``trap_on_error`` (the
@@ -39,6 +43,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -166,6 +171,34 @@ class GemmLibraryError(RuntimeError):
     """The CUTLASS GEMM library cannot be found, built, loaded, or returned an error."""
 
 
+class GemmLibraryMissing(GemmLibraryError):
+    """No library built from this source was found, and none was to be built (``build=False``)."""
+
+
+_noticed: set[str] = set()
+
+
+def notice_once(key: str, text: str) -> bool:
+    """Print ``streamring: <text>`` on stderr the first time ``key`` is noticed in this process (a run
+    resolves its GEMMs once per buffer: the user reads it once); True when it printed."""
+    if key in _noticed:
+        return False
+    _noticed.add(key)
+    print(f"streamring: {text}", file=sys.stderr, flush=True)
+    return True
+
+
+def absent_text(doing: str) -> str:
+    """The notice of an absent library: what is missing, what this process does instead (``doing``),
+    how long building takes and the command that builds it ahead."""
+    from .build import cache_dir
+    from .build_gemm import BUILD_COMMAND, BUILD_TIME, SOURCE
+
+    return (f"the CUTLASS GEMM library is not built from this {SOURCE.name} (none in .gemm-build/ or "
+            f"{cache_dir() / 'gemm'}): {doing}. Building it takes {BUILD_TIME}; build it ahead with "
+            f"`{BUILD_COMMAND}`")
+
+
 # ----------------------------------------------------------------------------------------------
 # the library
 # ----------------------------------------------------------------------------------------------
@@ -213,13 +246,15 @@ def library_path(build: bool = True) -> Path:
     if found:
         return found[0]
     if not build:
-        raise GemmLibraryError("no CUTLASS GEMM library built from the current gemm_blockwise_fp8.cu in .gemm-build/ "
-                               "or the build cache; run `python -m streamring.device.build_gemm --out .gemm-build`")
+        raise GemmLibraryMissing("no CUTLASS GEMM library built from the current gemm_blockwise_fp8.cu in .gemm-build/ "
+                                 "or the build cache; run `python -m streamring.device.build_gemm --out .gemm-build`")
     from .build import BuildError
     from .build_gemm import build as build_library
 
+    notice_once("gemm-build", absent_text("building it now (a line per compile unit follows)"))
     try:
-        return build_library()
+        return build_library(progress=lambda line: print(f"streamring: build_gemm: {line}", file=sys.stderr,
+                                                         flush=True))
     except BuildError as exc:
         raise GemmLibraryError(f"the CUTLASS GEMM library is not built and cannot be built here: {exc}") from exc
 

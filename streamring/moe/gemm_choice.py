@@ -219,19 +219,27 @@ def choose_layer(rows_per_expert: float, hidden: int, intermediate: int, availab
     return LayerChoice(f.impl, f, f, f.source, skipped)
 
 
+#: how :func:`available_impls` starts the reason of a CUTLASS library that is not built (none found)
+CUTLASS_NOT_BUILT = "CUTLASS library not built"
+
+
 def available_impls(block_m: int, policy: str = "serialized") -> dict[str, str]:
     """Each implementation -> "" when the layer can use it here, else why not (loads nothing that is
-    not already built: CUTLASS's library from ``.gemm-build``/the cache, DeepGEMM if installed)."""
+    not already built: CUTLASS's library from ``.gemm-build``/the cache, DeepGEMM if installed; never
+    builds: a build takes minutes, see :func:`resolve_layer` for what a run says instead)."""
     out = {"triton": ""}
     if policy == "pdl":
         out["cutlass"] = out["deep_gemm"] = "no programmatic dependent launch (plan.policy 'pdl')"
         return out
-    try:
-        from ..device import cutlass_gemm as CG
+    from ..device import cutlass_gemm as CG
 
+    try:
+        CG.load_library(build=False)
         CG.library_info()
         out["cutlass"] = ""
-    except Exception as exc:  # noqa: BLE001 - not built, no toolchain, no GPU
+    except CG.GemmLibraryMissing as exc:
+        out["cutlass"] = f"{CUTLASS_NOT_BUILT}: {str(exc)[:200]}"
+    except Exception as exc:  # noqa: BLE001 - built for another source, cannot load, no GPU
         out["cutlass"] = f"CUTLASS library unavailable: {str(exc)[:200]}"
     from ..device import deep_gemm_ops as DG
 
@@ -262,7 +270,14 @@ def resolve_layer(gemm: str, block_m: int, shape, tokens_per_rank, table: Mappin
         avail = {gemm: ""}
     else:
         raise ValueError(f"gemm must be 'auto' or one of {IMPLS}, got {gemm!r}")
-    return choose_layer(rows_per_expert, shape.hidden, shape.intermediate, avail, table, block_m=block_m)
+    choice = choose_layer(rows_per_expert, shape.hidden, shape.intermediate, avail, table, block_m=block_m)
+    if gemm == "auto" and avail.get("cutlass", "").startswith(CUTLASS_NOT_BUILT):
+        from ..device import cutlass_gemm as CG
+
+        names = {"triton": "the Triton GEMMs", "deep_gemm": "DeepGEMM"}
+        CG.notice_once("gemm-auto-absent", CG.absent_text(
+            f"gemm='auto' runs {names.get(choice.impl, choice.impl)} instead (no build starts inside a run)"))
+    return choice
 
 
 def setup_consumer(bc, choice: LayerChoice, *, staging_y: bool) -> None:

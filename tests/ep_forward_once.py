@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """One small expert-parallel forward on one PE, streamed and batch, checked: the target of
-launch/sanitize.sh (compute-sanitizer wants a short run that touches every kernel of the EP layer).
+``launch/sanitize.sh`` (compute-sanitizer wants a short run that touches every kernel of the EP layer).
 
-    python3 launch/ep_forward_once.py [--policy serialized] [--transport p2p] [--tokens 97] [--replays 2]
+    python3 tests/ep_forward_once.py [--policy serialized] [--transport p2p] [--tokens 97] [--replays 2]
 
 Builds one :class:`~streamring.moe.ep_buffer.EPBuffer` and runs its batch and streamed paths (Triton GEMMs on
 both: the

@@ -7,11 +7,11 @@ one warm-up call each, calls once: the CUTLASS L1 and L2 variants named (default
 ``import deep_gemm`` works, DeepGEMM's L1 and L2 on the exact M (its own layout). Between the calls it
 synchronises, so that each kernel is profiled alone; the profiled calls lie between
 ``cudaProfilerStart``/``Stop``, so ``ncu --profile-from-start off`` sees exactly them
-(``launch/gemm_ncu.sh``), with or without DeepGEMM. Run under ncu, e.g. (``launch/deep_gemm_layer.sh`` does)::
+(``bash launch/gemm_bench.sh ncu`` does), with or without DeepGEMM. Run under ncu, e.g.::
 
     ncu --target-processes all -k regex:'device_kernel|sm90_fp8_gemm' --launch-skip 4 --launch-count 4 \\
         --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \\
-        --section LaunchStats --section Occupancy python3 launch/gemm_profile.py 8192
+        --section LaunchStats --section Occupancy python3 -m bench.gemm_profile 8192
 
 Without ncu it prints each call's time (CUDA events, one call: a sanity check, not a benchmark).
 """
@@ -21,7 +21,8 @@ from types import SimpleNamespace
 
 import torch
 
-from bench import gemm as BG
+from bench.common import dsv3_shape
+from bench.gemm_lib import Case, parse_variants
 from streamring.device import cutlass_gemm as CG
 from streamring.device import deep_gemm_ops as DG
 from streamring.moe import blocks as B
@@ -30,15 +31,15 @@ T = int(sys.argv[1]) if len(sys.argv) > 1 else 8192
 L1 = sys.argv[2] if len(sys.argv) > 2 else "coop128:bf16:n"
 L2 = sys.argv[3] if len(sys.argv) > 3 else "pingpong64"
 dev = torch.device("cuda")
-shape = BG.dsv3_shape()
+shape = dsv3_shape(64)
 H, I = shape.hidden, shape.intermediate
 fw = B.FastWeights.random(shape, 7, dev)
 dg = DG.load() if DG.deep_gemm_available() else None
-(n1, (t1, d1, r1, s1)), = BG.parse_variants(L1, "l1").items()
-(n2, (t2, _, r2, s2)), = BG.parse_variants(L2, "l2").items()
+(n1, (t1, d1, r1, s1)), = parse_variants(L1, "l1").items()
+(n2, (t2, _, r2, s2)), = parse_variants(L2, "l2").items()
 # bench.gemm's 64-row blocks, or 128 where a tile takes one 128-row block per tile
 BM = 128 if CG.TILE_TABLE[t1].block_tile or CG.TILE_TABLE[t2].block_tile else 64
-c = BG.Case(T, shape, fw, SimpleNamespace(block_m=BM, seed=1234, sets=1), dev, dg)
+c = Case(T, shape, fw, SimpleNamespace(block_m=BM, seed=1234, sets=1), dev, dg)
 c.load(0)
 p1 = CG.GroupedGemm(2 * I, H, out_dtype=d1, tile=t1, raster=r1, swizzle=s1, capacity=c.bc.max_blocks)
 p2 = CG.GroupedGemm(H, I, out_dtype=torch.bfloat16, tile=t2, raster=r2, swizzle=s2, capacity=c.bc.max_blocks)

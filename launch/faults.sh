@@ -6,7 +6,7 @@
 #     or under MPS on one GPU) the hostile table across PEs and rank 1 SIGSTOPped / SIGKILLed mid-forward
 #     under mpirun, the local launcher and torchrun.
 # Logs: $OUT/mpi_exit_probe.log, $OUT/gpu_check.log, $OUT/summary.json.
-#   bash launch/faults_h200.sh
+#   bash launch/faults.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export OUT="${OUT:-$PWD/out}"
