@@ -158,13 +158,16 @@ def time_interleaved(fns: dict, sets: int, load, replays: int) -> dict:
 # ----------------------------------------------------------------------------------------------
 # timing across PEs
 # ----------------------------------------------------------------------------------------------
-def timed(heap, fn, replays: int, warm: int = 2) -> list[float]:
-    """Per replay: host barrier, events around ``fn()``, sync; the slowest PE's ms per replay (``heap``:
-    a :class:`~streamring.device.nvshmem.NvshmemHeap`, whose barrier and allgather span the PEs)."""
+def timed(heap, fn, replays: int, warm: int = 2, before=None) -> list[float]:
+    """Per replay: ``before(i)`` if given (replay ``i``, warm-ups included: e.g. this replay's producer
+    delay), host barrier, events around ``fn()``, sync; the slowest PE's ms per replay (``heap``: a
+    :class:`~streamring.device.nvshmem.NvshmemHeap`, whose barrier and allgather span the PEs)."""
     dev = heap.device
     e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     out = []
     for i in range(warm + replays):
+        if before is not None:
+            before(i)
         torch.cuda.synchronize(dev)
         heap.barrier()
         e0.record()

@@ -57,28 +57,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bench.common import FP8, dsv3_shape, log, stats, timed
 from streamring.device import kernels as DK
 from streamring.moe import blocks as B
 from streamring.moe import ep_debug
 from streamring.moe.ep_buffer import EPBuffer
 from streamring.moe.math import MoEShape, select_experts
 from streamring.moe.tuning import EPTuning
-
-FP8 = torch.float8_e4m3fn
-
-
-def log(*a):
-    print(*a, flush=True)
-
-
-def dsv3_shape(block_m: int, num_experts: int = 256) -> MoEShape:
-    """DeepSeek-V3's expert shapes with ``num_experts`` experts in all; the routing groups scale along (8 groups
-    of 32 experts at 256: ``8 * num_experts / 256`` groups, at least 1, of which ``min(4, groups)`` are kept)."""
-    groups = max(1, 8 * num_experts // 256)
-    return MoEShape(hidden=7168, intermediate=2048, num_experts=num_experts, topk=8, router="deepseek_v3",
-                    n_group=groups, topk_group=min(4, groups), routed_scaling_factor=2.5, norm_topk_prob=True,
-                    weight_dtype="fp8", block_m=block_m)
-
 
 def megamoe_shape(block_m: int, num_experts: int = 256) -> MoEShape:
     # DeepGEMM's SM90 Mega MoE benchmark shape (hidden 4096, 256 experts, top-6); intermediate 2048
@@ -101,33 +86,6 @@ def uniform_routing(T: int, shape: MoEShape, seed: int, dev) -> tuple:
 # ----------------------------------------------------------------------------------------------
 # timing across PEs
 # ----------------------------------------------------------------------------------------------
-def timed(heap, fn, replays: int, warm: int = 2, before=None) -> list[float]:
-    """Per replay: ``before(i)`` (replay i, warm-ups included), host barrier, events around ``fn()``, sync; the
-    slowest PE's ms per replay."""
-    dev = heap.device
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    out = []
-    for i in range(warm + replays):
-        if before is not None:
-            before(i)
-        torch.cuda.synchronize(dev)
-        heap.barrier()
-        e0.record()
-        fn()
-        e1.record()
-        torch.cuda.synchronize(dev)
-        ms = e0.elapsed_time(e1)
-        all_ms = heap.allgather_obj(ms)
-        if i >= warm:
-            out.append(max(all_ms))
-    return out
-
-
-def stats(ms: list[float]) -> dict:
-    return {"median_ms": statistics.median(ms), "p10_ms": float(np.percentile(ms, 10)),
-            "p90_ms": float(np.percentile(ms, 90)), "n": len(ms)}
-
-
 # ----------------------------------------------------------------------------------------------
 # the torch + NCCL baseline
 # ----------------------------------------------------------------------------------------------
@@ -398,9 +356,12 @@ ON_TIME = (0.0, None, 0.0)
 
 
 def plans_for(args, T: int, gemm: str) -> list[tuple]:
-    """Every streamed plan ``(chunks, policy, ctas, order, consumer, reserved_sms)`` measured at ``T``."""
-    return [(C, pol, ctas, order, cons, k) for C in args.chunks if C >= 2 and math.ceil(T / C) >= 8
-            for pol in args.policies for ctas in args.ctas for order in args.orders
+    """Every streamed plan ``(chunks, policy, ctas, order, consumer, reserved_sms)`` measured at ``T``. One chunk
+    streams only in the ready and arrival orders: a dispatch step per source, so a late source delays only its
+    own rows (with the rank order it would be the batch path's schedule)."""
+    return [(C, pol, ctas, order, cons, k) for C in args.chunks if math.ceil(T / C) >= 8
+            for order in args.orders if C >= 2 or order != "rank"
+            for pol in args.policies for ctas in args.ctas
             for cons in args.consumers for k in (args.reserved_sms if cons == "persistent" else [None])
             if cons == "per_chunk" or (gemm == "triton" and ctas is None)]
 
@@ -627,7 +588,9 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=ints, default=[128, 1024, 4096, 8192], help="tokens per rank")
     ap.add_argument("--shape", choices=["dsv3", "megamoe"], default="dsv3")
     ap.add_argument("--routings", type=words, default=["uniform", "router"], help="uniform, router")
-    ap.add_argument("--chunks", type=ints, default=[1, 2, 4, 8], help="chunk counts (1: the batch path only)")
+    ap.add_argument("--chunks", type=ints, default=[1, 2, 4],
+                    help="chunk counts of the streamed plans (1: one dispatch step per source, ready and arrival "
+                         "orders only; the batch path always runs)")
     ap.add_argument("--policies", type=words, default=["spin_kernel"])
     ap.add_argument("--slots", type=int, default=4)
     ap.add_argument("--block-m", type=int, default=64)

@@ -9,7 +9,7 @@
 #    unless EPM_RUN=0: `streamring run` with 2 PEs in arrival order with a 3 ms straggler (bitwise
 #    streamed == batch);
 # 2. `mpiexec -n 2 python3 -m bench.ep_layer` at $EPM_TOKENS (1024,4096,8192) tokens per PE,
-#    $EPM_EXPERTS (32) experts per PE, uniform routing, Triton GEMMs (EPM_GEMMS), chunks 2 and 4, the
+#    $EPM_EXPERTS (32) experts per PE, uniform routing, Triton GEMMs (EPM_GEMMS), $EPM_CHUNKS (1,2,4) chunks, the
 #    ready and arrival orders, stragglers of 1 and 3 ms on either PE and a 0..2 ms random skew; no torch +
 #    NCCL baseline (NCCL refuses two ranks on one GPU) -> $OUT/ep-layer-mps.json, $OUT/ep-timelines-mps.json
 #    and their drawing $OUT/ep-timeline-mps.png;
@@ -17,7 +17,7 @@
 # on half the SMs; what it shows is the schedule: whether a late source delays only its own rows.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-. launch/device_job.sh epm.log "${EPM_BUDGET_S:-540}"
+. launch/device_env.sh epm.log "${EPM_BUDGET_S:-540}"
 export STREAMRING_CACHE="${STREAMRING_CACHE:-$PWD/.cache/streamring}"
 export CUDA_MPS_PIPE_DIRECTORY="$(mktemp -d)" CUDA_MPS_LOG_DIRECTORY="$(mktemp -d)"
 if ! nvidia-cuda-mps-control -d >>"$LOG" 2>&1; then
@@ -51,7 +51,7 @@ fi
 say "=== 2. EP layer, 2 PEs under MPS ($(( $(date +%s) - T0 )) s)"
 BUDGET=$(( $(left) - 30 ))
 timeout "$BUDGET" "${MPI2[@]}" python3 -m bench.ep_layer --tokens "${EPM_TOKENS:-1024,4096,8192}" --routings uniform \
-  --experts-per-pe "${EPM_EXPERTS:-32}" --chunks 2,4 --orders ready,arrival --consumers per_chunk \
+  --experts-per-pe "${EPM_EXPERTS:-32}" --chunks "${EPM_CHUNKS:-1,2,4}" --orders ready,arrival --consumers per_chunk \
   --gemms "${EPM_GEMMS:-triton}" --straggler-ms 1,3 --skew-ms 2 --no-baseline --budget-s $(( BUDGET - 60 )) \
   --json "$OUT/ep-layer-mps.json" --timeline-json "$OUT/ep-timelines-mps.json" ${EPM_ARGS:-} > "$OUT/ep_mps.log" 2>&1
 rc=$?; [ $rc = 0 ] || RC=$rc; say "ep_layer rc=$rc"

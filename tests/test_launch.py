@@ -66,11 +66,6 @@ def test_preloaded_ranks_run_as_fresh_ones_do(cli):
 # --------------------------------------------------------------------------------------
 # launch/: the device scripts (run on the GPU machine; here only read)
 # --------------------------------------------------------------------------------------
-#: scripts owned elsewhere whose references are being moved (the lead switches ep_mps_bench.sh from
-#: launch/layer_probe.py to `python3 -m bench.layer_replay` and from device_job.sh to device_env.sh)
-_REFERENCES_IN_MOTION = {"ep_mps_bench.sh": {"launch/layer_probe.py"}}
-
-
 def test_device_scripts_parse_and_name_only_what_exists():
     """Every launch/*.sh parses (bash -n), sources the one environment script when it runs on the device,
     and every launch/ file, tests/ file and `python -m` module it names exists."""
@@ -82,13 +77,12 @@ def test_device_scripts_parse_and_name_only_what_exists():
         p = subprocess.run(["bash", "-n", str(sh)], capture_output=True, text=True)
         assert p.returncode == 0, (sh.name, p.stderr)
         text = sh.read_text()
-        # (device_job.sh: the shim that sources it, for ep_mps_bench.sh until it sources device_env.sh)
         user_or_cpu_side = ("mpirun.sh", "torchrun.sh", "slurm.sbatch", "fetch_wheels.sh", "build_deep_gemm.sh",
                             "pack_deep_gemm.sh")
-        assert sh.name in user_or_cpu_side or re.search(r"\. launch/device_(env|job)\.sh", text), \
+        assert sh.name in user_or_cpu_side or re.search(r"\. launch/device_env\.sh", text), \
             f"{sh.name} does not source launch/device_env.sh"
         named = set(re.findall(r"\b((?:launch|tests)/[\w.-]+\.(?:sh|py|c))\b", text))
-        missing = {f for f in named if not (ROOT / f).exists()} - _REFERENCES_IN_MOTION.get(sh.name, set())
+        missing = {f for f in named if not (ROOT / f).exists()}
         assert not missing, (sh.name, missing)
         for mod in set(re.findall(r"python3? -m ((?:bench|streamring)(?:\.\w+)*)", text)):
             assert importlib.util.find_spec(mod) is not None, (sh.name, mod)
