@@ -42,31 +42,66 @@ def _fastest(streamed: list) -> dict | None:
     return min(streamed, key=lambda s: s["streamed_over_batch"]) if streamed else None
 
 
+PLAN_KEYS = ("chunks", "num_slots", "policy", "source_order", "consumer", "chunk_gemm_ctas")
+
+
+def _case(r: dict) -> tuple:
+    """The late-rank case of a row: (straggler_ms, straggler_rank, skew_ms); (0, None, 0) on time."""
+    ms = float(r.get("straggler_ms") or 0.0)
+    return ms, (r.get("straggler_rank") if ms else None), float(r.get("skew_ms") or 0.0)
+
+
 def _ep_rows(bench: dict, gemm_default: str | None, margin: float) -> list[dict]:
-    """Table rows from the EP-layer benchmark's per-path rows."""
+    """Table rows from the EP-layer benchmark's per-path rows. Each streamed plan and the batch path are
+    compared in every late-rank case the batch path was measured in (on time; stragglers; skew): a path's
+    regret is its worst ratio over the fastest path of each case, and a streamed plan is taken where its
+    regret is below the batch path's by more than ``margin`` (with only the on-time case: where it beat batch
+    by more than ``margin``). A streamed plan that failed a check on time is no candidate."""
     groups: dict = {}
     for r in bench.get("rows", []):
-        if r.get("straggler_ms") or r.get("skew_ms") or r.get("routing", "uniform") != "uniform":
+        if r.get("routing", "uniform") != "uniform" or "median_ms" not in r or r.get("path") not in ("batch", "streamed"):
             continue
         gemm = r.get("gemm")
         gemm = gemm_default if gemm in (None, "auto") and gemm_default else gemm
         ranks = int(r.get("ranks", 1))
         key = (int(r["tokens_per_rank"]), gemm, ranks, int(r.get("experts_per_pe") or 256 // ranks))
-        groups.setdefault(key, {"batch": None, "streamed": []})
-        if r["path"] == "batch":
-            groups[key]["batch"] = r
-        elif r.get("ok") and r.get("bitwise_equal_to_batch") and r.get("streamed_over_batch") is not None:
-            groups[key]["streamed"].append(r)
+        plan = ("batch",) if r["path"] == "batch" else ("streamed",) + tuple(r.get(k) for k in PLAN_KEYS)
+        on_time_streamed = r["path"] == "streamed" and _case(r) == (0.0, None, 0.0)
+        if on_time_streamed and not (r.get("ok") and r.get("bitwise_equal_to_batch")):
+            continue  # a plan that failed a check is no candidate (nor are its late rows, without this one)
+        groups.setdefault(key, {}).setdefault(plan, {})[_case(r)] = r
     rows = []
-    for (tokens, gemm, ranks, epp), g in sorted(groups.items(), key=lambda kv: (kv[0][0], str(kv[0][1]), kv[0][2:])):
-        if g["batch"] is None:
+    for (tokens, gemm, ranks, epp), plans in sorted(groups.items(), key=lambda kv: (kv[0][0], str(kv[0][1]), kv[0][2:])):
+        batch = plans.get(("batch",))
+        if batch is None or (0.0, None, 0.0) not in batch:
             continue
-        row = {"tokens": tokens, "ranks": ranks, "experts_per_pe": epp, "block_m": int(g["batch"]["block_m"]),
-               "batch_ms": round(g["batch"]["median_ms"], 4)}
+        on_time = batch[(0.0, None, 0.0)]
+        cases = list(batch)
+        good = {p: c for p, c in plans.items() if p[0] == "streamed" and all(k in c for k in cases)
+                and (0.0, None, 0.0) in c and c[(0.0, None, 0.0)].get("streamed_over_batch") is not None}
+        row = {"tokens": tokens, "ranks": ranks, "experts_per_pe": epp, "block_m": int(on_time["block_m"]),
+               "batch_ms": round(on_time["median_ms"], 4)}
         if gemm is not None:
             row["gemm"] = gemm
-        rows.append(_decide(row, _fastest(g["streamed"]), margin,
-                            {"consumer": "per_chunk", "source_order": "rank"}))
+        fastest = {k: min([batch[k]["median_ms"]] + [c[k]["median_ms"] for c in good.values()]) for k in cases}
+
+        def regret(c):
+            return max(c[k]["median_ms"] / fastest[k] for k in cases)
+        best = min(good.values(), key=regret) if good else None
+        rb = regret(batch)
+        if best is None:
+            rows.append(_decide(row, None, margin))
+            continue
+        rs = regret(best)
+        first = dict(best[(0.0, None, 0.0)])
+        # the on-time rule's input, made from the regrets: streamed is taken iff rs < rb * (1 - margin)
+        first["streamed_over_batch"] = rs / rb
+        decided = _decide(row, first, margin, {"consumer": "per_chunk", "source_order": "rank"})
+        decided.update(streamed_on_time_over_batch=round(best[(0.0, None, 0.0)]["streamed_over_batch"], 4),
+                       cases=len(cases), batch_regret=round(rb, 4), streamed_regret=round(rs, 4))
+        if decided["path"] == "streamed":
+            decided["streamed_over_batch"] = decided["streamed_on_time_over_batch"]
+        rows.append(decided)
     return rows
 
 

@@ -171,3 +171,31 @@ def test_priority_streams_follow_the_policy():
 
     assert EPTuning(policy="spin_kernel").priority_streams
     assert not any(EPTuning(policy=p).priority_streams for p in ("stream_wait", "serialized", "green_ctx"))
+
+
+def test_make_adaptive_table_weighs_late_ranks_by_regret(tmp_path):
+    """With late-rank cases measured, each path's regret is its worst ratio over the fastest path of a case:
+    a plan 1.5 % slower on time that hides a 3 ms straggler is taken; one 5 % slower on time that gains 3 %
+    with the straggler is not."""
+    def rows(T, stream_on_time, stream_late):
+        base = {"ranks": 2, "tokens_per_rank": T, "experts_per_pe": 32, "block_m": 64, "gemm": "triton",
+                "routing": "uniform"}
+        plan = dict(chunks=1, num_slots=1, policy="spin_kernel", source_order="arrival", consumer="per_chunk")
+        late = dict(straggler_ms=3.0, straggler_rank=1)
+        return [{**base, "path": "batch", "median_ms": 10.0, "straggler_ms": 0.0},
+                {**base, "path": "batch", "median_ms": 12.5, **late},
+                {**base, **plan, "path": "streamed", "median_ms": stream_on_time, "straggler_ms": 0.0, "ok": True,
+                 "bitwise_equal_to_batch": True, "streamed_over_batch": stream_on_time / 10.0},
+                {**base, **plan, "path": "streamed", "median_ms": stream_late, **late}]
+    src = tmp_path / "ep.json"
+    src.write_text(json.dumps({"rows": rows(4096, 10.15, 10.6) + rows(8192, 10.5, 12.1)}))
+    out = tmp_path / "table.json"
+    r = subprocess.run([sys.executable, "-m", "bench.make_adaptive_table", str(src), "--out", str(out)],
+                       capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    by = {row["tokens"]: row for row in adaptive.load_table(out)["rows"]}
+    assert by[4096]["path"] == "streamed" and by[4096]["source_order"] == "arrival" and by[4096]["chunks"] == 1
+    assert by[4096]["batch_regret"] == round(12.5 / 10.6, 4) and by[4096]["streamed_regret"] == round(10.15 / 10, 4)
+    assert by[8192]["path"] == "batch" and by[8192]["streamed_regret"] == 1.05
+    c = adaptive.choose(4096, adaptive.load_table(out), gemm="triton", ranks=2, experts_per_pe=32)
+    assert (c.path, c.source_order, c.chunks) == ("streamed", "arrival", 1)

@@ -65,9 +65,10 @@ def load_table(path: str | Path = DEFAULT_TABLE) -> dict:
             for key in ("chunks", "num_slots", "policy"):
                 if key not in r:
                     raise AdaptiveTableError(f"adaptive table {p}: rows[{i}] (streamed) has no '{key}'")
-            if int(r["chunks"]) < 2:
-                raise AdaptiveTableError(f"adaptive table {p}: rows[{i}].chunks must be >= 2 for a streamed row, "
-                                         f"got {r['chunks']}")
+            if int(r["chunks"]) < 1 or (int(r["chunks"]) == 1 and r.get("source_order", "rank") == "rank"):
+                raise AdaptiveTableError(f"adaptive table {p}: rows[{i}].chunks must be >= 2 for a streamed row "
+                                         f"(>= 1 with source_order 'ready' or 'arrival': a step per source), got "
+                                         f"{r['chunks']} with source_order {r.get('source_order', 'rank')!r}")
     return t
 
 
