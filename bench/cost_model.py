@@ -20,20 +20,24 @@ Per forward and per PE (the slowest PE sets the time), R PEs, T tokens per PE, E
 * producer of a chunk of n tokens (router, top-k, FP8 quantisation): p_fix + p_tok*n;
 * dispatch step: d_fix + bytes pulled in the step / link bandwidth (NVLink 450 GB/s, inter-node
   50 GB/s; PEs sharing one GPU under MPS: a fitted local copy rate);
-* GEMM call (L1 + SwiGLU + L2 over the call's row blocks of block_m rows):
-      g_call + touched*t_w + (blocks - touched)*t_b,
-  t_w = W / BW (an expert's weights streamed from HBM once per call: its first block's compute
-  hides under it), t_b = block_m*2*3*I*H / F (each further block of the same expert: compute, the
-  weight tiles come from L2). ``touched`` and ``blocks`` are the expectation over Poisson expert
-  counts (a fixed-seed draw). Under MPS R PEs run their GEMMs at once on one GPU: t_w and t_b are
-  multiplied by R (HBM and SMs shared). DeepGEMM's call over a range is a whole-buffer call: every
-  call of it costs the batch call;
+* GEMM call (L1 + SwiGLU + L2 over the call's row blocks of block_m rows), a sum:
+      g_call + touched*t_w + blocks*t_b,
+  t_w = W / BW: the cost of a weight pass, each expert the call touches (its weights are read once
+  per call), t_b = block_m*2*3*I*H / F: each block's compute. ``touched`` and ``blocks`` are the
+  expectation over Poisson expert counts (a fixed-seed draw). The sum fits the measured rows better
+  than max(compute, weights) or a first-block-free form (--check: 207 against 189 of the 252 rows of
+  docs/results + run 2; run 3 out of sample 170 against 113 of 324); the fitted BW comes out above
+  HBM's 4.8 TB/s (t_w 3-8 µs against 9 µs for 44 MB from HBM): most of a weight pass hides under the
+  blocks' compute, t_w is what it adds. Under MPS R PEs run their GEMMs at once on one GPU: t_w and
+  t_b are multiplied by R (HBM and SMs shared; the rates ``@mps`` are fitted with that factor).
+  DeepGEMM's call over a range is a whole-buffer call: every call of it costs the batch call;
 * the streamed path (consumer per_chunk): steps = C (rank order: chunk c of every source per step)
   or C*R (ready, arrival: one source's chunk per step); each step's call takes the step's FULL
   blocks of each expert (rows of an expert accumulate until they fill a block); the last step is
   merged into the seal call, which takes every remaining row (partial blocks). Every call that
   touches an expert streams its weights again: that is what chunking costs;
-* combine: c_fix + c_tok*T;
+* combine: c_fix + c_tok*T, plus on one GPU per PE the results coming back over the link:
+  T*K*(R-1)/R bf16 rows of H (under MPS the timelines' combine phase already holds the local copy);
 * schedule: each source r publishes its chunk c at delay_r + (c+1)*producer(T/C); a PE's consumer
   runs its steps one after the other (t = max(t, ready) + dispatch + GEMM call); the forward ends at
   the slowest consumer + combine. Batch is the same with C = 1 and one step over every source, so a
@@ -43,16 +47,23 @@ Per forward and per PE (the slowest PE sets the time), R PEs, T tokens per PE, E
   (R-1)/R of a PE's rows are computed during L. Random skew (each PE delayed by uniform[0, S] ms
   per forward) is the mean over 256 fixed-seed draws (for batch: S*R/(R+1) added, the expected max).
 
-Parameters (all physical, ``bench/cost_model_rates.json`` with their sources):
-  per GEMM implementation: BW (GB/s, effective weight-streaming rate), F (TFLOP/s, effective
-  block rate), g_call (µs per call: launch, grid set-up, tail wave) - 3 each;
-  per machine kind (``gpu``: one GPU per PE; ``mps``: R PEs on one GPU): p_fix, p_tok (producer,
-  from the device timelines' layout_published - produce_start), d_fix, local link GB/s (mps, from the
-  timelines' dispatch phase), c_fix, c_tok (combine, from the timelines where there are some, else
-  from the batch medians' remainder) - at most 6 each.
-Fit rows: the batch rows' ``gemm_only_ms`` (GEMM rates; DeepGEMM's gemm_only is a whole-buffer
-timing larger than its forward, so its rates come from its batch medians) and the on-time batch
-medians (the per-kind remainder). Every streamed row, every late-rank and skew row is checked only.
+Parameters (all physical; ``bench/cost_model_rates.json`` names their sources and fit rows):
+  per GEMM implementation and machine kind (``triton``, ``cutlass``, ``deep_gemm``; ``triton@mps``,
+  ``cutlass@mps``): BW (GB/s, effective weight-streaming rate) and F (TFLOP/s, effective rate of a
+  block) - 2 each (the JSON also gives them as t_w and t_b in µs); g_call = 25 µs per call for all (not fitted: with one expert count per
+  machine it is collinear with BW);
+  per machine kind (``gpu``: one GPU per PE; ``mps``: R PEs on one GPU): p_fix, p_tok (producer:
+  layout_published - produce_start of the current-code MPS timelines; the one-GPU kind has no
+  current-code timeline and takes the same), d_fix (dispatch step: dispatched_acked - acquired of the
+  timelines), the MPS local copy rate (the same phase against bytes), c_fix, c_tok (MPS: the batch
+  timelines' combine phase; one GPU: fitted), and on one GPU per PE ``link_eff``, the fraction of the
+  nominal link rate the dispatch and combine bytes get (fitted on the 2-H200 rows; it also absorbs
+  what crossing GPUs costs beyond bytes, and it is applied to the inter-node rate too).
+Fit: one weighted linear least-squares per machine kind over the on-time batch rows (equations: each
+row's ``gemm_only_ms``, mean over PEs = the GEMM term alone, and its median = every phase). DeepGEMM's
+gemm_only is a whole-buffer timing larger than its forward, so its two rates come from its three
+batch medians less the other phases. Every streamed row and every batch row with a late rank or
+skew is checked only (``fit``/``chk`` column of --check).
 
 Left out (a miss of the check is one of these): NVLink/HBM contention between dispatch and GEMMs
 (the streamed dispatch kernels starved by GEMM grids; under MPS the streamed dispatch phase is ~3x
@@ -65,6 +76,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import glob
 import json
 import math
@@ -88,7 +100,7 @@ RATES_PATH = os.path.join(HERE, "cost_model_rates.json")
 RESULTS = os.path.join(ROOT, "docs", "results")
 DEFAULT_FILES = sorted(glob.glob(os.path.join(RESULTS, "ep-layer-*.json")))
 DEFAULT_TIMELINES = [os.path.join(RESULTS, "ep-timelines-2h200-triton-2026-11-30.json"),
-                     "/work/devout/run2/ep-timelines-mps.json"]
+                     "/work/devout/run2/ep-timelines-mps.json", "/work/devout/run3/ep-timelines-mps.json"]
 
 # rates used when no rates JSON exists (the values the fit of 2026-12-03 gave, rounded)
 FALLBACK_RATES = {
@@ -139,6 +151,7 @@ def load_rates(path: str | None = None) -> dict:
 
 # ---------------------------------------------------------------- GEMM calls (block counts)
 
+@functools.lru_cache(maxsize=4096)
 def _block_counts(rows_per_expert: float, experts: int, steps: int, block_m: int, draws: int = 16):
     """Expected (touched, blocks) per call: steps-1 step calls with full blocks only, then the seal
     call with every remaining row. Expert counts per step ~ Poisson(rows_per_expert/steps)."""
@@ -158,7 +171,7 @@ def _block_counts(rows_per_expert: float, experts: int, steps: int, block_m: int
     b = -(-rest // block_m)
     touched.append(float((b > 0).sum(axis=1).mean()))
     blocks.append(float(b.sum(axis=1).mean()))
-    return touched, blocks
+    return tuple(touched), tuple(blocks)
 
 
 def gemm_call_ms(touched: float, blocks: float, gemm: str, block_m: int, share: int, rates: dict,
@@ -166,7 +179,7 @@ def gemm_call_ms(touched: float, blocks: float, gemm: str, block_m: int, share: 
     g = rates["gemm"].get(f"{gemm}@{machine}") or rates["gemm"][gemm]
     t_w = W_BYTES / (g["bw_GBps"] * 1e9) * 1e3
     t_b = block_m * FLOP_ROW / (g["tflops"] * 1e12) * 1e3
-    return g["call_us"] * 1e-3 + share * (touched * t_w + max(blocks - touched, 0.0) * t_b)
+    return g["call_us"] * 1e-3 + share * (touched * t_w + blocks * t_b)
 
 
 # ---------------------------------------------------------------- the forward
@@ -240,18 +253,18 @@ def predict(config, rates: dict | None = None) -> dict:
 
     def forward(delays):
         ends, disp_tot = [], 0.0
-        for q in range(R):
+        # consumers with the same own delay see the same schedule (uniform routing): one of each
+        reps = sorted({d: q for q, d in reversed(list(enumerate(delays)))}.values())
+        for q in reps:
             t = 0.0
             for s, srcs in enumerate(step_sources(q, delays)):
                 ready = max(delays[r] + (c + 1) * prod_chunk for r, c in srcs)
                 nbytes = sum(src_chunk_bytes for r, c in srcs if r != q)
                 d = m["d_fix_us"] * 1e-3 + nbytes / (link * 1e9) * 1e3
                 t = max(t, ready) + d + calls[s]
-                if q == 0:
+                if q == reps[0]:
                     disp_tot += d
             ends.append(t)
-            if all(x == delays[0] for x in delays):
-                break           # every consumer sees the same schedule
         return max(ends), disp_tot
 
     if cfg.skew_ms:
@@ -355,7 +368,7 @@ def _gemm_design(cfg):
     E = cfg.experts_per_pe
     share = cfg.ranks if cfg.machine == "mps" else 1
     t, b = _block_counts(cfg.tokens * TOPK / E, E, 1, cfg.block_m)
-    return [1.0, share * t[0] * W_BYTES * 1e-9, share * (b[0] - t[0]) * cfg.block_m * FLOP_ROW * 1e-12]
+    return [1.0, share * t[0] * W_BYTES * 1e-9, share * b[0] * cfg.block_m * FLOP_ROW * 1e-12]
 
 
 def _lstsq_gemm(A, y, call_ms=None):
@@ -371,8 +384,9 @@ def _lstsq_gemm(A, y, call_ms=None):
     return np.maximum(x, [0.0, 1e-6, 1e-6])
 
 
-def _rates_of(x, n, on):
+def _rates_of(x, n, on, block_m=64):
     return {"call_us": float(x[0] * 1e3), "bw_GBps": float(1e3 / x[1]), "tflops": float(1e3 / x[2]),
+            "t_w_us": float(W_BYTES * 1e-9 * x[1] * 1e3), "t_b_us_block64": float(block_m * FLOP_ROW * 1e-12 * x[2] * 1e3),
             "fit_rows": n, "fit_on": on}
 
 
@@ -506,7 +520,7 @@ def _fit_deep_gemm(rows, rates):
         other = p0["total_ms"] - p0["gemm_ms"]
         A.append(_gemm_design(cfg))
         y.append(med - other)
-    rates["gemm"]["deep_gemm"] = _rates_of(_lstsq_gemm(A, y), len(y),
+    rates["gemm"]["deep_gemm"] = _rates_of(_lstsq_gemm(A, y, CALL_US * 1e-3), len(y),
                                            "batch medians less the modelled producer/dispatch/combine")
     return len(y)
 
@@ -544,7 +558,8 @@ def fit(files, timeline_files, machines=None) -> dict:
 
 # ---------------------------------------------------------------- check
 
-def check(files, machines=None, rates=None, tol=0.10, out=sys.stdout) -> int:
+def check(files, machines=None, rates=None, tol=0.10, out=None) -> int:
+    out = out or sys.stdout
     rows, skipped = load_rows(files, machines)
     rates = rates or load_rates()
     hdr = ("file", "R", "T", "E/PE", "gemm", "path", "plan", "late", "fit", "meas ms", "pred ms", "err %")

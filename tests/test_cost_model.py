@@ -1,0 +1,100 @@
+"""bench.cost_model: the check's exit status, predictions moving the right way, --predict's files.
+CPU only, numpy (matplotlib for the PNG); no ranks, no GPU."""
+import json
+
+import pytest
+
+from bench import cost_model as cm
+
+
+def _row(median_ms, **kw):
+    row = {"ranks": 2, "tokens_per_rank": 4096, "experts_per_pe": 32, "block_m": 64, "routing": "uniform",
+           "path": "batch", "gemm": "triton", "chunks": 1, "num_slots": 1, "policy": "serialized",
+           "source_order": "rank", "consumer": "per_chunk", "chunk_gemm_ctas": None, "straggler_ms": 0.0,
+           "straggler_rank": None, "skew_ms": 0.0, "median_ms": median_ms}
+    row.update(kw)
+    return row
+
+
+def _predicted(**kw):
+    row = _row(0.0, **kw)
+    cfg = cm.Config(ranks=row["ranks"], tokens=row["tokens_per_rank"], experts_per_pe=row["experts_per_pe"],
+                    gemm=row["gemm"], block_m=row["block_m"], path=row["path"], chunks=row["chunks"],
+                    source_order=row["source_order"], machine="mps", straggler_ms=row["straggler_ms"],
+                    straggler_rank=row["straggler_rank"], skew_ms=row["skew_ms"])
+    return cm.predict(cfg)["total_ms"]
+
+
+def _write(tmp_path, rows, name="ep-layer-mps-synthetic.json"):
+    p = tmp_path / name
+    p.write_text(json.dumps({"rows": rows, "args": {}}))
+    return str(p)
+
+
+def test_check_fails_on_a_wrong_row_and_passes_on_the_prediction(tmp_path, capsys):
+    streamed = dict(path="streamed", chunks=2, num_slots=2, source_order="arrival", straggler_ms=3.0,
+                    straggler_rank=1)
+    good = [_row(_predicted()), _row(_predicted(**streamed), **streamed)]
+    assert cm.main(["--check", _write(tmp_path, good, "ep-layer-mps-good.json")]) == 0
+    bad = good + [_row(2 * _predicted(tokens_per_rank=1024), tokens_per_rank=1024)]
+    assert cm.main(["--check", _write(tmp_path, bad, "ep-layer-mps-bad.json")]) == 1
+    out = capsys.readouterr().out
+    assert "2 of 3 configurations within" in out and "(-50.0 %)" in out
+
+
+def test_machine_override_and_skipped_rows(tmp_path):
+    rows = [_row(_predicted()), _row(1.0, path="torch_nccl"), _row(1.0, consumer="persistent")]
+    p = _write(tmp_path, rows, "ep-layer-other.json")            # the name says one GPU per PE
+    loaded, skipped = cm.load_rows([p + ":mps"])
+    assert len(loaded) == 1 and loaded[0][0].machine == "mps"
+    assert skipped == {"path torch_nccl": 1, "consumer persistent": 1}
+    assert cm.load_rows([p])[0][0][0].machine == "gpu"
+    assert cm.main(["--check", p, "--machine", p + ":mps"]) == 0
+
+
+def test_predictions_move_the_right_way():
+    base = dict(ranks=8, experts_per_pe=32, gemm="triton", machine="gpu")
+    t = [cm.predict(dict(base, tokens=n))["total_ms"] for n in (128, 1024, 8192, 32768)]
+    assert t == sorted(t) and t[0] < t[-1]
+    # a late rank costs batch about L (the on-time producers overlap the wait)
+    on = cm.predict(dict(base, tokens=4096))["total_ms"]
+    for late in (1.0, 3.0):
+        d = cm.predict(dict(base, tokens=4096, straggler_ms=late, straggler_rank=3))["total_ms"] - on
+        assert 0.8 * late <= d <= 1.05 * late
+    # more chunks: more GEMM calls, and more weight passes
+    s2 = cm.predict(dict(base, tokens=8192, path="streamed", chunks=2, source_order="rank"))
+    s4 = cm.predict(dict(base, tokens=8192, path="streamed", chunks=4, source_order="rank"))
+    assert (s2["gemm_calls"], s4["gemm_calls"]) == (2, 4) and s4["gemm_ms"] > s2["gemm_ms"]
+    a2 = cm.predict(dict(base, tokens=8192, path="streamed", chunks=2, source_order="arrival"))
+    assert a2["gemm_calls"] == 2 * 8
+    # inter-node dispatch slower than NVLink
+    nv = cm.predict(dict(base, tokens=4096, link_GBps=cm.NVLINK_GBPS))
+    ib = cm.predict(dict(base, tokens=4096, link_GBps=cm.INTER_NODE_GBPS))
+    assert ib["dispatch_ms"] > nv["dispatch_ms"] and ib["total_ms"] > nv["total_ms"]
+    # arrival order computes the on-time rows during L; rank order waits like batch does
+    late = dict(base, tokens=8192, path="streamed", chunks=2, straggler_ms=3.0, straggler_rank=7)
+    arr = cm.predict(dict(late, source_order="arrival"))["total_ms"]
+    rank = cm.predict(dict(late, source_order="rank"))["total_ms"]
+    assert arr < rank
+    # skew: batch pays about the expected max S*R/(R+1)
+    sk = cm.predict(dict(base, tokens=4096, skew_ms=2.0))["total_ms"] - on
+    assert sk == pytest.approx(2.0 * 8 / 9, rel=0.1)
+
+
+def test_pull_fraction():
+    # a peer token is pulled when one of its K routes is mine: 1-(1-E/E_total)^K
+    p = cm.predict(dict(ranks=2, tokens=1024, experts_per_pe=32, machine="mps"))
+    assert p["pull_fraction"] == pytest.approx(1 - 0.5 ** 8)
+    assert p["pulled_bytes"] == pytest.approx(1024 * (1 - 0.5 ** 8) * (7168 + 4 * 56))
+    assert p["rows_per_pe"] == pytest.approx(1024 * 8)
+
+
+def test_predict_writes_table_and_png(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    assert cm.main(["--predict", "--out", str(tmp_path)]) == 0
+    csv_text = (tmp_path / "cost-model-predict.csv").read_text().splitlines()
+    assert csv_text[0].startswith("link,") and len(csv_text) == 1 + 2 * 2 * 4 * 9
+    assert (tmp_path / "cost-model-predict.md").read_text().count("| 64 |") == 4
+    png = (tmp_path / "cost-model-predict.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10000
+    assert "streamed ÷ batch" in capsys.readouterr().out
