@@ -137,15 +137,19 @@ def main(argv=None) -> int:
         if not Path(path).is_file():
             ap.error(f"bench_json: no such file {path!r}")
         tables.append(build(json.loads(Path(path).read_text()), spec, args.margin, gemm or None))
+    # a later file supersedes an earlier one's row for the same setting (tokens, GEMM, ranks, experts per PE)
+    latest = {(r["tokens"], r.get("gemm"), r.get("ranks"), r.get("experts_per_pe")): r for t in tables for r in t["rows"]}
     table = {"device": tables[0].get("device"), "source": " ".join(args.bench_json), "margin": args.margin,
              "produced_by": "python3 -m bench.make_adaptive_table " + " ".join(args.bench_json),
-             "rows": sorted((r for t in tables for r in t["rows"]),
-                            key=lambda x: (x["tokens"], str(x.get("gemm")), x.get("ranks", 0)))}
+             "rows": sorted(latest.values(),
+                            key=lambda x: (x["tokens"], str(x.get("gemm")), x.get("ranks", 0), x.get("experts_per_pe", 0)))}
     Path(args.out).write_text(json.dumps(table, indent=1) + "\n")
     for r in table["rows"]:
-        where = f" ({r['gemm']}, {r['ranks']} ranks)" if "gemm" in r else ""
-        print(f"{r['tokens']:>6} tokens{where}: {r['path']}" + (f" ({r.get('reason')})" if r["path"] == "batch" else
-                                                                  f" {r['chunks']} chunks {r['policy']}"))
+        where = f" ({r['gemm']}, {r['ranks']} ranks, {r.get('experts_per_pe')} experts per PE)" if "gemm" in r else ""
+        print(f"{r['tokens']:>6} tokens{where}: {r['path']}" + (
+            f" ({r.get('reason')})" if r["path"] == "batch" else
+            f" {r['chunks']} chunks {r['policy']} {r.get('source_order')} order (regret {r.get('streamed_regret')} "
+            f"against batch's {r.get('batch_regret')} over {r.get('cases')} cases)"))
     print(f"wrote {args.out}")
     return 0
 

@@ -18,11 +18,13 @@ def test_repo_table_loads_and_choices_are_consistent():
     t = adaptive.load_table()
     assert "produced_by" in t and t["rows"]
     for r in t["rows"]:
-        c = adaptive.choose(r["tokens"], t, gemm=r.get("gemm"), ranks=r.get("ranks"))
+        c = adaptive.choose(r["tokens"], t, gemm=r.get("gemm"), ranks=r.get("ranks"),
+                            experts_per_pe=r.get("experts_per_pe"))
         assert c.path == r["path"]
-        # a streamed row in the repo table must come with a measured win over batch
+        # a streamed row in the repo table must come with a measured win over batch: on time, or in regret
+        # over the late-rank cases measured with it
         if r["path"] == "streamed":
-            assert r["streamed_over_batch"] < 1.0
+            assert r["streamed_over_batch"] < 1.0 or r["streamed_regret"] < r["batch_regret"], r
 
 
 def test_choice_between_and_below_measured_sizes():

@@ -271,7 +271,7 @@ def test_auto_streams_only_where_the_table_measured_a_win(setup, monkeypatch):
     x = tokens(37, 4)
     want = single_batch(shape, fw, x)
     win = {"rows": [{"tokens": 32, "ranks": 1, "experts_per_pe": 4, "gemm": "triton", "block_m": 16,
-                     "path": "streamed", "chunks": 3, "num_slots": 2, "policy": "serialized",
+                     "path": "streamed", "chunks": 3, "num_slots": 2, "policy": "serialized", "source_order": "ready",
                      "streamed_over_batch": 0.9}]}
     cases = [(win, True, "streamed"),
              ({"rows": [{**win["rows"][0], "chunks": 2}]}, False, "streamed"),  # measured with other chunking

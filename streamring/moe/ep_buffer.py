@@ -182,7 +182,9 @@ class EPBuffer:
         max_tokens_per_rank: the most tokens any PE passes to one forward (sizes the batch ring, the
             combine area and the expert blocks).
         num_slots, tokens_per_slot: the streamed ring (the RFC's ``front_num_slots`` /
-            ``front_tokens_per_slot``); default ``tokens_per_slot``: half of ``max_tokens_per_rank``.
+            ``front_tokens_per_slot``); default ``tokens_per_slot``: ``max_tokens_per_rank``, one chunk per
+            forward, which the default ``ready`` order streams one source at a time (the measured best at the
+            EP8 per-GPU load, ``docs/performance.md``: more chunks cost another weight pass each).
         gemm: ``"triton"``, ``"cutlass"``, ``"deep_gemm"`` (``block_m`` 128, when ``import deep_gemm``
             works) or ``"auto"`` (:func:`resolve_gemm`: the fastest available one of the measured table);
             :attr:`gemm` is the resolved implementation, :attr:`gemm_choice` its variants and why. Every
@@ -1069,7 +1071,7 @@ def _check_sizes(shape: MoEShape, R: int, max_tokens_per_rank, num_slots, tokens
         raise ValueError(f"max_tokens_per_rank must be an int >= 1, got {max_tokens_per_rank!r}")
     if not isinstance(num_slots, int) or num_slots < 1:
         raise ValueError(f"num_slots must be an int >= 1, got {num_slots!r}")
-    C = max(1, -(-max_tokens_per_rank // 2)) if tokens_per_slot is None else tokens_per_slot
+    C = max_tokens_per_rank if tokens_per_slot is None else tokens_per_slot
     if not isinstance(C, int) or not 1 <= C <= max_tokens_per_rank:
         raise ValueError(f"tokens_per_slot must be an int in [1, max_tokens_per_rank={max_tokens_per_rank}], "
                          f"got {tokens_per_slot!r}")

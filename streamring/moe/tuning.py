@@ -33,7 +33,8 @@ class EPTuning(BaseModel):
             (producer and consumer on disjoint SM partitions, ``producer_sms`` for the producer),
             ``serialized`` (one stream, chunk by chunk: the correctness fallback). The batch path always runs
             serialized.
-        source_order: the streamed dispatch order (``EP_SOURCE_ORDERS``). ``arrival`` needs every chunk of a
+        source_order: the streamed dispatch order (``EP_SOURCE_ORDERS``; default ``ready``: a step per source in
+            the order they publish, so a late source delays only its own rows). ``arrival`` needs every chunk of a
             forward in its own slot (``num_slots >= chunks``): a consumer that takes all of one source's chunks
             before the next's could otherwise wait for a slot that only its own later acknowledgement frees.
         transport: ``auto`` (NVLink loads/stores where every peer is reachable, else NVSHMEM RMA), ``p2p`` or
@@ -52,7 +53,7 @@ class EPTuning(BaseModel):
 
     block_m: Optional[Literal[BLOCK_MS]] = None  # type: ignore[valid-type]
     policy: Literal[EP_POLICIES] = "spin_kernel"  # type: ignore[valid-type]
-    source_order: Literal[EP_SOURCE_ORDERS] = "rank"  # type: ignore[valid-type]
+    source_order: Literal[EP_SOURCE_ORDERS] = "ready"  # type: ignore[valid-type]
     transport: Literal["auto", "p2p", "nv"] = "auto"
     consumer: Literal["per_chunk", "persistent"] = "per_chunk"
     reserved_sms: int = Field(16, ge=1)
