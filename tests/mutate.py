@@ -128,7 +128,7 @@ MUTATIONS = [
              (("streamring/device/verbs.py", "    os.sched_yield()\n", "    pass\n"),),
              ("tests/test_ring_rules.py::test_waiting_rank_gives_its_core_away",)),
     Mutation("ready-order-consumer-crashes", "the ready-order mutation tests demand the expected failure",
-             (("streamring/stress.py", "if any(p < batch[-1] and p not in batch for p in pending):",
+             (("streamring/verify/stress.py", "if any(p < batch[-1] and p not in batch for p in pending):",
                "if any(p < batch and p not in batch for p in pending):"),), READY, need_all=True),
     # -- found on the way -------------------------------------------------------------------------------
     Mutation("region-compare-after-free", "freeing a region next to a leaked one (was a segfault)",

@@ -1,4 +1,4 @@
-"""Tests for streamring.model: the exhaustive model checker of the ring protocol."""
+"""Tests for streamring.verify.model: the exhaustive model checker of the ring protocol."""
 
 import contextlib
 import io
@@ -8,7 +8,7 @@ import pytest
 
 import streamring.protocol as P
 from streamring.cli import build_parser, main
-from streamring.model import (
+from streamring.verify.model import (
     EP_INJECT_MODES,
     EP_PROPERTIES,
     MODEL_INJECT_MODES,

@@ -13,7 +13,7 @@ import pytest
 
 from streamring.cli import main
 from streamring.device.queue_order import item_of
-from streamring.model_queue import (PROP_DONE, PROP_L1, PROP_OWNER, PROP_READY, QUEUE_INJECT_MODES, QUEUE_PROPERTIES,
+from streamring.verify.queue import (PROP_DONE, PROP_L1, PROP_OWNER, PROP_READY, QUEUE_INJECT_MODES, QUEUE_PROPERTIES,
                                     QueueConfig, QueueModel, check_queue)
 
 

@@ -239,9 +239,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import protocol as P
-# the names the CLI offers live in model_names (each rank's CLI loads them, not this checker)
-from .model_names import EP_INJECT_MODES, LAYERS, MODEL_INJECT_MODES, EPInject  # noqa: F401
+from .. import protocol as P
+# the names the CLI offers live in names.py (each rank's CLI loads them, not this checker)
+from .names import EP_INJECT_MODES, LAYERS, MODEL_INJECT_MODES, EPInject  # noqa: F401
 
 KINDS = ("route", "layout")
 WORD = (1 << 64) - 1
@@ -340,7 +340,7 @@ class ModelConfig:
             self.por = self.layer == "ep" or not (self.ranks <= 2 and self.slots <= 2 and self.chunks <= 3
                                                   and self.epochs <= 2)
         if not isinstance(self.inject, (P.Inject, EPInject)):
-            problems.append(f"inject must be a protocol.Inject or model.EPInject, got {self.inject!r}")
+            problems.append(f"inject must be a protocol.Inject or verify.names.EPInject, got {self.inject!r}")
         elif isinstance(self.inject, EPInject) and self.inject is not EPInject.NONE and self.layer != "ep":
             problems.append(f"--inject {self.inject.value} breaks a handoff of the expert-parallel layer: "
                             f"it needs --layer ep")
@@ -2001,18 +2001,17 @@ def summary_lines(res: CheckResult) -> list[str]:
     ]
 
 
-def print_properties(out, properties: dict, meaning: dict) -> None:
-    """The properties table of a check (``out``: a :class:`~streamring.host.report.Report`)."""
+def print_properties(out, column, properties: dict, meaning: dict) -> None:
+    """The properties table of a check (``out``: a :class:`~streamring.host.report.Report`; ``column``: its
+    :class:`~streamring.host.report.Column`)."""
     from rich.text import Text
-
-    from .host.report import Column
 
     rows = []
     for p, v in properties.items():
         style = "green" if v == "PASS" else ("red" if v == "FAIL" else "yellow")
         rows.append([p, meaning[p], Text(v, style=style)])
-    out.table("properties", [Column("property", justify="left"), Column("meaning", justify="left", wrap=True),
-                             Column("result", justify="left")], rows)
+    out.table("properties", [column("property", justify="left"), column("meaning", justify="left", wrap=True),
+                             column("result", justify="left")], rows)
 
 
 def print_counterexample(out, ce: dict, how: str) -> None:
@@ -2032,13 +2031,12 @@ def print_verdict(out, res: CheckResult) -> None:
              f"FAIL: {', '.join(p for p, v in res.properties.items() if v == 'FAIL') or 'the check'} failed")
 
 
-def print_result(res: CheckResult) -> None:
-    from .host.report import Report
-
-    out = Report()
+def print_result(res: CheckResult, report) -> None:
+    """Print ``res`` (``report``: :mod:`streamring.host.report`, handed in by the CLI)."""
+    out = report.Report()
     for line in summary_lines(res):
         out.line(line)
-    print_properties(out, res.properties, PROPERTY_TEXT)
+    print_properties(out, report.Column, res.properties, PROPERTY_TEXT)
     ce = res.counterexample
     if ce:
         print_counterexample(out, ce, "shortest path (BFS)" if not res.config["por"] else
@@ -2051,8 +2049,10 @@ def print_result(res: CheckResult) -> None:
     print_verdict(out, res)
 
 
-def model_check_main(args) -> int:
-    """Entry point of ``streamring model-check``: 0 iff every property holds."""
+def model_check_main(args, report) -> int:
+    """Entry point of ``streamring model-check``: 0 iff every property holds. ``report``:
+    :mod:`streamring.host.report`, which prints the tables (the CLI hands it in: this package sits below
+    host in the layering)."""
     try:
         inject = parse_inject(getattr(args, "inject", None))
         por = getattr(args, "por", None)
@@ -2073,7 +2073,7 @@ def model_check_main(args) -> int:
         print(f"streamring model-check: {exc}", file=sys.stderr)
         return 2
     res = check(cfg)
-    print_result(res)
+    print_result(res, report)
     if getattr(args, "json", None):
         Path(args.json).write_text(json.dumps(res.to_dict(), indent=2))
     return 0 if res.ok else 1
