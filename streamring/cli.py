@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"streamring model-check: --inject {args.inject} breaks a handoff of the work queue: it needs "
                   f"--layer queue", file=sys.stderr)
             return EXIT_USAGE
-        from .verify.model import model_check_main
+        from .verify.search import model_check_main
 
         return model_check_main(args, report)
     if args.command == "gpu-check":

@@ -59,9 +59,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..device.queue_order import L1, item_of, total_items
-from .model import (NOT_CHECKED, PROP_DEADLOCK, CheckResult, Violation, cannot_reach_final, print_counterexample,
-                    print_properties, print_verdict)
-from .names import QUEUE_INJECT_MODES  # noqa: F401  (one definition, shared with the CLI)
+from .names import QUEUE_INJECT_MODES
+from .report import NOT_CHECKED, CheckResult, print_counterexample, print_properties, print_verdict
+from .search import cannot_reach_final
+from .state import PROP_DEADLOCK, Violation
 
 
 PROP_READY = "no-compute-on-unready-block"
