@@ -310,8 +310,8 @@ def test_ep_layer_passes_at_the_default_sizes(tmp_path, capsys):
                               "inject": "none", "topk": 2, "por": True}
     assert data["exhaustive"] is True and data["final_reachable"] is True
     assert data["properties"] == {p: "PASS" for p in EP_PROPERTIES}
-    # the reduced graph (2,421 states, 3,771 transitions when written): a change of the model or
-    # of the reduction shows here
+    # the reduced graph (2,421 states, 3,771 transitions, as the ep module's docstring quotes): a change
+    # of the model or of the reduction shows here
     assert 2_300 <= data["states"] <= 2_550 and 3_600 <= data["transitions"] <= 4_000
     assert "layer=ep (topk 2)" in out and "PASS: every property holds" in out
     for p in (PROP_COMBINE_READ, PROP_COMBINE_OVERWRITE, PROP_COUNTER):
@@ -441,7 +441,7 @@ def test_ep_exact_acquire_is_checked_on_the_classify_in_use(monkeypatch):
 EP_SIZES = [(2, 1, 1, 2, 2), (1, 2, 3, 2, 2), (1, 1, 3, 2, 2)]
 # 2 chunks of 2 ranks on one slot, one entry per token: the slot reused under the early
 # acknowledgement (full graphs of up to 240,000 states; the sizes above cover the ring mutations;
-# this size caught a reduction that assumed the acks of an earlier lap were gone under skip-ack-wait)
+# here the reduction must not assume the acks of an earlier lap are gone under skip-ack-wait)
 EP_SIZE_REUSE = (2, 1, 2, 1, 1)
 
 
@@ -450,7 +450,7 @@ EP_REDUCTION_CASES = ([(m, z) for m in ("none",) + MODEL_INJECT_MODES for z in E
 
 
 EP_REUSE_REASON = ("the full graph at the size where a slot is reused under the early acknowledgement (up to "
-                   "240,000 states), the size that caught a reduction bug under skip-ack-wait")
+                   "240,000 states), where skip-ack-wait leaves an earlier lap's acks in the mask")
 
 
 # the edit loop keeps the cases under a second (full graphs of a few thousand states)

@@ -1,15 +1,16 @@
 """The expert-parallel GPU layer's handoffs (``--layer ep``), on top of the ring's steps.
 
-The streamed MoE layer on GPUs (``host/moe_gpu.py`` and what replaces it) changes three
+The streamed MoE layer on GPUs (:mod:`streamring.moe.ep_buffer`) changes three
 handoffs; the ring steps (:mod:`streamring.verify.steps`) stay as they are, except that each rank
 begins its next epoch on its own (``ring_advance_epoch`` in the captured graph: no allgather, no
 barrier). Per rank ``r`` (every rank owns its chunks and consumes every rank's chunks):
 
 * **early ``input_consumed`` acknowledgement**: the consumer's copy of the rows routed to its
-  experts out of ``src``'s slot is the acquire's reads (reduction 1); it acknowledges right
-  after the copy, so nothing waits for the combine any more. ``ack-before-copy``
-  acknowledges first and ends the copy in a later step (``copied``): the slot stays held
-  until then, and a producer that reuses it meanwhile is (2).
+  experts out of ``src``'s slot is the acquire's reads (the reads in the hold window,
+  :mod:`streamring.verify.steps`); it acknowledges right after the copy, so the slot's reuse
+  does not wait for the combine. ``ack-before-copy`` acknowledges first and ends the copy in a
+  later step (``copied``): the slot stays held until then, and a producer that reuses it
+  meanwhile is (2).
 * **compute and remote combine** (process ``compute`` of consumer ``d``, its GEMM stream): for
   each combine entry ``(owner, token, k)`` routed to ``d`` whose chunk it has copied (any
   order: blocks fill across chunks and complete when full or at the seal), ``write`` its
@@ -101,7 +102,7 @@ class EPModel(RingModel):
         return {"topk": self.cfg.topk}
 
     def _init_layer(self) -> None:
-        """The ep layer's routing, fields and processes (module docstring, "Expert-parallel layer")."""
+        """The layer's routing, fields and processes (module docstring)."""
         R, C, E, K = self.R, self.C, self.E, self.cfg.topk
         self.K = K
         # the layer's mutation (verify.names.EPInject); the ring's (protocol.Inject) is the base's
@@ -603,7 +604,7 @@ class EPModel(RingModel):
         return tuple(segs)
 
     def _cross_blockers(self, st: tuple) -> list[int]:
-        """ep: per rank, processes each of which must move before that rank's end of epoch.
+        """Per rank, processes each of which must move before that rank's end of epoch.
 
         Its own unfinished roles; every producer that has still to publish a chunk of this epoch
         to it, and every consumer that has still to acknowledge its last chunk of this epoch (its

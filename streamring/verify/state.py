@@ -241,7 +241,7 @@ class RingState:
             self.steps = [("reserve", 0), ("write", 0)] + pubs
         self.nsteps = len(self.steps)
         self.pdone = C * self.nsteps
-        # consumer steps per (chunk, src): acquire (+ the reads, reduction 1), ack
+        # consumer steps per (chunk, src): acquire (+ the reads in the hold window), ack
         self.NPH = 2
         self.cdone = C * R * self.NPH
         # flat state layout

@@ -329,7 +329,7 @@ class RingModel(RingState):
                     f"(src {src} chunk {c} slot {s})"
                     + (": a leftover of an older epoch (ABA)" if older else "")))
             else:
-                # reads of the hold window, done right away (reduction 1)
+                # reads of the hold window, done right away (module docstring)
                 pr = st[self.PAY + (2 * src + 0) * S + s]
                 pl = st[self.PAY + (2 * src + 1) * S + s]
                 desc = desc + (pr, pl)
