@@ -20,7 +20,7 @@ import argparse
 import sys
 
 from .config import ConfigError, load_config
-from .model_names import EP_INJECT_MODES, LAYERS, MODEL_INJECT_MODES, QUEUE_INJECT_MODES
+from .verify.names import EP_INJECT_MODES, LAYERS, MODEL_INJECT_MODES, QUEUE_INJECT_MODES
 from .protocol import INJECT_MODES, PROGRESS_POLICIES, SOURCE_ORDERS
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
@@ -29,7 +29,7 @@ EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 RANK_MODULES = {
     "run": ("streamring.cli", "streamring.host.rank_main", "streamring.runner", "torch", "streamring.moe.layer",
             "streamring.moe.math", "streamring.moe.bitwise", "streamring.moe.ep_buffer"),
-    "stress": ("streamring.cli", "streamring.host.rank_main", "streamring.stress"),
+    "stress": ("streamring.cli", "streamring.host.rank_main", "streamring.verify.stress"),
 }
 
 
@@ -140,17 +140,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {out}")
         return EXIT_OK
     if args.command == "model-check":
-        if args.layer == "queue":
-            from .model_queue import queue_check_main
+        from .host import report
 
-            return queue_check_main(args)
+        if args.layer == "queue":
+            from .verify.queue import queue_check_main
+
+            return queue_check_main(args, report)
         if args.inject in QUEUE_INJECT_MODES:
             print(f"streamring model-check: --inject {args.inject} breaks a handoff of the work queue: it needs "
                   f"--layer queue", file=sys.stderr)
             return EXIT_USAGE
-        from .model import model_check_main
+        from .verify.search import model_check_main
 
-        return model_check_main(args)
+        return model_check_main(args, report)
     if args.command == "gpu-check":
         return _gpu_check(args, argv)
     try:

@@ -19,7 +19,7 @@ of the stream of epoch ``e``, generation ``g = make_gen(e, c + 1)``:
     owner (on r):            ack_mask[s] full (acquire) -> consumed_gen[r][s] := g
                              -> ack_mask[s] := 0 -> slot may take chunk c + num_slots
 
-Ordering argument, step by step (the model checker in ``streamring.model``
+Ordering argument, step by step (the model checker in ``streamring.verify``
 explores these same steps over every interleaving):
 
 1. *Payload before generation.* The producer's payload stores are local
@@ -121,7 +121,7 @@ INJECT_MODES = tuple(m.value for m in Inject if m is not Inject.NONE)
 
 # The order in which a consumer takes the sources of one chunk: rank order (the default, model-
 # checked up to 3 ranks), or any source whose chunk is ready first (an RFC later optimisation,
-# model-checked at 2 ranks; see streamring.model).
+# model-checked at 2 ranks; see streamring.verify).
 SOURCE_ORDERS = ("rank", "ready")
 # The expert-parallel GPU layer's dispatch orders: the ring's two and ``arrival`` (sources in the order their
 # first chunk is published, all of a source's chunks before the next source's; streamring.moe.ep_buffer)

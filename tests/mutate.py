@@ -59,7 +59,7 @@ READY = tuple(f"tests/test_source_order.py::test_stress_ready_order_still_catche
                         "skip-acquire-stress-basic.yaml"))
 
 MUTATIONS = [
-    # -- the ring's own rules (before: caught only by timing-dependent stress runs) --------------------
+    # -- the ring's own rules ---------------------------------------------------------------------------
     Mutation("skip-acquire", "a consumer reads before the generations are published",
              (("streamring/protocol.py", "        return self.gen_state(src, chunk) is GenState.READY\n",
                "        return self.gen_state(src, chunk) is not GenState.VIOLATION\n"),), (RING,)),
@@ -93,7 +93,7 @@ MUTATIONS = [
     Mutation("end-stream-without-drain", "the stream end drains every acknowledgement (rule 8)",
              (("streamring/protocol.py", "            if chunk >= 0:\n                yield from self.wait_steps(",
                "            if chunk >= 0 and False:\n                yield from self.wait_steps("),), (RING,)),
-    # -- hostile peers (before: missed) -----------------------------------------------------------------
+    # -- hostile peers ----------------------------------------------------------------------------------
     Mutation("topk-accepts-E", "peer topk_idx validated: E is out of range",
              (("streamring/protocol.py",
                "        if topk_idx.size and (topk_idx.min() < -1 or topk_idx.max() >= E):\n",
@@ -103,7 +103,7 @@ MUTATIONS = [
                '            checks += [("route_gen", int(meta[META_ROUTE_GEN]), g), '
                '("layout_gen", int(meta[META_LAYOUT_GEN]), g)]\n',
                '            checks += [("route_gen", int(meta[META_ROUTE_GEN]), g)]\n'),), (HOSTILE,)),
-    # -- the MoE layer (before: caught by luck) ---------------------------------------------------------
+    # -- the MoE layer ----------------------------------------------------------------------------------
     Mutation("combine-topk-reversed", "the combiner sums the top-k terms in the reference's order",
              (("streamring/moe/layer.py",
                "                self.y[base:base + valid] = combine(torch.from_numpy(contrib).to(self.dev), w, idx)\n",
@@ -123,15 +123,15 @@ MUTATIONS = [
              (("streamring/moe/layer.py",
                "                seal(lambda rows, lim=n - S: min(r[1] for r in rows) <= lim)\n", ""),),
              ("tests/test_moe_run.py::test_streamed_equals_batch[tokens-0-1-odd-many-wraps-reservation]",)),
-    # -- progress and harness (before: missed) ----------------------------------------------------------
+    # -- progress and harness ---------------------------------------------------------------------------
     Mutation("spin-pause-never-yields", "a waiting rank gives its core away",
              (("streamring/device/verbs.py", "    os.sched_yield()\n", "    pass\n"),),
              ("tests/test_ring_rules.py::test_waiting_rank_gives_its_core_away",)),
     Mutation("ready-order-consumer-crashes", "the ready-order mutation tests demand the expected failure",
-             (("streamring/stress.py", "if any(p < batch[-1] and p not in batch for p in pending):",
+             (("streamring/verify/stress.py", "if any(p < batch[-1] and p not in batch for p in pending):",
                "if any(p < batch and p not in batch for p in pending):"),), READY, need_all=True),
-    # -- found on the way -------------------------------------------------------------------------------
-    Mutation("region-compare-after-free", "freeing a region next to a leaked one (was a segfault)",
+    # -- the symmetric heap's regions -------------------------------------------------------------------
+    Mutation("region-compare-after-free", "freeing a region next to a leaked one frees only that region",
              (("streamring/device/verbs.py", "@dataclass(frozen=True, eq=False)\nclass Region:",
                "@dataclass(frozen=True)\nclass Region:"),
               ("streamring/device/cpu.py",

@@ -343,7 +343,7 @@ def test_verbs_single_pe(heap):
 @needs_gpu
 def test_stress_on_nvshmem_single_pe(heap):
     from streamring.config import load_config
-    from streamring.stress import run_stress
+    from streamring.verify.stress import run_stress
 
     cfg = load_config(None, ["backend=nvshmem", "ranks=1", "stress.chunks_per_rank=10", "ring.num_slots=3",
                              "stress.epochs=2"])

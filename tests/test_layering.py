@@ -11,11 +11,11 @@ import pytest
 
 PKG = Path(__file__).resolve().parents[1] / "streamring"
 
-# rank: higher may import lower. The device ring sits beside the protocol (its device form); the
-# stress harness, the GPU self-test and the layer runner drive the protocol and the MoE layer (host
-# starts them on every rank); the other top-level tools (cli, model, timeline) sit with launch;
-# host above moe/protocol; device at the bottom.
-RANK = {"device": 0, "protocol": 1, "device_ring": 1, "coop": 1, "config": 1, "moe": 2, "stress": 2,
+# rank: higher may import lower. The device ring sits beside the protocol (its device form); verify
+# (the stress harness, which host starts on every rank, and the model checkers), the GPU self-test and
+# the layer runner drive the protocol and the MoE layer; the other top-level tools (cli, timeline) sit
+# with launch; host above moe/protocol/verify; device at the bottom.
+RANK = {"device": 0, "protocol": 1, "device_ring": 1, "coop": 1, "config": 1, "moe": 2, "verify": 2,
         "gpu_selftest": 2, "runner": 2, "host": 3}
 TOP = 4
 
@@ -39,8 +39,13 @@ def imports(path: Path, root: Path = PKG):
                 target = ".".join(base + ([node.module] if node.module else []))
             else:
                 target = node.module or ""
-            if target.startswith("streamring"):
+            if not target.startswith("streamring"):
+                continue
+            if node.module:
                 yield mod, target, node.lineno
+            else:  # `from .. import protocol`: each name is a module of that package
+                for a in node.names:
+                    yield mod, f"{target}.{a.name}", node.lineno
         elif isinstance(node, ast.Import):
             for a in node.names:
                 if a.name.startswith("streamring"):
@@ -70,6 +75,14 @@ def test_the_checker_catches_a_violation(tmp_path):
                                     "streamring.moe.bad:2 imports streamring.host.launch"]
 
 
+def test_the_checker_keeps_verify_below_host(tmp_path):
+    """verify may drive the protocol but not reach up into host (the CLI hands it host's report)."""
+    (tmp_path / "verify").mkdir()
+    (tmp_path / "verify" / "bad.py").write_text("from ..host import report\nfrom ..protocol import Ring\n"
+                                                "from ..moe import layer\n")
+    assert violations(tmp_path) == ["streamring.verify.bad:1 imports streamring.host"]
+
+
 def test_host_is_job_hosting_only():
     """host/ holds launchers, bootstrap, ranks and job state; nothing there launches device work
     itself (no CUDA, Triton or NVSHMEM import at module level)."""
@@ -95,7 +108,7 @@ from streamring.config import load_config
 from streamring.host.launch import spawn_local
 from streamring.host.prelaunch import job_problems
 from streamring.host.rank_main import rank_main
-from streamring.stress import run_stress
+from streamring.verify.stress import run_stress
 cfg = load_config(None, [])
 assert job_problems("run", cfg, 4, None, 4) == [] and job_problems("stress", cfg, 4, None, 4) == []
 assert job_problems("run", cfg, 3, None, 3), "a layer of 8 experts on 3 ranks must be refused"

@@ -1,4 +1,4 @@
-"""Tests for streamring.model: the exhaustive model checker of the ring protocol."""
+"""Tests for the exhaustive model checker of the ring protocol (streamring.verify: state, steps, ep, search)."""
 
 import contextlib
 import io
@@ -8,10 +8,11 @@ import pytest
 
 import streamring.protocol as P
 from streamring.cli import build_parser, main
-from streamring.model import (
-    EP_INJECT_MODES,
+from streamring.verify.ep import EPModel
+from streamring.verify.names import EP_INJECT_MODES, MODEL_INJECT_MODES, EPInject
+from streamring.verify.search import check, run_serialised
+from streamring.verify.state import (
     EP_PROPERTIES,
-    MODEL_INJECT_MODES,
     PROP_ABA,
     PROP_COMBINE_OVERWRITE,
     PROP_COMBINE_READ,
@@ -20,13 +21,10 @@ from streamring.model import (
     PROP_OVERWRITE,
     PROP_PROTOCOL,
     PROPERTIES,
-    EPInject,
-    Model,
     ModelConfig,
-    check,
     parse_inject,
-    run_serialised,
 )
+from streamring.verify.steps import RingModel
 
 from conftest import ROOT, quick_subset
 
@@ -85,7 +83,7 @@ def test_correct_protocol_passes_exhaustively(default_check):
 
 
 def test_serialised_schedule_passes():
-    model = Model(ModelConfig())
+    model = RingModel(ModelConfig())
     res = run_serialised(model)
     assert res["result"] == "PASS", res
     R, C, E = 2, 3, 2
@@ -96,7 +94,7 @@ def test_serialised_schedule_passes():
 @pytest.mark.parametrize("mode", P.INJECT_MODES)
 def test_serialised_schedule_of_each_mutation_runs(mode):
     # Nothing overlaps in the serialised schedule, so even the mutated steps complete.
-    assert run_serialised(Model(ModelConfig(inject=P.Inject(mode))))["result"] == "PASS"
+    assert run_serialised(RingModel(ModelConfig(inject=P.Inject(mode))))["result"] == "PASS"
 
 
 # --------------------------------------------------------------------------------------
@@ -180,16 +178,16 @@ def test_model_uses_the_runtime_full_mask(monkeypatch):
     res = check(ModelConfig(por=True))  # a terminal state of the reduced graph is one of the full graph
     assert not res.ok
     assert res.properties[PROP_DEADLOCK] == "FAIL"
-    assert run_serialised(Model(ModelConfig()))["result"] == "FAIL"
+    assert run_serialised(RingModel(ModelConfig()))["result"] == "FAIL"
 
 
 def test_model_uses_the_runtime_generations(monkeypatch):
-    gens = Model(ModelConfig()).gens
+    gens = RingModel(ModelConfig()).gens
     assert gens[2][1] == P.make_gen(2, 2) == P.StreamPlan(epoch=2, tokens_per_rank=(3, 2), tokens_per_slot=1).gen(1)
     calls = []
     original = P.make_gen
     monkeypatch.setattr(P, "make_gen", lambda e, s: calls.append((e, s)) or original(e, s))
-    Model(ModelConfig(chunks=2, epochs=2))
+    RingModel(ModelConfig(chunks=2, epochs=2))
     assert sorted(set(calls)) == [(1, 1), (1, 2), (2, 1), (2, 2)]
 
 
@@ -312,8 +310,8 @@ def test_ep_layer_passes_at_the_default_sizes(tmp_path, capsys):
                               "inject": "none", "topk": 2, "por": True}
     assert data["exhaustive"] is True and data["final_reachable"] is True
     assert data["properties"] == {p: "PASS" for p in EP_PROPERTIES}
-    # the reduced graph (2,421 states, 3,771 transitions when written): a change of the model or
-    # of the reduction shows here
+    # the reduced graph (2,421 states, 3,771 transitions, as the ep module's docstring quotes): a change
+    # of the model or of the reduction shows here
     assert 2_300 <= data["states"] <= 2_550 and 3_600 <= data["transitions"] <= 4_000
     assert "layer=ep (topk 2)" in out and "PASS: every property holds" in out
     for p in (PROP_COMBINE_READ, PROP_COMBINE_OVERWRITE, PROP_COUNTER):
@@ -321,7 +319,7 @@ def test_ep_layer_passes_at_the_default_sizes(tmp_path, capsys):
 
 
 def test_ep_routing_has_empty_contributions_and_an_empty_chunk():
-    m = Model(ModelConfig(layer="ep"))
+    m = EPModel(ModelConfig(layer="ep"))
     for e in (1, 2):
         rows = {(r, c, d): 0 for r in range(2) for c in range(3) for d in range(2)}
         for d in range(2):
@@ -335,7 +333,7 @@ def test_ep_routing_has_empty_contributions_and_an_empty_chunk():
 
 
 def test_ep_serialised_schedule_passes():
-    res = run_serialised(Model(ModelConfig(layer="ep")))
+    res = run_serialised(EPModel(ModelConfig(layer="ep")))
     assert res["result"] == "PASS", res
     R, C, E, K, tokens = 2, 3, 2, 2, 3 + 2
     ring = R * 2 * C * (2 + R) + R * C * R * 2 + R  # producers, consumers (acquire, ack), ends
@@ -347,7 +345,7 @@ def test_ep_serialised_schedule_passes():
 def test_ep_serialised_schedule_of_each_mutation(mode):
     # Serialised, nothing overlaps: every broken handoff still completes, except the counter that is
     # never reset, which in epoch 2 counts past its expected value and never matches it.
-    res = run_serialised(Model(ModelConfig(layer="ep", inject=EPInject(mode))))
+    res = run_serialised(EPModel(ModelConfig(layer="ep", inject=EPInject(mode))))
     assert res["result"] == ("FAIL" if mode == "no-counter-reset" else "PASS"), res
     if mode == "no-counter-reset":
         assert "stuck" in res["error"] and "epoch 2" in "\n".join(res["trace_tail"])
@@ -414,7 +412,7 @@ def test_ep_mutations_and_topk_need_the_ep_layer(capsys):
 def test_ep_owner_waiting_for_an_empty_contribution_deadlocks(monkeypatch):
     # A broken count: the owner expects at least one row from every consumer, also from one
     # that has none of the chunk. Nothing ever adds it: the owner, and with it its rank, hangs.
-    original = Model._init_ep
+    original = EPModel._init_layer
 
     def counts_empty_contributions(self):
         original(self)
@@ -425,25 +423,25 @@ def test_ep_owner_waiting_for_an_empty_contribution_deadlocks(monkeypatch):
                         self.expected[e][r][c] = sum(max(1, sum(1 for x in self.entries[e][d] if x[:2] == (r, c)))
                                                      for d in range(self.R))
 
-    monkeypatch.setattr(Model, "_init_ep", counts_empty_contributions)
+    monkeypatch.setattr(EPModel, "_init_layer", counts_empty_contributions)
     res = check(ModelConfig(layer="ep"))
     assert res.properties[PROP_DEADLOCK] == "FAIL"
-    assert run_serialised(Model(ModelConfig(layer="ep")))["result"] == "FAIL"
+    assert run_serialised(EPModel(ModelConfig(layer="ep")))["result"] == "FAIL"
 
 
 def test_ep_exact_acquire_is_checked_on_the_classify_in_use(monkeypatch):
-    assert Model(ModelConfig(layer="ep")).exact_acquire is True
-    assert Model(ModelConfig(layer="ep", inject=P.Inject.IGNORE_EPOCH)).exact_acquire is False
-    assert Model(ModelConfig(layer="ep", inject=P.Inject.SKIP_ACQUIRE)).exact_acquire is False
+    assert EPModel(ModelConfig(layer="ep")).exact_acquire is True
+    assert EPModel(ModelConfig(layer="ep", inject=P.Inject.IGNORE_EPOCH)).exact_acquire is False
+    assert EPModel(ModelConfig(layer="ep", inject=P.Inject.SKIP_ACQUIRE)).exact_acquire is False
     original = P.classify_gen
     monkeypatch.setattr(P, "classify_gen", lambda o, e, n, ignore_epoch=False: original(o, e, n, True))
-    assert Model(ModelConfig(layer="ep")).exact_acquire is False
+    assert EPModel(ModelConfig(layer="ep")).exact_acquire is False
 
 
 EP_SIZES = [(2, 1, 1, 2, 2), (1, 2, 3, 2, 2), (1, 1, 3, 2, 2)]
 # 2 chunks of 2 ranks on one slot, one entry per token: the slot reused under the early
 # acknowledgement (full graphs of up to 240,000 states; the sizes above cover the ring mutations;
-# this size caught a reduction that assumed the acks of an earlier lap were gone under skip-ack-wait)
+# here the reduction must not assume the acks of an earlier lap are gone under skip-ack-wait)
 EP_SIZE_REUSE = (2, 1, 2, 1, 1)
 
 
@@ -452,7 +450,7 @@ EP_REDUCTION_CASES = ([(m, z) for m in ("none",) + MODEL_INJECT_MODES for z in E
 
 
 EP_REUSE_REASON = ("the full graph at the size where a slot is reused under the early acknowledgement (up to "
-                   "240,000 states), the size that caught a reduction bug under skip-ack-wait")
+                   "240,000 states), where skip-ack-wait leaves an earlier lap's acks in the mask")
 
 
 # the edit loop keeps the cases under a second (full graphs of a few thousand states)

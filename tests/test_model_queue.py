@@ -13,8 +13,9 @@ import pytest
 
 from streamring.cli import main
 from streamring.device.queue_order import item_of
-from streamring.model_queue import (PROP_DONE, PROP_L1, PROP_OWNER, PROP_READY, QUEUE_INJECT_MODES, QUEUE_PROPERTIES,
-                                    QueueConfig, QueueModel, check_queue)
+from streamring.verify.names import QUEUE_INJECT_MODES
+from streamring.verify.queue import (PROP_DONE, PROP_L1, PROP_OWNER, PROP_READY, QUEUE_PROPERTIES, QueueConfig,
+                                     QueueModel, check_queue)
 
 
 @pytest.mark.parametrize("kw", [{}, {"ctas": 1}, {"chunks": 2}, {"chunks": 1}, {"blocks": 4}, {"tiles": 3, "group": 1},

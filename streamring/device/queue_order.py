@@ -1,7 +1,7 @@
 """The work-item order of the persistent expert consumer, in plain Python (no torch, no Triton).
 
 The kernel (``streamring.device.persistent_moe``) computes the same mapping in Triton; the model
-checker (``streamring.model_queue``) and the tests use this one, and the tests compare the two.
+checker (``streamring.verify.queue``) and the tests use this one, and the tests compare the two.
 
 A work item is (layer, ready-list position, 128-column N-tile). Claim index ``t`` (an atomic counter
 shared by every CTA of the persistent grid) maps to an item in a fixed order over the ready list:

@@ -56,7 +56,7 @@ def config_problems(command: str, cfg: Config, num_ranks: int) -> list[str]:
     """The config against the number of ranks (list lengths, divisibility, rank indices)."""
     try:
         if command == "stress":
-            from ..stress import check_stress_job
+            from ..verify.stress import check_stress_job
 
             check_stress_job(cfg, num_ranks)
         elif command == "run":
@@ -72,7 +72,7 @@ def heap_bytes_per_rank(command: str, cfg: Config, num_ranks: int) -> tuple[int,
     """Symmetric bytes each rank of ``command`` allocates, and the config keys (with their values) that set them."""
     ring = f"ring.tokens_per_slot (now {cfg.ring.tokens_per_slot}), ring.num_slots (now {cfg.ring.num_slots})"
     if command == "stress":
-        from ..stress import stress_heap_bytes
+        from ..verify.stress import stress_heap_bytes
 
         return stress_heap_bytes(cfg, num_ranks), ring
     from ..config import per_rank

@@ -137,7 +137,7 @@ def rank_main(command: str, cfg: Config, json_path: str | None = None) -> int:
         heap.barrier()
         t0 = time.monotonic()
         if command == "stress":
-            from ..stress import result_dict, run_stress
+            from ..verify.stress import result_dict, run_stress
 
             res = result_dict(run_stress(heap, cfg)) | process_facts()
             results = heap.allgather_obj(res)

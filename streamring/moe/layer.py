@@ -225,7 +225,7 @@ class MoEBuffer:
             routing: optional routing override (tests, replays of recorded routing).
             source_order: ``"rank"`` (wait for the sources of a chunk in rank order) or
                 ``"ready"`` (pull from any source whose chunk is ready first; an RFC later
-                optimisation, off by default: model-checked at 2 ranks only, see ``streamring.model``).
+                optimisation, off by default: model-checked at 2 ranks only, see ``streamring.verify``).
             num_tokens: the valid row count, ``0 <= num_tokens <= T``: an int or a 0-d/1-element
                 integer tensor (a fixed-size ``x`` whose count changes from call to call, as under a
                 captured graph). Rows ``>= num_tokens`` of ``x`` are ignored (not checked, not routed),

@@ -33,8 +33,8 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from .config import Config, ConfigError, per_rank
-from .protocol import (
+from ..config import Config, ConfigError, per_rank
+from ..protocol import (
     META_BASE,
     META_CHUNK,
     META_VALID,
@@ -46,8 +46,8 @@ from .protocol import (
     RingLayout,
     make_gen,
 )
-from .coop import run_roles, sleep_for, wait_for
-from .device.verbs import SignalOp, SymmetricHeap
+from ..coop import run_roles, sleep_for, wait_for
+from ..device.verbs import SignalOp, SymmetricHeap
 
 STRESS_EXPERTS = 64
 STRESS_TOPK = 4

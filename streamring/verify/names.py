@@ -1,6 +1,6 @@
 """The model checkers' names: layers and mutations (``streamring model-check --layer/--inject``).
 
-One definition, shared by :mod:`streamring.model`, :mod:`streamring.model_queue` and the CLI; kept
+One definition, shared by the model checkers of this package and the CLI; kept
 apart from the checkers so that every process that builds the CLI parser (each rank of a job) does
 not load them.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 
-from .protocol import INJECT_MODES
+from ..protocol import INJECT_MODES
 
 LAYERS = ("ring", "ep")
 

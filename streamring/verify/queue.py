@@ -58,10 +58,11 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
-from .device.queue_order import L1, item_of, total_items
-from .model import (NOT_CHECKED, PROP_DEADLOCK, CheckResult, Violation, cannot_reach_final, print_counterexample,
-                    print_properties, print_verdict)
-from .model_names import QUEUE_INJECT_MODES  # noqa: F401  (one definition, shared with the CLI)
+from ..device.queue_order import L1, item_of, total_items
+from .names import QUEUE_INJECT_MODES
+from .report import NOT_CHECKED, CheckResult, print_counterexample, print_properties, print_verdict
+from .search import cannot_reach_final
+from .state import PROP_DEADLOCK, Violation
 
 
 PROP_READY = "no-compute-on-unready-block"
@@ -405,25 +406,25 @@ def check_queue(cfg: QueueConfig) -> CheckResult:
     return res
 
 
-def print_queue_result(res: CheckResult) -> None:
-    from .host.report import Report
-
+def print_queue_result(res: CheckResult, report) -> None:
+    """Print ``res`` (``report``: :mod:`streamring.host.report`, handed in by the CLI)."""
     c = res.config
-    out = Report()
+    out = report.Report()
     out.line(f"streamring model-check --layer queue: {c['ctas']} CTAs, {c['blocks']} blocks of {c['block_rows']} rows "
              f"(the last partial) over {c['chunks']} chunks, {c['tiles']} N-tiles per layer, groups of {c['group']}, "
              f"inject={c['inject']}")
     kind = "exhaustive" if res.exhaustive else "stopped at the first violation"
     out.line(f"explored {res.states} states, {res.transitions} transitions in {res.time_s:.2f}s ({kind})")
-    print_properties(out, res.properties, QUEUE_PROPERTY_TEXT)
+    print_properties(out, report.Column, res.properties, QUEUE_PROPERTY_TEXT)
     if res.counterexample:
         print_counterexample(out, res.counterexample, "shortest path (BFS)")
     print_verdict(out, res)
 
 
-def queue_check_main(args) -> int:
+def queue_check_main(args, report) -> int:
     """``streamring model-check --layer queue``: 0 iff every property holds, 1 on a counter-example, 2 on
-    bad arguments."""
+    bad arguments. ``report``: :mod:`streamring.host.report`, which prints the tables (the CLI hands it
+    in: this package sits below host in the layering)."""
     try:
         cfg = QueueConfig(ctas=args.ctas, blocks=args.blocks, block_rows=args.block_rows, chunks=args.chunks,
                           tiles=args.tiles, group=args.group, inject=getattr(args, "inject", None) or "none")
@@ -432,7 +433,7 @@ def queue_check_main(args) -> int:
         print(f"streamring model-check: {exc}", file=sys.stderr)
         return 2
     res = check_queue(cfg)
-    print_queue_result(res)
+    print_queue_result(res, report)
     if getattr(args, "json", None):
         Path(args.json).write_text(json.dumps(res.to_dict(), indent=2))
     return 0 if res.ok else 1

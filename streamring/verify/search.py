@@ -1,0 +1,471 @@
+"""The search: breadth-first exploration of a model's states, its partial-order reduction, the
+serialised schedule, and the counter-examples it reports.
+
+``streamring model-check`` explores every interleaving of the protocol steps of
+:mod:`streamring.protocol` (the 8-step argument of its module docstring) for a small
+configuration (default 2 ranks x 2 slots x 3 chunks x 2 epochs) by breadth-first search over
+hashable states with a visited set, and checks the properties of :mod:`streamring.verify.state`.
+
+Partial-order reduction (stubborn sets; sound for these properties)
+===================================================================
+From each state only a stubborn set of processes is expanded: the closure, from one enabled
+process, under (D1) "an outside process may, before any process of the
+set moves, execute a step that conflicts with this process's next step"
+(read/write sets over the modelled variables; two ``fetch_or`` commute;
+the look-ahead of an outside process stops where it must wait for a
+process of the set: a generation word only the set's producer can write, an
+ack bit only the set's consumer can set, an epoch end the set blocks) and
+(D2) "a disabled next step brings in a process that must move first to
+enable it". Every enabled member of such a set commutes with everything the
+outside processes can do before the set moves. The state graph is acyclic
+(``2 * sum of program counters + empty buffers + ended ranks``, epoch-major,
+grows on every step), so (Valmari; induction on the longest path from a
+state) the reduced search still reaches every reachable deadlock and the
+final state, and it reaches a violation whenever one is reachable (a
+violation is a step into a terminal error state; the reduction keeps *some*
+violating step, not each one, so once it finds one the other safety
+properties are reported NOT CHECKED). With no violation and no deadlock in
+the reduced graph, every path of the full, acyclic graph ends in the final
+state, so (5) holds; reverse reachability over the explored graph is still
+computed as a cross-check.
+
+Up to the default sizes (2 ranks, 2 slots, 3 chunks, 2 epochs) the CLI
+explores the full interleaving graph (about 0.4 M states, 2.2 M
+transitions); above them it uses the reduction. ``STREAMRING_MODEL_POR=1``
+or ``0`` (or ``ModelConfig(por=...)``) forces the choice; the tests compare
+both graphs on small sizes (same verdict, same terminal states).
+
+The look-ahead of each process (what it may access until it must wait) is the model's
+(``_future``; :mod:`streamring.verify.ep` describes the ep layer's).
+
+Counter-examples
+================
+The search stops at the first violation and prints the shortest counter-example
+from the initial state (BFS parents); under the reduction that path is then
+shortened (replayed without blocks of steps, of halving size from the end
+backwards, while it still ends in the same violation) until no single step can
+be dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from array import array
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .ep import EPModel
+from .report import NOT_CHECKED, CheckResult, print_result
+from .state import PROP_DEADLOCK, PROP_SERIAL, ModelConfig, Trans, parse_inject
+from .steps import RingModel
+
+MODELS = {RingModel.LAYER: RingModel, EPModel.LAYER: EPModel}
+
+
+def make_model(cfg: ModelConfig) -> RingModel:
+    """The model of ``cfg.layer``."""
+    cfg.validate()
+    return MODELS[cfg.layer](cfg)
+
+
+def stubborn(model: RingModel, st: tuple, procs) -> list[Trans]:
+    """Enabled steps of a stubborn set of processes (module docstring)."""
+    NP = model.NP
+    enabled = [p for p in range(NP) if procs[p][0]]
+    if len(enabled) <= 1:
+        return [t for p in enabled for t in procs[p][0]]
+    # what an outside process may touch once it crosses into a later epoch (the model's rule)
+    beyond = model._beyond_epoch(st)
+    futs = [None] * NP
+    best = None
+    for seed in enabled:
+        T = 1 << seed
+        work = [seed]
+        n_en = 1
+        while work:
+            p = work.pop()
+            trans, aR, aW, aO, nes = procs[p]
+            if trans:
+                for q in range(NP):
+                    if (T >> q) & 1:
+                        continue
+                    fu = futs[q]
+                    if fu is None:
+                        fu = futs[q] = model._future(st, q)
+                    fR = fW = fO = 0
+                    for bl, fR, fW, fO in fu:
+                        if bl & T:
+                            break
+                    else:
+                        later = beyond(q, T)
+                        fR, fW, fO = fR | later, fW | later, fO | later
+                    if (aW & (fR | fW | fO)) or (fW & (aR | aO)) or (aR & fO) or (aO & fR):
+                        T |= 1 << q
+                        work.append(q)
+                        if procs[q][0]:
+                            n_en += 1
+            else:
+                if not nes:
+                    continue
+                # ("all", g1, g2, ...): one process of EVERY group (a ready-order consumer
+                # waits for any of several sources); else one process of nes
+                groups = nes[1:] if nes[0] == "all" else (nes,)
+                for grp in groups:
+                    for q in grp:  # prefer an enabling process already in the set
+                        if (T >> q) & 1:
+                            break
+                    else:
+                        q = grp[0]
+                        T |= 1 << q
+                        work.append(q)
+                        if procs[q][0]:
+                            n_en += 1
+            if best is not None and n_en >= best[0]:
+                break
+        else:
+            if best is None or n_en < best[0]:
+                best = (n_en, T)
+                if n_en == 1:
+                    break
+    T = best[1]
+    return [t for p in enabled if (T >> p) & 1 for t in procs[p][0]]
+
+
+def _path(model: RingModel, states: list, parent: array, sid: int) -> list[Trans]:
+    """The steps of the path (BFS parents) from the initial state to state ``sid``."""
+    chain = []
+    while sid > 0:
+        chain.append(sid)
+        sid = parent[sid]
+    chain.reverse()
+    steps, cur = [], states[0]
+    for nid in chain:
+        nxt = states[nid]
+        for t in model.successors(cur):
+            if t.state == nxt:
+                steps.append(t)
+                break
+        else:  # pragma: no cover - every BFS edge is a step of the model
+            raise AssertionError("BFS edge is not a step of the model")
+        cur = nxt
+    return steps
+
+
+def _choice(t: Trans):
+    """Which of its enabled steps a process took: the source a ready-order consumer acquired, the
+    combine entry an ep compute started; None for a process with one step at a time."""
+    op = t.desc[0]
+    if op == "acquire":
+        return t.desc[2]
+    if op == "cwrite":
+        return t.desc[2:5]
+    return None
+
+
+def _replay(model: RingModel, moves: list, st: tuple | None = None):
+    """Run the moves ``(pid, choice)`` in order (from ``st``, default the initial state); None if
+    one cannot move.
+
+    Returns ``(steps, end_state)``; a violation may only be the last step (then end_state is None).
+    """
+    st, steps = (model.initial() if st is None else st), []
+    for i, (pid, choice) in enumerate(moves):
+        t = next((t for t in model.expand(st)[pid][0] if _choice(t) == choice), None)
+        if t is None:
+            return None
+        steps.append(t)
+        if t.violation is not None:
+            return (steps, None) if i == len(moves) - 1 else None
+        st = t.state
+    return steps, st
+
+
+def _minimise(model: RingModel, steps: list[Trans], goal) -> list[Trans]:
+    """Drop steps of a counter-example while ``goal(steps, end_state)`` still holds (1-minimal).
+
+    Blocks of halving size, each pass from the end backwards (a step late in the path is often
+    needed only by the steps after it), then single steps until no single step can be dropped."""
+    moves = [(t.pid, _choice(t)) for t in steps]
+    steps = list(steps)
+    # states[i]: the state before moves[i] (a replay without moves[start:end] starts at states[start])
+    states = [model.initial()] + [t.state for t in steps[:-1]]
+
+    size = max(1, len(moves) // 2)
+    while True:
+        changed = False
+        end = len(moves)
+        while end > 0:
+            start = max(0, end - size)
+            rep = _replay(model, moves[end:], states[start])
+            if rep is not None and goal(steps[:start] + rep[0], rep[1]):
+                moves = moves[:start] + moves[end:]
+                steps = steps[:start] + rep[0]
+                states = states[:start + 1] + [t.state for t in rep[0][:-1]]
+                changed = True
+            end = start
+        if size > 1:
+            size //= 2
+        elif not changed:
+            break
+    return steps
+
+def run_serialised(model: RingModel) -> dict:
+    """Property (6): the model's serialised schedule (:meth:`RingModel.serial_schedule`) from the
+    initial state, one deterministic path, no reduction."""
+    st = model.initial()
+    trace: list[str] = []
+
+    def step(pid) -> str | None:
+        nonlocal st
+        for t in model.expand(st)[pid][0]:
+            trace.append(model.label(t))
+            if t.violation is not None:
+                return f"{', '.join(t.violation.properties)}: {t.violation.message}"
+            st = t.state
+            return None
+        return f"stuck: process {pid} has no enabled step"
+
+    err = None
+    for pid, done in model.serial_schedule():
+        if done is None:
+            err = step(pid)
+        else:
+            while not err and not done(st):
+                err = step(pid)
+        if err:
+            break
+    if not err and not model.is_final(st):
+        err = "the serialised schedule ended in a non-final state"
+    return {"result": "PASS" if not err else "FAIL", "steps": len(trace), "error": err,
+            "trace_tail": trace[-10:] if err else []}
+
+
+@dataclass
+class Explored:
+    """What a breadth-first search explored: states by id, their BFS parents, every edge."""
+
+    states: list
+    parent: array
+    esrc: array = field(default_factory=lambda: array("l"))
+    edst: array = field(default_factory=lambda: array("l"))
+    transitions: int = 0
+    terminals: list = field(default_factory=list)  # ids of the states without a successor
+    deadlocks: list = field(default_factory=list)  # ... of those, the non-final ones
+    violation: tuple | None = None  # (parent id, Trans): the first violating step (stop_at_first)
+    violations: list = field(default_factory=list)  # every violating step (stop_at_first=False)
+    bounded: bool = False  # stopped at cfg.max_states
+
+
+def explore(model: RingModel, cfg: ModelConfig, progress=None) -> Explored:
+    """Breadth-first search from the initial state (stops at the first violation or deadlock unless
+    ``cfg.stop_at_first`` is False; violations are terminal)."""
+    t0 = time.perf_counter()
+    init = model.initial()
+    ids = {init: 0}
+    g = Explored(states=[init], parent=array("l", [-1]))
+    states, parent, esrc, edst = g.states, g.parent, g.esrc, g.edst
+    queue = deque([0])
+    is_final = model.is_final
+    ntrans = 0
+    por = cfg.por
+    while queue:
+        sid = queue.popleft()
+        st = states[sid]
+        procs = model.expand(st)
+        ts = stubborn(model, st, procs) if por else [t for p in procs for t in p[0]]
+        if not ts:
+            g.terminals.append(sid)
+            if not is_final(st):
+                g.deadlocks.append(sid)
+                if cfg.stop_at_first:
+                    break
+            continue
+        for t in ts:
+            ntrans += 1
+            if t.violation is not None:
+                if cfg.stop_at_first:
+                    g.violation = (sid, t)
+                    break
+                g.violations.append((sid, t))
+                continue
+            ns = t.state
+            nid = ids.get(ns)
+            if nid is None:
+                nid = len(states)
+                ids[ns] = nid
+                states.append(ns)
+                parent.append(sid)
+                queue.append(nid)
+            esrc.append(sid)
+            edst.append(nid)
+        if g.violation:
+            break
+        if cfg.max_states is not None and len(states) >= cfg.max_states:
+            g.bounded = True
+            break
+        if progress is not None and sid and sid % 50000 == 0:
+            progress(len(states), ntrans, time.perf_counter() - t0)
+    g.transitions = ntrans
+    if g.violation is None and g.violations:
+        g.violation = g.violations[0]
+    return g
+
+
+def check(cfg: ModelConfig, progress=None) -> CheckResult:
+    """Explore the model of ``cfg`` breadth-first (stops at the first violation unless told not to)."""
+    model = make_model(cfg)
+    res = CheckResult(config={"layer": cfg.layer, "ranks": cfg.ranks, "slots": cfg.slots, "chunks": cfg.chunks,
+                              "epochs": cfg.epochs, "inject": cfg.inject.value, "early_drain": cfg.early_drain,
+                              "por": cfg.por, "source_order": cfg.source_order,
+                              "max_states": cfg.max_states})
+    res.config.update(model.result_config())
+    por = cfg.por
+    res.reduction = ("reads folded into the hold window; stubborn-set partial-order reduction "
+                     "(keeps a violation if one is reachable, every deadlock and the final state)" if por else
+                     "reads folded into the hold window; every interleaving (no partial-order reduction)")
+    t0 = time.perf_counter()
+    g = explore(model, cfg, progress)
+    states, violations = g.states, g.violations
+    res.states, res.transitions, res.terminal_states = len(states), g.transitions, len(g.terminals)
+    res.violations_found = len(violations) if violations else (1 if g.violation else 0)
+    res._violation_set = {(states[s], t.desc) for s, t in violations}  # for cross-checks
+    stopped = cfg.stop_at_first and (g.violation is not None or g.deadlocks)
+    res.exhaustive = not g.bounded and not stopped
+    props = {p: NOT_CHECKED for p in model.properties}
+    if not stopped and not (por and violations):
+        # (the reduction preserves the existence of a violation, not every violation: with
+        # violations found under it the other safety properties stay NOT CHECKED)
+        for p in model.safety:
+            props[p] = "PASS" if not g.bounded else f"PASS up to {cfg.max_states} states (BOUNDED, not a proof)"
+    if g.violation is not None:
+        res.counterexample = _violation_trace(model, g, props, por)
+    _deadlock_verdict(model, cfg, g, res, props, stopped)
+    res.time_s = time.perf_counter() - t0
+    ser = run_serialised(model)
+    res.serialised = ser
+    props[PROP_SERIAL] = ser["result"]
+    res.properties = props
+    res._terminal_set = {states[i] for i in g.terminals}
+    return res
+
+
+def _violation_trace(model: RingModel, g: Explored, props: dict, por: bool) -> dict:
+    """The counter-example of the first violation (marks every violated property FAIL in ``props``)."""
+    sid, t = g.violation
+    steps = _path(model, g.states, g.parent, sid) + [t]
+    if por:  # the reduced graph's shortest path may carry steps that play no part
+        prop = t.violation.properties[0]
+        steps = _minimise(model, steps, lambda ss, end: bool(ss) and ss[-1].violation is not None
+                          and ss[-1].violation.properties[0] == prop)
+        t = steps[-1]
+    trace = [model.label(x) for x in steps[:-1]] + [model.label(t) + "   <-- VIOLATION"]
+    for v in g.violations or [g.violation]:
+        for p in v[1].violation.properties:
+            props[p] = "FAIL"
+    return {"properties": list(t.violation.properties), "message": t.violation.message,
+            "steps": len(trace), "trace": trace}
+
+
+def _deadlock_verdict(model: RingModel, cfg: ModelConfig, g: Explored, res: CheckResult, props: dict,
+                      stopped: bool) -> None:
+    """Property (5): a deadlock found, or reverse reachability of the final state over the graph."""
+    states, parent = g.states, g.parent
+    if g.deadlocks:
+        props[PROP_DEADLOCK] = "FAIL"
+        if res.counterexample is None:
+            steps = _path(model, states, parent, g.deadlocks[0])
+            if cfg.por:
+                steps = _minimise(model, steps, lambda ss, end: end is not None and not model.successors(end)
+                                  and not model.is_final(end))
+            trace = [model.label(x) for x in steps]
+            res.counterexample = {"properties": [PROP_DEADLOCK], "steps": len(trace), "trace": trace,
+                                  "message": "deadlock: a reachable non-final state where no process can move"}
+    elif not stopped and not g.bounded:
+        bad, nfinal = cannot_reach_final(model, states, g.esrc, g.edst, g.terminals)
+        res.final_reachable = nfinal > 0
+        if bad is None:
+            props[PROP_DEADLOCK] = "PASS"
+        elif g.violations and props[PROP_DEADLOCK] == NOT_CHECKED:
+            pass  # the states that lead only to violations cannot reach the final state
+        else:
+            props[PROP_DEADLOCK] = "FAIL"
+            trace = [model.label(x) for x in _path(model, states, parent, bad)]
+            res.counterexample = res.counterexample or {
+                "properties": [PROP_DEADLOCK], "steps": len(trace), "trace": trace,
+                "message": "from the last state of this trace the final state is unreachable"}
+    elif g.bounded:
+        props[PROP_DEADLOCK] = "NOT CHECKED (bounded search)"
+
+
+def cannot_reach_final(model: RingModel, states: list, esrc: array, edst: array,
+                        terminals: list | None = None) -> tuple[int | None, int]:
+    """Reverse reachability from the final states over the explored graph.
+
+    Returns the first (BFS-shortest) state that cannot reach a final state (None if every
+    state can) and the number of final states. ``terminals``: the ids of the states without a
+    successor, where the final states are (nothing moves once every rank ended its last epoch);
+    None: look at every state. (numpy: the edges grouped by destination, then one
+    vectorised step per BFS level; the set reached does not depend on the order of the search.)
+    """
+    import numpy as np
+
+    n = len(states)
+    src = np.array(esrc, dtype=np.int64)
+    dst = np.array(edst, dtype=np.int64)
+    order = np.argsort(dst, kind="stable")
+    rev = src[order]  # the predecessors of each state, grouped by state
+    start = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(np.bincount(dst, minlength=n), out=start[1:])
+    seen = np.zeros(n, dtype=bool)
+    frontier = np.fromiter((i for i in (range(n) if terminals is None else terminals) if model.is_final(states[i])),
+                           dtype=np.int64)
+    nfinal = len(frontier)
+    seen[frontier] = True
+    while len(frontier):
+        lo, hi = start[frontier], start[frontier + 1]
+        counts = hi - lo
+        total = int(counts.sum())
+        if total == 0:
+            break
+        # every index in [lo, hi) of every frontier state, in one array
+        offs = np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts)
+        pred = rev[np.repeat(lo, counts) + offs]
+        pred = np.unique(pred[~seen[pred]])
+        seen[pred] = True
+        frontier = pred
+    missing = np.flatnonzero(~seen)
+    return (int(missing[0]) if len(missing) else None), nfinal
+
+
+def model_check_main(args, report) -> int:
+    """Entry point of ``streamring model-check``: 0 iff every property holds. ``report``:
+    :mod:`streamring.host.report`, which prints the tables (the CLI hands it in: this package sits below
+    host in the layering)."""
+    try:
+        inject = parse_inject(getattr(args, "inject", None))
+        por = getattr(args, "por", None)
+        env = os.environ.get("STREAMRING_MODEL_POR", "auto").strip().lower()
+        if por is None and env in ("0", "1", "off", "on"):
+            por = env in ("1", "on")
+        cfg = ModelConfig(ranks=args.ranks, slots=args.slots, chunks=args.chunks, epochs=args.epochs,
+                          inject=inject, por=por, max_states=getattr(args, "max_states", None),
+                          source_order=getattr(args, "source_order", "rank") or "rank",
+                          layer=getattr(args, "layer", "ring") or "ring")
+        topk = getattr(args, "topk", None)
+        if topk is not None:
+            if cfg.layer != "ep":
+                raise ValueError("--topk routes the combine entries of the ep layer: it needs --layer ep")
+            cfg.topk = topk
+        cfg.validate()
+    except ValueError as exc:
+        print(f"streamring model-check: {exc}", file=sys.stderr)
+        return 2
+    res = check(cfg)
+    print_result(res, report)
+    if getattr(args, "json", None):
+        Path(args.json).write_text(json.dumps(res.to_dict(), indent=2))
+    return 0 if res.ok else 1
