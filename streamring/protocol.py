@@ -142,10 +142,9 @@ PROGRESS_POLICIES = ("serialized", "stream_wait", "spin_kernel", "green_ctx", "p
 # Progress policies the expert-parallel GPU layer refuses, with the measured reason (docs/gpu.md); the
 # device ring's own self-test still runs them.
 REFUSED_POLICIES = {
-    "pdl": "its serialized order overlaps nothing (1.17x batch at 4 chunks on one H200), and its streamed output "
-           "once differed from batch (max |diff| 0.09, one and two H200s, 2026-11-30) while every other policy was "
-           "bitwise equal; bench.pdl_probe did not reproduce that on the current kernels (one H200, 2026-12-01), "
-           "but it gains nothing to weigh against the doubt",
+    "pdl": "its serialized order overlaps nothing (1.17x batch at 4 chunks on one H200), and one measured run's "
+           "streamed output was not bitwise equal to batch where every other policy's was (not reproduced by "
+           "bench.pdl_probe since, docs/performance.md); it gains nothing to weigh against that doubt",
 }
 
 # The expert GEMM implementations of the GPU layer ("auto": the fastest available one of the measured table,

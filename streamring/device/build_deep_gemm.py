@@ -236,7 +236,7 @@ def choose_compiler(work: Path, log=print) -> str:
     Why: on the H200 host ``$CXX`` (``/opt/gcc/bin/g++``) links libstdc++ statically, so ``_C``
     carried a private copy of the C++ runtime beside the one Python and torch loaded, and the first
     grouped GEMM call segfaulted in that copy's locale, inside ``std::regex`` (DeepGEMM's JIT include
-    parser; native backtrace of 2026-12-01: ``IncludeParser::get_includes`` ->
+    parser; a native backtrace: ``IncludeParser::get_includes`` ->
     ``_BracketMatcher::_M_ready``). A probe library built with each candidate shows which ones do that."""
     if os.environ.get("DG_CXX"):
         cxx = os.environ["DG_CXX"]

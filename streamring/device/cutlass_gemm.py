@@ -425,7 +425,7 @@ class GroupedGemm:
     """One CUTLASS grouped-GEMM plan (created on first use, on the tensors' device).
 
     ``n``, ``k``: the GEMM's output width and reduction length (multiples of 128);
-    ``out_dtype``: ``torch.bfloat16`` or ``torch.float32`` (the tiles added for issue 21 have
+    ``out_dtype``: ``torch.bfloat16`` or ``torch.float32`` (the one-block tiles have
     bf16 only); ``tile``: a key of :data:`TILE_TABLE` (:data:`TILE_DOC`); ``capacity``: the
     largest ``max_items`` of a run (sizes the problem arrays); ``raster``: ``"m"`` or ``"n"``,
     the order of a group's tiles, and ``swizzle`` (1, 2, 4, 8): CUTLASS's group scheduler options

@@ -1,6 +1,6 @@
 """Everything about a job that is knowable before any rank starts, checked once.
 
-``streamring run``/``stress`` used to find these on every rank (2 x N messages, or only
+Checked here rather than on every rank (which would print 2 x N messages, or find them only
 after the whole run): the config against the number of ranks, the ``--json`` path, the
 GPU backend's requirements, and whether the ring fits in memory at all. The local
 launcher checks them before it starts ``mpiexec``; ranks started by another launcher

@@ -33,7 +33,7 @@ class CutlassExperts:
     """CUTLASS plans and intermediates for one :class:`~streamring.moe.blocks.BlockConsumer`.
 
     ``tile_l1`` / ``tile_l2``: keys of :data:`streamring.device.cutlass_gemm.TILE_TABLE`;
-    ``l1_out_dtype``: float32 or bfloat16 (the tiles added for issue 21 have bf16 only);
+    ``l1_out_dtype``: float32 or bfloat16 (the one-block tiles have bf16 only);
     ``raster_l1`` / ``raster_l2``: ``"m"`` or ``"n"`` and ``swizzle_l1`` / ``swizzle_l2``: 1, 2, 4 or 8
     (the group scheduler's tile order; neither changes a bit of the output). Allocates the L1
     output ``[rows, 2I]`` and the L2 scale buffer once, here. A tile that reads one weight scale per
