@@ -287,6 +287,12 @@ def test_auto_streams_only_where_the_table_measured_a_win(setup, monkeypatch):
         assert torch.equal(bits(y), bits(want)), table
         assert (buf.paths["stream"].ring.epoch() > before) == streams, table
         assert buf.last_adaptive.path == answer, (table, buf.last_adaptive)
+    # no row for this setting: the cost model decides and says so (it covers DeepSeek-V3 shapes only: batch here)
+    monkeypatch.setattr(adaptive, "load_table", lambda path=None: {"rows": [{**win["rows"][0], "ranks": 8}]})
+    y = buf.forward(x, w, streaming="auto").clone()
+    assert torch.equal(bits(y), bits(want))
+    assert buf.last_adaptive.source == "model" and buf.last_adaptive.path == "batch"
+    assert "covers (hidden, intermediate, topk) = (7168, 2048, 8) only" in buf.last_adaptive.note
     with pytest.raises(ValueError, match="streaming must be True, False or 'auto'"):
         buf.forward(x, w, streaming="yes")
     # the committed table: no streamed win was ever measured, so auto is the batch path

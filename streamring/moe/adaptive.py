@@ -41,6 +41,49 @@ class AdaptiveChoice:
     note: str = ""
     chunks: int = 1
     source_order: str = "rank"
+    #: what decided: ``measured`` (a row of the tuned table) or ``model`` (:mod:`streamring.moe.cost_model`,
+    #: where the table has no row for the setting)
+    source: str = "measured"
+
+
+#: late-rank cases the model weighs beside the on-time one (ms of one PE's producer delay)
+MODEL_LATE_MS = (1.0, 3.0)
+
+
+def choose_by_model(tokens: int, *, ranks: int, experts_per_pe: int, gemm: str, block_m: int, chunks: int,
+                    source_order: str, link_GBps: float, shape: tuple = (7168, 2048, 8),
+                    margin: float = 0.01) -> AdaptiveChoice:
+    """The batch path or the buffer's own streamed plan for ``tokens`` tokens per PE, from the cost model
+    (:func:`streamring.moe.cost_model.predict`, one GPU per PE): each path's regret is its worst ratio over
+    the faster path in the cases on time and with one PE ``MODEL_LATE_MS`` late, and the streamed plan is
+    taken where its regret is below batch's by more than ``margin`` (the tuned table's rule). ``shape``:
+    ``(hidden, intermediate, topk)`` of the layer; the model's rates are DeepSeek-V3's expert shapes, so any
+    other shape gets the batch path."""
+    from . import cost_model as CM
+
+    if tuple(shape) != (CM.H, CM.I_DIM, CM.TOPK):
+        return AdaptiveChoice(tokens, "batch", block_m, tokens, source="model",
+                              note=f"no measured row, and the cost model covers (hidden, intermediate, topk) = "
+                                   f"{(CM.H, CM.I_DIM, CM.TOPK)} only, not {tuple(shape)}: the batch path")
+    if gemm not in CM.load_rates()["gemm"]:
+        return AdaptiveChoice(tokens, "batch", block_m, tokens, source="model",
+                              note=f"the cost model has no rates for gemm={gemm!r}: the batch path")
+    base = dict(ranks=ranks, tokens=tokens, experts_per_pe=experts_per_pe, gemm=gemm, block_m=block_m,
+                machine="gpu", link_GBps=link_GBps)
+    times = {p: [] for p in ("batch", "streamed")}
+    for late in (0.0,) + MODEL_LATE_MS:
+        case = dict(base, straggler_ms=late, straggler_rank=ranks - 1 if late else None)
+        times["batch"].append(CM.predict(dict(case, path="batch"))["total_ms"])
+        times["streamed"].append(CM.predict(dict(case, path="streamed", chunks=chunks,
+                                                 source_order=source_order))["total_ms"])
+    best = [min(b, s) for b, s in zip(times["batch"], times["streamed"])]
+    regret = {p: max(t / f for t, f in zip(ts, best)) for p, ts in times.items()}
+    path = "streamed" if regret["streamed"] < regret["batch"] * (1.0 - margin) else "batch"
+    return AdaptiveChoice(tokens, path, block_m, -(-tokens // chunks) if path == "streamed" else tokens,
+                          num_slots=chunks, policy="spin_kernel" if path == "streamed" else None, chunks=chunks,
+                          source_order=source_order, source="model",
+                          note=f"cost model: regret streamed {regret['streamed']:.3f}, batch {regret['batch']:.3f} "
+                               f"(on time and {', '.join(format(x, 'g') for x in MODEL_LATE_MS)} ms late)")
 
 
 def load_table(path: str | Path = DEFAULT_TABLE) -> dict:

@@ -301,20 +301,28 @@ class EPBuffer(EPPipeline):
 
     # -- the forward --------------------------------------------------------------------------------
     def adaptive_streaming(self, tokens: int) -> bool:
-        """``streaming="auto"``: whether the tuned table (:mod:`streamring.moe.adaptive`, made by
-        ``python -m bench.make_adaptive_table`` from the layer benchmark) has a measured streamed win for
-        ``tokens`` rows per PE with this buffer's GEMM implementation, PE count, experts per PE, chunk count
-        and dispatch order. Batch everywhere else (no win measured, another chunking or order, no row for
-        this setting, 0 rows): the batch path is the correctness fallback and what streaming must beat. :attr:`last_adaptive` keeps the
-        table's answer."""
+        """``streaming="auto"``: whether streaming wins for ``tokens`` rows per PE with this buffer's GEMM
+        implementation, PE count, experts per PE, chunk count and dispatch order. The tuned table
+        (:mod:`streamring.moe.adaptive`, made by ``python -m bench.make_adaptive_table`` from the layer
+        benchmark) decides where it has a row for the setting (a measured win counts only for the buffer's
+        own chunking and order); elsewhere the cost model does (:func:`~streamring.moe.adaptive.choose_by_model`).
+        Batch where neither finds a win (and for 0 rows): the batch path is the correctness fallback and what
+        streaming must beat. :attr:`last_adaptive` keeps the answer; its ``source`` says which decided."""
         from . import adaptive
+        from .cost_model import INTER_NODE_GBPS, NVLINK_GBPS
 
         if tokens < 1:
             return False
-        # the buffer streams in its own chunks and order: a measured win counts only for the same ones
-        self.last_adaptive = choice = adaptive.choose(int(tokens), gemm=self.gemm, ranks=self.R,
-                                                      experts_per_pe=self.E_loc, min_chunk_tokens=1)
         st = self.paths["stream"]
+        choice = adaptive.choose(int(tokens), gemm=self.gemm, ranks=self.R, experts_per_pe=self.E_loc,
+                                 min_chunk_tokens=1)
+        if choice.note.startswith("no measured row"):
+            choice = adaptive.choose_by_model(
+                int(tokens), ranks=self.R, experts_per_pe=self.E_loc, gemm=self.gemm, block_m=self.block_m,
+                chunks=st.num_chunks, source_order=st.source_order,
+                link_GBps=NVLINK_GBPS if self.transport == "p2p" else INTER_NODE_GBPS,
+                shape=(self.shape.hidden, self.shape.intermediate, self.shape.topk))
+        self.last_adaptive = choice
         return choice.path == "streamed" and choice.chunks == st.num_chunks and choice.source_order == st.source_order
 
     def forward(self, x: torch.Tensor, weights: LayerWeights, *, streaming: bool | str = False,
