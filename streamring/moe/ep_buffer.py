@@ -105,8 +105,10 @@ from ..device import moe_triton as K
 from ..device.cutlass_gemm import status_text as gemm_status_text
 from ..device.ranges import annotate as nvtx_range
 from ..device.ringdesc import RING_LAYOUT, RING_ROUTE, describe_status
-from ..device_ring import DeviceRing
-from ..protocol import GEMM_CHOICES, CombineLayout, RingLayout, WatchdogError
+from ..ring.device import DeviceRing
+from ..ring.layout import CombineLayout, RingLayout
+from ..ring.policies import GEMM_CHOICES
+from ..ring.protocol import WatchdogError
 from . import gemm_choice as GC
 from .blocks import FP8, BlockConsumer, FastWeights, compute_blocks, select_experts_into
 from .math import MoEShape, MoEWeights, quantize_weight_fp8_block
