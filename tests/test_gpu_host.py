@@ -29,7 +29,7 @@ def test_auto_resolves_once_for_both_paths(monkeypatch, cutlass, want):
     streamed paths both run what it resolved (``EPBuffer.gemm``), so a streamed-vs-batch comparison never
     measures two GEMMs' rounding; the row names it for both."""
     from streamring.moe import ep_buffer
-    from streamring.moe import gemm_choice as GC
+    from streamring.gemm import choice as GC
     from streamring.moe.math import MoEShape
 
     avail = {"triton": "", "cutlass": "" if cutlass else "not built", "deep_gemm": "not installed"}

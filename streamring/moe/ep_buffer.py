@@ -102,14 +102,14 @@ import torch
 
 from ..device import kernels as DK
 from ..device import moe_triton as K
-from ..device.cutlass_gemm import status_text as gemm_status_text
 from ..device.ranges import annotate as nvtx_range
 from ..device.ringdesc import RING_LAYOUT, RING_ROUTE, describe_status
+from ..gemm import choice as GC
+from ..gemm.cutlass import status_text as gemm_status_text
 from ..ring.device import DeviceRing
 from ..ring.layout import CombineLayout, RingLayout
 from ..ring.policies import GEMM_CHOICES
 from ..ring.protocol import WatchdogError
-from . import gemm_choice as GC
 from .blocks import FP8, BlockConsumer, FastWeights, compute_blocks, select_experts_into
 from .math import MoEShape, MoEWeights, quantize_weight_fp8_block
 from .timeline_events import CHUNK_EVENTS, STAMP_STRIDE, TAIL_EVENTS

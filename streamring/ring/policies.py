@@ -50,5 +50,5 @@ REFUSED_POLICIES = {
 }
 
 # The expert GEMM implementations of the GPU layer ("auto": the fastest available one of the measured table,
-# streamring/moe/gemm_choice.py).
+# streamring/gemm/choice.py).
 GEMM_CHOICES = ("auto", "triton", "cutlass", "deep_gemm")
