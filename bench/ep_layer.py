@@ -195,8 +195,8 @@ def pub_acq_latency(heap, launches: int = 20, nchunks: int = 64, flag_iters: int
     ``p50``/``p99``: the producer publishes route and layout as two publications (two releases), as
     the layer's producer does; ``p50_one_release``/``p99_one_release``: both under one release
     (``publish_both``); ``floor``: one flag, ``st.release.sys`` / ``ld.acquire.sys``."""
-    from streamring.device_ring import DeviceRing
-    from streamring.protocol import RingLayout
+    from streamring.ring.device import DeviceRing
+    from streamring.ring.layout import RingLayout
 
     R, me = heap.num_ranks, heap.rank
     if R < 2:

@@ -18,9 +18,9 @@ distinct experts per token out of 256), rows = 8 T, block_m 64, the batch path's
 * ``deep_gemm`` (whenever ``import deep_gemm`` works, ``--deep-gemm auto``): the same routing and
   activations in a consumer of 128-row blocks (DeepGEMM's contiguous layout), L1 =
   ``m_grouped_fp8_gemm_nt_contiguous`` over the whole block buffer with the psum layout (only the
-  allocated blocks are scheduled; ``deep_gemm_ops.psum_layout``) into a bf16 ``gu`` +
+  allocated blocks are scheduled; ``gemm.deep_gemm.psum_layout``) into a bf16 ``gu`` +
   ``swiglu_quant_blocks``, L2 with the routing weight folded into its scales - exactly what
-  ``gemm="deep_gemm"``'s batch path runs (``streamring/moe/deep_gemm_experts.py``), minus the per-call
+  ``gemm="deep_gemm"``'s batch path runs (``streamring/gemm/deep_gemm.py``), minus the per-call
   preparation (the psum layout and the MN-major scale copies), timed apart as ``deep_gemm_prep``;
   ``deep_gemm_m_indices``: the same calls with ``m_indices`` (-1 outside the ready blocks: a streamed
   chunk's call), checked bitwise equal to the psum call's rows before it is timed; and
@@ -29,10 +29,10 @@ distinct experts per token out of 256), rows = 8 T, block_m 64, the batch path's
   DeepGEMM's own layout, as issue 21 measured it). ``ratio_vs_deep_gemm`` is against the fastest.
 
 CUTLASS variants are ``tile:out_dtype[:raster[:s<swizzle>]]`` (``--l1``) and ``tile[:raster[:s<swizzle>]]``
-(``--l2``), tiles of ``cutlass_gemm.TILE_TABLE``, raster ``m`` (default) or ``n``, the group scheduler's
+(``--l2``), tiles of ``gemm.cutlass.TILE_TABLE``, raster ``m`` (default) or ``n``, the group scheduler's
 swizzle ``s1`` (default), ``s2``, ``s4`` or ``s8``. Every row carries the ratio to torch and
 to DeepGEMM (its time / ours: > 1 means faster than DeepGEMM), and ``variant``: the name the
-heuristic table uses (``streamring/moe/gemm_choice.py``). ``--table PATH`` writes that table: per
+heuristic table uses (``streamring/gemm/choice.py``). ``--table PATH`` writes that table: per
 (rows per expert, N, K) every variant's median and the fastest.
 
 ``--layer-tokens`` (default 8192): the whole batch layer on one GPU (router, FP8 layout, dispatch into
@@ -56,7 +56,7 @@ times interleaved (A B C A B C ...) with CUDA events; medians. Per size a table:
 4.8 TB/s, ratio to torch (torch time / ours). ``--json`` writes one row per measurement.
 
     python -m bench.gemm --tokens 128,1024,8192,32768 --json docs/results/gemm-<date>.json \
-        --table streamring/moe/gemm_table.json
+        --table streamring/gemm/table.json
 
 This file is the script; what other scripts reuse of it is in :mod:`bench.gemm_lib` (the input case,
 variant specs, the table, the batch layer) and :mod:`bench.common` (shape, inputs, timing).
@@ -73,10 +73,10 @@ import traceback
 
 import torch
 
-from streamring.device import cutlass_gemm as CG
-from streamring.device import deep_gemm_ops as DG
+from streamring.gemm import cutlass as CG
+from streamring.gemm import deep_gemm as DG
 from streamring.moe import blocks as B
-from streamring.moe import gemm_choice as GC
+from streamring.gemm import choice as GC
 from bench.common import (FP8, HBM_GBS, PEAK_FP8_TFLOPS, T0, capture, dsv3_shape, log, poison,
                           time_interleaved)
 from bench.gemm_lib import Case, deep_gemm_first_call, layer_forward, make_table, parse_variants
@@ -543,7 +543,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", default="128,1024,8192,32768")
     ap.add_argument("--json", help="write the rows here (e.g. docs/results/gemm-<date>.json)")
-    ap.add_argument("--table", help="write the heuristic table here (streamring/moe/gemm_table.json's format)")
+    ap.add_argument("--table", help="write the heuristic table here (streamring/gemm/table.json's format)")
     ap.add_argument("--sets", type=int, default=2, help="input sets (routing + activations)")
     ap.add_argument("--replays", type=int, default=8, help="timed replays per set and kernel")
     ap.add_argument("--block-m", type=int, default=64)

@@ -31,7 +31,7 @@ and intermediates are filled with NaN and it is run: ``per_chunk`` (and ``per_ch
 Uniform top-8 routing (``bench.common.uniform_inputs``), DeepSeek-V3 shape, ``--block-m`` rows per
 block. Each form is one CUDA graph; for each of ``--sets`` input sets the graphs are replayed
 ``--replays`` times interleaved (``bench.common.time_interleaved``); medians. The CUTLASS variants
-are what ``gemm="cutlass"`` takes at that size from the committed table (``gemm_choice``).
+are what ``gemm="cutlass"`` takes at that size from the committed table (``gemm.choice``).
 
     python -m bench.gemm_launches --tokens 1024,4096,8192 --chunks 2,4,8 \
         --json docs/results/gemm-launches-<date>.json
@@ -48,11 +48,11 @@ import torch
 
 from bench.common import capture, dsv3_shape, log, poison, time_interleaved, uniform_inputs
 from bench.gemm_lib import deep_gemm_first_call
-from streamring.device import cutlass_gemm as CG
-from streamring.device import deep_gemm_ops as DG
+from streamring.gemm import cutlass as CG
+from streamring.gemm import deep_gemm as DG
 from streamring.moe import blocks as B
 from streamring.moe.bitwise import same_bits
-from streamring.moe import gemm_choice as GC
+from streamring.gemm import choice as GC
 
 IMPLS = ("cutlass", "triton", "deep_gemm")
 

@@ -5,7 +5,7 @@
   the benchmark on them (``triton_l1``, ``cutlass_l1``, ``deep_gemm_exact_l1``...);
 * :func:`parse_variants`: CUTLASS variant specs (``--l1`` / ``--l2``) into tiles, dtypes, rasters and
   swizzles;
-* :func:`make_table`: the heuristic table (``streamring/moe/gemm_table.json``) from benchmark rows;
+* :func:`make_table`: the heuristic table (``streamring/gemm/table.json``) from benchmark rows;
 * :func:`layer_forward`: the whole batch layer through one GEMM implementation;
 * :func:`deep_gemm_first_call`: DeepGEMM's first call in a child process (a crash ends the child).
 
@@ -23,11 +23,11 @@ import sys
 import torch
 
 from bench.common import FP8, uniform_inputs
-from streamring.device import cutlass_gemm as CG
-from streamring.device import deep_gemm_ops as DG
+from streamring.gemm import cutlass as CG
+from streamring.gemm import deep_gemm as DG
 from streamring.device import moe_triton as K
 from streamring.moe import blocks as B
-from streamring.moe import gemm_choice as GC
+from streamring.gemm import choice as GC
 from streamring.moe.math import MoEShape
 
 # ----------------------------------------------------------------------------------------------
@@ -213,7 +213,7 @@ class Case:
 def parse_variants(spec: str, gemm: str) -> dict:
     """``--l1`` / ``--l2`` into ``{name: (tile, out dtype, raster, swizzle)}`` (names as the rows carry
     them): L1 entries ``tile:out_dtype[:raster[:s<swizzle>]]``, L2 entries ``tile[:raster[:s<swizzle>]]``;
-    an entry is read as the table key it names (``gemm_choice.parse_key``)."""
+    an entry is read as the table key it names (``gemm.choice.parse_key``)."""
     dts = {"f32": torch.float32, "bf16": torch.bfloat16}
     out = {}
     for v in (x for x in spec.split(",") if x):
@@ -240,7 +240,7 @@ def parse_variants(spec: str, gemm: str) -> dict:
 
 
 def make_table(rows: list, num_experts: int, topk: int, meta: dict) -> dict:
-    """The heuristic table (``streamring/moe/gemm_table.json``) from this run's GEMM rows: per (tokens,
+    """The heuristic table (``streamring/gemm/table.json``) from this run's GEMM rows: per (tokens,
     GEMM) the rows per expert, N, K, every timed variant's median (torch's for reference) and the best."""
     groups: dict = {}
     for r in rows:
@@ -279,7 +279,7 @@ def layer_forward(impl: str, choice, block_m: int, x, shape, fw, dev):
     T = x.shape[0]
     prod = B.Producer(shape, fw, T, dev)
     bc = B.BlockConsumer(shape, T, 1, block_m, dev)
-    # batch: one call over every block, so DeepGEMM may write y directly (see deep_gemm_experts)
+    # batch: one call over every block, so DeepGEMM may write y directly (see gemm.deep_gemm.DeepGemmExperts)
     GC.setup_consumer(bc, choice, staging_y=True)
     sc = B.scratch_buffers(shape, T, dev)
     out = torch.zeros(T, shape.hidden, dtype=torch.bfloat16, device=dev)

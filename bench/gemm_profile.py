@@ -23,8 +23,8 @@ import torch
 
 from bench.common import dsv3_shape
 from bench.gemm_lib import Case, parse_variants
-from streamring.device import cutlass_gemm as CG
-from streamring.device import deep_gemm_ops as DG
+from streamring.gemm import cutlass as CG
+from streamring.gemm import deep_gemm as DG
 from streamring.moe import blocks as B
 
 T = int(sys.argv[1]) if len(sys.argv) > 1 else 8192

@@ -26,9 +26,9 @@ import torch
 
 from bench.common import dsv3_shape
 from bench.gemm_lib import layer_forward
-from streamring.device import deep_gemm_ops as DG
+from streamring.gemm import deep_gemm as DG
 from streamring.moe import blocks as B
-from streamring.moe import gemm_choice as GC
+from streamring.gemm import choice as GC
 
 impls, T = sys.argv[1].split(","), int(sys.argv[2])
 REPLAYS = int(sys.argv[3]) if len(sys.argv) > 3 else 20

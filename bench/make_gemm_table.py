@@ -1,13 +1,13 @@
 #!/usr/bin/env python3
-"""Build the expert-GEMM heuristic table (``streamring/moe/gemm_table.json``) from ``bench.gemm`` runs.
+"""Build the expert-GEMM heuristic table (``streamring/gemm/table.json``) from ``bench.gemm`` runs.
 
     python -m bench.make_gemm_table docs/results/gemm-all-vs-deepgemm-psum-128-32768-2026-12-01.json \
-        docs/results/gemm-triton-vs-deepgemm-1024-bm64-2026-12-02.json --out streamring/moe/gemm_table.json
+        docs/results/gemm-triton-vs-deepgemm-1024-bm64-2026-12-02.json --out streamring/gemm/table.json
 
 Each (tokens, GEMM, block size) entry is taken whole from one run: the last file given that measured
 that size with that ``--block-m`` (:func:`bench.gemm_lib.make_table` of its rows), so the times an entry
 compares were taken side by side in one process, never mixed across runs. Every entry names its file
-(``source``) and the run's block size (``run_block_m``; ``gemm_choice`` prefers the entries of the
+(``source``) and the run's block size (``run_block_m``; ``gemm.choice`` prefers the entries of the
 consumer's block size: the one-block-per-tile CUTLASS tiles are measured at 128 only). The runs must
 share the device: a file measured on another is refused, naming both.
 """

@@ -18,7 +18,8 @@ def publish_acquire_latencies(heap, num_slots: int, tokens_per_slot: int, hidden
     comparable: one machine), this rank's wall time of the loop, and the chunks it published.
     The ring is closed before returning.
     """
-    from streamring.protocol import META_LAYOUT_NS, META_ROUTE_NS, META_WORDS, Ring, RingLayout
+    from streamring.ring.layout import META_LAYOUT_NS, META_ROUTE_NS, META_WORDS, RingLayout
+    from streamring.ring.protocol import Ring
 
     R = heap.num_ranks
     C, S = tokens_per_slot, num_slots

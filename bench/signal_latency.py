@@ -31,9 +31,9 @@ from pathlib import Path
 
 import numpy as np
 
-from streamring.device_ring import DeviceRing
+from streamring.ring.device import DeviceRing
 from streamring.gpu_selftest import POLICIES, StreamedSequence, _agree
-from streamring.protocol import RingLayout
+from streamring.ring.layout import RingLayout
 
 
 def bench_raw(heap, iters: int) -> dict:

@@ -21,7 +21,7 @@ if [ ! -d .deepgemm ]; then
   exit 2
 fi
 mkdir -p "$DG_PREFIX" "$DG_JIT_CACHE_DIR"
-timeout "${DG_BUILD_TIMEOUT:-300}" python3 -m streamring.device.build_deep_gemm --src .deepgemm --prefix "$DG_PREFIX" \
+timeout "${DG_BUILD_TIMEOUT:-300}" python3 -m streamring.gemm.build_deep_gemm --src .deepgemm --prefix "$DG_PREFIX" \
   --build-dir /tmp/streamring-deep-gemm-build --cuda-home "$CUDA_HOME" --jit-cache "$DG_JIT_CACHE_DIR"
 rc=$?
 if [ "$rc" != 0 ]; then
@@ -34,7 +34,7 @@ fi
 timeout 120 python3 - <<'EOF'
 import deep_gemm
 print(f"build_deep_gemm: import deep_gemm {deep_gemm.__version__} from {deep_gemm.__file__} works")
-from streamring.device.deep_gemm_ops import deep_gemm_available
+from streamring.gemm.deep_gemm import deep_gemm_available
 a = deep_gemm_available()
 print(f"build_deep_gemm: deep_gemm_available() = {a.ok}: {a.reason}")
 raise SystemExit(0 if a else 1)

@@ -9,7 +9,7 @@
 # Carry .whl/ with the working tree to the GPU machine: launch/device_env.sh (sourced by every
 # launch/*.sh device script) installs .whl/*.whl into .site there and puts it on PYTHONPATH. The CUTLASS
 # GEMM library can be built ahead here too (no GPU needed, nvcc and the headers are):
-# `python -m streamring.device.build_gemm --out .gemm-build`, then carry .gemm-build/ as well.
+# `python -m streamring.gemm.build --out .gemm-build`, then carry .gemm-build/ as well.
 # Wheels for CPython 3.12 on x86_64 manylinux (the GPU machine's Python).
 set -euo pipefail
 cd "$(git -C "$(dirname "$0")" rev-parse --show-toplevel)"
@@ -24,7 +24,7 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
   pydantic==2.14.4 pydantic_core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 typing_extensions==4.16.0
 if [ "${1:-}" = "--cutlass" ]; then
   python3 -m pip download -q --no-deps -d .whl nvidia-cutlass==4.2.0.0
-  # where streamring.device.build_gemm looks for the headers on a machine without the wheel installed
+  # where streamring.gemm.build looks for the headers on a machine without the wheel installed
   python3 -m zipfile -e .whl/nvidia_cutlass-4.2.0.0-py3-none-any.whl .whl/cutlass
 fi
 ls -la .whl

@@ -8,7 +8,7 @@
 #   bench     tests/test_gemm_cutlass.py + tests/test_gemm_choice.py natively, then python -m bench.gemm:
 #             Triton, every CUTLASS variant, DeepGEMM and torch side by side at $GEMM_TOKENS, the whole
 #             batch layer per GEMM at $GEMM_LAYER_TOKENS -> $OUT/gemm-<date>.json and the heuristic table
-#             $OUT/gemm_table.json (commit them as docs/results/... and streamring/moe/gemm_table.json);
+#             $OUT/gemm_table.json (commit them as docs/results/... and streamring/gemm/table.json);
 #             then tests/test_deep_gemm.py; a short table in $OUT/summary.txt
 #   layer     python -m bench.routing (the routing kernel's launch variants against the torch rule), then
 #             python -m bench.layer_replay: the batch layer at $LAYER_TOKENS with DeepGEMM, CUTLASS and
@@ -62,13 +62,13 @@ need_dg() {  # waits for the DeepGEMM build once (at most what the jobs after it
 }
 
 say "=== the CUTLASS library ($(left) s left)"
-if ! timeout 60 python3 -c "from streamring.device import cutlass_gemm as C; C.load_library(build=False)" >>"$LOG" 2>&1; then
+if ! timeout 60 python3 -c "from streamring.gemm import cutlass as C; C.load_library(build=False)" >>"$LOG" 2>&1; then
   say "gemm_bench: no CUTLASS library built from this source carried (.gemm-build/): building it here"
-  timeout "$(limit 300 120)" python3 -m streamring.device.build_gemm --out .gemm-build 2>&1 | tee -a "$LOG"
+  timeout "$(limit 300 120)" python3 -m streamring.gemm.build --out .gemm-build 2>&1 | tee -a "$LOG"
 fi
 timeout 60 python3 - <<'EOF' 2>&1 | tee -a "$LOG"
 import json
-from streamring.device import cutlass_gemm as C
+from streamring.gemm import cutlass as C
 try:
     C.load_library(build=False)  # built above or carried: never a second build attempt here
     info = C.library_info()

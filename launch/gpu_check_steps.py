@@ -25,7 +25,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from streamring.protocol import PROGRESS_POLICIES, REFUSED_POLICIES  # noqa: E402  (plain data, no GPU imports)
+from streamring.ring.policies import PROGRESS_POLICIES, REFUSED_POLICIES  # noqa: E402  (plain data, no GPU imports)
 OUT = Path(os.environ.get("OUT") or ROOT / "out")
 LOG = OUT / "gpu_check.log"
 STATE = OUT / "summary.json"

@@ -4,7 +4,7 @@ Layers (arrows point down only):
 
 * ``streamring.cli``                 command line (thin)
 * ``streamring.host``                bootstrap, launchers, per-rank drivers
-* ``streamring.protocol`` / ``moe``  the ring protocol and the MoE layer on it
+* ``streamring.ring`` / ``moe``      the ring (layout, protocol, device form, roles) and the MoE layer on it
 * ``streamring.device``              the symmetric-heap verbs and their backends
 """
 
@@ -12,8 +12,9 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "Config": "config", "ConfigError": "config", "load_config": "config",
-    "Inject": "protocol", "ProtocolViolation": "protocol", "Ring": "protocol", "RingLayout": "protocol",
-    "StreamPlan": "protocol", "WatchdogError": "protocol", "make_gen": "protocol", "split_gen": "protocol",
+    "Inject": "ring.policies", "ProtocolViolation": "ring.protocol", "Ring": "ring.protocol",
+    "RingLayout": "ring.layout", "StreamPlan": "ring.layout", "WatchdogError": "ring.protocol",
+    "make_gen": "ring.layout", "split_gen": "ring.layout",
 }
 
 __all__ = sorted(_EXPORTS)

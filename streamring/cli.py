@@ -21,7 +21,7 @@ import sys
 
 from .config import ConfigError, load_config
 from .verify.names import EP_INJECT_MODES, LAYERS, MODEL_INJECT_MODES, QUEUE_INJECT_MODES
-from .protocol import INJECT_MODES, PROGRESS_POLICIES, SOURCE_ORDERS
+from .ring.policies import INJECT_MODES, PROGRESS_POLICIES, SOURCE_ORDERS
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 #: What a CPU rank of each command imports before its first step: the local launcher's preload server

@@ -7,7 +7,7 @@ publish, a consumer per source that acquires, checks the pattern on the device a
 acknowledges; then the owner's drain and ``advance_epoch``. It is captured into one
 ``torch.cuda.CUDAGraph`` and replayed (:func:`graph_check`); the device status words count
 violations and timeouts. The consumer is enqueued *before* its producers, so the progress
-policy (``streamring.protocol.PROGRESS_POLICIES``) must keep it from blocking them:
+policy (``streamring.ring.policies.PROGRESS_POLICIES``) must keep it from blocking them:
 
 * ``stream_wait`` - the consumer stream blocks in ``cuStreamWaitValue64`` on the ring's
   doorbells (no SM held), then the consume kernel (acquire + verify + ack) runs. A captured
@@ -36,8 +36,9 @@ from pathlib import Path
 
 
 from .device.ringdesc import CLOCK_HZ, INJECT_BITS, RING_LAYOUT, RING_ROUTE
-from .device_ring import DeviceRing
-from .protocol import PROGRESS_POLICIES, RingLayout
+from .ring.device import DeviceRing
+from .ring.layout import RingLayout
+from .ring.policies import PROGRESS_POLICIES
 
 POLICIES = PROGRESS_POLICIES
 

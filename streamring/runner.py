@@ -17,7 +17,8 @@ import numpy as np
 from .config import Config, ConfigError, per_rank
 from .device.verbs import SymmetricHeap
 from .moe.shape import MoEShape
-from .protocol import PROGRESS_POLICIES, REFUSED_POLICIES, Inject, RingLayout
+from .ring.layout import RingLayout
+from .ring.policies import PROGRESS_POLICIES, REFUSED_POLICIES, Inject
 
 # torch and the MoE layer are imported by the functions that compute: the local launcher's pre-launch
 # check (check_run_job, run_heap_bytes) runs in a process that needs neither.

@@ -42,7 +42,7 @@ from streamring.device.ringdesc import (
     RS_VIOLATIONS,
 )
 from streamring.device.verbs import Region
-from streamring.protocol import make_gen
+from streamring.ring.layout import make_gen
 
 CODE = {name: code for name, (code, _) in ERRORS.items()}
 TIMEOUT_CODES = {CODE[n] for n in ("RE_ACQUIRE_TIMEOUT", "RE_REUSE_TIMEOUT", "RE_DRAIN_TIMEOUT", "RE_COMBINE_TIMEOUT")}
@@ -292,7 +292,7 @@ class _Handle:
 
 class EmulatedHeap:
     """A one-PE symmetric heap in host memory with :class:`EmulatedLibrary` as its ``lib``: what
-    :class:`~streamring.device_ring.DeviceRing` and ``EPBuffer`` need of an ``NvshmemHeap``."""
+    :class:`~streamring.ring.device.DeviceRing` and ``EPBuffer`` need of an ``NvshmemHeap``."""
 
     rank = 0
     num_ranks = 1

@@ -55,18 +55,9 @@ class Row:
 def hostile_rows() -> list[Row]:
     """Every word a peer controls, at boundary values on both sides (the CPU table's values)."""
     from streamring.device.ringdesc import META_FIELD_NAMES
-    from streamring.protocol import (
-        MAX_EPOCH,
-        MAX_SEQ,
-        META_BASE,
-        META_CHUNK,
-        META_LAYOUT_GEN,
-        META_LAYOUT_NS,
-        META_ROUTE_GEN,
-        META_ROUTE_NS,
-        META_VALID,
-        gen_str,
-        make_gen,
+    from streamring.ring.layout import (
+        MAX_EPOCH, MAX_SEQ, META_BASE, META_CHUNK, META_LAYOUT_GEN, META_LAYOUT_NS, META_ROUTE_GEN, META_ROUTE_NS,
+        META_VALID, gen_str, make_gen,
     )
 
     g = make_gen(EPOCH, CH + 1)
@@ -174,8 +165,8 @@ def hostile_table(heap) -> list[str]:
     from streamring.device import moe_triton as KT
     from streamring.device.ringdesc import RING_LAYOUT, RING_ROUTE
     from streamring.device.verbs import SignalOp
-    from streamring.device_ring import DeviceRing
-    from streamring.protocol import RingLayout
+    from streamring.ring.device import DeviceRing
+    from streamring.ring.layout import RingLayout
 
     R, me = heap.num_ranks, heap.rank
     evil = R - 1
@@ -262,7 +253,7 @@ def hostile_table(heap) -> list[str]:
                 problems = judge_row(row, check, st, int(bad.item()), evil, entry if row.want == "bad_route" else None,
                                      e_loc)
                 if check in ("acquire", "ready"):
-                    from streamring.protocol import META_VALID
+                    from streamring.ring.layout import META_VALID
 
                     learned = int(valid_tab[CH, evil].item())
                     want_learned = 0 if row.want != "ok" else (row.value if row.target == ("meta", META_VALID)
@@ -278,7 +269,7 @@ def hostile_table(heap) -> list[str]:
                 heap.barrier()
                 if me == evil and row.target[0] != "none":
                     if row.target[0] == "gen":
-                        from streamring.protocol import make_gen
+                        from streamring.ring.layout import make_gen
 
                         set_word(row.target, make_gen(EPOCH, CH + 1))
                     else:

@@ -20,18 +20,14 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-import streamring.protocol as P
+import streamring.ring.protocol as ring_protocol
 from streamring.device.cpu import MpiHeap
 from streamring.device.verbs import SignalOp, VerbError
-from streamring.protocol import (
-    META_WORDS,
-    GenState,
-    ProtocolViolation,
-    Ring,
-    RingLayout,
-    gen_str,
-    make_gen,
+from streamring.ring.layout import (
+    MAX_EPOCH, MAX_SEQ, META_BASE, META_CHUNK, META_LAYOUT_GEN, META_LAYOUT_NS, META_ROUTE_GEN, META_ROUTE_NS,
+    META_VALID, META_WORDS, GenState, RingLayout, gen_str, make_gen,
 )
+from streamring.ring.protocol import ProtocolViolation, Ring
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
@@ -159,12 +155,12 @@ def hostile_table(heap):
     old_epoch_same_seq = make_gen(EPOCH - 1, CH + 1)
     common = {E, -1, -2, base - 1, base + 1, valid + 1, old_epoch_same_seq}
     meta_rows = {  # word: (field named in the error, values); every value differs from the published one
-        P.META_CHUNK: ("chunk_index", common | {CH - 1, CH + 1, INT64_MAX}),
-        P.META_BASE: ("token_base", common | {0, C, INT64_MIN}),
-        P.META_VALID: ("valid_count", common | {0, valid - 1, C, C + 1, INT64_MAX}),
-        P.META_ROUTE_GEN: ("route_gen", common | {0, make_gen(EPOCH, CH), make_gen(EPOCH, CH + 1 + S),
+        META_CHUNK: ("chunk_index", common | {CH - 1, CH + 1, INT64_MAX}),
+        META_BASE: ("token_base", common | {0, C, INT64_MIN}),
+        META_VALID: ("valid_count", common | {0, valid - 1, C, C + 1, INT64_MAX}),
+        META_ROUTE_GEN: ("route_gen", common | {0, make_gen(EPOCH, CH), make_gen(EPOCH, CH + 1 + S),
                                                    make_gen(EPOCH + 1, CH + 1), INT64_MAX}),
-        P.META_LAYOUT_GEN: ("layout_gen", common | {0, make_gen(EPOCH, CH), make_gen(EPOCH, CH + 1 + S),
+        META_LAYOUT_GEN: ("layout_gen", common | {0, make_gen(EPOCH, CH), make_gen(EPOCH, CH + 1 + S),
                                                      make_gen(EPOCH + 1, CH + 1), INT64_MAX}),
     }
     published = np.empty(META_WORDS, np.int64)
@@ -176,7 +172,7 @@ def hostile_table(heap):
                 rows.append((f"meta {field} = {v}", ("meta", word), v,
                              ("violation", (f"source rank {EVIL} slot {slot} chunk {CH}: {field} = {v},",))))
     # Timestamps (words 4 and 6) and the spare word 7 feed statistics only: any value is harmless.
-    for word in (P.META_ROUTE_NS, P.META_LAYOUT_NS, 7):
+    for word in (META_ROUTE_NS, META_LAYOUT_NS, 7):
         for v in (-1, INT64_MAX):
             rows.append((f"meta word {word} = {v}", ("meta", word), v, "ok"))
     # topk_idx: -1 is a valid (masked) route; -2, E and beyond are not.
@@ -190,10 +186,10 @@ def hostile_table(heap):
     # The generation words the peer signals into every consumer.
     for field in ("route_ready_gen", "layout_ready_gen"):
         for v in (make_gen(EPOCH, CH + 1 + S), make_gen(EPOCH, CH), make_gen(EPOCH + 1, CH + 1),
-                  make_gen(P.MAX_EPOCH, 1), 2**64 - 1):
+                  make_gen(MAX_EPOCH, 1), 2**64 - 1):
             rows.append((f"{field} := {gen_str(v)}", ("gen", field), v,
                          ("violation", (f"{field}[src={EVIL}][slot={slot}]",))))
-        for v in (0, old_epoch_same_seq, make_gen(EPOCH - 1, P.MAX_SEQ)):
+        for v in (0, old_epoch_same_seq, make_gen(EPOCH - 1, MAX_SEQ)):
             rows.append((f"{field} := {gen_str(v)}", ("gen", field), v, "older"))
 
     def set_word(target, value):
@@ -409,7 +405,7 @@ def waiting_gives_core_away(heap):
     L = RingLayout(num_ranks=R, num_slots=1, tokens_per_slot=1, hidden=128, topk=1, num_experts=2)
     ring = Ring(heap, L, wait_timeout_s=30)
     words = heap.alloc("pingpong", 16)
-    shipped = P.spin_pause
+    shipped = ring_protocol.spin_pause
     variants = {"shipped": shipped, "sched_yield": os.sched_yield, "no_pause": lambda: None}
     # short rounds, interleaved: a burst of load from other jobs on the machine falls on all three alike
     N, ROUNDS = 10, 16
@@ -418,7 +414,7 @@ def waiting_gives_core_away(heap):
     try:
         for _ in range(ROUNDS):
             for name, pause in variants.items():
-                P.spin_pause = pause  # what Ring.wait_until calls between polls
+                ring_protocol.spin_pause = pause  # what Ring.wait_until calls between polls
                 heap.barrier()
                 for _ in range(N):
                     value += 1
@@ -431,7 +427,7 @@ def waiting_gives_core_away(heap):
                     if me == 1:
                         heap.signal_op(words, 8, v, SignalOp.SET, 0)
     finally:
-        P.spin_pause = shipped
+        ring_protocol.spin_pause = shipped
     every = heap.allgather_obj(cpu_s)
     med = {name: statistics.median(x for r in every for x in r[name]) for name in variants}
     if me == 0:

@@ -13,7 +13,7 @@ from streamring.device.cpu import MpiHeap
 from streamring.moe.bitwise import bit_difference
 from streamring.moe.layer import MoEBuffer
 from streamring.moe.math import MoEShape, MoEWeights, batch_forward_single
-from streamring.protocol import ProtocolViolation, WatchdogError
+from streamring.ring.protocol import ProtocolViolation, WatchdogError
 
 
 def expect(exc, fn, needle):

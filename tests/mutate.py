@@ -61,45 +61,45 @@ READY = tuple(f"tests/test_source_order.py::test_stress_ready_order_still_catche
 MUTATIONS = [
     # -- the ring's own rules ---------------------------------------------------------------------------
     Mutation("skip-acquire", "a consumer reads before the generations are published",
-             (("streamring/protocol.py", "        return self.gen_state(src, chunk) is GenState.READY\n",
+             (("streamring/ring/protocol.py", "        return self.gen_state(src, chunk) is GenState.READY\n",
                "        return self.gen_state(src, chunk) is not GenState.VIOLATION\n"),), (RING,)),
     Mutation("acquire-route-only", "a consumer needs both generations before a read (rule 5)",
-             (("streamring/protocol.py",
+             (("streamring/ring/protocol.py",
                '        for field_name, off in (("route_ready_gen", L.route_gen_off(src, slot)),\n'
                '                                ("layout_ready_gen", L.layout_gen_off(src, slot))):\n',
                '        for field_name, off in (("route_ready_gen", L.route_gen_off(src, slot)),):\n'),), (RING,)),
     Mutation("signal-before-payload", "payload before generation (rule 1)",
-             (("streamring/protocol.py",
+             (("streamring/ring/protocol.py",
                "            write()\n"
                "            # Rule 1: signal_op is a release; the payload stores above are ordered before it.\n"
                "            self._publish(offset_fn, gen)\n",
                "            self._publish(offset_fn, gen)\n            write()\n"),), (RING,)),
     Mutation("skip-ack-wait", "reuse only after every acknowledgement (rule 3): first lap unguarded",
-             (("streamring/protocol.py", "        if prev >= 0 and self.inject is not Inject.SKIP_ACK_WAIT:\n",
+             (("streamring/ring/protocol.py", "        if prev >= 0 and self.inject is not Inject.SKIP_ACK_WAIT:\n",
                "        if prev > 0 and self.inject is not Inject.SKIP_ACK_WAIT:\n"),), (RING,)),
     Mutation("full-mask-off-by-one", "the full acknowledgement mask misses the last rank",
-             (("streamring/protocol.py", "        n = min(64, self.num_ranks - lo)\n",
+             (("streamring/ring/layout.py", "        n = min(64, self.num_ranks - lo)\n",
                "        n = min(64, self.num_ranks - lo - 1)\n"),), (RING,)),
     Mutation("ignore-epoch", "the epoch in the generation comparison (rule 6, ABA)",
-             (("streamring/protocol.py", "    if ignore_epoch:\n        observed &= SEQ_MASK\n",
+             (("streamring/ring/layout.py", "    if ignore_epoch:\n        observed &= SEQ_MASK\n",
                "    if True:\n        observed &= SEQ_MASK\n"),), (RING, HOSTILE)),
     Mutation("mask-not-cleared", "the owner clears the mask before reuse (rule 4)",
-             (("streamring/protocol.py", "        for w in range(L.mask_words):\n"
+             (("streamring/ring/protocol.py", "        for w in range(L.mask_words):\n"
                                          "            self.heap.signal_op(self.buf, L.ack_word_off(slot, w), 0, "
                                          "SignalOp.SET, self.me)\n",
                "        for w in range(0):\n"
                "            self.heap.signal_op(self.buf, L.ack_word_off(slot, w), 0, SignalOp.SET, self.me)\n"),),
              (RING,)),
     Mutation("end-stream-without-drain", "the stream end drains every acknowledgement (rule 8)",
-             (("streamring/protocol.py", "            if chunk >= 0:\n                yield from self.wait_steps(",
+             (("streamring/ring/protocol.py", "            if chunk >= 0:\n                yield from self.wait_steps(",
                "            if chunk >= 0 and False:\n                yield from self.wait_steps("),), (RING,)),
     # -- hostile peers ----------------------------------------------------------------------------------
     Mutation("topk-accepts-E", "peer topk_idx validated: E is out of range",
-             (("streamring/protocol.py",
+             (("streamring/ring/protocol.py",
                "        if topk_idx.size and (topk_idx.min() < -1 or topk_idx.max() >= E):\n",
                "        if topk_idx.size and (topk_idx.min() < -1 or topk_idx.max() > E):\n"),), (HOSTILE,)),
     Mutation("layout-gen-unchecked", "peer metadata validated: layout generation",
-             (("streamring/protocol.py",
+             (("streamring/ring/protocol.py",
                '            checks += [("route_gen", int(meta[META_ROUTE_GEN]), g), '
                '("layout_gen", int(meta[META_LAYOUT_GEN]), g)]\n',
                '            checks += [("route_gen", int(meta[META_ROUTE_GEN]), g)]\n'),), (HOSTILE,)),

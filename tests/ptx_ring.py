@@ -1,6 +1,6 @@
 """The device ring's acquire in its sm_90 PTX: the ordering that one GPU cannot show by running it.
 
-Rule 2 of the protocol (``streamring/protocol.py``): a consumer reads a slot only after an acquire of both
+Rule 2 of the protocol (``streamring/ring/protocol.py``): a consumer reads a slot only after an acquire of both
 generation words. On the device that is ``acquire_wait`` (``csrc/ring_protocol.cuh``): an
 ``ld.acquire.sys`` of each generation in its spin loop, then ``fence.acq_rel.sys`` so that the reads the
 kernel (and its block, after a barrier) makes next are ordered after it. A relaxed load or a dropped

@@ -19,7 +19,7 @@ from streamring.device import moe_triton as K
 from streamring.moe import blocks as B
 from streamring.moe.math import MoEShape
 from streamring.moe.work_queue import WorkQueue
-from streamring.protocol import RingLayout, StreamPlan
+from streamring.ring.layout import RingLayout, StreamPlan
 
 R = 2
 

@@ -1,7 +1,7 @@
 """Pure-Python references of what the device makes of a ready range (``ready_list[ready_hi[lo_index] :
-ready_hi[hi_index]]``): the CUTLASS setup kernel's groups (``cutlass_gemm``) and DeepGEMM's
-``m_indices`` (``deep_gemm_ops.ready_m_indices``). Both share one reading of the range and its status
-bits (``cutlass_gemm.STATUS_BITS``); the tests compare the device with these."""
+ready_hi[hi_index]]``): the CUTLASS setup kernel's groups (``gemm.cutlass``) and DeepGEMM's
+``m_indices`` (``gemm.deep_gemm.ready_m_indices``). Both share one reading of the range and its status
+bits (``gemm.cutlass.STATUS_BITS``); the tests compare the device with these."""
 
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ def ready_groups(ready_list, ready_hi, lo_index: int, hi_index: int, max_items: 
 
 def m_indices(ready_list, ready_hi, lo_index: int, hi_index: int, max_items: int, block_expert, num_experts: int,
               block_m: int) -> tuple[list[int], int]:
-    """``deep_gemm_ops.ready_m_indices`` in plain Python: ``(m_indices, status)``, the expert on every row of
+    """``gemm.deep_gemm.ready_m_indices`` in plain Python: ``(m_indices, status)``, the expert on every row of
     a ready block, -1 elsewhere."""
     items, status = ready_items(ready_list, ready_hi, lo_index, hi_index, max_items, block_expert, num_experts)
     per_block = [-1] * len(block_expert)

@@ -1,5 +1,5 @@
-"""DeepGEMM as the block consumer's expert GEMMs (``gemm_impl="deep_gemm"``): device/deep_gemm_ops.py,
-device/deep_gemm_triton.py, moe/deep_gemm_experts.py, device/build_deep_gemm.py.
+"""DeepGEMM as the block consumer's expert GEMMs (``gemm_impl="deep_gemm"``): gemm/deep_gemm.py,
+gemm/deep_gemm_triton.py, gemm/deep_gemm.py, gemm/build_deep_gemm.py.
 
 Runs anywhere (CPU):
 * ``ready_m_indices`` (torch, what the GPU runs) against a pure-Python reference: hand cases, every
@@ -29,8 +29,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from streamring.device import build_deep_gemm as BDG  # noqa: E402
-from streamring.device import deep_gemm_ops as DG  # noqa: E402
+from streamring.gemm import build_deep_gemm as BDG  # noqa: E402
+from streamring.gemm import deep_gemm as DG  # noqa: E402
 import ready_range_reference as RR  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
@@ -371,7 +371,7 @@ def test_deep_gemm_minus_one_rows_get_zeros_and_ready_rows_match_float64():
             err = (d[r].double() - ref).abs()
             assert bool((err <= 2.0 ** -9 * absum + 2.0 ** -8 * ref.abs()).all()), b
         else:
-            # what deep_gemm_ops' doc says: -1 rows are stored, as zeros (not left alone)
+            # what gemm.deep_gemm's doc says: -1 rows are stored, as zeros (not left alone)
             assert bool((d[r] == 0).all()), b
 
 

@@ -31,7 +31,7 @@ from conftest import quick_subset  # noqa: E402
 from streamring.device import moe_triton as K  # noqa: E402
 from streamring.moe import blocks as B  # noqa: E402
 from streamring.moe.math import MoEShape  # noqa: E402
-from streamring.protocol import RingLayout, StreamPlan  # noqa: E402
+from streamring.ring.layout import RingLayout, StreamPlan  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 R = 2

@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from streamring.config import DEFAULT_CONFIG, ConfigError, load_config
-from streamring.protocol import GenState, RingLayout, classify_gen, make_gen, split_gen
+from streamring.ring.layout import GenState, RingLayout, classify_gen, make_gen, split_gen
 
 SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-10**6, 10**6), st.floats(allow_nan=True),
                     st.text(max_size=12), st.lists(st.integers(-5, 50), max_size=5))

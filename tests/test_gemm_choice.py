@@ -1,4 +1,4 @@
-"""The measured GEMM heuristic (streamring/moe/gemm_choice.py) and its committed table.
+"""The measured GEMM heuristic (streamring/gemm/choice.py) and its committed table.
 
 CPU only: the fallback rule where nothing is measured (and for the committed placeholder), the
 nearest measured entry, availability filtering, one implementation for both GEMMs of a layer, the
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from streamring.moe import gemm_choice as GC
+from streamring.gemm import choice as GC
 
 L1 = (4096, 7168)  # N, K of the DeepSeek-V3 L1 (gate+up)
 L2 = (7168, 2048)
@@ -95,7 +95,7 @@ def test_keys_round_trip_and_bad_keys_are_named():
 
 
 def test_key_swizzles_are_the_librarys():
-    CG = pytest.importorskip("streamring.device.cutlass_gemm")
+    CG = pytest.importorskip("streamring.gemm.cutlass")
     assert set(CG.SWIZZLES) == {1, *GC.KEY_SWIZZLES}
 
 
@@ -207,13 +207,13 @@ def test_gemm_table_entries_come_whole_from_the_last_run_that_measured_them(tmp_
 
 
 def test_the_committed_gemm_table_is_what_its_sources_make():
-    """streamring/moe/gemm_table.json == make_gemm_table of the runs it names (nothing edited by hand)."""
+    """streamring/gemm/table.json == make_gemm_table of the runs it names (nothing edited by hand)."""
     from pathlib import Path
 
     from bench import make_gemm_table as MT
 
     root = Path(__file__).resolve().parents[1]
-    committed = json.loads((root / "streamring/moe/gemm_table.json").read_text())
+    committed = json.loads((root / "streamring/gemm/table.json").read_text())
     cmd = committed["source"].split()
     assert cmd[:3] == ["python", "-m", "bench.make_gemm_table"], committed["source"]
     files = cmd[3:]
@@ -264,7 +264,7 @@ def test_block_tiles_only_for_128_row_blocks():
 
 
 def test_block_tiles_mirror_the_library_table():
-    CG = pytest.importorskip("streamring.device.cutlass_gemm", reason="torch is not installed")
+    CG = pytest.importorskip("streamring.gemm.cutlass", reason="torch is not installed")
     assert set(CG.BLOCK_TILES) == set(GC.BLOCK_TILES) and CG.BLOCK_TILES
     assert CG.BLOCK_TILE_ROWS == GC.BLOCK_TILE_ROWS
 
@@ -287,8 +287,8 @@ def test_bench_dsv3_shape_scales_the_expert_groups():
 def _no_cutlass_library(monkeypatch, tmp_path):
     """This process as on a machine where the CUTLASS library was never built: an empty build cache,
     no .gemm-build/, no $STREAMRING_GEMM_LIB, nothing loaded or noticed yet."""
-    from streamring.device import build_gemm as BG
-    from streamring.device import cutlass_gemm as CG
+    from streamring.gemm import build as BG
+    from streamring.gemm import cutlass as CG
 
     monkeypatch.setenv("STREAMRING_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv("STREAMRING_GEMM_LIB", raising=False)
@@ -321,7 +321,7 @@ def test_auto_without_the_cutlass_library_says_so_once_and_never_builds(monkeypa
     want = {"triton": "gemm='auto' runs the Triton GEMMs instead", "deep_gemm": "gemm='auto' runs DeepGEMM instead"}
     assert want[lc.impl] in lines[0], lines
     assert ("the CUTLASS GEMM library is not built" in lines[0] and "about 2 minutes on 16 cores, 3.5 minutes on 2"
-            in lines[0] and "`python -m streamring.device.build_gemm --out .gemm-build`" in lines[0]), lines
+            in lines[0] and "`python -m streamring.gemm.build --out .gemm-build`" in lines[0]), lines
     GC.resolve_layer("auto", Plan, Shape, [1024])  # once per process
     assert "streamring: " not in capsys.readouterr().err
     assert not list((tmp_path / "cache").glob("gemm/*.so"))
@@ -335,7 +335,7 @@ def test_a_cutlass_build_inside_a_run_announces_itself(monkeypatch, tmp_path, ca
     absent too, so the build then fails naming what it tried."""
     import importlib.util
 
-    from streamring.device import build_gemm as BG
+    from streamring.gemm import build as BG
 
     CG = _no_cutlass_library(monkeypatch, tmp_path)
     monkeypatch.setenv("STREAMRING_CUTLASS_DIR", str(tmp_path / "nope"))

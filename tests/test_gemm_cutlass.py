@@ -1,5 +1,5 @@
 """The CUTLASS FP8 blockwise grouped GEMM over ready blocks (device/csrc/gemm/gemm_blockwise_fp8.cu,
-device/cutlass_gemm.py, device/build_gemm.py) and the CUTLASS path of the block consumer.
+gemm/cutlass.py, gemm/build.py) and the CUTLASS path of the block consumer.
 
 Runs anywhere (CPU):
 * the build command line and cache key; CUTLASS discovery says what it tried;
@@ -39,8 +39,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from streamring.device import build_gemm as BG  # noqa: E402
-from streamring.device import cutlass_gemm as CG  # noqa: E402
+from streamring.gemm import build as BG  # noqa: E402
+from streamring.gemm import cutlass as CG  # noqa: E402
 import ready_range_reference as RR  # noqa: E402
 from streamring.device.build import BuildError, find_nvcc  # noqa: E402
 
@@ -226,7 +226,7 @@ def _built_library() -> Path | None:
 def test_library_loads_and_describes_itself():
     path = _built_library()
     if path is None:
-        pytest.skip("no library built from this source (python -m streamring.device.build_gemm --out .gemm-build)")
+        pytest.skip("no library built from this source (python -m streamring.gemm.build --out .gemm-build)")
     lib = CG.load_library()
     info = CG.library_info()
     assert f"source_sha256={BG.source_sha256()}" in info["build_info"] and "cutlass=4.2.0" in info["build_info"]
@@ -907,7 +907,7 @@ def test_compute_cutlass_refuses_pdl_and_unknown_impls():
 
 
 def test_run_parts_prints_a_line_per_compile_unit(tmp_path):
-    """build_gemm compiles its parts at once; each unit's line (with the seconds since the build began)
+    """gemm.build compiles its parts at once; each unit's line (with the seconds since the build began)
     is printed as it finishes, and a failed unit's command and output come back in the BuildError.
     Real nvcc on two small translation units (no GPU needed)."""
     try:

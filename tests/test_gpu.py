@@ -24,7 +24,8 @@ from streamring import gpu_selftest
 from streamring.config import NvshmemConfig
 from streamring.device import build, kernels
 from streamring.device import ringdesc as gpu
-from streamring.protocol import EP_SOURCE_ORDERS, PROGRESS_POLICIES, REFUSED_POLICIES, RingLayout, make_gen
+from streamring.ring.layout import RingLayout, make_gen
+from streamring.ring.policies import EP_SOURCE_ORDERS, PROGRESS_POLICIES, REFUSED_POLICIES
 
 ROOT = Path(__file__).resolve().parents[1]
 CSRC = ROOT / "streamring" / "device" / "csrc"
@@ -94,7 +95,7 @@ def test_pack_desc_is_descriptor_order():
 
 
 def test_generation_packing_matches_protocol():
-    # ring_make_gen(epoch, chunk) = (epoch << 32) | (chunk + 1), as protocol.make_gen(epoch, chunk + 1)
+    # ring_make_gen(epoch, chunk) = (epoch << 32) | (chunk + 1), as ring.layout.make_gen(epoch, chunk + 1)
     text = (CSRC / "ring_desc.cuh").read_text()
     assert "(epoch << RING_SEQ_BITS) | (uint64_t)(chunk + 1)" in text
     assert "#define RING_SEQ_BITS 32" in gpu.consts_header()
@@ -117,10 +118,10 @@ def test_generated_constants_come_from_the_python_definitions():
     assert int(defs["META_LAYOUT_GEN"]) == gpu.META_LAYOUT_GEN and int(defs["RS_WORDS"]) == gpu.RS_WORDS
     assert int(defs["INJ_IGNORE_EPOCH"]) == gpu.INJECT_BITS["ignore-epoch"]
     assert {int(defs[n]) for n in gpu.ERRORS} == set(gpu.ERROR_NAMES)
-    # the protocol's copies are the same objects (imported, not re-defined)
-    from streamring import protocol
+    # the ring layout's copies are the same objects (imported, not re-defined)
+    from streamring.ring import layout
 
-    assert protocol.META_LAYOUT_GEN is gpu.META_LAYOUT_GEN and protocol.SEQ_BITS == gpu.SEQ_BITS
+    assert layout.META_LAYOUT_GEN is gpu.META_LAYOUT_GEN and layout.SEQ_BITS == gpu.SEQ_BITS
     # every constant the .cu/.cuh sources use that the generator owns is generated, and no
     # source defines one of them by hand
     owned = set(defs)

@@ -29,7 +29,7 @@ def test_auto_resolves_once_for_both_paths(monkeypatch, cutlass, want):
     streamed paths both run what it resolved (``EPBuffer.gemm``), so a streamed-vs-batch comparison never
     measures two GEMMs' rounding; the row names it for both."""
     from streamring.moe import ep_buffer
-    from streamring.moe import gemm_choice as GC
+    from streamring.gemm import choice as GC
     from streamring.moe.math import MoEShape
 
     avail = {"triton": "", "cutlass": "" if cutlass else "not built", "deep_gemm": "not installed"}
@@ -186,8 +186,8 @@ def _survivor_error(seen_epoch=2, want_epoch=3, chunk=0, elapsed=3.04):
     """What the surviving rank prints: DeviceRing.check's error, as abort_job writes it."""
     from types import SimpleNamespace
 
-    from streamring.device_ring import DeviceRing
-    from streamring.protocol import WatchdogError
+    from streamring.ring.device import DeviceRing
+    from streamring.ring.protocol import WatchdogError
 
     st = _words("RE_ACQUIRE_TIMEOUT", 1, chunk, (seen_epoch << 32) | 5, (want_epoch << 32) | (chunk + 1), timeouts=3)
     ring = SimpleNamespace(me=0, layout=SimpleNamespace(num_slots=2), deadline_s=3.0)
@@ -208,8 +208,8 @@ def test_ring_check_passes_a_clean_status_and_reports_an_unfinished_forward():
     from types import SimpleNamespace
 
     from streamring.device import ringdesc as D
-    from streamring.device_ring import DeviceRing
-    from streamring.protocol import ProtocolViolation, WatchdogError
+    from streamring.ring.device import DeviceRing
+    from streamring.ring.protocol import ProtocolViolation, WatchdogError
 
     ring = SimpleNamespace(me=1, layout=SimpleNamespace(num_slots=2), deadline_s=3.0)
     clean = D.decode_status([0] * D.RS_WORDS)
@@ -227,7 +227,7 @@ def _faulted_ring(**waits):
     import torch
 
     from streamring.device import ringdesc as D
-    from streamring.device_ring import DeviceRing
+    from streamring.ring.device import DeviceRing
 
     words = [0] * D.WB_WORDS
     for kind, (code, src, chunk, want) in waits.items():
@@ -243,7 +243,7 @@ def test_device_fault_names_the_slow_waits_from_the_beacon():
     """A peer that died under MPS takes its heap with it; this PE's next access faults and its status words
     are lost. The wait beacon (host memory) still says what the device waited for, a source's chunk first,
     in the words the GPU check's judge reads."""
-    from streamring.device_ring import DeviceRing
+    from streamring.ring.device import DeviceRing
 
     exc = RuntimeError("CUDA error: an illegal memory access was encountered\nSearch for ...")
     ring = _faulted_ring(ack=("RE_REUSE_TIMEOUT", 0, 0, 0b10), acquire=("RE_ACQUIRE_TIMEOUT", 1, 0, (3 << 32) | 1))
@@ -272,8 +272,8 @@ def test_device_fault_names_the_slow_waits_from_the_beacon():
 def test_wait_forward_blames_a_peer_only_with_evidence(monkeypatch):
     """A device fault during the forward becomes a WatchdogError naming the pending wait only when a wait
     is pending (the beacon) or the host names a dead peer; any other CUDA error is raised as it is."""
-    from streamring import device_ring as DR
-    from streamring.protocol import WatchdogError
+    from streamring.ring import device as DR
+    from streamring.ring.protocol import WatchdogError
 
     class Faulted:
         def query(self):
@@ -301,7 +301,7 @@ def test_replay_holds_a_sigterm_until_the_forward_ends():
     import os
     import signal
 
-    from streamring.protocol import WatchdogError
+    from streamring.ring.protocol import WatchdogError
     from streamring.runner import replay_checked
 
     class Layer:

@@ -29,7 +29,7 @@ import mp_gpu_hostile as H  # noqa: E402
 # --------------------------------------------------------------------------------------------
 def test_table_corrupts_every_field_on_both_sides():
     from streamring.device.ringdesc import META_FIELD_NAMES, META_VALID
-    from streamring.protocol import make_gen
+    from streamring.ring.layout import make_gen
 
     rows = H.hostile_rows()
     by_field = {}

@@ -1,4 +1,4 @@
-"""The package's arrows point one way: launch/CLI -> host -> protocol/MoE -> device (backend verbs).
+"""The package's arrows point one way: launch/CLI -> host -> MoE -> ring/gemm -> device (backend verbs).
 
 Parsed from the source (no imports run): a module may import from its own layer or below,
 never from above.
@@ -11,12 +11,13 @@ import pytest
 
 PKG = Path(__file__).resolve().parents[1] / "streamring"
 
-# rank: higher may import lower. The device ring sits beside the protocol (its device form); verify
+# rank: higher may import lower. ring (the protocol, its layout, its device form and the cooperative
+# roles) and gemm (the expert GEMM backends, their choice and builds) sit on device, below moe; verify
 # (the stress harness, which host starts on every rank, and the model checkers), the GPU self-test and
-# the layer runner drive the protocol and the MoE layer; the other top-level tools (cli, timeline) sit
-# with launch; host above moe/protocol/verify; device at the bottom.
-RANK = {"device": 0, "protocol": 1, "device_ring": 1, "coop": 1, "config": 1, "moe": 2, "verify": 2,
-        "gpu_selftest": 2, "runner": 2, "host": 3}
+# the layer runner drive the ring and the MoE layer; the other top-level tools (cli, timeline) sit with
+# launch; host above moe/ring/gemm/verify; device at the bottom.
+RANK = {"device": 0, "ring": 1, "gemm": 1, "config": 1, "moe": 2, "verify": 2, "gpu_selftest": 2, "runner": 2,
+        "host": 3}
 TOP = 4
 
 
@@ -70,15 +71,36 @@ def test_the_checker_catches_a_violation(tmp_path):
     """Negative control: a moe module importing host (relative and absolute) is reported."""
     (tmp_path / "moe").mkdir()
     (tmp_path / "moe" / "bad.py").write_text("from ..host.rank_main import rank_main\nimport streamring.host.launch\n"
-                                             "from ..device import verbs\nfrom ..device_ring import DeviceRing\n")
+                                             "from ..device import verbs\nfrom ..ring.device import DeviceRing\n")
     assert violations(tmp_path) == ["streamring.moe.bad:1 imports streamring.host.rank_main",
                                     "streamring.moe.bad:2 imports streamring.host.launch"]
+
+
+def test_the_checker_keeps_ring_above_device_only(tmp_path):
+    """ring may use the device verbs and kernels, never the MoE layer above it (relative and absolute)."""
+    (tmp_path / "ring").mkdir()
+    (tmp_path / "ring" / "bad.py").write_text("from ..moe.layer import MoEBuffer\nfrom ..device.verbs import SignalOp\n"
+                                              "from .layout import RingLayout\nimport streamring.verify.state\n")
+    assert violations(tmp_path) == ["streamring.ring.bad:1 imports streamring.moe.layer",
+                                    "streamring.ring.bad:4 imports streamring.verify.state"]
+
+
+def test_the_checker_keeps_gemm_between_device_and_moe(tmp_path):
+    """gemm may use device (kernels, the build cache), never moe or host; device may not reach up to gemm."""
+    (tmp_path / "gemm").mkdir()
+    (tmp_path / "gemm" / "bad.py").write_text("from ..device.build import cache_dir\nfrom ..moe.blocks import FP8\n"
+                                              "from . import cutlass\nimport streamring.host.launch\n")
+    (tmp_path / "device").mkdir()
+    (tmp_path / "device" / "bad.py").write_text("from ..gemm.build import main\n")
+    assert sorted(violations(tmp_path)) == ["streamring.device.bad:1 imports streamring.gemm.build",
+                                            "streamring.gemm.bad:2 imports streamring.moe.blocks",
+                                            "streamring.gemm.bad:4 imports streamring.host.launch"]
 
 
 def test_the_checker_keeps_verify_below_host(tmp_path):
     """verify may drive the protocol but not reach up into host (the CLI hands it host's report)."""
     (tmp_path / "verify").mkdir()
-    (tmp_path / "verify" / "bad.py").write_text("from ..host import report\nfrom ..protocol import Ring\n"
+    (tmp_path / "verify" / "bad.py").write_text("from ..host import report\nfrom ..ring.protocol import Ring\n"
                                                 "from ..moe import layer\n")
     assert violations(tmp_path) == ["streamring.verify.bad:1 imports streamring.host"]
 

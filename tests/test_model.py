@@ -6,8 +6,10 @@ import json
 
 import pytest
 
-import streamring.protocol as P
 from streamring.cli import build_parser, main
+from streamring.ring import layout as ring_layout
+from streamring.ring.layout import GenState, RingLayout, StreamPlan, classify_gen, make_gen
+from streamring.ring.policies import INJECT_MODES, Inject
 from streamring.verify.ep import EPModel
 from streamring.verify.names import EP_INJECT_MODES, MODEL_INJECT_MODES, EPInject
 from streamring.verify.search import check, run_serialised
@@ -91,10 +93,10 @@ def test_serialised_schedule_passes():
     assert res["steps"] == E * per_epoch + (E - 1)  # + the begins
 
 
-@pytest.mark.parametrize("mode", P.INJECT_MODES)
+@pytest.mark.parametrize("mode", INJECT_MODES)
 def test_serialised_schedule_of_each_mutation_runs(mode):
     # Nothing overlaps in the serialised schedule, so even the mutated steps complete.
-    assert run_serialised(RingModel(ModelConfig(inject=P.Inject(mode))))["result"] == "PASS"
+    assert run_serialised(RingModel(ModelConfig(inject=Inject(mode))))["result"] == "PASS"
 
 
 # --------------------------------------------------------------------------------------
@@ -102,7 +104,7 @@ def test_serialised_schedule_of_each_mutation_runs(mode):
 # --------------------------------------------------------------------------------------
 @pytest.mark.parametrize("mode", [pytest.param(m, marks=[pytest.mark.slow(
     reason="the CLI at its default sizes finds ignore-epoch's first violation about 200,000 states deep")]
-    if m == "ignore-epoch" else []) for m in P.INJECT_MODES])
+    if m == "ignore-epoch" else []) for m in INJECT_MODES])
 def test_each_inject_mode_gives_a_counterexample(tmp_path, capsys, mode):
     rc, data = _cli(tmp_path, "--inject", mode)
     out = capsys.readouterr().out
@@ -119,7 +121,7 @@ def test_each_inject_mode_gives_a_counterexample(tmp_path, capsys, mode):
 
 
 def test_inject_modes_name_the_expected_property():
-    first = {m: check(ModelConfig(inject=P.Inject(m))).counterexample["properties"][0] for m in
+    first = {m: check(ModelConfig(inject=Inject(m))).counterexample["properties"][0] for m in
              ("skip-acquire", "signal-before-payload")}
     assert first == {"skip-acquire": "no-stale-or-torn-read", "signal-before-payload": "no-stale-or-torn-read"}
 
@@ -127,7 +129,7 @@ def test_inject_modes_name_the_expected_property():
 @pytest.mark.slow(reason="the first violation under ignore-epoch at 2 chunks lies 80,000 states deep (3 s)")
 def test_ignore_epoch_is_aba_when_the_leftover_matches():
     # 2 chunks on 2 slots: epoch 1 leaves e1:c0 in slot 0, whose sequence equals e2:c0's.
-    res = check(ModelConfig(chunks=2, inject=P.Inject.IGNORE_EPOCH))
+    res = check(ModelConfig(chunks=2, inject=Inject.IGNORE_EPOCH))
     assert not res.ok
     assert res.counterexample["properties"] == [PROP_ABA]
     assert "older epoch" in res.counterexample["message"]
@@ -136,15 +138,15 @@ def test_ignore_epoch_is_aba_when_the_leftover_matches():
 def test_skip_ack_wait_overwrite_is_caught_as_such(monkeypatch):
     # With the runtime's classify_gen the consumer first sees a generation newer than it
     # expects (a protocol violation); with one that waits instead, the overwrite itself shows.
-    assert check(ModelConfig(inject=P.Inject.SKIP_ACK_WAIT)).counterexample["properties"] == [PROP_PROTOCOL]
-    original = P.classify_gen
+    assert check(ModelConfig(inject=Inject.SKIP_ACK_WAIT)).counterexample["properties"] == [PROP_PROTOCOL]
+    original = classify_gen
 
     def waits(observed, expected, num_slots, ignore_epoch=False):
         st = original(observed, expected, num_slots, ignore_epoch)
-        return P.GenState.OLDER if st is P.GenState.VIOLATION else st
+        return GenState.OLDER if st is GenState.VIOLATION else st
 
-    monkeypatch.setattr(P, "classify_gen", waits)
-    res = check(ModelConfig(inject=P.Inject.SKIP_ACK_WAIT))
+    monkeypatch.setattr(ring_layout, "classify_gen", waits)
+    res = check(ModelConfig(inject=Inject.SKIP_ACK_WAIT))
     assert res.counterexample["properties"] == [PROP_OVERWRITE]
     assert "holds chunk 0" in res.counterexample["message"]
 
@@ -155,26 +157,26 @@ def test_skip_ack_wait_overwrite_is_caught_as_such(monkeypatch):
 def test_model_uses_the_runtime_classify_gen(monkeypatch):
     # (the reduced graph is a subgraph of the full one: a violation found there is a real path, found
     # in 100 states instead of 200,000)
-    original = P.classify_gen
+    original = classify_gen
 
     def broken(observed, expected, num_slots, ignore_epoch=False):
         return original(observed, expected, num_slots, ignore_epoch=True)  # forgets the epoch
 
-    monkeypatch.setattr(P, "classify_gen", broken)
+    monkeypatch.setattr(ring_layout, "classify_gen", broken)
     res = check(ModelConfig(por=True))
     assert not res.ok
     assert res.counterexample["properties"][0] in (PROP_PROTOCOL, PROP_ABA)
     assert "epoch 2" in "\n".join(res.counterexample["trace"])
     res2 = check(ModelConfig(chunks=1))  # epoch 1 leaves e1:c0 in slot 0, whose sequence is e2:c0's
     assert res2.counterexample["properties"] == [PROP_ABA]
-    monkeypatch.setattr(P, "classify_gen", original)
+    monkeypatch.setattr(ring_layout, "classify_gen", original)
     assert check(ModelConfig(chunks=1)).ok
 
 
 def test_model_uses_the_runtime_full_mask(monkeypatch):
     # A full mask with one bit more than there are ranks can never be reached: reuse and drain block.
-    original = P.RingLayout.full_mask
-    monkeypatch.setattr(P.RingLayout, "full_mask", lambda self, w: (original(self, w) << 1) | 1)
+    original = RingLayout.full_mask
+    monkeypatch.setattr(RingLayout, "full_mask", lambda self, w: (original(self, w) << 1) | 1)
     res = check(ModelConfig(por=True))  # a terminal state of the reduced graph is one of the full graph
     assert not res.ok
     assert res.properties[PROP_DEADLOCK] == "FAIL"
@@ -183,16 +185,16 @@ def test_model_uses_the_runtime_full_mask(monkeypatch):
 
 def test_model_uses_the_runtime_generations(monkeypatch):
     gens = RingModel(ModelConfig()).gens
-    assert gens[2][1] == P.make_gen(2, 2) == P.StreamPlan(epoch=2, tokens_per_rank=(3, 2), tokens_per_slot=1).gen(1)
+    assert gens[2][1] == make_gen(2, 2) == StreamPlan(epoch=2, tokens_per_rank=(3, 2), tokens_per_slot=1).gen(1)
     calls = []
-    original = P.make_gen
-    monkeypatch.setattr(P, "make_gen", lambda e, s: calls.append((e, s)) or original(e, s))
+    original = make_gen
+    monkeypatch.setattr(ring_layout, "make_gen", lambda e, s: calls.append((e, s)) or original(e, s))
     RingModel(ModelConfig(chunks=2, epochs=2))
     assert sorted(set(calls)) == [(1, 1), (1, 2), (2, 1), (2, 2)]
 
 
 def test_consumer_that_never_sees_ready_deadlocks(monkeypatch):
-    monkeypatch.setattr(P, "classify_gen", lambda *a, **k: P.GenState.OLDER)
+    monkeypatch.setattr(ring_layout, "classify_gen", lambda *a, **k: GenState.OLDER)
     res = check(ModelConfig(chunks=1, epochs=1))
     assert res.properties[PROP_DEADLOCK] == "FAIL"
     assert "deadlock" in res.counterexample["message"]
@@ -214,19 +216,19 @@ def assert_reduction_agrees(**kw):
     return full
 
 
-@pytest.mark.parametrize("mode", quick_subset(("none",) + P.INJECT_MODES, quick=("none", "signal-before-payload"),
+@pytest.mark.parametrize("mode", quick_subset(("none",) + INJECT_MODES, quick=("none", "signal-before-payload"),
                                               reason="the ring's full graph at 2 ranks: up to 3 s on 2 cores"))
 @pytest.mark.parametrize("sizes", [(2, 1, 2, 1), (1, 2, 3, 2)])
 def test_reduction_preserves_verdict_and_terminal_states(mode, sizes):
     R, S, C, E = sizes
-    kw = dict(ranks=R, slots=S, chunks=C, epochs=E, inject=P.Inject(mode), stop_at_first=False)
+    kw = dict(ranks=R, slots=S, chunks=C, epochs=E, inject=Inject(mode), stop_at_first=False)
     assert_reduction_agrees(**kw)
 
 
-@pytest.mark.parametrize("mode", quick_subset(("none",) + P.INJECT_MODES, quick=("none", "skip-acquire"),
+@pytest.mark.parametrize("mode", quick_subset(("none",) + INJECT_MODES, quick=("none", "skip-acquire"),
                                               reason="3 ranks under the reduction: up to 3 s on 2 cores"))
 def test_larger_configuration_under_reduction(mode):
-    res = check(ModelConfig(ranks=3, slots=2, chunks=3, epochs=2, inject=P.Inject(mode)))
+    res = check(ModelConfig(ranks=3, slots=2, chunks=3, epochs=2, inject=Inject(mode)))
     assert res.config["por"] is True
     assert res.ok is (mode == "none")
     if mode != "none":
@@ -269,13 +271,13 @@ def test_ready_order_passes_at_the_default_sizes_and_explores_more(tmp_path, cap
     assert f"2 ranks, {data['states']:,} states" in DOCS, f"{data['states']:,} states; docs/cli.md quotes others"
 
 
-@pytest.mark.parametrize("mode", P.INJECT_MODES)
+@pytest.mark.parametrize("mode", INJECT_MODES)
 def test_ready_order_mutations_give_counterexamples(mode):
     # ignore-epoch on 1 slot, 1 chunk: the slot still holds epoch 1's chunk 0, whose sequence is epoch
     # 2's; the ABA shows at once (at the default sizes the first violation lies about 440,000 states
     # deep, a minute of search for the same verdict)
     sizes = dict(slots=1, chunks=1) if mode == "ignore-epoch" else {}
-    res = check(ModelConfig(inject=P.Inject(mode), source_order="ready", **sizes))
+    res = check(ModelConfig(inject=Inject(mode), source_order="ready", **sizes))
     assert not res.ok and res.counterexample["properties"]
     if mode == "ignore-epoch":
         assert res.counterexample["properties"] == [PROP_ABA]
@@ -286,7 +288,7 @@ def test_ready_order_mutations_give_counterexamples(mode):
     pytest.param("signal-before-payload", marks=pytest.mark.slow(
         reason="the full graph of ready order with a pending payload store (2 ranks, 1 slot, 2 chunks): 2 to 5 s"))))
 def test_ready_order_reduction_preserves_verdict(mode):
-    kw = dict(ranks=2, slots=1, chunks=2, epochs=1, inject=P.Inject(mode), stop_at_first=False, source_order="ready")
+    kw = dict(ranks=2, slots=1, chunks=2, epochs=1, inject=Inject(mode), stop_at_first=False, source_order="ready")
     assert_reduction_agrees(**kw)
 
 
@@ -390,10 +392,10 @@ def test_no_counter_reset_reads_the_previous_epochs_entries():
     assert "(epoch 2)" in ce["message"] and "result for chunk 0 of epoch 1" in ce["message"]
 
 
-@pytest.mark.parametrize("mode", P.INJECT_MODES)
+@pytest.mark.parametrize("mode", INJECT_MODES)
 def test_ep_layer_still_catches_every_ring_mutation(mode):
     # (ignore-epoch at 2 chunks, where the leftover of epoch 1 in slot 0 has the sequence of e2:c0)
-    res = check(ModelConfig(layer="ep", inject=P.Inject(mode), chunks=2 if mode == "ignore-epoch" else 3))
+    res = check(ModelConfig(layer="ep", inject=Inject(mode), chunks=2 if mode == "ignore-epoch" else 3))
     assert not res.ok and res.counterexample["properties"]
     if mode == "ignore-epoch":
         assert res.counterexample["properties"] == [PROP_ABA]
@@ -431,10 +433,10 @@ def test_ep_owner_waiting_for_an_empty_contribution_deadlocks(monkeypatch):
 
 def test_ep_exact_acquire_is_checked_on_the_classify_in_use(monkeypatch):
     assert EPModel(ModelConfig(layer="ep")).exact_acquire is True
-    assert EPModel(ModelConfig(layer="ep", inject=P.Inject.IGNORE_EPOCH)).exact_acquire is False
-    assert EPModel(ModelConfig(layer="ep", inject=P.Inject.SKIP_ACQUIRE)).exact_acquire is False
-    original = P.classify_gen
-    monkeypatch.setattr(P, "classify_gen", lambda o, e, n, ignore_epoch=False: original(o, e, n, True))
+    assert EPModel(ModelConfig(layer="ep", inject=Inject.IGNORE_EPOCH)).exact_acquire is False
+    assert EPModel(ModelConfig(layer="ep", inject=Inject.SKIP_ACQUIRE)).exact_acquire is False
+    original = classify_gen
+    monkeypatch.setattr(ring_layout, "classify_gen", lambda o, e, n, ignore_epoch=False: original(o, e, n, True))
     assert EPModel(ModelConfig(layer="ep")).exact_acquire is False
 
 

@@ -94,7 +94,7 @@ def test_nvshmem_without_a_gpu_is_one_clear_error(cli):
 
 
 def test_pdl_is_refused_before_launch():
-    """The EP GPU layer refuses ``pdl`` (see protocol.REFUSED_POLICIES): the run's config check says so
+    """The EP GPU layer refuses ``pdl`` (see ring.policies.REFUSED_POLICIES): the run's config check says so
     before any rank starts, with the policies it offers; the host-verb path allows it."""
     from streamring.config import ConfigError, load_config
     from streamring.runner import check_run_job

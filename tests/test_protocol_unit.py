@@ -4,16 +4,8 @@ import itertools
 
 import pytest
 
-from streamring.protocol import (
-    ALIGN,
-    MAX_EPOCH,
-    GenState,
-    RingLayout,
-    StreamPlan,
-    classify_gen,
-    gen_str,
-    make_gen,
-    split_gen,
+from streamring.ring.layout import (
+    ALIGN, MAX_EPOCH, GenState, RingLayout, StreamPlan, classify_gen, gen_str, make_gen, split_gen,
 )
 
 

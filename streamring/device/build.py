@@ -26,10 +26,9 @@ keyed by the sha256 of every source in ``csrc/``, the arch, the ``nvcc --version
 text and NVSHMEM's version header, so editing a source or switching compilers
 rebuilds and nothing else does.
 
-Run ``python -m streamring.device.build`` to build and print the cubin's path;
-``python -m streamring.device.build --gemm .gemm-build`` also builds the CUTLASS GEMM library
-(:mod:`streamring.device.build_gemm`) into ``.gemm-build/``: everything the GPU path builds, ahead of
-any run, each with a line per compile unit.
+Run ``python -m streamring.device.build`` to build and print the cubin's path (a line per compile
+unit); the CUTLASS GEMM library is built by ``python -m streamring.gemm.build --out .gemm-build``
+(the GEMM backends sit above ``device``: this module does not reach up to them).
 """
 
 from __future__ import annotations
@@ -258,8 +257,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--arch", default=None, help=f"GPU arch (default $STREAMRING_CUDA_ARCH or {DEFAULT_ARCH})")
     ap.add_argument("--force", action="store_true", help="rebuild even when cached")
     ap.add_argument("-v", "--verbose", action="store_true")
-    ap.add_argument("--gemm", metavar="DIR", help="also build the CUTLASS GEMM library into DIR (e.g. .gemm-build, "
-                                                  "where it is looked for first); a line per compile unit")
     args = ap.parse_args(argv)
     try:
         path = build_cubin(args.arch, force=args.force, verbose=args.verbose)
@@ -267,11 +264,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"streamring build: {exc}", file=sys.stderr)
         return 2
     print(path)
-    if args.gemm:
-        from .build_gemm import main as build_gemm_main
-
-        return build_gemm_main(["--out", args.gemm] + (["--force"] if args.force else [])
-                               + (["-v"] if args.verbose else []))
     return 0
 
 

@@ -1,6 +1,6 @@
 """Green contexts: a producer partition and a consumer partition of one GPU's SMs.
 
-Progress policy ``green_ctx`` (``streamring.protocol.PROGRESS_POLICIES``): producer and
+Progress policy ``green_ctx`` (``streamring.ring.policies.PROGRESS_POLICIES``): producer and
 consumer run on streams of two green contexts with disjoint SM sets, so a consumer kernel can
 never occupy the SMs its producer needs. Kernels launched there must use the P2P transport of
 the ring kernels (NVSHMEM's device state is initialised only in the primary context).

@@ -201,7 +201,7 @@ def sr_my_pe(lib, stream, *, out: int) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# ring_kernels.cu: what a streamed layer enqueues (streamring.device_ring.DeviceRing calls these)
+# ring_kernels.cu: what a streamed layer enqueues (streamring.ring.device.DeviceRing calls these)
 # ----------------------------------------------------------------------------------------------
 def ring_reuse_wait(lib, stream, *, d: int, buf: int, me: int, chunk: int, inject: int) -> None:
     """Owner: wait for every ack of ``chunk - num_slots`` before writing ``chunk`` (no-op below S)."""

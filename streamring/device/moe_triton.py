@@ -872,7 +872,7 @@ def stamp(buf, idx: int) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# CUTLASS path helpers (streamring.device.cutlass_gemm computes the GEMMs; these kernels do the rest)
+# CUTLASS path helpers (streamring.gemm.cutlass computes the GEMMs; these kernels do the rest)
 # ----------------------------------------------------------------------------------------------
 @triton.jit(do_not_specialize=["lo_index", "hi_index", "max_items"])
 def _swiglu_quant_kernel(ready_list_ptr, ready_hi_ptr, lo_index, hi_index, max_items, gu_ptr, h1_ptr, h1sf_ptr,

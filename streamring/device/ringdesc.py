@@ -2,7 +2,7 @@
 
 Device layer: knows no protocol. This module is the ONE definition of
 
-* ``LAYOUT_FIELDS``: the keys of ``streamring.protocol.RingLayout.descriptor()`` in the order
+* ``LAYOUT_FIELDS``: the keys of ``streamring.ring.layout.RingLayout.descriptor()`` in the order
   of ``struct RingDesc`` in ``csrc/ring_desc.cuh`` (the protocol asserts its descriptor has
   exactly these keys; :func:`check_header` checks the header before every build);
 * the constants of the device protocol: slot metadata words (``META_*``), generation packing
@@ -82,7 +82,7 @@ META_FIELD_NAMES = {META_CHUNK: "chunk index", META_BASE: "token base", META_VAL
                     META_ROUTE_GEN: "route generation", META_LAYOUT_GEN: "layout generation"}
 NO_SOURCE = 0xFFFF  # the src of an error that has no single source (the owner's combine): -1 on the device
 
-# -- deliberate mutations of the device protocol (protocol.Inject values -> bits) ------------------------------
+# -- deliberate mutations of the device protocol (ring.policies.Inject values -> bits) ------------------------------
 INJECT_BITS = {"none": 0, "skip-acquire": 1, "signal-before-payload": 2, "skip-ack-wait": 4, "ignore-epoch": 8}
 
 CLOCK_HZ = 2.0e9  # clock64 cycles per second used for deadlines (H200 boost clock is ~1.98 GHz)

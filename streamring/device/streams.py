@@ -5,7 +5,7 @@ in device memory is >= a value. Verified on the H200: it is captured into a CUDA
 batch-memop node) and replays correctly; the waited value is baked into the graph; wake-up to
 the next kernel p50 3.4 us. It has no deadline: the ring's doorbell words it waits on are
 always rung by a producer that needs nothing from the waiting stream (see
-``streamring.device_ring``), and every stream gets its own hardware queue
+``streamring.ring.device``), and every stream gets its own hardware queue
 (``CUDA_DEVICE_MAX_CONNECTIONS=32``), or a blocked wait can block an unrelated stream.
 """
 

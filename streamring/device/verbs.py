@@ -6,7 +6,7 @@ allocates collectively with the same size, so that an offset into a region
 means the same thing on every rank.
 
 Memory-model contract (the same for every backend; the protocol in
-``streamring.protocol`` argues its ordering only in these terms):
+``streamring.ring.protocol`` argues its ordering only in these terms):
 
 * ``put``: copies bytes into a peer's region. Not ordered with respect to
   later operations unless followed by ``fence`` (ordering to the same PE) or

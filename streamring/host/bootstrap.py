@@ -60,7 +60,7 @@ def abort_job(exc: BaseException, code: int = 1) -> None:
     # Expected failures (bad input, protocol violation, watchdog) carry their own
     # diagnostics; anything else gets a traceback.
     from ..device.verbs import PeerUnreachable
-    from ..protocol import ProtocolViolation, WatchdogError
+    from ..ring.protocol import ProtocolViolation, WatchdogError
 
     if not isinstance(exc, (ValueError, TypeError, LaunchError, ProtocolViolation, WatchdogError, TimeoutError,
                             PeerUnreachable)):
@@ -118,7 +118,7 @@ def watch_blocked_calls(heap: SymmetricHeap, timeout_s: float, diagnostics=()) -
     returned handle's ``stop()`` ends it. A backend whose completions never wait on a peer
     (it does not override ``blocked_call``: NVSHMEM) gets no thread.
     """
-    from ..protocol import WatchdogError
+    from ..ring.protocol import WatchdogError
 
     stop = threading.Event()
     if type(heap).blocked_call is SymmetricHeap.blocked_call:

@@ -12,7 +12,7 @@ from rich.text import Text
 
 from ..config import Config, ConfigError
 from ..device.memcheck import HeapSizeError
-from ..protocol import DIAGNOSTIC_HOOKS
+from ..ring.protocol import DIAGNOSTIC_HOOKS
 from .bootstrap import abort_job, make_heap, watch_blocked_calls
 from .jobstate import job_dir, peer_report, record_job_files, register_rank, report_status
 from .launch import SPAWNED_ENV, Launcher, detect_launcher

@@ -296,7 +296,7 @@ class BlockConsumer:
         """Whether ``[lo_index, hi_index)`` is this forward's whole ready list after exactly one dispatch
         and the seal: then every block is in the range and the blocks lie expert by expert
         (``alloc_blocks`` hands ids out by a prefix sum over experts), the layout DeepGEMM's psum
-        path reads (:func:`streamring.device.deep_gemm_ops.psum_layout` re-checks it on the device)."""
+        path reads (:func:`streamring.gemm.deep_gemm.psum_layout` re-checks it on the device)."""
         return (self.dispatch_allocations == 1 and self.seal_ready_index is not None and lo_index == 0
                 and hi_index == self.seal_ready_index)
 
@@ -327,9 +327,9 @@ class BlockConsumer:
                     trap_on_error: bool = True, raster_l1: str = "m", raster_l2: str = "m", swizzle_l1: int = 1,
                     swizzle_l2: int = 1):
         """Set up (once; allocates) the CUTLASS expert GEMMs that :meth:`compute_cutlass` runs:
-        a :class:`streamring.moe.cutlass_experts.CutlassExperts` (returned). Call it before a CUDA
+        a :class:`streamring.gemm.cutlass.CutlassExperts` (returned). Call it before a CUDA
         graph capture so that its buffers are not allocated inside the capture."""
-        from .cutlass_experts import CutlassExperts
+        from ..gemm.cutlass import CutlassExperts
 
         self.cutlass = CutlassExperts(self, tile_l1=tile_l1, tile_l2=tile_l2, l1_out_dtype=l1_out_dtype,
                                       trap_on_error=trap_on_error, raster_l1=raster_l1, raster_l2=raster_l2,
@@ -339,7 +339,7 @@ class BlockConsumer:
     def compute_cutlass(self, lo_index: int, hi_index: int, max_items: int, fw: FastWeights, pdl: bool = False,
                         max_ctas: int | None = None) -> None:
         """:meth:`compute` through CUTLASS's FP8 blockwise grouped GEMM (same buffers, same numerics
-        contract; L1's SwiGLU/requant and the routing weight as in ``streamring.moe.cutlass_experts``).
+        contract; L1's SwiGLU/requant and the routing weight as in ``streamring.gemm.cutlass``).
 
         ``pdl`` is not supported on this path (raises); ``max_ctas`` caps the persistent grids.
         """
@@ -351,20 +351,20 @@ class BlockConsumer:
 
     def use_deep_gemm(self, *, keep_rows_outside_range: bool = True, psum: bool = True):
         """Set up (once; allocates) the DeepGEMM expert GEMMs that :meth:`compute_deep_gemm` runs: a
-        :class:`streamring.moe.deep_gemm_experts.DeepGemmExperts` (returned). Needs ``block_m`` 128
+        :class:`streamring.gemm.deep_gemm.DeepGemmExperts` (returned). Needs ``block_m`` 128
         (ValueError otherwise) and DeepGEMM (RuntimeError with the reason otherwise). Call it before a
         CUDA graph capture. ``keep_rows_outside_range=False`` lets L2 write ``y`` directly (DeepGEMM
         zeroes ``y``'s rows outside the ready range): only for a ``y`` read right after each call
         (the expert-parallel layer's staging rows) or a single call over every block. ``psum=False``:
         never the psum layout (every call passes ``m_indices``; for benchmarks)."""
-        from .deep_gemm_experts import DeepGemmExperts
+        from ..gemm.deep_gemm import DeepGemmExperts
 
         self.deep_gemm = DeepGemmExperts(self, keep_rows_outside_range=keep_rows_outside_range, psum=psum)
         return self.deep_gemm
 
     def compute_deep_gemm(self, lo_index: int, hi_index: int, max_items: int, fw: FastWeights, pdl: bool = False,
                           max_ctas: int | None = None) -> None:
-        """:meth:`compute` through DeepGEMM's grouped FP8 GEMM (``streamring.moe.deep_gemm_experts``):
+        """:meth:`compute` through DeepGEMM's grouped FP8 GEMM (``streamring.gemm.deep_gemm``):
         same buffers, same numerics contract. ``pdl`` and ``max_ctas`` are refused (ValueError)."""
         if pdl:
             raise ValueError("pdl=True: programmatic dependent launch is not implemented for gemm='deep_gemm'")

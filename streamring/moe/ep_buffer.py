@@ -34,10 +34,12 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from ..device.cutlass_gemm import status_text as gemm_status_text
 from ..device.ringdesc import describe_status
-from ..protocol import GEMM_CHOICES, CombineLayout, RingLayout, WatchdogError
-from . import gemm_choice as GC
+from ..gemm import choice as GC
+from ..gemm.cutlass import status_text as gemm_status_text
+from ..ring.layout import CombineLayout, RingLayout
+from ..ring.policies import GEMM_CHOICES
+from ..ring.protocol import WatchdogError
 from .blocks import FP8, BlockConsumer, FastWeights
 from .ep_pipeline import EPPipeline, _Path
 from .math import MoEShape, MoEWeights, quantize_weight_fp8_block
@@ -49,7 +51,7 @@ GEMMS = GEMM_CHOICES
 
 def cutlass_unavailable_reason() -> Optional[str]:
     """Why the CUTLASS GEMM library is not taken here (``None`` when it loads). Never builds anything:
-    the library is built ahead with ``python -m streamring.device.build_gemm --out .gemm-build``."""
+    the library is built ahead with ``python -m streamring.gemm.build --out .gemm-build``."""
     why = GC.available_impls(128)["cutlass"]
     return why or None
 
@@ -57,7 +59,7 @@ def cutlass_unavailable_reason() -> Optional[str]:
 def resolve_gemm(gemm: str, shape: MoEShape, num_ranks: int, max_tokens_per_rank: int,
                  block_m: int) -> "GC.LayerChoice":
     """The expert GEMMs ``gemm`` stands for in a buffer of these sizes (``"auto"``: the fastest available
-    implementation of the measured table, ``streamring/moe/gemm_choice.py``, at the buffer's rows per
+    implementation of the measured table, ``streamring/gemm/choice.py``, at the buffer's rows per
     expert; an explicit one: its own fastest variants). Every path of one buffer runs the result, so a
     streamed-vs-batch comparison never measures two GEMMs' rounding."""
     if gemm not in GEMMS:
@@ -478,10 +480,10 @@ class EPBuffer(EPPipeline):
 
         A peer that died or stopped mid-forward makes a device wait of this PE time out after
         ``deadline_s``; every later wait then gives up at once, so the forward ends and this raises a
-        :class:`~streamring.protocol.WatchdogError` whose first line names the source rank, chunk and
+        :class:`~streamring.ring.protocol.WatchdogError` whose first line names the source rank, chunk and
         generation waited for. ``host_deadline_s`` (default ``2 * deadline_s + 5``) bounds what has no
         device deadline (a ``cuStreamWaitValue64`` of the stream_wait policy). Violations and corrupt
-        routes raise a :class:`~streamring.protocol.ProtocolViolation`. Either way the buffer is
+        routes raise a :class:`~streamring.ring.protocol.ProtocolViolation`. Either way the buffer is
         :attr:`broken` afterwards (close it and build a new one on every PE). When the device context itself
         fails during the forward (a peer's process died and this PE touched its unmapped memory: seen with
         PEs sharing a GPU under MPS), the WatchdogError names what the last slow device wait waited for,

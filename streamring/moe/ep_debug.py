@@ -12,7 +12,7 @@ from .timeline_events import STAMP_STRIDE
 
 
 def inject(buf, mode: str) -> None:
-    """Make ``buf`` run the protocol mutation ``mode`` (``streamring.protocol.INJECT_MODES``:
+    """Make ``buf`` run the protocol mutation ``mode`` (``streamring.ring.policies.INJECT_MODES``:
     ``skip-acquire``, ``signal-before-payload``, ``skip-ack-wait``, ``ignore-epoch``; ``none`` undoes it).
     The run's bitwise and status checks must then fail: tests and the GPU check use it to show they can."""
     if mode not in INJECT_BITS:

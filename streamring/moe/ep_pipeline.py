@@ -29,7 +29,7 @@ Ordering argument (the RFC's release/acquire, each step in one place):
 
 * producer -> consumer: the payload kernels complete before ``ring_publish`` (stream order), whose
   release precedes the generation SET; ``acquire_checked`` acquire-loads the generations and the
-  data kernels follow it in stream order (``streamring.device_ring``). The valid count is a
+  data kernels follow it in stream order (``streamring.ring.device``). The valid count is a
   metadata word written before that release, so it is covered by the same handoff; a consumer
   checks it against ``[0, tokens_per_slot]`` before indexing (a hostile count cannot reach past
   the slot, and the combine rows are sized for ``num_chunks * tokens_per_slot`` tokens).
@@ -61,7 +61,7 @@ stream is enqueued before the producer and must not block it: ``serialized`` (on
 chunk), ``spin_kernel`` (one-thread acquire kernels with a deadline; producer and dispatch streams at
 high priority), ``stream_wait`` (``cuStreamWaitValue64`` on the ring's doorbells, no SM held),
 ``green_ctx`` (producer and consumer on disjoint SM partitions; P2P transport). ``pdl`` is refused
-here (``streamring.protocol.REFUSED_POLICIES``). The batch path always runs ``serialized``.
+here (``streamring.ring.policies.REFUSED_POLICIES``). The batch path always runs ``serialized``.
 
 Transports (chosen once per buffer): ``p2p`` (NVLink loads/stores through peer pointers: the
 dispatch pulls rows from the peers' slots, L2 stores into the peers' combine rows) or ``nv``
@@ -82,8 +82,8 @@ from ..device import kernels as DK
 from ..device import moe_triton as K
 from ..device.ranges import annotate as nvtx_range
 from ..device.ringdesc import RING_LAYOUT, RING_ROUTE
-from ..device_ring import DeviceRing
-from ..protocol import RingLayout
+from ..ring.device import DeviceRing
+from ..ring.layout import RingLayout
 from .blocks import compute_blocks, select_experts_into
 from .timeline_events import STAMP_STRIDE
 

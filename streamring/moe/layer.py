@@ -5,7 +5,7 @@ One :class:`MoEBuffer` per rank owns the symmetric allocation (the RFC's
 and :meth:`MoEBuffer.forward` runs the layer (the RFC's
 ``fp8_fp4_mega_moe(..., streaming=True, stream_epoch=epoch)``).
 
-Both paths run the same roles over a :class:`~streamring.protocol.Ring`:
+Both paths run the same roles over a :class:`~streamring.ring.protocol.Ring`:
 
 * **route producer** (per chunk): router GEMM + top-k of the chunk's tokens ->
   ``topk_idx``/``topk_weights`` -> ``publish_route``;
@@ -54,10 +54,12 @@ from typing import Callable, Optional, Union
 import numpy as np
 import torch
 
-from ..coop import run_roles, sleep_for, wait_for
+from ..ring.roles import run_roles, sleep_for, wait_for
 from ..device.ranges import annotate as nvtx_range
 from ..device.verbs import SymmetricHeap
-from ..protocol import SOURCE_ORDERS, Inject, Ring, RingLayout, StreamPlan
+from ..ring.layout import RingLayout, StreamPlan
+from ..ring.policies import SOURCE_ORDERS, Inject
+from ..ring.protocol import Ring
 from .math import (
     FP8_DTYPE,
     MoEShape,

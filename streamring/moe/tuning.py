@@ -13,7 +13,7 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from ..protocol import EP_SOURCE_ORDERS, PROGRESS_POLICIES, REFUSED_POLICIES
+from ..ring.policies import EP_SOURCE_ORDERS, PROGRESS_POLICIES, REFUSED_POLICIES
 
 #: progress policies of the streamed path (the device ring's own self-test also runs the refused ones)
 EP_POLICIES = tuple(p for p in PROGRESS_POLICIES if p not in REFUSED_POLICIES)

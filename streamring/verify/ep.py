@@ -47,7 +47,7 @@ epoch of the owner (property (e)) and ``LRE`` the epoch of the owner's last redu
 (property (d)); none of them is visible to the protocol.
 
 Mutations of this layer: :class:`EPInject` / ``EP_INJECT_MODES`` (``--layer ep`` only); every
-``protocol.Inject`` mode still applies to its ring steps. The default sizes of this layer
+``ring.policies.Inject`` mode still applies to its ring steps. The default sizes of this layer
 (2 ranks x 2 slots x 3 chunks x 2 epochs) always use the partial-order reduction: their full
 graph is far
 beyond reach (2 ranks x 1 slot x 2 chunks x 1 epoch alone has 669,240 states). Reduced, they
@@ -79,7 +79,7 @@ protocol and for every mutation.
 
 from __future__ import annotations
 
-from .. import protocol as P
+from ..ring.layout import GenState
 from .names import EPInject
 from .state import (EP_PROPERTIES, PROP_COMBINE_OVERWRITE, PROP_COMBINE_READ, PROP_COUNTER, PROP_DEADLOCK,
                     PROP_SERIAL, Trans, Violation, _cv, _cval)
@@ -105,7 +105,7 @@ class EPModel(RingModel):
         """The layer's routing, fields and processes (module docstring)."""
         R, C, E, K = self.R, self.C, self.E, self.cfg.topk
         self.K = K
-        # the layer's mutation (verify.names.EPInject); the ring's (protocol.Inject) is the base's
+        # the layer's mutation (verify.names.EPInject); the ring's (ring.policies.Inject) is the base's
         self.ep_inject = self.cfg.inject if isinstance(self.cfg.inject, EPInject) else EPInject.NONE
         # consumer steps per (chunk, src): acquire (+ the copy's reads), ack; with ack-before-copy:
         # acquire, ack, then the copy's reads end (the slot is held until then)
@@ -174,7 +174,7 @@ class EPModel(RingModel):
         # before that owner publishes a chunk of that epoch: true when the acquire looks at the
         # generations and classifies every word of an earlier epoch (or 0) as OLDER. Checked here
         # on the classify in use (a mutation or a patched function turns the assumption off).
-        OLDER = P.GenState.OLDER
+        OLDER = GenState.OLDER
         self.exact_acquire = not self.skip_acquire and all(
             self.classify(w, g) is OLDER
             for e in range(2, E + 1) for g in self.gens[e]

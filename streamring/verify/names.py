@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 
-from ..protocol import INJECT_MODES
+from ..ring.policies import INJECT_MODES
 
 LAYERS = ("ring", "ep")
 

@@ -2,7 +2,7 @@
 serialised schedule, and the counter-examples it reports.
 
 ``streamring model-check`` explores every interleaving of the protocol steps of
-:mod:`streamring.protocol` (the 8-step argument of its module docstring) for a small
+:mod:`streamring.ring.protocol` (the 8-step argument of its module docstring) for a small
 configuration (default 2 ranks x 2 slots x 3 chunks x 2 epochs) by breadth-first search over
 hashable states with a visited set, and checks the properties of :mod:`streamring.verify.state`.
 

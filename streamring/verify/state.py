@@ -1,7 +1,7 @@
 """The model checker's state: its configuration, properties and the flat tuple a state is.
 
 ``streamring model-check`` checks these properties of the ring protocol
-(:mod:`streamring.protocol`; the steps are in :mod:`streamring.verify.steps`):
+(:mod:`streamring.ring.protocol`; the steps are in :mod:`streamring.verify.steps`):
 
 ``no-stale-or-torn-read``
     (1) every consumer read of ``(src, chunk c, epoch e)`` sees exactly the
@@ -14,7 +14,7 @@
     accepts a generation word of an older epoch, nor a read that sees payload
     of an older epoch;
 ``no-protocol-violation``
-    (4) :func:`protocol.classify_gen` never says ``VIOLATION`` (the runtime
+    (4) :func:`ring.layout.classify_gen` never says ``VIOLATION`` (the runtime
     raises :class:`protocol.ProtocolViolation`), an acquire never accepts a
     word that is not the expected generation, and no acknowledgement finds its
     bit already set (``Ring.ack`` raises on it when no mutation is injected);
@@ -48,8 +48,8 @@ function is what gets checked); the chunk count is ``StreamPlan.num_chunks``
 (the maximum over ranks, rule 7: odd ranks get one token fewer, so their last
 chunk has zero tokens, and they still publish every chunk); the full ack mask
 is ``RingLayout.full_mask(word)`` over ``RingLayout.mask_words``; the slot is
-``chunk % num_slots``; the mutations are ``protocol.Inject`` /
-``protocol.INJECT_MODES``, each changing exactly the step ``protocol.Ring``
+``chunk % num_slots``; the mutations are ``ring.policies.Inject`` /
+``ring.policies.INJECT_MODES``, each changing exactly the step ``protocol.Ring``
 changes for it.
 
 
@@ -69,7 +69,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .. import protocol as P
+from ..ring import layout as ring_layout
+from ..ring.layout import MAX_EPOCH, SF_BLOCK, GenState, RingLayout, StreamPlan, gen_str, split_gen
+from ..ring.policies import INJECT_MODES, SOURCE_ORDERS, Inject
 from .names import EP_INJECT_MODES, LAYERS, MODEL_INJECT_MODES, EPInject
 
 KINDS = ("route", "layout")
@@ -102,18 +104,18 @@ PROPERTY_TEXT = {
 
 
 def parse_inject(value: str | None):
-    """The ``protocol.Inject`` or :class:`EPInject` named ``value`` (None or "none": no mutation)."""
+    """The ``ring.policies.Inject`` or :class:`EPInject` named ``value`` (None or "none": no mutation)."""
     if not value or value == "none":
-        return P.Inject.NONE
+        return Inject.NONE
     if value in EP_INJECT_MODES:
         return EPInject(value)
-    if value in P.INJECT_MODES:
-        return P.Inject(value)
+    if value in INJECT_MODES:
+        return Inject(value)
     raise ValueError(f"--inject must be one of {MODEL_INJECT_MODES}, got {value!r}")
 
 
 def _g(gen: int) -> str:
-    return P.gen_str(gen) if gen else "0 (never written)"
+    return gen_str(gen) if gen else "0 (never written)"
 
 
 def _cv(v: int) -> str:
@@ -128,7 +130,7 @@ def _cval(e: int, c: int, d: int) -> int:
 
 
 def _older_epoch(seen: int, expected: int) -> bool:
-    return bool(seen) and P.split_gen(seen)[0] < P.split_gen(expected)[0]
+    return bool(seen) and split_gen(seen)[0] < split_gen(expected)[0]
 
 
 @dataclass
@@ -137,7 +139,7 @@ class ModelConfig:
     slots: int = 2
     chunks: int = 3
     epochs: int = 2
-    inject: P.Inject = P.Inject.NONE
+    inject: Inject = Inject.NONE
     early_drain: bool = True  # pending payload stores may become visible before the release
     por: bool | None = None  # stubborn-set partial-order reduction; None: only above the default sizes
     stop_at_first: bool = True  # False: keep exploring (violations are terminal), for cross-checks
@@ -155,8 +157,8 @@ class ModelConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 problems.append(f"--{name} must be an integer >= 1, got {v!r}")
-        if isinstance(self.epochs, int) and self.epochs > P.MAX_EPOCH:
-            problems.append(f"--epochs must be <= {P.MAX_EPOCH}")
+        if isinstance(self.epochs, int) and self.epochs > MAX_EPOCH:
+            problems.append(f"--epochs must be <= {MAX_EPOCH}")
         if self.layer not in LAYERS:
             problems.append(f"--layer must be one of {LAYERS}, got {self.layer!r}")
         if self.por is None:
@@ -164,13 +166,13 @@ class ModelConfig:
             # states): it always uses the reduction unless told otherwise
             self.por = self.layer == "ep" or not (self.ranks <= 2 and self.slots <= 2 and self.chunks <= 3
                                                   and self.epochs <= 2)
-        if not isinstance(self.inject, (P.Inject, EPInject)):
-            problems.append(f"inject must be a protocol.Inject or verify.names.EPInject, got {self.inject!r}")
+        if not isinstance(self.inject, (Inject, EPInject)):
+            problems.append(f"inject must be a ring.policies.Inject or verify.names.EPInject, got {self.inject!r}")
         elif isinstance(self.inject, EPInject) and self.inject is not EPInject.NONE and self.layer != "ep":
             problems.append(f"--inject {self.inject.value} breaks a handoff of the expert-parallel layer: "
                             f"it needs --layer ep")
-        if self.source_order not in P.SOURCE_ORDERS:
-            problems.append(f"--source-order must be one of {P.SOURCE_ORDERS}, got {self.source_order!r}")
+        if self.source_order not in SOURCE_ORDERS:
+            problems.append(f"--source-order must be one of {SOURCE_ORDERS}, got {self.source_order!r}")
         if problems:
             raise ValueError("; ".join(problems))
 
@@ -213,20 +215,20 @@ class RingState:
         self.cfg = cfg
         R, S, E = cfg.ranks, cfg.slots, cfg.epochs
         self.R, self.S, self.E = R, S, E
-        # the ring's mutation (protocol.Inject); a layer's own mutation is the layer's business
-        self.inject = inject = cfg.inject if isinstance(cfg.inject, P.Inject) else P.Inject.NONE
-        self.skip_acquire = inject is P.Inject.SKIP_ACQUIRE
-        self.skip_ack_wait = inject is P.Inject.SKIP_ACK_WAIT
+        # the ring's mutation (ring.policies.Inject); a layer's own mutation is the layer's business
+        self.inject = inject = cfg.inject if isinstance(cfg.inject, Inject) else Inject.NONE
+        self.skip_acquire = inject is Inject.SKIP_ACQUIRE
+        self.skip_ack_wait = inject is Inject.SKIP_ACK_WAIT
         # Looked up now (not at import) so that the function the runtime uses is the one checked.
-        self._classify = P.classify_gen
-        self._ignore_epoch = inject is P.Inject.IGNORE_EPOCH
+        self._classify = ring_layout.classify_gen
+        self._ignore_epoch = inject is Inject.IGNORE_EPOCH
         self._cmemo: dict = {}
-        layout = P.RingLayout(num_ranks=R, num_slots=S, tokens_per_slot=1, hidden=P.SF_BLOCK, topk=1,
+        layout = RingLayout(num_ranks=R, num_slots=S, tokens_per_slot=1, hidden=SF_BLOCK, topk=1,
                               num_experts=1)
         self.mask_words = layout.mask_words
         self.full = tuple(layout.full_mask(w) for w in range(layout.mask_words))
         tokens = tuple(cfg.chunks - (r % 2 if R > 1 else 0) for r in range(R))
-        self.plans = [None] + [P.StreamPlan(epoch=e, tokens_per_rank=tokens, tokens_per_slot=1)
+        self.plans = [None] + [StreamPlan(epoch=e, tokens_per_rank=tokens, tokens_per_slot=1)
                                for e in range(1, E + 1)]
         self.C = C = self.plans[1].num_chunks
         if C != cfg.chunks:
@@ -235,7 +237,7 @@ class RingState:
         self.gens = [None] + [tuple(self.plans[e].gen(c) for c in range(C)) for e in range(1, E + 1)]
         self.last_chunk = [max((c for c in range(C) if c % S == s), default=-1) for s in range(S)]
         pubs = [("publish", t) for t in range(R)]
-        if inject is P.Inject.SIGNAL_BEFORE_PAYLOAD:
+        if inject is Inject.SIGNAL_BEFORE_PAYLOAD:
             self.steps = [("reserve", 0)] + pubs + [("write", 0), ("fence", 0)]
         else:
             self.steps = [("reserve", 0), ("write", 0)] + pubs
@@ -318,7 +320,7 @@ class RingState:
             st[self.HLD + r] = -1
         return tuple(st)
 
-    def classify(self, observed: int, expected: int) -> P.GenState:
+    def classify(self, observed: int, expected: int) -> GenState:
         key = (observed, expected)
         res = self._cmemo.get(key)
         if res is None:
@@ -373,5 +375,5 @@ class RingState:
                 return Violation(props, (
                     f"stale read: rank {d} holds src {r} chunk {c2} (epoch {e2}, slot {s}; acquired, not yet "
                     f"acknowledged) and the {KINDS[k]} part changes under it to {_g(v)}: its read sees {_g(v)}, "
-                    f"expected {P.gen_str(g2)}")), (d, k, r, c2, s, v)
+                    f"expected {gen_str(g2)}")), (d, k, r, c2, s, v)
         return None

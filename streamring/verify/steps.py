@@ -70,7 +70,8 @@ on until it must wait (:meth:`RingModel._future`).
 
 from __future__ import annotations
 
-from .. import protocol as P
+from ..ring.layout import GenState, gen_str
+from ..ring.policies import Inject
 from .state import (KINDS, PROP_ABA, PROP_DEADLOCK, PROP_OVERWRITE, PROP_PROTOCOL, PROP_READ, PROP_SERIAL,
                     PROPERTIES, RingState, Trans, Violation, _g, _older_epoch)
 
@@ -283,7 +284,7 @@ class RingModel(RingState):
         bit = 1 << d
         desc = ("ack", d, src, c, s, m, m | bit)
         acc_w = (self.b_pos[d][src][s] if releases_slot else 0) | done_bit
-        if m & bit and self.inject is P.Inject.NONE:
+        if m & bit and self.inject is Inject.NONE:
             msg = (f"rank {d}: ack bit already set in rank {src}'s ack_mask[slot={s}] when "
                    f"acknowledging chunk {c} (double acknowledgement: Ring.ack raises)")
             return ((Trans(pid, desc, None, Violation((PROP_PROTOCOL,), msg)),), 0, acc_w, self.b_ack[src][s], ())
@@ -316,7 +317,7 @@ class RingModel(RingState):
             vr = st[self.RDY + ((2 * d + 0) * R + src) * S + s]
             vl = st[self.RDY + ((2 * d + 1) * R + src) * S + s]
             cr, cl = self.classify(vr, g), self.classify(vl, g)
-            V, RD = P.GenState.VIOLATION, P.GenState.READY
+            V, RD = GenState.VIOLATION, GenState.READY
             ready = cr is RD and cl is RD
         desc = ("acquire", d, src, c, s, g, vr, vl)
         if ready:
@@ -325,7 +326,7 @@ class RingModel(RingState):
                 bad = vr if vr != g else vl
                 older = _older_epoch(bad, g)
                 viol = Violation((PROP_ABA,) if older else (PROP_PROTOCOL,), (
-                    f"rank {d} accepted generation {_g(bad)} as ready for {P.gen_str(g)} "
+                    f"rank {d} accepted generation {_g(bad)} as ready for {gen_str(g)} "
                     f"(src {src} chunk {c} slot {s})"
                     + (": a leftover of an older epoch (ABA)" if older else "")))
             else:
@@ -340,7 +341,7 @@ class RingModel(RingState):
                     props = (PROP_READ, PROP_ABA) if _older_epoch(v, g) else (PROP_READ,)
                     viol = Violation(props, (
                         f"{what} read: rank {d} read the {KINDS[k]} part of src {src} chunk {c} "
-                        f"(epoch {e}, slot {s}) and saw {_g(v)}, expected {P.gen_str(g)}"
+                        f"(epoch {e}, slot {s}) and saw {_g(v)}, expected {gen_str(g)}"
                         + (" (its route part was correct)" if k == 1 else "")))
             if viol is not None:
                 return ((Trans(pid, desc, None, viol),), acc_r, acc_w, 0, ())
@@ -352,7 +353,7 @@ class RingModel(RingState):
         elif cr is V or cl is V:
             name, seen = ("route_ready_gen", vr) if cr is V else ("layout_ready_gen", vl)
             msg = (f"rank {d}: {name}[src={src}][slot={s}] = {_g(seen)} while expecting "
-                   f"{P.gen_str(g)}: classify_gen says VIOLATION (Ring.gen_state raises "
+                   f"{gen_str(g)}: classify_gen says VIOLATION (Ring.gen_state raises "
                    f"ProtocolViolation)")
             return ((Trans(pid, desc, None, Violation((PROP_PROTOCOL,), msg)),), acc_r, acc_w, 0, ())
         nes = tuple(6 * src + k for k, cl_ in ((0, cr), (1, cl)) if cl_ is not RD)
@@ -516,7 +517,7 @@ class RingModel(RingState):
                     bl = 0
                     for k in (0, 1):
                         w = st[self.RDY + ((2 * d + k) * R + src) * S + s]
-                        if self.classify(w, gens[c]) is P.GenState.OLDER:
+                        if self.classify(w, gens[c]) is GenState.OLDER:
                             bl |= 1 << (6 * src + k)  # only that producer writes this word
                     if bl:
                         segs.append((bl, aR, aW, aO))
@@ -604,18 +605,18 @@ class RingModel(RingState):
             return head + f": ack mask of chunk {prev} full -> collected, mask cleared"
         if op == "write":
             _, r, k, c, s, g = d
-            return f"r{r}.{KINDS[k]}: write payload {P.gen_str(g)} of chunk {c} into slot {s} (pending store, not yet visible)"
+            return f"r{r}.{KINDS[k]}: write payload {gen_str(g)} of chunk {c} into slot {s} (pending store, not yet visible)"
         if op in ("publish", "fence", "drain"):
             if op == "publish":
                 _, r, k, c, s, g, tgt, flushed, rd = d
-                text = f"r{r}.{KINDS[k]}: publish chunk {c} gen {P.gen_str(g)} -> rank {tgt}"
+                text = f"r{r}.{KINDS[k]}: publish chunk {c} gen {gen_str(g)} -> rank {tgt}"
                 text += " (release: pending payload becomes visible)" if flushed else ""
             elif op == "fence":
                 _, r, k, c, s, g, flushed, rd = d
                 text = f"r{r}.{KINDS[k]}: fence after chunk {c}" + (" (pending payload becomes visible)" if flushed else "")
             else:
                 _, r, k, s, v, rd = d
-                text = f"r{r}.{KINDS[k]}: pending payload {P.gen_str(v)} of slot {s} drains to memory early (legal)"
+                text = f"r{r}.{KINDS[k]}: pending payload {gen_str(v)} of slot {s} drains to memory early (legal)"
             if rd is not None:
                 dd, kk, src, c2, s2, v = rd
                 text += f"\n       r{dd}.consumer: read {KINDS[kk]} part of src {src} chunk {c2} (slot {s2}): sees {_g(v)}"
@@ -626,7 +627,7 @@ class RingModel(RingState):
                 text = (f"r{dd}.consumer: acquire src {src} chunk {c} (slot {s}) WITHOUT reading the generations "
                         f"[skip-acquire]")
             else:
-                text = (f"r{dd}.consumer: acquire src {src} chunk {c} (slot {s}), expecting {P.gen_str(g)}: "
+                text = (f"r{dd}.consumer: acquire src {src} chunk {c} (slot {s}), expecting {gen_str(g)}: "
                         f"route_ready_gen={_g(vr)} {self.classify(vr, g).name}, "
                         f"layout_ready_gen={_g(vl)} {self.classify(vl, g).name}")
             if len(d) > 8:

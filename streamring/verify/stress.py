@@ -19,7 +19,7 @@ Checkers (independent of the protocol steps they check):
   reuse*.
 
 Any violation makes the exit code non-zero. The ``--inject`` mutations of
-``streamring.protocol.Inject`` must each produce violations.
+``streamring.ring.policies.Inject`` must each produce violations.
 """
 
 from __future__ import annotations
@@ -34,19 +34,10 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from ..config import Config, ConfigError, per_rank
-from ..protocol import (
-    META_BASE,
-    META_CHUNK,
-    META_VALID,
-    META_WORDS,
-    GenState,
-    Inject,
-    ProtocolViolation,
-    Ring,
-    RingLayout,
-    make_gen,
-)
-from ..coop import run_roles, sleep_for, wait_for
+from ..ring.layout import META_BASE, META_CHUNK, META_VALID, META_WORDS, GenState, RingLayout, make_gen
+from ..ring.policies import Inject
+from ..ring.protocol import ProtocolViolation, Ring
+from ..ring.roles import run_roles, sleep_for, wait_for
 from ..device.verbs import SignalOp, SymmetricHeap
 
 STRESS_EXPERTS = 64

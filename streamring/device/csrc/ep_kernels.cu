@@ -3,7 +3,7 @@
 // The ring carries each source's chunk (routing + FP8 activations) to every PE; these kernels
 // carry the results back and synchronise the owner's reduce:
 //
-//  * combine area (one symmetric allocation per PE, laid out by protocol.CombineLayout):
+//  * combine area (one symmetric allocation per PE, laid out by ring.layout.CombineLayout):
 //      arrived[max_chunks] uint64    rows of chunk c that reached this owner (signal words)
 //      rows[max_tokens][topk][hidden] bf16   the L2 result of (logical token, k)
 //  * a consumer's L2 writes each result row into its owner's rows[token][k] (P2P stores from the

@@ -1,6 +1,6 @@
 // streamring: the device-visible descriptor of one chunk-ready ring.
 //
-// The first block of fields mirrors streamring.protocol.RingLayout.descriptor()
+// The first block of fields mirrors streamring.ring.layout.RingLayout.descriptor()
 // ONE TO ONE: same names, same order, all int64 (the build runs
 // streamring.device.ringdesc.check_header() on this file before compiling, and
 // tests/test_gpu.py parses it independently). The host packs the struct as a flat
@@ -69,7 +69,7 @@ struct RingDesc {
 static_assert(sizeof(RingDesc) == RING_DESC_WORDS * 8, "RingDesc must be RING_DESC_WORDS packed 8-byte words");
 
 #ifdef __CUDACC__
-// protocol.make_gen(epoch, chunk + 1): the sequence is chunk + 1 so that 0 means "never published".
+// ring.layout.make_gen(epoch, chunk + 1): the sequence is chunk + 1 so that 0 means "never published".
 __host__ __device__ static inline uint64_t ring_make_gen(uint64_t epoch, int64_t chunk) {
     return (epoch << RING_SEQ_BITS) | (uint64_t)(chunk + 1);
 }

@@ -1,4 +1,4 @@
-// streamring: the ring kernels a streamed layer enqueues (streamring/device_ring.py launches them
+// streamring: the ring kernels a streamed layer enqueues (streamring/ring/device.py launches them
 // through the typed launchers of streamring/device/kernels.py).
 //
 // Every kernel takes the ring's descriptor and its symmetric base; the ones that touch peers

@@ -1,6 +1,6 @@
 // streamring: the chunk-ready ring protocol on the device, using only the descriptor's offsets.
 //
-// The steps and their ordering argument are those of streamring/protocol.py (rules 1-8 of its
+// The steps and their ordering argument are those of streamring/ring/protocol.py (rules 1-8 of its
 // module docstring); this file is their device form:
 //  * publish      - rule 1: payload stores, release, then the generation SET at every PE;
 //  * acquire_wait - rule 2: ld.acquire.sys of both generations (with a deadline) before any read;
@@ -93,7 +93,7 @@ static __device__ __forceinline__ bool aborted(const RingDesc* d) {
     return ld_relaxed_sys_u64((const uint64_t*)&d->status[RS_ABORT]) != 0;
 }
 
-// Is the generation `seen` ready, older, or a violation, compared with `want`? (protocol.classify_gen)
+// Is the generation `seen` ready, older, or a violation, compared with `want`? (ring.layout.classify_gen)
 static __device__ __forceinline__ int classify(const RingDesc* d, uint64_t seen, uint64_t want, int inject) {
     if (inject & INJ_IGNORE_EPOCH) {
         seen &= RING_SEQ_MASK;

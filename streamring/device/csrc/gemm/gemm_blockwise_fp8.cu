@@ -86,7 +86,7 @@
 #endif
 #define SR_GEMM_OWNS(v) ((v) % SR_GEMM_NUM_PARTS == SR_GEMM_PART)
 
-// Status bits written by the setup kernel (mirrored in streamring/device/cutlass_gemm.py).
+// Status bits written by the setup kernel (mirrored in streamring/gemm/cutlass.py).
 #define SR_STATUS_RANGE_CLAMPED 1    // ready_hi[hi] - ready_hi[lo] > max_items: blocks past max_items dropped
 #define SR_STATUS_RANGE_NEGATIVE 2   // ready_hi[hi] < ready_hi[lo]
 #define SR_STATUS_BAD_BLOCK 4        // a ready block id outside [0, num_blocks): item skipped
@@ -200,7 +200,7 @@ using ClusterN2 = Shape<_1, _2, _1>;  // the two CTAs of a cluster: neighbours a
 using ClusterM2 = Shape<_2, _1, _1>;  // neighbours along M (same expert, same N tile): W tile multicast
 using Cluster1 = Shape<_1, _1, _1>;
 
-// Variants (streamring/device/cutlass_gemm.py: TILE_TABLE mirrors this table; tests compare the two):
+// Variants (streamring/gemm/cutlass.py: TILE_TABLE mirrors this table; tests compare the two):
 //   0, 1: 128x128 cooperative, cluster 1x2, bf16 / f32 out (CUTLASS example 68's configuration)
 //   2, 3: 64x128 ping-pong, cluster 1x1, bf16 / f32 out (example 68 "sparse groups")
 //   4: 128x128 cooperative, cluster 2x1 (W multicast), bf16 out
@@ -1382,7 +1382,7 @@ static int bad_variant(int variant) {
 #if SR_GEMM_PART == 0
 
 // ------------------------------------------------------------------------------------------------
-// C entry points (ctypes: streamring/device/cutlass_gemm.py mirrors these signatures)
+// C entry points (ctypes: streamring/gemm/cutlass.py mirrors these signatures)
 // ------------------------------------------------------------------------------------------------
 SR_API char const* sr_gemm_last_error(void) { return sr::g_last_error.c_str(); }
 

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import time
 
-from .device.verbs import SymmetricHeap, spin_pause
+from ..device.verbs import SymmetricHeap, spin_pause
 from .protocol import Ring
 
 
 def wait_for(ring: Ring, pred, what: str, waits: list | None = None):
-    """Yield until ``pred()`` holds; :class:`~streamring.protocol.WatchdogError` with the ring state after the deadline."""
+    """Yield until ``pred()`` holds; :class:`~streamring.ring.protocol.WatchdogError` with the ring state after
+    the deadline."""
     yield from ring.wait_steps(pred, what, waits)
 
 

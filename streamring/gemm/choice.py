@@ -23,16 +23,16 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Iterable, Mapping
 
-TABLE_PATH = Path(__file__).with_name("gemm_table.json")
+TABLE_PATH = Path(__file__).with_name("table.json")
 IMPLS = ("cutlass", "deep_gemm", "triton")
 #: a measured entry serves rows-per-expert values within this factor of its own
 NEAREST_FACTOR = 2.0
 #: below this many rows per expert the fallback rule takes the 64-row ping-pong tile
 PINGPONG_BELOW_ROWS = 128
-#: the group scheduler swizzles a key may name after the raster (``cutlass_gemm.SWIZZLES`` less the
+#: the group scheduler swizzles a key may name after the raster (``gemm.cutlass.SWIZZLES`` less the
 #: default 1, which a key leaves out; not imported: that module loads torch)
 KEY_SWIZZLES = (2, 4, 8)
-#: CUTLASS tiles that take one block per tile (``cutlass_gemm.TILE_TABLE``'s ``block_tile`` tiles; not
+#: CUTLASS tiles that take one block per tile (``gemm.cutlass.TILE_TABLE``'s ``block_tile`` tiles; not
 #: imported: that module loads torch. tests/test_gemm_choice.py holds the two equal), and the block
 #: size they need: a consumer of other blocks never gets them from the table
 BLOCK_TILES = ("pair128", "pair192", "pair128_n2", "block128", "block128_n2", "block64pp")
@@ -42,7 +42,7 @@ BLOCK_TILE_ROWS = 128
 @dataclass(frozen=True)
 class GemmChoice:
     """One GEMM's implementation: ``impl`` (:data:`IMPLS`), for CUTLASS its ``tile``
-    (``cutlass_gemm.TILE_TABLE``), ``out`` (``"bf16"``/``"f32"``, the L1 output) and ``raster``
+    (``gemm.cutlass.TILE_TABLE``), ``out`` (``"bf16"``/``"f32"``, the L1 output) and ``raster``
     (``"m"``/``"n"``) and ``swizzle`` (1, 2, 4, 8: the group scheduler's tile order); ``ms`` the
     measured median (None when the fallback rule chose); ``source`` what decided."""
 
@@ -231,7 +231,7 @@ def available_impls(block_m: int, policy: str = "serialized") -> dict[str, str]:
     if policy == "pdl":
         out["cutlass"] = out["deep_gemm"] = "no programmatic dependent launch (plan.policy 'pdl')"
         return out
-    from ..device import cutlass_gemm as CG
+    from . import cutlass as CG
 
     try:
         CG.load_library(build=False)
@@ -241,7 +241,7 @@ def available_impls(block_m: int, policy: str = "serialized") -> dict[str, str]:
         out["cutlass"] = f"{CUTLASS_NOT_BUILT}: {str(exc)[:200]}"
     except Exception as exc:  # noqa: BLE001 - built for another source, cannot load, no GPU
         out["cutlass"] = f"CUTLASS library unavailable: {str(exc)[:200]}"
-    from ..device import deep_gemm_ops as DG
+    from . import deep_gemm as DG
 
     if block_m != DG.BLOCK_M:
         out["deep_gemm"] = f"block_m must be {DG.BLOCK_M} for deep_gemm, the plan has {block_m}"
@@ -261,7 +261,7 @@ def resolve_layer(gemm: str, block_m: int, shape, tokens_per_rank, table: Mappin
         avail: Mapping[str, str] = available_impls(block_m)
     elif gemm in IMPLS:
         if gemm == "deep_gemm":
-            from ..device import deep_gemm_ops as DG
+            from . import deep_gemm as DG
 
             DG.check_block_m(block_m, "block_m")
             a = DG.deep_gemm_available()
@@ -272,7 +272,7 @@ def resolve_layer(gemm: str, block_m: int, shape, tokens_per_rank, table: Mappin
         raise ValueError(f"gemm must be 'auto' or one of {IMPLS}, got {gemm!r}")
     choice = choose_layer(rows_per_expert, shape.hidden, shape.intermediate, avail, table, block_m=block_m)
     if gemm == "auto" and avail.get("cutlass", "").startswith(CUTLASS_NOT_BUILT):
-        from ..device import cutlass_gemm as CG
+        from . import cutlass as CG
 
         names = {"triton": "the Triton GEMMs", "deep_gemm": "DeepGEMM"}
         CG.notice_once("gemm-auto-absent", CG.absent_text(
@@ -283,7 +283,7 @@ def resolve_layer(gemm: str, block_m: int, shape, tokens_per_rank, table: Mappin
 def setup_consumer(bc, choice: LayerChoice, *, staging_y: bool) -> None:
     """Prepare ``bc`` for ``choice`` (allocates: before any graph capture). ``staging_y``: the caller
     reads ``bc.y``'s rows of each ready range right after computing them (the expert-parallel layer),
-    so DeepGEMM may overwrite the other rows (see ``deep_gemm_experts``)."""
+    so DeepGEMM may overwrite the other rows (see ``DeepGemmExperts``)."""
     import torch
 
     if choice.impl == "cutlass":

@@ -21,7 +21,7 @@ with their sha256). Steps:
 4. write ``--prefix``/``deep_gemm_env.sh``: ``CUDA_HOME``, torch's ``site-packages/nvidia/*/lib`` on
    ``LD_LIBRARY_PATH``, ``DG_JIT_CACHE_DIR``, the prefix on ``PYTHONPATH``.
 
-Run ``python -m streamring.device.build_deep_gemm --src .deepgemm --prefix .dg-site``
+Run ``python -m streamring.gemm.build_deep_gemm --src .deepgemm --prefix .dg-site``
 (``--dry-run`` prints the compile command without building).
 """
 
@@ -184,7 +184,7 @@ def runtime_env(prefix: Path, cuda_home: str, jit_cache: str) -> dict:
 
 def env_script(env: dict) -> str:
     q = shlex.quote
-    return ("# written by python -m streamring.device.build_deep_gemm: source it before importing deep_gemm\n"
+    return ("# written by python -m streamring.gemm.build_deep_gemm: source it before importing deep_gemm\n"
             f"export CUDA_HOME={q(env['CUDA_HOME'])}\n"
             f"export DG_JIT_CACHE_DIR={q(env['DG_JIT_CACHE_DIR'])}\n"
             f"export LD_LIBRARY_PATH={q(env['NV_LIBS'])}${{LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}}\n"

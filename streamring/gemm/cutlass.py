@@ -1,4 +1,6 @@
-"""ctypes launcher of the CUTLASS FP8 blockwise grouped GEMM over ready blocks (``csrc/gemm/gemm_blockwise_fp8.cu``).
+"""The CUTLASS backend of the expert GEMMs: the ctypes launcher of the FP8 blockwise grouped GEMM over ready
+blocks (``csrc/gemm/gemm_blockwise_fp8.cu``) and :class:`CutlassExperts`, the block consumer's L1/L2 through it
+(``gemm_impl="cutlass"``, the last section).
 
 One :class:`GroupedGemm` is one CUTLASS plan: a kernel variant (tile configuration and output dtype),
 the GEMM's ``N`` and ``K``, and a capacity (the most ready items one run may cover). Its
@@ -25,11 +27,11 @@ and 2p+1 to the two CTAs of a 2x1 cluster and multicast the weight tile when bot
 
 The library is found (and, where nvcc and CUTLASS's headers are available, built) lazily by
 :func:`load_library`: ``$STREAMRING_GEMM_LIB``, then the repository's ``.gemm-build/``, then the build
-cache of :mod:`streamring.device.build_gemm`. A library built from another version of the source is
+cache of :mod:`streamring.gemm.build`. A library built from another version of the source is
 refused (its embedded sha256 must match the source next to this file). A build is never silent: where
 none is found and one starts (a ``GroupedGemm`` made, e.g. ``gemm="cutlass"``), stderr says so once per
 process, with how long it takes, and a line per compile unit follows; ``gemm="auto"`` never builds
-(``gemm_choice.available_impls`` loads with ``build=False``) and says on stderr, once, that the library
+(``gemm.choice.available_impls`` loads with ``build=False``) and says on stderr, once, that the library
 is absent and which GEMMs run instead.
 
 Device-side range errors (a range longer than ``max_items``, a negative range, a block or expert id
@@ -191,8 +193,8 @@ def notice_once(key: str, text: str) -> bool:
 def absent_text(doing: str) -> str:
     """The notice of an absent library: what is missing, what this process does instead (``doing``),
     how long building takes and the command that builds it ahead."""
-    from .build import cache_dir
-    from .build_gemm import BUILD_COMMAND, BUILD_TIME, SOURCE
+    from ..device.build import cache_dir
+    from .build import BUILD_COMMAND, BUILD_TIME, SOURCE
 
     return (f"the CUTLASS GEMM library is not built from this {SOURCE.name} (none in .gemm-build/ or "
             f"{cache_dir() / 'gemm'}): {doing}. Building it takes {BUILD_TIME}; build it ahead with "
@@ -208,15 +210,15 @@ _lib_path: Path | None = None
 
 
 def _source_sha256() -> str:
-    from .build_gemm import source_sha256
+    from .build import source_sha256
 
     return source_sha256()
 
 
 def candidate_libraries() -> list[Path]:
     """Libraries built from this source, best first: ``$STREAMRING_GEMM_LIB``, ``.gemm-build/``, the cache."""
-    from .build import cache_dir
-    from .build_gemm import LIB_PREFIX, REPO_BUILD_DIR
+    from ..device.build import cache_dir
+    from .build import LIB_PREFIX, REPO_BUILD_DIR
 
     want = _source_sha256()
     out = []
@@ -247,9 +249,9 @@ def library_path(build: bool = True) -> Path:
         return found[0]
     if not build:
         raise GemmLibraryMissing("no CUTLASS GEMM library built from the current gemm_blockwise_fp8.cu in .gemm-build/ "
-                                 "or the build cache; run `python -m streamring.device.build_gemm --out .gemm-build`")
-    from .build import BuildError
-    from .build_gemm import build as build_library
+                                 "or the build cache; run `python -m streamring.gemm.build --out .gemm-build`")
+    from ..device.build import BuildError
+    from .build import build as build_library
 
     notice_once("gemm-build", absent_text("building it now (a line per compile unit follows)"))
     try:
@@ -283,7 +285,7 @@ def load_library(path: str | os.PathLike | None = None, build: bool = True) -> c
         want = _source_sha256()
         if f"source_sha256={want}" not in info and not os.environ.get("STREAMRING_GEMM_ANY_SOURCE"):
             raise GemmLibraryError(f"{p} was built from another gemm_blockwise_fp8.cu ({info}); this source has sha256 "
-                                   f"{want}. Rebuild: python -m streamring.device.build_gemm --out .gemm-build")
+                                   f"{want}. Rebuild: python -m streamring.gemm.build --out .gemm-build")
         _lib, _lib_path = lib, p.resolve()
         return lib
 
@@ -540,3 +542,93 @@ class GroupedGemm:
             self.close()
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
+
+# ----------------------------------------------------------------------------------------------
+# The block consumer's expert GEMMs through CUTLASS (gemm_impl="cutlass")
+# ----------------------------------------------------------------------------------------------
+# Same contract as :meth:`streamring.moe.blocks.BlockConsumer.compute` (the Triton path): L1 (gate and
+# up), SwiGLU, FP8 re-quantization of ``h`` with per-row 128-column scales, L2 times the routing weight,
+# bf16 ``y`` rows; only the ready blocks ``ready_list[ready_hi[lo] : ready_hi[hi]]`` are computed, the
+# range is read on the device, everything runs on the current stream without host synchronisation.
+#
+# Per call:
+#
+# 1. L1: :class:`GroupedGemm` ``gu = A @ W1^T`` (``[rows, 2I]``,
+#    float32 by default: SwiGLU then sees fp32 accumulators as in the fused Triton epilogue; bf16 is
+#    the option that halves the traffic of this intermediate);
+# 2. :func:`~streamring.device.moe_triton.swiglu_quant_blocks`: ``h1``, ``h1_sf`` exactly as the Triton
+#    epilogue, and ``h1_sf_w = h1_sf * routing weight`` (L2's activation scales);
+# 3. L2: ``y = h1 @ W2^T`` with the scales ``h1_sf_w``: the routing weight is applied inside the
+#    blockwise scale promotion, so ``y`` is rounded to bf16 once, like the Triton L2's epilogue.
+#
+# Bitwise streamed == batch holds as for the Triton path: the CUTLASS grouped GEMM computes each row
+# from that row only (see ``csrc/gemm/gemm_blockwise_fp8.cu``), the SwiGLU/quant kernel is row-local.
+
+
+class CutlassExperts:
+    """CUTLASS plans and intermediates for one :class:`~streamring.moe.blocks.BlockConsumer`.
+
+    ``tile_l1`` / ``tile_l2``: keys of :data:`TILE_TABLE`;
+    ``l1_out_dtype``: float32 or bfloat16 (the one-block tiles have bf16 only);
+    ``raster_l1`` / ``raster_l2``: ``"m"`` or ``"n"`` and ``swizzle_l1`` / ``swizzle_l2``: 1, 2, 4 or 8
+    (the group scheduler's tile order; neither changes a bit of the output). Allocates the L1
+    output ``[rows, 2I]`` and the L2 scale buffer once, here. A tile that reads one weight scale per
+    64 rows gets the weights' scales repeated (:func:`weight_scales_for`),
+    made on first use and again whenever the scale tensor changes.
+    """
+
+    def __init__(self, bc, *, tile_l1: str = "coop128", tile_l2: str = "coop128", l1_out_dtype=torch.float32,
+                 trap_on_error: bool = True, raster_l1: str = "m", raster_l2: str = "m", swizzle_l1: int = 1,
+                 swizzle_l2: int = 1):
+        shape = bc.shape
+        H, I = shape.hidden, shape.intermediate
+        rows = bc.max_blocks * bc.block_m
+        self.bc = bc
+        from ..device.moe_triton import swiglu_quant_blocks  # Triton only here: the module imports without it
+
+        self._swiglu_quant = swiglu_quant_blocks
+        self.gemm1 = GroupedGemm(2 * I, H, out_dtype=l1_out_dtype, tile=tile_l1, capacity=bc.max_blocks,
+                                 trap_on_error=trap_on_error, raster=raster_l1, swizzle=swizzle_l1)
+        self.gemm2 = GroupedGemm(H, I, out_dtype=torch.bfloat16, tile=tile_l2, capacity=bc.max_blocks,
+                                 trap_on_error=trap_on_error, raster=raster_l2, swizzle=swizzle_l2)
+        self.gu = torch.zeros(rows, 2 * I, dtype=l1_out_dtype, device=bc.device)
+        self.h1_sf_w = torch.zeros(rows, I // 128, dtype=torch.float32, device=bc.device)
+        self._scales: dict = {}  # (which, sf_n) -> (key of the source tensor, repeated scales)
+
+    def _w_sf(self, which: str, w_sf: torch.Tensor, sf_n: int) -> torch.Tensor:
+        """``w_sf`` as a plan with ``sf_n`` reads it; the repeated copy is kept while the source tensor
+        (its storage, shape and in-place version) stays the same. Call before a graph capture, like
+        the first run (a change of weights inside a captured graph is not seen)."""
+        if sf_n == SF_BLOCK:
+            return w_sf
+        key = (w_sf.data_ptr(), tuple(w_sf.shape), w_sf._version)
+        hit = self._scales.get((which, sf_n))
+        if hit is None or hit[0] != key:
+            hit = (key, weight_scales_for(w_sf, sf_n))
+            self._scales[(which, sf_n)] = hit
+        return hit[1]
+
+    def l1_swiglu(self, lo_index: int, hi_index: int, max_items: int, fw, max_ctas: int | None = None) -> None:
+        """L1 GEMM + SwiGLU/requant of the ready blocks (into ``bc.h1``, ``bc.h1_sf``, ``h1_sf_w``)."""
+        bc = self.bc
+        self.gemm1.run(bc.ready_list, bc.ready_hi, lo_index, hi_index, max_items, bc.block_expert, bc.a.view(FP8),
+                       bc.a_sf, fw.w1, self._w_sf("w1", fw.w1_sf, self.gemm1.sf_n), self.gu, block_m=bc.block_m,
+                       max_ctas=max_ctas)
+        self._swiglu_quant(bc.ready_list, bc.ready_hi, lo_index, hi_index, max_items, self.gu, bc.h1.view(FP8),
+                           bc.h1_sf, bc.row_weight, self.h1_sf_w, block_m=bc.block_m)
+
+    def l2(self, lo_index: int, hi_index: int, max_items: int, fw, max_ctas: int | None = None) -> None:
+        """L2 GEMM (routing weight folded into the scales) of the ready blocks into ``bc.y``."""
+        bc = self.bc
+        self.gemm2.run(bc.ready_list, bc.ready_hi, lo_index, hi_index, max_items, bc.block_expert, bc.h1.view(FP8),
+                       self.h1_sf_w, fw.w2, self._w_sf("w2", fw.w2_sf, self.gemm2.sf_n), bc.y, block_m=bc.block_m,
+                       max_ctas=max_ctas)
+
+    def compute(self, lo_index: int, hi_index: int, max_items: int, fw, max_ctas: int | None = None) -> None:
+        self.l1_swiglu(lo_index, hi_index, max_items, fw, max_ctas)
+        self.l2(lo_index, hi_index, max_items, fw, max_ctas)
+
+    def check(self) -> None:
+        """Raise if any run met a bad ready range (synchronises)."""
+        self.gemm1.check()
+        self.gemm2.check()

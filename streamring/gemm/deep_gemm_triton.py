@@ -1,6 +1,6 @@
-"""The Triton kernel of the DeepGEMM path (``deep_gemm_ops``): copy the ready blocks' rows.
+"""The Triton kernel of the DeepGEMM path (``gemm.deep_gemm``): copy the ready blocks' rows.
 
-Kept apart from ``moe_triton`` (the Triton GEMM path's kernels) and from ``deep_gemm_ops`` (which
+Kept apart from ``moe_triton`` (the Triton GEMM path's kernels) and from ``gemm.deep_gemm`` (which
 imports without Triton). One launch on the current torch stream, the ready range read on the
 device, nothing read back: capturable in a CUDA graph.
 """
@@ -34,7 +34,7 @@ def _copy_ready_rows_kernel(ready_list_ptr, ready_hi_ptr, lo_index, hi_index, ma
 
 def copy_ready_rows(ready_list, ready_hi, lo_index: int, hi_index: int, max_items: int, src, dst, *,
                     block_m: int) -> None:
-    """``dst[rows of b] = src[rows of b]`` for the ready blocks ``b`` (see ``deep_gemm_ops``)."""
+    """``dst[rows of b] = src[rows of b]`` for the ready blocks ``b`` (see ``gemm.deep_gemm``)."""
     if max_items <= 0:
         return
     h = src.shape[1]

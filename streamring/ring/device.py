@@ -1,11 +1,11 @@
 """The chunk-ready ring on a GPU: the protocol's device form, one typed method per ring kernel.
 
 :class:`DeviceRing` owns one ring in NVSHMEM symmetric memory (laid out by
-:class:`~streamring.protocol.RingLayout`, the same layout the host-verb ring uses), its device
+:class:`~streamring.ring.layout.RingLayout`, the same layout the host-verb ring uses), its device
 descriptor (``RingDesc``: every offset and stride from ``RingLayout.descriptor()``, so the
 CUDA side re-derives nothing), the device epoch word and the status words. Its methods enqueue
 the ring kernels of ``streamring/device/csrc/ring_kernels.cu`` on a stream; they are the steps of
-the protocol (``streamring.protocol``, rules 1-8) done by the device:
+the protocol (``streamring.ring.protocol``, rules 1-8) done by the device:
 
 ====================  ======================================================================
 ``reuse_wait(c)``     owner: every ack of chunk ``c - S`` (acquire) before slot ``c % S`` is
@@ -35,11 +35,12 @@ import time
 
 import numpy as np
 
-from .device import kernels as K
-from .device.kernels import as_stream_ref
-from .device.ringdesc import (CLOCK_HZ, ERROR_CODES, RING_LAYOUT, RING_ROUTE, RS_WORDS, WB_KINDS, WB_WORDS,
-                               decode_beacon, decode_status, describe_status, gen_text, mask_ranks, pack_desc)
-from .protocol import DIAGNOSTIC_HOOKS, ProtocolViolation, RingLayout, WatchdogError, make_gen
+from ..device import kernels as K
+from ..device.kernels import as_stream_ref
+from ..device.ringdesc import (CLOCK_HZ, ERROR_CODES, RING_LAYOUT, RING_ROUTE, RS_WORDS, WB_KINDS, WB_WORDS,
+                                decode_beacon, decode_status, describe_status, gen_text, mask_ranks, pack_desc)
+from .layout import RingLayout, make_gen
+from .protocol import DIAGNOSTIC_HOOKS, ProtocolViolation, WatchdogError
 
 TRANSPORTS = ("nv", "p2p", "auto")
 
@@ -215,7 +216,7 @@ class DeviceRing:
         """Progress policy ``stream_wait``: block ``torch_stream`` (no SM held) until every source's
         route and layout doorbells of ``chunk``'s slot show its lap. Needs ``wake=True``. The exact
         generation check still follows (:meth:`spin_wait`, which then finds them ready)."""
-        from .device.streams import stream_wait_geq
+        from ..device.streams import stream_wait_geq
 
         if self.off_wake < 0:
             raise RuntimeError("wait_doorbells needs a ring made with wake=True")
@@ -358,8 +359,8 @@ class DeviceRing:
     def check(self, st: dict, *, finished: bool = True, host_deadline_s: float | None = None,
               elapsed_s: float | None = None) -> None:
         """Raise when ``st`` (:meth:`status`, optionally with ``bad_routes``) holds an error, or when the
-        forward did not finish (``finished=False``): a :class:`~streamring.protocol.WatchdogError` for
-        timeouts and unfinished forwards, a :class:`~streamring.protocol.ProtocolViolation` for the rest.
+        forward did not finish (``finished=False``): a :class:`~streamring.ring.protocol.WatchdogError` for
+        timeouts and unfinished forwards, a :class:`~streamring.ring.protocol.ProtocolViolation` for the rest.
         The first line names what the device waited for or refused (source rank, chunk, generation:
         :func:`~streamring.device.ringdesc.describe_status`); the host's diagnostics follow (which peer
         processes are dead or stopped, under the local launcher); ``elapsed_s``, the host's time from the

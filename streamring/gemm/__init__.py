@@ -1,0 +1,15 @@
+"""The expert GEMMs of the block consumer, one module per backend, their measured choice and their builds.
+
+* ``cutlass``           the CUTLASS FP8 blockwise grouped GEMM (ctypes launcher) and ``CutlassExperts``
+* ``deep_gemm``         DeepGEMM's grouped FP8 GEMM (availability, layouts) and ``DeepGemmExperts``;
+                        ``deep_gemm_triton`` its one Triton kernel (kept apart: ``deep_gemm`` imports
+                        without Triton)
+* ``choice``            ``gemm="auto"``: the fastest available implementation of the measured table
+                        (``table.json``)
+* ``build``             ``python -m streamring.gemm.build --out .gemm-build``: the CUTLASS library
+* ``build_deep_gemm``   ``python -m streamring.gemm.build_deep_gemm``: DeepGEMM from its carried source
+
+The Triton GEMMs stay in ``streamring.device.moe_triton``: the persistent consumer kernel
+(``device/persistent_moe.py``) is built from their tile functions, and device may not import gemm.
+Everything here may import ``streamring.device``, never ``moe`` or ``host`` (tests/test_layering.py).
+"""
