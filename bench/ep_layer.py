@@ -60,7 +60,7 @@ import torch
 from bench.common import FP8, dsv3_shape, log, stats, timed
 from streamring.device import kernels as DK
 from streamring.moe import blocks as B
-from streamring.moe import ep_debug
+from streamring.moe import debug as moe_debug
 from streamring.moe.ep_buffer import EPBuffer
 from streamring.moe.math import MoEShape, select_experts
 from streamring.moe.tuning import EPTuning
@@ -436,7 +436,7 @@ def bench_tokens(heap, T, shape, full, base, args, rows, timelines, budget):
                                       reserved_sms=k or 16)
                     buf = EPBuffer(heap, shape, max_tokens_per_rank=T, num_slots=slots, tokens_per_slot=chunk,
                                    gemm=gemm, deadline_s=args.deadline_s, tuning=tuning, name="bench")
-                    ep_debug.record_timeline(buf)
+                    moe_debug.record_timeline(buf)
                     layer = buf.prepare_weights(full)
                     info = dict(tokens=T, routing=routing_name, gemm=buf.gemm, experts_per_pe=epp)
                     if plan is None:  # the batch path, its GEMMs alone, its accuracy

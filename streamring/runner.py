@@ -18,7 +18,7 @@ from .config import Config, ConfigError, per_rank
 from .device.verbs import SymmetricHeap
 from .moe.shape import MoEShape
 from .ring.layout import RingLayout
-from .ring.policies import PROGRESS_POLICIES, REFUSED_POLICIES, Inject
+from .ring.policies import PROGRESS_POLICIES, REFUSED_POLICIES
 
 # torch and the MoE layer are imported by the functions that compute: the local launcher's pre-launch
 # check (check_run_job, run_heap_bytes) runs in a process that needs neither.
@@ -177,6 +177,7 @@ def run_layer(heap: SymmetricHeap, cfg: Config) -> dict:
     import torch
 
     from .moe.bitwise import same_bits
+    from .moe import debug as moe_debug
     from .moe.layer import MoEBuffer
     from .moe.math import MoEWeights, compare_to_reference, reference_forward_f64, reference_tolerance
 
@@ -188,8 +189,8 @@ def run_layer(heap: SymmetricHeap, cfg: Config) -> dict:
     device = getattr(heap, "device", None) or "cpu"
     weights = MoEWeights.random(shape, seed=cfg.layer.seed, device=device)
     buf = MoEBuffer(heap, shape, num_slots=cfg.ring.num_slots, tokens_per_slot=cfg.ring.tokens_per_slot,
-                    max_tokens_per_rank=max(max(tokens), 1), wait_timeout_s=cfg.wait_timeout_s,
-                    inject=Inject(cfg.run.inject))
+                    max_tokens_per_rank=max(max(tokens), 1), deadline_s=cfg.wait_timeout_s)
+    moe_debug.inject(buf, cfg.run.inject)
     if cfg.run.straggler is not None and cfg.run.straggler.rank == me:
         buf.set_straggler(int(cfg.run.straggler.ms * 1e6))
     routing = None if cfg.run.routing == "router" else synthetic_routing(cfg.run.routing, me, shape, R,
@@ -249,7 +250,7 @@ def run_layer_gpu(heap, cfg: Config) -> dict:
     import torch
 
     from .moe import blocks as B
-    from .moe import ep_debug
+    from .moe import debug as moe_debug
     from .moe.ep_buffer import EPBuffer
     from .moe.tuning import EPTuning
 
@@ -275,7 +276,7 @@ def run_layer_gpu(heap, cfg: Config) -> dict:
     buf = EPBuffer(heap, shape, max_tokens_per_rank=max_tokens, num_slots=cfg.ring.num_slots,
                    tokens_per_slot=min(cfg.ring.tokens_per_slot, max_tokens), gemm=cfg.run.gemm,
                    deadline_s=cfg.wait_timeout_s, tuning=tuning, name="run")
-    ep_debug.inject(buf, cfg.run.inject)
+    moe_debug.inject(buf, cfg.run.inject)
     layer = buf.prepare_weights(full)
     T = tokens[me]
     x_buf = torch.zeros(T, shape.hidden, dtype=torch.bfloat16, device=dev)

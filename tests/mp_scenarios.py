@@ -90,7 +90,7 @@ def recovery_after_watchdog(heap):
     shape = MoEShape(hidden=128, intermediate=128, num_experts=2 * R, topk=2, block_m=4)
     w = MoEWeights.random(shape, seed=5)
     x = torch.randn(10, 128, generator=torch.Generator().manual_seed(me))
-    buf = MoEBuffer(heap, shape, num_slots=2, tokens_per_slot=4, max_tokens_per_rank=10, wait_timeout_s=30.0)
+    buf = MoEBuffer(heap, shape, num_slots=2, tokens_per_slot=4, max_tokens_per_rank=10, deadline_s=30.0)
     good = buf.forward(x, w, streaming=True)
     buf.stream_ring.wait_timeout_s = 1.0  # short deadline only for the stalled call
 
@@ -110,7 +110,7 @@ def recovery_after_watchdog(heap):
     expect(RuntimeError, lambda: buf.forward(x, w, streaming=True), "close() it and build a new MoEBuffer")
     heap.barrier()  # every rank has failed (rank 1 once out of its stall) before the buffers go
     buf.close()
-    buf2 = MoEBuffer(heap, shape, num_slots=2, tokens_per_slot=4, max_tokens_per_rank=10, wait_timeout_s=10.0)
+    buf2 = MoEBuffer(heap, shape, num_slots=2, tokens_per_slot=4, max_tokens_per_rank=10, deadline_s=10.0)
     same(buf2.forward(x, w, streaming=True), good, "rebuilt buffer, streamed", "before the failure")
     same(buf2.forward(x, w), good, "rebuilt buffer, batch", "before the failure")
     buf2.close()
@@ -162,7 +162,7 @@ def fuzz_forward(heap):
                              weight_dtype=wdt, block_m=block_m, **kw)
             w = MoEWeights.random(shape, seed=hidden + E)
             buf = MoEBuffer(heap, shape, num_slots=slots, tokens_per_slot=tps,
-                            max_tokens_per_rank=max(max(tokens), 1), wait_timeout_s=30)
+                            max_tokens_per_rank=max(max(tokens), 1), deadline_s=30)
             g = torch.Generator().manual_seed(me * 1000 + tokens[me])
             x = (torch.randn(tokens[me], hidden, generator=g, dtype=torch.float64) * scale).to(xdtype)
             if poison and tokens[poison_rank]:

@@ -149,7 +149,7 @@ class EPBuffer(EPPipeline):
         self.policy, self.source_order = policy, source_order
         self.chunk_gemm_ctas = tu.chunk_gemm_ctas
         self.priority_streams = tu.priority_streams
-        self.inject = "none"  # a deliberate protocol mutation: streamring.moe.ep_debug.inject (tests only)
+        self.inject = "none"  # a deliberate protocol mutation: streamring.moe.debug.inject (tests only)
         self._inject_bits = 0
         self.deadline_s = deadline_s
         self.dev = dev = heap.device
@@ -230,7 +230,7 @@ class EPBuffer(EPPipeline):
         self.bad_counts = torch.zeros(1, dtype=torch.int32, device=dev)  # num_tokens outside [0, T], clamped
         self.straggler_t = torch.zeros(1, dtype=torch.int64, device=dev)
         self._max_chunks = max_chunks
-        self.stamps = None  # per-chunk %globaltimer stamps: streamring.moe.ep_debug.record_timeline
+        self.stamps = None  # per-chunk %globaltimer stamps: streamring.moe.debug.record_timeline
         self._stamp_path: Optional[_Path] = None
         self._recording = True
 
@@ -545,11 +545,11 @@ class EPBuffer(EPPipeline):
 
     def timeline(self) -> dict:
         """Per-chunk device timestamps of the last stamped forward, in us (after
-        :func:`streamring.moe.ep_debug.record_timeline`). A chunk's ``acquired`` is its first dispatch step's,
+        :func:`streamring.moe.debug.record_timeline`). A chunk's ``acquired`` is its first dispatch step's,
         ``dispatched_acked`` and ``blocks_done`` its last step's; ``blocks_ready`` counts the blocks all its
         steps made ready."""
         if self.stamps is None or self._stamp_path is None:
-            raise ValueError("no timeline: call streamring.moe.ep_debug.record_timeline(buffer) and run a forward")
+            raise ValueError("no timeline: call streamring.moe.debug.record_timeline(buffer) and run a forward")
         p = self._stamp_path
         st = self.stamps.view(-1, STAMP_STRIDE).cpu().numpy().astype(np.int64)
         t0 = int(st[p.num_chunks, 0])

@@ -58,7 +58,7 @@ from ..ring.roles import run_roles, sleep_for, wait_for
 from ..device.ranges import annotate as nvtx_range
 from ..device.verbs import SymmetricHeap
 from ..ring.layout import RingLayout, StreamPlan
-from ..ring.policies import SOURCE_ORDERS, Inject
+from ..ring.policies import SOURCE_ORDERS
 from ..ring.protocol import Ring
 from .math import (
     FP8_DTYPE,
@@ -132,12 +132,15 @@ class MoEBuffer:
         tokens_per_slot: tokens per slot (``front_tokens_per_slot``).
         max_tokens_per_rank: capacity of the batch handoff (largest ``x`` any
             rank may pass to :meth:`forward`).
-        wait_timeout_s: watchdog deadline of every wait.
-        inject: a deliberate protocol mutation of the streamed ring (tests only).
+        deadline_s: every wait gives up after this long and says what it waited for (the name and meaning
+            :class:`~streamring.moe.ep_buffer.EPBuffer` gives it).
+
+    A deliberate protocol mutation of the streamed ring (tests only) is set by
+    :func:`streamring.moe.debug.inject`, as for the GPU buffer.
     """
 
-    def __init__(self, heap: SymmetricHeap, shape: MoEShape, *, num_slots: int, tokens_per_slot: int,
-                 max_tokens_per_rank: int, wait_timeout_s: float = 30.0, inject: Inject = Inject.NONE):
+    def __init__(self, heap: SymmetricHeap, shape: MoEShape, *, max_tokens_per_rank: int, num_slots: int,
+                 tokens_per_slot: int, deadline_s: float = 30.0):
         if not isinstance(shape, MoEShape):
             raise ValueError(f"shape must be a MoEShape, got {type(shape).__name__}")
         shape.validate(heap.num_ranks)
@@ -150,10 +153,10 @@ class MoEBuffer:
         lay = dict(num_ranks=heap.num_ranks, hidden=shape.hidden, topk=shape.topk,
                    num_experts=shape.num_experts, with_combine=True)
         self.stream_ring = Ring(heap, RingLayout(num_slots=num_slots, tokens_per_slot=tokens_per_slot, **lay),
-                                wait_timeout_s=wait_timeout_s, owner_release=True, name="moe-stream-ring",
-                                inject=inject)
+                                wait_timeout_s=deadline_s, owner_release=True, name="moe-stream-ring")
         self.batch_ring = Ring(heap, RingLayout(num_slots=1, tokens_per_slot=max_tokens_per_rank, **lay),
-                               wait_timeout_s=wait_timeout_s, owner_release=True, name="moe-batch-ring")
+                               wait_timeout_s=deadline_s, owner_release=True, name="moe-batch-ring")
+        self.deadline_s = deadline_s
         per = shape.num_experts // heap.num_ranks
         self.local_experts = range(self.rank * per, (self.rank + 1) * per)
         self.last_stats: Optional[ForwardStats] = None
