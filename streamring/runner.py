@@ -179,7 +179,8 @@ def run_layer(heap: SymmetricHeap, cfg: Config) -> dict:
     from .moe.bitwise import same_bits
     from .moe import debug as moe_debug
     from .moe.layer import MoEBuffer
-    from .moe.math import MoEWeights, compare_to_reference, reference_forward_f64, reference_tolerance
+    from .moe.math import MoEWeights
+    from .moe.reference import compare_to_reference, reference_forward_f64, reference_tolerance
 
     R, me = heap.num_ranks, heap.rank
     check_run_job(cfg, R)

@@ -38,7 +38,7 @@ from transformers import DeepseekV3Config, DeepseekV3ForCausalLM  # noqa: E402
 from streamring.device.cpu import MpiHeap  # noqa: E402
 from streamring.moe import MoEBuffer, moe_shape_from_config, replace_moe_experts  # noqa: E402
 from streamring.moe.hf import deepseek_v3_moe_modules  # noqa: E402
-from streamring.moe.math import reference_tolerance  # noqa: E402
+from streamring.moe.reference import reference_tolerance  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 TIGHT_RTOL = 1e-4

@@ -12,7 +12,8 @@ from mpi4py import MPI
 from streamring.device.cpu import MpiHeap
 from streamring.moe.bitwise import bit_difference
 from streamring.moe.layer import MoEBuffer
-from streamring.moe.math import MoEShape, MoEWeights, batch_forward_single
+from streamring.moe.math import MoEShape, MoEWeights
+from streamring.moe.reference import batch_forward_single
 from streamring.ring.protocol import ProtocolViolation, WatchdogError
 
 
@@ -209,7 +210,7 @@ def alloc_size_check(heap):
 
 def bitwise_oracle(heap):
     """Fixed inputs, top-k >= 3: the batch path, the streamed path with each scheduler and the
-    single-process batch (moe.math.batch_forward_single) give the same bytes on every rank.
+    single-process batch (moe.reference.batch_forward_single) give the same bytes on every rank.
 
     With three or more terms the combine's order shows in the bits ((a + b) + c is not (c + b) + a),
     so this catches a combiner that sums the top-k contributions in another order than the reference;

@@ -1,4 +1,5 @@
-"""Tests for streamring.moe.math (pure MoE math shared by batch and streamed paths)."""
+"""Tests for streamring.moe.math (pure MoE math shared by batch and streamed paths) and its float64
+reference (streamring.moe.reference)."""
 
 import dataclasses
 
@@ -10,20 +11,17 @@ from streamring.moe.math import (
     FP8_DTYPE,
     MoEShape,
     MoEWeights,
-    batch_forward_single,
     combine,
-    compare_to_reference,
     dequantize_act_fp8,
     dequantize_weight_fp8_block,
     expert_block_forward,
     expert_pool_forward,
     quantize_act_fp8,
     quantize_weight_fp8_block,
-    reference_forward_f64,
-    reference_tolerance,
     route,
     route_f64,
 )
+from streamring.moe.reference import batch_forward_single, compare_to_reference, reference_forward_f64, reference_tolerance
 
 H, I, E = 256, 128, 8
 
