@@ -162,7 +162,7 @@ def _i64(v: int) -> int:
 def hostile_table(heap) -> list[str]:
     import torch
 
-    from streamring.device import moe_triton as KT
+    from streamring.device import ep_triton as KT
     from streamring.device.ringdesc import RING_LAYOUT, RING_ROUTE
     from streamring.device.verbs import SignalOp
     from streamring.ring.device import DeviceRing

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from streamring.device import moe_triton as K
+from streamring.device import ep_triton as K
 from streamring.moe import blocks as B
 from streamring.moe.math import MoEShape
 from streamring.moe.work_queue import WorkQueue

@@ -1,6 +1,6 @@
 """The data kernels of the expert-parallel GPU layer: index arithmetic, on any machine.
 
-``moe_triton.ep_gather`` / ``ep_place_rows`` read every source's slot through per-source
+``ep_triton.ep_gather`` / ``ep_place_rows`` read every source's slot through per-source
 distances (``delta``), ``expert_l2(direct=...)`` stores every result row into its owner's
 combine rows through per-owner distances, ``combine_owner`` reduces a token's k rows. Here the
 "copies" that would be other PEs' symmetric buffers are separate tensors of this process, so
@@ -28,7 +28,8 @@ if not torch.cuda.is_available():
 triton = pytest.importorskip("triton", reason="Triton is not installed (pip install triton)")
 
 from conftest import quick_subset  # noqa: E402
-from streamring.device import moe_triton as K  # noqa: E402
+from streamring.device import ep_triton as K  # noqa: E402
+from streamring.device import moe_triton as MT  # noqa: E402
 from streamring.moe import blocks as B  # noqa: E402
 from streamring.moe.math import MoEShape  # noqa: E402
 from streamring.ring.layout import RingLayout, StreamPlan  # noqa: E402
@@ -204,13 +205,13 @@ def test_the_bitwise_check_catches_a_wrong_owner_distance(setup, monkeypatch):
     """Negative control: L2 rows stored with the owner distances of the wrong PE (every row into the
     consumer's own combine rows) are caught by the comparison above."""
     shape, fw, xs, refs = setup
-    real = K.expert_l2
+    real = MT.expert_l2
 
     def wrong_owner(*a, direct=None, **kw):
         if direct is not None:
             direct = (direct[0], direct[1], torch.zeros_like(direct[2]))
         return real(*a, direct=direct, **kw)
 
-    monkeypatch.setattr(K, "expert_l2", wrong_owner)
+    monkeypatch.setattr(MT, "expert_l2", wrong_owner)
     outs, _ = run_ep(shape, fw, xs, 9)
     assert not all(torch.equal(_bits(outs[r]), _bits(refs[r])) for r in range(R))

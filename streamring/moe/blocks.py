@@ -31,6 +31,7 @@ from typing import Optional
 
 import torch
 
+from ..device import ep_triton as EK
 from ..device import moe_triton as K
 from .math import MoEShape, MoEWeights, select_experts
 
@@ -231,7 +232,7 @@ class BlockConsumer:
         blocks it makes ready are ``ready_list[ready_hi[step] : ready_hi[step + 1]]``; several
         dispatches per chunk in the ready source order): append the routes of ``flat_e`` (int32 local
         expert per route of every source in ``src_list``, ``local experts`` for routes this PE does
-        not serve; see :func:`~streamring.device.moe_triton.ep_gather`) to the expert blocks and copy
+        not serve; see :func:`~streamring.device.ep_triton.ep_gather`) to the expert blocks and copy
         each routed row out of its source's slot: ``ring = (ring_u8, ring_f32)`` views of the ring,
         ``deltas = (delta_u8, delta_f32)`` per-source distances, ``offs = (x byte offset, x_sf
         element offset)`` of the slot.
@@ -255,7 +256,7 @@ class BlockConsumer:
         staged = None
         if pull == "token":
             staged = self._stage_rows()
-            K.ep_stage_rows(flat_e, src_list, ring[0], ring[1], deltas[0], deltas[1], offs[0], offs[1], staged[0],
+            EK.ep_stage_rows(flat_e, src_list, ring[0], ring[1], deltas[0], deltas[1], offs[0], offs[1], staged[0],
                             staged[1], tokens_per_slot=C, topk=Kk, hidden=self.shape.hidden, local_experts=E)
             if on_slot_released is not None:
                 on_slot_released()
@@ -264,7 +265,7 @@ class BlockConsumer:
                                                                                          self.ones[:n])
         cstart = torch.cumsum(counts, 0, dtype=torch.int32) - counts
         self._alloc_blocks(counts, (c if step is None else step) + 1, seal=False)
-        K.ep_place_rows(sorted_e, order, counts, cstart, self.state, self.expert_blocks, src_list, ring[0], ring[1],
+        EK.ep_place_rows(sorted_e, order, counts, cstart, self.state, self.expert_blocks, src_list, ring[0], ring[1],
                         deltas[0], deltas[1], offs[0], offs[1], flat_w, self.a, self.a_sf, self.row_weight,
                         self.row_src, self.row_tok, self.row_chunk, c, tokens_per_slot=C, topk=Kk,
                         hidden=self.shape.hidden, local_experts=E, block_m=self.block_m, staged=staged)

@@ -79,6 +79,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from ..device import kernels as DK
+from ..device import ep_triton as EK
 from ..device import moe_triton as K
 from ..device.ranges import annotate as nvtx_range
 from ..device.ringdesc import RING_LAYOUT, RING_ROUTE
@@ -308,7 +309,7 @@ class EPPipeline:
             flat_e, flat_w = self.flat_e[:n], self.flat_w[:n]
             d_u8, d_f32, d_i64 = path.deltas
             ring_u8 = r.region.local
-            K.ep_gather(ring_u8.view(torch.int64), ring_u8.view(torch.float32), d_i64, d_f32, srcs, path.valid_tab, c,
+            EK.ep_gather(ring_u8.view(torch.int64), ring_u8.view(torch.float32), d_i64, d_f32, srcs, path.valid_tab, c,
                         self.me * self.E_loc, L.topk_idx_off(s) // 8, L.topk_weights_off(s) // 4, flat_e, flat_w,
                         self.bad_routes, num_ranks=self.R, tokens_per_slot=path.chunk, topk=self.shape.topk,
                         local_experts=self.E_loc, num_experts=self.shape.num_experts, pull_bytes=self.pull_bytes,
@@ -398,7 +399,7 @@ class EPPipeline:
             T, Kk = out.shape[0], self.shape.topk
             a, b = min(T, c0 * path.chunk), min(T, c1 * path.chunk)
             if b > a:
-                K.combine_owner(self.comb_rows[a * Kk: b * Kk], self.my_idx[a:b], out[a:b], topk=Kk)
+                EK.combine_owner(self.comb_rows[a * Kk: b * Kk], self.my_idx[a:b], out[a:b], topk=Kk)
             if c1 == path.num_chunks:
                 # reset before my next forward publishes anything: no count carried from one forward to the next
                 self.arrived[:path.num_chunks].zero_()
