@@ -139,6 +139,50 @@ def _agree(heap, ok: bool) -> bool:
     return all(bool(v) for v in heap.allgather_obj(bool(ok)))
 
 
+def _capture(seq, origin) -> tuple:
+    """``(graph, mode)``: one epoch of ``seq`` captured on ``origin``, or no graph and why (an eager loop)."""
+    import torch
+
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=origin, capture_error_mode="thread_local"):
+            seq.enqueue(origin)
+        return graph, "cuda graph"
+    except Exception as exc:  # noqa: BLE001
+        return None, f"eager loop (capture failed: {type(exc).__name__}: {str(exc)[:200]})"
+
+
+def _judge(heap, ring, res: dict, st: dict, *, inject: str, replays: int, first_epoch: int) -> None:
+    """Set ``res['ok']`` and ``res['problems']``: with no mutation, no violation or timeout, every chunk
+    published and consumed, the epoch advanced once per replay and the ring quiescent (collective: every PE
+    checks after a barrier); with one, that the checks detected it."""
+    problems = []
+    done = res["replays"]
+    epochs = 1 + done
+    if inject == "none":
+        if st["violations"]:
+            problems.append(f"{st['violations']} violations")
+        if st["timeouts"]:
+            problems.append(f"{st['timeouts']} timeouts")
+        if st["consumed"] != res["expected_consumed"]:
+            problems.append(f"consumed {st['consumed']} != {res['expected_consumed']}")
+        if st["published"] != res["expected_published"]:
+            problems.append(f"published {st['published']} != {res['expected_published']}")
+        if res["epoch_end"] != first_epoch + epochs:
+            problems.append(f"epoch {res['epoch_end']} != {first_epoch + epochs}")
+        if done != replays:
+            problems.append(f"stopped after {done} of {replays} replays")
+        heap.barrier()  # every PE drained: masks must be clear now
+        problems += ring.check_quiescent(first_epoch + epochs - 1)
+        res["ok"] = not problems
+    else:
+        res["detected"] = st["violations"] + st["timeouts"] > 0
+        res["ok"] = res["detected"]
+        if not res["detected"]:
+            problems.append(f"inject={inject} was NOT detected (no violation, no timeout)")
+    res["problems"] = problems
+
+
 def graph_check(heap, policy: str, *, replays: int = 10000, num_slots: int = 4, num_chunks: int = 6,
                 tokens_per_slot: int = 32, producer_sms: int = 16, inject: str = "none", delay_us: float = 0.0,
                 hold_us: float = 0.0, deadline_s: float = 10.0, check_every: int = 1000, capture: bool = True,
@@ -186,17 +230,7 @@ def graph_check(heap, policy: str, *, replays: int = 10000, num_slots: int = 4, 
         st = ring.status()
         res["after_eager"] = st
         # 2) capture
-        graph = None
-        mode = "eager loop"
-        if capture and not st["aborted"]:
-            try:
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, stream=origin, capture_error_mode="thread_local"):
-                    seq.enqueue(origin)
-                mode = "cuda graph"
-            except Exception as exc:  # noqa: BLE001
-                graph = None
-                mode = f"eager loop (capture failed: {type(exc).__name__}: {str(exc)[:200]})"
+        graph, mode = _capture(seq, origin) if capture and not st["aborted"] else (None, "eager loop")
         if not _agree(heap, graph is not None):
             if graph is not None:
                 mode = "eager loop (capture failed on another PE)"
@@ -229,29 +263,7 @@ def graph_check(heap, policy: str, *, replays: int = 10000, num_slots: int = 4, 
         res["epoch_end"] = ring.epoch()
         res["expected_consumed"] = epochs * num_chunks * R
         res["expected_published"] = epochs * num_chunks * 2
-        problems = []
-        if inject == "none":
-            if st["violations"]:
-                problems.append(f"{st['violations']} violations")
-            if st["timeouts"]:
-                problems.append(f"{st['timeouts']} timeouts")
-            if st["consumed"] != res["expected_consumed"]:
-                problems.append(f"consumed {st['consumed']} != {res['expected_consumed']}")
-            if st["published"] != res["expected_published"]:
-                problems.append(f"published {st['published']} != {res['expected_published']}")
-            if res["epoch_end"] != first_epoch + epochs:
-                problems.append(f"epoch {res['epoch_end']} != {first_epoch + epochs}")
-            if done != replays:
-                problems.append(f"stopped after {done} of {replays} replays")
-            heap.barrier()  # every PE drained: masks must be clear now
-            problems += ring.check_quiescent(first_epoch + epochs - 1)
-            res["ok"] = not problems
-        else:
-            res["detected"] = st["violations"] + st["timeouts"] > 0
-            res["ok"] = res["detected"]
-            if not res["detected"]:
-                problems.append(f"inject={inject} was NOT detected (no violation, no timeout)")
-        res["problems"] = problems
+        _judge(heap, ring, res, st, inject=inject, replays=replays, first_epoch=first_epoch)
         del graph
         return res
     finally:

@@ -251,33 +251,13 @@ def run_layer_gpu(heap, cfg: Config) -> dict:
     import torch
 
     from .moe import blocks as B
-    from .moe import debug as moe_debug
-    from .moe.ep_buffer import EPBuffer
-    from .moe.tuning import EPTuning
 
     R, me = heap.num_ranks, heap.rank
-    check_run_job(cfg, R)
-    shape = shape_from_config(cfg)
-    if cfg.layer.weight_dtype != "fp8":
-        raise ConfigError(f"run.gpu_path=fast needs layer.weight_dtype=fp8 (got {cfg.layer.weight_dtype!r}); "
-                          f"use --set layer.weight_dtype=fp8, or run.gpu_path=host_verbs for the bf16 reference layer")
-    if cfg.run.block_m not in (16, 32, 64, 128):
-        raise ConfigError(f"run.block_m must be one of [16, 32, 64, 128] on the fast GPU path, got {cfg.run.block_m}")
-    try:
-        shape.validate(R)
-    except ValueError as exc:
-        raise ConfigError(f"layer: {exc}") from None
-    tokens = per_rank(cfg.run.tokens_per_rank, R, "run.tokens_per_rank")
+    shape, tokens = _fast_path_job(cfg, R)
     dev = heap.device
     full = B.FastWeights.random(shape, cfg.layer.seed, dev)  # every expert, for this rank's reference
     st = cfg.run.straggler
-    max_tokens = max(max(tokens), 1)
-    tuning = EPTuning(block_m=cfg.run.block_m, policy=cfg.nvshmem.progress, source_order=cfg.run.source_order,
-                      transport=cfg.nvshmem.transport, producer_sms=cfg.nvshmem.producer_sms)
-    buf = EPBuffer(heap, shape, max_tokens_per_rank=max_tokens, num_slots=cfg.ring.num_slots,
-                   tokens_per_slot=min(cfg.ring.tokens_per_slot, max_tokens), gemm=cfg.run.gemm,
-                   deadline_s=cfg.wait_timeout_s, tuning=tuning, name="run")
-    moe_debug.inject(buf, cfg.run.inject)
+    buf = _ep_buffer_of(heap, cfg, shape, max(max(tokens), 1))
     layer = buf.prepare_weights(full)
     T = tokens[me]
     x_buf = torch.zeros(T, shape.hidden, dtype=torch.bfloat16, device=dev)
@@ -349,6 +329,38 @@ def run_layer_gpu(heap, cfg: Config) -> dict:
     barrier()
     buf.close()
     return row
+
+
+def _fast_path_job(cfg: Config, R: int) -> tuple:
+    """The fast GPU path's checks of ``cfg`` (errors name the field); returns ``(shape, tokens per rank)``."""
+    check_run_job(cfg, R)
+    shape = shape_from_config(cfg)
+    if cfg.layer.weight_dtype != "fp8":
+        raise ConfigError(f"run.gpu_path=fast needs layer.weight_dtype=fp8 (got {cfg.layer.weight_dtype!r}); "
+                          f"use --set layer.weight_dtype=fp8, or run.gpu_path=host_verbs for the bf16 reference layer")
+    if cfg.run.block_m not in (16, 32, 64, 128):
+        raise ConfigError(f"run.block_m must be one of [16, 32, 64, 128] on the fast GPU path, got {cfg.run.block_m}")
+    try:
+        shape.validate(R)
+    except ValueError as exc:
+        raise ConfigError(f"layer: {exc}") from None
+    return shape, per_rank(cfg.run.tokens_per_rank, R, "run.tokens_per_rank")
+
+
+def _ep_buffer_of(heap, cfg: Config, shape, max_tokens: int):
+    """The run's :class:`~streamring.moe.ep_buffer.EPBuffer`: its sizes, GEMMs and tuning from ``cfg``, the
+    config's protocol mutation (``run.inject``) set through the test hook."""
+    from .moe import debug as moe_debug
+    from .moe.ep_buffer import EPBuffer
+    from .moe.tuning import EPTuning
+
+    tuning = EPTuning(block_m=cfg.run.block_m, policy=cfg.nvshmem.progress, source_order=cfg.run.source_order,
+                      transport=cfg.nvshmem.transport, producer_sms=cfg.nvshmem.producer_sms)
+    buf = EPBuffer(heap, shape, max_tokens_per_rank=max_tokens, num_slots=cfg.ring.num_slots,
+                   tokens_per_slot=min(cfg.ring.tokens_per_slot, max_tokens), gemm=cfg.run.gemm,
+                   deadline_s=cfg.wait_timeout_s, tuning=tuning, name="run")
+    moe_debug.inject(buf, cfg.run.inject)
+    return buf
 
 
 def replay_checked(buf, graph) -> None:

@@ -1,5 +1,5 @@
-"""streamring/verify, ring and gemm stay readable: no module over 800 lines, no function over 100
-(counted with ast; Python only, the CUDA sources are exempt).
+"""The package stays readable: no module over 800 lines, no function over 100, in every sub-package and at
+the top level (counted with ast; Python only, the CUDA sources are exempt).
 
     python tests/test_module_sizes.py    # the sizes, largest first
 """
@@ -14,7 +14,7 @@ import pytest
 
 PKG = Path(__file__).resolve().parents[1] / "streamring"
 VERIFY = PKG / "verify"
-CHECKED = ("verify", "ring", "gemm")  # the sub-packages held to the limits
+CHECKED = (".", "verify", "ring", "gemm", "moe", "device", "host")  # every folder of the package
 MAX_MODULE_LINES = 800
 MAX_FUNCTION_LINES = 100
 

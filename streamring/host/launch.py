@@ -72,6 +72,35 @@ def find_mpiexec() -> str:
     return found
 
 
+def _mpiexec_cmd(mpiexec: str, num_ranks: int, openmpi: bool) -> list[str]:
+    """``mpiexec`` with the user's extra arguments and ``num_ranks`` ranks; Open MPI may oversubscribe, and
+    Hydra keeps the other ranks alive when one dies, so their watchdogs can report the slot states and the
+    dead peer (their MPI_Abort then ends the job)."""
+    cmd = [mpiexec, *shlex.split(os.environ.get(MPIEXEC_ARGS_ENV, "")), "-n", str(num_ranks)]
+    return cmd + (["--oversubscribe"] if openmpi else ["-disable-auto-cleanup"])
+
+
+def _rank_env(jdir: Path, extra_env: dict | None) -> dict:
+    """The ranks' environment: this process's, marked as spawned, with the job folder, the terminal width
+    (their stdout is a pipe to mpiexec; none: a log), what Open MPI needs to run as root on one host, and
+    ``extra_env`` last."""
+    env = dict(os.environ)
+    env[SPAWNED_ENV] = "1"
+    columns = terminal_columns()
+    if columns is None:
+        env.pop(TERMINAL_COLUMNS_ENV, None)
+    else:
+        env[TERMINAL_COLUMNS_ENV] = str(columns)
+    env[JOB_DIR_ENV] = str(jdir)
+    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
+    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+    env.setdefault("OMPI_MCA_osc", "^ucx")
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    if extra_env:
+        env.update(extra_env)
+    return env
+
+
 def spawn_local(num_ranks: int, argv: list[str], extra_env: dict | None = None, timeout_s: float | None = None,
                 preload: tuple[str, ...] = ()) -> int:
     """Start ``num_ranks`` ranks of ``python -m streamring <argv>`` and return the job's exit code.
@@ -89,30 +118,10 @@ def spawn_local(num_ranks: int, argv: list[str], extra_env: dict | None = None, 
     if num_ranks < 1:
         raise LaunchError(f"--ranks must be >= 1, got {num_ranks}")
     mpiexec = find_mpiexec()
-    cmd = [mpiexec, *shlex.split(os.environ.get(MPIEXEC_ARGS_ENV, "")), "-n", str(num_ranks)]
     openmpi = _is_openmpi(mpiexec)
-    if openmpi:
-        cmd += ["--oversubscribe"]
-    else:
-        # Hydra: keep the other ranks alive when one dies, so their watchdogs can
-        # report the slot states and the dead peer; their MPI_Abort then ends the job.
-        cmd += ["-disable-auto-cleanup"]
-    env = dict(os.environ)
-    env[SPAWNED_ENV] = "1"
-    # The ranks' stdout is a pipe to mpiexec: tell them how wide our terminal is (none: a log).
-    columns = terminal_columns()
-    if columns is None:
-        env.pop(TERMINAL_COLUMNS_ENV, None)
-    else:
-        env[TERMINAL_COLUMNS_ENV] = str(columns)
+    cmd = _mpiexec_cmd(mpiexec, num_ranks, openmpi)
     jdir = Path(tempfile.mkdtemp(prefix="streamring-job-"))
-    env[JOB_DIR_ENV] = str(jdir)
-    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
-    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-    env.setdefault("OMPI_MCA_osc", "^ucx")
-    env.setdefault("PYTHONUNBUFFERED", "1")
-    if extra_env:
-        env.update(extra_env)
+    env = _rank_env(jdir, extra_env)
     server = None
     # (not with extra mpiexec arguments: they may put ranks on other hosts, where a fork of this host's
     # server would be the wrong process on the wrong host)
