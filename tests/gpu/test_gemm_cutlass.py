@@ -33,6 +33,7 @@ import os
 import re
 from pathlib import Path
 
+import gpu_skip
 import pytest
 import torch
 
@@ -500,9 +501,8 @@ def test_swiglu_quant_blocks_matches_the_emulation_on_ready_blocks_only(gu_dtype
 # ----------------------------------------------------------------------------------------------
 # GPU
 # ----------------------------------------------------------------------------------------------
-def _gpu_skip_reason() -> str | None:
-    if not torch.cuda.is_available():
-        return "no CUDA GPU"
+def _sm90_library_reason() -> str | None:
+    """On top of the suite's GPU check (gpu_skip): the GPU the library is built for, and the library."""
     if torch.cuda.get_device_capability() != (9, 0):
         return f"the library is built for sm_90a, this GPU is sm_{''.join(map(str, torch.cuda.get_device_capability()))}"
     try:
@@ -512,8 +512,7 @@ def _gpu_skip_reason() -> str | None:
     return None
 
 
-_REASON = _gpu_skip_reason() if torch.cuda.is_available() else "no CUDA GPU"
-needs_gpu = pytest.mark.skipif(_REASON is not None, reason=f"GPU test skipped: {_REASON}")
+needs_gpu = gpu_skip.needs_gpu(extra=_sm90_library_reason)
 
 VARIANTS = [(tile, dt) for tile, t in CG.TILE_TABLE.items() for dt in t.variants]
 NEW_TILES = ["coop128_m2", "coop192_m2", "coop192_n2", "pingpong192"]  # issue 21's (bf16 only)

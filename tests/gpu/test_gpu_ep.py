@@ -9,24 +9,12 @@ error, that a captured graph replays with new inputs and with any token count fr
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 import torch
+from gpu_skip import needs_gpu
 
 
-def _reason():
-    if not torch.cuda.is_available():
-        return "no CUDA GPU (torch.cuda.is_available() is False)"
-    for mod in ("nvshmem.core", "cuda.core", "triton"):
-        try:
-            importlib.import_module(mod)
-        except Exception as exc:  # noqa: BLE001
-            return f"{mod} is not importable ({exc})"
-    return None
-
-
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_reason() is not None, reason=f"GPU test skipped: {_reason()}")]
+pytestmark = [pytest.mark.gpu, needs_gpu("nvshmem.core", "cuda.core", "triton")]
 
 
 @pytest.fixture(scope="module")

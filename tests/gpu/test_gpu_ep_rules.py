@@ -13,7 +13,6 @@ plants a bug per rule and runs these tests in the mutated copy:
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import subprocess
@@ -21,26 +20,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from gpu_skip import needs_gpu
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _reason():
-    try:
-        import torch
-    except ImportError:
-        return "torch is not importable"
-    if not torch.cuda.is_available():
-        return "no CUDA GPU (torch.cuda.is_available() is False)"
-    for mod in ("nvshmem.core", "cuda.core", "triton"):
-        try:
-            importlib.import_module(mod)
-        except Exception as exc:  # noqa: BLE001
-            return f"{mod} is not importable ({exc})"
-    return None
-
-
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_reason() is not None, reason=f"GPU test skipped: {_reason()}")]
+pytestmark = [pytest.mark.gpu, needs_gpu("nvshmem.core", "cuda.core", "triton")]
 
 
 @pytest.fixture(scope="module")

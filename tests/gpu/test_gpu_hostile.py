@@ -10,7 +10,6 @@ EP layer refuses to go on after such a word until it is rebuilt. One PE natively
 
 from __future__ import annotations
 
-import importlib
 import os
 import shutil
 import subprocess
@@ -18,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from gpu_skip import gpu_skip_reason, needs_gpu
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "helpers"))
@@ -91,19 +91,7 @@ def test_judge_accepts_the_documented_word_and_nothing_else():
 # --------------------------------------------------------------------------------------------
 # On a GPU
 # --------------------------------------------------------------------------------------------
-def _gpu_reason():
-    try:
-        import torch
-    except ImportError:
-        return "torch is not importable"
-    if not torch.cuda.is_available():
-        return "no CUDA GPU (torch.cuda.is_available() is False)"
-    for mod in ("nvshmem.core", "cuda.core", "triton"):
-        try:
-            importlib.import_module(mod)
-        except Exception as exc:  # noqa: BLE001
-            return f"{mod} is not importable ({exc})"
-    return None
+GPU_MODULES = ("nvshmem.core", "cuda.core", "triton")
 
 
 def _env():
@@ -137,8 +125,8 @@ def run_scenarios(pes: int, *scenarios: str, timeout: float = 300) -> subprocess
 
 
 def _several_pes_reason():
-    if _gpu_reason() is not None:
-        return f"GPU test skipped: {_gpu_reason()}"
+    if gpu_skip_reason(*GPU_MODULES) is not None:
+        return f"GPU test skipped: {gpu_skip_reason(*GPU_MODULES)}"
     import torch
 
     if torch.cuda.device_count() >= 2:
@@ -155,7 +143,7 @@ def _ok(r, *scenarios):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(_gpu_reason() is not None, reason=f"GPU test skipped: {_gpu_reason()}")
+@needs_gpu(*GPU_MODULES)
 def test_device_hostile_table_one_pe():
     """One PE is its own peer: every row through the same kernels and words as between PEs."""
     r = run_scenarios(1, "hostile_table")
@@ -172,7 +160,7 @@ def test_device_hostile_table_two_pes():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(_gpu_reason() is not None, reason=f"GPU test skipped: {_gpu_reason()}")
+@needs_gpu(*GPU_MODULES)
 def test_layer_refuses_to_continue_until_rebuilt():
     r = run_scenarios(1, "layer_broken")
     _ok(r, "layer_broken")

@@ -31,14 +31,13 @@ import statistics
 
 import pytest
 import torch
+from gpu_skip import needs_gpu
 
 if not torch.cuda.is_available():
     # skipped here; but the modules imported below read it once, for every test module of the session
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(),
-                                 reason="GPU test skipped: no CUDA GPU (torch.cuda.is_available() is False)")]
+pytestmark = [pytest.mark.gpu, needs_gpu()]
 
 import triton  # noqa: E402 - a declared test dependency
 import triton.language as tl  # noqa: E402

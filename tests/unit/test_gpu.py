@@ -10,13 +10,13 @@ NVSHMEM headers, and (when nvcc and the headers are present) the cubin builds.
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import re
 import sys
 import time
 from pathlib import Path
 
+import gpu_skip
 import numpy as np
 import pytest
 
@@ -195,7 +195,7 @@ def test_decode_status():
 
 
 def test_gpu_check_without_a_gpu_says_so_once(cli):
-    if _gpu_skip_reason() is None:
+    if gpu_skip.gpu_skip_reason(*GPU_MODULES) is None:
         pytest.skip("a GPU is present")
     r = cli("gpu-check", "--policies", "spin_kernel", "--replays", "10", timeout=60)
     assert r.rc == 2, r
@@ -260,23 +260,8 @@ def test_cubin_builds_and_is_cached(monkeypatch, tmp_path):
 # --------------------------------------------------------------------------------------------
 # GPU (skip without a CUDA GPU and nvshmem4py)
 # --------------------------------------------------------------------------------------------
-def _gpu_skip_reason() -> str | None:
-    try:
-        import torch
-    except ImportError:
-        return "torch is not installed"
-    if not torch.cuda.is_available():
-        return "no CUDA GPU (torch.cuda.is_available() is False)"
-    for mod in ("nvshmem.core", "cuda.core"):
-        try:
-            importlib.import_module(mod)
-        except Exception as exc:  # noqa: BLE001
-            return f"{mod} is not importable ({exc}); install nvshmem4py-cu13 / cuda-core"
-    return None
-
-
-_REASON = _gpu_skip_reason()
-needs_gpu = pytest.mark.skipif(_REASON is not None, reason=f"GPU test skipped: {_REASON}")
+GPU_MODULES = ("nvshmem.core", "cuda.core")
+needs_gpu = gpu_skip.needs_gpu(*GPU_MODULES)
 
 
 @pytest.fixture(scope="module")
