@@ -39,6 +39,6 @@ grep -a "survived to its end" "$LOG" | sed 's/^/mpi_exit_probe: /'
 GPU_CHECK_PHASES="faults" GPU_CHECK_BUDGET_S="${GPU_CHECK_BUDGET_S:-420}" bash launch/gpu_check.sh
 
 # 3. the ring and EP-layer GPU tests on 1 PE (the wait beacon is in every device wait): bounded
-timeout "${GPU_TESTS_TIMEOUT_S:-200}" python3 -m pytest -q -x -rs tests/test_gpu.py tests/test_gpu_ep.py \
+timeout "${GPU_TESTS_TIMEOUT_S:-200}" python3 -m pytest -q -x -rs tests/unit/test_gpu.py tests/gpu/test_gpu_ep.py \
   -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1
 echo "gpu tests: rc=$? $(tail -1 "$OUT/gpu_tests.log")"

@@ -5,11 +5,11 @@
 #
 # Jobs (default: bench), run in the order given, each with a time limit that keeps a minute for each
 # job after it:
-#   bench     tests/test_gemm_cutlass.py + tests/test_gemm_choice.py natively, then python -m bench.gemm:
+#   bench     tests/gpu/test_gemm_cutlass.py + tests/unit/test_gemm_choice.py natively, then python -m bench.gemm:
 #             Triton, every CUTLASS variant, DeepGEMM and torch side by side at $GEMM_TOKENS, the whole
 #             batch layer per GEMM at $GEMM_LAYER_TOKENS -> $OUT/gemm-<date>.json and the heuristic table
 #             $OUT/gemm_table.json (commit them as docs/results/... and streamring/gemm/table.json);
-#             then tests/test_deep_gemm.py; a short table in $OUT/summary.txt
+#             then tests/unit/test_deep_gemm.py; a short table in $OUT/summary.txt
 #   layer     python -m bench.routing (the routing kernel's launch variants against the torch rule), then
 #             python -m bench.layer_replay: the batch layer at $LAYER_TOKENS with DeepGEMM, CUTLASS and
 #             Triton in one process (graph replays interleaved, checked against eager bitwise),
@@ -81,9 +81,9 @@ EOF
 LIB=${PIPESTATUS[0]}
 
 job_bench() {  # $1: jobs after this one
-  say "--- tests/test_gemm_cutlass.py tests/test_gemm_choice.py ($(left) s left)"
-  timeout "$(limit 150 $(( 60 * $1 + 300 )))" python3 -m pytest -q -rs -p no:cacheprovider tests/test_gemm_cutlass.py \
-    tests/test_gemm_choice.py > "$OUT/bench_tests.log" 2>&1
+  say "--- tests/gpu/test_gemm_cutlass.py tests/unit/test_gemm_choice.py ($(left) s left)"
+  timeout "$(limit 150 $(( 60 * $1 + 300 )))" python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_gemm_cutlass.py \
+    tests/unit/test_gemm_choice.py > "$OUT/bench_tests.log" 2>&1
   local tests=$?
   tail -6 "$OUT/bench_tests.log" | tee -a "$LOG"
   need_dg $(( $1 + 1 ))
@@ -101,8 +101,8 @@ job_bench() {  # $1: jobs after this one
   local bench=$?
   [ "$bench" = 124 ] && say "bench.gemm ran past $t s and was stopped (the JSON holds the sizes done)"
   grep -v "^\[.*check " "$OUT/bench.log" | tail -150 >> "$LOG"
-  say "--- tests/test_deep_gemm.py ($(left) s left)"
-  timeout "$(limit 120 $(( 60 * $1 + 12 )))" python3 -m pytest -q -rs -p no:cacheprovider tests/test_deep_gemm.py \
+  say "--- tests/unit/test_deep_gemm.py ($(left) s left)"
+  timeout "$(limit 120 $(( 60 * $1 + 12 )))" python3 -m pytest -q -rs -p no:cacheprovider tests/unit/test_deep_gemm.py \
     > "$OUT/bench_tests_deep_gemm.log" 2>&1
   local tests_dg=$?
   tail -6 "$OUT/bench_tests_deep_gemm.log" | tee -a "$LOG"

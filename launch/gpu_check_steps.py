@@ -208,9 +208,10 @@ def stress_cmd(n: int, json_path: Path, *extra: str) -> list[str]:
 
 
 #: the GPU tests of the single-PE phase (natively; the Triton kernels' CPU-interpreter tests among them)
-SINGLE_PE_GPU_TESTS = ("tests/test_gpu.py", "tests/test_gpu_ep.py", "tests/test_gpu_ep_rules.py",
-                       "tests/test_gpu_persistent.py", "tests/test_gpu_hostile.py", "tests/test_ep_kernels.py",
-                       "tests/test_blocks.py", "tests/test_persistent_consumer.py")
+SINGLE_PE_GPU_TESTS = ("tests/unit/test_gpu.py", "tests/gpu/test_gpu_ep.py", "tests/gpu/test_gpu_ep_rules.py",
+                       "tests/gpu/test_gpu_persistent.py", "tests/gpu/test_gpu_hostile.py",
+                       "tests/unit/test_ep_kernels.py", "tests/unit/test_blocks.py",
+                       "tests/unit/test_persistent_consumer.py")
 
 
 def phase_single(state: dict) -> None:
@@ -234,7 +235,7 @@ def phase_single(state: dict) -> None:
     run_step(state, "pytest the GPU layer's tests (native, 1 PE)",
              [PY, "-m", "pytest", "-q", "-rs", *files, "-p", "no:cacheprovider"], 360, pes=1, judge=judge_pytest)
     run_step(state, "HF DeepSeek-V3 swap on the GPU layer (1 PE)",
-             mpiexec(1, "tests/mp_hf.py", "drop_in_gpu"), 150, pes=1,
+             mpiexec(1, "tests/helpers/mp_hf.py", "drop_in_gpu"), 150, pes=1,
              judge=lambda rc, out, data: (rc == 0 and "SCENARIO OK" in out, f"rc={rc}"))
     bj = OUT / "bench.json"
     run_step(state, "bench_signal_latency", mpiexec(1, "-m", "bench.signal_latency", "--json", str(bj)), 120,
@@ -566,7 +567,7 @@ def mps_fresh_for(name: str, state: dict) -> None:
 def phase_faults1(state: dict) -> None:
     """One PE, no MPS: the device hostile-peer table, the layer's refusal after it, the EP handoff rules."""
     run_step(state, "pytest test_gpu_hostile, test_gpu_ep_rules (1 PE)",
-             [PY, "-m", "pytest", "-q", "-rs", "tests/test_gpu_hostile.py", "tests/test_gpu_ep_rules.py",
+             [PY, "-m", "pytest", "-q", "-rs", "tests/gpu/test_gpu_hostile.py", "tests/gpu/test_gpu_ep_rules.py",
               "-p", "no:cacheprovider"], 300, pes=1, judge=judge_pytest)
 
 
@@ -576,8 +577,8 @@ def phase_faults(state: dict) -> None:
     launcher and torchrun."""
     TMP.mkdir(parents=True, exist_ok=True)
     share = {} if gpu_count() >= 2 else {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "50"}
-    run_step(state, "device hostile-peer table, PE 1 hostile", mpiexec(2, "tests/mp_gpu_hostile.py", "hostile_table"),
-             120, pes=2, env=share, judge=lambda rc, out, data: (
+    run_step(state, "device hostile-peer table, PE 1 hostile",
+             mpiexec(2, "tests/helpers/mp_gpu_hostile.py", "hostile_table"), 120, pes=2, env=share, judge=lambda rc, out, data: (
                  rc == 0 and "SCENARIO OK hostile_table" in out,
                  next((ln for ln in out.splitlines() if "refused or accepted" in ln or "SCENARIO FAILED" in ln),
                       f"rc={rc}")))

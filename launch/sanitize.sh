@@ -4,8 +4,8 @@
 #   bash launch/sanitize.sh            # summary lines "sanitize: ..." on stdout, full log $OUT/sanitize.log
 #
 # Targets: the ring self-test (`streamring gpu-check`, policy serialized, 3 graph replays), one EP forward
-# (tests/ep_forward_once.py: batch and streamed, captured and replayed) and the device hostile-peer table
-# (tests/mp_gpu_hostile.py: corrupt metadata must never lead to an out-of-bounds access). Tools: memcheck on
+# (tests/helpers/ep_forward_once.py: batch and streamed, captured and replayed) and the device hostile-peer table
+# (tests/helpers/mp_gpu_hostile.py: corrupt metadata must never lead to an out-of-bounds access). Tools: memcheck on
 # the ring self-test and the EP forward, then synccheck and racecheck on both, then memcheck on the hostile table
 # (the slowest), while the budget lasts
 # (SANITIZE_BUDGET_S, default 300 s; SANITIZE_TIMEOUT_S per run, default 150 s).
@@ -45,8 +45,8 @@ mkdir -p "$TMPD"
 # inside the heap is invisible to memcheck (the kernels index the ring by the plan's counts only).
 declare -A TARGETS=(
   [ring]="python3 -m streamring gpu-check --policies serialized --replays 3 --slots 2 --chunks 6 --deadline-s 60"
-  [ep]="env PYTORCH_NO_CUDA_MEMORY_CACHING=1 python3 tests/ep_forward_once.py --policy serialized --eager --replays 2"
-  [hostile]="env PYTORCH_NO_CUDA_MEMORY_CACHING=1 python3 tests/mp_gpu_hostile.py hostile_table"
+  [ep]="env PYTORCH_NO_CUDA_MEMORY_CACHING=1 python3 tests/helpers/ep_forward_once.py --policy serialized --eager --replays 2"
+  [hostile]="env PYTORCH_NO_CUDA_MEMORY_CACHING=1 python3 tests/helpers/mp_gpu_hostile.py hostile_table"
 )
 RUNS=("memcheck ring" "memcheck ep" "synccheck ring" "racecheck ring" "synccheck ep" "racecheck ep"
       "memcheck hostile")

@@ -52,9 +52,9 @@ class Mutation:
     gpu: bool = False  # needs a GPU: run with --gpu only
 
 
-RING = "tests/test_ring_rules.py::test_scripted_ring_rules[shared]"
-HOSTILE = "tests/test_ring_rules.py::test_hostile_peer_table[shared]"
-READY = tuple(f"tests/test_source_order.py::test_stress_ready_order_still_catches_mutations[{m}]"
+RING = "tests/ranks/test_ring_rules.py::test_scripted_ring_rules[shared]"
+HOSTILE = "tests/ranks/test_ring_rules.py::test_hostile_peer_table[shared]"
+READY = tuple(f"tests/ranks/test_source_order.py::test_stress_ready_order_still_catches_mutations[{m}]"
               for m in ("skip-ack-wait-stress-basic.yaml", "ignore-epoch-stress-aba.yaml",
                         "skip-acquire-stress-basic.yaml"))
 
@@ -109,24 +109,25 @@ MUTATIONS = [
                "                self.y[base:base + valid] = combine(torch.from_numpy(contrib).to(self.dev), w, idx)\n",
                "                self.y[base:base + valid] = combine(torch.from_numpy(contrib).flip(1).to(self.dev), "
                "w.flip(1), idx.flip(1))\n"),),
-             ("tests/test_scenarios.py::test_bitwise_oracle", "tests/test_scenarios.py::test_fuzzed_forward_inputs[3]")),
+             ("tests/ranks/test_scenarios.py::test_bitwise_oracle",
+              "tests/ranks/test_scenarios.py::test_fuzzed_forward_inputs[3]")),
     Mutation("l2-stores-padding-rows", "the Triton L2 stores only the rows of a block that hold a route",
              (("streamring/device/moe_triton.py", "mask=(tl.arange(0, BM) < used)[:, None])",
                "mask=(tl.arange(0, BM) < BM)[:, None])"),),
-             ("tests/test_blocks.py::test_l2_stores_only_the_rows_that_hold_a_route",)),
+             ("tests/unit/test_blocks.py::test_l2_stores_only_the_rows_that_hold_a_route",)),
     Mutation("l2-drops-a-routed-row", "a sealed partial block's routed rows are all computed and stored",
              (("streamring/device/moe_triton.py", "        rows_ready = fill_new % BM\n",
                "        rows_ready = fill_new % BM - 1\n"),),
-             ("tests/test_blocks.py::test_l2_stores_only_the_rows_that_hold_a_route",
-              "tests/test_blocks.py::test_batch_matches_float32_emulation"), need_all=True),
+             ("tests/unit/test_blocks.py::test_l2_stores_only_the_rows_that_hold_a_route",
+              "tests/unit/test_blocks.py::test_batch_matches_float32_emulation"), need_all=True),
     Mutation("reservation-without-seal", "the reservation scheduler's seal rule (no deadlock on reuse)",
              (("streamring/moe/layer.py",
                "                seal(lambda rows, lim=n - S: min(r[1] for r in rows) <= lim)\n", ""),),
-             ("tests/test_moe_run.py::test_streamed_equals_batch[tokens-0-1-odd-many-wraps-reservation]",)),
+             ("tests/ranks/test_moe_run.py::test_streamed_equals_batch[tokens-0-1-odd-many-wraps-reservation]",)),
     # -- progress and harness ---------------------------------------------------------------------------
     Mutation("spin-pause-never-yields", "a waiting rank gives its core away",
              (("streamring/device/verbs.py", "    os.sched_yield()\n", "    pass\n"),),
-             ("tests/test_ring_rules.py::test_waiting_rank_gives_its_core_away",)),
+             ("tests/ranks/test_ring_rules.py::test_waiting_rank_gives_its_core_away",)),
     Mutation("ready-order-consumer-crashes", "the ready-order mutation tests demand the expected failure",
              (("streamring/verify/stress.py", "if any(p < batch[-1] and p not in batch for p in pending):",
                "if any(p < batch and p not in batch for p in pending):"),), READY, need_all=True),
@@ -142,7 +143,7 @@ MUTATIONS = [
                "            self._blocked = None\n        win.Free()\n        self._regions.remove(region)\n")), (RING,)),
 ]
 
-GPU_RULES = "tests/test_gpu_ep_rules.py"
+GPU_RULES = "tests/gpu/test_gpu_ep_rules.py"
 GPU_MUTATIONS = [
     Mutation("acquire-fence-dropped", "the device acquire: ld.acquire.sys of the generations and the fence after",
              (("streamring/device/csrc/ring_protocol.cuh",
@@ -154,7 +155,7 @@ GPU_MUTATIONS = [
                "    return true;\n")),
              # one GPU does not reorder the loads in practice, so the compiled PTX is what shows it
              (f"{GPU_RULES}::test_ring_selftest_under_stress",
-              "tests/test_ptx_ring.py::test_the_acquire_is_ordered_in_the_compiled_kernels"), gpu=True),
+              "tests/unit/test_ptx_ring.py::test_the_acquire_is_ordered_in_the_compiled_kernels"), gpu=True),
     Mutation("ack-before-copy", "the EP dispatch acknowledges a slot only after copying its rows out",
              (("streamring/moe/ep_pipeline.py",
                "            self.bc.dispatch_ep(c, flat_e, flat_w, srcs, (ring_u8, ring_u8.view(torch.float32)), "
@@ -177,7 +178,7 @@ GPU_MUTATIONS = [
              (("streamring/device/csrc/ring_protocol.cuh",
                "    if (valid > (uint64_t)d->tokens_per_slot) {\n",
                "    if (valid > (uint64_t)d->tokens_per_slot + 1) {\n"),),
-             ("tests/test_gpu_hostile.py::test_device_hostile_table_one_pe",), gpu=True),
+             ("tests/gpu/test_gpu_hostile.py::test_device_hostile_table_one_pe",), gpu=True),
 ]
 
 IGNORE = shutil.ignore_patterns(".git", ".venv", "__pycache__", "*.egg-info", ".pytest_cache", ".hypothesis",

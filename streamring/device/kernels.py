@@ -5,7 +5,7 @@ source (:func:`kernel_signatures`); :class:`DeviceLibrary` marshals keyword argu
 signature (pointer -> address int, ``int`` -> ``np.int32``, ``int64_t``/``long long`` ->
 ``np.int64``, ``uint64_t`` -> ``np.uint64``) and refuses a missing, extra or misspelled
 parameter, naming the kernel. The launchers below are the only call sites of the kernels:
-one function per kernel, keyword-only parameters named exactly as in C (``tests/test_gpu.py``
+one function per kernel, keyword-only parameters named exactly as in C (``tests/unit/test_gpu.py``
 checks every launcher against the parsed signature), so a kernel whose signature changes
 fails the tests on any machine instead of receiving shifted arguments on the GPU.
 

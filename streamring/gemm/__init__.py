@@ -11,5 +11,5 @@
 
 The Triton GEMMs stay in ``streamring.device.moe_triton``: the persistent consumer kernel
 (``device/persistent_moe.py``) is built from their tile functions, and device may not import gemm.
-Everything here may import ``streamring.device``, never ``moe`` or ``host`` (tests/test_layering.py).
+Everything here may import ``streamring.device``, never ``moe`` or ``host`` (tests/unit/test_layering.py).
 """

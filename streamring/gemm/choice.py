@@ -33,7 +33,7 @@ PINGPONG_BELOW_ROWS = 128
 #: default 1, which a key leaves out; not imported: that module loads torch)
 KEY_SWIZZLES = (2, 4, 8)
 #: CUTLASS tiles that take one block per tile (``gemm.cutlass.TILE_TABLE``'s ``block_tile`` tiles; not
-#: imported: that module loads torch. tests/test_gemm_choice.py holds the two equal), and the block
+#: imported: that module loads torch. tests/unit/test_gemm_choice.py holds the two equal), and the block
 #: size they need: a consumer of other blocks never gets them from the table
 BLOCK_TILES = ("pair128", "pair192", "pair128_n2", "block128", "block128_n2", "block64pp")
 BLOCK_TILE_ROWS = 128

@@ -29,7 +29,7 @@ DeepGEMM (commit 54e2261, deep_gemm 2.6.1; built by ``launch/build_deep_gemm.sh`
   experts' tiles, and its configuration is chosen with the same ``expected_m``. Each row's arithmetic
   (its K loop, the 128-column scale promotion, the bf16 rounding) does not depend on which scheduler
   handed out its tile, so the batch call (psum) and a stream's calls (``m_indices``) give equal rows.
-  That rests on DeepGEMM's sources read at 54e2261 and on measurement (``tests/test_deep_gemm.py``:
+  That rests on DeepGEMM's sources read at 54e2261 and on measurement (``tests/unit/test_deep_gemm.py``:
   streamed == batch bitwise with the batch call on the psum layout; ``bench.gemm`` checks the two
   calls bitwise on the DeepSeek-V3 shapes): a DeepGEMM upgrade must re-run those checks.
 * **Scales**: ``b_sf`` ``[G, N/128, K/128]`` float32 contiguous is used as is; ``a_sf`` must be
@@ -154,7 +154,7 @@ def ready_m_indices(ready_list: torch.Tensor, ready_hi: torch.Tensor, lo_index: 
     ``ready_list[ready_hi[lo_index] : ready_hi[hi_index]]`` (at most ``max_items`` of them), -1 elsewhere.
 
     The range is read on the device (torch ops only: no host synchronisation, capturable). The same
-    rules as the CUTLASS setup kernel (``tests/ready_range_reference.py`` has both in plain Python): a range outside the list or
+    rules as the CUTLASS setup kernel (``tests/helpers/ready_range_reference.py`` has both in plain Python): a range outside the list or
     negative computes nothing, a longer one is clamped to ``max_items``, an item whose block id or
     expert is out of range is skipped; each case ORs its bit (:data:`STATUS_BITS`) into ``status``
     (int32 ``[1]``) when given. ``out``: where to write (allocated otherwise).

@@ -17,7 +17,7 @@ not relaunch per chunk (``streamring.moe.ep_buffer``).
 Bitwise contract: rows of an expert are appended in chunk order and, inside a chunk, in
 (token, k) order (stable sort), which is the batch path's order; the kernels compute every row
 independently (``streamring.device.moe_triton``). Streamed and batch outputs are therefore
-bitwise identical (``tests/test_blocks.py`` checks it, and the GPU benchmark re-checks it on
+bitwise identical (``tests/unit/test_blocks.py`` checks it, and the GPU benchmark re-checks it on
 the H200).
 
 Runs wherever Triton runs: on a GPU, or on the CPU under ``TRITON_INTERPRET=1`` (the tests).

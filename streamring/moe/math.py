@@ -522,7 +522,7 @@ def select_experts(logits: torch.Tensor, correction_bias: Optional[torch.Tensor]
 
     The one definition of the rule, used by :func:`route` (CPU/torch path, float32 or float64
     logits). The GPU producers run the same rule in one kernel (``moe_triton.select_experts``
-    through ``streamring.moe.blocks.select_experts_into``; ``tests/test_blocks.py`` holds the two
+    through ``streamring.moe.blocks.select_experts_into``; ``tests/unit/test_blocks.py`` holds the two
     equal). Row-local operations only, so a token's choice never depends on the other rows.
 
     * ``softmax_topk``: ``p = softmax(logits)``; ``topk_idx, w = topk(p, k)``; if

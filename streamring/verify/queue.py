@@ -34,7 +34,7 @@ Properties:
 Memory: the handoff words are atomics with release/acquire semantics and the data stores are
 modelled sequentially consistent at their step; what makes that sound on the GPU (every thread's
 fence, the barrier, then one thread's release; the acquire, then the barrier before the loads) is
-checked in the generated PTX (``tests/ptx_queue.py``). Deadlines are left out: a wait that can never
+checked in the generated PTX (``tests/helpers/ptx_queue.py``). Deadlines are left out: a wait that can never
 be satisfied is a deadlock here (on the device it is a recorded timeout).
 
 Mutations (``--inject``; each must give a counter-example): ``claim-before-ready`` (no ready wait:

@@ -2,7 +2,7 @@
 counter-example's trace (its last steps on the console, every step in ``--json``), the verdict.
 
 The tables are drawn by :mod:`streamring.host.report`, which the CLI hands in (``report``): this
-package sits below host in the layering (``tests/test_layering.py``).
+package sits below host in the layering (``tests/unit/test_layering.py``).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 // The first block of fields mirrors streamring.ring.layout.RingLayout.descriptor()
 // ONE TO ONE: same names, same order, all int64 (the build runs
 // streamring.device.ringdesc.check_header() on this file before compiling, and
-// tests/test_gpu.py parses it independently). The host packs the struct as a flat
+// tests/unit/test_gpu.py parses it independently). The host packs the struct as a flat
 // int64 array in exactly this order (streamring.device.ringdesc.pack_desc), so a
 // field added on one side and not the other fails the build instead of silently
 // shifting every offset.

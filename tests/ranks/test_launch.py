@@ -1,0 +1,88 @@
+"""Launchers: local (default), torchrun (refused at once for the cpu backend), check-env."""
+
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from streamring.host.launch import Launcher, detect_launcher
+
+from conftest import ROOT, _env
+
+
+def test_detect_launcher():
+    assert detect_launcher({}) is Launcher.LOCAL
+    assert detect_launcher({"PMI_RANK": "0", "PMI_SIZE": "2"}) is Launcher.MPI
+    assert detect_launcher({"OMPI_COMM_WORLD_SIZE": "4"}) is Launcher.MPI
+    assert detect_launcher({"TORCHELASTIC_RUN_ID": "x", "LOCAL_RANK": "0", "WORLD_SIZE": "2"}) is Launcher.TORCHRUN
+
+
+@pytest.mark.ranks
+def test_torchrun_with_cpu_backend_fails_at_once_naming_launchers():
+    torchrun = Path(sys.executable).parent / "torchrun"
+    if not torchrun.exists():
+        torchrun = shutil.which("torchrun")
+    assert torchrun, "torchrun comes with torch"
+    t0 = time.monotonic()
+    p = subprocess.run([str(torchrun), "--nproc-per-node", "2", "-m", "streamring", "run"], capture_output=True,
+                       text=True, timeout=120, env=_env(), cwd=ROOT)
+    assert p.returncode != 0
+    assert time.monotonic() - t0 < 60
+    assert "cannot bootstrap from torchrun" in p.stderr and "mpirun -n N" in p.stderr and "--ranks N" in p.stderr
+
+
+def test_check_env(cli):
+    r = cli("check-env")
+    assert r.rc == 0, r
+    assert "MPI library" in r.out and "cpu backend: ready" in r.out
+
+
+# --------------------------------------------------------------------------------------
+# Preloaded ranks (streamring.host.preload): forks of one server that imported torch and the command
+# --------------------------------------------------------------------------------------
+def _run_rows(cli, preload: str) -> list:
+    r = cli("run", "--ranks", 2, "--set", "layer.num_experts=8", env={"STREAMRING_PRELOAD": preload})
+    assert r.rc == 0, r
+    return r.json["ranks"]
+
+
+def test_preloaded_ranks_run_as_fresh_ones_do(cli):
+    """The same job with the ranks preloaded (the default) and as fresh interpreters: every row says
+    how its process started, the outputs are the same bits, and a preloaded rank runs as many torch
+    threads as a fresh one (MKL, loaded in the server, picks its default from Hydra's MPI_LOCALNRANKS)."""
+    fresh = _run_rows(cli, "0")
+    pre = _run_rows(cli, "1")
+    assert [x["preloaded"] for x in fresh] == [False, False], fresh
+    assert [x["preloaded"] for x in pre] == [True, True], pre
+    assert [x["torch_threads"] for x in pre] == [x["torch_threads"] for x in fresh], (pre, fresh)
+    for a, b in zip(pre, fresh):
+        assert a["bitwise_equal"] and b["bitwise_equal"]
+        assert a["ref_max_abs_err"] == b["ref_max_abs_err"], (a, b)  # the same output against the same reference
+
+
+# --------------------------------------------------------------------------------------
+# launch/: the device scripts (run on the GPU machine; here only read)
+# --------------------------------------------------------------------------------------
+def test_device_scripts_parse_and_name_only_what_exists():
+    """Every launch/*.sh parses (bash -n), sources the one environment script when it runs on the device,
+    and every launch/ file, tests/ file and `python -m` module it names exists."""
+    import importlib.util
+    import re
+
+    launch = ROOT / "launch"
+    for sh in sorted(launch.glob("*.sh")) + [launch / "slurm.sbatch"]:
+        p = subprocess.run(["bash", "-n", str(sh)], capture_output=True, text=True)
+        assert p.returncode == 0, (sh.name, p.stderr)
+        text = sh.read_text()
+        user_or_cpu_side = ("mpirun.sh", "torchrun.sh", "slurm.sbatch", "fetch_wheels.sh", "build_deep_gemm.sh",
+                            "pack_deep_gemm.sh")
+        assert sh.name in user_or_cpu_side or re.search(r"\. launch/device_env\.sh", text), \
+            f"{sh.name} does not source launch/device_env.sh"
+        named = set(re.findall(r"\b((?:launch|tests)(?:/[\w.-]+)+\.(?:sh|py|c))\b", text))
+        missing = {f for f in named if not (ROOT / f).exists()}
+        assert not missing, (sh.name, missing)
+        for mod in set(re.findall(r"python3? -m ((?:bench|streamring)(?:\.\w+)*)", text)):
+            assert importlib.util.find_spec(mod) is not None, (sh.name, mod)

@@ -1,0 +1,404 @@
+"""The engine-facing GPU layer object, :class:`EPBuffer`, driven whole on the CPU (one PE).
+
+The buffer's own pipeline runs here: its producers, ring publication with the slot metadata,
+checked acquire (valid counts learned from the metadata), dispatch into expert blocks, the block
+GEMMs (Triton, under ``TRITON_INTERPRET=1`` off the GPU), arrival counts, the owner's reduce, the
+drain and the epoch advance. The CUDA ring kernels are replaced by their Python statements for one
+PE (``tests/helpers/emulated_device.py``), launched through the same typed launchers, so the parameters the
+buffer passes are checked against the C signatures. Several PEs and real concurrency are the GPU
+check's part (``tests/gpu/test_gpu_ep.py``, ``launch/gpu_check.sh``).
+
+Checked: streamed == batch == the single-process block path, bitwise; one buffer serving two layers
+in alternation; any token count up to the maximum through a device count (rows past it are zero,
+rows before it equal a forward of just those rows, bitwise); a count outside the rows of ``x`` is
+clamped and makes the buffer refuse further forwards until rebuilt; bf16 weights prepared into
+FP8; the buffer's bytes at the DeepSeek-V3 shape.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton", reason="Triton is not installed (pip install triton)")
+
+from conftest import quick_subset  # noqa: E402
+from emulated_device import EmulatedHeap  # noqa: E402
+
+from streamring.moe import blocks as B  # noqa: E402
+from streamring.moe.ep_buffer import EPBuffer, memory_report  # noqa: E402
+from streamring.moe.math import MoEShape, MoEWeights  # noqa: E402
+from streamring.moe.tuning import EPTuning  # noqa: E402
+
+SERIAL = EPTuning(policy="serialized")
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU emulation; GPUs run tests/gpu/test_gpu_ep.py")
+EMULATED = "the emulated device runs the layer's GPU kernels in Triton's CPU interpreter: 2 to 7 s a case on 2 cores"
+
+
+def shape_(**kw) -> MoEShape:
+    # the smallest sizes that still exercise everything: one 128-column scale group, grouped routing,
+    # several blocks per expert and partial ones (the interpreter runs every GEMM on the CPU)
+    base = dict(hidden=128, intermediate=128, num_experts=4, topk=2, router="deepseek_v3", n_group=2, topk_group=1,
+                routed_scaling_factor=2.5, weight_dtype="fp8", block_m=16)
+    return MoEShape(**{**base, **kw})
+
+
+def tokens(n, seed, hidden=128):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, hidden, generator=g).to(torch.bfloat16)
+
+
+def bits(t):
+    return t.contiguous().view(torch.int16)
+
+
+def single_batch(shape, fw, x):
+    """The single-process block path (no ring): the reference the buffer must equal bitwise."""
+    T = x.shape[0]
+    y = torch.zeros_like(x)
+    B.batch_forward(x, fw, shape, B.Producer(shape, fw, T, x.device), B.BlockConsumer(shape, T, 2, 16, x.device),
+                    B.scratch_buffers(shape, T, x.device), y)
+    return y
+
+
+@pytest.fixture(scope="module")
+def setup():
+    shape = shape_()
+    fw = B.FastWeights.random(shape, 3, "cpu")
+    buf = EPBuffer(EmulatedHeap(), shape, max_tokens_per_rank=40, num_slots=2, tokens_per_slot=16,
+                   gemm="triton", tuning=SERIAL)
+    yield shape, fw, buf
+    buf.close()
+
+
+def test_streamed_equals_batch_equals_single_process(setup):
+    shape, fw, buf = setup
+    w = buf.prepare_weights(fw)
+    x = tokens(37, 1)
+    ref = single_batch(shape, fw, x)
+    # the shared buffer may have served other tests first (pytest-xdist hands the slow ones out first):
+    # the counts below are this test's forwards
+    before = buf.status()
+    yb = buf.forward(x, w).clone()
+    ys = buf.forward(x, w, streaming=True).clone()
+    assert torch.equal(bits(yb), bits(ref))
+    assert torch.equal(bits(ys), bits(ref))
+    assert buf.paths["stream"].num_chunks == 3  # 40 tokens of capacity in chunks of 16
+    st = buf.status()
+    assert st["violations"] == 0 and st["timeouts"] == 0 and st["bad_routes"] == 0, st
+    # every chunk of both paths was published twice (route, layout), acknowledged and drained
+    done = {p: {k: st[p][k] - before[p][k] for k in ("published", "consumed")} for p in ("stream", "batch")}
+    assert done["stream"] == {"published": 2 * 3, "consumed": 3}, (done, st)
+    assert done["batch"] == {"published": 2, "consumed": 1}, (done, st)
+
+
+def test_every_source_order_computes_the_last_step_in_the_seal_call_and_keeps_the_bits(setup, monkeypatch):
+    """The last dispatch step's blocks are computed in the seal's call: one GEMM call per forward fewer
+    (the batch path: one call over its step and the seal), in every dispatch order; the orders' outputs are
+    bitwise equal."""
+    import streamring.moe.ep_buffer as EB
+
+    shape, fw, _ = setup  # buffers of its own: the shared one's status counts are asserted elsewhere
+    ranges = []
+    real = EB.EPBuffer._gemms
+
+    def gemms(self, path, layer, lo, hi, *a, **k):  # every GEMM call of a forward, as its ready range
+        ranges.append((lo, hi))
+        return real(self, path, layer, lo, hi, *a, **k)
+    monkeypatch.setattr(EB.EPBuffer, "_gemms", gemms)
+    x = tokens(37, 1)
+    got = {}
+    for order in ("rank", "ready", "arrival"):  # 3 chunks: arrival needs 3 slots
+        b = EPBuffer(EmulatedHeap(), shape, max_tokens_per_rank=40, num_slots=3, tokens_per_slot=16, gemm="triton",
+                     tuning=EPTuning(policy="serialized", source_order=order))
+        try:
+            w = b.prepare_weights(fw)
+            for streaming in (False, True):
+                ranges.clear()
+                got[order, streaming] = (b.forward(x, w, streaming=streaming).clone(), list(ranges))
+        finally:
+            b.close()
+    for order in ("rank", "ready", "arrival"):
+        assert got[order, False][1] == [(0, 2)], order
+        assert got[order, True][1] == [(0, 1), (1, 2), (2, 4)], order
+        for streaming in (False, True):
+            assert torch.equal(bits(got[order, streaming][0]), bits(got["rank", False][0])), (order, streaming)
+
+
+def test_arrival_order_needs_a_slot_per_chunk(setup):
+    """A consumer taking all of one source's chunks first could wait for a slot that only its own later
+    acknowledgement frees: arrival order is refused when a forward has more chunks than slots."""
+    shape, _, _ = setup
+    with pytest.raises(ValueError, match=r"source_order 'arrival' needs num_slots >= the chunks of a forward .*= 3\), "
+                                         r"got num_slots=2"):
+        EPBuffer(EmulatedHeap(), shape, max_tokens_per_rank=40, num_slots=2, tokens_per_slot=16,
+                 tuning=EPTuning(policy="serialized", source_order="arrival"))
+
+
+def test_a_gemm_status_makes_the_buffer_refuse(setup):
+    """A bad ready range met by the expert GEMMs (DeepGEMM's status word: e.g. its psum layout refused on
+    the device, so nothing was computed) is not silent: status() names it and the buffer is broken."""
+    shape, fw, _ = setup
+    buf = EPBuffer(EmulatedHeap(), shape, max_tokens_per_rank=40, num_slots=2, tokens_per_slot=16,
+                   gemm="triton", tuning=SERIAL)
+    try:
+        assert buf.status()["gemm_status"] == 0 and not buf.broken
+
+        class RefusedPsum:  # what DeepGemmExperts.status() returns after psum_layout refused a layout
+            def status(self):
+                return 32
+
+        buf.bc.deep_gemm = RefusedPsum()
+        st = buf.status()
+        assert st["gemm_status"] == 32
+        assert "psum layout" in buf.broken and "rank 0" in buf.broken
+        with pytest.raises(RuntimeError, match="unusable"):
+            buf.forward(tokens(4, 1), buf.prepare_weights(fw))
+    finally:
+        buf.close()
+
+
+@pytest.mark.slow(reason=EMULATED)
+def test_one_buffer_serves_two_layers(setup):
+    shape, fw, buf = setup
+    fw2 = B.FastWeights.random(shape, 11, "cpu")
+    w1, w2 = buf.prepare_weights(fw), buf.prepare_weights(fw2)
+    x = tokens(40, 2)
+    want1, want2 = single_batch(shape, fw, x), single_batch(shape, fw2, x)
+    for streaming in (False, True):  # alternate layers and paths on the one buffer
+        assert torch.equal(bits(buf.forward(x, w1, streaming=streaming)), bits(want1))
+        assert torch.equal(bits(buf.forward(x, w2, streaming=streaming)), bits(want2))
+
+
+@pytest.mark.filterwarnings("ignore:All-NaN slice")  # the poisoned rows past the count are quantized, then ignored
+@pytest.mark.parametrize("n", quick_subset([0, 1, 33, 40], quick=[0, 1], reason=EMULATED))
+def test_any_token_count_through_a_device_count(setup, n):
+    shape, fw, buf = setup
+    w = buf.prepare_weights(fw)
+    x = tokens(40, 3)
+    want = single_batch(shape, fw, x[:n]) if n else torch.zeros(0, shape.hidden, dtype=torch.bfloat16)
+    for streaming in (False, True):
+        x_poisoned = x.clone()
+        x_poisoned[n:] = float("nan")  # rows past the count are never read into any result
+        y = buf.forward(x_poisoned, w, streaming=streaming, num_tokens=torch.tensor([n]))
+        assert torch.equal(bits(y[:n]), bits(want)), (streaming, n)
+        assert not y[n:].any(), (streaming, n)
+    st = buf.status()
+    assert st["violations"] == 0 and st["timeouts"] == 0 and st["bad_counts"] == 0, st
+
+
+def test_count_outside_the_rows_is_clamped_then_refused():
+    shape = shape_()
+    fw = B.FastWeights.random(shape, 3, "cpu")
+    buf = EPBuffer(EmulatedHeap(), shape, max_tokens_per_rank=40, num_slots=2, tokens_per_slot=16,
+                   gemm="triton", tuning=SERIAL)
+    w = buf.prepare_weights(fw)
+    x = tokens(20, 4)
+    with pytest.raises(ValueError, match=r"num_tokens must be in \[0, 20\]"):
+        buf.forward(x, w, num_tokens=21)
+    with pytest.raises(RuntimeError, match="bad_counts=1"):
+        buf.forward(x, w, num_tokens=torch.tensor([25]))  # the first forward checks the status
+    with pytest.raises(RuntimeError, match="unusable after a ring error"):
+        buf.forward(x, w)
+    buf.close()
+
+
+def test_bf16_weights_are_prepared_into_fp8():
+    shape = shape_(weight_dtype="bf16")
+    mw = MoEWeights.random(shape, seed=5)
+    buf = EPBuffer(EmulatedHeap(), shape, max_tokens_per_rank=24, tokens_per_slot=8, gemm="triton", tuning=SERIAL)
+    w = buf.prepare_weights(mw)
+    assert w.fw.w1.dtype == torch.float8_e4m3fn and tuple(w.fw.w1.shape) == (4, 256, 128)
+    x = tokens(24, 6)
+    fp8 = B.FastWeights.from_moe_weights(MoEWeights(
+        router_weight=mw.router_weight, correction_bias=mw.correction_bias,
+        **{k: v for k, v in zip(("w1", "w1_scale", "w3", "w3_scale", "w2", "w2_scale"),
+                                 [t for name in ("w1", "w3", "w2") for t in _q(getattr(mw, name))])}))
+    assert torch.equal(bits(buf.forward(x, w, streaming=True)), bits(single_batch(shape_(), fp8, x)))
+    buf.close()
+
+
+def _q(t):
+    from streamring.moe.math import quantize_weight_fp8_block
+
+    return quantize_weight_fp8_block(t.float())
+
+
+def test_bad_arguments_name_the_field(setup):
+    shape, fw, buf = setup
+    w = buf.prepare_weights(fw)
+    with pytest.raises(ValueError, match="more than max_tokens_per_rank=40"):
+        buf.forward(tokens(41, 1), w)
+    with pytest.raises(ValueError, match="x must be a bfloat16"):
+        buf.forward(tokens(4, 1).to(torch.int32), w)
+    with pytest.raises(ValueError, match="weights must come from EPBuffer.prepare_weights"):
+        buf.forward(tokens(4, 1), fw)
+    with pytest.raises(ValueError, match="stream_epoch is for streaming=True"):
+        buf.forward(tokens(4, 1), w, stream_epoch=9)
+    with pytest.raises(ValueError, match="routing.hidden=256 differs"):
+        buf.prepare_weights(fw, shape_(hidden=256))
+    # the tuning's errors name the field and its allowed values
+    with pytest.raises(ValueError, match=r"block_m\n  Input should be 16, 32, 64 or 128"):
+        EPTuning(block_m=48)
+    with pytest.raises(ValueError, match="policy 'pdl' is refused by the expert-parallel layer"):
+        EPTuning(policy="pdl")
+    with pytest.raises(ValueError, match=r"source_order\n  Input should be 'rank', 'ready' or 'arrival'"):
+        EPTuning(source_order="fifo")
+    with pytest.raises(ValueError, match=r"producer_sms must be a multiple of 8"):
+        EPTuning(producer_sms=12)
+    with pytest.raises(ValueError, match=r"side_puts\n  Extra inputs are not permitted"):
+        EPTuning(side_puts=False)
+    with pytest.raises(ValueError, match="frozen"):
+        SERIAL.policy = "spin_kernel"
+    with pytest.raises(ValueError, match="tuning must be an EPTuning, got dict"):
+        EPBuffer(EmulatedHeap(), shape, max_tokens_per_rank=8, tuning={"policy": "serialized"})
+    with pytest.raises(TypeError, match="unexpected keyword argument 'policy'"):
+        EPBuffer(EmulatedHeap(), shape, max_tokens_per_rank=8, policy="serialized")
+
+
+def test_auto_streams_only_where_the_table_measured_a_win(setup, monkeypatch):
+    """streaming='auto' follows the tuned table for this GEMM, PE count and chunk count, and falls back to
+    the batch path everywhere else; either way the output is the batch output."""
+    from streamring.moe import adaptive
+
+    shape, fw, buf = setup
+    w = buf.prepare_weights(fw)
+    x = tokens(37, 4)
+    want = single_batch(shape, fw, x)
+    win = {"rows": [{"tokens": 32, "ranks": 1, "experts_per_pe": 4, "gemm": "triton", "block_m": 16,
+                     "path": "streamed", "chunks": 3, "num_slots": 2, "policy": "serialized", "source_order": "ready",
+                     "streamed_over_batch": 0.9}]}
+    cases = [(win, True, "streamed"),
+             ({"rows": [{**win["rows"][0], "chunks": 2}]}, False, "streamed"),  # measured with other chunking
+             ({"rows": [{**win["rows"][0], "source_order": "arrival"}]}, False, "streamed"),  # another order
+             ({"rows": [{**win["rows"][0], "experts_per_pe": 32}]}, False, "batch"),  # another expert load
+             ({"rows": [{**win["rows"][0], "gemm": "cutlass"}]}, False, "batch"),  # nothing for this GEMM
+             ({"rows": [{"tokens": 32, "ranks": 1, "gemm": "triton", "block_m": 16, "path": "batch"}]}, False, "batch")]
+    for table, streams, answer in cases:
+        monkeypatch.setattr(adaptive, "DEFAULT_TABLE", None)
+        monkeypatch.setattr(adaptive, "load_table", lambda path=None, t=table: t)
+        before = buf.paths["stream"].ring.epoch()
+        y = buf.forward(x, w, streaming="auto", stream_epoch=before + 1).clone()
+        assert torch.equal(bits(y), bits(want)), table
+        assert (buf.paths["stream"].ring.epoch() > before) == streams, table
+        assert buf.last_adaptive.path == answer, (table, buf.last_adaptive)
+    # no row for this setting: the cost model decides and says so (it covers DeepSeek-V3 shapes only: batch here)
+    monkeypatch.setattr(adaptive, "load_table", lambda path=None: {"rows": [{**win["rows"][0], "ranks": 8}]})
+    y = buf.forward(x, w, streaming="auto").clone()
+    assert torch.equal(bits(y), bits(want))
+    assert buf.last_adaptive.source == "model" and buf.last_adaptive.path == "batch"
+    assert "covers (hidden, intermediate, topk) = (7168, 2048, 8) only" in buf.last_adaptive.note
+    with pytest.raises(ValueError, match="streaming must be True, False or 'auto'"):
+        buf.forward(x, w, streaming="yes")
+    # the committed table: no streamed win was ever measured, so auto is the batch path
+    monkeypatch.undo()
+    assert not buf.adaptive_streaming(37) and buf.last_adaptive.path == "batch"
+
+
+def test_explicit_stream_epochs_must_grow(setup):
+    shape, fw, buf = setup
+    w = buf.prepare_weights(fw)
+    x = tokens(10, 7)
+    buf.forward(x, w, streaming=True)  # the stream path has run (no first-run special case below)
+    now = buf.paths["stream"].ring.epoch()
+    y = buf.forward(x, w, streaming=True, stream_epoch=now + 5).clone()
+    assert buf.paths["stream"].ring.epoch() == now + 6
+    assert torch.equal(bits(y), bits(single_batch(shape, fw, x)))
+    with pytest.raises(ValueError, match="stream_epoch must grow"):
+        buf.forward(x, w, streaming=True, stream_epoch=now)
+
+
+@pytest.mark.parametrize("max_tokens", [128, 1024, 8192])
+def test_shared_buffer_bytes_at_the_deepseek_v3_shape(max_tokens):
+    """One buffer for every layer costs at most 1.1x one layer's streamed ring plus combine area
+    (the batch ring is the extra); the figures go to docs/engine.md."""
+    from bench.common import dsv3_shape
+
+    dsv3 = dsv3_shape(64)
+    rep = memory_report(dsv3, 2, max_tokens_per_rank=max_tokens, num_slots=2, tokens_per_slot=max_tokens // 2)
+    assert rep["symmetric"] == rep["batch_ring"] + rep["stream_ring"] + rep["combine"]
+    assert rep["ratio"] <= 1.1, rep
+    # the combine area dominates: tokens x top-k x hidden bf16 rows
+    assert rep["combine"] >= max_tokens * 8 * 7168 * 2
+
+
+def test_routing_given_by_the_caller(setup):
+    """``routing=(idx, w)`` is published as it is: the router's own routing gives the router's output,
+    bitwise; a masked route (-1) contributes nothing."""
+    from streamring.device import moe_triton as K
+    from streamring.moe.math import select_experts
+
+    shape, fw, buf = setup
+    w = buf.prepare_weights(fw)
+    x = tokens(21, 8)
+    lg = torch.zeros(21, shape.num_experts)
+    K.router_logits(x, fw.router, lg)
+    idx, wt = select_experts(lg, fw.bias, shape)
+    want = buf.forward(x, w).clone()
+    assert torch.equal(bits(buf.forward(x, w, streaming=True, routing=(idx, wt.float()))), bits(want))
+    masked = idx.clone()
+    masked[:, 1:] = -1  # only each token's first expert
+    only_first = buf.forward(x, w, routing=(masked, wt.float())).clone()
+    assert not torch.equal(bits(only_first), bits(want))
+    with pytest.raises(ValueError, match=r"routing\[0\] \(topk_idx\) must be int64 \[21, 2\]"):
+        buf.forward(x, w, routing=(idx.int(), wt.float()))
+
+
+@pytest.mark.slow(reason=EMULATED)
+def test_the_torch_op_runs_the_gpu_buffer(setup):
+    """``torch.ops.streamring.moe_forward`` over this buffer: the same output as ``forward``, bitwise, a
+    device count passed through, and ``torch.compile`` sees the layer as one node (no graph break)."""
+    from streamring.moe import MoEWeights, register_layer
+    from streamring.moe.math import dequantize_weight_fp8_block
+
+    shape, fw, buf = setup
+    I = shape.intermediate
+    w1, w3 = fw.w1[:, :I], fw.w1[:, I:]
+    s1, s3 = fw.w1_sf[:, : I // 128], fw.w1_sf[:, I // 128:]
+    mw = MoEWeights(router_weight=fw.router.float(), correction_bias=fw.bias, w1=w1.contiguous(),
+                    w3=w3.contiguous(), w2=fw.w2, w1_scale=s1.contiguous(), w3_scale=s3.contiguous(),
+                    w2_scale=fw.w2_sf)
+    assert torch.equal(dequantize_weight_fp8_block(mw.w1, mw.w1_scale), dequantize_weight_fp8_block(w1, s1))
+    x = tokens(19, 9)
+    want = single_batch(shape, fw, x)
+    with register_layer(buf, mw) as layer:
+        assert torch.equal(bits(layer(x)), bits(want))
+        assert torch.equal(bits(layer(x, streaming=True, num_tokens=torch.tensor(7))[:7]),
+                           bits(single_batch(shape, fw, x[:7])))
+
+        def model(t):
+            return torch.relu(layer(t * 1.0)) + 1.0
+
+        ex = torch._dynamo.explain(model)(x)
+        assert ex.graph_break_count == 0, ex.break_reasons
+        ops = [str(op) for g in ex.ops_per_graph for op in g]
+        assert sum("streamring.moe_forward" in o for o in ops) == 1, ops
+
+
+def test_persistent_consumer_keeps_the_output():
+    """consumer='persistent' (one launch of the persistent expert kernel per forward, fed by the ready
+    queue) gives the per-chunk consumer's output, bitwise; the pull counters say what the dispatch read from
+    peers' slots (none here: one PE reads only its own)."""
+    shape = shape_()
+    fw = B.FastWeights.random(shape, 3, "cpu")
+    x = tokens(29, 12)
+    want = single_batch(shape, fw, x)
+    buf = EPBuffer(EmulatedHeap(), shape, max_tokens_per_rank=32, num_slots=2, tokens_per_slot=16,
+                   gemm="triton", tuning=EPTuning(policy="serialized", consumer="persistent"))
+    try:
+        w = buf.prepare_weights(fw)
+        for streaming in (False, True):
+            assert torch.equal(bits(buf.forward(x, w, streaming=streaming)), bits(want)), streaming
+        st = buf.status()
+        assert not (st["violations"] or st["timeouts"] or st["bad_routes"]), st
+        assert buf.pull_bytes.tolist() == [0, 0]
+    finally:
+        buf.close()
+    with pytest.raises(ValueError, match="consumer 'persistent' runs the Triton GEMMs"):
+        EPBuffer(EmulatedHeap(), shape, max_tokens_per_rank=8, gemm="cutlass",
+                 tuning=EPTuning(policy="serialized", consumer="persistent"))

@@ -1,0 +1,74 @@
+"""The package stays readable: no module over 800 lines, no function over 100, in every sub-package and at
+the top level (counted with ast; Python only, the CUDA sources are exempt).
+
+    python tests/unit/test_module_sizes.py    # the sizes, largest first
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+
+PKG = Path(__file__).resolve().parents[2] / "streamring"
+VERIFY = PKG / "verify"
+CHECKED = (".", "verify", "ring", "gemm", "moe", "device", "host")  # every folder of the package
+MAX_MODULE_LINES = 800
+MAX_FUNCTION_LINES = 100
+
+
+def module_sizes(root: Path = VERIFY) -> dict[str, int]:
+    return {p.name: len(p.read_text().splitlines()) for p in sorted(root.glob("*.py"))}
+
+
+def function_sizes(root: Path = VERIFY) -> dict[str, int]:
+    """``module:qualified.name`` -> lines (``end_lineno - lineno + 1``) of every function and method."""
+    out = {}
+    for path in sorted(root.glob("*.py")):
+        def walk(node, prefix):
+            for child in ast.iter_child_nodes(node):
+                if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    out[f"{path.name}:{prefix}{child.name}"] = child.end_lineno - child.lineno + 1
+                    walk(child, f"{prefix}{child.name}.")
+                elif isinstance(child, ast.ClassDef):
+                    walk(child, f"{prefix}{child.name}.")
+
+        walk(ast.parse(path.read_text()), "")
+    return out
+
+
+@pytest.mark.parametrize("package", CHECKED)
+def test_no_module_over_the_limit(package):
+    big = {m: n for m, n in module_sizes(PKG / package).items() if n > MAX_MODULE_LINES}
+    assert not big, f"modules of {package}/ over {MAX_MODULE_LINES} lines: {big}"
+
+
+@pytest.mark.parametrize("package", CHECKED)
+def test_no_function_over_the_limit(package):
+    big = {f: n for f, n in function_sizes(PKG / package).items() if n > MAX_FUNCTION_LINES}
+    assert not big, f"functions of {package}/ over {MAX_FUNCTION_LINES} lines: {big}"
+
+
+def test_the_counts_see_a_long_function(tmp_path):
+    """Negative control: a module with a 101-line function and 801 lines is reported."""
+    body = "\n".join(f"    x{i} = {i}" for i in range(100))
+    (tmp_path / "long.py").write_text(f"def f():\n{body}\n" + "\n" * 700)
+    assert function_sizes(tmp_path) == {"long.py:f": 101}
+    assert module_sizes(tmp_path)["long.py"] > MAX_MODULE_LINES
+
+
+if __name__ == "__main__":
+    ok = True
+    for package in CHECKED:
+        mods, funcs = module_sizes(PKG / package), function_sizes(PKG / package)
+        print(f"{package}/")
+        for name, n in sorted(mods.items(), key=lambda x: -x[1]):
+            print(f"{n:5d}  {name}")
+        print()
+        for name, n in sorted(funcs.items(), key=lambda x: -x[1])[:15]:
+            print(f"{n:5d}  {name}")
+        print()
+        ok &= max(mods.values()) <= MAX_MODULE_LINES and max(funcs.values()) <= MAX_FUNCTION_LINES
+    sys.exit(0 if ok else 1)
