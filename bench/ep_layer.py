@@ -301,7 +301,7 @@ def skew_delays_ms(skew_ms: float, replay: int, ranks: int, seed: int) -> list[f
 
 
 def delay_setter(heap, buf, case, seed):
-    """``(before, fixed)``: a per-replay hook setting this PE's producer delay for ``case``."""
+    """A per-replay hook (``timed``'s ``before``) setting this PE's producer delay for ``case``."""
     ms, rank, skew = case
     if skew:
         return lambda i: buf.set_straggler(int(skew_delays_ms(skew, i, heap.num_ranks, seed)[heap.rank] * 1e6))

@@ -41,8 +41,8 @@ class AdaptiveChoice:
     note: str = ""
     chunks: int = 1
     source_order: str = "rank"
-    #: what decided: ``measured`` (a row of the tuned table) or ``model`` (:mod:`streamring.moe.cost_model`,
-    #: where the table has no row for the setting)
+    #: what decided: ``measured`` (a row of the tuned table), ``none`` (the table has no row for the setting:
+    #: the batch path) or ``model`` (:mod:`streamring.moe.cost_model`)
     source: str = "measured"
 
 
@@ -130,7 +130,7 @@ def choose(tokens: int, table: dict | None = None, *, gemm: str | None = None, r
             and (ranks is None or r.get("ranks", ranks) == ranks)
             and (experts_per_pe is None or r.get("experts_per_pe", 256 // r.get("ranks", 1)) == experts_per_pe)]
     if not rows:
-        return AdaptiveChoice(tokens, "batch", 0, tokens,
+        return AdaptiveChoice(tokens, "batch", 0, tokens, source="none",
                               note=f"no measured row for gemm={gemm!r} on {ranks} ranks with {experts_per_pe} experts "
                                    f"per PE: the batch path")
     rows = sorted(rows, key=lambda r: r["tokens"])

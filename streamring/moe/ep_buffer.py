@@ -318,7 +318,7 @@ class EPBuffer(EPPipeline):
         st = self.paths["stream"]
         choice = adaptive.choose(int(tokens), gemm=self.gemm, ranks=self.R, experts_per_pe=self.E_loc,
                                  min_chunk_tokens=1)
-        if choice.note.startswith("no measured row"):
+        if choice.source == "none":
             choice = adaptive.choose_by_model(
                 int(tokens), ranks=self.R, experts_per_pe=self.E_loc, gemm=self.gemm, block_m=self.block_m,
                 chunks=st.num_chunks, source_order=st.source_order,

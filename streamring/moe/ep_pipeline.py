@@ -455,13 +455,10 @@ class EPPipeline:
         C, persistent = path.num_chunks, self.queue is not None
         produced = 0
         for c, j in path.order:
-            while produced <= c:
-                self._produce(path, layer, x, produced, routing)
-                produced += 1
-            if path.source_order == "arrival":
-                while produced < C:
-                    self._produce(path, layer, x, produced, routing)
-                    produced += 1
+            upto = C if path.source_order == "arrival" else c + 1  # the chunks this step needs published
+            for k in range(produced, upto):
+                self._produce(path, layer, x, k, routing)
+            produced = max(produced, upto)
             self._dispatch(path, c, j)
             if not persistent:
                 self._chunk_gemms(path, layer, c, j)

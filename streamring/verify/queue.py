@@ -50,17 +50,15 @@ counter-examples are shortest paths (BFS): 3 steps (claim-before-ready), 36 (l2-
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from array import array
 from collections import deque
 from dataclasses import dataclass
-from pathlib import Path
 
 from ..device.queue_order import L1, item_of, total_items
 from .names import QUEUE_INJECT_MODES
-from .report import NOT_CHECKED, CheckResult, print_counterexample, print_properties, print_verdict
+from .report import NOT_CHECKED, CheckResult, finish, print_counterexample, print_properties, print_verdict
 from .search import cannot_reach_final
 from .state import PROP_DEADLOCK, Violation
 
@@ -432,8 +430,4 @@ def queue_check_main(args, report) -> int:
     except ValueError as exc:
         print(f"streamring model-check: {exc}", file=sys.stderr)
         return 2
-    res = check_queue(cfg)
-    print_queue_result(res, report)
-    if getattr(args, "json", None):
-        Path(args.json).write_text(json.dumps(res.to_dict(), indent=2))
-    return 0 if res.ok else 1
+    return finish(check_queue(cfg), print_queue_result, report, getattr(args, "json", None))

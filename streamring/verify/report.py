@@ -7,7 +7,9 @@ package sits below host in the layering (``tests/unit/test_layering.py``).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from .state import PROPERTY_TEXT
 
@@ -116,3 +118,13 @@ def print_result(res: CheckResult, report) -> None:
         for line in ser["trace_tail"]:
             out.line(f"    {line}")
     print_verdict(out, res)
+
+
+def finish(res: CheckResult, print_fn, report, json_path) -> int:
+    """The end of a ``streamring model-check`` run: ``print_fn(res, report)`` prints the tables, ``res`` goes
+    to ``json_path`` as JSON when given; returns the exit code (0 iff every property holds, 1 on a
+    counter-example)."""
+    print_fn(res, report)
+    if json_path:
+        Path(json_path).write_text(json.dumps(res.to_dict(), indent=2))
+    return 0 if res.ok else 1

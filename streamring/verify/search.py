@@ -49,17 +49,15 @@ be dropped.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
 from array import array
 from collections import deque
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from .ep import EPModel
-from .report import NOT_CHECKED, CheckResult, print_result
+from .report import NOT_CHECKED, CheckResult, finish, print_result
 from .state import PROP_DEADLOCK, PROP_SERIAL, ModelConfig, Trans, parse_inject
 from .steps import RingModel
 
@@ -464,8 +462,4 @@ def model_check_main(args, report) -> int:
     except ValueError as exc:
         print(f"streamring model-check: {exc}", file=sys.stderr)
         return 2
-    res = check(cfg)
-    print_result(res, report)
-    if getattr(args, "json", None):
-        Path(args.json).write_text(json.dumps(res.to_dict(), indent=2))
-    return 0 if res.ok else 1
+    return finish(check(cfg), print_result, report, getattr(args, "json", None))
