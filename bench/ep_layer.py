@@ -316,6 +316,8 @@ def measure(heap, buf, layer, x, routing, streaming, args, seed):
     buf.forward(x, layer, streaming=streaming, out=y, routing=routing)
     heap.barrier()
     g = buf.capture(x, layer, y, streaming=streaming, routing=routing, stamps=False)
+    if streaming:
+        log(f"PE {heap.rank}: graph node priorities: {buf.node_priority_report}")
     heap.barrier()
     st = stats(timed(heap, g.replay, args.replays))
     out = y.clone()

@@ -13,18 +13,42 @@
 #    ready and arrival orders, stragglers of 1 and 3 ms on either PE and a 0..2 ms random skew; no torch +
 #    NCCL baseline (NCCL refuses two ranks on one GPU) -> $OUT/ep-layer-mps.json, $OUT/ep-timelines-mps.json
 #    and their drawing $OUT/ep-timeline-mps.png;
+# 0. with EPM_SHARING=1, first: bench.sm_sharing (does a producer-sized chain of kernels get SMs while the
+#    expert GEMM grid runs: eager and graph, stream and node priorities, a CTA per tile or one per SM), once
+#    without MPS, once as an MPS client at 50 % (-> $OUT/sm_sharing.log, $OUT/sm-sharing.json), then as two
+#    MPS clients at once (-> $OUT/sm_sharing_pair{0,1}.log); EPM_BENCH=0 skips step 2;
 # What two PEs on one GPU cannot show: NVLink transfers (every pull is GPU-local), and each PE's GEMMs run
 # on half the SMs; what it shows is the schedule: whether a late source delays only its own rows.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 . launch/device_env.sh epm.log "${EPM_BUDGET_S:-540}"
 export STREAMRING_CACHE="${STREAMRING_CACHE:-$PWD/.cache/streamring}"
+rm -f "$OUT/sm-sharing.json"
+SHARING=(python3 -m bench.sm_sharing --json "$OUT/sm-sharing.json")
+if [ "${EPM_SHARING:-0}" = 1 ]; then
+  say "=== 0a. SM sharing probe, 1 process, no MPS ($(( $(date +%s) - T0 )) s)"
+  timeout "$(limit 120 400)" "${SHARING[@]}" --label "no MPS" > "$OUT/sm_sharing.log" 2>&1
+  say "sm_sharing rc=$?"
+fi
 export CUDA_MPS_PIPE_DIRECTORY="$(mktemp -d)" CUDA_MPS_LOG_DIRECTORY="$(mktemp -d)"
 if ! nvidia-cuda-mps-control -d >>"$LOG" 2>&1; then
   say "could not start the MPS daemon"
   exit 3
 fi
 sleep 1
+if [ "${EPM_SHARING:-0}" = 1 ]; then
+  say "=== 0b. SM sharing probe, 1 process as an MPS client at 50 % ($(( $(date +%s) - T0 )) s)"
+  CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50 timeout "$(limit 120 300)" "${SHARING[@]}" --label "MPS 50%" \
+    >> "$OUT/sm_sharing.log" 2>&1
+  say "sm_sharing (MPS) rc=$?"
+  say "=== 0c. SM sharing probe, 2 processes at once, each an MPS client at 50 % ($(( $(date +%s) - T0 )) s)"
+  for i in 0 1; do
+    CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50 timeout "$(limit 150 300)" python3 -m bench.sm_sharing \
+      --label "MPS 50%, 2 clients at once, client $i" > "$OUT/sm_sharing_pair$i.log" 2>&1 &
+  done
+  wait
+  grep -h -A40 "^variant" "$OUT"/sm_sharing*.log | tee -a "$LOG"
+fi
 # two PEs, half the SMs each (an array, not a function: `timeout` runs programs)
 MPI2=(env CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50 mpiexec --allow-run-as-root --bind-to none -n 2
       -x CUDA_MPS_ACTIVE_THREAD_PERCENTAGE -x CUDA_MPS_PIPE_DIRECTORY -x CUDA_MPS_LOG_DIRECTORY -x PYTHONPATH
@@ -48,6 +72,7 @@ if [ "${EPM_RUN:-1}" = 1 ]; then
   rc=$?; [ $rc = 0 ] || RC=$rc; say "run arrival rc=$rc"
   tail -6 "$OUT/run_arrival.log" | tee -a "$LOG"
 fi
+if [ "${EPM_BENCH:-1}" = 1 ]; then
 say "=== 2. EP layer, 2 PEs under MPS ($(( $(date +%s) - T0 )) s)"
 BUDGET=$(( $(left) - 30 ))
 timeout "$BUDGET" "${MPI2[@]}" python3 -m bench.ep_layer --tokens "${EPM_TOKENS:-1024,4096,8192}" --routings uniform \
@@ -56,6 +81,7 @@ timeout "$BUDGET" "${MPI2[@]}" python3 -m bench.ep_layer --tokens "${EPM_TOKENS:
   --json "$OUT/ep-layer-mps.json" --timeline-json "$OUT/ep-timelines-mps.json" ${EPM_ARGS:-} > "$OUT/ep_mps.log" 2>&1
 rc=$?; [ $rc = 0 ] || RC=$rc; say "ep_layer rc=$rc"
 grep -A200 "^pub->acq across PEs: p50" "$OUT/ep_mps.log" | tee -a "$LOG" | tail -60
+fi
 echo quit | nvidia-cuda-mps-control >/dev/null 2>&1
 if [ -s "$OUT/ep-timelines-mps.json" ]; then
   python3 -m streamring timeline "$OUT/ep-timelines-mps.json" --out "$OUT/ep-timeline-mps.png" 2>&1 | tail -4 | tee -a "$LOG"

@@ -372,9 +372,9 @@ class EPPipeline:
             # and one L2 pass fewer over the weights of the experts both touch (its time is stamped there)
             return
         with nvtx_range(f"streamring block GEMMs chunk {c} step {j}", color="green"):
-            # the persistent (SM-sparing) grid only while later steps' sources are still being produced;
-            # the last ones' blocks, like the sealed ones, take the whole GPU
-            ctas = self.chunk_gemm_ctas if (path.name == "stream" and i < len(path.order) - path.steps) else None
+            # the persistent (SM-sparing) grid only while a later step's source may still be being produced
+            # (every step but the last, which joins the seal's call); the sealed blocks take the whole GPU
+            ctas = self.chunk_gemm_ctas if path.name == "stream" else None
             self._gemms(path, layer, i, i + 1, self._max_ready_per_step(path), ctas, side_puts)
             if j == path.steps - 1:
                 self._stamp(c, 4)

@@ -45,8 +45,9 @@ class EPTuning(BaseModel):
         reserved_sms: the persistent consumer's SMs left to the producer and the dispatch (at least 1: with none
             they starve and the queue's deadline ends the forward with an error).
         producer_sms: ``green_ctx``: SMs of the producer partition (a multiple of 8).
-        chunk_gemm_ctas: the per-chunk GEMMs' persistent grid size while later chunks are still produced
-            (``None``: one CTA per tile); fewer CTAs than the GPU holds leave room for the producer.
+        chunk_gemm_ctas: the persistent grid size of the streamed GEMM calls before the seal's (while a later
+            source or chunk may still be being produced; ``None``: one CTA per tile); fewer CTAs than the GPU
+            holds leave room for the producer and the dispatch.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
