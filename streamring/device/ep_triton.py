@@ -121,6 +121,44 @@ def ep_stage_rows(flat_e, src_list, ring_u8, ring_f32, delta_u8, delta_f32, off_
                                 BH=1024 if hidden % 1024 == 0 else 128, num_warps=4)
 
 
+@triton.jit
+def _bucket_sort_kernel(keys_ptr, n, sorted_ptr, order_ptr, counts_ptr, cstart_ptr, BLOCK: tl.constexpr):
+    # one program per bucket b: its start is the number of keys below b, and its entries follow in index
+    # order (a stable counting sort: the order a stable sort of the keys gives)
+    b = tl.program_id(0)
+    below = tl.sum(tl.zeros([BLOCK], dtype=tl.int32), axis=0)
+    mine = below
+    for s in range(0, n, BLOCK):
+        offs = s + tl.arange(0, BLOCK)
+        k = tl.load(keys_ptr + offs, mask=offs < n, other=2147483647)
+        below += tl.sum((k < b).to(tl.int32), axis=0)
+        mine += tl.sum((k == b).to(tl.int32), axis=0)
+    tl.store(counts_ptr + b, mine)
+    tl.store(cstart_ptr + b, below)
+    pos = below
+    for s in range(0, n, BLOCK):
+        offs = s + tl.arange(0, BLOCK)
+        k = tl.load(keys_ptr + offs, mask=offs < n, other=2147483647)
+        m = (k == b) & (offs < n)
+        dst = pos + tl.cumsum(m.to(tl.int32), axis=0) - 1
+        tl.store(order_ptr + dst, offs.to(tl.int64), mask=m)
+        tl.store(sorted_ptr + dst, tl.zeros([BLOCK], dtype=tl.int32) + b, mask=m)
+        pos += tl.sum(m.to(tl.int32), axis=0)
+
+
+def bucket_sort(keys, num_buckets: int, sorted_out, order_out, counts_out, cstart_out, *, block: int = 4096) -> None:
+    """A stable sort of int32 ``keys`` (each in ``[0, num_buckets)``) by counting, in one kernel:
+    ``sorted_out`` (int32) and ``order_out`` (int64) are what ``torch.sort(keys, stable=True)`` returns,
+    ``counts_out[b]`` / ``cstart_out[b]`` (int32, ``num_buckets``) the keys equal to / below ``b``.
+
+    It replaces the radix sort, histogram and scan of a dispatch: one small-footprint program per bucket,
+    where the radix sort's kernels need more shared memory than an SM running an expert GEMM tile has
+    left, so they wait in a captured graph for the GEMM grid to drain (``bench.sm_sharing``)."""
+    n = keys.numel()
+    _bucket_sort_kernel[(num_buckets,)](keys, n, sorted_out, order_out, counts_out, cstart_out, BLOCK=block,
+                                        num_warps=8)
+
+
 @triton.jit(do_not_specialize=["chunk", "off_x", "off_sf"])
 def _ep_place_rows_kernel(sorted_e_ptr, order_ptr, counts_ptr, cstart_ptr, state_ptr, expert_blocks_ptr, src_list_ptr,
                           ring_u8_ptr, ring_f32_ptr, delta_u8_ptr, delta_f32_ptr, off_x, off_sf, flat_w_ptr, a_ptr,

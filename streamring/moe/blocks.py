@@ -183,7 +183,12 @@ class BlockConsumer:
             self.row_src = torch.full((rows,), -1, **i32)  # -1: no result row (padding)
             self.row_tok = torch.zeros(rows, dtype=torch.int64, device=device)
             self.row_chunk = torch.zeros(rows, **i32)
+            # a dispatch's routes sorted by local expert (a stable counting sort, ``ep_triton.bucket_sort``):
+            # reused by every dispatch, which all run on one stream in order
             self.sorted_e = torch.zeros(ep_entries, **i32)
+            self.order = torch.zeros(ep_entries, dtype=torch.int64, device=device)
+            self.counts = torch.zeros(E + 1, **i32)
+            self.cstart = torch.zeros(E + 1, **i32)
             # bytes the dispatch pulls from peers' slots this forward, counted by ep_gather (pull_bytes=):
             # [0] one row per route (pull="route"), [1] one row per needed token (pull="token")
             self.pull_bytes = torch.zeros(2, dtype=torch.int64, device=device)
@@ -260,10 +265,10 @@ class BlockConsumer:
                             staged[1], tokens_per_slot=C, topk=Kk, hidden=self.shape.hidden, local_experts=E)
             if on_slot_released is not None:
                 on_slot_released()
-        sorted_e, order = torch.sort(flat_e, stable=True)
-        counts = torch.zeros(E + 1, dtype=torch.int32, device=self.device).scatter_add_(0, flat_e.long(),
-                                                                                         self.ones[:n])
-        cstart = torch.cumsum(counts, 0, dtype=torch.int32) - counts
+        # the routes in expert order: one small kernel (a radix sort's kernels would wait, in a captured graph,
+        # for an expert GEMM grid on another stream to drain; see ``ep_triton.bucket_sort``)
+        sorted_e, order, counts, cstart = self.sorted_e[:n], self.order[:n], self.counts, self.cstart
+        EK.bucket_sort(flat_e, E + 1, sorted_e, order, counts, cstart)
         self._alloc_blocks(counts, (c if step is None else step) + 1, seal=False)
         EK.ep_place_rows(sorted_e, order, counts, cstart, self.state, self.expert_blocks, src_list, ring[0], ring[1],
                         deltas[0], deltas[1], offs[0], offs[1], flat_w, self.a, self.a_sf, self.row_weight,

@@ -344,3 +344,20 @@ def test_routing_kernel_gives_valid_experts_for_nan_rows(case):
     assert all(len(set(r.tolist())) == shape.topk for r in idx)
     finite = [r for r in range(20) if r not in (3, 7)]
     assert torch.equal(idx[finite], select_experts(logits.cpu()[finite], None, shape)[0])
+
+
+@pytest.mark.parametrize("n,buckets", [(0, 5), (1, 3), (7, 33), (1000, 9), (5000, 33), (9000, 129)])
+def test_bucket_sort_is_a_stable_sort_with_its_histogram(n, buckets):
+    """ep_triton.bucket_sort (the EP dispatch's sort) returns exactly torch.sort(stable=True), and the counts
+    and starts of each bucket: the dispatch's row order, and so the bitwise streamed == batch, rest on it."""
+    from streamring.device import ep_triton as EK
+
+    g = torch.Generator().manual_seed(n)
+    keys = torch.randint(0, buckets, (n,), generator=g, dtype=torch.int32)
+    out_s, out_o = torch.empty(n, dtype=torch.int32), torch.empty(n, dtype=torch.int64)
+    counts, starts = torch.empty(buckets, dtype=torch.int32), torch.empty(buckets, dtype=torch.int32)
+    EK.bucket_sort(keys, buckets, out_s, out_o, counts, starts, block=1024)
+    ref_s, ref_o = torch.sort(keys, stable=True)
+    ref_c = torch.bincount(keys.long(), minlength=buckets).int()
+    assert torch.equal(out_s, ref_s) and torch.equal(out_o, ref_o)
+    assert torch.equal(counts, ref_c) and torch.equal(starts, (torch.cumsum(ref_c, 0) - ref_c).int())
