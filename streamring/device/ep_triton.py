@@ -124,16 +124,13 @@ def ep_stage_rows(flat_e, src_list, ring_u8, ring_f32, delta_u8, delta_f32, off_
 @triton.jit
 def _bucket_sort_kernel(keys_ptr, n, sorted_ptr, order_ptr, counts_ptr, cstart_ptr, BLOCK: tl.constexpr):
     # one program per bucket b: its start is the number of keys below b, and its entries follow in index
-    # order (a stable counting sort: the order a stable sort of the keys gives)
+    # order (a stable counting sort: the order a stable sort of the keys gives); its count is where they end
     b = tl.program_id(0)
     below = tl.sum(tl.zeros([BLOCK], dtype=tl.int32), axis=0)
-    mine = below
     for s in range(0, n, BLOCK):
         offs = s + tl.arange(0, BLOCK)
         k = tl.load(keys_ptr + offs, mask=offs < n, other=2147483647)
         below += tl.sum((k < b).to(tl.int32), axis=0)
-        mine += tl.sum((k == b).to(tl.int32), axis=0)
-    tl.store(counts_ptr + b, mine)
     tl.store(cstart_ptr + b, below)
     pos = below
     for s in range(0, n, BLOCK):
@@ -144,6 +141,7 @@ def _bucket_sort_kernel(keys_ptr, n, sorted_ptr, order_ptr, counts_ptr, cstart_p
         tl.store(order_ptr + dst, offs.to(tl.int64), mask=m)
         tl.store(sorted_ptr + dst, tl.zeros([BLOCK], dtype=tl.int32) + b, mask=m)
         pos += tl.sum(m.to(tl.int32), axis=0)
+    tl.store(counts_ptr + b, pos - below)
 
 
 def bucket_sort(keys, num_buckets: int, sorted_out, order_out, counts_out, cstart_out, *, block: int = 4096) -> None:

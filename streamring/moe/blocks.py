@@ -169,7 +169,7 @@ class BlockConsumer:
         self.ready_list = torch.zeros(self.max_blocks, **i32)
         self.block_rows = torch.zeros(self.max_blocks, **i32)  # routed rows per ready block (alloc_blocks)
         self.ready_hi = torch.zeros(max_chunks + 2, **i32)
-        self.ones = torch.ones(max(max_tokens * Kk, ep_entries), **i32)
+        self.ones = torch.ones(max_tokens * Kk, **i32)  # dispatch's histogram (scatter_add of ones)
         # zero-filled once: rows of a partial block past its fill are computed but never read
         self.a = torch.zeros(rows, H, dtype=torch.uint8, device=device)
         self.a_sf = torch.zeros(rows, H // 128, dtype=torch.float32, device=device)
