@@ -21,6 +21,16 @@ __all__ = ["batch_forward_single", "reference_forward_f64", "reference_tolerance
 # --------------------------------------------------------------------------- #
 # whole-layer paths
 # --------------------------------------------------------------------------- #
+def _check_layer_inputs(x: torch.Tensor, weights: MoEWeights, shape: MoEShape) -> None:
+    """The whole-layer paths' argument checks (ValueError naming the argument)."""
+    if not isinstance(shape, MoEShape):
+        raise ValueError(f"shape must be a MoEShape, got {type(shape).__name__}")
+    if not isinstance(weights, MoEWeights):
+        raise ValueError(f"weights must be a MoEWeights, got {type(weights).__name__}")
+    weights.validate(shape)
+    _check_x(x, shape)
+
+
 def batch_forward_single(x: torch.Tensor, weights: MoEWeights, shape: MoEShape,
                          return_routing: bool = False):
     """Single-process whole-batch forward of the quantized pipeline (reference
@@ -38,12 +48,7 @@ def batch_forward_single(x: torch.Tensor, weights: MoEWeights, shape: MoEShape,
     Returns:
         ``y`` float32 ``[T, H]``, or ``(y, topk_idx, topk_weights)``.
     """
-    if not isinstance(shape, MoEShape):
-        raise ValueError(f"shape must be a MoEShape, got {type(shape).__name__}")
-    if not isinstance(weights, MoEWeights):
-        raise ValueError(f"weights must be a MoEWeights, got {type(weights).__name__}")
-    weights.validate(shape)
-    _check_x(x, shape)
+    _check_layer_inputs(x, weights, shape)
     topk_idx, topk_w = route(x, weights, shape)
     x_fp8, x_sf = quantize_act_fp8(x)
     t, k, h = x.shape[0], shape.topk, shape.hidden
@@ -93,12 +98,7 @@ def reference_forward_f64(x: torch.Tensor, weights: MoEWeights, shape: MoEShape,
     Returns:
         ``y`` float64 ``[T, H]``, or ``(y, topk_idx_f64, topk_weights_f64)``.
     """
-    if not isinstance(shape, MoEShape):
-        raise ValueError(f"shape must be a MoEShape, got {type(shape).__name__}")
-    if not isinstance(weights, MoEWeights):
-        raise ValueError(f"weights must be a MoEWeights, got {type(weights).__name__}")
-    weights.validate(shape)
-    _check_x(x, shape)
+    _check_layer_inputs(x, weights, shape)
     if routing is None:
         idx, w = route(x, weights, shape, dtype=torch.float64)
     else:
