@@ -127,6 +127,23 @@ def capture(fn, eager: bool = False):
         return fn, "eager"
 
 
+def event_times(calls, *, sync_each: bool = False) -> list:
+    """``[(key, ms)]``: each ``(key, fn)`` of ``calls`` called in order between two CUDA events on the current
+    stream; one synchronisation after the last (back to back), or after every call with ``sync_each`` (each
+    call timed alone)."""
+    ev = []
+    for k, fn in calls:
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        if sync_each:
+            torch.cuda.synchronize()
+        ev.append((k, a, b))
+    torch.cuda.synchronize()
+    return [(k, a.elapsed_time(b)) for k, a, b in ev]
+
+
 def time_interleaved(fns: dict, sets: int, load, replays: int) -> dict:
     """``{name: {median_ms, min_ms, max_ms, n}}``: for each of ``sets`` input sets (``load(s)`` fills
     them), every callable once, synchronised (a failing kernel is named before the timing), then
@@ -140,17 +157,8 @@ def time_interleaved(fns: dict, sets: int, load, replays: int) -> dict:
                 torch.cuda.synchronize()
             except Exception as exc:
                 raise RuntimeError(f"{k}: its first timed call failed: {type(exc).__name__}: {exc}") from exc
-        ev = []
-        for _ in range(replays):
-            for k, fn in fns.items():
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                fn()
-                b.record()
-                ev.append((k, a, b))
-        torch.cuda.synchronize()
-        for k, a, b in ev:
-            times[k].append(a.elapsed_time(b))
+        for k, ms in event_times([(k, fn) for _ in range(replays) for k, fn in fns.items()]):
+            times[k].append(ms)
     return {k: {"median_ms": statistics.median(v), "min_ms": min(v), "max_ms": max(v), "n": len(v)}
             for k, v in times.items()}
 

@@ -21,7 +21,7 @@ from types import SimpleNamespace
 
 import torch
 
-from bench.common import dsv3_shape
+from bench.common import dsv3_shape, event_times
 from bench.gemm_lib import Case, parse_variants
 from streamring.gemm import cutlass as CG
 from streamring.gemm import deep_gemm as DG
@@ -51,11 +51,6 @@ for fn in calls.values():  # warm-up (JIT compiles, plans): the first launches o
     fn()
 torch.cuda.synchronize()
 torch.cuda.profiler.start()
-for name, fn in calls.items():
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    fn()
-    b.record()
-    torch.cuda.synchronize()
-    print(f"gemm_profile: T={T} {name}: {a.elapsed_time(b):.3f} ms (one call)", flush=True)
+for name, ms in event_times(calls.items(), sync_each=True):
+    print(f"gemm_profile: T={T} {name}: {ms:.3f} ms (one call)", flush=True)
 torch.cuda.profiler.stop()

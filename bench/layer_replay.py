@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from bench.common import dsv3_shape
+from bench.common import dsv3_shape, event_times
 from bench.gemm_lib import layer_forward
 from streamring.gemm import deep_gemm as DG
 from streamring.moe import blocks as B
@@ -94,13 +94,8 @@ if ok:
     # replays interleaved (A B A B ...), each timed alone, so that clock drift reaches every graph alike
     ms = {impl: [] for impl in graphs}
     for _ in range(REPLAYS):
-        for impl, g in graphs.items():
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            g.replay()
-            b.record()
-            torch.cuda.synchronize()
-            ms[impl].append(a.elapsed_time(b))
+        for impl, t in event_times([(impl, g.replay) for impl, g in graphs.items()], sync_each=True):
+            ms[impl].append(t)
     for impl, v in ms.items():
         print(f"layer_replay: {impl} T={T} graph replay median {statistics.median(v):.3f} ms (min {min(v):.3f}, "
               f"max {max(v):.3f}, n {len(v)})", flush=True)

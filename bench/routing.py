@@ -28,7 +28,7 @@ from streamring.device import moe_triton as K
 from streamring.moe.blocks import select_experts_into
 from streamring.moe.math import select_experts
 
-from .common import dsv3_shape
+from .common import dsv3_shape, event_times
 
 VARIANTS = [{"rows": r, "num_warps": w} for r, w in ((16, 4), (8, 8), (4, 4), (8, 4), (32, 8), (2, 2))]
 #: router GEMM tiles (bm, bn, bk, warps, stages); the first is the one in use until measured otherwise
@@ -97,13 +97,8 @@ def main(argv=None) -> int:
         graphs = {k: graph_of(f, args.graph_calls) for k, f in fns.items()}
         times = {k: [] for k in graphs}
         for _ in range(args.replays):
-            for k, g in graphs.items():
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                g.replay()
-                b.record()
-                b.synchronize()
-                times[k].append(a.elapsed_time(b) / args.graph_calls)
+            for k, ms in event_times([(k, g.replay) for k, g in graphs.items()], sync_each=True):
+                times[k].append(ms / args.graph_calls)
         base = statistics.median(times["torch_rule"])
         print(f"bench.routing: T={T}: median ms per call (torch rule / this: > 1 = faster than the torch rule)")
         for k, ts in times.items():

@@ -22,7 +22,7 @@ import sys
 
 import torch
 
-from bench.common import FP8, HBM_GBS, dsv3_shape, log, poison, uniform_inputs
+from bench.common import FP8, HBM_GBS, dsv3_shape, event_times, log, poison, uniform_inputs
 from streamring.device import moe_triton as K
 from streamring.moe import blocks as B
 from streamring.moe.bitwise import same_bits
@@ -58,17 +58,8 @@ def time_back_to_back(fns: dict, rounds: int, replays: int) -> dict:
     launches, CUDA events around each), all of them in turn, ``rounds`` times."""
     times = {k: [] for k in fns}
     for _ in range(rounds):
-        ev = []
-        for k, fn in fns.items():
-            for _ in range(replays):
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                fn()
-                b.record()
-                ev.append((k, a, b))
-        torch.cuda.synchronize()
-        for k, a, b in ev:
-            times[k].append(a.elapsed_time(b))
+        for k, ms in event_times([(k, fn) for k, fn in fns.items() for _ in range(replays)]):
+            times[k].append(ms)
     return times
 
 
