@@ -11,44 +11,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from ep_case import ep_env  # noqa: F401 - the module-scoped fixture `env`
+from ep_case import bits, random_x, single_batch
 from gpu_skip import needs_gpu
 
 
 pytestmark = [pytest.mark.gpu, needs_gpu("nvshmem.core", "cuda.core", "triton")]
-
-
-@pytest.fixture(scope="module")
-def env():
-    from streamring.device.nvshmem import NvshmemHeap
-    from streamring.moe import blocks as B
-    from streamring.moe.math import MoEShape
-
-    heap = NvshmemHeap.bootstrap(launcher="local")
-    shape = MoEShape(hidden=512, intermediate=256, num_experts=16, topk=4, router="deepseek_v3", n_group=4,
-                     topk_group=2, routed_scaling_factor=2.5, weight_dtype="fp8", block_m=16)
-    fw = B.FastWeights.random(shape, 7, heap.device)
-    yield heap, shape, fw
-    heap.close()
-
-
-def _x(shape, T, seed, dev):
-    g = torch.Generator(device=dev)
-    g.manual_seed(seed)
-    return torch.randn(T, shape.hidden, generator=g, device=dev).to(torch.bfloat16)
-
-
-def _single_batch(shape, fw, x):
-    from streamring.moe import blocks as B
-
-    T = x.shape[0]
-    y = torch.zeros_like(x)
-    B.batch_forward(x, fw, shape, B.Producer(shape, fw, T, x.device), B.BlockConsumer(shape, T, 2, 16, x.device),
-                    B.scratch_buffers(shape, T, x.device), y)
-    return y
-
-
-def _bits(t):
-    return t.contiguous().view(torch.int16)
 
 
 def _buffer(heap, shape, *, policy="spin_kernel", transport="p2p", order="rank", gemm="triton", max_tokens=157,
@@ -72,8 +40,8 @@ def _buffer(heap, shape, *, policy="spin_kernel", transport="p2p", order="rank",
 def test_streamed_equals_batch_equals_single_process(env, policy, transport, order):
     heap, shape, fw = env
     T = 157
-    x0 = _x(shape, T, 1, heap.device)
-    ref = _single_batch(shape, fw, x0)
+    x0 = random_x(shape, T, 1, heap.device)
+    ref = single_batch(shape, fw, x0)
     # the Triton GEMMs: the single-process block path runs them too (bitwise comparable)
     buf = _buffer(heap, shape, policy=policy, transport=transport, order=order)
     try:
@@ -82,16 +50,16 @@ def test_streamed_equals_batch_equals_single_process(env, policy, transport, ord
             x = x0.clone()  # the graph's input buffer (its replays below overwrite it)
             y = torch.full_like(x, float("nan"))
             buf.forward(x, w, streaming=streaming, out=y)
-            assert torch.equal(_bits(y), _bits(ref)), \
+            assert torch.equal(bits(y), bits(ref)), \
                 f"streaming={streaming} ({policy}, {transport}, {order}) eager != single-process batch; {buf.status()}"
             g = buf.capture(x, w, y, streaming=streaming)
             for seed in (2, 3):  # new inputs through the same graph: new ring epochs
-                x2 = _x(shape, T, seed, heap.device)
+                x2 = random_x(shape, T, seed, heap.device)
                 x.copy_(x2)
                 y.fill_(float("nan"))
                 g.replay()
                 torch.cuda.synchronize()
-                assert torch.equal(_bits(y), _bits(_single_batch(shape, fw, x2))), \
+                assert torch.equal(bits(y), bits(single_batch(shape, fw, x2))), \
                     f"streaming={streaming} replay, seed {seed}; status {buf.status()}"
         st = buf.status()
         assert not (st["violations"] or st["timeouts"] or st["bad_routes"]), f"{st}"
@@ -108,7 +76,7 @@ def test_one_capture_serves_every_token_count(env):
     buf = _buffer(heap, shape)
     try:
         w = buf.prepare_weights(fw)
-        x = _x(shape, T, 6, heap.device)
+        x = random_x(shape, T, 6, heap.device)
         n_dev = torch.tensor([T], dtype=torch.int64, device=heap.device)
         for streaming in (False, True):
             y = torch.zeros_like(x)
@@ -120,7 +88,7 @@ def test_one_capture_serves_every_token_count(env):
                 g.replay()
                 torch.cuda.synchronize()
                 if n:
-                    assert torch.equal(_bits(y[:n]), _bits(_single_batch(shape, fw, x[:n]))), (streaming, n)
+                    assert torch.equal(bits(y[:n]), bits(single_batch(shape, fw, x[:n]))), (streaming, n)
                 assert not y[n:].any(), (streaming, n)
         st = buf.status()
         assert not (st["violations"] or st["timeouts"] or st["bad_routes"] or st["bad_counts"]), f"{st}"
@@ -134,7 +102,7 @@ def test_a_missing_arrival_is_reported_not_hung(env):
     the buffer then refuses to run until rebuilt."""
     heap, shape, fw = env
     T = 33
-    x = _x(shape, T, 4, heap.device)
+    x = random_x(shape, T, 4, heap.device)
     buf = _buffer(heap, shape, deadline_s=0.5)
     try:
         w = buf.prepare_weights(fw)
@@ -169,8 +137,8 @@ def test_cutlass_gemms_keep_streamed_equal_to_batch(env, policy, order):
         pytest.skip(f"the CUTLASS library is not available here: {why}")
     heap, shape, fw = env
     T = 157
-    x = _x(shape, T, 5, heap.device)
-    ref = _single_batch(shape, fw, x)
+    x = random_x(shape, T, 5, heap.device)
+    ref = single_batch(shape, fw, x)
     outs = {}
     buf = _buffer(heap, shape, policy=policy, order=order, gemm="cutlass")
     try:
@@ -186,7 +154,7 @@ def test_cutlass_gemms_keep_streamed_equal_to_batch(env, policy, order):
             outs[streaming] = y.clone()
         st = buf.status()
         assert not (st["violations"] or st["timeouts"] or st["bad_routes"]), f"{st}"
-        assert torch.equal(_bits(outs[True]), _bits(outs[False])), "CUTLASS streamed != CUTLASS batch"
+        assert torch.equal(bits(outs[True]), bits(outs[False])), "CUTLASS streamed != CUTLASS batch"
         rel = float((outs[False].float() - ref.float()).norm() / ref.float().norm())
         assert rel < 0.02, f"CUTLASS path {rel:.4f} (relative) away from the Triton path"
     finally:
@@ -205,16 +173,16 @@ def test_persistent_consumer_equals_single_process(env, policy, order):
     try:
         w = buf.prepare_weights(fw)
         for streaming in (False, True):
-            x = _x(shape, T, 1, heap.device)
+            x = random_x(shape, T, 1, heap.device)
             y = torch.full_like(x, float("nan"))
             buf.forward(x, w, streaming=streaming, out=y)
-            assert torch.equal(_bits(y), _bits(_single_batch(shape, fw, x))), (streaming, buf.status())
+            assert torch.equal(bits(y), bits(single_batch(shape, fw, x))), (streaming, buf.status())
             g = buf.capture(x, w, y, streaming=streaming)
             for seed in (2, 3):
-                x2 = _x(shape, T, seed, heap.device)
+                x2 = random_x(shape, T, seed, heap.device)
                 x.copy_(x2)
                 y.fill_(float("nan"))
                 buf.replay(g)
-                assert torch.equal(_bits(y), _bits(_single_batch(shape, fw, x2))), (streaming, seed, buf.status())
+                assert torch.equal(bits(y), bits(single_batch(shape, fw, x2))), (streaming, seed, buf.status())
     finally:
         buf.close()

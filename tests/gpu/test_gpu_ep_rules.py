@@ -20,40 +20,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from ep_case import ep_env  # noqa: F401 - the module-scoped fixture `env`
+from ep_case import bits, random_x
 from gpu_skip import needs_gpu
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 pytestmark = [pytest.mark.gpu, needs_gpu("nvshmem.core", "cuda.core", "triton")]
-
-
-@pytest.fixture(scope="module")
-def env():
-    from streamring.device.nvshmem import NvshmemHeap
-    from streamring.moe import blocks as B
-    from streamring.moe.math import MoEShape
-
-    heap = NvshmemHeap.bootstrap(launcher="local")
-    shape = MoEShape(hidden=512, intermediate=256, num_experts=16, topk=4, router="deepseek_v3", n_group=4,
-                     topk_group=2, routed_scaling_factor=2.5, weight_dtype="fp8", block_m=16)
-    fw = B.FastWeights.random(shape, 7, heap.device)
-    yield heap, shape, fw
-    heap.close()
-
-
-def _x(shape, T, seed, dev):
-    import torch
-
-    g = torch.Generator(device=dev)
-    g.manual_seed(seed)
-    return torch.randn(T, shape.hidden, generator=g, device=dev).to(torch.bfloat16)
-
-
-def _bits(t):
-    import torch
-
-    return t.contiguous().view(torch.int16)
 
 
 def _buffer(heap, shape, T, policy, name, deadline_s):
@@ -97,17 +71,17 @@ def test_slow_copy_keeps_its_slot(env):
     buf.bc.dispatch_ep = slow_copy
     try:
         w = buf.prepare_weights(fw)
-        x = _x(shape, T, 21, heap.device)
+        x = random_x(shape, T, 21, heap.device)
         y = torch.zeros_like(x)
         buf.forward(x, w, streaming=True, out=y)
         g = buf.capture(x, w, y, streaming=True)
         for seed in (22, 23):
-            x2 = _x(shape, T, seed, heap.device)
+            x2 = random_x(shape, T, seed, heap.device)
             x.copy_(x2)
             y.fill_(float("nan"))
             st = buf.replay(g)
             want = _batch_out(heap, shape, fw, x2)
-            assert torch.equal(_bits(y), _bits(want)), f"seed {seed}: a slowly copied chunk got other rows; {st}"
+            assert torch.equal(bits(y), bits(want)), f"seed {seed}: a slowly copied chunk got other rows; {st}"
     finally:
         buf.close()
 
@@ -124,16 +98,16 @@ def test_arrival_counters_start_from_zero_every_forward(env, policy):
     buf = _buffer(heap, shape, T, policy, "rules-counters", 2.0)
     try:
         w = buf.prepare_weights(fw)
-        x = _x(shape, T, 31, heap.device)
+        x = random_x(shape, T, 31, heap.device)
         y = torch.zeros_like(x)
         buf.forward(x, w, streaming=True, out=y)
         g = buf.capture(x, w, y, streaming=True)
         for seed in (32, 33, 34):
-            x2 = _x(shape, T, seed, heap.device)
+            x2 = random_x(shape, T, seed, heap.device)
             x.copy_(x2)
             y.fill_(float("nan"))
             st = buf.replay(g)  # raises on RE_COMBINE_COUNT / RE_COMBINE_TIMEOUT
-            assert torch.equal(_bits(y), _bits(_batch_out(heap, shape, fw, x2))), f"seed {seed}; {st}"
+            assert torch.equal(bits(y), bits(_batch_out(heap, shape, fw, x2))), f"seed {seed}; {st}"
             assert int(buf.arrived.abs().sum().item()) == 0, f"arrived counters left {buf.arrived.tolist()}"
     finally:
         buf.close()

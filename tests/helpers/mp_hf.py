@@ -29,12 +29,12 @@ import sys
 import time
 
 import torch
-from mpi4py import MPI
 
 torch.set_num_threads(1)  # two ranks share the two cores
 
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM  # noqa: E402
 
+from mp_main import run_scenarios  # noqa: E402
 from streamring.device.cpu import MpiHeap  # noqa: E402
 from streamring.moe import MoEBuffer, moe_shape_from_config, replace_moe_experts  # noqa: E402
 from streamring.moe.hf import deepseek_v3_moe_modules  # noqa: E402
@@ -422,17 +422,4 @@ if __name__ == "__main__":
         heap = NvshmemHeap.bootstrap("mpi")
     else:
         heap = MpiHeap()
-    try:
-        SCENARIOS[sys.argv[1]](heap)
-        heap.barrier()
-    except BaseException:
-        import os
-        import traceback
-
-        traceback.print_exc()
-        sys.stderr.flush()
-        MPI.COMM_WORLD.Abort(1)
-        os._exit(1)
-    if heap.rank == 0:
-        print("SCENARIO OK", sys.argv[1])
-    heap.close()
+    run_scenarios(SCENARIOS, sys.argv[1:2], heap)

@@ -13,10 +13,10 @@ import time
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 import torch  # noqa: E402
-from mpi4py import MPI  # noqa: E402
 
 torch.set_num_threads(1)  # two ranks share the two cores
 
+from mp_main import run_scenarios  # noqa: E402
 from streamring.device.cpu import MpiHeap  # noqa: E402
 from streamring.moe import MoEBuffer, MoEShape, MoEWeights, register_layer  # noqa: E402
 from streamring.moe.ops import moe_forward  # noqa: E402
@@ -171,17 +171,4 @@ def op_inductor(heap):
 SCENARIOS = {f.__name__: f for f in (op_eager_and_explain, num_tokens_errors, op_inductor)}
 
 if __name__ == "__main__":
-    heap = MpiHeap()
-    try:
-        SCENARIOS[sys.argv[1]](heap)
-        heap.barrier()
-    except BaseException:
-        import traceback
-
-        traceback.print_exc()
-        sys.stderr.flush()
-        MPI.COMM_WORLD.Abort(1)
-        os._exit(1)
-    if heap.rank == 0:
-        print("SCENARIO OK", sys.argv[1])
-    heap.close()
+    run_scenarios(SCENARIOS, sys.argv[1:2], MpiHeap())

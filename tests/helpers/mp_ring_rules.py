@@ -18,9 +18,9 @@ import sys
 import time
 
 import numpy as np
-from mpi4py import MPI
 
 import streamring.ring.protocol as ring_protocol
+from mp_main import run_scenarios
 from streamring.device.cpu import MpiHeap
 from streamring.device.verbs import SignalOp, VerbError
 from streamring.ring.layout import (
@@ -531,18 +531,4 @@ SCENARIOS = {f.__name__: f for f in (hostile_table, scripted_ring, waiting_gives
                                      publish_bad_inputs)}
 
 if __name__ == "__main__":
-    heap = MpiHeap(window=os.environ.get("STREAMRING_TEST_WINDOW", "auto"))
-    try:
-        for name in sys.argv[1:]:
-            SCENARIOS[name](heap)
-            heap.barrier()
-            if heap.rank == 0:
-                print("SCENARIO OK", name, flush=True)
-    except BaseException:
-        import traceback
-
-        traceback.print_exc()
-        sys.stderr.flush()
-        MPI.COMM_WORLD.Abort(1)
-        os._exit(1)  # MPICH's Abort has been seen to return
-    heap.close()
+    run_scenarios(SCENARIOS, sys.argv[1:], MpiHeap(window=os.environ.get("STREAMRING_TEST_WINDOW", "auto")))

@@ -7,8 +7,8 @@ failure raises, which aborts the job with a non-zero exit code.
 import sys
 
 import torch
-from mpi4py import MPI
 
+from mp_main import run_scenarios
 from streamring.device.cpu import MpiHeap
 from streamring.moe.bitwise import bit_difference
 from streamring.moe.layer import MoEBuffer
@@ -251,19 +251,4 @@ SCENARIOS = {f.__name__: f for f in (moe_api, recovery_after_watchdog,
                                      fuzz_forward, alloc_size_check, bitwise_oracle)}
 
 if __name__ == "__main__":
-    heap = MpiHeap(window=sys.argv[2] if len(sys.argv) > 2 else "auto")
-    try:
-        SCENARIOS[sys.argv[1]](heap)
-        heap.barrier()
-    except BaseException:
-        import os
-        import traceback
-
-        traceback.print_exc()
-        sys.stderr.flush()
-        MPI.COMM_WORLD.Abort(1)
-        os._exit(1)  # MPICH's Abort has been seen to return here (the rank then went on to report OK)
-    if heap.rank == 0:
-        print("SCENARIO OK", sys.argv[1])
-    heap.close()
-
+    run_scenarios(SCENARIOS, sys.argv[1:2], MpiHeap(window=sys.argv[2] if len(sys.argv) > 2 else "auto"))

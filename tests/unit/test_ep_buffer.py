@@ -28,6 +28,7 @@ pytest.importorskip("triton", reason="Triton is not installed (pip install trito
 
 from conftest import quick_subset  # noqa: E402
 from emulated_device import EmulatedHeap  # noqa: E402
+from ep_case import bits, single_batch  # noqa: E402
 
 from streamring.moe import blocks as B  # noqa: E402
 from streamring.moe.ep_buffer import EPBuffer, memory_report  # noqa: E402
@@ -51,19 +52,6 @@ def shape_(**kw) -> MoEShape:
 def tokens(n, seed, hidden=128):
     g = torch.Generator().manual_seed(seed)
     return torch.randn(n, hidden, generator=g).to(torch.bfloat16)
-
-
-def bits(t):
-    return t.contiguous().view(torch.int16)
-
-
-def single_batch(shape, fw, x):
-    """The single-process block path (no ring): the reference the buffer must equal bitwise."""
-    T = x.shape[0]
-    y = torch.zeros_like(x)
-    B.batch_forward(x, fw, shape, B.Producer(shape, fw, T, x.device), B.BlockConsumer(shape, T, 2, 16, x.device),
-                    B.scratch_buffers(shape, T, x.device), y)
-    return y
 
 
 @pytest.fixture(scope="module")

@@ -27,6 +27,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 triton = pytest.importorskip("triton", reason="Triton is not installed (pip install triton)")
 
+import queue_case  # noqa: E402
 from conftest import quick_subset  # noqa: E402
 from streamring.device import ep_triton as K  # noqa: E402
 from streamring.device import moe_triton as MT  # noqa: E402
@@ -43,32 +44,14 @@ def shape_() -> MoEShape:
                     topk_group=2, routed_scaling_factor=2.5, weight_dtype="fp8", block_m=16)
 
 
-class FakePE:
-    """One 'PE' of the data path: its ring copy, its combine rows, its expert blocks."""
+class FakePE(queue_case.FakePE):
+    """One 'PE' of the data path (``queue_case.FakePE``: its ring copy, its expert blocks, its routing) with
+    its combine rows, poisoned: every routed (token, k) row must be written."""
 
-    def __init__(self, me, shape, fw_full, layout, tokens, chunk, num_chunks):
-        self.me, self.shape, self.layout = me, shape, layout
-        self.E_loc = shape.num_experts // R
-        self.fw = fw_full.local(me, R)
-        self.ring = torch.zeros(layout.nbytes, dtype=torch.uint8, device=DEV)
+    def __init__(self, me, shape, fw_full, layout, tokens, chunk, num_steps):
+        super().__init__(me, shape, fw_full, layout, tokens, chunk, num_steps, 16, DEV)
         self.comb = torch.full((max(tokens) * shape.topk, shape.hidden), float("nan"), dtype=torch.bfloat16,
-                               device=DEV)  # poisoned: every routed (token, k) must be written
-        self.idx = torch.full((num_chunks * chunk, shape.topk), -1, dtype=torch.int64, device=DEV)
-        local = MoEShape(**{**shape.__dict__, "num_experts": self.E_loc, "n_group": 1, "topk_group": 1,
-                            "router": "softmax_topk"})
-        self.entries = R * chunk * shape.topk
-        self.bc = B.BlockConsumer(local, sum(tokens), num_chunks, 16, DEV, ep_entries=self.entries, local_y=False)
-        self.flat_e = torch.zeros(self.entries, dtype=torch.int32, device=DEV)
-        self.flat_w = torch.zeros(self.entries, dtype=torch.float32, device=DEV)
-        self.bad = torch.zeros(1, dtype=torch.int32, device=DEV)
-
-    def views(self, s, n):
-        L, H, Kk = self.layout, self.shape.hidden, self.shape.topk
-        u8 = self.ring
-        return (u8[L.topk_idx_off(s): L.topk_idx_off(s) + n * Kk * 8].view(torch.int64).view(n, Kk),
-                u8[L.topk_weights_off(s): L.topk_weights_off(s) + n * Kk * 4].view(torch.float32).view(n, Kk),
-                u8[L.x_off(s): L.x_off(s) + n * H].view(B.FP8).view(n, H),
-                u8[L.x_sf_off(s): L.x_sf_off(s) + n * L.sf_cols * 4].view(torch.float32).view(n, L.sf_cols))
+                               device=DEV)
 
 
 def run_ep(shape, fw, xs, chunk, corrupt=None, per_source=False):
