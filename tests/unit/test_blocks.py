@@ -353,10 +353,12 @@ def test_bucket_sort_is_a_stable_sort_with_its_histogram(n, buckets):
     from streamring.device import ep_triton as EK
 
     g = torch.Generator().manual_seed(n)
-    keys = torch.randint(0, buckets, (n,), generator=g, dtype=torch.int32)
-    out_s, out_o = torch.empty(n, dtype=torch.int32), torch.empty(n, dtype=torch.int64)
-    counts, starts = torch.empty(buckets, dtype=torch.int32), torch.empty(buckets, dtype=torch.int32)
+    keys = torch.randint(0, buckets, (n,), generator=g, dtype=torch.int32).to(DEV)
+    out_s, out_o = torch.empty(n, dtype=torch.int32, device=DEV), torch.empty(n, dtype=torch.int64, device=DEV)
+    counts = torch.empty(buckets, dtype=torch.int32, device=DEV)
+    starts = torch.empty(buckets, dtype=torch.int32, device=DEV)
     EK.bucket_sort(keys, buckets, out_s, out_o, counts, starts, block=1024)
+    keys, out_s, out_o, counts, starts = (t.cpu() for t in (keys, out_s, out_o, counts, starts))
     ref_s, ref_o = torch.sort(keys, stable=True)
     ref_c = torch.bincount(keys.long(), minlength=buckets).int()
     assert torch.equal(out_s, ref_s) and torch.equal(out_o, ref_o)
