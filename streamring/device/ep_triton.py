@@ -149,9 +149,9 @@ def bucket_sort(keys, num_buckets: int, sorted_out, order_out, counts_out, cstar
     ``sorted_out`` (int32) and ``order_out`` (int64) are what ``torch.sort(keys, stable=True)`` returns,
     ``counts_out[b]`` / ``cstart_out[b]`` (int32, ``num_buckets``) the keys equal to / below ``b``.
 
-    It replaces the radix sort, histogram and scan of a dispatch: one small-footprint program per bucket,
-    where the radix sort's kernels need more shared memory than an SM running an expert GEMM tile has
-    left, so they wait in a captured graph for the GEMM grid to drain (``bench.sm_sharing``)."""
+    It replaces the radix sort, histogram and scan of a dispatch with one small program per bucket: in a
+    captured graph, torch's radix sort and scan wait for an expert GEMM grid running on another stream to
+    drain, whatever their priority, where small Triton kernels start beside it (``bench.sm_sharing``)."""
     n = keys.numel()
     _bucket_sort_kernel[(num_buckets,)](keys, n, sorted_out, order_out, counts_out, cstart_out, BLOCK=block,
                                         num_warps=8)
