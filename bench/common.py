@@ -166,27 +166,36 @@ def time_interleaved(fns: dict, sets: int, load, replays: int) -> dict:
 # ----------------------------------------------------------------------------------------------
 # timing across PEs
 # ----------------------------------------------------------------------------------------------
-def timed(heap, fn, replays: int, warm: int = 2, before=None) -> list[float]:
-    """Per replay: ``before(i)`` if given (replay ``i``, warm-ups included: e.g. this replay's producer
-    delay), host barrier, events around ``fn()``, sync; the slowest PE's ms per replay (``heap``: a
-    :class:`~streamring.device.nvshmem.NvshmemHeap`, whose barrier and allgather span the PEs)."""
+def timed_rounds(heap, calls, replays: int, warm: int = 2) -> dict:
+    """``{name: [ms]}``: per replay ``i`` (``warm`` warm-ups first, not kept), every ``(name, fn, before)``
+    of ``calls`` in turn, the order rotated by ``i`` so that none always runs first: ``before(i)`` if
+    given (e.g. this replay's producer delay), sync, host barrier, events around ``fn()``, sync; the
+    slowest PE's ms (``heap``: a :class:`~streamring.device.nvshmem.NvshmemHeap`, whose barrier and
+    allgather span the PEs). The calls alternate replay by replay, so clock and thermal drift reach them
+    alike and their ratio is a paired one."""
     dev = heap.device
     e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    out = []
+    out = {name: [] for name, _, _ in calls}
     for i in range(warm + replays):
-        if before is not None:
-            before(i)
-        torch.cuda.synchronize(dev)
-        heap.barrier()
-        e0.record()
-        fn()
-        e1.record()
-        torch.cuda.synchronize(dev)
-        ms = e0.elapsed_time(e1)
-        all_ms = heap.allgather_obj(ms)
-        if i >= warm:
-            out.append(max(all_ms))
+        k = i % len(calls)
+        for name, fn, before in calls[k:] + calls[:k]:
+            if before is not None:
+                before(i)
+            torch.cuda.synchronize(dev)
+            heap.barrier()
+            e0.record()
+            fn()
+            e1.record()
+            torch.cuda.synchronize(dev)
+            all_ms = heap.allgather_obj(e0.elapsed_time(e1))
+            if i >= warm:
+                out[name].append(max(all_ms))
     return out
+
+
+def timed(heap, fn, replays: int, warm: int = 2, before=None) -> list[float]:
+    """:func:`timed_rounds` of one call: the slowest PE's ms per replay."""
+    return timed_rounds(heap, [("fn", fn, before)], replays, warm)["fn"]
 
 
 def stats(ms: list[float]) -> dict:

@@ -5,7 +5,8 @@
 #
 #   bash launch/ep_mps_bench.sh     # carry .whl (launch/fetch_wheels.sh)
 #
-# 1. unless EPM_TESTS=0: the GPU tests of the streamed layer's dispatch orders (tests/gpu/test_gpu_ep.py, 1 PE);
+# 1. unless EPM_TESTS=0: the GPU tests of the streamed layer's dispatch orders (tests/gpu/test_gpu_ep.py, 1 PE;
+#    EPM_TESTS_FILES and EPM_TESTS_K choose others);
 #    unless EPM_RUN=0: `streamring run` with 2 PEs in arrival order with a 3 ms straggler (bitwise
 #    streamed == batch);
 # 2. `mpiexec -n 2 python3 -m bench.ep_layer` at $EPM_TOKENS (1024,4096,8192) tokens per PE,
@@ -57,7 +58,8 @@ RC=0
 if [ "${EPM_TESTS:-1}" = 1 ]; then
   say "=== 1a. GPU tests of the streamed layer's dispatch orders, 1 PE ($(( $(date +%s) - T0 )) s)"
   CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=100 timeout "$(limit 180 330)" python3 -m pytest -q -x -p no:cacheprovider \
-    tests/gpu/test_gpu_ep.py -k "${EPM_TESTS_K:-streamed_equals_batch or persistent}" > "$OUT/gpu_ep_tests.log" 2>&1
+    ${EPM_TESTS_FILES:-tests/gpu/test_gpu_ep.py} -k "${EPM_TESTS_K:-streamed_equals_batch or persistent}" \
+    > "$OUT/gpu_ep_tests.log" 2>&1
   rc=$?; [ $rc = 0 ] || RC=$rc; say "gpu_ep tests rc=$rc"
   tail -3 "$OUT/gpu_ep_tests.log" | tee -a "$LOG"
 fi

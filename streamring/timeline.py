@@ -8,7 +8,8 @@ the forward's start, read from the GPU's ``%globaltimer`` by stamp kernels on th
 One figure per timeline, one row per lane:
 
 * ``produce c``: from the end of chunk c-1's production (or 0) to chunk c's layout publish, with
-  ticks at the route and layout publications;
+  ticks at the route and layout publications (and grey ones at the producer's own steps when stamped:
+  writable, routed, own routes, quantized);
 * ``dispatch c``: acquire of chunk c to its slot acknowledgement (rows copied into blocks);
 * ``blocks c``: the GEMMs of the blocks chunk c made ready (start: after the dispatch and after
   the previous chunk's blocks, which share the GEMM stream), with the block count;
@@ -118,6 +119,9 @@ def draw(timelines: list[dict], out: str | Path) -> Path:
             row = (1 if bm else 0) + 3 * c
             for ev in ("route_published", "layout_published"):
                 ax.plot([ch[ev], ch[ev]], [row - 0.35, row + 0.35], color="black", lw=0.8)
+            for ev in ("writable", "routed", "own_routes", "quantized"):  # the producer's steps, when stamped
+                if ev in ch:
+                    ax.plot([ch[ev], ch[ev]], [row - 0.25, row + 0.25], color="grey", lw=0.6)
         ax.set_yticks(range(len(labels)))
         ax.set_yticklabels(labels, fontsize=8)
         ax.invert_yaxis()

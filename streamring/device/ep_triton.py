@@ -221,6 +221,45 @@ def ep_place_rows(sorted_e, order, counts, cstart, state, expert_blocks, src_lis
                                 MAXB=expert_blocks.shape[1], BH=bh, STAGED=staged is not None, num_warps=4)
 
 
+@triton.jit(do_not_specialize=["n", "row0"])
+def _own_routes_kernel(idx_ptr, w_ptr, slot_idx_ptr, slot_w_ptr, my_idx_ptr, my_w_ptr, num_tokens_ptr, expected_ptr,
+                       n, row0, K: tl.constexpr, COPY_SLOT: tl.constexpr, BLOCK: tl.constexpr):
+    # BLOCK (token, k) entries of the chunk's n rows; row0: the chunk's first row in the forward
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n * K
+    idx = tl.load(idx_ptr + offs, mask=m, other=-1)
+    w = tl.load(w_ptr + offs, mask=m, other=0.0)
+    if COPY_SLOT:
+        tl.store(slot_idx_ptr + offs, idx, mask=m)
+        tl.store(slot_w_ptr + offs, w, mask=m)
+    live = (row0 + offs // K) < tl.load(num_tokens_ptr)
+    mine = tl.where(live, idx, -1)
+    tl.store(my_idx_ptr + offs, mine, mask=m)
+    tl.store(my_w_ptr + offs, w, mask=m)
+    tl.atomic_add(expected_ptr, tl.sum((m & (mine >= 0)).to(tl.int64), axis=0))
+
+
+def own_routes(idx, w, my_idx, my_w, num_tokens, expected, *, row0: int, slot_idx=None, slot_w=None,
+               block: int = 1024) -> None:
+    """The producer's own view of one chunk's routes, in one kernel: ``my_idx`` = ``idx`` (int64 ``[n, K]``)
+    with the rows at and past the forward's token count (``row0`` + row >= ``num_tokens``, a device int64
+    ``[1]``) set to -1, ``my_w`` = ``w`` (float32 ``[n, K]``), and the routed (token, k) pairs of
+    ``my_idx`` added to ``expected`` (device int64 ``[1]``, zeroed by the caller before the forward: the
+    owner's combine waits for that many result rows). ``slot_idx`` / ``slot_w`` given: ``idx`` / ``w``
+    are copied there too (the ring slot, when the caller supplied the routing).
+
+    One small kernel instead of torch's copies, mask and sum: it must start while the consumer's expert
+    GEMM grid holds the SMs (the late PE's producer runs beside its consumer)."""
+    n, k = idx.shape
+    if n == 0:
+        return
+    idx, w = idx.contiguous(), w.contiguous()  # no copy for the producer's own (contiguous) rows
+    copy = slot_idx is not None
+    _own_routes_kernel[(triton.cdiv(n * k, block),)](idx, w, slot_idx if copy else idx, slot_w if copy else w, my_idx,
+                                                     my_w, num_tokens, expected, n, row0, K=k, COPY_SLOT=copy,
+                                                     BLOCK=block, num_warps=4)
+
+
 @triton.jit
 def _combine_owner_kernel(rows_ptr, idx_ptr, out_ptr, H: tl.constexpr, K: tl.constexpr, BH: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)

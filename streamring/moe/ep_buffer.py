@@ -207,7 +207,6 @@ class EPBuffer(EPPipeline):
         """The per-forward device state (counts, my routing, the dispatch's scratch, status words)."""
         R, dev, Kk = self.R, self.dev, self.shape.topk
         self.num_tokens_t = torch.zeros(1, dtype=torch.int64, device=dev)
-        self.row_ids = torch.arange(self.token_capacity, dtype=torch.int64, device=dev)
         self.my_idx = torch.full((self.token_capacity, Kk), -1, dtype=torch.int64, device=dev)
         self.my_w = torch.zeros(self.token_capacity, Kk, dtype=torch.float32, device=dev)
         self._last_T = 0
@@ -547,7 +546,7 @@ class EPBuffer(EPPipeline):
         """Per-chunk device timestamps of the last stamped forward, in us (after
         :func:`streamring.moe.debug.record_timeline`). A chunk's ``acquired`` is its first dispatch step's,
         ``dispatched_acked`` and ``blocks_done`` its last step's; ``blocks_ready`` counts the blocks all its
-        steps made ready."""
+        steps made ready; ``t0_ns`` is the forward's first stamp (``%globaltimer``, ns), the zero of the rest."""
         if self.stamps is None or self._stamp_path is None:
             raise ValueError("no timeline: call streamring.moe.debug.record_timeline(buffer) and run a forward")
         p = self._stamp_path
@@ -560,7 +559,7 @@ class EPBuffer(EPPipeline):
         for c in range(p.num_chunks):
             chunks[c]["blocks_ready"] = sum(ready[i + 1] - ready[i] for i, (cc, _) in enumerate(p.order) if cc == c)
         tail["seal_blocks"] = ready[n + 1] - ready[n]
-        return {"chunks": chunks, "tail": tail, "policy": p.policy, "source_order": p.source_order,
+        return {"chunks": chunks, "tail": tail, "t0_ns": t0, "policy": p.policy, "source_order": p.source_order,
                 "chunk_tokens": p.chunk, "num_slots": p.num_slots, "block_m": self.block_m, "rank": self.me,
                 "ranks": self.R, "path": p.name,
                 # the last dispatch step's blocks_done is the seal's stamp (one GEMM call computes both)

@@ -234,6 +234,7 @@ class EPPipeline:
                 DK.ep_delay(self.heap.lib, r.stream_ref(st), ns=int(self.straggler_t.data_ptr()))
             if c >= path.num_slots:
                 r.reuse_wait(st, c, inject=self._inject_bits)
+            self._stamp(c, 6)
             valid = path.chunk_valid[c:c + 1]
             early = self.inject == "signal-before-payload"  # mutation: the generations before the payload
             if early:
@@ -246,35 +247,31 @@ class EPPipeline:
                     K.router_logits(x[a:a + n], layer.fw.router, lg)
                     select_experts_into(lg, layer.fw.bias, layer.routing, slot["topk_idx"][:n],
                                         slot["topk_weights"][:n])
-                    idx, w = slot["topk_idx"][:n], slot["topk_weights"][:n]
+                    idx, w, copy = slot["topk_idx"][:n], slot["topk_weights"][:n], {}
                 else:
                     idx, w = routing[0][a:a + n], routing[1][a:a + n]
-                    slot["topk_idx"][:n].copy_(idx)
-                    slot["topk_weights"][:n].copy_(w)
-                # my own view for the reduce: rows at and past this forward's count route nowhere
-                mine = self.my_idx[a:a + n]
-                mine.copy_(idx)
-                mine.masked_fill_((self.row_ids[a:a + n] >= self.num_tokens_t)[:, None], -1)
-                self.my_w[a:a + n].copy_(w)
+                    copy = {"slot_idx": slot["topk_idx"][:n], "slot_w": slot["topk_weights"][:n]}
+            self._stamp(c, 7)
+            if n:
+                # my own view for the reduce (rows at and past this forward's count route nowhere) and the
+                # owner's expected row count of the chunk (self.expected is zeroed at the forward's start)
+                EK.own_routes(idx, w, self.my_idx[a:a + n], self.my_w[a:a + n], self.num_tokens_t,
+                              self.expected[c:c + 1], row0=a, **copy)
+            self._stamp(c, 8)
             if not early:
                 r.publish(st, c, RING_ROUTE, valid=valid)
             self._stamp(c, 0)
             if n:
                 self._layout(x[a:a + n], slot, n)
+            self._stamp(c, 9)
             if not early:
                 r.publish(st, c, RING_LAYOUT, valid=valid)
-            self._expected(path, c)
             self._stamp(c, 1)
 
     @staticmethod
     def _layout(x_rows, slot: dict, n: int) -> None:
         """The layout producer of one chunk: FP8 rows with 1x128 scales into my slot."""
         K.quant_rows(x_rows, slot["x"][:n], slot["x_sf"][:n])
-
-    def _expected(self, path: _Path, c: int):
-        # the owner's expected row count of chunk c: its routed (token, k) pairs (0 for rows not present)
-        a = c * path.chunk
-        torch.sum((self.my_idx[a:a + path.chunk] >= 0).view(-1), dim=0, out=self.expected[c])
 
     def _dispatch(self, path: _Path, c, j=0):
         """Dispatch step j of chunk c: every source (rank order), the j-th source of chunk c to be ready
@@ -435,6 +432,7 @@ class EPPipeline:
         persistent = self.queue is not None
         self._set_counts(path, num_tokens, x.shape[0])
         self.my_idx[: C * path.chunk].fill_(-1)
+        self.expected[:C].zero_()
         self.pull_bytes.zero_()
         self._stamp(C, 0)
         # before every side: the dispatch and the persistent consumer both start from empty blocks and queue

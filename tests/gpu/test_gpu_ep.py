@@ -107,13 +107,13 @@ def test_a_missing_arrival_is_reported_not_hung(env):
     try:
         w = buf.prepare_weights(fw)
         buf.forward(x, w)
-        real = buf._expected  # noqa: SLF001 - the test breaks the owner's expectation on purpose
+        real = buf._produce  # noqa: SLF001 - the test breaks the owner's expectation on purpose
 
-        def one_more(path, c):
-            real(path, c)
-            buf.expected[c].add_(1)
+        def one_more(path, layer, x, c, routing=None):
+            real(path, layer, x, c, routing)
+            buf.expected[c].add_(1)  # on the producer's stream, after the chunk's own count
 
-        buf._expected = one_more
+        buf._produce = one_more
         buf.forward(x, w)
         torch.cuda.synchronize()
         st = buf.status()

@@ -363,3 +363,34 @@ def test_bucket_sort_is_a_stable_sort_with_its_histogram(n, buckets):
     ref_c = torch.bincount(keys.long(), minlength=buckets).int()
     assert torch.equal(out_s, ref_s) and torch.equal(out_o, ref_o)
     assert torch.equal(counts, ref_c) and torch.equal(starts, (torch.cumsum(ref_c, 0) - ref_c).int())
+
+
+@pytest.mark.parametrize("n,row0,num_tokens,copy", [(0, 0, 0, False), (1, 0, 1, True), (37, 64, 80, False),
+                                                    (300, 0, 1000, True), (300, 100, 150, True), (2000, 0, 0, False)])
+def test_own_routes_masks_past_the_count_copies_and_counts(n, row0, num_tokens, copy):
+    """ep_triton.own_routes (the EP producer's own view of a chunk): rows at and past the forward's token
+    count route nowhere (-1), the weights are copied, the slot gets the caller's routing when asked, and
+    the count of routed (token, k) pairs, what the owner's combine waits for, is added to ``expected``."""
+    from streamring.device import ep_triton as EK
+
+    K = 8
+    g = torch.Generator().manual_seed(n + row0)
+    idx = torch.randint(-1, 33, (n, K), generator=g, dtype=torch.int64)
+    w = torch.rand(n, K, generator=g)
+    idx, w = idx.to(DEV), w.to(DEV)
+    my_idx = torch.full((n, K), 99, dtype=torch.int64, device=DEV)
+    my_w = torch.full((n, K), -7.0, device=DEV)
+    slot_idx, slot_w = torch.full_like(my_idx, 99), torch.full_like(my_w, -7.0)
+    nt = torch.tensor([num_tokens], dtype=torch.int64, device=DEV)
+    expected = torch.tensor([5], dtype=torch.int64, device=DEV)  # added to, not overwritten
+    EK.own_routes(idx, w, my_idx, my_w, nt, expected, row0=row0, block=256,
+                  **({"slot_idx": slot_idx, "slot_w": slot_w} if copy else {}))
+    live = (torch.arange(n, device=DEV) + row0 < num_tokens)[:, None]
+    ref = torch.where(live, idx, torch.full_like(idx, -1))
+    if n:
+        assert torch.equal(my_idx.cpu(), ref.cpu()) and torch.equal(my_w.cpu(), w.cpu())
+    assert int(expected.item()) == 5 + int((ref >= 0).sum())
+    if copy:
+        assert torch.equal(slot_idx.cpu(), idx.cpu()) and torch.equal(slot_w.cpu(), w.cpu())
+    else:
+        assert bool((slot_idx == 99).all())
