@@ -276,11 +276,9 @@ def gemm_only_graph(buf: EPBuffer, layer):
     n = buf.paths["batch"].num_chunks * buf.paths["batch"].steps + 1  # dispatch steps + the seal
 
     def run():
-        if buf.direct_l2:
-            bc.compute(0, n, bc.max_blocks, layer.fw, out=buf.comb_rows, direct=(bc.row_src, bc.row_tok,
-                                                                                 buf.comb_delta))
-        else:  # the buffer's own GEMMs (CUTLASS, DeepGEMM: one call over every block, its psum layout)
-            B.compute_blocks(bc, 0, n, bc.max_blocks, layer.fw, buf.gemm)
+        # the buffer's own GEMMs (CUTLASS, DeepGEMM: one call over every block, its psum layout)
+        direct = dict(out=buf.comb_rows, direct=(bc.row_src, bc.row_tok, buf.comb_delta)) if buf.direct_l2 else {}
+        bc.compute(0, n, bc.max_blocks, layer.fw, impl=buf.gemm, **direct)
 
     run()
     torch.cuda.synchronize()

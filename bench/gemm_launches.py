@@ -86,7 +86,7 @@ class Forward:
         return out
 
     def call(self, lo: int, hi: int, max_items: int, fw, pdl: bool = False) -> None:
-        B.compute_blocks(self.bc, lo, hi, max_items, fw, self.impl, pdl=pdl)
+        self.bc.compute(lo, hi, max_items, fw, impl=self.impl, pdl=pdl)
 
     def per_chunk(self, fw, pdl: bool = False):
         return lambda: [self.call(lo, hi, m, fw, pdl) for lo, hi, m in self.steps()]

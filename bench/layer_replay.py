@@ -47,7 +47,7 @@ def make(name):
     bm = DG.BLOCK_M if impl == "deep_gemm" else 64
     fwd, out, bc = layer_forward(impl, choice, bm, x, shape, fw, dev)
     if mode == "indices":
-        bc.deep_gemm.allow_psum = False
+        bc.experts("deep_gemm").allow_psum = False
     elif mode:
         raise SystemExit(f"layer_replay: {name!r}: the only mode is deep_gemm:indices")
     print(f"layer_replay: {name} T={T}: choice {choice.l1.key} / {choice.l2.key}, block_m {bm}", flush=True)

@@ -1,15 +1,21 @@
-"""The expert GEMMs of the block consumer, one module per backend, their measured choice and their builds.
+"""The expert GEMMs of the block consumer: one module per backend behind one interface, their measured
+choice and their builds.
 
+* ``backends``          the interface (``compute``, ``status``, ``check``), each backend's capabilities
+                        (a capped grid, programmatic dependent launch, L2 into the owners' rows, the
+                        persistent consumer) and the registry ``BlockConsumer.experts(impl)`` makes them from
+* ``triton``            ``TritonExperts``: the Triton L1 + SwiGLU and L2 kernels of
+                        ``streamring.device.moe_triton`` (there because the persistent consumer kernel,
+                        ``device/persistent_moe.py``, is built from their tile functions, and device may
+                        not import gemm)
 * ``cutlass``           the CUTLASS FP8 blockwise grouped GEMM (ctypes launcher) and ``CutlassExperts``
 * ``deep_gemm``         DeepGEMM's grouped FP8 GEMM (availability, layouts) and ``DeepGemmExperts``;
                         ``deep_gemm_triton`` its one Triton kernel (kept apart: ``deep_gemm`` imports
                         without Triton)
 * ``choice``            ``gemm="auto"``: the fastest available implementation of the measured table
-                        (``table.json``)
+                        (``table.json``), and the options it gives a backend
 * ``build``             ``python -m streamring.gemm.build --out .gemm-build``: the CUTLASS library
 * ``build_deep_gemm``   ``python -m streamring.gemm.build_deep_gemm``: DeepGEMM from its carried source
 
-The Triton GEMMs stay in ``streamring.device.moe_triton``: the persistent consumer kernel
-(``device/persistent_moe.py``) is built from their tile functions, and device may not import gemm.
 Everything here may import ``streamring.device``, never ``moe`` or ``host`` (tests/unit/test_layering.py).
 """

@@ -23,8 +23,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Iterable, Mapping
 
+from .backends import IMPLS
+
 TABLE_PATH = Path(__file__).with_name("table.json")
-IMPLS = ("cutlass", "deep_gemm", "triton")
 #: a measured entry serves rows-per-expert values within this factor of its own
 NEAREST_FACTOR = 2.0
 #: below this many rows per expert the fallback rule takes the 64-row ping-pong tile
@@ -280,17 +281,24 @@ def resolve_layer(gemm: str, block_m: int, shape, tokens_per_rank, table: Mappin
     return choice
 
 
-def setup_consumer(bc, choice: LayerChoice, *, staging_y: bool) -> None:
-    """Prepare ``bc`` for ``choice`` (allocates: before any graph capture). ``staging_y``: the caller
-    reads ``bc.y``'s rows of each ready range right after computing them (the expert-parallel layer),
-    so DeepGEMM may overwrite the other rows (see ``DeepGemmExperts``)."""
-    import torch
-
+def backend_options(choice: LayerChoice, *, staging_y: bool) -> dict:
+    """The options of ``choice``'s backend (:mod:`streamring.gemm.backends`) for a block consumer.
+    ``staging_y``: the caller reads ``bc.y``'s rows of each ready range right after computing them (the
+    expert-parallel layer), so DeepGEMM may overwrite the other rows (see ``DeepGemmExperts``)."""
     if choice.impl == "cutlass":
+        import torch
+
         out = {"bf16": torch.bfloat16, "f32": torch.float32}[choice.l1.out or "bf16"]
-        bc.use_cutlass(tile_l1=choice.l1.tile, tile_l2=choice.l2.tile, l1_out_dtype=out, raster_l1=choice.l1.raster,
-                       raster_l2=choice.l2.raster, swizzle_l1=choice.l1.swizzle, swizzle_l2=choice.l2.swizzle)
-    elif choice.impl == "deep_gemm":
-        bc.use_deep_gemm(keep_rows_outside_range=not staging_y)
-    elif choice.impl != "triton":
-        raise ValueError(f"choice.impl must be one of {IMPLS}, got {choice.impl!r}")
+        return dict(tile_l1=choice.l1.tile, tile_l2=choice.l2.tile, l1_out_dtype=out, raster_l1=choice.l1.raster,
+                    raster_l2=choice.l2.raster, swizzle_l1=choice.l1.swizzle, swizzle_l2=choice.l2.swizzle)
+    if choice.impl == "deep_gemm":
+        return dict(keep_rows_outside_range=not staging_y)
+    if choice.impl == "triton":
+        return {}
+    raise ValueError(f"choice.impl must be one of {IMPLS}, got {choice.impl!r}")
+
+
+def setup_consumer(bc, choice: LayerChoice, *, staging_y: bool):
+    """Make ``bc``'s expert GEMMs of ``choice`` (allocates: before any graph capture; ``staging_y`` as in
+    :func:`backend_options`); returns the backend."""
+    return bc.experts(choice.impl, **backend_options(choice, staging_y=staging_y))

@@ -52,6 +52,8 @@ from pathlib import Path
 
 import torch
 
+from .backends import CAPABILITIES, refuse_unsupported
+
 FP8 = torch.float8_e4m3fn
 SF_BLOCK = 128
 
@@ -566,7 +568,8 @@ class GroupedGemm:
 
 
 class CutlassExperts:
-    """CUTLASS plans and intermediates for one :class:`~streamring.moe.blocks.BlockConsumer`.
+    """CUTLASS plans and intermediates for one :class:`~streamring.moe.blocks.BlockConsumer`: the
+    ``cutlass`` backend of :mod:`streamring.gemm.backends`.
 
     ``tile_l1`` / ``tile_l2``: keys of :data:`TILE_TABLE`;
     ``l1_out_dtype``: float32 or bfloat16 (the one-block tiles have bf16 only);
@@ -576,6 +579,9 @@ class CutlassExperts:
     64 rows gets the weights' scales repeated (:func:`weight_scales_for`),
     made on first use and again whenever the scale tensor changes.
     """
+
+    name = "cutlass"
+    capabilities = CAPABILITIES["cutlass"]
 
     def __init__(self, bc, *, tile_l1: str = "coop128", tile_l2: str = "coop128", l1_out_dtype=torch.float32,
                  trap_on_error: bool = True, raster_l1: str = "m", raster_l2: str = "m", swizzle_l1: int = 1,
@@ -624,9 +630,20 @@ class CutlassExperts:
                        self.h1_sf_w, fw.w2, self._w_sf("w2", fw.w2_sf, self.gemm2.sf_n), bc.y, block_m=bc.block_m,
                        max_ctas=max_ctas)
 
-    def compute(self, lo_index: int, hi_index: int, max_items: int, fw, max_ctas: int | None = None) -> None:
+    def compute(self, lo_index: int, hi_index: int, max_items: int, fw, *, max_ctas: int | None = None,
+                pdl: bool = False, out=None, direct=None) -> None:
+        """L1 + SwiGLU/requant and L2 of the ready blocks into ``bc.y`` (:mod:`~streamring.gemm.backends`);
+        ``max_ctas`` caps the persistent grids; ``pdl``, ``out`` and ``direct`` are refused (ValueError)."""
+        refuse_unsupported(self.name, max_ctas=max_ctas, pdl=pdl, direct=direct)
+        if out is not None:
+            raise ValueError("out=: the CUTLASS GEMMs write the consumer's local y only")
         self.l1_swiglu(lo_index, hi_index, max_items, fw, max_ctas)
         self.l2(lo_index, hi_index, max_items, fw, max_ctas)
+
+    def status(self) -> int:
+        """Both plans' ready-range status bits so far (0: fine; synchronises; with ``trap_on_error`` a bad
+        range traps the kernel instead)."""
+        return self.gemm1.status() | self.gemm2.status()
 
     def check(self) -> None:
         """Raise if any run met a bad ready range (synchronises)."""

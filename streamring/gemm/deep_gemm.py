@@ -54,6 +54,7 @@ from pathlib import Path
 
 import torch
 
+from .backends import CAPABILITIES, refuse_unsupported
 # the status bits of a ready range are the CUTLASS path's (one definition, re-exported here)
 from .cutlass import STATUS_BITS, status_text  # noqa: F401
 
@@ -306,12 +307,16 @@ def copy_ready_rows(ready_list, ready_hi, lo_index: int, hi_index: int, max_item
 
 
 class DeepGemmExperts:
-    """DeepGEMM buffers for one :class:`~streamring.moe.blocks.BlockConsumer` (allocated here, once).
+    """DeepGEMM buffers for one :class:`~streamring.moe.blocks.BlockConsumer` (allocated here, once): the
+    ``deep_gemm`` backend of :mod:`streamring.gemm.backends`.
 
     ``psum``: let a call over the forward's only allocation pass the psum layout (module doc).
     Raises ValueError unless ``bc.block_m`` is 128 and RuntimeError (with the reason) when DeepGEMM
     is not available (:func:`deep_gemm_available`).
     """
+
+    name = "deep_gemm"
+    capabilities = CAPABILITIES["deep_gemm"]
 
     def __init__(self, bc, *, keep_rows_outside_range: bool = True, psum: bool = True):
         check_block_m(bc.block_m, "block_m (BlockConsumer.block_m, the plan's block_m)")
@@ -376,10 +381,14 @@ class DeepGemmExperts:
             copy_ready_rows(bc.ready_list, bc.ready_hi, lo_index, hi_index, max_items, self.y_scratch, bc.y,
                             block_m=bc.block_m)
 
-    def compute(self, lo_index: int, hi_index: int, max_items: int, fw, max_ctas: int | None = None) -> None:
-        if max_ctas is not None:
-            raise ValueError(f"max_ctas must be None for gemm='deep_gemm' (its grid and configuration follow the "
-                             f"device's SM count; a capped grid would change them), got {max_ctas}")
+    def compute(self, lo_index: int, hi_index: int, max_items: int, fw, *, max_ctas: int | None = None,
+                pdl: bool = False, out=None, direct=None) -> None:
+        """L1 + SwiGLU/requant and L2 of the ready blocks into ``bc.y`` (:mod:`~streamring.gemm.backends`);
+        ``max_ctas``, ``pdl``, ``out`` and ``direct`` are refused (ValueError): DeepGEMM's grid and
+        configuration follow the device's SM count."""
+        refuse_unsupported(self.name, max_ctas=max_ctas, pdl=pdl, direct=direct)
+        if out is not None:
+            raise ValueError("out=: the DeepGEMM GEMMs write the consumer's local y only")
         if max_items <= 0:
             return
         psum = self.allow_psum and self.bc.covers_one_allocation(lo_index, hi_index)

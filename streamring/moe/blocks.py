@@ -33,6 +33,7 @@ import torch
 
 from ..device import ep_triton as EK
 from ..device import moe_triton as K
+from ..gemm.backends import make_experts, refuse_unsupported
 from .math import MoEShape, MoEWeights, select_experts
 
 FP8 = torch.float8_e4m3fn
@@ -195,6 +196,7 @@ class BlockConsumer:
             self.ep_tokens = ep_entries // shape.topk  # (source, token) pairs of one dispatch
             self._stage = None  # (x, x_sf) stage rows of pull="token", allocated at its first use
         self.gemm_kernels: set = set()  # compiled GEMM kernels launched so far (graph node priorities)
+        self._experts: dict = {}  # backend name -> its expert GEMMs for this consumer (experts())
         # this forward's dispatches that allocated blocks (the seal allocates none) and the ready index the
         # seal wrote (``ready_hi[seal_ready_index]``), kept on the host, so also right while a graph is
         # captured: after exactly one dispatch and the seal, block ids were handed out expert by expert in
@@ -306,80 +308,29 @@ class BlockConsumer:
         return (self.dispatch_allocations == 1 and self.seal_ready_index is not None and lo_index == 0
                 and hi_index == self.seal_ready_index)
 
-    def compute(self, lo_index: int, hi_index: int, max_items: int, fw: FastWeights, pdl: bool = False,
-                max_ctas: int | None = None, out=None, direct=None) -> None:
-        """L1+SwiGLU and L2 of the blocks ``ready_list[ready_hi[lo_index] : ready_hi[hi_index]]``.
+    def experts(self, impl: str = "triton", **options):
+        """The expert GEMMs of backend ``impl`` for this consumer (:mod:`streamring.gemm.backends`: the
+        Triton kernels, CUTLASS's or DeepGEMM's grouped FP8 GEMM): made on the first call, or again with
+        new ``options`` (the backend's: e.g. CUTLASS tiles). Making one allocates: call it before a graph
+        capture. Refusals name the reason (DeepGEMM: ``block_m`` 128 and an importable ``deep_gemm``)."""
+        have = self._experts.get(impl)
+        if have is None or options:
+            have = self._experts[impl] = make_experts(impl, self, **options)
+        return have
 
-        ``pdl``: launch both GEMMs with programmatic dependent launch (they wait in-kernel).
-        ``max_ctas``: a persistent grid of at most this many CTAs looping over the tiles (leaves
-        SM slots to other streams); None: one CTA per tile. ``out``/``direct``: where L2 stores
-        (default the local ``y``; ``direct=(row_src, row_tok, comb_delta)`` with ``out`` = this
-        PE's combine rows: straight into each row's owner, see ``moe_triton.expert_l2``).
-        """
-        h1 = self.h1.view(FP8)
-        k1 = K.expert_l1(self.ready_list, self.ready_hi, lo_index, hi_index, max_items, self.block_expert,
-                         self.a.view(FP8), self.a_sf, fw.w1, fw.w1_sf, h1, self.h1_sf, block_m=self.block_m, pdl=pdl,
-                         max_ctas=max_ctas)
-        k2 = K.expert_l2(self.ready_list, self.ready_hi, lo_index, hi_index, max_items, self.block_expert, h1,
-                         self.h1_sf, fw.w2, fw.w2_sf, self.row_weight, self.y if out is None else out,
-                         self.block_rows, block_m=self.block_m, pdl=pdl, max_ctas=max_ctas, direct=direct)
-        self.gemm_kernels.update(k for k in (k1, k2) if k is not None)
+    def compute(self, lo_index: int, hi_index: int, max_items: int, fw: FastWeights, *, impl: str = "triton",
+                max_ctas: int | None = None, pdl: bool = False, out=None, direct=None) -> None:
+        """L1+SwiGLU and L2 of the blocks ``ready_list[ready_hi[lo_index] : ready_hi[hi_index]]`` by the
+        expert GEMMs of ``impl`` (:meth:`experts`). ``max_ctas`` (a capped persistent grid), ``pdl``
+        (programmatic dependent launch) and ``out``/``direct`` (where L2 stores) as the backend's
+        ``compute`` takes them; a backend without one of them refuses it (ValueError), before it is made."""
+        refuse_unsupported(impl, max_ctas=max_ctas, pdl=pdl, direct=direct)
+        self.experts(impl).compute(lo_index, hi_index, max_items, fw, max_ctas=max_ctas, pdl=pdl, out=out,
+                                   direct=direct)
 
     def combine(self, out: torch.Tensor) -> None:
         """``out [T, H]`` bf16: the sum of each token's k weighted expert rows."""
         K.combine(self.tok_row, self.y, out, topk=self.shape.topk)
-
-    def use_cutlass(self, *, tile_l1: str = "coop128", tile_l2: str = "coop128", l1_out_dtype=torch.float32,
-                    trap_on_error: bool = True, raster_l1: str = "m", raster_l2: str = "m", swizzle_l1: int = 1,
-                    swizzle_l2: int = 1):
-        """Set up (once; allocates) the CUTLASS expert GEMMs that :meth:`compute_cutlass` runs:
-        a :class:`streamring.gemm.cutlass.CutlassExperts` (returned). Call it before a CUDA
-        graph capture so that its buffers are not allocated inside the capture."""
-        from ..gemm.cutlass import CutlassExperts
-
-        self.cutlass = CutlassExperts(self, tile_l1=tile_l1, tile_l2=tile_l2, l1_out_dtype=l1_out_dtype,
-                                      trap_on_error=trap_on_error, raster_l1=raster_l1, raster_l2=raster_l2,
-                                      swizzle_l1=swizzle_l1, swizzle_l2=swizzle_l2)
-        return self.cutlass
-
-    def compute_cutlass(self, lo_index: int, hi_index: int, max_items: int, fw: FastWeights, pdl: bool = False,
-                        max_ctas: int | None = None) -> None:
-        """:meth:`compute` through CUTLASS's FP8 blockwise grouped GEMM (same buffers, same numerics
-        contract; L1's SwiGLU/requant and the routing weight as in ``streamring.gemm.cutlass``).
-
-        ``pdl`` is not supported on this path (raises); ``max_ctas`` caps the persistent grids.
-        """
-        if pdl:
-            raise ValueError("pdl=True: programmatic dependent launch is not implemented for the CUTLASS GEMMs")
-        if getattr(self, "cutlass", None) is None:
-            self.use_cutlass()
-        self.cutlass.compute(lo_index, hi_index, max_items, fw, max_ctas=max_ctas)
-
-    def use_deep_gemm(self, *, keep_rows_outside_range: bool = True, psum: bool = True):
-        """Set up (once; allocates) the DeepGEMM expert GEMMs that :meth:`compute_deep_gemm` runs: a
-        :class:`streamring.gemm.deep_gemm.DeepGemmExperts` (returned). Needs ``block_m`` 128
-        (ValueError otherwise) and DeepGEMM (RuntimeError with the reason otherwise). Call it before a
-        CUDA graph capture. ``keep_rows_outside_range=False`` lets L2 write ``y`` directly (DeepGEMM
-        zeroes ``y``'s rows outside the ready range): only for a ``y`` read right after each call
-        (the expert-parallel layer's staging rows) or a single call over every block. ``psum=False``:
-        never the psum layout (every call passes ``m_indices``; for benchmarks)."""
-        from ..gemm.deep_gemm import DeepGemmExperts
-
-        self.deep_gemm = DeepGemmExperts(self, keep_rows_outside_range=keep_rows_outside_range, psum=psum)
-        return self.deep_gemm
-
-    def compute_deep_gemm(self, lo_index: int, hi_index: int, max_items: int, fw: FastWeights, pdl: bool = False,
-                          max_ctas: int | None = None) -> None:
-        """:meth:`compute` through DeepGEMM's grouped FP8 GEMM (``streamring.gemm.deep_gemm``):
-        same buffers, same numerics contract. ``pdl`` and ``max_ctas`` are refused (ValueError)."""
-        if pdl:
-            raise ValueError("pdl=True: programmatic dependent launch is not implemented for gemm='deep_gemm'")
-        if max_ctas is not None:
-            raise ValueError(f"max_ctas must be None for gemm='deep_gemm' (DeepGEMM sizes its own persistent grid), "
-                             f"got {max_ctas}")
-        if getattr(self, "deep_gemm", None) is None:
-            self.use_deep_gemm()
-        self.deep_gemm.compute(lo_index, hi_index, max_items, fw)
 
 
 def batch_forward(x, fw: FastWeights, shape: MoEShape, prod: Producer, bc: BlockConsumer, scratch: dict,
@@ -395,12 +346,12 @@ def batch_forward(x, fw: FastWeights, shape: MoEShape, prod: Producer, bc: Block
 
 def moe_forward(idx, w, q, sf, fw: FastWeights, bc: BlockConsumer, out: torch.Tensor,
                 max_ctas: int | None = None, gemm_impl: str = "triton") -> None:
-    """The MoE alone on already produced routing/layout (batch structure); ``max_ctas`` as in
-    :meth:`BlockConsumer.compute`, the expert GEMMs of ``gemm_impl`` (:func:`compute_blocks`)."""
+    """The MoE alone on already produced routing/layout (batch structure): the expert GEMMs of
+    ``gemm_impl`` (``max_ctas`` as :meth:`BlockConsumer.compute` takes it)."""
     bc.begin()
     bc.dispatch(0, idx, w, q, sf, 0)
     bc.seal(1)
-    compute_blocks(bc, 0, 2, bc.max_blocks, fw, gemm_impl, max_ctas=max_ctas)
+    bc.compute(0, 2, bc.max_blocks, fw, impl=gemm_impl, max_ctas=max_ctas)
     bc.combine(out)
 
 
@@ -473,7 +424,7 @@ def streamed_forward_serial(x, fw: FastWeights, shape: MoEShape, prod: Producer,
                             scratch: dict, chunk_tokens: int, out: torch.Tensor, gemm_impl: str = "triton") -> None:
     """Chunk by chunk on one stream, without a ring (the block logic alone; tests and the
     ``serialized`` reference): produce chunk c, dispatch it, run the blocks it made ready with
-    the expert GEMMs of ``gemm_impl`` (:func:`compute_blocks`)."""
+    the expert GEMMs of ``gemm_impl`` (:meth:`BlockConsumer.compute`)."""
     t = x.shape[0]
     n_chunks = max(1, -(-t // chunk_tokens))
     bc.begin()
@@ -484,25 +435,7 @@ def streamed_forward_serial(x, fw: FastWeights, shape: MoEShape, prod: Producer,
         prod.route(x[a:b], idx, w)
         prod.layout(x[a:b], q, sf)
         bc.dispatch(c, idx, w, q, sf, a)
-        compute_blocks(bc, c, c + 1, bc.max_ready(b - a), fw, gemm_impl)
+        bc.compute(c, c + 1, bc.max_ready(b - a), fw, impl=gemm_impl)
     bc.seal(n_chunks)
-    compute_blocks(bc, n_chunks, n_chunks + 1, bc.max_ready(0), fw, gemm_impl)
+    bc.compute(n_chunks, n_chunks + 1, bc.max_ready(0), fw, impl=gemm_impl)
     bc.combine(out)
-
-
-GEMM_IMPLS = ("triton", "cutlass", "deep_gemm")
-
-
-def compute_blocks(bc: BlockConsumer, lo_index: int, hi_index: int, max_items: int, fw: FastWeights,
-                   gemm_impl: str = "triton", pdl: bool = False, max_ctas: int | None = None) -> None:
-    """:meth:`BlockConsumer.compute` (``gemm_impl="triton"``), :meth:`BlockConsumer.compute_cutlass`
-    (``"cutlass"``) or :meth:`BlockConsumer.compute_deep_gemm` (``"deep_gemm"``) of the blocks
-    ``ready_list[ready_hi[lo_index] : ready_hi[hi_index]]``."""
-    if gemm_impl == "triton":
-        bc.compute(lo_index, hi_index, max_items, fw, pdl=pdl, max_ctas=max_ctas)
-    elif gemm_impl == "cutlass":
-        bc.compute_cutlass(lo_index, hi_index, max_items, fw, pdl=pdl, max_ctas=max_ctas)
-    elif gemm_impl == "deep_gemm":
-        bc.compute_deep_gemm(lo_index, hi_index, max_items, fw, pdl=pdl, max_ctas=max_ctas)
-    else:
-        raise ValueError(f"gemm_impl must be one of {GEMM_IMPLS}, got {gemm_impl!r}")

@@ -36,6 +36,7 @@ import torch
 
 from ..device.ringdesc import describe_status
 from ..gemm import choice as GC
+from ..gemm.backends import CAPABILITIES
 from ..gemm.cutlass import status_text as gemm_status_text
 from ..ring.layout import CombineLayout, RingLayout
 from ..ring.policies import GEMM_CHOICES
@@ -134,13 +135,14 @@ class EPBuffer(EPPipeline):
         #: the expert GEMMs of every path (implementation and variants; :attr:`gemm` names the implementation)
         self.gemm_choice = resolve_gemm(gemm, shape, R, self.max_tokens, self.block_m)
         self.gemm = self.gemm_choice.impl
-        if consumer == "persistent" and (self.gemm != "triton" or transport == "nv" or policy == "green_ctx"):
+        cap = CAPABILITIES[self.gemm]
+        if consumer == "persistent" and (not cap.persistent or transport == "nv" or policy == "green_ctx"):
             raise ValueError(f"tuning.consumer 'persistent' runs the Triton GEMMs storing straight into the owners over "
                              f"P2P: it needs gemm 'triton' (got {self.gemm!r}), transport 'auto' or 'p2p' (got "
                              f"{transport!r}) and a policy other than 'green_ctx' (got {policy!r})")
         self.consumer, self.reserved_sms = consumer, tu.reserved_sms
-        if self.gemm == "deep_gemm" and tu.chunk_gemm_ctas is not None:
-            raise ValueError("tuning.chunk_gemm_ctas must be None with gemm 'deep_gemm' (DeepGEMM sizes its own grid)")
+        if tu.chunk_gemm_ctas is not None and not cap.max_ctas:
+            raise ValueError(f"tuning.chunk_gemm_ctas must be None with gemm {self.gemm!r} (it sizes its own grid)")
         self.heap, self.shape = heap, shape
         self.R, self.me = R, me
         self.E_loc = shape.num_experts // R
@@ -235,10 +237,10 @@ class EPBuffer(EPPipeline):
 
     def _make_consumer(self, shape: MoEShape, consumer: str) -> None:
         """The block consumer (local scratch, shared by every layer) and, for the persistent consumer, its
-        work queue. L2 stores straight into the owners only with the Triton GEMMs over P2P; else a local y
-        and puts."""
+        work queue. L2 stores straight into the owners over P2P with GEMMs that can (the Triton ones:
+        ``gemm.backends.Capabilities.owner_rows``); else a local y and puts."""
         R, dev = self.R, self.dev
-        self.direct_l2 = self.transport == "p2p" and self.gemm == "triton"
+        self.direct_l2 = self.transport == "p2p" and CAPABILITIES[self.gemm].owner_rows
         local_shape = MoEShape(**{**shape.__dict__, "num_experts": self.E_loc, "n_group": 1, "topk_group": 1,
                                   "router": "softmax_topk", "block_m": self.block_m})
         max_steps = max(p.num_chunks * p.steps for p in self.paths.values())
@@ -465,10 +467,9 @@ class EPBuffer(EPPipeline):
         return out
 
     def _gemm_status(self) -> int:
-        """The expert GEMMs' ready-range status bits so far (DeepGEMM's; CUTLASS traps on its own), 0: fine.
+        """The expert GEMMs' ready-range status bits so far (``status()`` of the backend), 0: fine.
         Synchronises."""
-        dg = getattr(self.bc, "deep_gemm", None)
-        return dg.status() if dg is not None else 0
+        return self.bc.experts(self.gemm).status()
 
     def _gemm_status_line(self, bits: int) -> str:
         return f"rank {self.me}: the expert GEMMs met a bad ready range (status {bits:#x}: {gemm_status_text(bits)})"
@@ -653,7 +654,7 @@ def memory_report(shape: MoEShape, num_ranks: int, *, max_tokens_per_rank: int, 
     max_blocks = -(-(R * cap) * Kk // bm) + E_loc
     rows = max_blocks * bm
     local = rows * (H + H // 128 * 4 + I + I // 128 * 4 + 4 + 4 + 8 + 4)  # a, a_sf, h1, h1_sf, weight, src, tok, chunk
-    if gemm != "triton":
+    if gemm not in CAPABILITIES or not CAPABILITIES[gemm].owner_rows:
         local += rows * (2 * I * 2 + I // 128 * 4 + H * 2)  # bf16 L1 output, L2 scales, local y
     sym = batch_ring + stream_ring + combine
     one = stream_ring + combine

@@ -85,7 +85,7 @@ from ..device.ranges import annotate as nvtx_range
 from ..device.ringdesc import RING_LAYOUT, RING_ROUTE
 from ..ring.device import DeviceRing
 from ..ring.layout import RingLayout
-from .blocks import compute_blocks, select_experts_into
+from .blocks import select_experts_into
 from .timeline_events import STAMP_STRIDE
 
 if TYPE_CHECKING:  # annotations only: the buffer module imports this one
@@ -330,7 +330,7 @@ class EPPipeline:
         bc, r = self.bc, path.ring
         st = self._current_stream()
         if self.direct_l2:
-            bc.compute(lo, hi, max_items, layer.fw, max_ctas=max_ctas, out=self.comb_rows,
+            bc.compute(lo, hi, max_items, layer.fw, impl=self.gemm, max_ctas=max_ctas, out=self.comb_rows,
                        direct=(bc.row_src, bc.row_tok, self.comb_delta))
             DK.ep_signal_arrivals(self.heap.lib, r.stream_ref(st), d=r.desc, comb=self.comb_base,
                                   comb_peers=self.comb_peers, me=self.me, off_arrived=self.comb_layout.off_arrived,
@@ -338,7 +338,7 @@ class EPPipeline:
                                   lo_index=lo, hi_index=hi, row_src=int(bc.row_src.data_ptr()),
                                   row_chunk=int(bc.row_chunk.data_ptr()), block_m=bc.block_m, max_items=max_items)
         else:
-            compute_blocks(bc, lo, hi, max_items, layer.fw, self.gemm, max_ctas=max_ctas)
+            bc.compute(lo, hi, max_items, layer.fw, impl=self.gemm, max_ctas=max_ctas)
             if side_puts:  # the puts read only this range's rows of y: the next GEMMs need not wait for them
                 self.computed[lo].record()
                 self.ustream.wait_event(self.computed[lo])

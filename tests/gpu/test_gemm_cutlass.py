@@ -848,11 +848,11 @@ def test_consumer_cutlass_matches_triton(l1_dtype):
         prod.layout(x, sc["q"], sc["sf"])
         bc = B.BlockConsumer(shape, T, 1, 64, "cuda")
         if impl == "cutlass":
-            bc.use_cutlass(l1_out_dtype=l1_dtype, trap_on_error=False)
+            bc.experts("cutlass", l1_out_dtype=l1_dtype, trap_on_error=False)
         out = torch.zeros_like(x)
         B.moe_forward(sc["idx"], sc["w"], sc["q"], sc["sf"], fw, bc, out, gemm_impl=impl)
         if impl == "cutlass":
-            bc.cutlass.check()
+            bc.experts("cutlass").check()
         outs[impl] = out.float()
         real = bc.tok_row.view(-1)
         h1s[impl] = (bc.h1.view(FP8)[real].float().view(real.numel(), -1, 128) * bc.h1_sf[real][:, :, None]).flatten(1)
@@ -882,7 +882,7 @@ def test_consumer_cutlass_streamed_equals_batch_bitwise(chunk, tiles, bm):
         sc = B.scratch_buffers(shape, T, "cuda")
         bc = B.BlockConsumer(shape, T, -(-T // chunk) + 1, bm, "cuda")
         l1_dtype = torch.float32 if tiles[0] == "coop128" else torch.bfloat16
-        bc.use_cutlass(trap_on_error=False, tile_l1=tiles[0], tile_l2=tiles[1], l1_out_dtype=l1_dtype)
+        bc.experts("cutlass", trap_on_error=False, tile_l1=tiles[0], tile_l2=tiles[1], l1_out_dtype=l1_dtype)
         y = torch.zeros_like(x)
         if streamed:
             B.streamed_forward_serial(x, fw, shape, prod, bc, sc, chunk, y, gemm_impl="cutlass")
@@ -890,7 +890,7 @@ def test_consumer_cutlass_streamed_equals_batch_bitwise(chunk, tiles, bm):
             prod.route(x, sc["idx"], sc["w"])
             prod.layout(x, sc["q"], sc["sf"])
             B.moe_forward(sc["idx"], sc["w"], sc["q"], sc["sf"], fw, bc, y, gemm_impl="cutlass")
-        bc.cutlass.check()
+        bc.experts("cutlass").check()
         ys.append(y)
     assert torch.equal(ys[0], ys[1])
 
@@ -900,9 +900,10 @@ def test_compute_cutlass_refuses_pdl_and_unknown_impls():
     B, shape, fw, x = _moe_setup(DEV)
     bc = B.BlockConsumer(shape, 4, 1, 64, DEV)
     with pytest.raises(ValueError, match="pdl"):
-        bc.compute_cutlass(0, 1, 1, fw, pdl=True)
-    with pytest.raises(ValueError, match="gemm_impl"):
-        B.compute_blocks(bc, 0, 1, 1, fw, gemm_impl="cublas")
+        bc.compute(0, 1, 1, fw, impl="cutlass", pdl=True)
+    with pytest.raises(ValueError, match=r"gemm implementation must be one of \('cutlass', 'deep_gemm', 'triton'\), "
+                                         r"got 'cublas'"):
+        bc.compute(0, 1, 1, fw, impl="cublas")
 
 
 def test_run_parts_prints_a_line_per_compile_unit(tmp_path):

@@ -220,12 +220,14 @@ def _tiny_consumer(block_m, dev=DEV):
 def test_consumer_refuses_deep_gemm_with_other_block_m_pdl_and_max_ctas():
     B, bc = _tiny_consumer(64)
     with pytest.raises(ValueError, match=r"block_m \(BlockConsumer\.block_m, the plan's block_m\) must be 128"):
-        bc.use_deep_gemm()
+        bc.experts("deep_gemm")
     with pytest.raises(ValueError, match="pdl"):
-        bc.compute_deep_gemm(0, 1, 1, None, pdl=True)
+        bc.compute(0, 1, 1, None, impl="deep_gemm", pdl=True)
     with pytest.raises(ValueError, match="max_ctas must be None for gemm='deep_gemm'"):
-        B.compute_blocks(bc, 0, 1, 1, None, gemm_impl="deep_gemm", max_ctas=16)
-    assert "deep_gemm" in B.GEMM_IMPLS
+        bc.compute(0, 1, 1, None, impl="deep_gemm", max_ctas=16)
+    from streamring.gemm.backends import IMPLS
+
+    assert "deep_gemm" in IMPLS
 
 
 def test_availability_gives_a_reason_and_builds_nothing(tmp_path, monkeypatch):
@@ -235,7 +237,7 @@ def test_availability_gives_a_reason_and_builds_nothing(tmp_path, monkeypatch):
         assert not a and a.reason == "no CUDA GPU"
         B, bc = _tiny_consumer(128)
         with pytest.raises(RuntimeError, match="gemm='deep_gemm' is not available: no CUDA GPU"):
-            bc.use_deep_gemm()
+            bc.experts("deep_gemm")
 
 
 def test_gemm_layer_names_deep_gemm():
@@ -425,7 +427,7 @@ def test_consumer_deep_gemm_matches_triton():
         out = torch.zeros_like(x)
         B.moe_forward(sc["idx"], sc["w"], sc["q"], sc["sf"], fw, bc, out, gemm_impl=impl)
         if impl == "deep_gemm":
-            bc.deep_gemm.check()
+            bc.experts("deep_gemm").check()
         outs[impl] = out.float()
     # bf16 L1 output before SwiGLU (as CUTLASS's bf16 variant): ~2 % relative (test_gemm_cutlass)
     rel = float((outs["deep_gemm"] - outs["triton"]).norm() / outs["triton"].norm())
@@ -446,7 +448,7 @@ def test_consumer_deep_gemm_streamed_equals_batch_bitwise(chunk, keep):
         sc = B.scratch_buffers(shape, T, "cuda")
         bc = B.BlockConsumer(shape, T, -(-T // chunk) + 1, 128, "cuda")
         # one chunk (chunk == T) may write y directly: a single range, plus the seal's
-        bc.use_deep_gemm(keep_rows_outside_range=keep)
+        bc.experts("deep_gemm", keep_rows_outside_range=keep)
         y = torch.zeros_like(x)
         if streamed:
             B.streamed_forward_serial(x, fw, shape, prod, bc, sc, chunk, y, gemm_impl="deep_gemm")
@@ -454,9 +456,9 @@ def test_consumer_deep_gemm_streamed_equals_batch_bitwise(chunk, keep):
             prod.route(x, sc["idx"], sc["w"])
             prod.layout(x, sc["q"], sc["sf"])
             B.moe_forward(sc["idx"], sc["w"], sc["q"], sc["sf"], fw, bc, y, gemm_impl="deep_gemm")
-        bc.deep_gemm.check()
+        bc.experts("deep_gemm").check()
         # the batch call covers the forward's one allocation: the psum layout; a stream's seal call does not
-        assert bc.deep_gemm.last_used_psum is (not streamed)
+        assert bc.experts("deep_gemm").last_used_psum is (not streamed)
         ys.append(y)
     assert torch.equal(ys[0], ys[1]) == keep
 

@@ -141,7 +141,7 @@ def test_a_gemm_status_makes_the_buffer_refuse(setup):
             def status(self):
                 return 32
 
-        buf.bc.deep_gemm = RefusedPsum()
+        buf.bc.experts = lambda impl="triton", **options: RefusedPsum()
         st = buf.status()
         assert st["gemm_status"] == 32
         assert "psum layout" in buf.broken and "rank 0" in buf.broken

@@ -160,7 +160,7 @@ def test_setup_consumer_applies_the_choice():
     assert lc.impl == "cutlass"
     bc = B.BlockConsumer(shape, 8, 1, 64, "cpu")
     GC.setup_consumer(bc, lc, staging_y=True)
-    g1, g2 = bc.cutlass.gemm1, bc.cutlass.gemm2
+    g1, g2 = bc.experts("cutlass").gemm1, bc.experts("cutlass").gemm2
     assert (g1.tile, g1.raster, g1.swizzle, g1.out_dtype, g1.sf_n) == ("coop192_m2", "n", 4, torch.bfloat16, 64)
     # L2's table entry names an f32 variant; L2's output is bf16 always, its tile and order are what count
     assert (g2.tile, g2.raster, g2.swizzle) == ("pingpong64", "m", 1)
@@ -346,3 +346,23 @@ def test_a_cutlass_build_inside_a_run_announces_itself(monkeypatch, tmp_path, ca
     err = capsys.readouterr().err
     assert err.count("streamring: the CUTLASS GEMM library is not built") == 1, err
     assert "building it now (a line per compile unit follows)" in err and "3.5 minutes on 2" in err, err
+
+
+def test_every_backend_is_one_class_with_the_registry_capabilities():
+    """gemm.backends: each name makes its class, whose ``name`` and ``capabilities`` are the registry's, and
+    a call asking for what a backend cannot do is refused by name before any GPU work (the EP buffer's
+    capped chunk grids, direct L2 and persistent consumer ask these, not the backend's name)."""
+    from streamring.gemm import backends as GB
+
+    assert GB.IMPLS == GC.IMPLS == ("cutlass", "deep_gemm", "triton")
+    for impl in GB.IMPLS:
+        cls = GB.backend_class(impl)
+        assert cls.name == impl and cls.capabilities is GB.CAPABILITIES[impl]
+        for what, kw in (("pdl", dict(pdl=True)), ("max_ctas", dict(max_ctas=8)), ("owner_rows", dict(direct=()))):
+            if getattr(cls.capabilities, what):
+                GB.refuse_unsupported(impl, **kw)
+            else:
+                with pytest.raises(ValueError, match=f"gemm={impl!r}"):
+                    GB.refuse_unsupported(impl, **kw)
+    with pytest.raises(ValueError, match=r"gemm implementation must be one of .*got 'cublas'"):
+        GB.backend_class("cublas")

@@ -1,0 +1,53 @@
+"""The Triton expert GEMMs behind the backend interface (:mod:`streamring.gemm.backends`).
+
+The kernels live in :mod:`streamring.device.moe_triton` (the persistent consumer kernel is built from the
+same tile functions, and device may not import gemm); this adapter launches them over a block consumer's
+buffers. L1 writes FP8 ``h1`` with its 1x128 scales (SwiGLU and requantisation in the epilogue), L2 the
+bf16 rows times their routing weights, rounded once.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..device import moe_triton as K
+from .backends import CAPABILITIES
+
+FP8 = torch.float8_e4m3fn
+
+
+class TritonExperts:
+    """The Triton L1 + SwiGLU and L2 kernels over one :class:`~streamring.moe.blocks.BlockConsumer`
+    (no buffers of its own: ``h1`` and its scales are the consumer's)."""
+
+    name = "triton"
+    capabilities = CAPABILITIES["triton"]
+
+    def __init__(self, bc):
+        self.bc = bc
+
+    def compute(self, lo_index: int, hi_index: int, max_items: int, fw, *, max_ctas: int | None = None,
+                pdl: bool = False, out=None, direct=None) -> None:
+        """L1 + SwiGLU and L2 of the ready blocks (module :mod:`~streamring.gemm.backends`).
+
+        ``pdl``: launch both GEMMs with programmatic dependent launch (they wait in-kernel).
+        ``max_ctas``: a persistent grid of at most this many CTAs looping over the tiles (leaves SM slots
+        to other streams); None: one CTA per tile. ``out``/``direct``: where L2 stores (default the local
+        ``y``; ``direct=(row_src, row_tok, comb_delta)`` with ``out`` = this PE's combine rows: straight
+        into each row's owner, see ``moe_triton.expert_l2``). The launched kernels join
+        ``bc.gemm_kernels`` (graph node priorities leave them at the default)."""
+        bc = self.bc
+        h1 = bc.h1.view(FP8)
+        k1 = K.expert_l1(bc.ready_list, bc.ready_hi, lo_index, hi_index, max_items, bc.block_expert, bc.a.view(FP8),
+                         bc.a_sf, fw.w1, fw.w1_sf, h1, bc.h1_sf, block_m=bc.block_m, pdl=pdl, max_ctas=max_ctas)
+        k2 = K.expert_l2(bc.ready_list, bc.ready_hi, lo_index, hi_index, max_items, bc.block_expert, h1, bc.h1_sf,
+                         fw.w2, fw.w2_sf, bc.row_weight, bc.y if out is None else out, bc.block_rows,
+                         block_m=bc.block_m, pdl=pdl, max_ctas=max_ctas, direct=direct)
+        bc.gemm_kernels.update(k for k in (k1, k2) if k is not None)
+
+    def status(self) -> int:
+        """0: the Triton kernels bound every ready range by ``max_items`` and record no status."""
+        return 0
+
+    def check(self) -> None:
+        """Nothing to check (see :meth:`status`)."""
