@@ -326,7 +326,11 @@ class EPBuffer(EPPipeline):
                 link_GBps=NVLINK_GBPS if self.transport == "p2p" else INTER_NODE_GBPS,
                 shape=(self.shape.hidden, self.shape.intermediate, self.shape.topk))
         self.last_adaptive = choice
-        return choice.path == "streamed" and choice.chunks == st.num_chunks and choice.source_order == st.source_order
+        # with one chunk the ready and arrival orders are one schedule (a step per source, in the order they
+        # publish; arrival differs only in how it takes later chunks), so either's measured row serves both
+        one_chunk_orders = st.num_chunks == 1 and {choice.source_order, st.source_order} <= {"ready", "arrival"}
+        return choice.path == "streamed" and choice.chunks == st.num_chunks and (
+            choice.source_order == st.source_order or one_chunk_orders)
 
     def forward(self, x: torch.Tensor, weights: LayerWeights, *, streaming: bool | str = False,
                 stream_epoch: Optional[int] = None, num_tokens=None, out: Optional[torch.Tensor] = None,

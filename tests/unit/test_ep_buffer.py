@@ -288,6 +288,27 @@ def test_auto_streams_only_where_the_table_measured_a_win(setup, monkeypatch):
     assert not buf.adaptive_streaming(37) and buf.last_adaptive.path == "batch"
 
 
+def test_auto_takes_a_one_chunk_row_of_either_source_order(setup, monkeypatch):
+    """With one chunk the ready and arrival orders are one schedule (a step per source as they publish), so a
+    measured one-chunk win of either serves a buffer of the other; with more chunks the order must match."""
+    from streamring.moe import adaptive
+
+    shape, _, _ = setup
+    row = {"tokens": 32, "ranks": 1, "experts_per_pe": 4, "gemm": "triton", "block_m": 16, "path": "streamed",
+           "chunks": 1, "num_slots": 1, "policy": "spin_kernel", "streamed_over_batch": 0.95}
+    monkeypatch.setattr(adaptive, "DEFAULT_TABLE", None)
+    for order, table_order, chunk, want in (("ready", "arrival", None, True), ("arrival", "ready", None, True),
+                                            ("rank", "ready", None, False), ("ready", "arrival", 16, False)):
+        monkeypatch.setattr(adaptive, "load_table", lambda path=None, o=table_order, c=chunk: {
+            "rows": [{**row, "source_order": o, "chunks": 1 if c is None else 3}]})
+        buf = EPBuffer(EmulatedHeap(), shape, max_tokens_per_rank=40, num_slots=3, tokens_per_slot=chunk,
+                       gemm="triton", tuning=EPTuning(policy="serialized", source_order=order, block_m=16))
+        try:
+            assert buf.adaptive_streaming(37) is want, (order, table_order, chunk)
+        finally:
+            buf.close()
+
+
 def test_explicit_stream_epochs_must_grow(setup):
     shape, fw, buf = setup
     w = buf.prepare_weights(fw)
