@@ -3,6 +3,8 @@
 gives the output's shape and dtype, ``torch.compile`` keeps it one node with no graph break (eager backend,
 ``torch._dynamo.explain``, a second token count, and the default inductor backend)."""
 
+import pytest
+
 SCRIPT = "tests/helpers/mp_moe_ops.py"
 
 
@@ -16,6 +18,8 @@ def test_num_tokens_is_validated_and_rows_past_it_are_ignored(mpirun):
     assert r.rc == 0 and "SCENARIO OK" in r.out, r
 
 
+@pytest.mark.slow(reason="torch.compile's default backend generates and compiles C++ on both ranks (25-40 s on 2 "
+                         "shared cores with a cold inductor cache): the one test of the op under inductor")
 def test_op_under_inductor(mpirun):
     """The default backend generates and compiles C++ once, with dynamic shapes (about 25 s on 2 shared cores with
     a cold inductor cache, 8 s warm); a second token count on each rank runs the same graph (no recompile)."""
