@@ -529,7 +529,7 @@ def bench_tokens(heap, T, shape, full, base, args, rows, timelines, budget):
                                      "over_batch_on_time": s_["median_ms"] / bo})
                     log(f"T={T} E/PE={epp} {routing_name} {buf.gemm}: streamed {cfg} {st['median_ms']:.3f} ms "
                         f"({r['streamed_over_batch']:.3f}x batch), late "
-                        f"{[round(x['over_batch_on_time'], 3) for x in rows[-len(late):]]}x on-time batch, "
+                        f"{[round(x['over_batch_on_time'], 3) for x in rows[len(rows) - len(late):]]}x on-time batch, "
                         f"bitwise {same}, ok {good}")
                     # judged by the worst late case against the on-time batch (what "hidden" means)
                     worst = max([st["median_ms"]] + [s_["median_ms"] for s_ in late.values()])
