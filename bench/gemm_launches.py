@@ -101,8 +101,8 @@ def outputs(fwd: Forward) -> list:
     form's leftovers."""
     bc = fwd.bc
     out = [bc.y, bc.h1, bc.h1_sf]
-    for helper, names in ((getattr(bc, "cutlass", None), ("gu", "h1_sf_w")),
-                          (getattr(bc, "deep_gemm", None), ("gu", "h1_sf_w", "h1_sf_w_mn", "y_scratch"))):
+    for helper, names in ((bc.made_experts("cutlass"), ("gu", "h1_sf_w")),
+                          (bc.made_experts("deep_gemm"), ("gu", "h1_sf_w", "h1_sf_w_mn", "y_scratch"))):
         if helper is not None:
             out += [t for t in (getattr(helper, n, None) for n in names) if t is not None]
     return out

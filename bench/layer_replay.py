@@ -120,7 +120,7 @@ if ok and os.environ.get("LAYER_REPLAY_KERNELS"):
         for name, t in sorted(per.items(), key=lambda kv: -kv[1])[:14]:
             print(f"layer_replay:   {t:8.3f} ms  {100 * t / tot:5.1f} %  {name[:110]}", flush=True)
 for held, impl in zip(keep, impls):
-    dgx = getattr(held, "deep_gemm", None)
+    dgx = held.made_experts("deep_gemm")  # held: the form's BlockConsumer
     if ok and dgx is not None:
         print(f"layer_replay: {impl} psum layout used: {dgx.last_used_psum}; status: {DG.status_text(dgx.status())}",
               flush=True)

@@ -221,15 +221,21 @@ def ep_place_rows(sorted_e, order, counts, cstart, state, expert_blocks, src_lis
                                 MAXB=expert_blocks.shape[1], BH=bh, STAGED=staged is not None, num_warps=4)
 
 
-@triton.jit(do_not_specialize=["n", "row0"])
+# One compiled kernel for every chunk and call: the pointers are row slices (a chunk's rows, a counter of
+# the chunk) whose alignment changes with the chunk, and copy_slot changes with the caller; a kernel
+# specialised on either would be compiled and loaded mid-forward at the first chunk or call that differs
+# from the warm-up, while the consumer side already waits on the ring (or inside a graph capture).
+@triton.jit(do_not_specialize=["n", "row0", "copy_slot"],
+            do_not_specialize_on_alignment=["idx_ptr", "w_ptr", "slot_idx_ptr", "slot_w_ptr", "my_idx_ptr",
+                                            "my_w_ptr", "expected_ptr"])
 def _own_routes_kernel(idx_ptr, w_ptr, slot_idx_ptr, slot_w_ptr, my_idx_ptr, my_w_ptr, num_tokens_ptr, expected_ptr,
-                       n, row0, K: tl.constexpr, COPY_SLOT: tl.constexpr, BLOCK: tl.constexpr):
+                       n, row0, copy_slot, K: tl.constexpr, BLOCK: tl.constexpr):
     # BLOCK (token, k) entries of the chunk's n rows; row0: the chunk's first row in the forward
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n * K
     idx = tl.load(idx_ptr + offs, mask=m, other=-1)
     w = tl.load(w_ptr + offs, mask=m, other=0.0)
-    if COPY_SLOT:
+    if copy_slot != 0:
         tl.store(slot_idx_ptr + offs, idx, mask=m)
         tl.store(slot_w_ptr + offs, w, mask=m)
     live = (row0 + offs // K) < tl.load(num_tokens_ptr)
@@ -253,10 +259,13 @@ def own_routes(idx, w, my_idx, my_w, num_tokens, expected, *, row0: int, slot_id
     n, k = idx.shape
     if n == 0:
         return
-    idx, w = idx.contiguous(), w.contiguous()  # no copy for the producer's own (contiguous) rows
     copy = slot_idx is not None
+    for name, t in (("idx", idx), ("w", w), ("my_idx", my_idx), ("my_w", my_w), ("slot_idx", slot_idx),
+                    ("slot_w", slot_w)):
+        if t is not None and not t.is_contiguous():  # rows of K entries, back to back, is what the kernel reads
+            raise ValueError(f"own_routes: {name} must be contiguous [n, K], got strides {tuple(t.stride())}")
     _own_routes_kernel[(triton.cdiv(n * k, block),)](idx, w, slot_idx if copy else idx, slot_w if copy else w, my_idx,
-                                                     my_w, num_tokens, expected, n, row0, K=k, COPY_SLOT=copy,
+                                                     my_w, num_tokens, expected, n, row0, int(copy), K=k,
                                                      BLOCK=block, num_warps=4)
 
 

@@ -318,6 +318,10 @@ class BlockConsumer:
             have = self._experts[impl] = make_experts(impl, self, **options)
         return have
 
+    def made_experts(self, impl: str):
+        """The expert GEMMs of ``impl`` if :meth:`experts` made them already, else None (makes nothing)."""
+        return self._experts.get(impl)
+
     def compute(self, lo_index: int, hi_index: int, max_items: int, fw: FastWeights, *, impl: str = "triton",
                 max_ctas: int | None = None, pdl: bool = False, out=None, direct=None) -> None:
         """L1+SwiGLU and L2 of the blocks ``ready_list[ready_hi[lo_index] : ready_hi[hi_index]]`` by the

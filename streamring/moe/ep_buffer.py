@@ -393,6 +393,7 @@ class EPBuffer(EPPipeline):
             if w.dtype != torch.float32 or tuple(w.shape) != (T, Kk) or w.device != self.dev:
                 raise ValueError(f"routing[1] (topk_weights) must be float32 [{T}, {Kk}] on {self.dev}, got {w.dtype} "
                                  f"{list(w.shape)} on {w.device}")
+            routing = (idx.contiguous(), w.contiguous())  # the producer reads rows of K back to back (no copy if so)
         if isinstance(num_tokens, int) and not 0 <= num_tokens <= T:
             raise ValueError(f"num_tokens must be in [0, {T}] (rows of x), got {num_tokens}")
         if streaming == "auto":

@@ -394,3 +394,16 @@ def test_own_routes_masks_past_the_count_copies_and_counts(n, row0, num_tokens, 
         assert torch.equal(slot_idx.cpu(), idx.cpu()) and torch.equal(slot_w.cpu(), w.cpu())
     else:
         assert bool((slot_idx == 99).all())
+
+
+def test_own_routes_refuses_rows_that_are_not_back_to_back():
+    """A strided view (e.g. every other token of a caller's routing) is refused by name, never read as if
+    its rows were contiguous (EPBuffer.forward makes a caller's routing contiguous before it gets here)."""
+    from streamring.device import ep_triton as EK
+
+    idx = torch.zeros(8, 8, dtype=torch.int64, device=DEV)[::2]
+    w = torch.zeros(4, 8, device=DEV)
+    mine, my_w = torch.zeros(4, 8, dtype=torch.int64, device=DEV), torch.zeros(4, 8, device=DEV)
+    one = torch.zeros(1, dtype=torch.int64, device=DEV)
+    with pytest.raises(ValueError, match=r"own_routes: idx must be contiguous \[n, K\]"):
+        EK.own_routes(idx, w, mine, my_w, one, one.clone(), row0=0)
