@@ -68,8 +68,9 @@ def make_experts(impl: str, bc, **options):
     return backend_class(impl)(bc, **options)
 
 
-def refuse_unsupported(impl: str, *, max_ctas=None, pdl: bool = False, direct=None) -> None:
-    """ValueError naming the argument when a ``compute`` call of ``impl`` asks for what it cannot do."""
+def refuse_unsupported(impl: str, *, max_ctas=None, pdl: bool = False, out=None, direct=None) -> None:
+    """ValueError naming the argument when a ``compute`` call of ``impl`` asks for what it cannot do
+    (``out``: L2 into rows other than the consumer's ``y``, which only the owner-rows backends take)."""
     cap = CAPABILITIES[check_impl(impl)]
     if pdl and not cap.pdl:
         raise ValueError(f"pdl=True: programmatic dependent launch is not implemented for gemm={impl!r} "
@@ -77,6 +78,8 @@ def refuse_unsupported(impl: str, *, max_ctas=None, pdl: bool = False, direct=No
     if max_ctas is not None and not cap.max_ctas:
         raise ValueError(f"max_ctas must be None for gemm={impl!r} (it sizes its own persistent grid from the "
                          f"device's SM count; a capped grid would change its configuration), got {max_ctas}")
-    if direct is not None and not cap.owner_rows:
-        raise ValueError(f"direct= (L2 into the owners' combine rows) is not implemented for gemm={impl!r} "
-                         f"(only for {[k for k, c in CAPABILITIES.items() if c.owner_rows]})")
+    for arg, value in (("direct", direct), ("out", out)):
+        if value is not None and not cap.owner_rows:
+            raise ValueError(f"{arg}= (L2 into rows other than the consumer's y: the owners' combine rows) is not "
+                             f"implemented for gemm={impl!r} (only for "
+                             f"{[k for k, c in CAPABILITIES.items() if c.owner_rows]})")

@@ -634,9 +634,7 @@ class CutlassExperts:
                 pdl: bool = False, out=None, direct=None) -> None:
         """L1 + SwiGLU/requant and L2 of the ready blocks into ``bc.y`` (:mod:`~streamring.gemm.backends`);
         ``max_ctas`` caps the persistent grids; ``pdl``, ``out`` and ``direct`` are refused (ValueError)."""
-        refuse_unsupported(self.name, max_ctas=max_ctas, pdl=pdl, direct=direct)
-        if out is not None:
-            raise ValueError("out=: the CUTLASS GEMMs write the consumer's local y only")
+        refuse_unsupported(self.name, max_ctas=max_ctas, pdl=pdl, out=out, direct=direct)
         self.l1_swiglu(lo_index, hi_index, max_items, fw, max_ctas)
         self.l2(lo_index, hi_index, max_items, fw, max_ctas)
 

@@ -386,9 +386,7 @@ class DeepGemmExperts:
         """L1 + SwiGLU/requant and L2 of the ready blocks into ``bc.y`` (:mod:`~streamring.gemm.backends`);
         ``max_ctas``, ``pdl``, ``out`` and ``direct`` are refused (ValueError): DeepGEMM's grid and
         configuration follow the device's SM count."""
-        refuse_unsupported(self.name, max_ctas=max_ctas, pdl=pdl, direct=direct)
-        if out is not None:
-            raise ValueError("out=: the DeepGEMM GEMMs write the consumer's local y only")
+        refuse_unsupported(self.name, max_ctas=max_ctas, pdl=pdl, out=out, direct=direct)
         if max_items <= 0:
             return
         psum = self.allow_psum and self.bc.covers_one_allocation(lo_index, hi_index)

@@ -328,7 +328,7 @@ class BlockConsumer:
         expert GEMMs of ``impl`` (:meth:`experts`). ``max_ctas`` (a capped persistent grid), ``pdl``
         (programmatic dependent launch) and ``out``/``direct`` (where L2 stores) as the backend's
         ``compute`` takes them; a backend without one of them refuses it (ValueError), before it is made."""
-        refuse_unsupported(impl, max_ctas=max_ctas, pdl=pdl, direct=direct)
+        refuse_unsupported(impl, max_ctas=max_ctas, pdl=pdl, out=out, direct=direct)
         self.experts(impl).compute(lo_index, hi_index, max_items, fw, max_ctas=max_ctas, pdl=pdl, out=out,
                                    direct=direct)
 
