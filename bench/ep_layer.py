@@ -310,15 +310,13 @@ def delay_setter(heap, buf, case, seed):
     return lambda i: buf.set_straggler(ns)
 
 
-def measure(heap, buf, layer, x, routing, streaming, args, seed):
-    """Eager first forward, capture, timed replays; then the same graph in each late-rank case.
-    Returns ``(out, stats, {case: stats})``."""
+def measure_batch(heap, buf, layer, x, routing, args, seed):
+    """The batch path (the reference of every streamed plan): eager first forward, capture, timed replays;
+    then the same graph in each late-rank case. Returns ``(out, stats, {case: stats})``."""
     y = torch.zeros_like(x)
-    buf.forward(x, layer, streaming=streaming, out=y, routing=routing)
+    buf.forward(x, layer, streaming=False, out=y, routing=routing)
     heap.barrier()
-    g = buf.capture(x, layer, y, streaming=streaming, routing=routing, stamps=False)
-    if streaming:
-        log(f"PE {heap.rank}: graph node priorities: {buf.node_priority_report}")
+    g = buf.capture(x, layer, y, streaming=False, routing=routing, stamps=False)
     heap.barrier()
     st = stats(timed(heap, g.replay, args.replays))
     out = y.clone()
@@ -431,7 +429,7 @@ def plans_for(args, T: int, gemm: str) -> list[tuple]:
 def batch_reference(heap, buf, layer, x, routing, full, shape, args, common, cfg, seed):
     """The batch path's rows (on time and late) and its GEMMs alone; returns ``(out, on-time row, rows)``."""
     T, dev = x.shape[0], heap.device
-    ref_out, st, late = measure(heap, buf, layer, x, routing, False, args, seed)
+    ref_out, st, late = measure_batch(heap, buf, layer, x, routing, args, seed)
     rows_here = heap.allgather_obj(rows_routed_here(buf))
     # NVLink bytes per forward: one row per route (before) and one per token (after)
     pulled = heap.allgather_obj([int(v) for v in buf.pull_bytes.tolist()])
@@ -520,19 +518,22 @@ def bench_tokens(heap, T, shape, full, base, args, rows, timelines, budget):
                          "batch_paired_ms": b0, "streamed_over_batch": st["median_ms"] / b0,
                          "over_batch_on_time": st["median_ms"] / b0,
                          "streamed_over_gemm_only": st["median_ms"] / max(ref_row["gemm_only_ms"])}
-                    rows.append(r)
+                    late_rows = []
                     for case, s_ in late.items():
-                        bc, bo = paired[case]["batch"]["median_ms"], paired[case]["batch_on_time"]["median_ms"]
-                        rows.append({**common_r, **cfg, "path": "streamed", "gemm": buf.gemm, **case_fields(case),
-                                     **s_, "bitwise_equal_to_batch": same, "paired": True, "batch_paired_ms": bc,
-                                     "batch_on_time_paired_ms": bo, "streamed_over_batch": s_["median_ms"] / bc,
-                                     "over_batch_on_time": s_["median_ms"] / bo})
+                        b_case, b_on = paired[case]["batch"]["median_ms"], paired[case]["batch_on_time"]["median_ms"]
+                        late_rows.append({**common_r, **cfg, "path": "streamed", "gemm": buf.gemm,
+                                          **case_fields(case), **s_, "bitwise_equal_to_batch": same, "paired": True,
+                                          "batch_paired_ms": b_case, "batch_on_time_paired_ms": b_on,
+                                          "streamed_over_batch": s_["median_ms"] / b_case,
+                                          "over_batch_on_time": s_["median_ms"] / b_on})
+                    rows += [r] + late_rows
                     log(f"T={T} E/PE={epp} {routing_name} {buf.gemm}: streamed {cfg} {st['median_ms']:.3f} ms "
                         f"({r['streamed_over_batch']:.3f}x batch), late "
-                        f"{[round(x['over_batch_on_time'], 3) for x in rows[len(rows) - len(late):]]}x on-time batch, "
+                        f"{[round(lr['over_batch_on_time'], 3) for lr in late_rows]}x on-time batch, "
                         f"bitwise {same}, ok {good}")
-                    # judged by the worst late case against the on-time batch (what "hidden" means)
-                    worst = max([st["median_ms"]] + [s_["median_ms"] for s_ in late.values()])
+                    # judged by the worst case over the on-time batch (what "hidden" means), as the verdicts
+                    # judge: paired ratios, so plans measured minutes apart compare without their drift
+                    worst = max(row["over_batch_on_time"] for row in [r] + late_rows)
                     if r["ok"] and (best is None or worst < best[0]):
                         best = (worst, stamped_timelines(heap, buf, layer, x, routing, True, late_max,
                                                          {**info, "batch_ms": b0, "streamed_ms": st["median_ms"]}))
