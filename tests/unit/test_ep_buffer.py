@@ -350,6 +350,11 @@ def test_routing_given_by_the_caller(setup):
     idx, wt = select_experts(lg, fw.bias, shape)
     want = buf.forward(x, w).clone()
     assert torch.equal(bits(buf.forward(x, w, streaming=True, routing=(idx, wt.float()))), bits(want))
+    # a strided view of the same routing (e.g. columns of a wider table) gives the same output
+    wide_idx = torch.stack([idx, torch.zeros_like(idx)], -1).view(21, -1)[:, ::2]
+    wide_w = torch.stack([wt.float(), torch.zeros_like(wt.float())], -1).view(21, -1)[:, ::2]
+    assert not wide_idx.is_contiguous() and torch.equal(wide_idx, idx)
+    assert torch.equal(bits(buf.forward(x, w, streaming=True, routing=(wide_idx, wide_w))), bits(want))
     masked = idx.clone()
     masked[:, 1:] = -1  # only each token's first expert
     only_first = buf.forward(x, w, routing=(masked, wt.float())).clone()
