@@ -29,12 +29,16 @@ Per forward and per PE (the slowest PE sets the time), R PEs, T tokens per PE, E
   HBM's 4.8 TB/s (t_w 3-8 µs against 9 µs for 44 MB from HBM): most of a weight pass hides under the
   blocks' compute, t_w is what it adds. Under MPS R PEs run their GEMMs at once on one GPU: t_w and
   t_b are multiplied by R (HBM and SMs shared; the rates ``@mps`` are fitted with that factor).
-  DeepGEMM's call over a range is a whole-buffer call: every call of it costs the batch call;
+  DeepGEMM's call over a range is a whole-buffer m_indices call: E experts and every block of the
+  buffer, ceil(R*T*K/block_m) + E (its worst case); only the batch path's one call (one allocation)
+  takes the psum layout, the blocks in use;
 * the streamed path (consumer per_chunk): steps = C (rank order: chunk c of every source per step)
   or C*R (ready, arrival: one source's chunk per step); each step's call takes the step's FULL
   blocks of each expert (rows of an expert accumulate until they fill a block); the last step is
   merged into the seal call, which takes every remaining row (partial blocks). Every call that
-  touches an expert streams its weights again: that is what chunking costs;
+  touches an expert streams its weights again: that is what chunking costs. ``last_step_with_seal=
+  False`` describes code measured before the merge: a call per step (the batch path's one step
+  included), then the seal's own call with the partial blocks alone;
 * combine: c_fix + c_tok*T, plus on one GPU per PE the results coming back over the link:
   T*K*(R-1)/R bf16 rows of H (under MPS the timelines' combine phase already holds the local copy);
 * schedule: each source r publishes its chunk c at delay_r + (c+1)*producer(T/C); a PE's consumer
@@ -48,9 +52,11 @@ Per forward and per PE (the slowest PE sets the time), R PEs, T tokens per PE, E
 
 Parameters (all physical; ``streamring/moe/cost_model_rates.json`` names their sources and fit rows):
   per GEMM implementation and machine kind (``triton``, ``cutlass``, ``deep_gemm``; ``triton@mps``,
-  ``cutlass@mps``): BW (GB/s, effective weight-streaming rate) and F (TFLOP/s, effective rate of a
-  block) - 2 each (the JSON also gives them as t_w and t_b in µs); g_call = 25 µs per call for all (not fitted: with one expert count per
-  machine it is collinear with BW);
+  ``cutlass@mps``; a kind without its own entry takes the one-GPU rates): BW (GB/s, effective
+  weight-streaming rate) and F (TFLOP/s, effective rate of a block) - 2 each (the JSON also gives them
+  as t_w and t_b in µs); g_call = 25 µs per call for all (not fitted: fitted per implementation it
+  leaves the physical range - CUTLASS 220-300 µs, MPS and DeepGEMM 0 - and predicts left-out files
+  worse);
   per machine kind (``gpu``: one GPU per PE; ``mps``: R PEs on one GPU): p_fix, p_tok (producer:
   layout_published - produce_start of the current-code MPS timelines; the one-GPU kind has no
   current-code timeline and takes the same), d_fix (dispatch step: dispatched_acked - acquired of the
@@ -58,13 +64,20 @@ Parameters (all physical; ``streamring/moe/cost_model_rates.json`` names their s
   timelines' combine phase; one GPU: fitted), and on one GPU per PE ``link_eff``, the fraction of the
   nominal link rate the dispatch and combine bytes get (fitted on the 2-H200 rows; it also absorbs
   what crossing GPUs costs beyond bytes, and it is applied to the inter-node rate too).
-Fit: one weighted linear least-squares per machine kind over the on-time batch rows (equations: each
-row's ``gemm_only_ms``, mean over PEs = the GEMM term alone, and its median = every phase). DeepGEMM's
-gemm_only is a whole-buffer timing larger than its forward, so its two rates come from its three
-batch medians less the other phases. Every streamed row and every batch row with a late rank or
-skew is checked only (``fit``/``chk`` column of --check).
+Fit (``bench.cost_model``): Levenberg-Marquardt on the relative errors, Cauchy-weighted (scale 5 %),
+over every on-time row, batch and streamed, without chunk_gemm_ctas: its median (``predict``, every
+phase) and, for a batch row, its ``gemm_only_ms`` mean over PEs (one call over the batch blocks;
+not DeepGEMM's, which those runs timed with Triton's GEMMs). Rows with a late rank, skew or capped
+GEMM grids are checked only (``fit``/``chk`` column of --check); ``--cv`` refits without each file and
+checks it. Each result file is modelled as the code that measured it (``bench.cost_model.MEASURED_CODE``:
+the seal's own call before the merge; CUTLASS streamed rows measured with the owner's reduce chunk by
+chunk are skipped: its spinning wait delays one CTA of CUTLASS's persistent grid, a stall the model has
+no term for).
 
-Left out (a miss of the check is one of these): NVLink/HBM contention between dispatch and GEMMs
+Left out (a miss of the check is one of these): CUTLASS's chunk order (in a streamed call an expert's
+few blocks lie apart from its other blocks and its weight tiles are re-read from HBM more often than one
+weight pass per touched expert says: 1.2-1.5x the batch blocks' GEMM time at >= 4096 tokens,
+docs/performance.md); NVLink/HBM contention between dispatch and GEMMs
 (the streamed dispatch kernels starved by GEMM grids; under MPS the streamed dispatch phase is ~3x
 its batch time); an on-time PE on an MPS GPU running faster while its peer is late (it has the SMs
 to itself); routing imbalance (non-uniform routing rows are skipped) and uneven per-PE row counts;
@@ -93,9 +106,9 @@ RATES_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cost_mode
 # rates used when no rates JSON exists (the values the fit of 2026-12-03 gave, rounded)
 FALLBACK_RATES = {
     "gemm": {
-        "triton": {"bw_GBps": 3300.0, "tflops": 480.0, "call_us": 20.0},
-        "cutlass": {"bw_GBps": 3700.0, "tflops": 550.0, "call_us": 20.0},
-        "deep_gemm": {"bw_GBps": 4000.0, "tflops": 700.0, "call_us": 20.0},
+        "triton": {"bw_GBps": 3300.0, "tflops": 480.0, "call_us": 25.0},
+        "cutlass": {"bw_GBps": 3700.0, "tflops": 550.0, "call_us": 25.0},
+        "deep_gemm": {"bw_GBps": 4000.0, "tflops": 700.0, "call_us": 25.0},
     },
     "machine": {
         "gpu": {"p_fix_us": 20.0, "p_tok_us": 0.01, "d_fix_us": 30.0, "local_GBps": 1500.0,
@@ -121,6 +134,7 @@ class Config:
     straggler_ms: float = 0.0
     straggler_rank: int | None = None
     skew_ms: float = 0.0
+    last_step_with_seal: bool = True    # False: a call per dispatch step, then the seal's own call
 
 
 _RATES_CACHE: dict = {}
@@ -140,9 +154,11 @@ def load_rates(path: str | None = None) -> dict:
 # ---------------------------------------------------------------- GEMM calls (block counts)
 
 @functools.lru_cache(maxsize=4096)
-def _block_counts(rows_per_expert: float, experts: int, steps: int, block_m: int, draws: int = 16):
-    """Expected (touched, blocks) per call: steps-1 step calls with full blocks only, then the seal
-    call with every remaining row. Expert counts per step ~ Poisson(rows_per_expert/steps)."""
+def _block_counts(rows_per_expert: float, experts: int, steps: int, block_m: int, draws: int = 16,
+                  merged: bool = True):
+    """Expected (touched, blocks) per call. ``merged``: steps-1 step calls with full blocks only, then
+    the seal call with every remaining row; else ``steps`` step calls with full blocks only, then the
+    seal call with the partial blocks alone. Expert counts per step ~ Poisson(rows_per_expert/steps)."""
     rng = np.random.default_rng(12345)
     mu = rows_per_expert / steps
     counts = rng.poisson(mu, size=(draws, experts, steps))
@@ -150,7 +166,7 @@ def _block_counts(rows_per_expert: float, experts: int, steps: int, block_m: int
     full = cum // block_m                                   # full blocks available after step s
     touched, blocks = [], []
     prev = np.zeros((draws, experts), dtype=np.int64)
-    for s in range(steps - 1):
+    for s in range(steps - 1 if merged else steps):
         b = full[:, :, s] - prev
         prev = full[:, :, s]
         touched.append(float((b > 0).sum(axis=1).mean()))
@@ -218,12 +234,16 @@ def predict(config, rates: dict | None = None) -> dict:
     prod_chunk = (m["p_fix_us"] + m["p_tok_us"] * T / C) * 1e-3
 
     # GEMM calls
-    if cfg.gemm == "deep_gemm":
-        t1, b1 = _block_counts(rows / E, E, 1, cfg.block_m)
-        whole = gemm_call_ms(t1[0], b1[0], "deep_gemm", cfg.block_m, share, rates, cfg.machine)
-        calls = [whole] * steps
-    else:
-        tt, bb = _block_counts(rows / E, E, steps, cfg.block_m)
+    merged = bool(cfg.last_step_with_seal)
+    n_calls = steps if merged else steps + 1
+    if cfg.gemm == "deep_gemm" and n_calls > 1:
+        # every call over a range is a whole-buffer m_indices call: each of the buffer's blocks
+        # (ceil(R*T*K / block_m) + E, the worst case) of every expert
+        whole = gemm_call_ms(E, -(-R * T * TOPK // cfg.block_m) + E, "deep_gemm", cfg.block_m, share, rates,
+                             cfg.machine)
+        calls = [whole] * n_calls
+    else:   # (DeepGEMM's one batch call: the psum layout, the blocks in use)
+        tt, bb = _block_counts(rows / E, E, steps, cfg.block_m, merged=merged)
         calls = [gemm_call_ms(t, b, cfg.gemm, cfg.block_m, share, rates, cfg.machine) for t, b in zip(tt, bb)]
 
     # the steps: which (source, chunk) pairs each takes, per consumer PE q
@@ -245,14 +265,15 @@ def predict(config, rates: dict | None = None) -> dict:
         reps = sorted({d: q for q, d in reversed(list(enumerate(delays)))}.values())
         for q in reps:
             t = 0.0
-            for s, srcs in enumerate(step_sources(q, delays)):
+            step_list = step_sources(q, delays)
+            for s, srcs in enumerate(step_list):
                 ready = max(delays[r] + (c + 1) * prod_chunk for r, c in srcs)
                 nbytes = sum(src_chunk_bytes for r, c in srcs if r != q)
                 d = m["d_fix_us"] * 1e-3 + nbytes / (link * 1e9) * 1e3
                 t = max(t, ready) + d + calls[s]
                 if q == reps[0]:
                     disp_tot += d
-            ends.append(t)
+            ends.append(t + sum(calls[len(step_list):]))   # the seal's own call (last_step_with_seal off)
         return max(ends), disp_tot
 
     if cfg.skew_ms:
