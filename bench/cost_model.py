@@ -1,7 +1,8 @@
 """The cost model's fit, check and prediction grid (the model: :mod:`streamring.moe.cost_model`).
 
 Run ``python -m bench.cost_model --check [FILES...]`` (measured beside predicted, exit 1 past ±10 %),
-``--fit [FILES...]`` (refit the rates, write ``streamring/moe/cost_model_rates.json``, then check) or
+``--fit [FILES...]`` (refit the rates, write ``streamring/moe/cost_model_rates.json``, then check),
+``--cv`` (leave one file out: refit without each file, check that file) or
 ``--predict --out DIR`` (streamed ÷ batch over EP 8-64, NVLink and inter-node, 128-32768 tokens per
 rank: a CSV, a markdown table and a PNG heat map). The model's equations, parameters and what it leaves
 out are in :mod:`streamring.moe.cost_model`'s docstring.
