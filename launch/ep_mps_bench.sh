@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The expert-parallel layer's streaming benchmark on ONE H200: 2 PEs sharing the GPU under MPS (half the
-# SMs each), batch against streamed, on time and with late ranks, in one device call of at most
+# The expert-parallel layer's streaming benchmark on ONE H200: 2 PEs (EPM_PES) sharing the GPU under MPS
+# (half the SMs each; 1/EPM_PES of them), batch against streamed, on time and with late ranks, in one device call of at most
 # $EPM_BUDGET_S (540 s):
 #
 #   bash launch/ep_mps_bench.sh     # carry .whl (launch/fetch_wheels.sh)
@@ -50,8 +50,10 @@ if [ "${EPM_SHARING:-0}" = 1 ]; then
   wait
   grep -h -A40 "^variant" "$OUT"/sm_sharing*.log | tee -a "$LOG"
 fi
-# two PEs, half the SMs each (an array, not a function: `timeout` runs programs)
-MPI2=(env CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50 mpiexec --allow-run-as-root --bind-to none -n 2
+# $EPM_PES (2) PEs, 100/PES % of the SMs each (an array, not a function: `timeout` runs programs); the
+# `streamring run` step runs on as many
+PES="${EPM_PES:-2}"
+MPI2=(env CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$(( 100 / PES )) mpiexec --allow-run-as-root --bind-to none -n "$PES"
       -x CUDA_MPS_ACTIVE_THREAD_PERCENTAGE -x CUDA_MPS_PIPE_DIRECTORY -x CUDA_MPS_LOG_DIRECTORY -x PYTHONPATH
       -x STREAMRING_CACHE -x NVSHMEM_DISABLE_NVLS)
 RC=0
@@ -65,7 +67,7 @@ if [ "${EPM_TESTS:-1}" = 1 ]; then
 fi
 if [ "${EPM_RUN:-1}" = 1 ]; then
   say "=== 1b. streamring run, 2 PEs, arrival order, a 3 ms straggler ($(( $(date +%s) - T0 )) s)"
-  timeout "$(limit 90 320)" "${MPI2[@]}" python3 -m streamring run --backend nvshmem --set ranks=2 \
+  timeout "$(limit 90 320)" "${MPI2[@]}" python3 -m streamring run --backend nvshmem --set ranks="$PES" \
     --set layer.weight_dtype=fp8 --set layer.router=deepseek_v3 --set layer.num_experts=16 --set layer.n_group=4 \
     --set layer.topk_group=2 --set layer.topk=4 --set layer.hidden=512 --set layer.intermediate=256 \
     --set run.block_m=16 --set run.tokens_per_rank=300 --set ring.num_slots=5 --set ring.tokens_per_slot=64 \
@@ -75,7 +77,7 @@ if [ "${EPM_RUN:-1}" = 1 ]; then
   tail -6 "$OUT/run_arrival.log" | tee -a "$LOG"
 fi
 if [ "${EPM_BENCH:-1}" = 1 ]; then
-say "=== 2. EP layer, 2 PEs under MPS ($(( $(date +%s) - T0 )) s)"
+say "=== 2. EP layer, $PES PEs under MPS ($(( $(date +%s) - T0 )) s)"
 BUDGET=$(( $(left) - 30 ))
 timeout "$BUDGET" "${MPI2[@]}" python3 -m bench.ep_layer --tokens "${EPM_TOKENS:-1024,4096,8192}" --routings uniform \
   --experts-per-pe "${EPM_EXPERTS:-32}" --chunks "${EPM_CHUNKS:-1,2,4}" --orders ready,arrival --consumers per_chunk \
