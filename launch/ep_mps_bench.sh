@@ -51,7 +51,8 @@ if [ "${EPM_SHARING:-0}" = 1 ]; then
   grep -h -A40 "^variant" "$OUT"/sm_sharing*.log | tee -a "$LOG"
 fi
 # $EPM_PES (2) PEs, 100/PES % of the SMs each (an array, not a function: `timeout` runs programs); the
-# `streamring run` step runs on as many
+# `streamring run` step runs on as many. EPM_PES=4 has not run yet: its one try, in the same call right
+# after a 2-PE run of this script, failed in every PE's torch.cuda.set_device (out of memory as an MPS client)
 PES="${EPM_PES:-2}"
 MPI2=(env CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$(( 100 / PES )) mpiexec --allow-run-as-root --bind-to none -n "$PES"
       -x CUDA_MPS_ACTIVE_THREAD_PERCENTAGE -x CUDA_MPS_PIPE_DIRECTORY -x CUDA_MPS_LOG_DIRECTORY -x PYTHONPATH
