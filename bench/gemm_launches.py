@@ -157,9 +157,9 @@ def measure(T: int, chunks: int, impl: str, shape, fw, args, dev, sets: list) ->
                            "launches do not compare")
     graphs = {name: fn for name, (fn, _) in captured.items()}
 
-    def load(s):
-        streamed.load(sets[s])
-        batch.load(sets[s])
+    def load(s):  # (ruff reads the `del` below as unbinding these for the closure; it runs before it)
+        streamed.load(sets[s])  # noqa: F821
+        batch.load(sets[s])  # noqa: F821
 
     t = time_interleaved(graphs, len(sets), load, args.replays)
     n_ready = int(streamed.bc.ready_hi[chunks + 1])

@@ -76,7 +76,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     dev = torch.device("cuda")
     shape = dsv3_shape(64)  # each consumer takes its own block_m (the sweep's)
-    E, H, I = shape.num_experts, shape.hidden, shape.intermediate
+    H, I = shape.hidden, shape.intermediate
     fw = B.FastWeights.random(shape, 7, dev)
     rows = []
     for T in (int(t) for t in args.tokens.split(",")):

@@ -51,7 +51,7 @@ class VerbLog:
             real = getattr(self.heap, name)
 
             def spy(*args, _name=name, _real=real):
-                region, offset = args[0], args[1]
+                offset = args[1]
                 if _name in ("get", "put"):
                     nbytes, pe = args[2].nbytes, args[3]
                 elif _name == "put_signal":

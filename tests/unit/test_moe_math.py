@@ -564,7 +564,7 @@ def test_forward_rejects_nan_and_bad_args():
 
 
 def test_compare_to_reference_excludes_routing_flips():
-    t, k = 10, 2
+    t = 10
     y_ref = randn(t, H, seed=22).double()
     y = y_ref.float().clone()
     i32 = torch.tensor([[0, 1]] * t)
