@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .moe.timeline_events import CHUNK_EVENTS, OPTIONAL_EVENTS, TAIL_EVENTS
+from .moe.timeline_events import CHUNK_EVENTS, OPTIONAL_EVENTS, PRODUCER_STEPS, TAIL_EVENTS
 
 
 class TimelineError(ValueError):
@@ -119,7 +119,7 @@ def draw(timelines: list[dict], out: str | Path) -> Path:
             row = (1 if bm else 0) + 3 * c
             for ev in ("route_published", "layout_published"):
                 ax.plot([ch[ev], ch[ev]], [row - 0.35, row + 0.35], color="black", lw=0.8)
-            for ev in ("writable", "routed", "own_routes", "quantized"):  # the producer's steps, when stamped
+            for ev in PRODUCER_STEPS:  # the producer's own steps, when stamped
                 if ev in ch:
                     ax.plot([ch[ev], ch[ev]], [row - 0.25, row + 0.25], color="grey", lw=0.6)
         ax.set_yticks(range(len(labels)))

@@ -2,14 +2,14 @@
 which records them, and ``streamring timeline``, which draws them; no GPU imports here)."""
 
 # row c of the stamp table: chunk c
+# inside the producer: after the straggler delay and the slot's reuse wait (it may write), after the router
+# and top-k (or the caller's routing), after its own view of the routes, after the FP8 layout (the route and
+# layout publications follow the last two)
+PRODUCER_STEPS = ("writable", "routed", "own_routes", "quantized")
 CHUNK_EVENTS = ("route_published", "layout_published", "acquired", "dispatched_acked", "blocks_done",
-                "produce_start",
-                # inside the producer: after the straggler delay and the slot's reuse wait (it may write),
-                # after the router and top-k (or the caller's routing), after its own view of the routes,
-                # after the FP8 layout (the route and layout publications follow the last two)
-                "writable", "routed", "own_routes", "quantized")
+                "produce_start") + PRODUCER_STEPS
 # events older result files may lack (drawn when present)
-OPTIONAL_EVENTS = ("produce_start", "writable", "routed", "own_routes", "quantized")
+OPTIONAL_EVENTS = ("produce_start",) + PRODUCER_STEPS
 # last row: the whole forward
 TAIL_EVENTS = ("start", "producer_done", "seal_blocks_done", "combine_done")
 # int64 words per row (padded so that every row starts 64-byte aligned)
