@@ -103,7 +103,8 @@ CALL_US = 25.0      # fixed cost of one GEMM call (launch, grid set-up, tail wav
 
 RATES_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cost_model_rates.json")
 
-# rates used when no rates JSON exists (the values the fit of 2026-12-03 gave, rounded)
+# rates used when no rates JSON exists, and the start of bench.cost_model's leave-one-file-out refits:
+# round figures of the right order, not a fit (the fit is cost_model_rates.json)
 FALLBACK_RATES = {
     "gemm": {
         "triton": {"bw_GBps": 3300.0, "tflops": 480.0, "call_us": 25.0},
