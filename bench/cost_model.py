@@ -63,7 +63,9 @@ MEASURED_CODE = {
 
 
 def measured_code(base: str, args: dict) -> dict:
-    code = {"last_step_with_seal": True, "chunk_combine": False}
+    # ready_window_us None: one source per ready-order step (the code before the grouped steps; a row
+    # measured since names its window, bench.ep_layer's "ready_window_us", which load_rows reads)
+    code = {"last_step_with_seal": True, "chunk_combine": False, "ready_window_us": None}
     if "separate_seal_gemms" in args:
         code["last_step_with_seal"] = not args["separate_seal_gemms"]
     if "chunk_combine" in args:
@@ -118,7 +120,8 @@ def load_rows(files, machines: dict | None = None):
                          source_order=r.get("source_order") or "rank", machine=kind,
                          straggler_ms=float(r.get("straggler_ms") or 0.0),
                          straggler_rank=r.get("straggler_rank"), skew_ms=float(r.get("skew_ms") or 0.0),
-                         last_step_with_seal=code["last_step_with_seal"])
+                         last_step_with_seal=code["last_step_with_seal"],
+                         ready_window_us=r.get("ready_window_us", code["ready_window_us"]))
             if cfg.straggler_ms and cfg.straggler_rank is None and R > 1:
                 cfg.straggler_rank = 1          # the 2-H200 runs delayed rank 1's producer
             out.append((cfg, float(r["median_ms"]), r, base))

@@ -419,13 +419,15 @@ ON_TIME = (0.0, None, 0.0)
 
 
 def plans_for(args, T: int, gemm: str) -> list[tuple]:
-    """Every streamed plan ``(chunks, policy, ctas, order, consumer, reserved_sms)`` measured at ``T``. One chunk
-    streams only in the ready and arrival orders: a dispatch step per source, so a late source delays only its
-    own rows (with the rank order it would be the batch path's schedule)."""
-    return [(C, pol, ctas, order, cons, k) for C in args.chunks if math.ceil(T / C) >= 8
+    """Every streamed plan ``(chunks, policy, ctas, order, consumer, reserved_sms, ready_window_us)`` measured at
+    ``T``. One chunk streams only in the ready and arrival orders: dispatch steps by source, so a late source
+    delays only its own rows (with the rank order it would be the batch path's schedule). The ready window is a
+    dimension of the ready order only (None: ``EPTuning``'s default)."""
+    return [(C, pol, ctas, order, cons, k, win) for C in args.chunks if math.ceil(T / C) >= 8
             for order in args.orders if C >= 2 or order != "rank"
             for pol in args.policies for ctas in args.ctas
             for cons in args.consumers for k in (args.reserved_sms if cons == "persistent" else [None])
+            for win in (args.ready_windows_us if order == "ready" else [None])
             if cons == "per_chunk" or (gemm == "triton" and ctas is None)]
 
 
@@ -487,7 +489,8 @@ def bench_tokens(heap, T, shape, full, base, args, rows, timelines, budget):
                 if budget.spent():
                     rows.append({**common_r, "gemm": gemm, "path": "skipped", "error": "time budget spent"})
                     return
-                C, pol, ctas, order, cons, k = plan or (1, "serialized", None, "rank", args.batch_consumer, None)
+                C, pol, ctas, order, cons, k, win = plan or (1, "serialized", None, "rank", args.batch_consumer, None,
+                                                             None)
                 chunk = math.ceil(T / C)
                 slots = C if order == "arrival" else min(args.slots, C)  # arrival: a slot per chunk
                 cfg = {"chunks": C, "chunk_tokens": chunk, "policy": pol, "num_slots": slots,
@@ -496,7 +499,13 @@ def bench_tokens(heap, T, shape, full, base, args, rows, timelines, budget):
                 try:
                     tuning = EPTuning(block_m=args.block_m, policy=pol if plan else "spin_kernel", source_order=order,
                                       transport=args.transport, chunk_gemm_ctas=ctas, consumer=cons,
-                                      reserved_sms=k or 16)
+                                      reserved_sms=k or 16,
+                                      **({} if win is None else {"ready_window_us": win}),
+                                      **({} if args.group_max_tokens is None
+                                         else {"group_max_tokens": args.group_max_tokens}))
+                    if plan and buf.groups_sources(buf.paths["stream"], T):
+                        # the rows ran grouped ready steps with this window (the cost model reads it)
+                        cfg["ready_window_us"] = tuning.ready_window_us
                     buf = EPBuffer(heap, shape, max_tokens_per_rank=T, num_slots=slots, tokens_per_slot=chunk,
                                    gemm=gemm, deadline_s=args.deadline_s, tuning=tuning, name="bench")
                     moe_debug.record_timeline(buf)
@@ -677,6 +686,10 @@ def main(argv=None) -> int:
     ap.add_argument("--consumers", type=words, default=["per_chunk", "persistent"],
                     help="streamed consumers: per_chunk (GEMM grids per dispatch step), persistent (one kernel, "
                          "Triton GEMMs only)")
+    ap.add_argument("--ready-windows-us", type=lambda s: [float(v) for v in s.split(",") if v], default=[None],
+                    help="ready order: EPTuning.ready_window_us values to measure (default: its default)")
+    ap.add_argument("--group-max-tokens", type=int, default=None,
+                    help="ready order: EPTuning.group_max_tokens (default: its default)")
     ap.add_argument("--batch-consumer", default="per_chunk", choices=["per_chunk", "persistent"])
     ap.add_argument("--reserved-sms", type=ints, default=[16], help="persistent consumer: SMs left to the producers")
     ap.add_argument("--transport", default="auto", choices=["auto", "p2p", "nv"])

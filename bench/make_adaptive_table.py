@@ -42,7 +42,7 @@ def _fastest(streamed: list) -> dict | None:
     return min(streamed, key=lambda s: s["streamed_over_batch"]) if streamed else None
 
 
-PLAN_KEYS = ("chunks", "num_slots", "policy", "source_order", "consumer", "chunk_gemm_ctas")
+PLAN_KEYS = ("chunks", "num_slots", "policy", "source_order", "consumer", "chunk_gemm_ctas", "ready_window_us")
 
 
 def _case(r: dict) -> tuple:
@@ -102,7 +102,8 @@ def _ep_rows(bench: dict, gemm_default: str | None, margin: float) -> list[dict]
         first = dict(best[(0.0, None, 0.0)])
         # the on-time rule's input, made from the regrets: streamed is taken iff rs < rb * (1 - margin)
         first["streamed_over_batch"] = rs / rb
-        decided = _decide(row, first, margin, {"consumer": "per_chunk", "source_order": "rank"})
+        decided = _decide(row, first, margin, {"consumer": "per_chunk", "source_order": "rank",
+                                               "ready_window_us": None})
         decided.update(streamed_on_time_over_batch=round(best[(0.0, None, 0.0)]["streamed_over_batch"], 4),
                        cases=len(cases), batch_regret=round(rb, 4), streamed_regret=round(rs, 4))
         if decided["path"] == "streamed":

@@ -7,8 +7,8 @@
 #
 # 1. unless EPM_TESTS=0: the GPU tests of the streamed layer's dispatch orders (tests/gpu/test_gpu_ep.py, 1 PE;
 #    EPM_TESTS_FILES and EPM_TESTS_K choose others);
-#    unless EPM_RUN=0: `streamring run` with 2 PEs in arrival order with a 3 ms straggler (bitwise
-#    streamed == batch);
+#    unless EPM_RUN=0: `streamring run` with 2 PEs in the ready and arrival orders (EPM_RUN_ORDERS) with a
+#    3 ms straggler (bitwise streamed == batch);
 # 2. `mpiexec -n 2 python3 -m bench.ep_layer` at $EPM_TOKENS (1024,4096,8192) tokens per PE,
 #    $EPM_EXPERTS (32) experts per PE, uniform routing, Triton GEMMs (EPM_GEMMS), $EPM_CHUNKS (1,2,4) chunks, the
 #    ready and arrival orders, stragglers of 1 and 3 ms on either PE and a 0..2 ms random skew; no torch +
@@ -67,15 +67,17 @@ if [ "${EPM_TESTS:-1}" = 1 ]; then
   tail -3 "$OUT/gpu_ep_tests.log" | tee -a "$LOG"
 fi
 if [ "${EPM_RUN:-1}" = 1 ]; then
-  say "=== 1b. streamring run, 2 PEs, arrival order, a 3 ms straggler ($(( $(date +%s) - T0 )) s)"
-  timeout "$(limit 90 320)" "${MPI2[@]}" python3 -m streamring run --backend nvshmem --set ranks="$PES" \
-    --set layer.weight_dtype=fp8 --set layer.router=deepseek_v3 --set layer.num_experts=16 --set layer.n_group=4 \
-    --set layer.topk_group=2 --set layer.topk=4 --set layer.hidden=512 --set layer.intermediate=256 \
-    --set run.block_m=16 --set run.tokens_per_rank=300 --set ring.num_slots=5 --set ring.tokens_per_slot=64 \
-    --set run.epochs=3 --set run.source_order=arrival --set "run.straggler={rank: 1, ms: 3}" \
-    > "$OUT/run_arrival.log" 2>&1
-  rc=$?; [ $rc = 0 ] || RC=$rc; say "run arrival rc=$rc"
-  tail -6 "$OUT/run_arrival.log" | tee -a "$LOG"
+  for ORDER in ${EPM_RUN_ORDERS:-ready arrival}; do
+    say "=== 1b. streamring run, $PES PEs, $ORDER order, a 3 ms straggler ($(( $(date +%s) - T0 )) s)"
+    timeout "$(limit 90 320)" "${MPI2[@]}" python3 -m streamring run --backend nvshmem --set ranks="$PES" \
+      --set layer.weight_dtype=fp8 --set layer.router=deepseek_v3 --set layer.num_experts=16 --set layer.n_group=4 \
+      --set layer.topk_group=2 --set layer.topk=4 --set layer.hidden=512 --set layer.intermediate=256 \
+      --set run.block_m=16 --set run.tokens_per_rank=300 --set ring.num_slots=5 --set ring.tokens_per_slot=64 \
+      --set run.epochs=3 --set run.source_order="$ORDER" --set "run.straggler={rank: 1, ms: 3}" \
+      > "$OUT/run_$ORDER.log" 2>&1
+    rc=$?; [ $rc = 0 ] || RC=$rc; say "run $ORDER rc=$rc"
+    tail -6 "$OUT/run_$ORDER.log" | tee -a "$LOG"
+  done
 fi
 if [ "${EPM_BENCH:-1}" = 1 ]; then
 say "=== 2. EP layer, $PES PEs under MPS ($(( $(date +%s) - T0 )) s)"

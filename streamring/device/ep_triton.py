@@ -29,10 +29,14 @@ def _ep_gather_kernel(ring_i64_ptr, ring_f32_ptr, delta_i64_ptr, delta_f32_ptr, 
     k = tl.arange(0, KP)
     p = tok[:, None] * K + k[None, :]
     pm = (tok < C)[:, None] & (k < K)[None, :]
+    # src -1: no source in this place of the list (a ready-order step that took fewer than every source):
+    # every route of it is "not mine", so the stage and place kernels never read a slot through it
     src = tl.load(src_list_ptr + j)
-    valid = tl.load(valid_tab_ptr + chunk * R + src)
-    d64 = tl.load(delta_i64_ptr + src)
-    d32 = tl.load(delta_f32_ptr + src)
+    has = src >= 0
+    s0 = tl.maximum(src, 0)
+    valid = tl.where(has, tl.load(valid_tab_ptr + chunk * R + s0), 0)
+    d64 = tl.load(delta_i64_ptr + s0)
+    d32 = tl.load(delta_f32_ptr + s0)
     live = pm & (tok < valid)[:, None]
     idx = tl.load(ring_i64_ptr + d64 + off_idx + p, mask=live, other=-1)
     w = tl.load(ring_f32_ptr + d32 + off_w + p, mask=live, other=0.0)
@@ -49,7 +53,7 @@ def _ep_gather_kernel(ring_i64_ptr, ring_f32_ptr, delta_i64_ptr, delta_f32_ptr, 
         # the bytes (x row + its scales) the dispatch pulls from a peer's slot for these tokens, both ways:
         # [0] one row per route to my experts (pull="route"), [1] one row per token with any such route
         # (pull="token"); my own slot is local memory, not counted
-        if src != me:
+        if (src != me) & has:
             routes = tl.sum(tl.sum(mine.to(tl.int64), axis=1), axis=0)
             needed = tl.sum((tl.max(mine.to(tl.int32), axis=1) > 0).to(tl.int64), axis=0)
             tl.atomic_add(pull_bytes_ptr, routes * ROW_BYTES)
@@ -59,10 +63,10 @@ def _ep_gather_kernel(ring_i64_ptr, ring_f32_ptr, delta_i64_ptr, delta_f32_ptr, 
 def ep_gather(ring_i64, ring_f32, delta_i64, delta_f32, src_list, valid_tab, chunk: int, e_lo: int, off_idx: int,
               off_w: int, out_e, out_w, bad, *, num_ranks: int, tokens_per_slot: int, topk: int, local_experts: int,
               num_experts: int, pull_bytes=None, me: int = -1, hidden: int = 0) -> None:
-    """Read the routing of ``chunk`` of every source in ``src_list`` (int32, device) into
-    ``out_e [n_src * C * K]`` (int32: the local expert, or ``local_experts`` for a route this PE
-    does not serve, a masked route, a row past the source's ``valid_tab[chunk][src]`` tokens, or a
-    corrupt id, counted in ``bad``) and ``out_w`` (float32 routing weights). ``off_*`` are element
+    """Read the routing of ``chunk`` of every source in ``src_list`` (int32, device; -1: no source,
+    all of its routes "not mine") into ``out_e [n_src * C * K]`` (int32: the local expert, or
+    ``local_experts`` for a route this PE does not serve, a masked route, a row past the source's
+    ``valid_tab[chunk][src]`` tokens, or a corrupt id, counted in ``bad``) and ``out_w`` (float32 routing weights). ``off_*`` are element
     offsets of the slot's ``topk_idx`` (int64) and ``topk_weights`` (float32) in the ring.
 
     ``pull_bytes`` (int64 ``[2]``, optional, with ``me`` = this PE and ``hidden``): adds the bytes the

@@ -246,17 +246,20 @@ def ring_ack(lib, stream, *, d: int, buf: int, peers: int, me: int, src0: int, c
 
 
 def ring_wait_any(lib, stream, *, d: int, buf: int, peers: int, me: int, chunk: int, valid_tab: int, pending: int,
-                  first: int, chosen: int, inject: int) -> None:
+                  first: int, chosen: int, max_take: int, window_ns: int, inject: int) -> None:
     """Ready order: acquire (and check, recording its valid count in ``valid_tab``) whichever pending
-    source of ``chunk`` is ready first; its index goes to the device int32 ``chosen`` (``pending``: a
-    device uint64 bitmask of sources)."""
+    source of ``chunk`` is ready first, then (``max_take`` > 1) the pending sources ready within
+    ``window_ns`` of it; their indices go to the device int32 ``chosen[0:max_take]``, -1 past the last
+    (``pending``: a device uint64 bitmask of sources; nothing pending: all -1, no wait)."""
     lib.launch(stream, "ring_wait_any", 1, 1, d=d, buf=buf, peers=peers, me=me, chunk=chunk, valid_tab=valid_tab,
-               pending=pending, first=first, chosen=chosen, inject=inject)
+               pending=pending, first=first, chosen=chosen, max_take=max_take, window_ns=window_ns, inject=inject)
 
 
-def ring_ack_chosen(lib, stream, *, d: int, buf: int, peers: int, me: int, chosen: int, chunk: int) -> None:
-    """Acknowledge ``chunk`` of the source in the device int32 ``chosen``."""
-    lib.launch(stream, "ring_ack_chosen", 1, 1, d=d, buf=buf, peers=peers, me=me, chosen=chosen, chunk=chunk)
+def ring_ack_chosen(lib, stream, *, d: int, buf: int, peers: int, me: int, chosen: int, count: int,
+                    chunk: int) -> None:
+    """Acknowledge ``chunk`` of the sources in the device int32 ``chosen[0:count]`` (-1 entries skipped)."""
+    lib.launch(stream, "ring_ack_chosen", 1, 1, d=d, buf=buf, peers=peers, me=me, chosen=chosen, count=count,
+               chunk=chunk)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -279,9 +279,12 @@ def quant_rows(x, q, sf) -> None:
 # ----------------------------------------------------------------------------------------------
 @triton.jit(do_not_specialize=["hi_index"])
 def _alloc_blocks_kernel(counts_ptr, state_ptr, expert_blocks_ptr, block_expert_ptr, ready_list_ptr, block_rows_ptr,
-                         ready_hi_ptr, hi_index, E: tl.constexpr, EP: tl.constexpr, BM: tl.constexpr,
-                         MAXB: tl.constexpr, SEAL: tl.constexpr):
-    # state: [0, E) rows filled per expert, [E] blocks allocated, [E+1] blocks ready.
+                         ready_hi_ptr, hi_index, pending_ptr, E: tl.constexpr, EP: tl.constexpr, BM: tl.constexpr,
+                         MAXB: tl.constexpr, SEAL: tl.constexpr, SEAL_IF: tl.constexpr):
+    # state: [0, E) rows filled per expert, [E] blocks allocated, [E+1] blocks ready, [E+2] sealed (0/1).
+    # A seal happens once per forward: a second seal (or one whose *pending_ptr, SEAL_IF, still has a
+    # source) makes nothing ready and only writes ready_hi[hi_index]; no row is appended after a seal
+    # (the dispatch seals only once every source of the last chunk is taken).
     # block_rows[b]: the routed rows of block b, written when b becomes ready (BM, or a sealed partial
     # block's fill) by this kernel, which also writes b into ready_list: a GEMM that reads b from the
     # ready list runs after this kernel in stream order, so it reads b's final count. (A count derived
@@ -309,9 +312,14 @@ def _alloc_blocks_kernel(counts_ptr, state_ptr, expert_blocks_ptr, block_expert_
         t += 1
     if SEAL:
         # end of stream: every partially filled block becomes ready
+        sealed = tl.load(state_ptr + E + 2)
+        go = sealed == 0
+        if SEAL_IF:
+            go = go & (tl.load(pending_ptr) == 0)
         j0 = fill_new // BM
-        nr = (fill_new % BM != 0).to(tl.int32)
+        nr = ((fill_new % BM != 0) & go).to(tl.int32)
         rows_ready = fill_new % BM
+        tl.store(state_ptr + E + 2, tl.where(go, 1, sealed))
     else:
         # a block becomes ready the moment its last row is appended
         j0 = fill_old // BM
@@ -336,18 +344,28 @@ def _alloc_blocks_kernel(counts_ptr, state_ptr, expert_blocks_ptr, block_expert_
 
 
 def alloc_blocks(counts, state, expert_blocks, block_expert, ready_list, block_rows, ready_hi, hi_index: int, *,
-                 num_experts: int, block_m: int, seal: bool) -> None:
+                 num_experts: int, block_m: int, seal: bool, seal_if_none_pending=None) -> None:
     """Append ``counts[e]`` rows to every expert, allocate blocks, publish newly ready blocks.
 
     Writes ``ready_hi[hi_index]`` = number of ready blocks after this call; the blocks that
-    became ready are ``ready_list[ready_hi[hi_index-1] : ready_hi[hi_index]]``, and
-    ``block_rows[b]`` is the number of routed rows of each of them (``block_m`` but in a sealed
-    partial block).
+    became ready are ``ready_list[ready_hi[hi_index-1] : ready_hi[hi_index]]`` (or, for a seal
+    following a dispatch's allocation at the same ``hi_index``, the dispatch's and the seal's
+    blocks), and ``block_rows[b]`` is the number of routed rows of each of them (``block_m`` but in
+    a sealed partial block). ``state`` has ``num_experts + 3`` words.
+
+    ``seal``: every partial block becomes ready, once per forward (``state[E+2]``; a later seal makes
+    nothing ready). ``seal_if_none_pending`` (a device int64 source mask, with ``seal``): seal only if
+    it is 0 (every source taken), decided on the device.
     """
     ep = triton.next_power_of_2(num_experts)
+    if state.numel() < num_experts + 3:
+        raise ValueError(f"alloc_blocks: state needs num_experts + 3 = {num_experts + 3} words, got {state.numel()}")
+    cond = seal_if_none_pending is not None
+    if cond and not seal:
+        raise ValueError("alloc_blocks: seal_if_none_pending needs seal=True")
     _alloc_blocks_kernel[(1,)](counts, state, expert_blocks, block_expert, ready_list, block_rows, ready_hi, hi_index,
-                               E=num_experts, EP=ep, BM=block_m, MAXB=expert_blocks.shape[1], SEAL=seal,
-                               num_warps=4)
+                               seal_if_none_pending if cond else state, E=num_experts, EP=ep, BM=block_m,
+                               MAXB=expert_blocks.shape[1], SEAL=seal, SEAL_IF=cond, num_warps=4)
 
 
 @triton.jit(do_not_specialize=["token_base"])

@@ -174,8 +174,8 @@ class NvshmemHeap(SymmetricHeap):
             K.ring_acquire_checked(lib, st, d=d, buf=b, peers=peers, me=me, src0=0, chunk=0, valid_tab=sp, inject=0,
                                    sources=1)
             K.ring_wait_any(lib, st, d=d, buf=b, peers=peers, me=me, chunk=0, valid_tab=sp, pending=sp + 8 * 60,
-                            first=0, chosen=sp + 8 * 61, inject=0)
-            K.ring_ack_chosen(lib, st, d=d, buf=b, peers=peers, me=me, chosen=sp, chunk=0)
+                            first=0, chosen=sp + 8 * 61, max_take=1, window_ns=0, inject=0)
+            K.ring_ack_chosen(lib, st, d=d, buf=b, peers=peers, me=me, chosen=sp, count=1, chunk=0)
             K.ring_ack(lib, st, d=d, buf=b, peers=peers, me=me, src0=0, chunk=0, sources=1)
             K.ring_produce(lib, st, d=d, buf=b, peers=peers, me=me, chunk=0, kind=0, inject=0, delay_cycles=0,
                            t_pub=0, block=128)

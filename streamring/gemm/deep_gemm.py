@@ -213,7 +213,7 @@ def psum_layout(state: torch.Tensor, expert_blocks: torch.Tensor, ready_hi: torc
     allocated block, every allocated block ready and inside ``ready_hi[lo_index] : ready_hi[hi_index]``;
     otherwise the psum is all zeros (DeepGEMM computes nothing) and bit 32 is ORed into ``status``.
 
-    ``state`` is the consumer's ``[E + 2]`` word (rows per expert, blocks allocated, blocks ready);
+    ``state`` is the consumer's ``[E + 3]`` words (rows per expert, blocks allocated, blocks ready, sealed);
     ``block_m`` its block rows. DeepGEMM aligns each expert's start to 128 rows, so only a consumer of
     :data:`BLOCK_M`-row blocks may pass the result to it (``DeepGemmExperts`` requires that); other
     sizes are for tests of the layout rule. Torch ops only: no host synchronisation, capturable.

@@ -41,6 +41,9 @@ class AdaptiveChoice:
     note: str = ""
     chunks: int = 1
     source_order: str = "rank"
+    #: the ready order's grouping window the row was measured with; None: one source per step (rows
+    #: measured before the grouped steps, and every other order)
+    ready_window_us: Optional[float] = None
     #: what decided: ``measured`` (a row of the tuned table), ``none`` (the table has no row for the setting:
     #: the batch path) or ``model`` (:mod:`streamring.moe.cost_model`)
     source: str = "measured"
@@ -52,13 +55,14 @@ MODEL_LATE_MS = (1.0, 3.0)
 
 def choose_by_model(tokens: int, *, ranks: int, experts_per_pe: int, gemm: str, block_m: int, chunks: int,
                     source_order: str, link_GBps: float, shape: tuple = (7168, 2048, 8),
-                    margin: float = 0.01) -> AdaptiveChoice:
+                    margin: float = 0.01, ready_window_us: Optional[float] = None) -> AdaptiveChoice:
     """The batch path or the buffer's own streamed plan for ``tokens`` tokens per PE, from the cost model
     (:func:`streamring.moe.cost_model.predict`, one GPU per PE): each path's regret is its worst ratio over
     the faster path in the cases on time and with one PE ``MODEL_LATE_MS`` late, and the streamed plan is
     taken where its regret is below batch's by more than ``margin`` (the tuned table's rule). ``shape``:
     ``(hidden, intermediate, topk)`` of the layer; the model's rates are DeepSeek-V3's expert shapes, so any
-    other shape gets the batch path."""
+    other shape gets the batch path. ``ready_window_us``: the buffer's grouping window (ready order; None: one
+    source per step)."""
     from . import cost_model as CM
 
     if tuple(shape) != (CM.H, CM.I_DIM, CM.TOPK):
@@ -74,14 +78,14 @@ def choose_by_model(tokens: int, *, ranks: int, experts_per_pe: int, gemm: str, 
     for late in (0.0,) + MODEL_LATE_MS:
         case = dict(base, straggler_ms=late, straggler_rank=ranks - 1 if late else None)
         times["batch"].append(CM.predict(dict(case, path="batch"))["total_ms"])
-        times["streamed"].append(CM.predict(dict(case, path="streamed", chunks=chunks,
-                                                 source_order=source_order))["total_ms"])
+        times["streamed"].append(CM.predict(dict(case, path="streamed", chunks=chunks, source_order=source_order,
+                                                 ready_window_us=ready_window_us))["total_ms"])
     best = [min(b, s) for b, s in zip(times["batch"], times["streamed"])]
     regret = {p: max(t / f for t, f in zip(ts, best)) for p, ts in times.items()}
     path = "streamed" if regret["streamed"] < regret["batch"] * (1.0 - margin) else "batch"
     return AdaptiveChoice(tokens, path, block_m, -(-tokens // chunks) if path == "streamed" else tokens,
                           num_slots=chunks, policy="spin_kernel" if path == "streamed" else None, chunks=chunks,
-                          source_order=source_order, source="model",
+                          source_order=source_order, ready_window_us=ready_window_us, source="model",
                           note=f"cost model: regret streamed {regret['streamed']:.3f}, batch {regret['batch']:.3f} "
                                f"(on time and {', '.join(format(x, 'g') for x in MODEL_LATE_MS)} ms late)")
 
@@ -149,4 +153,4 @@ def choose(tokens: int, table: dict | None = None, *, gemm: str | None = None, r
                                    f"each")
     return AdaptiveChoice(tokens, "streamed", int(row["block_m"]), chunk_tokens, num_slots=int(row["num_slots"]),
                           policy=row["policy"], table_tokens=int(row["tokens"]), chunks=chunks,
-                          source_order=row.get("source_order", "rank"))
+                          source_order=row.get("source_order", "rank"), ready_window_us=row.get("ready_window_us"))

@@ -164,7 +164,7 @@ class BlockConsumer:
         self.max_blocks = -(-max_tokens * Kk // block_m) + E
         rows = self.max_blocks * block_m
         i32 = dict(dtype=torch.int32, device=device)
-        self.state = torch.zeros(E + 2, **i32)
+        self.state = torch.zeros(E + 3, **i32)  # fill per expert, allocated, ready, sealed
         self.expert_blocks = torch.zeros(E, -(-max_tokens // block_m) + 1, **i32)
         self.block_expert = torch.zeros(self.max_blocks, **i32)
         self.ready_list = torch.zeros(self.max_blocks, **i32)
@@ -286,16 +286,24 @@ class BlockConsumer:
                            torch.zeros(self.ep_tokens, H // 128, dtype=torch.float32, device=self.device))
         return self._stage
 
-    def seal(self, c: int) -> None:
-        """End of stream: every partial block becomes ready (``ready_hi[c + 1]``)."""
-        self._alloc_blocks(self.ready_hi, c + 1, seal=True)  # (counts unread when sealing)
+    def seal(self, c: int, *, if_none_pending=None) -> None:
+        """End of stream: every partial block becomes ready (``ready_hi[c + 1]``), once per forward (a
+        second seal makes nothing ready and writes ``ready_hi[c + 1]`` = the blocks ready so far).
 
-    def _alloc_blocks(self, counts, hi_index: int, *, seal: bool) -> None:
+        ``if_none_pending`` (a device int64 source mask): seal only if it is 0, decided on the device
+        (the ready-order dispatch step that takes the last source of the last chunk seals, so its GEMM
+        call has the partial blocks too; ``c`` is then that step's index and its blocks and the seal's
+        are ``ready_list[ready_hi[c] : ready_hi[c + 1]]``)."""
+        self._alloc_blocks(self.ready_hi, c + 1, seal=True, if_none_pending=if_none_pending)
+
+    def _alloc_blocks(self, counts, hi_index: int, *, seal: bool, if_none_pending=None) -> None:
         """``moe_triton.alloc_blocks`` on this consumer's block state, recording on the host what
-        :meth:`covers_one_allocation` reads: a dispatch's allocation, or the seal's ready index."""
+        :meth:`covers_one_allocation` reads: a dispatch's allocation, or the seal's ready index (a seal
+        decided on the device counts as an allocation of its own: the host cannot tell where it was)."""
         K.alloc_blocks(counts, self.state, self.expert_blocks, self.block_expert, self.ready_list, self.block_rows,
-                       self.ready_hi, hi_index, num_experts=self.shape.num_experts, block_m=self.block_m, seal=seal)
-        if seal:
+                       self.ready_hi, hi_index, num_experts=self.shape.num_experts, block_m=self.block_m, seal=seal,
+                       seal_if_none_pending=if_none_pending)
+        if seal and if_none_pending is None:
             self.seal_ready_index = hi_index
         else:
             self.dispatch_allocations += 1

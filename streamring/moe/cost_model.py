@@ -33,7 +33,11 @@ Per forward and per PE (the slowest PE sets the time), R PEs, T tokens per PE, E
   buffer, ceil(R*T*K/block_m) + E (its worst case); only the batch path's one call (one allocation)
   takes the psum layout, the blocks in use;
 * the streamed path (consumer per_chunk): steps = C (rank order: chunk c of every source per step)
-  or C*R (ready, arrival: one source's chunk per step); each step's call takes the step's FULL
+  or C*R (arrival, and ready with ``ready_window_us=None`` or more than ``group_max_tokens`` tokens:
+  one source's chunk per step); ready order with a window (the code since its grouping) takes per
+  step every source of the chunk ready within the window of the first (the schedule below), and the
+  step taking the last source of the last chunk has the seal, so on-time sources share one call (the
+  empty steps' GEMM grids, one CTA per block and tile of a bound, are left out); each step's call takes the step's FULL
   blocks of each expert (rows of an expert accumulate until they fill a block); the last step is
   merged into the seal call, which takes every remaining row (partial blocks). Every call that
   touches an expert streams its weights again: that is what chunking costs. ``last_step_with_seal=
@@ -136,6 +140,8 @@ class Config:
     straggler_rank: int | None = None
     skew_ms: float = 0.0
     last_step_with_seal: bool = True    # False: a call per dispatch step, then the seal's own call
+    ready_window_us: float | None = 50.0  # ready order: the grouping window; None: one source per step
+    group_max_tokens: int = 2048        # ready order groups only forwards of at most this many tokens per PE
 
 
 _RATES_CACHE: dict = {}
@@ -154,15 +160,24 @@ def load_rates(path: str | None = None) -> dict:
 
 # ---------------------------------------------------------------- GEMM calls (block counts)
 
-@functools.lru_cache(maxsize=4096)
 def _block_counts(rows_per_expert: float, experts: int, steps: int, block_m: int, draws: int = 16,
                   merged: bool = True):
-    """Expected (touched, blocks) per call. ``merged``: steps-1 step calls with full blocks only, then
-    the seal call with every remaining row; else ``steps`` step calls with full blocks only, then the
-    seal call with the partial blocks alone. Expert counts per step ~ Poisson(rows_per_expert/steps)."""
+    """Expected (touched, blocks) per call of ``steps`` equal steps (see :func:`_group_block_counts`)."""
+    return _group_block_counts(rows_per_expert, experts, (1,) * steps, block_m, draws, merged, steps)
+
+
+@functools.lru_cache(maxsize=4096)
+def _group_block_counts(rows_per_expert: float, experts: int, sizes: tuple, block_m: int, draws: int = 16,
+                        merged: bool = True, parts: int = 1):
+    """Expected (touched, blocks) per call. Step s takes ``sizes[s]`` of the ``parts`` equal (source,
+    chunk) parts of the forward (``sizes`` may be a prefix of the steps); a step of size 0 has a call
+    over nothing. ``merged``: the last step's call
+    has the seal (every remaining row); else every step's call has full blocks only, then the seal's
+    call the partial blocks alone. Expert counts per step ~ Poisson(rows_per_expert * share)."""
     rng = np.random.default_rng(12345)
-    mu = rows_per_expert / steps
-    counts = rng.poisson(mu, size=(draws, experts, steps))
+    steps = len(sizes)
+    mu = rows_per_expert * np.asarray(sizes, dtype=np.float64) / parts
+    counts = rng.poisson(mu[None, None, :], size=(draws, experts, steps))
     cum = np.cumsum(counts, axis=2)
     full = cum // block_m                                   # full blocks available after step s
     touched, blocks = [], []
@@ -208,81 +223,141 @@ def _norm(config) -> Config:
     return Config(**{k: v for k, v in c.items() if k in known})
 
 
+class _Schedule:
+    """One forward's schedule on every consumer PE (the module docstring's "schedule"): what
+    :func:`predict` times for each draw of the producers' delays."""
+
+    def __init__(self, cfg: Config, rates: dict):
+        self.cfg, self.rates = cfg, rates
+        R = self.R = int(cfg.ranks)
+        T = self.T = int(cfg.tokens)
+        E = self.E = int(cfg.experts_per_pe or max(E_TOTAL_DSV3 // R, 1))
+        E_tot = E * R
+        m = self.m = rates["machine"][cfg.machine]
+        self.share = R if cfg.machine == "mps" else 1
+        if cfg.machine == "mps":
+            self.link = cfg.link_GBps or m["local_GBps"]
+        else:   # a nominal link rate times the efficiency the 2-H200 rows gave
+            self.link = (cfg.link_GBps or NVLINK_GBPS) * m.get("link_eff", 1.0)
+        streamed = cfg.path == "streamed"
+        C = self.C = max(int(cfg.chunks), 1) if streamed else 1
+        self.order = cfg.source_order if streamed else "rank"
+        self.steps = C * R if self.order in ("ready", "arrival") else C
+        # ready order with a window: a step takes every source ready within the window of the first one
+        self.grouped = (self.order == "ready" and R > 1 and cfg.ready_window_us is not None
+                        and T <= cfg.group_max_tokens)
+        self.window = (cfg.ready_window_us or 0.0) * 1e-3
+        self.rows = T * TOPK * E / E_tot * R                     # = T*K
+        self.f_pull = 1.0 - (1.0 - E / E_tot) ** TOPK
+        self.src_chunk_bytes = (T / C) * self.f_pull * ROW_BYTES  # one peer's chunk, pulled by me
+        self.prod_chunk = (m["p_fix_us"] + m["p_tok_us"] * T / C) * 1e-3
+        self.calls = self._step_calls()
+
+    def _step_calls(self) -> list:
+        """The GEMM calls of the ungrouped steps (and the seal's own call, ``last_step_with_seal`` off)."""
+        cfg, E = self.cfg, self.E
+        merged = bool(cfg.last_step_with_seal)
+        n_calls = self.steps if merged else self.steps + 1
+        if cfg.gemm == "deep_gemm" and n_calls > 1:
+            # every call over a range is a whole-buffer m_indices call: each of the buffer's blocks
+            # (ceil(R*T*K / block_m) + E, the worst case) of every expert
+            whole = gemm_call_ms(E, -(-self.R * self.T * TOPK // cfg.block_m) + E, "deep_gemm", cfg.block_m,
+                                 self.share, self.rates, cfg.machine)
+            return [whole] * n_calls
+        # (DeepGEMM's one batch call: the psum layout, the blocks in use)
+        tt, bb = _block_counts(self.rows / E, E, self.steps, cfg.block_m, merged=merged)
+        return [gemm_call_ms(t, b, cfg.gemm, cfg.block_m, self.share, self.rates, cfg.machine) for t, b in zip(tt, bb)]
+
+    def _dispatch_ms(self, nbytes: float) -> float:
+        return self.m["d_fix_us"] * 1e-3 + nbytes / (self.link * 1e9) * 1e3
+
+    def step_sources(self, q: int, delays) -> list:
+        """The ungrouped steps: which (source, chunk) pairs each takes, on consumer PE ``q``."""
+        R, C, pc = self.R, self.C, self.prod_chunk
+        if self.order == "rank":
+            return [[(r, c) for r in range(R)] for c in range(C)]
+        if self.order == "ready":
+            out = []
+            for c in range(C):
+                srcs = sorted(range(R), key=lambda r: (delays[r] + (c + 1) * pc, r != q, r))
+                out += [[(r, c)] for r in srcs]
+            return out
+        srcs = sorted(range(R), key=lambda r: (delays[r] + pc, r != q, r))   # arrival
+        return [[(r, c)] for r in srcs for c in range(C)]
+
+    def group_call(self, sizes, last: bool) -> float:
+        """The call of the last of grouped steps ``sizes`` (sources per step so far, every chunk's): full
+        blocks only, or (``last``) with the seal's partial blocks. Block counts are causal, so a prefix
+        gives a step's call."""
+        cfg = self.cfg
+        tt, bb = _group_block_counts(self.rows / self.E, self.E, tuple(sizes), cfg.block_m, merged=last,
+                                     parts=self.C * self.R)
+        s = len(sizes) - 1
+        return gemm_call_ms(tt[s], bb[s], cfg.gemm, cfg.block_m, self.share, self.rates, cfg.machine)
+
+    @staticmethod
+    def _consumers(delays) -> list:
+        # consumers with the same own delay see the same schedule (uniform routing): one of each
+        return sorted({d: q for q, d in reversed(list(enumerate(delays)))}.values())
+
+    def forward(self, delays) -> tuple:
+        """(end of the slowest consumer, dispatch ms, GEMM ms, GEMM calls) for one draw of delays."""
+        if self.grouped:
+            return self._forward_grouped(delays)
+        ends, disp_tot, reps = [], 0.0, self._consumers(delays)
+        for q in reps:
+            t = 0.0
+            step_list = self.step_sources(q, delays)
+            for s, srcs in enumerate(step_list):
+                ready = max(delays[r] + (c + 1) * self.prod_chunk for r, c in srcs)
+                d = self._dispatch_ms(sum(self.src_chunk_bytes for r, c in srcs if r != q))
+                t = max(t, ready) + d + self.calls[s]
+                if q == reps[0]:
+                    disp_tot += d
+            ends.append(t + sum(self.calls[len(step_list):]))   # the seal's own call (last_step_with_seal off)
+        return max(ends), disp_tot, float(sum(self.calls)), len(self.calls)
+
+    def _forward_grouped(self, delays) -> tuple:
+        """Ready order with a window: per chunk, wait for the first ready source, take those ready within
+        the window (waiting it out only while a source is still missing), dispatch them, one call; the
+        step that takes the last source of the last chunk has the seal. Steps that take nothing cost
+        nothing here."""
+        R, C = self.R, self.C
+        ends, disp_tot, gemm_tot, n_calls, reps = [], 0.0, 0.0, 0, self._consumers(delays)
+        for q in reps:
+            t, sizes = 0.0, []
+            for c in range(C):
+                ready = sorted((delays[r] + (c + 1) * self.prod_chunk, r != q, r) for r in range(R))
+                i = 0
+                while i < R:
+                    t_first = max(t, ready[i][0])
+                    g = [x for x in ready[i:] if x[0] <= t_first + self.window]
+                    t_take = max(t_first, max(x[0] for x in g)) if len(g) == R - i else t_first + self.window
+                    i += len(g)
+                    sizes.append(len(g))
+                    d = self._dispatch_ms(sum(self.src_chunk_bytes for x in g if x[2] != q))
+                    call = self.group_call(sizes, c == C - 1 and i == R)
+                    t = t_take + d + call
+                    if q == reps[0]:
+                        disp_tot, gemm_tot, n_calls = disp_tot + d, gemm_tot + call, n_calls + 1
+            ends.append(t)
+        return max(ends), disp_tot, gemm_tot, n_calls
+
+
 def predict(config, rates: dict | None = None) -> dict:
     """Phase times (ms) of one forward: {'total_ms', 'producer_ms', 'dispatch_ms', 'gemm_ms',
     'combine_ms', 'wait_ms', 'gemm_calls', 'steps', ...}. ``config``: a Config or a dict with its
     fields (``tokens_per_rank`` is accepted for ``tokens``)."""
     cfg = _norm(config)
-    rates = rates or load_rates()
-    R, T = int(cfg.ranks), int(cfg.tokens)
-    E = int(cfg.experts_per_pe or max(E_TOTAL_DSV3 // R, 1))
-    E_tot = E * R
-    m = rates["machine"][cfg.machine]
-    share = R if cfg.machine == "mps" else 1
-    if cfg.machine == "mps":
-        link = cfg.link_GBps or m["local_GBps"]
-    else:   # a nominal link rate times the efficiency the 2-H200 rows gave
-        link = (cfg.link_GBps or NVLINK_GBPS) * m.get("link_eff", 1.0)
-    streamed = cfg.path == "streamed"
-    C = max(int(cfg.chunks), 1) if streamed else 1
-    order = cfg.source_order if streamed else "rank"
-    per_source = order in ("ready", "arrival")
-    steps = C * R if per_source else C
-
-    rows = T * TOPK * E / E_tot * R                     # = T*K
-    f_pull = 1.0 - (1.0 - E / E_tot) ** TOPK
-    src_chunk_bytes = (T / C) * f_pull * ROW_BYTES      # one peer's chunk, pulled by me
-    prod_chunk = (m["p_fix_us"] + m["p_tok_us"] * T / C) * 1e-3
-
-    # GEMM calls
-    merged = bool(cfg.last_step_with_seal)
-    n_calls = steps if merged else steps + 1
-    if cfg.gemm == "deep_gemm" and n_calls > 1:
-        # every call over a range is a whole-buffer m_indices call: each of the buffer's blocks
-        # (ceil(R*T*K / block_m) + E, the worst case) of every expert
-        whole = gemm_call_ms(E, -(-R * T * TOPK // cfg.block_m) + E, "deep_gemm", cfg.block_m, share, rates,
-                             cfg.machine)
-        calls = [whole] * n_calls
-    else:   # (DeepGEMM's one batch call: the psum layout, the blocks in use)
-        tt, bb = _block_counts(rows / E, E, steps, cfg.block_m, merged=merged)
-        calls = [gemm_call_ms(t, b, cfg.gemm, cfg.block_m, share, rates, cfg.machine) for t, b in zip(tt, bb)]
-
-    # the steps: which (source, chunk) pairs each takes, per consumer PE q
-    def step_sources(q, delays):
-        if order == "rank":
-            return [[(r, c) for r in range(R)] for c in range(C)]
-        if order == "ready":
-            out = []
-            for c in range(C):
-                srcs = sorted(range(R), key=lambda r: (delays[r] + (c + 1) * prod_chunk, r != q, r))
-                out += [[(r, c)] for r in srcs]
-            return out
-        srcs = sorted(range(R), key=lambda r: (delays[r] + prod_chunk, r != q, r))   # arrival
-        return [[(r, c)] for r in srcs for c in range(C)]
-
-    def forward(delays):
-        ends, disp_tot = [], 0.0
-        # consumers with the same own delay see the same schedule (uniform routing): one of each
-        reps = sorted({d: q for q, d in reversed(list(enumerate(delays)))}.values())
-        for q in reps:
-            t = 0.0
-            step_list = step_sources(q, delays)
-            for s, srcs in enumerate(step_list):
-                ready = max(delays[r] + (c + 1) * prod_chunk for r, c in srcs)
-                nbytes = sum(src_chunk_bytes for r, c in srcs if r != q)
-                d = m["d_fix_us"] * 1e-3 + nbytes / (link * 1e9) * 1e3
-                t = max(t, ready) + d + calls[s]
-                if q == reps[0]:
-                    disp_tot += d
-            ends.append(t + sum(calls[len(step_list):]))   # the seal's own call (last_step_with_seal off)
-        return max(ends), disp_tot
-
+    sch = _Schedule(cfg, rates or load_rates())
+    R, T, m = sch.R, sch.T, sch.m
     if cfg.skew_ms:
         rng = np.random.default_rng(7)
         draws = rng.uniform(0.0, cfg.skew_ms, size=(256, R))
-        res = [forward(list(d)) for d in draws]
+        res = [sch.forward(list(d)) for d in draws]
         end = float(np.mean([r[0] for r in res]))
         disp = res[0][1]
+        gemm, n_calls = float(np.mean([r[2] for r in res])), res[0][3]
         delay = float(np.mean(draws.max(axis=1)))
     else:
         delays = [0.0] * R
@@ -290,19 +365,16 @@ def predict(config, rates: dict | None = None) -> dict:
             delays[int(cfg.straggler_rank) % R] = float(cfg.straggler_ms)
         elif cfg.straggler_ms:
             delays[R - 1] = float(cfg.straggler_ms)
-        end, disp = forward(delays)
+        end, disp, gemm, n_calls = sch.forward(delays)
         delay = max(delays)
     comb = (m["c_fix_us"] + m["c_tok_us"] * T) * 1e-3
     if cfg.machine != "mps" and R > 1:
         # the K results of my tokens come back as bf16 rows, (R-1)/R of them from peers, over the link;
-        comb += comb_bytes(T, R) / (link * 1e9) * 1e3
-    gemm = float(sum(calls))
+        comb += comb_bytes(T, R) / (sch.link * 1e9) * 1e3
     total = end + comb
     return {
-        "total_ms": total, "producer_ms": prod_chunk * C, "dispatch_ms": disp, "gemm_ms": gemm,
+        "total_ms": total, "producer_ms": sch.prod_chunk * sch.C, "dispatch_ms": disp, "gemm_ms": gemm,
         "combine_ms": comb, "wait_ms": max(total - comb - disp - gemm, 0.0), "late_ms": delay,
-        "gemm_calls": len(calls), "steps": steps, "rows_per_pe": rows, "experts_per_pe": E,
-        "pull_fraction": f_pull, "pulled_bytes": (R - 1) * T * f_pull * ROW_BYTES,
+        "gemm_calls": n_calls, "steps": sch.steps, "rows_per_pe": sch.rows, "experts_per_pe": sch.E,
+        "pull_fraction": sch.f_pull, "pulled_bytes": (R - 1) * T * sch.f_pull * ROW_BYTES,
     }
-
-

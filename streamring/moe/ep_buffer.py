@@ -110,8 +110,10 @@ class EPBuffer(EPPipeline):
             defaults).
         name: prefix of this buffer's symmetric allocations (distinct per buffer of one process).
 
-    The streamed path's GEMMs run per dispatch step; the last step's full blocks go into the seal's call
-    beside the partial blocks (one L1 and one L2 pass fewer over the weights of the experts both touch).
+    The streamed path's GEMMs run per dispatch step. In the default ``ready`` order a step takes every
+    source that is ready together (within ``tuning.ready_window_us``), and the step that takes the last
+    source seals, so on-time sources share one GEMM call with the partial blocks (one L1 and one L2 pass
+    over the weights, as in the batch path) and a late source's rows get a call of their own.
     With a local ``y`` (CUTLASS, DeepGEMM, RMA transport) the result puts run on a stream of their own, so
     the next blocks' GEMMs do not wait for them.
 
@@ -150,6 +152,7 @@ class EPBuffer(EPPipeline):
         self.local_experts = range(me * self.E_loc, (me + 1) * self.E_loc)
         self.policy, self.source_order = policy, source_order
         self.chunk_gemm_ctas = tu.chunk_gemm_ctas
+        self.ready_window_ns = int(round(tu.ready_window_us * 1000))
         self.priority_streams = tu.priority_streams
         self.inject = "none"  # a deliberate protocol mutation: streamring.moe.debug.inject (tests only)
         self._inject_bits = 0
@@ -171,7 +174,7 @@ class EPBuffer(EPPipeline):
             "batch": self._make_path("batch", self.max_tokens, 1, "serialized", "rank", ring_transport, False,
                                      f"{name}-batch-ring"),
             "stream": self._make_path("stream", C, S, policy, source_order, ring_transport, wake,
-                                      f"{name}-stream-ring"),
+                                      f"{name}-stream-ring", consumer),
         }
         self.transport = self.paths["stream"].ring.transport
         if consumer == "persistent" and self.transport != "p2p":
@@ -219,7 +222,10 @@ class EPBuffer(EPPipeline):
         self.flat_e = torch.zeros(self.entries, dtype=torch.int32, device=dev)
         self.flat_w = torch.zeros(self.entries, dtype=torch.float32, device=dev)
         self.pending = torch.zeros(1, dtype=torch.int64, device=dev)  # ready order: sources not yet taken
-        self.chosen = torch.zeros(R, dtype=torch.int32, device=dev)  # ready order: the source of step j
+        # one source per step (arrival order; the persistent consumer's ready order): the source of step j
+        self.chosen = torch.zeros(R, dtype=torch.int32, device=dev)
+        # ready order (grouped): row j = the sources step j took, -1 padded (ring_wait_any writes it)
+        self.taken = torch.full((R, R), -1, dtype=torch.int32, device=dev)
         # arrival order, chunks after the first: the one source a step waits for, and where its wait writes it
         self.one_bit = torch.ones(1, dtype=torch.int64, device=dev)
         self.pending_one = torch.zeros(1, dtype=torch.int64, device=dev)
@@ -234,6 +240,7 @@ class EPBuffer(EPPipeline):
         self.stamps = None  # per-chunk %globaltimer stamps: streamring.moe.debug.record_timeline
         self._stamp_path: Optional[_Path] = None
         self._recording = True
+        self._grouped = False  # this forward groups ready sources (EPPipeline.groups_sources)
 
     def _make_consumer(self, shape: MoEShape, consumer: str) -> None:
         """The block consumer (local scratch, shared by every layer) and, for the persistent consumer, its
@@ -317,20 +324,19 @@ class EPBuffer(EPPipeline):
         if tokens < 1:
             return False
         st = self.paths["stream"]
+        window = self.tuning.ready_window_us if self.groups_sources(st, int(tokens)) else None
         choice = adaptive.choose(int(tokens), gemm=self.gemm, ranks=self.R, experts_per_pe=self.E_loc,
                                  min_chunk_tokens=1)
         if choice.source == "none":
             choice = adaptive.choose_by_model(
                 int(tokens), ranks=self.R, experts_per_pe=self.E_loc, gemm=self.gemm, block_m=self.block_m,
-                chunks=st.num_chunks, source_order=st.source_order,
+                chunks=st.num_chunks, source_order=st.source_order, ready_window_us=window,
                 link_GBps=NVLINK_GBPS if self.transport == "p2p" else INTER_NODE_GBPS,
                 shape=(self.shape.hidden, self.shape.intermediate, self.shape.topk))
         self.last_adaptive = choice
-        # with one chunk the ready and arrival orders are one schedule (a step per source, in the order they
-        # publish; arrival differs only in how it takes later chunks), so either's measured row serves both
-        one_chunk_orders = st.num_chunks == 1 and {choice.source_order, st.source_order} <= {"ready", "arrival"}
-        return choice.path == "streamed" and choice.chunks == st.num_chunks and (
-            choice.source_order == st.source_order or one_chunk_orders)
+        return choice.path == "streamed" and _schedule(choice.chunks, choice.source_order,
+                                                       choice.ready_window_us, self.R) == _schedule(
+            st.num_chunks, st.source_order, window, self.R)
 
     def forward(self, x: torch.Tensor, weights: LayerWeights, *, streaming: bool | str = False,
                 stream_epoch: Optional[int] = None, num_tokens=None, out: Optional[torch.Tensor] = None,
@@ -586,6 +592,18 @@ class EPBuffer(EPPipeline):
 
 
 # ------------------------------------------------------------------------------------------------
+def _schedule(chunks: int, source_order: str, ready_window_us: Optional[float], R: int) -> tuple:
+    """What a measured plan and a buffer must share for the measurement to decide for the buffer: the ready
+    order's grouped steps (any window) are a schedule of their own; with one chunk, arrival and one source
+    per ready step are one schedule (a step per source, in the order they publish; arrival differs only in
+    how it takes later chunks)."""
+    if source_order == "ready" and R > 1 and ready_window_us is not None:
+        return chunks, "ready, grouped"
+    if chunks == 1 and source_order in ("ready", "arrival"):
+        return 1, "a step per source"
+    return chunks, source_order
+
+
 def _check_tuning(tu: EPTuning, R: int, chunks: int, slots: int) -> None:
     """What ``tu`` needs of this job's sizes; errors name the field."""
     if tu.source_order != "rank" and R > 64:

@@ -21,7 +21,8 @@ Per chunk c (slot s = c % S) on every PE::
                                              ep_signal_arrivals ADDs the row counts to the
                                              owners' arrived[chunk] (release)
     after the last chunk: seal -> one GEMM call over the last dispatch's blocks and the partial
-    blocks -> signal; then (as owner)
+    blocks -> signal (ready order: the seal is the last source's dispatch step's, see below); then
+    (as owner)
     ep_wait_arrivals (arrived == expected, acquire) -> combine_owner (k-ordered sum) ->
     arrived := 0; after every stream joined: ring drain, advance_epoch.
 
@@ -48,7 +49,14 @@ Ordering argument (the RFC's release/acquire, each step in one place):
   output bitwise whatever the chunking, the progress policy or the arrival order.
 
 Dispatch orders (``EPTuning.source_order``): ``rank`` takes chunk c of every source in one step;
-``ready`` takes chunk c's sources one step each, whichever is ready first (``ring_wait_any``);
+``ready`` takes, in each of R steps of chunk c, every source of c that is ready together: the first
+one pending to become ready, then those ready within ``EPTuning.ready_window_us`` of it
+(``ring_wait_any``); a step after the one that took the last source takes none and waits for nothing.
+The step that leaves no source of the last chunk pending seals (``BlockConsumer.seal(if_none_pending=)``,
+decided on the device), so sources that arrive together are computed in one GEMM call with the
+partial blocks, as the batch path does, and a late source delays only its own rows (its step's call
+has them and the seal). A grouped step is trace-equivalent to one source per step, the model
+checker's ready order (``streamring.verify.ep``; the argument is beside ``ring_wait_any``);
 ``arrival`` takes, per step j, the j-th source to publish its chunk 0 and then that source's later
 chunks (a one-bit pending mask: the same acquire, check and deadline), so a late source delays only
 its own rows. Progress of ``arrival``: every chunk of a forward has its own slot (``num_slots >=
@@ -104,6 +112,7 @@ class _Path:
     policy: str
     source_order: str
     steps: int  # dispatch steps per chunk: 1 (every source at once) or R (ready and arrival orders)
+    groupable: bool  # ready order, R > 1, per-chunk consumer: steps may group sources (EPPipeline._grouped)
     order: list  # the dispatch steps (chunk c, step j of c) in the order they are enqueued
     step_index: dict  # (c, j) -> its position in ``order`` (the block consumer's ready index)
     slots: list  # typed views of my slots (DeviceRing.slot_views)
@@ -119,7 +128,8 @@ class EPPipeline:
     streams it builds, and what one forward enqueues on them. The buffer holds the state they use."""
 
     # -- construction pieces --------------------------------------------------------------------------
-    def _make_path(self, name, chunk, num_slots, policy, source_order, transport, wake, ring_name) -> _Path:
+    def _make_path(self, name, chunk, num_slots, policy, source_order, transport, wake, ring_name,
+                   consumer="per_chunk") -> _Path:
         R, dev = self.R, self.dev
         sh = self.shape
         num_chunks = -(-self.max_tokens // chunk)
@@ -139,6 +149,7 @@ class EPPipeline:
             order = [(c, j) for c in range(num_chunks) for j in range(steps)]
         return _Path(name=name, ring=ring, chunk=chunk, num_chunks=num_chunks, num_slots=S, policy=policy,
                      source_order=source_order, steps=steps, order=order,
+                     groupable=source_order == "ready" and steps > 1 and consumer == "per_chunk",
                      step_index={cj: i for i, cj in enumerate(order)},
                      slots=[ring.slot_views(s) for s in range(S)],
                      chunk_base=torch.arange(num_chunks, dtype=torch.int64, device=dev) * chunk,
@@ -175,6 +186,15 @@ class EPPipeline:
             self.computed = [torch.cuda.Event() for _ in range(n_steps + 1)]
 
     # -- pieces of a forward --------------------------------------------------------------------------
+    def groups_sources(self, path: _Path, rows: int) -> bool:
+        """Whether a forward of ``rows`` rows per PE (``x.shape[0]``; a captured graph's: its capture size) on
+        ``path`` groups the sources that are ready together into one dispatch step and one GEMM call: the
+        ready order on several PEs with the per-chunk consumer, up to ``EPTuning.group_max_tokens`` rows.
+        Larger forwards take a step per source: there a step's dispatch overlaps the previous step's GEMMs,
+        and the GEMM grids sized for every source (one CTA per block and tile, most of them empty when a
+        step takes fewer sources) cost more than the weight pass grouping saves (docs/performance.md)."""
+        return path.groupable and rows <= self.tuning.group_max_tokens
+
     def _current_stream(self):
         # None off the GPU: the library's kernels then run where the heap runs them (the CPU
         # emulation of the tests), in call order
@@ -283,7 +303,14 @@ class EPPipeline:
             ready = path.source_order != "rank"
             if path.policy == "stream_wait" and j == 0:
                 r.wait_doorbells(st, c)
-            if ready:
+            if self._grouped:
+                # every source of chunk c ready together: the first one pending (acquire, deadline), then
+                # those ready within the window; the rest of the R places are -1 (the data kernels skip
+                # them). A step after the one that took the last source takes none and waits for nothing.
+                srcs = self.taken[j]
+                r.wait_any(st, c, path.valid_tab, self.pending, j == 0, srcs, inject=self._inject_bits,
+                           max_take=self.R, window_ns=self.ready_window_ns)
+            elif ready:
                 srcs = self.chosen[j:j + 1]
                 if path.source_order == "arrival" and c > 0:
                     # the source is the one step j took at chunk 0: wait for exactly that one (a one-bit
@@ -321,6 +348,10 @@ class EPPipeline:
             self.bc.dispatch_ep(c, flat_e, flat_w, srcs, (ring_u8, ring_u8.view(torch.float32)), (d_u8, d_f32),
                                 (L.x_off(s), L.x_sf_off(s) // 4), step=path.step_index[c, j], pull="token",
                                 on_slot_released=release)
+            if self._grouped and c == path.num_chunks - 1:
+                # the step that leaves no source of the last chunk pending seals (decided on the device), so
+                # its GEMM call has the partial blocks too: sources that arrive together get one call
+                self.bc.seal(path.step_index[c, j], if_none_pending=self.pending)
             if self.queue is not None:
                 self.queue.publish(path.step_index[c, j])  # the persistent consumer picks the new blocks up
             if j == path.steps - 1:
@@ -357,26 +388,35 @@ class EPPipeline:
                        row_tok=int(bc.row_tok.data_ptr()), row_chunk=int(bc.row_chunk.data_ptr()),
                        block_m=bc.block_m, max_items=max_items)
 
-    def _max_ready_per_step(self, path: _Path) -> int:
-        """Most blocks one dispatch step can make ready (the GEMM grid bound)."""
+    def _max_ready_per_step(self, path: _Path, j: int = 0) -> int:
+        """Most blocks one dispatch step can make ready (the GEMM grid bound). Grouped step j of a chunk takes at
+        most R - j of its sources (each earlier step took at least one): their full blocks, one block per expert
+        completed by rows carried from an earlier chunk, and the seal's partial blocks."""
         entries = self.R * path.chunk * self.shape.topk
+        if self._grouped:
+            rows = (self.R - j) * path.chunk * self.shape.topk
+            return min(self.bc.max_blocks, rows // self.bc.block_m + 2 * self.E_loc)
         return min(self.bc.max_blocks, entries // path.steps // self.bc.block_m + self.E_loc)
 
     def _chunk_gemms(self, path: _Path, layer, c, j=0, side_puts=False):
         i = path.step_index[c, j]
-        if i == len(path.order) - 1:
+        last = i == len(path.order) - 1
+        if last and not self._grouped:
             # the last dispatch step's full blocks go into the seal's call beside the partial blocks: one L1
             # and one L2 pass fewer over the weights of the experts both touch (its time is stamped there)
             return
         with nvtx_range(f"streamring block GEMMs chunk {c} step {j}", color="green"):
             # the persistent (SM-sparing) grid only while a later step's source may still be being produced
             # (every step but the last, which joins the seal's call); the sealed blocks take the whole GPU
-            ctas = self.chunk_gemm_ctas if path.name == "stream" else None
-            self._gemms(path, layer, i, i + 1, self._max_ready_per_step(path), ctas, side_puts)
+            ctas = self.chunk_gemm_ctas if path.name == "stream" and not last else None
+            self._gemms(path, layer, i, i + 1, self._max_ready_per_step(path, j), ctas, side_puts)
             if j == path.steps - 1:
                 self._stamp(c, 4)
 
     def _seal(self, path: _Path, layer, side_puts=False):
+        if self._grouped:  # sealed on the device by the step that took the last source, in that step's call
+            self._stamp(path.num_chunks, 2)
+            return
         with nvtx_range("streamring seal + GEMMs", color="red"):
             n = len(path.order)  # dispatch steps so far: the seal is the next ready index
             self.bc.seal(n)
@@ -427,6 +467,7 @@ class EPPipeline:
     def _enqueue_inner(self, path, layer, x, out, num_tokens, routing, order):
         r = path.ring
         self._last_T = x.shape[0]
+        self._grouped = self.groups_sources(path, x.shape[0])
         origin = self._current_stream()
         C = path.num_chunks
         persistent = self.queue is not None

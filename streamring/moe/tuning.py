@@ -33,8 +33,9 @@ class EPTuning(BaseModel):
             (producer and consumer on disjoint SM partitions, ``producer_sms`` for the producer),
             ``serialized`` (one stream, chunk by chunk: the correctness fallback). The batch path always runs
             serialized.
-        source_order: the streamed dispatch order (``EP_SOURCE_ORDERS``; default ``ready``: a step per source in
-            the order they publish, so a late source delays only its own rows). ``arrival`` needs every chunk of a
+        source_order: the streamed dispatch order (``EP_SOURCE_ORDERS``; default ``ready``: each step takes the
+            sources that are ready together, in the order they publish, so a late source delays only its own
+            rows and on-time sources share one GEMM call). ``arrival`` needs every chunk of a
             forward in its own slot (``num_slots >= chunks``): a consumer that takes all of one source's chunks
             before the next's could otherwise wait for a slot that only its own later acknowledgement frees.
         transport: ``auto`` (NVLink loads/stores where every peer is reachable, else NVSHMEM RMA), ``p2p`` or
@@ -45,6 +46,14 @@ class EPTuning(BaseModel):
         reserved_sms: the persistent consumer's SMs left to the producer and the dispatch (at least 1: with none
             they starve and the queue's deadline ends the forward with an error).
         producer_sms: ``green_ctx``: SMs of the producer partition (a multiple of 8).
+        group_max_tokens: ``ready`` order on several PEs (per-chunk consumer): forwards of at most this many rows
+            per PE (``x.shape[0]``; a captured graph's capture size) group the sources that are ready together
+            into one dispatch step and one GEMM call (one weight pass, as the batch path); larger ones take a
+            step per source, whose dispatch overlaps the previous step's GEMMs. 0: never group.
+        ready_window_us: grouped steps: how long a dispatch step that found a chunk's first ready source keeps
+            taking the chunk's other sources as they become ready (0: only those ready at once). Sources that
+            publish within it share the step; a source later than it gets a step of its own. The window costs at
+            most its length once per chunk when a source is late.
         chunk_gemm_ctas: the persistent grid size of the streamed GEMM calls before the seal's (while a later
             source or chunk may still be being produced; ``None``: one CTA per tile); fewer CTAs than the GPU
             holds leave room for the producer and the dispatch.
@@ -59,6 +68,8 @@ class EPTuning(BaseModel):
     consumer: Literal["per_chunk", "persistent"] = "per_chunk"
     reserved_sms: int = Field(16, ge=1)
     producer_sms: int = Field(16, ge=8)
+    group_max_tokens: int = Field(2048, ge=0)
+    ready_window_us: float = Field(50.0, ge=0, le=1000)
     chunk_gemm_ctas: Optional[int] = Field(None, ge=1)
 
     @field_validator("policy", mode="before")

@@ -171,20 +171,27 @@ class DeviceRing:
         K.ring_spin_wait(self.lib, self.stream_ref(stream), d=self.desc, buf=self.buf, src0=src0, chunk=chunk,
                          inject=inject, sources=self._sources(sources))
 
-    def wait_any(self, stream, chunk: int, valid_tab, pending, first: bool, chosen, inject: int = 0) -> None:
+    def wait_any(self, stream, chunk: int, valid_tab, pending, first: bool, chosen, inject: int = 0,
+                 max_take: int = 1, window_ns: int = 0) -> None:
         """Consumer, ready order: enqueue the acquire (and metadata check) of whichever source of
-        ``chunk`` still in the device bitmask ``pending`` (uint64) is ready first; its index goes to
-        the device int32 ``chosen``. ``first`` resets ``pending`` to every source."""
+        ``chunk`` still in the device bitmask ``pending`` (uint64) is ready first, then (``max_take`` > 1)
+        of the pending sources ready within ``window_ns`` of it, up to ``max_take``; their indices go to
+        the device int32 ``chosen[0:max_take]`` (-1 past the last; all -1, with no wait, when nothing is
+        pending). ``first`` resets ``pending`` to every source."""
         if self.layout.num_ranks > 64:
             raise ValueError(f"ready order supports up to 64 PEs, the ring has {self.layout.num_ranks}")
+        if not 1 <= max_take <= chosen.numel():
+            raise ValueError(f"max_take must be in [1, {chosen.numel()}] (the places of chosen), got {max_take}")
         K.ring_wait_any(self.lib, self.stream_ref(stream), d=self.desc, buf=self.buf, peers=self.peers, me=self.me,
                         chunk=chunk, valid_tab=int(valid_tab.data_ptr()), pending=int(pending.data_ptr()),
-                        first=int(first), chosen=int(chosen.data_ptr()), inject=inject)
+                        first=int(first), chosen=int(chosen.data_ptr()), max_take=max_take,
+                        window_ns=int(window_ns), inject=inject)
 
     def ack_chosen(self, stream, chunk: int, chosen) -> None:
-        """Consumer, ready order: enqueue the acknowledgement of ``chunk`` of the source in ``chosen``."""
+        """Consumer, ready order: enqueue the acknowledgement of ``chunk`` of the sources in the device int32
+        ``chosen`` (every place; -1 places are skipped)."""
         K.ring_ack_chosen(self.lib, self.stream_ref(stream), d=self.desc, buf=self.buf, peers=self.peers, me=self.me,
-                          chosen=int(chosen.data_ptr()), chunk=chunk)
+                          chosen=int(chosen.data_ptr()), count=chosen.numel(), chunk=chunk)
 
     def ack(self, stream, chunk: int, src0: int = 0, sources: int | None = None) -> None:
         """Consumer: enqueue the acknowledgement of ``chunk`` of sources ``src0 ..`` (after their reads)."""

@@ -136,6 +136,10 @@ class EmulatedLibrary:
                 return False
         return True
 
+    def _ready(self, D, buf, src, chunk) -> bool:
+        g = make_gen(D.epoch(), chunk + 1)
+        return all(int(D.gen_word(buf, kind, src, chunk % D.num_slots)[0]) == g for kind in (0, 1))
+
     def _check_meta(self, D, buf, src, chunk, valid_tab, inject):
         learned = words(valid_tab + (chunk * D.num_ranks + src) * 4, 1, np.int32)
         learned[0] = 0
@@ -162,19 +166,38 @@ class EmulatedLibrary:
             else:
                 words(valid_tab + (chunk * D.num_ranks + src) * 4, 1, np.int32)[0] = 0
 
-    def ring_wait_any(self, grid, *, d, buf, peers, me, chunk, valid_tab, pending, first, chosen, inject):
+    def ring_wait_any(self, grid, *, d, buf, peers, me, chunk, valid_tab, pending, first, chosen, max_take, window_ns,
+                      inject):
         D = Desc(d)
         if D.num_chunks <= 0:
             return
         pend = words(pending, 1, np.uint64)
         if first:
             pend[0] = np.uint64((1 << D.num_ranks) - 1)
+        out = words(chosen, max_take, np.int32)
+        out[:] = -1
         m = int(pend[0])
-        pick = (m & -m).bit_length() - 1 if m else 0
-        if self._acquire(D, buf, pick, chunk, inject):
-            self._check_meta(D, buf, pick, chunk, valid_tab, inject)
-        pend[0] = np.uint64(m & ~(1 << pick))
-        words(chosen, 1, np.int32)[0] = pick
+        if not m:
+            return
+        # kernels run in call order here: every pending source's chunk is published or never will be, so
+        # the first wait takes the lowest and the window every other one that is ready (no time passes)
+        pick = (m & -m).bit_length() - 1
+        ok = self._acquire(D, buf, pick, chunk, inject)
+        taken = [pick]
+        if ok:
+            rest = m & ~(1 << pick)
+            while rest and len(taken) < max_take:
+                src = (rest & -rest).bit_length() - 1
+                rest &= ~(1 << src)
+                if self._ready(D, buf, src, chunk):
+                    taken.append(src)
+        for i, src in enumerate(taken):
+            out[i] = src
+            if ok:
+                self._check_meta(D, buf, src, chunk, valid_tab, inject)
+            else:
+                words(valid_tab + (chunk * D.num_ranks + src) * 4, 1, np.int32)[0] = 0
+            pend[0] = np.uint64(int(pend[0]) & ~(1 << src))
 
     def _ack(self, D, buf, src, chunk, me):
         mask = D.ack_word(buf, chunk % D.num_slots)
@@ -190,10 +213,12 @@ class EmulatedLibrary:
             for src in range(src0, src0 + grid):
                 self._ack(D, buf, src, chunk, me)
 
-    def ring_ack_chosen(self, grid, *, d, buf, peers, me, chosen, chunk):
+    def ring_ack_chosen(self, grid, *, d, buf, peers, me, chosen, count, chunk):
         D = Desc(d)
         if D.num_chunks > 0:
-            self._ack(D, buf, int(words(chosen, 1, np.int32)[0]), chunk, me)
+            for src in words(chosen, count, np.int32):
+                if src >= 0:
+                    self._ack(D, buf, int(src), chunk, me)
 
     def _collect(self, D, buf, me, slot, prev_chunk, code, inject=0):
         mask = D.ack_word(buf, slot)
@@ -266,6 +291,8 @@ class EmulatedLibrary:
         if D.num_chunks > 0:
             for j in range(grid):
                 src = int(words(src_list + j * 4, 1, np.int32)[0])
+                if src < 0:  # no source in this place of the list
+                    continue
                 ctypes.memmove(mirror + src * mirror_stride, buf, D.total_bytes)
 
     def ep_wait_arrivals(self, grid, *, d, comb, off_arrived, expected, first_chunk, num_chunks):

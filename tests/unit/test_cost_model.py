@@ -103,14 +103,34 @@ def test_predict_writes_table_and_png(tmp_path, capsys):
 def test_a_seal_call_of_its_own_is_one_more_weight_pass():
     base = dict(ranks=2, tokens=1024, experts_per_pe=32, gemm="triton", machine="mps")
     for path, chunks, order in (("batch", 1, "rank"), ("streamed", 1, "ready"), ("streamed", 2, "arrival")):
-        cfg = dict(base, path=path, chunks=chunks, source_order=order)
+        cfg = dict(base, path=path, chunks=chunks, source_order=order, ready_window_us=None)
         merged, apart = cm.predict(cfg), cm.predict(dict(cfg, last_step_with_seal=False))
         assert apart["gemm_calls"] == merged["gemm_calls"] + 1
         assert apart["gemm_ms"] > merged["gemm_ms"] and apart["total_ms"] > merged["total_ms"]
 
 
+def test_grouped_ready_steps_give_on_time_sources_one_call():
+    """Ready order with a window: on-time sources share one step, so one GEMM call as the batch path's; a
+    source later than the window gets a step and a call of its own; one source per step (the code before
+    the grouping) pays a call per source."""
+    base = dict(ranks=2, tokens=1024, experts_per_pe=32, gemm="triton", machine="mps")
+    batch = cm.predict(dict(base, path="batch"))
+    grouped = cm.predict(dict(base, path="streamed", chunks=1, source_order="ready"))
+    apart = cm.predict(dict(base, path="streamed", chunks=1, source_order="ready", ready_window_us=None))
+    assert grouped["gemm_calls"] == 1 and apart["gemm_calls"] == 2
+    assert grouped["gemm_ms"] == pytest.approx(batch["gemm_ms"]) and apart["gemm_ms"] > 1.05 * grouped["gemm_ms"]
+    late = cm.predict(dict(base, path="streamed", chunks=1, source_order="ready", straggler_ms=1.0,
+                           straggler_rank=1))
+    assert late["gemm_calls"] == 2
+    # a source 10 µs late is caught by the window (one call) and missed by none (two); large forwards do not group
+    near = dict(base, path="streamed", chunks=1, source_order="ready", straggler_ms=0.01, straggler_rank=1)
+    assert cm.predict(near)["gemm_calls"] == 1 and cm.predict(dict(near, ready_window_us=0.0))["gemm_calls"] == 2
+    assert cm.predict(dict(base, tokens=4096, path="streamed", chunks=1, source_order="ready"))["gemm_calls"] == 2
+
+
 def test_each_file_is_modelled_as_the_code_that_measured_it(tmp_path):
     assert cm.measured_code("any.json", {})["last_step_with_seal"] is True
+    assert cm.measured_code("any.json", {})["ready_window_us"] is None  # files name their window since grouping
     assert cm.measured_code("any.json", {"separate_seal_gemms": True})["last_step_with_seal"] is False
     assert cm.measured_code("ep-layer-2h200-triton-128-8192-2026-11-30.json", {})["last_step_with_seal"] is False
     streamed = dict(path="streamed", chunks=2, num_slots=2, source_order="ready")
@@ -128,7 +148,7 @@ def test_the_fit_recovers_the_rates_that_made_the_rows(tmp_path):
     truth = json.loads(json.dumps(cm.load_rates()))
     rows = []
     for T in (1024, 4096, 8192):
-        for kw in ({}, dict(path="streamed", chunks=1, source_order="ready"),
+        for kw in ({}, dict(path="streamed", chunks=1, source_order="ready", ready_window_us=20.0),
                    dict(path="streamed", chunks=2, num_slots=2, source_order="arrival")):
             cfg = cm.Config(ranks=2, tokens=T, experts_per_pe=32, machine="mps",
                             **{k: v for k, v in kw.items() if k != "num_slots"})

@@ -309,6 +309,19 @@ def test_auto_takes_a_one_chunk_row_of_either_source_order(setup, monkeypatch):
             buf.close()
 
 
+def test_a_grouped_ready_row_decides_only_for_grouped_ready_buffers():
+    """On several PEs the ready order's grouped steps are a schedule of their own: a row measured with them
+    (it names its window) decides for a grouped buffer whatever its window, never for an arrival buffer; a
+    row measured with one source per ready step (no window) still serves an arrival buffer at one chunk."""
+    from streamring.moe.ep_buffer import _schedule
+
+    assert _schedule(1, "ready", 20.0, 2) == _schedule(1, "ready", 50.0, 2)
+    assert _schedule(1, "ready", 20.0, 2) != _schedule(1, "arrival", None, 2)
+    assert _schedule(1, "ready", None, 2) == _schedule(1, "arrival", None, 2)
+    assert _schedule(2, "ready", None, 2) != _schedule(2, "arrival", None, 2)
+    assert _schedule(1, "ready", 20.0, 1) == _schedule(1, "arrival", None, 1)  # one PE: nothing to group
+
+
 def test_explicit_stream_epochs_must_grow(setup):
     shape, fw, buf = setup
     w = buf.prepare_weights(fw)

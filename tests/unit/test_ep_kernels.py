@@ -54,16 +54,24 @@ class FakePE(queue_case.FakePE):
                                device=DEV)
 
 
-def run_ep(shape, fw, xs, chunk, corrupt=None, per_source=False):
+def run_ep(shape, fw, xs, chunk, corrupt=None, per_source=False, grouped=None):
     """Every fake PE produces its chunks, dispatches every source's chunk (at once, or one source per
     dispatch step in a PE-specific order: the ready-order path), runs its blocks (L2 straight into
-    the owners' combine rows), then every owner reduces. Returns the outputs."""
+    the owners' combine rows), then every owner reduces. Returns the outputs.
+
+    ``grouped`` (a list of R-long source lists, -1 padded, one per dispatch step of every chunk): the
+    ready order's grouped steps (``ring_wait_any`` with ``max_take`` = R): each step's list has R
+    places, the step that leaves no source pending in the last chunk seals on the device
+    (``seal(if_none_pending=...)``) and its GEMM call has the partial blocks; the closing seal then
+    makes nothing ready."""
     tokens = [x.shape[0] for x in xs]
     plan = StreamPlan(epoch=1, tokens_per_rank=tuple(tokens), tokens_per_slot=chunk)
     C = max(1, plan.num_chunks)
     layout = RingLayout(num_ranks=R, num_slots=C, tokens_per_slot=chunk, hidden=shape.hidden, topk=shape.topk,
                         num_experts=shape.num_experts)
-    pes = [FakePE(r, shape, fw, layout, tokens, chunk, C * (R if per_source else 1)) for r in range(R)]
+    steps = len(grouped) if grouped is not None else (R if per_source else 1)
+    pes = [FakePE(r, shape, fw, layout, tokens, chunk, C * steps) for r in range(R)]
+    pending = torch.zeros(1, dtype=torch.int64, device=DEV)
     valid_tab = torch.tensor([[plan.chunk_tokens(r, c)[1] for r in range(R)] for c in range(C)], dtype=torch.int32,
                              device=DEV)
     src_all = torch.arange(R, dtype=torch.int32, device=DEV)
@@ -89,6 +97,9 @@ def run_ep(shape, fw, xs, chunk, corrupt=None, per_source=False):
             # rank order: one dispatch of every source; per source: one step per source, the PE's
             # own chunk last on PE 0 and first on PE 1 (an arbitrary order, as the device decides)
             groups = [src_all] if not per_source else [src_all[j:j + 1] for j in (range(R) if p.me else range(R - 1, -1, -1))]
+            if grouped is not None:
+                groups = [torch.tensor(g, dtype=torch.int32, device=DEV) for g in grouped]
+                pending.fill_((1 << R) - 1)
             for j, srcs in enumerate(groups):
                 n = srcs.shape[0] * chunk * shape.topk
                 step = c * len(groups) + j
@@ -98,11 +109,19 @@ def run_ep(shape, fw, xs, chunk, corrupt=None, per_source=False):
                             local_experts=p.E_loc, num_experts=shape.num_experts)
                 p.bc.dispatch_ep(c, p.flat_e[:n], p.flat_w[:n], srcs, (p.ring, p.ring.view(torch.float32)),
                                  (delta, delta // 4), (L.x_off(c), L.x_sf_off(c) // 4), step=step)
+                if grouped is not None:
+                    for src in grouped[j]:
+                        if src >= 0:
+                            pending.bitwise_and_(~(1 << src))
+                    if c == C - 1:
+                        p.bc.seal(step, if_none_pending=pending)
                 p.bc.compute(step, step + 1, p.bc.max_blocks, p.fw, out=p.comb,
                              direct=(p.bc.row_src, p.bc.row_tok, comb_delta))
     for p in pes:
-        n = C * (R if per_source else 1)
+        n = C * steps
         p.bc.seal(n)
+        if grouped is not None:  # the device-decided seal already made every partial block ready
+            assert int(p.bc.ready_hi[n + 1]) == int(p.bc.ready_hi[n]), "a second seal made blocks ready again"
         p.bc.compute(n, n + 1, p.bc.max_blocks, p.fw, out=p.comb, direct=(p.bc.row_src, p.bc.row_tok, p.comb_delta))
     outs = []
     for r, p in enumerate(pes):
@@ -150,6 +169,46 @@ def test_ep_data_path_equals_the_single_process_batch_bitwise(setup, chunk, per_
     for r, p in enumerate(pes):
         n = xs[r].shape[0] * shape.topk
         assert not torch.isnan(p.comb[:n].float()).any(), f"owner {r}: a routed (token, k) row was never stored"
+
+
+GROUPED = {"all-in-one-step": [[1, 0], [-1, -1]], "one-per-step": [[1, -1], [0, -1]]}
+
+
+@pytest.mark.parametrize("chunk,grouping", quick_subset(
+    [(9, "all-in-one-step"), (4, "one-per-step"), (4, "all-in-one-step")], quick=[(4, "all-in-one-step")],
+    reason="Triton's CPU interpreter runs the GPU kernels here, 1 to 3 s a case on 2 cores"))
+def test_grouped_ready_steps_equal_the_single_process_batch_bitwise(setup, chunk, grouping):
+    """The ready order's grouped steps: -1 places of a step's source list dispatch nothing, the seal
+    decided on the device (no source pending after the last chunk's step) puts the partial blocks into
+    that step's GEMM call, and the closing seal adds nothing; every row is still stored once."""
+    shape, fw, xs, refs = setup
+    outs, pes = run_ep(shape, fw, xs, chunk, grouped=GROUPED[grouping])
+    for r in range(R):
+        assert torch.equal(_bits(outs[r]), _bits(refs[r])), f"owner {r}, chunk {chunk}: differs from the batch path"
+        assert int(pes[r].bad.item()) == 0
+    total_routes = sum(x.shape[0] for x in xs) * shape.topk
+    assert sum(int((p.bc.row_src >= 0).sum()) for p in pes) == total_routes
+
+
+def test_a_seal_with_a_source_pending_makes_nothing_ready():
+    """The conditional seal (``seal(if_none_pending=...)``) waits for an empty mask; an unconditional seal
+    after it seals once."""
+    shape = shape_()
+    bc = B.BlockConsumer(shape, 8, 3, 16, DEV)
+    bc.begin()
+    counts = torch.zeros(shape.num_experts, dtype=torch.int32, device=DEV)
+    counts[0], counts[3] = 5, 20  # expert 0: one partial block; expert 3: one full block and a partial one
+    bc._alloc_blocks(counts, 1, seal=False)
+    assert int(bc.ready_hi[1]) == 1
+    pending = torch.tensor([2], dtype=torch.int64, device=DEV)
+    bc.seal(1, if_none_pending=pending)
+    assert int(bc.ready_hi[2]) == 1, "sealed while a source was pending"
+    pending.zero_()
+    bc.seal(2, if_none_pending=pending)
+    assert int(bc.ready_hi[3]) == 3
+    assert sorted(bc.block_rows[bc.ready_list[1:3].long()].tolist()) == [4, 5]
+    bc.seal(3)
+    assert int(bc.ready_hi[4]) == 3, "a second seal made the partial blocks ready again"
 
 
 def test_corrupt_routes_are_counted_and_never_indexed(setup):

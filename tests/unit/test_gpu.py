@@ -257,6 +257,30 @@ def test_cubin_builds_and_is_cached(monkeypatch, tmp_path):
     assert build.build_cubin() == path and path.stat().st_mtime_ns == mtime  # cache hit
 
 
+def test_every_kernel_source_compiles_against_the_nvshmem_declarations(tmp_path):
+    """Every ``csrc/*.cu`` passes nvcc (sm_90, -rdc) against declaration-only NVSHMEM headers
+    (``tests/helpers/nvshmem_decls``) and the generated constants: the kernels' syntax and types are
+    checked on a machine without NVSHMEM or a GPU, before any device time is spent. Nothing is linked."""
+    import subprocess
+    from pathlib import Path
+
+    try:
+        nvcc = build.find_nvcc()
+    except build.BuildError as exc:
+        pytest.skip(f"no nvcc: {exc}")
+    gen = tmp_path / "gen"
+    gen.mkdir()
+    (gen / build.GENERATED_HEADER).write_text(build.consts_header())
+    csrc = Path(build.__file__).with_name("csrc")
+    decls = Path(__file__).parents[1] / "helpers" / "nvshmem_decls"
+    sources = sorted(csrc.glob("*.cu"))
+    assert sources
+    for cu in sources:
+        res = subprocess.run([nvcc, "-arch=sm_90", "-rdc=true", f"-I{decls}", f"-I{gen}", f"-I{csrc}", "-c", str(cu),
+                              "-o", str(tmp_path / (cu.stem + ".o"))], capture_output=True, text=True, timeout=300)
+        assert res.returncode == 0, f"{cu.name}:\n{res.stderr[-3000:]}"
+
+
 # --------------------------------------------------------------------------------------------
 # GPU (skip without a CUDA GPU and nvshmem4py)
 # --------------------------------------------------------------------------------------------

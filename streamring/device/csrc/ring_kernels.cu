@@ -96,22 +96,42 @@ extern "C" __global__ void ring_ack(const RingDesc* d, uint8_t* buf, const uint6
 }
 
 // Consumer, ready order (the RFC's later optimisation: process sources independently): wait
-// (acquire, deadline) until ANY source still pending for `chunk` has both generations ready, check
-// its metadata and record its valid count as ring_acquire_checked does, remove it from *pending (one bit per source; reset to
-// every source when `first`), and write it to *chosen. The data kernels that follow read the source
-// from *chosen, so the order is decided on the device at run time (a CUDA graph stays fixed).
-// One thread. On a violation or the deadline the error is recorded and the lowest pending source
-// is chosen (the forward then fails its checks; nothing waits forever). num_ranks <= 64.
+// (acquire, deadline) until ANY source still pending for `chunk` has both generations ready; then,
+// with max_take > 1, keep taking pending sources that are ready until max_take are taken, none is
+// pending, or window_ns have passed since the first was found (one dispatch step then serves every
+// source that arrived together: one GEMM call instead of one per source). Every taken source's
+// metadata is checked and its valid count recorded as ring_acquire_checked does; it leaves *pending
+// (one bit per source; reset to every source when `first`) and goes to chosen[0..max_take), in the
+// order taken, the rest -1. The data kernels that follow read the sources from `chosen`, so the
+// order and the grouping are decided on the device at run time (a CUDA graph stays fixed).
+//
+// Ordering: each taken source has its own acquire loads of both generation words, each followed by
+// the same check_meta; the data kernels follow the one __threadfence_system in stream order, and
+// ring_ack_chosen releases before the acknowledgements. A grouped step (acquire A, acquire B, copy A
+// and B, ack A and B) is trace-equivalent to the model checker's ready order (acquire A, copy, ack A,
+// then B; streamring.verify.ep): B's acquire and copy read only B's slot and generation words, which
+// no other process writes while B is unacknowledged by this consumer, and A's ack writes only A's
+// mask, so they commute; the grouped order only holds A's slot longer, as a slow consumer does.
+//
+// Nothing pending at entry (an earlier step of this chunk took every source): nothing is waited for
+// and chosen is all -1 (the step's data kernels then do nothing). One thread. On a violation or the
+// deadline while waiting for the FIRST source the error is recorded and the lowest pending source is
+// taken with no rows (the forward then fails its checks; nothing waits forever); a violation seen
+// while gathering more ends the gathering and leaves that source pending for a later step.
+// num_ranks <= 64.
 extern "C" __global__ void ring_wait_any(const RingDesc* d, uint8_t* buf, const uint64_t* peers, int me, int64_t chunk,
-                                         int* valid_tab, uint64_t* pending, int first, int* chosen, int inject) {
+                                         int* valid_tab, uint64_t* pending, int first, int* chosen, int max_take,
+                                         int64_t window_ns, int inject) {
     if (threadIdx.x != 0 || blockIdx.x != 0 || d->num_chunks <= 0) return;
     const uint64_t all = full_mask(d, 0);
     if (first) *pending = all;
+    for (int i = 0; i < max_take; ++i) chosen[i] = -1;
+    uint64_t m = *pending;
+    if (!m) return;
     const uint64_t g = ring_make_gen(cur_epoch(d), chunk);
     const int64_t slot = chunk % d->num_slots;
     const long long start = clock64();
-    uint64_t m = *pending;
-    int pick = m ? __ffsll((long long)m) - 1 : 0;
+    int pick = __ffsll((long long)m) - 1;
     bool ok = false, slow = false;
     for (int64_t spins = 0; m && !ok; ++spins) {
         for (uint64_t left = m; left; left &= left - 1) {
@@ -143,22 +163,55 @@ extern "C" __global__ void ring_wait_any(const RingDesc* d, uint8_t* buf, const 
     }
     // the note is taken back only when one was made: a host-memory load costs a PCIe round trip
     if (ok && slow) end_slow_wait(d, WB_ACQUIRE_ANY, pack_wait(RE_ACQUIRE_TIMEOUT, 0, chunk));
-    __threadfence_system();
-    if (ok) {
-        SR_WITH_TRANSPORT(buf, me, peers, check_meta(d, x, pick, chunk, g, valid_tab, inject));
-    } else {
-        valid_tab[chunk * d->num_ranks + pick] = 0;
+    uint64_t taken = 1ull << pick;
+    int n = 1;
+    chosen[0] = pick;
+    if (ok && max_take > 1) {
+        // gather the sources that arrive with the first: bounded by window_ns (a window of 0 takes only
+        // those ready at once), never past the deadline of the first wait
+        const uint64_t t0 = global_timer_ns();
+        uint64_t rest = *pending & ~taken;
+        bool stop = false;
+        while (rest && n < max_take && !stop) {
+            for (uint64_t left = rest; left && n < max_take; left &= left - 1) {
+                const int src = __ffsll((long long)left) - 1;
+                const uint64_t r = ld_acquire_sys_u64(route_gen_word(d, buf, src, slot));
+                const uint64_t l = ld_acquire_sys_u64(layout_gen_word(d, buf, src, slot));
+                const int cr = classify(d, r, g, inject), cl = classify(d, l, g, inject);
+                if (cr == GEN_VIOLATION || cl == GEN_VIOLATION) {
+                    stop = true;  // a later step's first wait records it
+                    break;
+                }
+                if (cr == GEN_READY && cl == GEN_READY) {
+                    taken |= 1ull << src;
+                    rest &= ~(1ull << src);
+                    chosen[n++] = src;
+                }
+            }
+            if (global_timer_ns() - t0 >= (uint64_t)window_ns || aborted(d)) break;
+        }
     }
-    *pending &= ~(1ull << pick);
-    *chosen = pick;
+    __threadfence_system();
+    for (int i = 0; i < n; ++i) {
+        if (ok) {
+            SR_WITH_TRANSPORT(buf, me, peers, check_meta(d, x, chosen[i], chunk, g, valid_tab, inject));
+        } else {
+            valid_tab[chunk * d->num_ranks + chosen[i]] = 0;
+        }
+    }
+    *pending &= ~taken;
 }
 
-// Acknowledge (*chosen, chunk): the ready-order form of ring_ack (the source was picked on the
-// device by ring_wait_any; the reads of its slot are earlier kernels of this stream).
+// Acknowledge chunk `chunk` of the sources chosen[0..count) that are not -1: the ready-order form of
+// ring_ack (the sources were taken on the device by ring_wait_any; the reads of their slots are
+// earlier kernels of this stream, and the release below precedes every fetch_or).
 extern "C" __global__ void ring_ack_chosen(const RingDesc* d, uint8_t* buf, const uint64_t* peers, int me,
-                                           const int* chosen, int64_t chunk) {
+                                           const int* chosen, int count, int64_t chunk) {
     if (d->num_chunks <= 0 || threadIdx.x != 0 || blockIdx.x != 0) return;
     __threadfence_system();
     const uint64_t g = ring_make_gen(cur_epoch(d), chunk);
-    SR_WITH_TRANSPORT(buf, me, peers, ack_slot(d, x, (int64_t)*chosen, chunk, g, 0));
+    for (int i = 0; i < count; ++i) {
+        if (chosen[i] < 0) continue;
+        SR_WITH_TRANSPORT(buf, me, peers, ack_slot(d, x, (int64_t)chosen[i], chunk, g, 0));
+    }
 }
