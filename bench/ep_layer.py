@@ -503,11 +503,11 @@ def bench_tokens(heap, T, shape, full, base, args, rows, timelines, budget):
                                       **({} if win is None else {"ready_window_us": win}),
                                       **({} if args.group_max_tokens is None
                                          else {"group_max_tokens": args.group_max_tokens}))
+                    buf = EPBuffer(heap, shape, max_tokens_per_rank=T, num_slots=slots, tokens_per_slot=chunk,
+                                   gemm=gemm, deadline_s=args.deadline_s, tuning=tuning, name="bench")
                     if plan and buf.groups_sources(buf.paths["stream"], T):
                         # the rows ran grouped ready steps with this window (the cost model reads it)
                         cfg["ready_window_us"] = tuning.ready_window_us
-                    buf = EPBuffer(heap, shape, max_tokens_per_rank=T, num_slots=slots, tokens_per_slot=chunk,
-                                   gemm=gemm, deadline_s=args.deadline_s, tuning=tuning, name="bench")
                     moe_debug.record_timeline(buf)
                     layer = buf.prepare_weights(full)
                     info = dict(tokens=T, routing=routing_name, gemm=buf.gemm, experts_per_pe=epp)

@@ -1,5 +1,5 @@
-"""A cost model of one forward of the expert-parallel layer (numpy only): :func:`predict` gives the phase
-times of a batch or streamed forward for a configuration, with rates measured on the H200
+"""A cost model of one forward of the expert-parallel layer (numpy and the buffer's tuning defaults; no GPU
+import): :func:`predict` gives the phase times of a batch or streamed forward for a configuration, with rates measured on the H200
 (``cost_model_rates.json`` beside this module, fitted by ``python -m bench.cost_model --fit`` from
 ``bench.ep_layer`` results and timelines, which names its sources). ``streaming="auto"`` follows it
 where the tuned table has no measured row. ``python -m bench.cost_model --check`` prints every measured
@@ -97,6 +97,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .tuning import EPTuning
+
+_TUNING_DEFAULTS = EPTuning.model_fields
+
 H, I_DIM, TOPK = 7168, 2048, 8
 W_BYTES = 3 * I_DIM * H                 # one expert's FP8 weights (gate, up, down)
 ROW_BYTES = H + 4 * H // 128            # FP8 row + 1x128 float32 scales
@@ -140,8 +144,10 @@ class Config:
     straggler_rank: int | None = None
     skew_ms: float = 0.0
     last_step_with_seal: bool = True    # False: a call per dispatch step, then the seal's own call
-    ready_window_us: float | None = 50.0  # ready order: the grouping window; None: one source per step
-    group_max_tokens: int = 2048        # ready order groups only forwards of at most this many tokens per PE
+    # ready order: the grouping window (None: one source per step) and the largest forward that groups (the
+    # buffer's defaults, streamring.moe.tuning.EPTuning)
+    ready_window_us: float | None = _TUNING_DEFAULTS["ready_window_us"].default
+    group_max_tokens: int = _TUNING_DEFAULTS["group_max_tokens"].default
 
 
 _RATES_CACHE: dict = {}

@@ -68,7 +68,7 @@ class EPTuning(BaseModel):
     consumer: Literal["per_chunk", "persistent"] = "per_chunk"
     reserved_sms: int = Field(16, ge=1)
     producer_sms: int = Field(16, ge=8)
-    group_max_tokens: int = Field(2048, ge=0)
+    group_max_tokens: int = Field(1024, ge=0)
     ready_window_us: float = Field(50.0, ge=0, le=1000)
     chunk_gemm_ctas: Optional[int] = Field(None, ge=1)
 
