@@ -122,6 +122,8 @@ def load_rows(files, machines: dict | None = None):
                          straggler_rank=r.get("straggler_rank"), skew_ms=float(r.get("skew_ms") or 0.0),
                          last_step_with_seal=code["last_step_with_seal"],
                          ready_window_us=r.get("ready_window_us", code["ready_window_us"]))
+            if cfg.ready_window_us is not None:   # a row names its window only where its forward grouped
+                cfg.group_max_tokens = max(cfg.group_max_tokens, cfg.tokens)
             if cfg.straggler_ms and cfg.straggler_rank is None and R > 1:
                 cfg.straggler_rank = 1          # the 2-H200 runs delayed rank 1's producer
             out.append((cfg, float(r["median_ms"]), r, base))

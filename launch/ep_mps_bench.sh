@@ -51,8 +51,10 @@ if [ "${EPM_SHARING:-0}" = 1 ]; then
   grep -h -A40 "^variant" "$OUT"/sm_sharing*.log | tee -a "$LOG"
 fi
 # $EPM_PES (2) PEs, 100/PES % of the SMs each (an array, not a function: `timeout` runs programs); the
-# `streamring run` step runs on as many. EPM_PES=4 has not run yet: its one try, in the same call right
-# after a 2-PE run of this script, failed in every PE's torch.cuda.set_device (out of memory as an MPS client)
+# `streamring run` step runs on as many. EPM_PES=4 has not run: in both tries (one right after a 2-PE run of
+# this script in the same call, one the first step of a call on a machine warm from earlier calls) every PE's
+# torch.cuda.set_device failed with out of memory as an MPS client, and the surviving mpiexec outlived its
+# `timeout` (hence -k below). The GPU check's 4-process MPS steps do start (they make smaller heaps).
 PES="${EPM_PES:-2}"
 MPI2=(env CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$(( 100 / PES )) mpiexec --allow-run-as-root --bind-to none -n "$PES"
       -x CUDA_MPS_ACTIVE_THREAD_PERCENTAGE -x CUDA_MPS_PIPE_DIRECTORY -x CUDA_MPS_LOG_DIRECTORY -x PYTHONPATH
@@ -82,7 +84,7 @@ fi
 if [ "${EPM_BENCH:-1}" = 1 ]; then
 say "=== 2. EP layer, $PES PEs under MPS ($(( $(date +%s) - T0 )) s)"
 BUDGET=$(( $(left) - 30 ))
-timeout "$BUDGET" "${MPI2[@]}" python3 -m bench.ep_layer --tokens "${EPM_TOKENS:-1024,4096,8192}" --routings uniform \
+timeout -k 15 "$BUDGET" "${MPI2[@]}" python3 -m bench.ep_layer --tokens "${EPM_TOKENS:-1024,4096,8192}" --routings uniform \
   --experts-per-pe "${EPM_EXPERTS:-32}" --chunks "${EPM_CHUNKS:-1,2,4}" --orders ready,arrival --consumers per_chunk \
   --gemms "${EPM_GEMMS:-triton}" --straggler-ms 1,3 --skew-ms 2 --no-baseline --budget-s $(( BUDGET - 60 )) \
   --json "$OUT/ep-layer-mps.json" --timeline-json "$OUT/ep-timelines-mps.json" ${EPM_ARGS:-} > "$OUT/ep_mps.log" 2>&1

@@ -150,7 +150,8 @@ def test_the_fit_recovers_the_rates_that_made_the_rows(tmp_path):
     for T in (1024, 4096, 8192):
         for kw in ({}, dict(path="streamed", chunks=1, source_order="ready", ready_window_us=20.0),
                    dict(path="streamed", chunks=2, num_slots=2, source_order="arrival")):
-            cfg = cm.Config(ranks=2, tokens=T, experts_per_pe=32, machine="mps",
+            # a row that names its window grouped its forward (load_rows reads it so)
+            cfg = cm.Config(ranks=2, tokens=T, experts_per_pe=32, machine="mps", group_max_tokens=T,
                             **{k: v for k, v in kw.items() if k != "num_slots"})
             rows.append(_row(cm.predict(cfg, truth)["total_ms"], tokens_per_rank=T, **kw))
     p = _write(tmp_path, rows, "ep-layer-mps-synthetic-fit.json")
