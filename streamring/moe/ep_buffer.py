@@ -97,8 +97,9 @@ class EPBuffer(EPPipeline):
             combine area and the expert blocks).
         num_slots, tokens_per_slot: the streamed ring (the RFC's ``front_num_slots`` /
             ``front_tokens_per_slot``); default ``tokens_per_slot``: ``max_tokens_per_rank``, one chunk per
-            forward, which the default ``ready`` order streams one source at a time (the measured best at the
-            EP8 per-GPU load, ``docs/performance.md``: more chunks cost another weight pass each).
+            forward, which the default ``ready`` order streams by source: the sources ready together in one
+            step (forwards of up to ``tuning.group_max_tokens`` rows), else one source at a time (the measured
+            best at the EP8 per-GPU load, ``docs/performance.md``: more chunks cost another weight pass each).
         gemm: ``"triton"``, ``"cutlass"``, ``"deep_gemm"`` (``block_m`` 128, when ``import deep_gemm``
             works) or ``"auto"`` (:func:`resolve_gemm`: the fastest available one of the measured table);
             :attr:`gemm` is the resolved implementation, :attr:`gemm_choice` its variants and why. Every
