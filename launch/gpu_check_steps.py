@@ -274,6 +274,13 @@ def phase_multi(state: dict) -> None:
         fj = TMP / f"fast-2-{policy}.json"
         run_step(state, f"EP layer run: policy {policy}", run_cmd(2, fj, *FAST, "--set", f"nvshmem.progress={policy}"),
                  150, pes=2, judge=judge_run, json_path=fj, env=mps(2))
+    # the ready order's grouped dispatch steps: forwards this small group the sources ready together, the
+    # straggler's source gets a step of its own (the same run, with its other sizes, passed under MPS in
+    # launch/ep_mps_bench.sh step 1b)
+    fj = TMP / "fast-2-ready.json"
+    run_step(state, "EP layer run: ready source order + straggler 3 ms on rank 1", run_cmd(
+        2, fj, *FAST, "--set", "run.source_order=ready", "--set", "run.straggler={rank: 1, ms: 3}"), 150, pes=2,
+        judge=judge_run, json_path=fj, env=mps(2))
     tj = TMP / "torchrun-2.json"
     run_step(state, "torchrun bootstrap: stress", ["torchrun", "--nproc-per-node", "2", "-m", "streamring", "stress",
                                                    "--backend", "nvshmem", "--set", "stress.chunks_per_rank=8",
