@@ -1,0 +1,27 @@
+"""bench.ep_layer's plan grid: the ready order's grouping window is a dimension of that order only."""
+
+from types import SimpleNamespace
+
+import pytest
+
+ep_layer = pytest.importorskip("bench.ep_layer", reason="bench.ep_layer needs torch")
+
+
+def _args(**kw):
+    base = dict(chunks=[1, 2], orders=["ready", "arrival"], policies=["spin_kernel"], ctas=[None],
+                consumers=["per_chunk"], reserved_sms=[16], ready_windows_us=[None])
+    base.update(kw)
+    return SimpleNamespace(**base)
+
+
+def test_ready_windows_multiply_the_ready_plans_only():
+    plans = ep_layer.plans_for(_args(ready_windows_us=[0.0, 50.0]), 1024, "triton")
+    ready = [p for p in plans if p[3] == "ready"]
+    arrival = [p for p in plans if p[3] == "arrival"]
+    assert sorted({p[6] for p in ready}) == [0.0, 50.0] and len(ready) == 2 * 2  # 2 chunkings x 2 windows
+    assert {p[6] for p in arrival} == {None} and len(arrival) == 2
+
+
+def test_the_default_window_is_the_tunings():
+    plans = ep_layer.plans_for(_args(), 1024, "triton")
+    assert {p[6] for p in plans} == {None}  # None: EPTuning's default, not a value of the plan
