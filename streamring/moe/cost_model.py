@@ -265,14 +265,17 @@ class _Schedule:
         merged = bool(cfg.last_step_with_seal)
         n_calls = self.steps if merged else self.steps + 1
         if cfg.gemm == "deep_gemm" and n_calls > 1:
-            # every call over a range is a whole-buffer m_indices call: each of the buffer's blocks
-            # (ceil(R*T*K / block_m) + E, the worst case) of every expert
-            whole = gemm_call_ms(E, -(-self.R * self.T * TOPK // cfg.block_m) + E, "deep_gemm", cfg.block_m,
-                                 self.share, self.rates, cfg.machine)
-            return [whole] * n_calls
+            return [self._whole_call()] * n_calls
         # (DeepGEMM's one batch call: the psum layout, the blocks in use)
         tt, bb = _block_counts(self.rows / E, E, self.steps, cfg.block_m, merged=merged)
         return [gemm_call_ms(t, b, cfg.gemm, cfg.block_m, self.share, self.rates, cfg.machine) for t, b in zip(tt, bb)]
+
+    def _whole_call(self) -> float:
+        """A DeepGEMM call over a range: a whole-buffer m_indices call, each of the buffer's blocks
+        (ceil(R*T*K / block_m) + E, the worst case) of every expert."""
+        cfg, E = self.cfg, self.E
+        return gemm_call_ms(E, -(-self.R * self.T * TOPK // cfg.block_m) + E, "deep_gemm", cfg.block_m, self.share,
+                            self.rates, cfg.machine)
 
     def _dispatch_ms(self, nbytes: float) -> float:
         return self.m["d_fix_us"] * 1e-3 + nbytes / (self.link * 1e9) * 1e3
@@ -294,8 +297,11 @@ class _Schedule:
     def group_call(self, sizes, last: bool) -> float:
         """The call of the last of grouped steps ``sizes`` (sources per step so far, every chunk's): full
         blocks only, or (``last``) with the seal's partial blocks. Block counts are causal, so a prefix
-        gives a step's call."""
+        gives a step's call. DeepGEMM: every grouped call is a whole-buffer call (a seal decided on the
+        device never gives the psum layout), as :meth:`_step_calls` prices the ungrouped ones."""
         cfg = self.cfg
+        if cfg.gemm == "deep_gemm":
+            return self._whole_call()
         tt, bb = _group_block_counts(self.rows / self.E, self.E, tuple(sizes), cfg.block_m, merged=last,
                                      parts=self.C * self.R)
         s = len(sizes) - 1
@@ -327,7 +333,8 @@ class _Schedule:
         """Ready order with a window: per chunk, wait for the first ready source, take those ready within
         the window (waiting it out only while a source is still missing), dispatch them, one call; the
         step that takes the last source of the last chunk has the seal. Steps that take nothing cost
-        nothing here."""
+        nothing here (their dispatch kernels and GEMM grids over empty ranges are left out), except with
+        DeepGEMM, whose call over any range is a whole-buffer call."""
         R, C = self.R, self.C
         ends, disp_tot, gemm_tot, n_calls, reps = [], 0.0, 0.0, 0, self._consumers(delays)
         for q in reps:
@@ -346,6 +353,11 @@ class _Schedule:
                     t = t_take + d + call
                     if q == reps[0]:
                         disp_tot, gemm_tot, n_calls = disp_tot + d, gemm_tot + call, n_calls + 1
+            if self.cfg.gemm == "deep_gemm":   # the empty steps' calls, after the last one that took a source
+                empty = C * R - len(sizes)
+                t += empty * self._whole_call()
+                if q == reps[0]:
+                    gemm_tot, n_calls = gemm_tot + empty * self._whole_call(), n_calls + empty
             ends.append(t)
         return max(ends), disp_tot, gemm_tot, n_calls
 

@@ -407,8 +407,10 @@ class EPPipeline:
             return
         with nvtx_range(f"streamring block GEMMs chunk {c} step {j}", color="green"):
             # the persistent (SM-sparing) grid only while a later step's source may still be being produced
-            # (every step but the last, which joins the seal's call); the sealed blocks take the whole GPU
-            ctas = self.chunk_gemm_ctas if path.name == "stream" and not last else None
+            # (every step but the last, which joins the seal's call; grouped: every step of the last chunk, any
+            # of which may seal); the sealed blocks take the whole GPU
+            sealing = last or (self._grouped and c == path.num_chunks - 1)
+            ctas = self.chunk_gemm_ctas if path.name == "stream" and not sealing else None
             self._gemms(path, layer, i, i + 1, self._max_ready_per_step(path, j), ctas, side_puts)
             if j == path.steps - 1:
                 self._stamp(c, 4)

@@ -140,6 +140,10 @@ class EmulatedLibrary:
         g = make_gen(D.epoch(), chunk + 1)
         return all(int(D.gen_word(buf, kind, src, chunk % D.num_slots)[0]) == g for kind in (0, 1))
 
+    def _newer(self, D, buf, src, chunk) -> bool:
+        g = make_gen(D.epoch(), chunk + 1)
+        return any(int(D.gen_word(buf, kind, src, chunk % D.num_slots)[0]) > g for kind in (0, 1))
+
     def _check_meta(self, D, buf, src, chunk, valid_tab, inject):
         learned = words(valid_tab + (chunk * D.num_ranks + src) * 4, 1, np.int32)
         learned[0] = 0
@@ -189,6 +193,8 @@ class EmulatedLibrary:
             while rest and len(taken) < max_take:
                 src = (rest & -rest).bit_length() - 1
                 rest &= ~(1 << src)
+                if self._newer(D, buf, src, chunk):  # as the kernel: a later step's first wait records it
+                    break
                 if self._ready(D, buf, src, chunk):
                     taken.append(src)
         for i, src in enumerate(taken):

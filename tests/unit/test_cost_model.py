@@ -126,6 +126,11 @@ def test_grouped_ready_steps_give_on_time_sources_one_call():
     near = dict(base, path="streamed", chunks=1, source_order="ready", straggler_ms=0.01, straggler_rank=1)
     assert cm.predict(near)["gemm_calls"] == 1 and cm.predict(dict(near, ready_window_us=0.0))["gemm_calls"] == 2
     assert cm.predict(dict(base, tokens=4096, path="streamed", chunks=1, source_order="ready"))["gemm_calls"] == 2
+    # DeepGEMM: a grouped step never gets the psum layout, so each of the R steps, the empty one too, is a
+    # whole-buffer call
+    dg = dict(base, gemm="deep_gemm", block_m=128, path="streamed", chunks=1, source_order="ready")
+    assert cm.predict(dg)["gemm_calls"] == 2
+    assert cm.predict(dg)["gemm_ms"] == pytest.approx(cm.predict(dict(dg, ready_window_us=None))["gemm_ms"])
 
 
 def test_each_file_is_modelled_as_the_code_that_measured_it(tmp_path):

@@ -54,7 +54,7 @@ class FakePE(queue_case.FakePE):
                                device=DEV)
 
 
-def run_ep(shape, fw, xs, chunk, corrupt=None, per_source=False, grouped=None):
+def run_ep(shape, fw, xs, chunk, corrupt=None, per_source=False, grouped=None, pull="route"):
     """Every fake PE produces its chunks, dispatches every source's chunk (at once, or one source per
     dispatch step in a PE-specific order: the ready-order path), runs its blocks (L2 straight into
     the owners' combine rows), then every owner reduces. Returns the outputs.
@@ -63,7 +63,8 @@ def run_ep(shape, fw, xs, chunk, corrupt=None, per_source=False, grouped=None):
     ready order's grouped steps (``ring_wait_any`` with ``max_take`` = R): each step's list has R
     places, the step that leaves no source pending in the last chunk seals on the device
     (``seal(if_none_pending=...)``) and its GEMM call has the partial blocks; the closing seal then
-    makes nothing ready."""
+    makes nothing ready. Every -1 place must gather as "not mine" (checked here). ``pull``: as
+    :meth:`BlockConsumer.dispatch_ep` takes it."""
     tokens = [x.shape[0] for x in xs]
     plan = StreamPlan(epoch=1, tokens_per_rank=tuple(tokens), tokens_per_slot=chunk)
     C = max(1, plan.num_chunks)
@@ -107,8 +108,14 @@ def run_ep(shape, fw, xs, chunk, corrupt=None, per_source=False, grouped=None):
                             valid_tab, c, p.me * p.E_loc, L.topk_idx_off(c) // 8, L.topk_weights_off(c) // 4,
                             p.flat_e[:n], p.flat_w[:n], p.bad, num_ranks=R, tokens_per_slot=chunk, topk=shape.topk,
                             local_experts=p.E_loc, num_experts=shape.num_experts)
+                if grouped is not None:
+                    for place, src in enumerate(grouped[j]):
+                        per = chunk * shape.topk
+                        if src < 0:
+                            assert (p.flat_e[place * per:(place + 1) * per] == p.E_loc).all(), \
+                                f"a -1 place of step {step} gathered routes"
                 p.bc.dispatch_ep(c, p.flat_e[:n], p.flat_w[:n], srcs, (p.ring, p.ring.view(torch.float32)),
-                                 (delta, delta // 4), (L.x_off(c), L.x_sf_off(c) // 4), step=step)
+                                 (delta, delta // 4), (L.x_off(c), L.x_sf_off(c) // 4), step=step, pull=pull)
                 if grouped is not None:
                     for src in grouped[j]:
                         if src >= 0:
@@ -172,22 +179,28 @@ def test_ep_data_path_equals_the_single_process_batch_bitwise(setup, chunk, per_
 
 
 GROUPED = {"all-in-one-step": [[1, 0], [-1, -1]], "one-per-step": [[1, -1], [0, -1]]}
+GROUPED_CASES = [(9, "all-in-one-step", "route"), (4, "one-per-step", "token"), (4, "all-in-one-step", "token")]
 
 
-@pytest.mark.parametrize("chunk,grouping", quick_subset(
-    [(9, "all-in-one-step"), (4, "one-per-step"), (4, "all-in-one-step")], quick=[(4, "all-in-one-step")],
+@pytest.mark.parametrize("chunk,grouping,pull", quick_subset(
+    GROUPED_CASES, quick=[(4, "all-in-one-step", "token")],
     reason="Triton's CPU interpreter runs the GPU kernels here, 1 to 3 s a case on 2 cores"))
-def test_grouped_ready_steps_equal_the_single_process_batch_bitwise(setup, chunk, grouping):
+def test_grouped_ready_steps_equal_the_single_process_batch_bitwise(setup, chunk, grouping, pull):
     """The ready order's grouped steps: -1 places of a step's source list dispatch nothing, the seal
     decided on the device (no source pending after the last chunk's step) puts the partial blocks into
     that step's GEMM call, and the closing seal adds nothing; every row is still stored once."""
     shape, fw, xs, refs = setup
-    outs, pes = run_ep(shape, fw, xs, chunk, grouped=GROUPED[grouping])
+    outs, pes = run_ep(shape, fw, xs, chunk, grouped=GROUPED[grouping], pull=pull)
+    ref_pes = run_ep(shape, fw, xs, chunk, per_source=True)[1]
     for r in range(R):
         assert torch.equal(_bits(outs[r]), _bits(refs[r])), f"owner {r}, chunk {chunk}: differs from the batch path"
         assert int(pes[r].bad.item()) == 0
     total_routes = sum(x.shape[0] for x in xs) * shape.topk
     assert sum(int((p.bc.row_src >= 0).sum()) for p in pes) == total_routes
+    # no block was allocated for a -1 place: the same blocks as a source per step (rows of one expert from the
+    # same sources, whatever the grouping), so nothing is computed and thrown away
+    E = pes[0].E_loc
+    assert [int(p.bc.state[E]) for p in pes] == [int(q.bc.state[E]) for q in ref_pes]
 
 
 def test_a_seal_with_a_source_pending_makes_nothing_ready():

@@ -188,7 +188,9 @@ extern "C" __global__ void ring_wait_any(const RingDesc* d, uint8_t* buf, const 
                     chosen[n++] = src;
                 }
             }
-            if (global_timer_ns() - t0 >= (uint64_t)window_ns || aborted(d)) break;
+            if (global_timer_ns() - t0 >= (uint64_t)window_ns || aborted(d) ||
+                clock64() - start > d->deadline_cycles)
+                break;
         }
     }
     __threadfence_system();
