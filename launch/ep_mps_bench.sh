@@ -51,12 +51,15 @@ if [ "${EPM_SHARING:-0}" = 1 ]; then
   grep -h -A40 "^variant" "$OUT"/sm_sharing*.log | tee -a "$LOG"
 fi
 # $EPM_PES (2) PEs, 100/PES % of the SMs each (an array, not a function: `timeout` runs programs); the
-# `streamring run` step runs on as many. EPM_PES=4 has not run: in both tries (one right after a 2-PE run of
-# this script in the same call, one the first step of a call on a machine warm from earlier calls) every PE's
-# torch.cuda.set_device failed with out of memory as an MPS client, and the surviving mpiexec outlived its
-# `timeout` (hence -k below). The GPU check's 4-process MPS steps do start (they make smaller heaps).
+# `streamring run` step runs on as many. Above 2 PEs each asks for 32 / PES hardware work queues (at least
+# 4): with the 32 of launch/device_env.sh each, 4 MPS clients cannot create their contexts (out of memory in
+# torch.cuda.set_device, as launch/gpu_check_steps.mps_env found); 2 PEs keep the 32 every 2-PE result of
+# this script was measured with. EPM_PES=4 failed that way twice here before this scaling was added, and
+# has not run since; the surviving mpiexec outlived its `timeout` (hence -k below).
 PES="${EPM_PES:-2}"
-MPI2=(env CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$(( 100 / PES )) mpiexec --allow-run-as-root --bind-to none -n "$PES"
+CONNS=32; [ "$PES" -gt 2 ] && CONNS=$(( 32 / PES )); [ "$CONNS" -lt 4 ] && CONNS=4
+MPI2=(env CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$(( 100 / PES )) CUDA_DEVICE_MAX_CONNECTIONS=$CONNS
+      mpiexec --allow-run-as-root --bind-to none -n "$PES" -x CUDA_DEVICE_MAX_CONNECTIONS
       -x CUDA_MPS_ACTIVE_THREAD_PERCENTAGE -x CUDA_MPS_PIPE_DIRECTORY -x CUDA_MPS_LOG_DIRECTORY -x PYTHONPATH
       -x STREAMRING_CACHE -x NVSHMEM_DISABLE_NVLS)
 RC=0
