@@ -571,10 +571,12 @@ class EPBuffer(EPPipeline):
         ready = self.bc.ready_hi.cpu().tolist()[: n + 2]
         for c in range(p.num_chunks):
             chunks[c]["blocks_ready"] = sum(ready[i + 1] - ready[i] for i, (cc, _) in enumerate(p.order) if cc == c)
-        tail["seal_blocks"] = ready[n + 1] - ready[n]
+        # grouped ready steps: the seal's partial blocks are in the blocks of the step that sealed (no call of
+        # its own, ready_hi[n + 1] unwritten)
+        tail["seal_blocks"] = 0 if self._grouped else ready[n + 1] - ready[n]
         return {"chunks": chunks, "tail": tail, "t0_ns": t0, "policy": p.policy, "source_order": p.source_order,
                 "chunk_tokens": p.chunk, "num_slots": p.num_slots, "block_m": self.block_m, "rank": self.me,
-                "ranks": self.R, "path": p.name,
+                "ranks": self.R, "path": p.name, "grouped_steps": self._grouped,
                 # the last dispatch step's blocks_done is the seal's stamp (one GEMM call computes both)
                 "last_step_with_seal": True}
 

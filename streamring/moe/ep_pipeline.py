@@ -447,6 +447,7 @@ class EPPipeline:
     def _enqueue(self, path: _Path, layer: LayerWeights, x, out, num_tokens, routing, order, stamps):
         self._recording = stamps
         self._stamp_path = path
+        self._grouped = self.groups_sources(path, x.shape[0])
         try:
             with nvtx_range(f"streamring EPBuffer.forward {path.name} ({path.num_chunks} chunks, {path.policy})",
                             color="purple"):
@@ -469,7 +470,6 @@ class EPPipeline:
     def _enqueue_inner(self, path, layer, x, out, num_tokens, routing, order):
         r = path.ring
         self._last_T = x.shape[0]
-        self._grouped = self.groups_sources(path, x.shape[0])
         origin = self._current_stream()
         C = path.num_chunks
         persistent = self.queue is not None
