@@ -249,9 +249,10 @@ class _Schedule:
         C = self.C = max(int(cfg.chunks), 1) if streamed else 1
         self.order = cfg.source_order if streamed else "rank"
         self.steps = C * R if self.order in ("ready", "arrival") else C
-        # ready order with a window: a step takes every source ready within the window of the first one
-        self.grouped = (self.order == "ready" and R > 1 and cfg.ready_window_us is not None
-                        and T <= cfg.group_max_tokens)
+        # ready order with a window: a step takes every source ready within the window of the first one, by
+        # the buffer's own rule (the modelled consumer is per_chunk); no window: the code before the grouping
+        self.grouped = cfg.ready_window_us is not None and EPTuning(
+            source_order=self.order, group_max_tokens=cfg.group_max_tokens).groups_sources(R, T)
         self.window = (cfg.ready_window_us or 0.0) * 1e-3
         self.rows = T * TOPK * E / E_tot * R                     # = T*K
         self.f_pull = 1.0 - (1.0 - E / E_tot) ** TOPK

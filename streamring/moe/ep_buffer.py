@@ -175,7 +175,7 @@ class EPBuffer(EPPipeline):
             "batch": self._make_path("batch", self.max_tokens, 1, "serialized", "rank", ring_transport, False,
                                      f"{name}-batch-ring"),
             "stream": self._make_path("stream", C, S, policy, source_order, ring_transport, wake,
-                                      f"{name}-stream-ring", consumer),
+                                      f"{name}-stream-ring"),
         }
         self.transport = self.paths["stream"].ring.transport
         if consumer == "persistent" and self.transport != "p2p":

@@ -112,7 +112,6 @@ class _Path:
     policy: str
     source_order: str
     steps: int  # dispatch steps per chunk: 1 (every source at once) or R (ready and arrival orders)
-    groupable: bool  # ready order, R > 1, per-chunk consumer: steps may group sources (EPPipeline._grouped)
     order: list  # the dispatch steps (chunk c, step j of c) in the order they are enqueued
     step_index: dict  # (c, j) -> its position in ``order`` (the block consumer's ready index)
     slots: list  # typed views of my slots (DeviceRing.slot_views)
@@ -128,8 +127,7 @@ class EPPipeline:
     streams it builds, and what one forward enqueues on them. The buffer holds the state they use."""
 
     # -- construction pieces --------------------------------------------------------------------------
-    def _make_path(self, name, chunk, num_slots, policy, source_order, transport, wake, ring_name,
-                   consumer="per_chunk") -> _Path:
+    def _make_path(self, name, chunk, num_slots, policy, source_order, transport, wake, ring_name) -> _Path:
         R, dev = self.R, self.dev
         sh = self.shape
         num_chunks = -(-self.max_tokens // chunk)
@@ -149,7 +147,6 @@ class EPPipeline:
             order = [(c, j) for c in range(num_chunks) for j in range(steps)]
         return _Path(name=name, ring=ring, chunk=chunk, num_chunks=num_chunks, num_slots=S, policy=policy,
                      source_order=source_order, steps=steps, order=order,
-                     groupable=source_order == "ready" and steps > 1 and consumer == "per_chunk",
                      step_index={cj: i for i, cj in enumerate(order)},
                      slots=[ring.slot_views(s) for s in range(S)],
                      chunk_base=torch.arange(num_chunks, dtype=torch.int64, device=dev) * chunk,
@@ -188,12 +185,9 @@ class EPPipeline:
     # -- pieces of a forward --------------------------------------------------------------------------
     def groups_sources(self, path: _Path, rows: int) -> bool:
         """Whether a forward of ``rows`` rows per PE (``x.shape[0]``; a captured graph's: its capture size) on
-        ``path`` groups the sources that are ready together into one dispatch step and one GEMM call: the
-        ready order on several PEs with the per-chunk consumer, up to ``EPTuning.group_max_tokens`` rows.
-        Larger forwards take a step per source: there a step's dispatch overlaps the previous step's GEMMs,
-        and the GEMM grids sized for every source (one CTA per block and tile, most of them empty when a
-        step takes fewer sources) cost more than the weight pass grouping saves (docs/performance.md)."""
-        return path.groupable and rows <= self.tuning.group_max_tokens
+        ``path`` groups the sources that are ready together (:meth:`EPTuning.groups_sources`; the batch path
+        never does)."""
+        return path.name == "stream" and self.tuning.groups_sources(self.R, rows)
 
     def _current_stream(self):
         # None off the GPU: the library's kernels then run where the heap runs them (the CPU

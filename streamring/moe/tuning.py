@@ -72,6 +72,16 @@ class EPTuning(BaseModel):
     ready_window_us: float = Field(50.0, ge=0, le=1000)
     chunk_gemm_ctas: Optional[int] = Field(None, ge=1)
 
+    def groups_sources(self, ranks: int, rows: int) -> bool:
+        """Whether a streamed forward of ``rows`` rows per PE on ``ranks`` PEs groups the sources that are ready
+        together into one dispatch step and one GEMM call: the ready order on several PEs with the per-chunk
+        consumer, up to ``group_max_tokens`` rows. Larger forwards take a step per source: there a step's
+        dispatch overlaps the previous step's GEMMs, and the GEMM grids sized for every source (one CTA per
+        block and tile, most of them empty when a step takes fewer sources) cost more than the weight pass
+        grouping saves (docs/performance.md)."""
+        return (self.source_order == "ready" and ranks > 1 and self.consumer == "per_chunk"
+                and rows <= self.group_max_tokens)
+
     @field_validator("policy", mode="before")
     @classmethod
     def _refused_policy(cls, v):

@@ -322,6 +322,15 @@ def test_a_grouped_ready_row_decides_only_for_grouped_ready_buffers():
     assert _schedule(1, "ready", 20.0, 1) == _schedule(1, "arrival", None, 1)  # one PE: nothing to group
 
 
+def test_only_the_ready_order_on_several_pes_with_the_per_chunk_consumer_groups_small_forwards():
+    tu = EPTuning(group_max_tokens=1024)
+    assert tu.groups_sources(2, 1024) and not tu.groups_sources(2, 1025)
+    assert not tu.groups_sources(1, 16)  # one PE: one source, nothing to group
+    assert not EPTuning(source_order="arrival").groups_sources(2, 16)
+    assert not EPTuning(consumer="persistent").groups_sources(2, 16)
+    assert not EPTuning(group_max_tokens=0).groups_sources(2, 1)
+
+
 def test_explicit_stream_epochs_must_grow(setup):
     shape, fw, buf = setup
     w = buf.prepare_weights(fw)
