@@ -95,6 +95,20 @@ extern "C" __global__ void ring_ack(const RingDesc* d, uint8_t* buf, const uint6
     SR_WITH_TRANSPORT(buf, me, peers, ack_slot(d, x, src0 + blockIdx.x, chunk, g, 0));
 }
 
+// Both generation words of (src, slot), acquire-loaded: GEN_READY when both are `g`, GEN_VIOLATION when
+// either is (the offending word in *bad), else not ready yet. One probe of ring_wait_any's scans.
+static __device__ __forceinline__ int probe_source(const RingDesc* d, uint8_t* buf, int src, int64_t slot, uint64_t g,
+                                                   int inject, uint64_t* bad) {
+    const uint64_t r = ld_acquire_sys_u64(route_gen_word(d, buf, src, slot));
+    const uint64_t l = ld_acquire_sys_u64(layout_gen_word(d, buf, src, slot));
+    const int cr = classify(d, r, g, inject), cl = classify(d, l, g, inject);
+    if (cr == GEN_VIOLATION || cl == GEN_VIOLATION) {
+        *bad = cr == GEN_VIOLATION ? r : l;
+        return GEN_VIOLATION;
+    }
+    return cr == GEN_READY && cl == GEN_READY ? GEN_READY : GEN_OLDER;
+}
+
 // Consumer, ready order (the RFC's later optimisation: process sources independently): wait
 // (acquire, deadline) until ANY source still pending for `chunk` has both generations ready; then,
 // with max_take > 1, keep taking pending sources that are ready until max_take are taken, none is
@@ -136,16 +150,15 @@ extern "C" __global__ void ring_wait_any(const RingDesc* d, uint8_t* buf, const 
     for (int64_t spins = 0; m && !ok; ++spins) {
         for (uint64_t left = m; left; left &= left - 1) {
             const int src = __ffsll((long long)left) - 1;
-            const uint64_t r = ld_acquire_sys_u64(route_gen_word(d, buf, src, slot));
-            const uint64_t l = ld_acquire_sys_u64(layout_gen_word(d, buf, src, slot));
-            const int cr = classify(d, r, g, inject), cl = classify(d, l, g, inject);
-            if (cr == GEN_VIOLATION || cl == GEN_VIOLATION) {
-                record_error(d, RE_NEWER_GEN, src, chunk, cr == GEN_VIOLATION ? r : l, g);
+            uint64_t bad = 0;
+            const int st = probe_source(d, buf, src, slot, g, inject, &bad);
+            if (st == GEN_VIOLATION) {
+                record_error(d, RE_NEWER_GEN, src, chunk, bad, g);
                 pick = src;
                 m = 0;
                 break;
             }
-            if (cr == GEN_READY && cl == GEN_READY) {
+            if (st == GEN_READY) {
                 pick = src;
                 ok = true;
                 break;
@@ -175,14 +188,13 @@ extern "C" __global__ void ring_wait_any(const RingDesc* d, uint8_t* buf, const 
         while (rest && n < max_take && !stop) {
             for (uint64_t left = rest; left && n < max_take; left &= left - 1) {
                 const int src = __ffsll((long long)left) - 1;
-                const uint64_t r = ld_acquire_sys_u64(route_gen_word(d, buf, src, slot));
-                const uint64_t l = ld_acquire_sys_u64(layout_gen_word(d, buf, src, slot));
-                const int cr = classify(d, r, g, inject), cl = classify(d, l, g, inject);
-                if (cr == GEN_VIOLATION || cl == GEN_VIOLATION) {
+                uint64_t bad = 0;
+                const int st = probe_source(d, buf, src, slot, g, inject, &bad);
+                if (st == GEN_VIOLATION) {
                     stop = true;  // a later step's first wait records it
                     break;
                 }
-                if (cr == GEN_READY && cl == GEN_READY) {
+                if (st == GEN_READY) {
                     taken |= 1ull << src;
                     rest &= ~(1ull << src);
                     chosen[n++] = src;
