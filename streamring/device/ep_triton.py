@@ -66,8 +66,9 @@ def ep_gather(ring_i64, ring_f32, delta_i64, delta_f32, src_list, valid_tab, chu
     """Read the routing of ``chunk`` of every source in ``src_list`` (int32, device; -1: no source,
     all of its routes "not mine") into ``out_e [n_src * C * K]`` (int32: the local expert, or
     ``local_experts`` for a route this PE does not serve, a masked route, a row past the source's
-    ``valid_tab[chunk][src]`` tokens, or a corrupt id, counted in ``bad``) and ``out_w`` (float32 routing weights). ``off_*`` are element
-    offsets of the slot's ``topk_idx`` (int64) and ``topk_weights`` (float32) in the ring.
+    ``valid_tab[chunk][src]`` tokens, or a corrupt id, counted in ``bad``) and ``out_w`` (float32
+    routing weights). ``off_*`` are element offsets of the slot's ``topk_idx`` (int64) and
+    ``topk_weights`` (float32) in the ring.
 
     ``pull_bytes`` (int64 ``[2]``, optional, with ``me`` = this PE and ``hidden``): adds the bytes the
     dispatch of these routes reads from peers' slots (x rows and their scales; sources other than

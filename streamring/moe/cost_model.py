@@ -1,8 +1,8 @@
-"""A cost model of one forward of the expert-parallel layer (numpy and the buffer's tuning defaults; no GPU
-import): :func:`predict` gives the phase times of a batch or streamed forward for a configuration, with rates measured on the H200
-(``cost_model_rates.json`` beside this module, fitted by ``python -m bench.cost_model --fit`` from
-``bench.ep_layer`` results and timelines, which names its sources). ``streaming="auto"`` follows it
-where the tuned table has no measured row. ``python -m bench.cost_model --check`` prints every measured
+"""A cost model of one forward of the expert-parallel layer (numpy and the buffer's tuning rules; no GPU
+import): :func:`predict` gives the phase times of a batch or streamed forward for a configuration, with
+rates measured on the H200 (``cost_model_rates.json`` beside this module, fitted by ``python -m
+bench.cost_model --fit`` from ``bench.ep_layer`` results and timelines, which names its sources).
+``streaming="auto"`` follows it where the tuned table has no measured row. ``python -m bench.cost_model --check`` prints every measured
 configuration beside its prediction; ``--predict`` the streamed ÷ batch grid.
 
 Shapes: DeepSeek-V3 experts, H = 7168, I = 2048, top-K = 8, FP8: one expert's weights are
@@ -37,8 +37,8 @@ Per forward and per PE (the slowest PE sets the time), R PEs, T tokens per PE, E
   one source's chunk per step); ready order with a window (the code since its grouping) takes per
   step every source of the chunk ready within the window of the first (the schedule below), and the
   step taking the last source of the last chunk has the seal, so on-time sources share one call (the
-  empty steps' GEMM grids, one CTA per block and tile of a bound, are left out); each step's call takes the step's FULL
-  blocks of each expert (rows of an expert accumulate until they fill a block); the last step is
+  empty steps' GEMM grids, one CTA per block and tile of a bound, are left out); each step's call
+  takes the step's FULL blocks of each expert (rows of an expert accumulate until they fill a block); the last step is
   merged into the seal call, which takes every remaining row (partial blocks). Every call that
   touches an expert streams its weights again: that is what chunking costs. ``last_step_with_seal=
   False`` describes code measured before the merge: a call per step (the batch path's one step

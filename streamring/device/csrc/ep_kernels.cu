@@ -91,8 +91,8 @@ extern "C" __global__ void ep_put_rows(const RingDesc* d, uint8_t* comb, int me,
 
 // Consumer, NVSHMEM path of the dispatch: copy the slot of `chunk` of the sources src_list[grid]
 // (device int32: every source, or those ring_wait_any took; -1: none, nothing is copied) into the local
-// mirror (mirror + src * mirror_stride, at the ring's own offsets) with RMA gets, after the acquire; the dispatch kernels
-// then read the mirror instead of peer memory. Blocking gets: the data is in the mirror when the
+// mirror (mirror + src * mirror_stride, at the ring's own offsets) with RMA gets, after the acquire; the
+// dispatch kernels then read the mirror instead of peer memory. Blocking gets: the data is in the mirror when the
 // kernel ends (stream order for the readers).
 extern "C" __global__ void ep_pull_slots(const RingDesc* d, uint8_t* buf, uint8_t* mirror, int64_t mirror_stride,
                                          const int* src_list, int64_t chunk) {
