@@ -38,7 +38,9 @@ order rotated every replay), so clock drift reaches both and the ratios are pair
 ``num_slots``, ``policy``, ``source_order``, ``consumer``, ...), ``straggler_ms``, ``straggler_rank``,
 ``skew_ms``, ``median_ms``, ``streamed_over_batch`` (over the batch path in the same late-rank case),
 ``over_batch_on_time`` (over the batch path with no late rank: a late rank is *hidden* when this is at
-most 1.02), ``bitwise_equal_to_batch``, ``rows_per_rank`` (routed rows each PE computed), ``gemm_only_ms``
+most 1.02), for a skew ``first_wait_ms`` and ``less_first_wait_over_batch_on_time`` (the median wait for
+the earliest producer, which no schedule can hide, and the ratio left once each replay's own wait is
+taken off: :func:`first_wait`), ``bitwise_equal_to_batch``, ``rows_per_rank`` (routed rows each PE computed), ``gemm_only_ms``
 (per PE) and ``pub_acq_us`` (``p50``, ``p99``, ``floor``); ``--timeline-json`` the device timelines of the
 batch path and of the best streamed plan per size (each on time and with the largest straggler on the
 last PE; draw with ``streamring timeline``). A table with the ratios and the targets' verdicts is
@@ -301,6 +303,20 @@ def skew_delays_ms(skew_ms: float, replay: int, ranks: int, seed: int) -> list[f
     return np.random.default_rng([seed, replay]).uniform(0.0, skew_ms, ranks).tolist()
 
 
+WARM = 2  # warm-up replays of every timed round: replay i >= WARM is the (i - WARM)-th timed one
+
+
+def first_wait(streamed_ms: list[float], skew_ms: float, ranks: int, seed: int) -> dict:
+    """Under a random skew nothing can be computed before the earliest producer publishes: replay ``i``'s
+    streamed time holds ``min_p d_p(i)`` of pure waiting, however well the rest is hidden. Returns the
+    median of that wait over the timed replays (``first_wait_ms``) and the median of each replay's
+    streamed time less its own wait (``streamed_less_first_wait_ms``): what is left to compare with the
+    on-time forward."""
+    waits = [min(skew_delays_ms(skew_ms, WARM + j, ranks, seed)) for j in range(len(streamed_ms))]
+    return {"first_wait_ms": statistics.median(waits),
+            "streamed_less_first_wait_ms": statistics.median(m - w for m, w in zip(streamed_ms, waits))}
+
+
 def delay_setter(heap, buf, case, seed):
     """A per-replay hook (``timed``'s ``before``) setting this PE's producer delay for ``case``."""
     ms, rank, skew = case
@@ -354,8 +370,10 @@ def measure_paired(heap, buf, layer, x, routing, args, seed):
     for case in late_cases(args):
         late = delay_setter(heap, buf, case, seed)
         t = timed_rounds(heap, [("batch_on_time", gb.replay, on_time), ("batch", gb.replay, late),
-                                ("streamed", gs.replay, late)], args.replays)
+                                ("streamed", gs.replay, late)], args.replays, warm=WARM)
         res[case] = {k: stats(v) for k, v in t.items()}
+        if case[2]:
+            res[case]["first_wait"] = first_wait(t["streamed"], case[2], heap.num_ranks, seed)
     buf.set_straggler(0)
     del gb, gs
     return out, res
@@ -537,11 +555,15 @@ def bench_tokens(heap, T, shape, full, base, args, rows, timelines, budget):
                     late_rows = []
                     for case, s_ in late.items():
                         b_case, b_on = paired[case]["batch"]["median_ms"], paired[case]["batch_on_time"]["median_ms"]
+                        fw = paired[case].get("first_wait")
                         late_rows.append({**common_r, **cfg, "path": "streamed", "gemm": buf.gemm,
                                           **case_fields(case), **s_, "bitwise_equal_to_batch": same, "paired": True,
                                           "batch_paired_ms": b_case, "batch_on_time_paired_ms": b_on,
                                           "streamed_over_batch": s_["median_ms"] / b_case,
-                                          "over_batch_on_time": s_["median_ms"] / b_on})
+                                          "over_batch_on_time": s_["median_ms"] / b_on,
+                                          **({} if fw is None else {
+                                              **fw, "less_first_wait_over_batch_on_time":
+                                                  fw["streamed_less_first_wait_ms"] / b_on})})
                     rows += [r] + late_rows
                     log(f"T={T} E/PE={epp} {routing_name} {buf.gemm}: streamed {cfg} {st['median_ms']:.3f} ms "
                         f"({r['streamed_over_batch']:.3f}x batch), late "
@@ -661,7 +683,9 @@ def verdicts(rows) -> str:
                          f"{' hidden' if w['over_batch_on_time'] <= 1.02 else ' NOT hidden'}")
         for x in skew:
             parts.append(f"{case_label(x)} {x['over_batch_on_time']:.3f}x on-time batch, {x['streamed_over_batch']:.3f}x "
-                         f"batch same draws{' ok' if x['over_batch_on_time'] <= 1.02 and x['streamed_over_batch'] < 1 else ' MISSED'}")
+                         f"batch same draws{' ok' if x['over_batch_on_time'] <= 1.02 and x['streamed_over_batch'] < 1 else ' MISSED'}"
+                         + (f" (first wait {x['first_wait_ms']:.2f} ms; less it {x['less_first_wait_over_batch_on_time']:.3f}x)"
+                            if "first_wait_ms" in x else ""))
         out.append(f"  T={T} E/PE={epp} {routing} {gemm}: [{label}] " + "; ".join(parts))
     return "\n".join(out)
 

@@ -25,3 +25,16 @@ def test_ready_windows_multiply_the_ready_plans_only():
 def test_the_default_window_is_the_tunings():
     plans = ep_layer.plans_for(_args(), 1024, "triton")
     assert {p[6] for p in plans} == {None}  # None: EPTuning's default, not a value of the plan
+
+
+def test_first_wait_takes_off_each_replays_own_earliest_delay():
+    """A streamed time that is the on-time forward plus the replay's earliest producer delay has nothing
+    left over it once first_wait takes that delay off; the draws are those of the timed replays (past the
+    warm-ups), so a shifted index would leave a residue."""
+    seed, skew, ranks, n = 127008, 2.0, 2, 30
+    waits = [min(ep_layer.skew_delays_ms(skew, ep_layer.WARM + j, ranks, seed)) for j in range(n)]
+    fw = ep_layer.first_wait([10.0 + w for w in waits], skew, ranks, seed)
+    assert fw["streamed_less_first_wait_ms"] == pytest.approx(10.0, abs=1e-12)
+    assert 0.0 < fw["first_wait_ms"] < skew
+    shifted = [10.0 + min(ep_layer.skew_delays_ms(skew, j, ranks, seed)) for j in range(n)]
+    assert abs(ep_layer.first_wait(shifted, skew, ranks, seed)["streamed_less_first_wait_ms"] - 10.0) > 1e-3
