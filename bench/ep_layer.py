@@ -62,6 +62,7 @@ import numpy as np
 import torch
 
 from bench.common import FP8, dsv3_shape, log, stats, timed, timed_rounds
+from bench.skew import WARM_REPLAYS, skew_delays_ms, skew_seed, timed_skew_draws
 from streamring.device import kernels as DK
 from streamring.device.moe_triton import stamp
 from streamring.moe import blocks as B
@@ -297,22 +298,13 @@ def late_cases(args) -> list[tuple]:
         [(0.0, None, sk) for sk in args.skew_ms]
 
 
-def skew_delays_ms(skew_ms: float, replay: int, ranks: int, seed: int) -> list[float]:
-    """Every PE's producer delay at replay ``replay`` of a random-skew case: a fresh uniform draw in
-    ``[0, skew_ms]`` per PE and replay, the same on every PE and for every path measured with ``seed``."""
-    return np.random.default_rng([seed, replay]).uniform(0.0, skew_ms, ranks).tolist()
-
-
-WARM = 2  # warm-up replays of every timed round: replay i >= WARM is the (i - WARM)-th timed one
-
-
 def first_wait(streamed_ms: list[float], skew_ms: float, ranks: int, seed: int) -> dict:
     """Under a random skew nothing can be computed before the earliest producer publishes: replay ``i``'s
     streamed time holds ``min_p d_p(i)`` of pure waiting, however well the rest is hidden. Returns the
     median of that wait over the timed replays (``first_wait_ms``) and the median of each replay's
     streamed time less its own wait (``streamed_less_first_wait_ms``): what is left to compare with the
     on-time forward."""
-    waits = [min(skew_delays_ms(skew_ms, WARM + j, ranks, seed)) for j in range(len(streamed_ms))]
+    waits = [min(d) for d in timed_skew_draws(skew_ms, len(streamed_ms), ranks, seed)]
     return {"first_wait_ms": statistics.median(waits),
             "streamed_less_first_wait_ms": statistics.median(m - w for m, w in zip(streamed_ms, waits))}
 
@@ -370,7 +362,7 @@ def measure_paired(heap, buf, layer, x, routing, args, seed):
     for case in late_cases(args):
         late = delay_setter(heap, buf, case, seed)
         t = timed_rounds(heap, [("batch_on_time", gb.replay, on_time), ("batch", gb.replay, late),
-                                ("streamed", gs.replay, late)], args.replays, warm=WARM)
+                                ("streamed", gs.replay, late)], args.replays, warm=WARM_REPLAYS)
         res[case] = {k: stats(v) for k, v in t.items()}
         if case[2]:
             res[case]["first_wait"] = first_wait(t["streamed"], case[2], heap.num_ranks, seed)
@@ -494,7 +486,7 @@ def bench_tokens(heap, T, shape, full, base, args, rows, timelines, budget):
     x = torch.randn(T, shape.hidden, generator=g, device=dev).to(torch.bfloat16)
     epp = shape.num_experts // R
     common = dict(ranks=R, tokens_per_rank=T, shape=args.shape, block_m=args.block_m, experts_per_pe=epp)
-    seed = 31 * T + epp  # the skew draws: the same for every path of this size and load
+    seed = skew_seed(T, epp)  # the skew draws: the same for every path of this size and load
     late_max = max(args.straggler_ms, default=0.0)
     for routing_name in args.routings:
         routing = uniform_routing(T, shape, 77 + me, dev) if routing_name == "uniform" else None

@@ -4,6 +4,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from bench.skew import WARM_REPLAYS, skew_delays_ms
+
 ep_layer = pytest.importorskip("bench.ep_layer", reason="bench.ep_layer needs torch")
 
 
@@ -32,9 +34,9 @@ def test_first_wait_takes_off_each_replays_own_earliest_delay():
     left over it once first_wait takes that delay off; the draws are those of the timed replays (past the
     warm-ups), so a shifted index would leave a residue."""
     seed, skew, ranks, n = 127008, 2.0, 2, 30
-    waits = [min(ep_layer.skew_delays_ms(skew, ep_layer.WARM + j, ranks, seed)) for j in range(n)]
+    waits = [min(skew_delays_ms(skew, WARM_REPLAYS + j, ranks, seed)) for j in range(n)]
     fw = ep_layer.first_wait([10.0 + w for w in waits], skew, ranks, seed)
     assert fw["streamed_less_first_wait_ms"] == pytest.approx(10.0, abs=1e-12)
     assert 0.0 < fw["first_wait_ms"] < skew
-    shifted = [10.0 + min(ep_layer.skew_delays_ms(skew, j, ranks, seed)) for j in range(n)]
+    shifted = [10.0 + min(skew_delays_ms(skew, j, ranks, seed)) for j in range(n)]
     assert abs(ep_layer.first_wait(shifted, skew, ranks, seed)["streamed_less_first_wait_ms"] - 10.0) > 1e-3
