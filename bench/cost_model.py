@@ -18,6 +18,7 @@ import sys
 
 import numpy as np
 
+from bench.skew import skew_seed, timed_skew_draws
 from streamring.moe.cost_model import (CALL_US, E_TOTAL_DSV3, FALLBACK_RATES, FLOP_ROW,  # noqa: F401
                                        INTER_NODE_GBPS, NVLINK_GBPS, RATES_PATH, ROW_BYTES, TOPK, W_BYTES, Config,
                                        _RATES_CACHE, _block_counts, _norm, comb_bytes, gemm_call_ms, load_rates,
@@ -120,7 +121,9 @@ def load_rows(files, machines: dict | None = None):
                          source_order=r.get("source_order") or "rank", machine=kind,
                          straggler_ms=float(r.get("straggler_ms") or 0.0),
                          straggler_rank=r.get("straggler_rank"), skew_ms=float(r.get("skew_ms") or 0.0),
+                         skew_draws=measured_skew_draws(r, R, int(E)),
                          last_step_with_seal=code["last_step_with_seal"],
+                         chunk_gemm_ctas=r.get("chunk_gemm_ctas"),
                          ready_window_us=r.get("ready_window_us", code["ready_window_us"]))
             if cfg.ready_window_us is not None:   # a row names its window only where its forward grouped
                 cfg.group_max_tokens = max(cfg.group_max_tokens, cfg.tokens)
@@ -128,6 +131,15 @@ def load_rows(files, machines: dict | None = None):
                 cfg.straggler_rank = 1          # the 2-H200 runs delayed rank 1's producer
             out.append((cfg, float(r["median_ms"]), r, base))
     return out, skipped
+
+
+def measured_skew_draws(r: dict, ranks: int, experts_per_pe: int) -> tuple | None:
+    """The producer delays of a skew row's timed replays (bench.skew: the seed of its size and load, its
+    ``n`` replays after the warm-ups), or None for a row without skew or with no replay count."""
+    if not r.get("skew_ms") or not r.get("n"):
+        return None
+    seed = skew_seed(int(r["tokens_per_rank"]), experts_per_pe)
+    return tuple(tuple(d) for d in timed_skew_draws(float(r["skew_ms"]), int(r["n"]), ranks, seed))
 
 
 def is_fit_row(cfg: Config, r: dict | None = None) -> bool:

@@ -29,9 +29,15 @@ Per forward and per PE (the slowest PE sets the time), R PEs, T tokens per PE, E
   HBM's 4.8 TB/s (t_w 3-8 µs against 9 µs for 44 MB from HBM): most of a weight pass hides under the
   blocks' compute, t_w is what it adds. Under MPS R PEs run their GEMMs at once on one GPU: t_w and
   t_b are multiplied by R (HBM and SMs shared; the rates ``@mps`` are fitted with that factor).
-  DeepGEMM's call over a range is a whole-buffer m_indices call: E experts and every block of the
-  buffer, ceil(R*T*K/block_m) + E (its worst case); only the batch path's one call (one allocation)
-  takes the psum layout, the blocks in use;
+  DeepGEMM's call over a range is a whole-buffer m_indices call: every block of the buffer,
+  ceil(R*T*K/block_m) + E (its worst case), is loaded and stored at DG_SKIP_US each (its MMAs skipped
+  outside the range; measured per buffer block by bench.gemm_launches), plus t_b for each block in the
+  range; only the batch path's one call (one allocation) takes the psum layout, the blocks in use;
+* two corrections of a streamed call: with ``chunk_gemm_ctas`` under MPS the calls before the sealing
+  one run on that many CTAs, one per SM (the Triton L1 holds 201 KB of shared memory), of the 132/R SMs
+  an MPS client has, so at ctas/(132/R) of their speed when fewer; CUTLASS on one GPU per PE reads each
+  weight pass beyond the batch path's one per expert from HBM (W / 4.8 TB/s instead of t_w): its chunk
+  order puts an expert's blocks apart (bench.gemm_launches: 8.8-9.6 µs per extra pass);
 * the streamed path (consumer per_chunk): steps = C (rank order: chunk c of every source per step)
   or C*R (arrival, and ready with ``ready_window_us=None`` or more than ``group_max_tokens`` tokens:
   one source's chunk per step); ready order with a window (the code since its grouping) takes per
@@ -52,7 +58,8 @@ Per forward and per PE (the slowest PE sets the time), R PEs, T tokens per PE, E
   waits for chunk c of every source; ready order takes chunk c's sources as they come, then chunk
   c+1; arrival order takes the on-time sources' chunks first, so with one late source the on-time
   (R-1)/R of a PE's rows are computed during L. Random skew (each PE delayed by uniform[0, S] ms
-  per forward) is the mean over 256 fixed-seed draws (for batch: S*R/(R+1) added, the expected max).
+  per forward) is the mean over 256 fixed-seed draws (for batch: S*R/(R+1) added, the expected max), or,
+  for a measured row, the median forward over the draws its replays were timed with (``skew_draws``).
 
 Parameters (all physical; ``streamring/moe/cost_model_rates.json`` names their sources and fit rows):
   per GEMM implementation and machine kind (``triton``, ``cutlass``, ``deep_gemm``; ``triton@mps``,
@@ -78,14 +85,14 @@ the seal's own call before the merge; CUTLASS streamed rows measured with the ow
 chunk are skipped: its spinning wait delays one CTA of CUTLASS's persistent grid, a stall the model has
 no term for).
 
-Left out (a miss of the check is one of these): CUTLASS's chunk order (in a streamed call an expert's
-few blocks lie apart from its other blocks and its weight tiles are re-read from HBM more often than one
-weight pass per touched expert says: 1.2-1.5x the batch blocks' GEMM time at >= 4096 tokens,
-docs/performance.md); NVLink/HBM contention between dispatch and GEMMs
+Left out (a miss of the check is one of these): CUTLASS's chunk order beyond a full read per extra
+weight pass (1.2-1.5x the batch blocks' GEMM time at >= 4096 tokens, docs/performance.md), and under
+MPS; the spread of the PEs' start times (the ready order's window then misses on-time sources: every PE
+starts at 0 here); NVLink/HBM contention between dispatch and GEMMs
 (the streamed dispatch kernels starved by GEMM grids; under MPS the streamed dispatch phase is ~3x
 its batch time); an on-time PE on an MPS GPU running faster while its peer is late (it has the SMs
 to itself); routing imbalance (non-uniform routing rows are skipped) and uneven per-PE row counts;
-L2 reuse of weights between concurrent calls; chunk_gemm_ctas (capped GEMM grids) and the progress
+L2 reuse of weights between concurrent calls; chunk_gemm_ctas on one GPU per PE, and the progress
 policy; the persistent consumer and torch + NCCL rows (skipped); MPS run-to-run drift (up to 7 %).
 """
 from __future__ import annotations
@@ -107,6 +114,8 @@ ROW_BYTES = H + 4 * H // 128            # FP8 row + 1x128 float32 scales
 FLOP_ROW = 2 * 3 * I_DIM * H            # L1 (gate+up) and L2 per routed row
 E_TOTAL_DSV3 = 256
 NVLINK_GBPS, INTER_NODE_GBPS = 450.0, 50.0
+DG_SKIP_US = 6.5    # DeepGEMM m_indices call: per 128-row block of the whole buffer (gemm-launches 2026-12-02)
+HBM_GBPS = 4800.0   # H200 HBM3e
 CALL_US = 25.0      # fixed cost of one GEMM call (launch, grid set-up, tail wave): not fitted
 
 RATES_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cost_model_rates.json")
@@ -143,6 +152,10 @@ class Config:
     straggler_ms: float = 0.0
     straggler_rank: int | None = None
     skew_ms: float = 0.0
+    # a measured skew row's draws: every timed forward's producer delays (ms, one per PE), whose median
+    # forward is predicted as the benchmark reports the median replay (None: the mean over 256 draws)
+    skew_draws: tuple | None = None
+    chunk_gemm_ctas: int | None = None  # the persistent grid of the calls before the seal's (None: one CTA per tile)
     last_step_with_seal: bool = True    # False: a call per dispatch step, then the seal's own call
     # ready order: the grouping window (None: one source per step) and the largest forward that groups (the
     # buffer's defaults, streamring.moe.tuning.EPTuning)
@@ -265,18 +278,37 @@ class _Schedule:
         cfg, E = self.cfg, self.E
         merged = bool(cfg.last_step_with_seal)
         n_calls = self.steps if merged else self.steps + 1
-        if cfg.gemm == "deep_gemm" and n_calls > 1:
-            return [self._whole_call()] * n_calls
-        # (DeepGEMM's one batch call: the psum layout, the blocks in use)
         tt, bb = _block_counts(self.rows / E, E, self.steps, cfg.block_m, merged=merged)
-        return [gemm_call_ms(t, b, cfg.gemm, cfg.block_m, self.share, self.rates, cfg.machine) for t, b in zip(tt, bb)]
+        if cfg.gemm == "deep_gemm" and n_calls > 1:
+            return [self._whole_call(t, b) for t, b in zip(tt, bb)]
+        # (DeepGEMM's one batch call: the psum layout, the blocks in use)
+        calls = [gemm_call_ms(t, b, cfg.gemm, cfg.block_m, self.share, self.rates, cfg.machine) for t, b in zip(tt, bb)]
+        if cfg.path == "streamed" and cfg.chunk_gemm_ctas and cfg.machine == "mps":
+            # the calls before the seal's on a persistent grid of chunk_gemm_ctas CTAs, one per SM (Triton L1: 201 KB
+            # of shared memory), of the 66 SMs an MPS client at 50 % has (docs/results/sm-sharing-probe-1h200-2026-12-03.log)
+            slow = max(1.0, (132 / self.share) / cfg.chunk_gemm_ctas)
+            # current code: every step but the last (sealing) one; the 11-30 code: the steps of every chunk but the last
+            capped = self.steps - 1 if merged else self.steps - self.steps // self.C
+            calls = [c * slow if i < capped else c for i, c in enumerate(calls)]
+        if cfg.gemm == "cutlass" and cfg.path == "streamed" and cfg.machine == "gpu" and merged:
+            # CUTLASS's chunk order: an expert's blocks lie apart, so each weight pass beyond the batch path's one
+            # per expert is a full read from HBM (W / 4.8 TB/s), not the batch call's mostly hidden t_w
+            # (gemm-launches 2026-12-02, merged seal as here: CUTLASS per-chunk - batch over the extra passes, 2 chunks: 9.6 / 8.8 us)
+            g = self.rates["gemm"]["cutlass"]
+            t_w = W_BYTES / (g["bw_GBps"] * 1e9) * 1e3
+            t_hbm = W_BYTES / (HBM_GBPS * 1e9) * 1e3
+            t1, _ = _block_counts(self.rows / E, E, 1, cfg.block_m)
+            calls[-1] += max(sum(tt) - t1[0], 0.0) * max(t_hbm - t_w, 0.0)
+        return calls
 
-    def _whole_call(self) -> float:
-        """A DeepGEMM call over a range: a whole-buffer m_indices call, each of the buffer's blocks
-        (ceil(R*T*K / block_m) + E, the worst case) of every expert."""
+    def _whole_call(self, touched: float = 0.0, blocks: float = 0.0) -> float:
+        """A DeepGEMM call over a range: a whole-buffer m_indices call: every block of the buffer
+        (ceil(R*T*K / block_m) + E) is loaded and stored (DG_SKIP_US each, its MMAs skipped outside the
+        range), the range's blocks add their MMAs (t_b; their weight tiles are in the loads)."""
         cfg, E = self.cfg, self.E
-        return gemm_call_ms(E, -(-self.R * self.T * TOPK // cfg.block_m) + E, "deep_gemm", cfg.block_m, self.share,
-                            self.rates, cfg.machine)
+        n_buf = -(-self.R * self.T * TOPK // cfg.block_m) + E
+        return (gemm_call_ms(0.0, blocks, "deep_gemm", cfg.block_m, self.share, self.rates, cfg.machine)
+                + self.share * n_buf * DG_SKIP_US * 1e-3)
 
     def _dispatch_ms(self, nbytes: float) -> float:
         return self.m["d_fix_us"] * 1e-3 + nbytes / (self.link * 1e9) * 1e3
@@ -301,11 +333,11 @@ class _Schedule:
         gives a step's call. DeepGEMM: every grouped call is a whole-buffer call (a seal decided on the
         device never gives the psum layout), as :meth:`_step_calls` prices the ungrouped ones."""
         cfg = self.cfg
-        if cfg.gemm == "deep_gemm":
-            return self._whole_call()
         tt, bb = _group_block_counts(self.rows / self.E, self.E, tuple(sizes), cfg.block_m, merged=last,
                                      parts=self.C * self.R)
         s = len(sizes) - 1
+        if cfg.gemm == "deep_gemm":
+            return self._whole_call(tt[s], bb[s])
         return gemm_call_ms(tt[s], bb[s], cfg.gemm, cfg.block_m, self.share, self.rates, cfg.machine)
 
     @staticmethod
@@ -371,10 +403,14 @@ def predict(config, rates: dict | None = None) -> dict:
     sch = _Schedule(cfg, rates or load_rates())
     R, T, m = sch.R, sch.T, sch.m
     if cfg.skew_ms:
-        rng = np.random.default_rng(7)
-        draws = rng.uniform(0.0, cfg.skew_ms, size=(256, R))
-        res = [sch.forward(list(d)) for d in draws]
-        end = float(np.mean([r[0] for r in res]))
+        if cfg.skew_draws:
+            draws = np.asarray(cfg.skew_draws, dtype=float).reshape(-1, R)
+            res = [sch.forward(list(d)) for d in draws]
+            end = float(np.median([r[0] for r in res]))
+        else:
+            draws = np.random.default_rng(7).uniform(0.0, cfg.skew_ms, size=(256, R))
+            res = [sch.forward(list(d)) for d in draws]
+            end = float(np.mean([r[0] for r in res]))
         disp = res[0][1]
         gemm, n_calls = float(np.mean([r[2] for r in res])), res[0][3]
         delay = float(np.mean(draws.max(axis=1)))

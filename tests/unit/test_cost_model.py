@@ -127,10 +127,67 @@ def test_grouped_ready_steps_give_on_time_sources_one_call():
     assert cm.predict(near)["gemm_calls"] == 1 and cm.predict(dict(near, ready_window_us=0.0))["gemm_calls"] == 2
     assert cm.predict(dict(base, tokens=4096, path="streamed", chunks=1, source_order="ready"))["gemm_calls"] == 2
     # DeepGEMM: a grouped step never gets the psum layout, so each of the R steps, the empty one too, is a
-    # whole-buffer call
+    # whole-buffer call: the same loads of every buffer block, the same blocks computed over both calls (up
+    # to the sampled partial blocks)
     dg = dict(base, gemm="deep_gemm", block_m=128, path="streamed", chunks=1, source_order="ready")
     assert cm.predict(dg)["gemm_calls"] == 2
-    assert cm.predict(dg)["gemm_ms"] == pytest.approx(cm.predict(dict(dg, ready_window_us=None))["gemm_ms"])
+    assert cm.predict(dg)["gemm_ms"] == pytest.approx(cm.predict(dict(dg, ready_window_us=None))["gemm_ms"], rel=0.01)
+
+
+def test_deep_gemm_range_call_loads_the_whole_buffer():
+    """A DeepGEMM call over a range loads and stores every block of the buffer (DG_SKIP_US each): an empty
+    range costs that and the call's fixed cost, and it grows with the buffer, not with the range."""
+    from streamring.moe import cost_model as core
+    sch = core._Schedule(core._norm(dict(ranks=1, tokens=4096, experts_per_pe=256, gemm="deep_gemm",
+                                         block_m=128, path="streamed", chunks=2, source_order="rank")),
+                         core.load_rates())
+    n_buf = -(-4096 * core.TOPK // 128) + 256
+    assert sch._whole_call() == pytest.approx((core.CALL_US + n_buf * core.DG_SKIP_US) * 1e-3)
+    assert sch._whole_call(0.0, 100.0) > sch._whole_call()
+
+
+def test_a_capped_grid_slows_mps_calls_only():
+    """chunk_gemm_ctas=60 under MPS (one CTA per SM of a 66-SM client) runs the calls before the sealing one
+    at 60/66 speed; on one GPU per PE the model keeps them as they are."""
+    cfg = dict(ranks=2, tokens=4096, experts_per_pe=32, gemm="triton", path="streamed", chunks=4,
+               source_order="ready", machine="mps", ready_window_us=None)
+    free, capped = cm.predict(cfg), cm.predict(dict(cfg, chunk_gemm_ctas=60))
+    assert capped["gemm_ms"] > free["gemm_ms"] * 1.05
+    gpu = dict(cfg, machine="gpu")
+    assert cm.predict(dict(gpu, chunk_gemm_ctas=60))["gemm_ms"] == pytest.approx(cm.predict(gpu)["gemm_ms"])
+
+
+def test_cutlass_chunk_order_reads_each_extra_pass_from_hbm():
+    """CUTLASS streamed on one GPU per PE: each weight pass beyond the batch path's costs at least a full read
+    of an expert's weights from HBM."""
+    from streamring.moe import cost_model as core
+    cfg = dict(ranks=1, tokens=4096, experts_per_pe=256, gemm="cutlass", machine="gpu", chunks=2,
+               source_order="rank")
+    extra = cm.predict(dict(cfg, path="streamed"))["gemm_ms"] - cm.predict(dict(cfg, path="batch"))["gemm_ms"]
+    tt, _ = core._block_counts(4096 * core.TOPK / 256, 256, 2, 64, merged=True)
+    t1, _ = core._block_counts(4096 * core.TOPK / 256, 256, 1, 64)
+    assert extra >= (sum(tt) - t1[0]) * core.W_BYTES / (core.HBM_GBPS * 1e9) * 1e3
+
+
+def test_measured_skew_draws_are_the_forwards_delays():
+    """A row's measured draws are per-PE producer delays: draws that always delay PE 1 by 1 ms predict the
+    forward with PE 1 1 ms late, and the prediction is the median forward over the draws."""
+    base = dict(ranks=2, tokens=4096, experts_per_pe=32, gemm="triton", machine="mps", path="streamed",
+                chunks=1, source_order="ready")
+    late = cm.predict(dict(base, straggler_ms=1.0, straggler_rank=1))["total_ms"]
+    assert cm.predict(dict(base, skew_ms=2.0, skew_draws=((0.0, 1.0),) * 5))["total_ms"] == pytest.approx(late)
+    mixed = ((0.0, 0.0), (0.0, 1.0), (0.0, 3.0))
+    assert cm.predict(dict(base, skew_ms=3.0, skew_draws=mixed))["total_ms"] == pytest.approx(late)
+
+
+def test_measured_skew_draws_are_the_benchs():
+    """load_rows gives a skew row the draws bench.ep_layer timed it with: its seed, its n replays after the
+    warm-ups."""
+    from bench.skew import WARM_REPLAYS, skew_delays_ms, skew_seed
+    r = {"skew_ms": 2.0, "n": 3, "tokens_per_rank": 4096}
+    draws = cm.measured_skew_draws(r, 2, 32)
+    assert draws == tuple(tuple(skew_delays_ms(2.0, WARM_REPLAYS + j, 2, skew_seed(4096, 32))) for j in range(3))
+    assert cm.measured_skew_draws({"n": 3, "tokens_per_rank": 4096}, 2, 32) is None
 
 
 def test_each_file_is_modelled_as_the_code_that_measured_it(tmp_path):
