@@ -56,9 +56,15 @@ def _split_spec(spec: str):
 #    CUTLASS's statically scheduled persistent grid waits for (13.7 against 8.7 ms at 4096 tokens,
 #    docs/results/ep-schedule-experiments-1pe-2026-12-01.log). The model has no term for that stall:
 #    those CUTLASS streamed rows are skipped (``chunk_combine``); Triton's grid is not persistent.
+#  - the 2-H200 files' rows carry no routing field: that benchmark (ed0b009) routed every row through the
+#    DeepSeek-V3 router on random inputs, which gave rank 1 1.5-1.7x the rows of rank 0. The model knows
+#    only uniform routing; they are modelled as uniform (their rows are the only one-GPU-per-PE
+#    calibration of the link and combine rates), a reason for some of their misses.
 MEASURED_CODE = {
-    "ep-layer-2h200-cutlass-1024-8192-2026-11-30.json": {"last_step_with_seal": False, "chunk_combine": False},
-    "ep-layer-2h200-triton-128-8192-2026-11-30.json": {"last_step_with_seal": False, "chunk_combine": False},
+    "ep-layer-2h200-cutlass-1024-8192-2026-11-30.json": {"last_step_with_seal": False, "chunk_combine": False,
+                                                         "routing": "router_modelled_as_uniform"},
+    "ep-layer-2h200-triton-128-8192-2026-11-30.json": {"last_step_with_seal": False, "chunk_combine": False,
+                                                       "routing": "router_modelled_as_uniform"},
     "ep-layer-1pe-per-chunk-vs-persistent-2026-12-01.json": {"last_step_with_seal": False, "chunk_combine": True},
 }
 
@@ -66,7 +72,7 @@ MEASURED_CODE = {
 def measured_code(base: str, args: dict) -> dict:
     # ready_window_us None: one source per ready-order step (the code before the grouped steps; a row
     # measured since names its window, bench.ep_layer's "ready_window_us", which load_rows reads)
-    code = {"last_step_with_seal": True, "chunk_combine": False, "ready_window_us": None}
+    code = {"last_step_with_seal": True, "chunk_combine": False, "ready_window_us": None, "routing": "uniform"}
     if "separate_seal_gemms" in args:
         code["last_step_with_seal"] = not args["separate_seal_gemms"]
     if "chunk_combine" in args:
@@ -89,21 +95,14 @@ def load_rows(files, machines: dict | None = None):
         rows = data["rows"] if isinstance(data, dict) else data
         base = os.path.basename(path)
         code = measured_code(base, (data.get("args") or {}) if isinstance(data, dict) else {})
-        seen = {}
         for r in rows:
             why = None
             if r.get("path") not in ("batch", "streamed"):
                 why = f"path {r.get('path')}"
             elif r.get("consumer", "per_chunk") != "per_chunk":
                 why = f"consumer {r.get('consumer')}"
-            key = (r.get("tokens_per_rank"), r.get("path"), r.get("chunks"), r.get("source_order"),
-                   r.get("chunk_gemm_ctas"), r.get("straggler_ms"))
-            n = seen.get(key, 0)
-            seen[key] = n + 1
-            routing = r.get("routing")
-            if routing is None and "2h200" in base and n % 2 == 1:
-                routing = "router"      # the second row of each pair of the 2-H200 files
-            if why is None and (routing or "uniform") != "uniform":
+            routing = r.get("routing") or code["routing"]
+            if why is None and routing not in ("uniform", "router_modelled_as_uniform"):
                 why = f"routing {routing}"
             gemm = r.get("gemm")
             if gemm in (None, "auto"):

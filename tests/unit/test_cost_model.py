@@ -195,6 +195,10 @@ def test_each_file_is_modelled_as_the_code_that_measured_it(tmp_path):
     assert cm.measured_code("any.json", {})["ready_window_us"] is None  # files name their window since grouping
     assert cm.measured_code("any.json", {"separate_seal_gemms": True})["last_step_with_seal"] is False
     assert cm.measured_code("ep-layer-2h200-triton-128-8192-2026-11-30.json", {})["last_step_with_seal"] is False
+    # the 2-H200 rows name no routing: they were routed by the router, and are kept, modelled as uniform
+    assert cm.measured_code("ep-layer-2h200-triton-128-8192-2026-11-30.json", {})["routing"] == \
+        "router_modelled_as_uniform"
+    assert cm.measured_code("any.json", {})["routing"] == "uniform"
     streamed = dict(path="streamed", chunks=2, num_slots=2, source_order="ready")
     rows = [_row(5.0, gemm="cutlass"), _row(6.0, gemm="cutlass", **streamed), _row(6.0, **streamed)]
     p = tmp_path / "ep-layer-mps-chunk-combine.json"
