@@ -11,7 +11,9 @@ experts, uniform top-8: one BlockConsumer dispatched once, sealed; only the GEMM
 * ``grouped``: the on-time grouped schedule: the first call over the same blocks with the bound for all
   ``R`` sources, then ``R - 1`` calls over an empty range with the bounds for ``R - 1 .. 1`` sources.
 
-``grouped - exact`` is what the oversized grids cost. Each form is a CUDA graph; their replays are
+``grouped - exact`` is what the oversized grids cost. ``exact_persistent`` and ``grouped_persistent`` are the
+same calls on a persistent grid of one CTA per SM the process sees (``max_ctas``; an MPS client sees its
+share): the grid a device-sized schedule would launch. Each form is a CUDA graph; their replays are
 interleaved (``bench.common.time_interleaved``); medians. Run it as an MPS client with
 ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` = 100 / PEs to see a PE's share of the SMs
 (``launch/empty_grid_mps.sh``).
@@ -55,16 +57,19 @@ def measure(ranks: int, tokens: int, epp: int, args, dev) -> dict:
     tight = min(bc.max_blocks, bc.max_ready(tokens) + bc.max_ready(0))
     bounds = grouped_bounds(ranks, tokens, shape.topk, args.block_m, epp, bc.max_blocks)
 
-    def exact():
-        bc.compute(0, 2, tight, fw, impl="triton")
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count  # an MPS client's share of them
 
-    def grouped():
-        bc.compute(0, 2, bounds[0], fw, impl="triton")
+    def exact(ctas=None):
+        bc.compute(0, 2, tight, fw, impl="triton", max_ctas=ctas)
+
+    def grouped(ctas=None):
+        bc.compute(0, 2, bounds[0], fw, impl="triton", max_ctas=ctas)
         for b in bounds[1:]:
-            bc.compute(2, 2, b, fw, impl="triton")  # an empty range: ready_hi[2] .. ready_hi[2]
+            bc.compute(2, 2, b, fw, impl="triton", max_ctas=ctas)  # an empty range: ready_hi[2] .. ready_hi[2]
 
     graphs = {}
-    for name, fn in (("exact", exact), ("grouped", grouped)):
+    for name, fn in (("exact", exact), ("grouped", grouped), ("exact_persistent", lambda: exact(sms)),
+                     ("grouped_persistent", lambda: grouped(sms))):
         g, mode = capture(fn)
         if mode != "graph":
             raise RuntimeError(f"{name}: captured as {mode}, not a graph: the forms would not compare")
@@ -74,11 +79,13 @@ def measure(ranks: int, tokens: int, epp: int, args, dev) -> dict:
     row = {"ranks": ranks, "tokens_per_rank": tokens, "experts_per_pe": epp, "block_m": args.block_m,
            "ready_blocks": ready, "tight_bound": tight, "grouped_bounds": bounds,
            "empty_blocks": sum(bounds) - ready, "times": t, "ms": ms,
-           "grouped_minus_exact_ms": ms["grouped"] - ms["exact"],
+           "grouped_minus_exact_ms": ms["grouped"] - ms["exact"], "persistent_ctas": sms,
+           "grouped_persistent_minus_exact_ms": ms["grouped_persistent"] - ms["exact"],
            "us_per_empty_block": 1e3 * (ms["grouped"] - ms["exact"]) / max(1, sum(bounds) - ready)}
     log(f"R={ranks} T={tokens} E/PE={epp}: {ready} ready blocks; exact (bound {tight}) {ms['exact']:.3f} ms, "
         f"grouped (bounds {bounds}) {ms['grouped']:.3f} ms: +{row['grouped_minus_exact_ms']:.3f} ms over "
-        f"{row['empty_blocks']} empty blocks ({row['us_per_empty_block']:.2f} us each)")
+        f"{row['empty_blocks']} empty blocks ({row['us_per_empty_block']:.2f} us each); on a persistent grid of "
+        f"{sms} CTAs: exact {ms['exact_persistent']:.3f} ms, grouped {ms['grouped_persistent']:.3f} ms")
     return row
 
 
