@@ -40,7 +40,8 @@ order rotated every replay), so clock drift reaches both and the ratios are pair
 ``over_batch_on_time`` (over the batch path with no late rank: a late rank is *hidden* when this is at
 most 1.02), for a skew ``first_wait_ms`` and ``less_first_wait_over_batch_on_time`` (the median wait for
 the earliest producer, which no schedule can hide, and the ratio left once each replay's own wait is
-taken off: :func:`first_wait`), ``bitwise_equal_to_batch``, ``rows_per_rank`` (routed rows each PE computed), ``gemm_only_ms``
+taken off: :func:`first_wait`), ``bitwise_equal_to_batch``, ``rows_per_rank`` (routed rows each PE computed),
+``gemm_only_ms``
 (per PE) and ``pub_acq_us`` (``p50``, ``p99``, ``floor``); ``--timeline-json`` the device timelines of the
 batch path and of the best streamed plan per size (each on time and with the largest straggler on the
 last PE; draw with ``streamring timeline``). A table with the ratios and the targets' verdicts is
@@ -674,10 +675,11 @@ def verdicts(rows) -> str:
             parts.append(f"worst late ({case_label(w)}) {w['over_batch_on_time']:.3f}x on-time batch"
                          f"{' hidden' if w['over_batch_on_time'] <= 1.02 else ' NOT hidden'}")
         for x in skew:
+            ok = x['over_batch_on_time'] <= 1.02 and x['streamed_over_batch'] < 1
+            wait = (f" (first wait {x['first_wait_ms']:.2f} ms; less it {x['less_first_wait_over_batch_on_time']:.3f}x)"
+                    if "first_wait_ms" in x else "")
             parts.append(f"{case_label(x)} {x['over_batch_on_time']:.3f}x on-time batch, {x['streamed_over_batch']:.3f}x "
-                         f"batch same draws{' ok' if x['over_batch_on_time'] <= 1.02 and x['streamed_over_batch'] < 1 else ' MISSED'}"
-                         + (f" (first wait {x['first_wait_ms']:.2f} ms; less it {x['less_first_wait_over_batch_on_time']:.3f}x)"
-                            if "first_wait_ms" in x else ""))
+                         f"batch same draws{' ok' if ok else ' MISSED'}{wait}")
         out.append(f"  T={T} E/PE={epp} {routing} {gemm}: [{label}] " + "; ".join(parts))
     return "\n".join(out)
 

@@ -116,6 +116,11 @@ E_TOTAL_DSV3 = 256
 NVLINK_GBPS, INTER_NODE_GBPS = 450.0, 50.0
 DG_SKIP_US = 6.5    # DeepGEMM m_indices call: per 128-row block of the whole buffer (gemm-launches 2026-12-02)
 HBM_GBPS = 4800.0   # H200 HBM3e
+H200_SMS = 132
+# a Triton GEMM grid's CTAs over blocks past the ready range (they read the range and exit): per block of the
+# grid bound (all its L1 and L2 tiles), in SM-microseconds (bench.empty_grid, 2026-12-03: 9.2-12.5 at 132, 66
+# and 32 SMs; docs/results/gemm-empty-grids-grouped-steps-1h200-mps-2026-12-03.json)
+EMPTY_BLOCK_US_SM = 11.0
 CALL_US = 25.0      # fixed cost of one GEMM call (launch, grid set-up, tail wave): not fitted
 
 RATES_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cost_model_rates.json")
@@ -285,7 +290,8 @@ class _Schedule:
         calls = [gemm_call_ms(t, b, cfg.gemm, cfg.block_m, self.share, self.rates, cfg.machine) for t, b in zip(tt, bb)]
         if cfg.path == "streamed" and cfg.chunk_gemm_ctas and cfg.machine == "mps":
             # the calls before the seal's on a persistent grid of chunk_gemm_ctas CTAs, one per SM (Triton L1: 201 KB
-            # of shared memory), of the 66 SMs an MPS client at 50 % has (docs/results/sm-sharing-probe-1h200-2026-12-03.log)
+            # of shared memory), of the 66 SMs an MPS client at 50 % has
+            # (docs/results/sm-sharing-probe-1h200-2026-12-03.log)
             slow = max(1.0, (132 / self.share) / cfg.chunk_gemm_ctas)
             # current code: every step but the last (sealing) one; the 11-30 code: the steps of every chunk but the last
             capped = self.steps - 1 if merged else self.steps - self.steps // self.C
@@ -293,7 +299,8 @@ class _Schedule:
         if cfg.gemm == "cutlass" and cfg.path == "streamed" and cfg.machine == "gpu" and merged:
             # CUTLASS's chunk order: an expert's blocks lie apart, so each weight pass beyond the batch path's one
             # per expert is a full read from HBM (W / 4.8 TB/s), not the batch call's mostly hidden t_w
-            # (gemm-launches 2026-12-02, merged seal as here: CUTLASS per-chunk - batch over the extra passes, 2 chunks: 9.6 / 8.8 us)
+            # (gemm-launches 2026-12-02, merged seal as here: CUTLASS per-chunk - batch over the extra passes,
+            # 2 chunks: 9.6 / 8.8 us)
             g = self.rates["gemm"]["cutlass"]
             t_w = W_BYTES / (g["bw_GBps"] * 1e9) * 1e3
             t_hbm = W_BYTES / (HBM_GBPS * 1e9) * 1e3
@@ -327,18 +334,34 @@ class _Schedule:
         srcs = sorted(range(R), key=lambda r: (delays[r] + pc, r != q, r))   # arrival
         return [[(r, c)] for r in srcs for c in range(C)]
 
-    def group_call(self, sizes, last: bool) -> float:
-        """The call of the last of grouped steps ``sizes`` (sources per step so far, every chunk's): full
-        blocks only, or (``last``) with the seal's partial blocks. Block counts are causal, so a prefix
-        gives a step's call. DeepGEMM: every grouped call is a whole-buffer call (a seal decided on the
-        device never gives the psum layout), as :meth:`_step_calls` prices the ungrouped ones."""
+    def group_call(self, sizes, last: bool, j: int = 0) -> float:
+        """The call of the last of grouped steps ``sizes`` (sources per step so far, every chunk's; it is
+        step ``j`` of its chunk): full blocks only, or (``last``) with the seal's partial blocks. Block
+        counts are causal, so a prefix gives a step's call. DeepGEMM: every grouped call is a whole-buffer
+        call (a seal decided on the device never gives the psum layout), as :meth:`_step_calls` prices the
+        ungrouped ones. Triton: plus the CTAs of the grid bound past the step's blocks (:meth:`empty_ms`)."""
         cfg = self.cfg
         tt, bb = _group_block_counts(self.rows / self.E, self.E, tuple(sizes), cfg.block_m, merged=last,
                                      parts=self.C * self.R)
         s = len(sizes) - 1
         if cfg.gemm == "deep_gemm":
             return self._whole_call(tt[s], bb[s])
-        return gemm_call_ms(tt[s], bb[s], cfg.gemm, cfg.block_m, self.share, self.rates, cfg.machine)
+        return gemm_call_ms(tt[s], bb[s], cfg.gemm, cfg.block_m, self.share, self.rates, cfg.machine) + \
+            self.empty_ms(self.step_bound(j) - bb[s])
+
+    def step_bound(self, j: int) -> float:
+        """The GEMM grid bound (blocks) of grouped step ``j`` of a chunk (the pipeline's grouped_step_bound)."""
+        chunk = self.T / self.C
+        max_blocks = -(-self.R * chunk * TOPK // self.cfg.block_m) + self.E
+        return min(max_blocks, (self.R - j) * chunk * TOPK // self.cfg.block_m + 2 * self.E)
+
+    def empty_ms(self, blocks: float) -> float:
+        """The CTAs of ``blocks`` grid blocks past a call's ready range: Triton launches one CTA per (block,
+        tile) up to the bound, each reads the range and exits; CUTLASS sizes its persistent grid by the SMs,
+        DeepGEMM is priced as a whole-buffer call."""
+        if self.cfg.gemm != "triton" or blocks <= 0:
+            return 0.0
+        return blocks * EMPTY_BLOCK_US_SM / (H200_SMS / self.share) * 1e-3
 
     @staticmethod
     def _consumers(delays) -> list:
@@ -365,16 +388,17 @@ class _Schedule:
     def _forward_grouped(self, delays) -> tuple:
         """Ready order with a window: per chunk, wait for the first ready source, take those ready within
         the window (waiting it out only while a source is still missing), dispatch them, one call; the
-        step that takes the last source of the last chunk has the seal. Steps that take nothing cost
-        nothing here (their dispatch kernels and GEMM grids over empty ranges are left out), except with
-        DeepGEMM, whose call over any range is a whole-buffer call."""
+        step that takes the last source of the last chunk has the seal. A chunk has R steps: those after
+        the one that took its last source take nothing, and cost their GEMM calls over an empty range (a
+        whole-buffer call with DeepGEMM, the grid bound's CTAs with Triton); their dispatch kernels are
+        left out."""
         R, C = self.R, self.C
         ends, disp_tot, gemm_tot, n_calls, reps = [], 0.0, 0.0, 0, self._consumers(delays)
         for q in reps:
             t, sizes = 0.0, []
             for c in range(C):
                 ready = sorted((delays[r] + (c + 1) * self.prod_chunk, r != q, r) for r in range(R))
-                i = 0
+                i, j = 0, 0
                 while i < R:
                     t_first = max(t, ready[i][0])
                     g = [x for x in ready[i:] if x[0] <= t_first + self.window]
@@ -382,10 +406,15 @@ class _Schedule:
                     i += len(g)
                     sizes.append(len(g))
                     d = self._dispatch_ms(sum(self.src_chunk_bytes for x in g if x[2] != q))
-                    call = self.group_call(sizes, c == C - 1 and i == R)
+                    call = self.group_call(sizes, c == C - 1 and i == R, j)
                     t = t_take + d + call
+                    j += 1
                     if q == reps[0]:
                         disp_tot, gemm_tot, n_calls = disp_tot + d, gemm_tot + call, n_calls + 1
+                empty = sum(self.empty_ms(self.step_bound(k)) for k in range(j, R))  # this chunk's idle steps
+                t += empty
+                if q == reps[0]:
+                    gemm_tot += empty
             if self.cfg.gemm == "deep_gemm":   # the empty steps' calls, after the last one that took a source
                 empty = C * R - len(sizes)
                 t += empty * self._whole_call()

@@ -118,7 +118,15 @@ def test_grouped_ready_steps_give_on_time_sources_one_call():
     grouped = cm.predict(dict(base, path="streamed", chunks=1, source_order="ready"))
     apart = cm.predict(dict(base, path="streamed", chunks=1, source_order="ready", ready_window_us=None))
     assert grouped["gemm_calls"] == 1 and apart["gemm_calls"] == 2
-    assert grouped["gemm_ms"] == pytest.approx(batch["gemm_ms"]) and apart["gemm_ms"] > 1.05 * grouped["gemm_ms"]
+    # batch's call, plus the Triton grid CTAs past the blocks: step 0's bound is for both sources, step 1 is
+    # an empty call with the bound for one (bench.empty_grid measured what they cost)
+    from streamring.moe import cost_model as core
+    sch = core._Schedule(core._norm(dict(base, path="streamed", chunks=1, source_order="ready")), core.load_rates())
+    _, (blocks,) = core._block_counts(sch.rows / sch.E, sch.E, 1, 64)
+    grids = sch.empty_ms(sch.step_bound(0) - blocks) + sch.empty_ms(sch.step_bound(1))
+    assert sch.step_bound(0) > sch.step_bound(1) > 0 and 0 < grids < 0.1 * batch["gemm_ms"]
+    assert grouped["gemm_ms"] == pytest.approx(batch["gemm_ms"] + grids)
+    assert apart["gemm_ms"] > 1.05 * grouped["gemm_ms"]
     late = cm.predict(dict(base, path="streamed", chunks=1, source_order="ready", straggler_ms=1.0,
                            straggler_rank=1))
     assert late["gemm_calls"] == 2
@@ -227,3 +235,24 @@ def test_the_fit_recovers_the_rates_that_made_the_rows(tmp_path):
     fitted = cm.fit([p], [], start=start)["gemm"]["triton@mps"]
     for k in ("t_w_us", "t_b_us_block64"):
         assert fitted[k] == pytest.approx(truth["gemm"]["triton@mps"][k], rel=0.02), k
+
+
+def test_grouped_steps_grids_grow_with_the_pes():
+    """A chunk of the grouped ready order has R steps, each a Triton call with a grid bound for every source
+    it may still take: on time the first takes them all and the R - 1 others are empty calls, whose CTAs
+    grow with R * (R - 1) / 2 sources' blocks. The bound is the pipeline's."""
+    from streamring.moe import cost_model as core
+    from streamring.moe.ep_pipeline import grouped_step_bound
+
+    def grids(R):
+        sch = core._Schedule(core._norm(dict(ranks=R, tokens=1024, experts_per_pe=32, gemm="triton", machine="gpu",
+                                             path="streamed", chunks=1, source_order="ready")), core.load_rates())
+        max_blocks = -(-R * 1024 * 8 // 64) + 32
+        assert [sch.step_bound(j) for j in range(R)] == [grouped_step_bound(R, j, 1024, 8, 64, 32, max_blocks)
+                                                         for j in range(R)]
+        return sum(sch.empty_ms(sch.step_bound(j)) for j in range(1, R))
+    assert grids(8) > 10 * grids(2)
+    base = dict(tokens=1024, experts_per_pe=32, gemm="triton", machine="gpu", chunks=1, source_order="ready")
+    streamed, batch = (cm.predict(dict(base, ranks=16, path=p))["total_ms"] for p in ("streamed", "batch"))
+    on = streamed / batch
+    assert on > 1.2  # the empty grids, not the GEMMs, cost the on-time forward at EP 16
