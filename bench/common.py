@@ -19,6 +19,7 @@ import time
 import numpy as np
 import torch
 
+from bench.skew import WARM_REPLAYS
 from streamring.moe.math import MoEShape
 
 FP8 = torch.float8_e4m3fn
@@ -166,7 +167,7 @@ def time_interleaved(fns: dict, sets: int, load, replays: int) -> dict:
 # ----------------------------------------------------------------------------------------------
 # timing across PEs
 # ----------------------------------------------------------------------------------------------
-def timed_rounds(heap, calls, replays: int, warm: int = 2) -> dict:
+def timed_rounds(heap, calls, replays: int, warm: int = WARM_REPLAYS) -> dict:
     """``{name: [ms]}``: per replay ``i`` (``warm`` warm-ups first, not kept), every ``(name, fn, before)``
     of ``calls`` in turn, the order rotated by ``i`` so that none always runs first: ``before(i)`` if
     given (e.g. this replay's producer delay), sync, host barrier, events around ``fn()``, sync; the
@@ -193,7 +194,7 @@ def timed_rounds(heap, calls, replays: int, warm: int = 2) -> dict:
     return out
 
 
-def timed(heap, fn, replays: int, warm: int = 2, before=None) -> list[float]:
+def timed(heap, fn, replays: int, warm: int = WARM_REPLAYS, before=None) -> list[float]:
     """:func:`timed_rounds` of one call: the slowest PE's ms per replay."""
     return timed_rounds(heap, [("fn", fn, before)], replays, warm)["fn"]
 

@@ -7,7 +7,9 @@ empty range with its own bound. This script times, with the Triton expert GEMMs 
 at ``--tokens`` tokens per PE from ``--ranks`` sources (DeepSeek-V3 expert shapes, ``--experts-per-pe``
 experts, uniform top-8: one BlockConsumer dispatched once, sealed; only the GEMM calls are timed):
 
-* ``exact``: one call over the ready blocks with the tight bound (the batch path's call);
+* ``exact``: one call over the ready blocks with the tight bound (the blocks of one forward's rows). The
+  batch path's own call has the buffer's whole capacity as its bound, as the first grouped call does, so
+  ``grouped - exact`` also holds that first call's excess, which batch pays too;
 * ``grouped``: the on-time grouped schedule: the first call over the same blocks with the bound for all
   ``R`` sources, then ``R - 1`` calls over an empty range with the bounds for ``R - 1 .. 1`` sources.
 
@@ -32,7 +34,7 @@ import torch
 
 from bench.common import capture, dsv3_shape, log, time_interleaved, uniform_inputs
 from streamring.moe import blocks as B
-from streamring.moe.ep_pipeline import grouped_step_bound
+from streamring.moe.grid_bounds import grouped_step_bound
 
 
 def grouped_bounds(ranks: int, tokens: int, topk: int, block_m: int, experts: int, max_blocks: int) -> list[int]:
@@ -79,7 +81,7 @@ def measure(ranks: int, tokens: int, epp: int, args, dev) -> dict:
     row = {"ranks": ranks, "tokens_per_rank": tokens, "experts_per_pe": epp, "block_m": args.block_m,
            "ready_blocks": ready, "tight_bound": tight, "grouped_bounds": bounds,
            "empty_blocks": sum(bounds) - ready, "times": t, "ms": ms,
-           "grouped_minus_exact_ms": ms["grouped"] - ms["exact"], "persistent_ctas": sms,
+           "grouped_minus_exact_ms": ms["grouped"] - ms["exact"],
            "grouped_persistent_minus_exact_ms": ms["grouped_persistent"] - ms["exact"],
            "us_per_empty_block": 1e3 * (ms["grouped"] - ms["exact"]) / max(1, sum(bounds) - ready)}
     log(f"R={ranks} T={tokens} E/PE={epp}: {ready} ready blocks; exact (bound {tight}) {ms['exact']:.3f} ms, "

@@ -38,10 +38,10 @@ order rotated every replay), so clock drift reaches both and the ratios are pair
 ``num_slots``, ``policy``, ``source_order``, ``consumer``, ...), ``straggler_ms``, ``straggler_rank``,
 ``skew_ms``, ``median_ms``, ``streamed_over_batch`` (over the batch path in the same late-rank case),
 ``over_batch_on_time`` (over the batch path with no late rank: a late rank is *hidden* when this is at
-most 1.02), for a skew ``first_wait_ms`` and ``less_first_wait_over_batch_on_time`` (the median wait for
-the earliest producer, which no schedule can hide, and the ratio left once each replay's own wait is
-taken off: :func:`first_wait`), ``bitwise_equal_to_batch``, ``rows_per_rank`` (routed rows each PE computed),
-``gemm_only_ms``
+most 1.02), for a skew ``first_wait_ms``, ``streamed_less_first_wait_ms`` and
+``less_first_wait_over_batch_on_time`` (the median wait for the earliest producer, which no schedule can
+hide, the median streamed time less each replay's own wait, and that over the on-time batch:
+:func:`first_wait`), ``bitwise_equal_to_batch``, ``rows_per_rank`` (routed rows each PE computed), ``gemm_only_ms``
 (per PE) and ``pub_acq_us`` (``p50``, ``p99``, ``floor``); ``--timeline-json`` the device timelines of the
 batch path and of the best streamed plan per size (each on time and with the largest straggler on the
 last PE; draw with ``streamring timeline``). A table with the ratios and the targets' verdicts is
@@ -63,7 +63,7 @@ import numpy as np
 import torch
 
 from bench.common import FP8, dsv3_shape, log, stats, timed, timed_rounds
-from bench.skew import WARM_REPLAYS, skew_delays_ms, skew_seed, timed_skew_draws
+from bench.skew import skew_delays_ms, skew_seed, timed_skew_draws
 from streamring.device import kernels as DK
 from streamring.device.moe_triton import stamp
 from streamring.moe import blocks as B
@@ -363,7 +363,7 @@ def measure_paired(heap, buf, layer, x, routing, args, seed):
     for case in late_cases(args):
         late = delay_setter(heap, buf, case, seed)
         t = timed_rounds(heap, [("batch_on_time", gb.replay, on_time), ("batch", gb.replay, late),
-                                ("streamed", gs.replay, late)], args.replays, warm=WARM_REPLAYS)
+                                ("streamed", gs.replay, late)], args.replays)
         res[case] = {k: stats(v) for k, v in t.items()}
         if case[2]:
             res[case]["first_wait"] = first_wait(t["streamed"], case[2], heap.num_ranks, seed)

@@ -2,7 +2,9 @@
 # What the grouped ready steps' oversized GEMM grids cost (bench.empty_grid), on ONE H200, as one process
 # with all the SMs and as an MPS client with a 2-PE and a 4-PE share (50 and 25 %), in one device call:
 #
-#   bash launch/empty_grid_mps.sh     # carry .whl (launch/fetch_wheels.sh); -> $OUT/empty-grid.json, $OUT/empty_grid.log
+#   bash launch/empty_grid_mps.sh     # carry .whl (launch/fetch_wheels.sh)
+#
+# -> $OUT/empty-grid.json, $OUT/empty_grid.log
 #
 # Env: EG_ARGS (extra bench.empty_grid arguments), EG_BUDGET_S (the call's time, default 240).
 set -uo pipefail

@@ -104,6 +104,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .grid_bounds import consumer_max_blocks, grouped_step_bound, step_bound
+
 from .tuning import EPTuning
 
 _TUNING_DEFAULTS = EPTuning.model_fields
@@ -118,8 +120,8 @@ DG_SKIP_US = 6.5    # DeepGEMM m_indices call: per 128-row block of the whole bu
 HBM_GBPS = 4800.0   # H200 HBM3e
 H200_SMS = 132
 # a Triton GEMM grid's CTAs over blocks past the ready range (they read the range and exit): per block of the
-# grid bound (all its L1 and L2 tiles), in SM-microseconds (bench.empty_grid, 2026-12-03: 9.2-12.5 at 132, 66
-# and 32 SMs; docs/results/gemm-empty-grids-grouped-steps-1h200-mps-2026-12-03.json)
+# grid bound (all its L1 and L2 tiles), in SM-microseconds (bench.empty_grid: 9.5-12.5 at 132, 66 and 32 SMs,
+# docs/results/gemm-empty-grids-grouped-steps-1h200-mps-2026-12-03.json)
 EMPTY_BLOCK_US_SM = 11.0
 CALL_US = 25.0      # fixed cost of one GEMM call (launch, grid set-up, tail wave): not fitted
 
@@ -276,6 +278,14 @@ class _Schedule:
         self.f_pull = 1.0 - (1.0 - E / E_tot) ** TOPK
         self.src_chunk_bytes = (T / C) * self.f_pull * ROW_BYTES  # one peer's chunk, pulled by me
         self.prod_chunk = (m["p_fix_us"] + m["p_tok_us"] * T / C) * 1e-3
+        # the GEMM grids (grid_bounds, as the pipeline sizes them): the buffer's block capacity, its chunk, and
+        # what the batch path's one call launches past its blocks, which the fitted rates hold
+        bm = cfg.block_m
+        self.chunk_tokens = -(-T // C)
+        self.max_blocks = consumer_max_blocks(R, max(T, C * self.chunk_tokens), TOPK, bm, E)
+        self.batch_bound = min(self.max_blocks, step_bound(R, 1, T, TOPK, bm, E, self.max_blocks) + E)
+        _, (all_blocks,) = _block_counts(self.rows / E, E, 1, bm)
+        self.batch_grid_ms = self.empty_ms(self.batch_bound - all_blocks)
         self.calls = self._step_calls()
 
     def _step_calls(self) -> list:
@@ -285,14 +295,19 @@ class _Schedule:
         n_calls = self.steps if merged else self.steps + 1
         tt, bb = _block_counts(self.rows / E, E, self.steps, cfg.block_m, merged=merged)
         if cfg.gemm == "deep_gemm" and n_calls > 1:
-            return [self._whole_call(t, b) for t, b in zip(tt, bb)]
+            return [self._whole_call(b) for b in bb]
         # (DeepGEMM's one batch call: the psum layout, the blocks in use)
         calls = [gemm_call_ms(t, b, cfg.gemm, cfg.block_m, self.share, self.rates, cfg.machine) for t, b in zip(tt, bb)]
+        # each call's grid past its blocks: a step's bound, the last step's (merged into the seal) one block per
+        # expert more, the seal's own call (code before the merge) the same
+        b = step_bound(self.R, self.steps // self.C, self.chunk_tokens, TOPK, cfg.block_m, E, self.max_blocks)
+        bounds = [b] * (n_calls - 1) + [min(self.max_blocks, b + E)]
+        calls = [c + self.empty_ms(bd - blk) for c, bd, blk in zip(calls, bounds, bb)]
         if cfg.path == "streamed" and cfg.chunk_gemm_ctas and cfg.machine == "mps":
             # the calls before the seal's on a persistent grid of chunk_gemm_ctas CTAs, one per SM (Triton L1: 201 KB
-            # of shared memory), of the 66 SMs an MPS client at 50 % has
-            # (docs/results/sm-sharing-probe-1h200-2026-12-03.log)
-            slow = max(1.0, (132 / self.share) / cfg.chunk_gemm_ctas)
+            # of shared memory), of the 132 / R SMs an MPS client has (66 at 50 %:
+            # docs/results/sm-sharing-probe-1h200-2026-12-03.log)
+            slow = max(1.0, (H200_SMS / self.share) / cfg.chunk_gemm_ctas)
             # current code: every step but the last (sealing) one; the 11-30 code: the steps of every chunk but the last
             capped = self.steps - 1 if merged else self.steps - self.steps // self.C
             calls = [c * slow if i < capped else c for i, c in enumerate(calls)]
@@ -308,7 +323,7 @@ class _Schedule:
             calls[-1] += max(sum(tt) - t1[0], 0.0) * max(t_hbm - t_w, 0.0)
         return calls
 
-    def _whole_call(self, touched: float = 0.0, blocks: float = 0.0) -> float:
+    def _whole_call(self, blocks: float = 0.0) -> float:
         """A DeepGEMM call over a range: a whole-buffer m_indices call: every block of the buffer
         (ceil(R*T*K / block_m) + E) is loaded and stored (DG_SKIP_US each, its MMAs skipped outside the
         range), the range's blocks add their MMAs (t_b; their weight tiles are in the loads)."""
@@ -345,20 +360,18 @@ class _Schedule:
                                      parts=self.C * self.R)
         s = len(sizes) - 1
         if cfg.gemm == "deep_gemm":
-            return self._whole_call(tt[s], bb[s])
+            return self._whole_call(bb[s])
         return gemm_call_ms(tt[s], bb[s], cfg.gemm, cfg.block_m, self.share, self.rates, cfg.machine) + \
             self.empty_ms(self.step_bound(j) - bb[s])
 
-    def step_bound(self, j: int) -> float:
-        """The GEMM grid bound (blocks) of grouped step ``j`` of a chunk (the pipeline's grouped_step_bound)."""
-        chunk = self.T / self.C
-        max_blocks = -(-self.R * chunk * TOPK // self.cfg.block_m) + self.E
-        return min(max_blocks, (self.R - j) * chunk * TOPK // self.cfg.block_m + 2 * self.E)
+    def step_bound(self, j: int) -> int:
+        """The GEMM grid bound (blocks) of grouped step ``j`` of a chunk, as the pipeline sizes it."""
+        return grouped_step_bound(self.R, j, self.chunk_tokens, TOPK, self.cfg.block_m, self.E, self.max_blocks)
 
     def empty_ms(self, blocks: float) -> float:
-        """The CTAs of ``blocks`` grid blocks past a call's ready range: Triton launches one CTA per (block,
-        tile) up to the bound, each reads the range and exits; CUTLASS sizes its persistent grid by the SMs,
-        DeepGEMM is priced as a whole-buffer call."""
+        """The CTAs of ``blocks`` grid blocks past a call's ready range, on the SMs a PE has (all of them, or
+        its MPS share): Triton launches one CTA per (block, tile) up to the bound, each reads the range and
+        exits; CUTLASS sizes its persistent grid by the SMs, DeepGEMM is priced as a whole-buffer call."""
         if self.cfg.gemm != "triton" or blocks <= 0:
             return 0.0
         return blocks * EMPTY_BLOCK_US_SM / (H200_SMS / self.share) * 1e-3
@@ -382,8 +395,9 @@ class _Schedule:
                 t = max(t, ready) + d + self.calls[s]
                 if q == reps[0]:
                     disp_tot += d
-            ends.append(t + sum(self.calls[len(step_list):]))   # the seal's own call (last_step_with_seal off)
-        return max(ends), disp_tot, float(sum(self.calls)), len(self.calls)
+            # the seal's own call (last_step_with_seal off); less the batch call's grid, which the rates hold
+            ends.append(t + sum(self.calls[len(step_list):]) - self.batch_grid_ms)
+        return max(ends), disp_tot, float(sum(self.calls)) - self.batch_grid_ms, len(self.calls)
 
     def _forward_grouped(self, delays) -> tuple:
         """Ready order with a window: per chunk, wait for the first ready source, take those ready within
@@ -411,10 +425,13 @@ class _Schedule:
                     j += 1
                     if q == reps[0]:
                         disp_tot, gemm_tot, n_calls = disp_tot + d, gemm_tot + call, n_calls + 1
-                empty = sum(self.empty_ms(self.step_bound(k)) for k in range(j, R))  # this chunk's idle steps
-                t += empty
+                idle = sum(self.empty_ms(self.step_bound(k)) for k in range(j, R))  # this chunk's idle steps
+                t += idle
                 if q == reps[0]:
-                    gemm_tot += empty
+                    gemm_tot += idle
+            t -= self.batch_grid_ms   # the batch call's grid, which the fitted rates hold
+            if q == reps[0]:
+                gemm_tot -= self.batch_grid_ms
             if self.cfg.gemm == "deep_gemm":   # the empty steps' calls, after the last one that took a source
                 empty = C * R - len(sizes)
                 t += empty * self._whole_call()
@@ -432,17 +449,17 @@ def predict(config, rates: dict | None = None) -> dict:
     sch = _Schedule(cfg, rates or load_rates())
     R, T, m = sch.R, sch.T, sch.m
     if cfg.skew_ms:
-        if cfg.skew_draws:
+        if cfg.skew_draws:   # the measured replays' draws, and their median forward (as the bench reports)
             draws = np.asarray(cfg.skew_draws, dtype=float).reshape(-1, R)
-            res = [sch.forward(list(d)) for d in draws]
-            end = float(np.median([r[0] for r in res]))
+            stat = np.median
         else:
             draws = np.random.default_rng(7).uniform(0.0, cfg.skew_ms, size=(256, R))
-            res = [sch.forward(list(d)) for d in draws]
-            end = float(np.mean([r[0] for r in res]))
+            stat = np.mean
+        res = [sch.forward(list(d)) for d in draws]
+        end = float(stat([r[0] for r in res]))
         disp = res[0][1]
-        gemm, n_calls = float(np.mean([r[2] for r in res])), res[0][3]
-        delay = float(np.mean(draws.max(axis=1)))
+        gemm, n_calls = float(stat([r[2] for r in res])), res[0][3]
+        delay = float(stat(draws.max(axis=1)))
     else:
         delays = [0.0] * R
         if cfg.straggler_ms and cfg.straggler_rank is not None:

@@ -94,19 +94,11 @@ from ..device.ringdesc import RING_LAYOUT, RING_ROUTE
 from ..ring.device import DeviceRing
 from ..ring.layout import RingLayout
 from .blocks import select_experts_into
+from .grid_bounds import grouped_step_bound, step_bound
 from .timeline_events import STAMP_STRIDE
 
 if TYPE_CHECKING:  # annotations only: the buffer module imports this one
     from .ep_buffer import LayerWeights
-
-
-def grouped_step_bound(ranks: int, j: int, chunk_tokens: int, topk: int, block_m: int, local_experts: int,
-                       max_blocks: int) -> int:
-    """The GEMM grid bound (blocks) of grouped dispatch step ``j`` of a chunk: it takes at most ``ranks - j``
-    of the chunk's sources (each earlier step took at least one), so their full blocks, one block per expert
-    completed by rows carried from an earlier chunk, and the seal's partial blocks."""
-    rows = (ranks - j) * chunk_tokens * topk
-    return min(max_blocks, rows // block_m + 2 * local_experts)
 
 
 @dataclass
@@ -393,11 +385,10 @@ class EPPipeline:
 
     def _max_ready_per_step(self, path: _Path, j: int = 0) -> int:
         """Most blocks one dispatch step can make ready (the GEMM grid bound; grouped: :func:`grouped_step_bound`)."""
-        entries = self.R * path.chunk * self.shape.topk
+        args = (path.chunk, self.shape.topk, self.bc.block_m, self.E_loc, self.bc.max_blocks)
         if self._grouped:
-            return grouped_step_bound(self.R, j, path.chunk, self.shape.topk, self.bc.block_m, self.E_loc,
-                                      self.bc.max_blocks)
-        return min(self.bc.max_blocks, entries // path.steps // self.bc.block_m + self.E_loc)
+            return grouped_step_bound(self.R, j, *args)
+        return step_bound(self.R, path.steps, *args)
 
     def _chunk_gemms(self, path: _Path, layer, c, j=0, side_puts=False):
         i = path.step_index[c, j]

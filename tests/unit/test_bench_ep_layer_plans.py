@@ -33,10 +33,20 @@ def test_first_wait_takes_off_each_replays_own_earliest_delay():
     """A streamed time that is the on-time forward plus the replay's earliest producer delay has nothing
     left over it once first_wait takes that delay off; the draws are those of the timed replays (past the
     warm-ups), so a shifted index would leave a residue."""
+    import inspect
+    import statistics
+
+    from bench import common
+    # the draws first_wait takes are those of the replays bench.common times (its warm-ups first)
+    assert inspect.signature(common.timed_rounds).parameters["warm"].default == WARM_REPLAYS
+    assert inspect.signature(common.timed).parameters["warm"].default == WARM_REPLAYS
     seed, skew, ranks, n = 127008, 2.0, 2, 30
     waits = [min(skew_delays_ms(skew, WARM_REPLAYS + j, ranks, seed)) for j in range(n)]
-    fw = ep_layer.first_wait([10.0 + w for w in waits], skew, ranks, seed)
-    assert fw["streamed_less_first_wait_ms"] == pytest.approx(10.0, abs=1e-12)
+    rest = [10.0 + (j % 7) * 0.1 for j in range(n)]   # the forward less its wait, varying by replay
+    fw = ep_layer.first_wait([r + w for r, w in zip(rest, waits)], skew, ranks, seed)
+    assert fw["streamed_less_first_wait_ms"] == pytest.approx(statistics.median(rest), abs=1e-12)
+    assert fw["first_wait_ms"] == pytest.approx(statistics.median(waits))
+    assert statistics.mean(rest) != pytest.approx(statistics.median(rest))
     assert 0.0 < fw["first_wait_ms"] < skew
     shifted = [10.0 + min(skew_delays_ms(skew, j, ranks, seed)) for j in range(n)]
     assert abs(ep_layer.first_wait(shifted, skew, ranks, seed)["streamed_less_first_wait_ms"] - 10.0) > 1e-3

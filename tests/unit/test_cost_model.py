@@ -118,14 +118,14 @@ def test_grouped_ready_steps_give_on_time_sources_one_call():
     grouped = cm.predict(dict(base, path="streamed", chunks=1, source_order="ready"))
     apart = cm.predict(dict(base, path="streamed", chunks=1, source_order="ready", ready_window_us=None))
     assert grouped["gemm_calls"] == 1 and apart["gemm_calls"] == 2
-    # batch's call, plus the Triton grid CTAs past the blocks: step 0's bound is for both sources, step 1 is
-    # an empty call with the bound for one (bench.empty_grid measured what they cost)
+    # batch's call (step 0's grid bound is the batch call's: both sources), plus step 1, an empty call with
+    # the bound for one source (its Triton CTAs: bench.empty_grid measured what they cost)
     from streamring.moe import cost_model as core
     sch = core._Schedule(core._norm(dict(base, path="streamed", chunks=1, source_order="ready")), core.load_rates())
-    _, (blocks,) = core._block_counts(sch.rows / sch.E, sch.E, 1, 64)
-    grids = sch.empty_ms(sch.step_bound(0) - blocks) + sch.empty_ms(sch.step_bound(1))
-    assert sch.step_bound(0) > sch.step_bound(1) > 0 and 0 < grids < 0.1 * batch["gemm_ms"]
-    assert grouped["gemm_ms"] == pytest.approx(batch["gemm_ms"] + grids)
+    assert sch.step_bound(0) == sch.batch_bound > sch.step_bound(1) > 0
+    idle = sch.empty_ms(sch.step_bound(1))
+    assert 0 < idle < 0.1 * batch["gemm_ms"]
+    assert grouped["gemm_ms"] == pytest.approx(batch["gemm_ms"] + idle)
     assert apart["gemm_ms"] > 1.05 * grouped["gemm_ms"]
     late = cm.predict(dict(base, path="streamed", chunks=1, source_order="ready", straggler_ms=1.0,
                            straggler_rank=1))
@@ -179,13 +179,32 @@ def test_cutlass_chunk_order_reads_each_extra_pass_from_hbm():
 
 def test_measured_skew_draws_are_the_forwards_delays():
     """A row's measured draws are per-PE producer delays: draws that always delay PE 1 by 1 ms predict the
-    forward with PE 1 1 ms late, and the prediction is the median forward over the draws."""
-    base = dict(ranks=2, tokens=4096, experts_per_pe=32, gemm="triton", machine="mps", path="streamed",
+    forward with PE 1 1 ms late, and the prediction is the median forward over the draws, not their mean.
+    (1024 tokens, one grouped step per source on time: a late source is not hidden, so delays move the
+    forward.)"""
+    base = dict(ranks=2, tokens=1024, experts_per_pe=32, gemm="triton", machine="mps", path="streamed",
                 chunks=1, source_order="ready")
-    late = cm.predict(dict(base, straggler_ms=1.0, straggler_rank=1))["total_ms"]
-    assert cm.predict(dict(base, skew_ms=2.0, skew_draws=((0.0, 1.0),) * 5))["total_ms"] == pytest.approx(late)
+    late = {ms: cm.predict(dict(base, straggler_ms=ms, straggler_rank=1))["total_ms"] for ms in (0.0, 1.0, 3.0)}
+    assert late[0.0] < late[1.0] < late[3.0]
+    assert cm.predict(dict(base, skew_ms=2.0, skew_draws=((0.0, 1.0),) * 5))["total_ms"] == pytest.approx(late[1.0])
     mixed = ((0.0, 0.0), (0.0, 1.0), (0.0, 3.0))
-    assert cm.predict(dict(base, skew_ms=3.0, skew_draws=mixed))["total_ms"] == pytest.approx(late)
+    assert cm.predict(dict(base, skew_ms=3.0, skew_draws=mixed))["total_ms"] == pytest.approx(late[1.0])
+    assert sum(late.values()) / 3 != pytest.approx(late[1.0])  # the mean would differ
+
+
+def test_load_rows_gives_a_skew_row_its_draws(tmp_path):
+    """A skew row of a result file is predicted over its own draws: its prediction is the one with
+    bench.skew's draws for its seed and replay count, and moves with that count."""
+    from streamring.moe import cost_model as core
+    rows = [_row(5.0, path="streamed", chunks=1, source_order="ready", ready_window_us=50.0, skew_ms=2.0, n=n,
+                 tokens_per_rank=1024, experts_per_pe=32) for n in (3, 30)]
+    p = tmp_path / "ep-layer-mps-skew.json"
+    p.write_text(json.dumps({"rows": rows}))
+    loaded, _ = cm.load_rows([str(p)])
+    assert [len(c.skew_draws) for c, *_ in loaded] == [3, 30]
+    for c, _, r, _ in loaded:
+        assert c.skew_draws == cm.measured_skew_draws(r, 2, 32)
+        assert core.predict(c)["total_ms"] != pytest.approx(core.predict(dict(vars(c), skew_draws=None))["total_ms"])
 
 
 def test_measured_skew_draws_are_the_benchs():
@@ -242,17 +261,46 @@ def test_grouped_steps_grids_grow_with_the_pes():
     it may still take: on time the first takes them all and the R - 1 others are empty calls, whose CTAs
     grow with R * (R - 1) / 2 sources' blocks. The bound is the pipeline's."""
     from streamring.moe import cost_model as core
-    from streamring.moe.ep_pipeline import grouped_step_bound
+    from streamring.moe.grid_bounds import grouped_step_bound
 
-    def grids(R):
-        sch = core._Schedule(core._norm(dict(ranks=R, tokens=1024, experts_per_pe=32, gemm="triton", machine="gpu",
-                                             path="streamed", chunks=1, source_order="ready")), core.load_rates())
-        max_blocks = -(-R * 1024 * 8 // 64) + 32
-        assert [sch.step_bound(j) for j in range(R)] == [grouped_step_bound(R, j, 1024, 8, 64, 32, max_blocks)
+    def grids(R, C=1, T=1024):
+        sch = core._Schedule(core._norm(dict(ranks=R, tokens=T, experts_per_pe=32, gemm="triton", machine="gpu",
+                                             path="streamed", chunks=C, source_order="ready")), core.load_rates())
+        chunk = -(-T // C)
+        max_blocks = -(-R * chunk * C * 8 // 64) + 32   # the buffer's capacity: C chunks of ceil(T / C) tokens
+        assert [sch.step_bound(j) for j in range(R)] == [grouped_step_bound(R, j, chunk, 8, 64, 32, max_blocks)
                                                          for j in range(R)]
         return sum(sch.empty_ms(sch.step_bound(j)) for j in range(1, R))
     assert grids(8) > 10 * grids(2)
+    grids(4, C=3, T=1000)   # chunked, uneven: the pipeline's ceil(T / C) chunk and capacity
     base = dict(tokens=1024, experts_per_pe=32, gemm="triton", machine="gpu", chunks=1, source_order="ready")
-    streamed, batch = (cm.predict(dict(base, ranks=16, path=p))["total_ms"] for p in ("streamed", "batch"))
-    on = streamed / batch
-    assert on > 1.2  # the empty grids, not the GEMMs, cost the on-time forward at EP 16
+    ratio = {}
+    for rate in (core.EMPTY_BLOCK_US_SM, 0.0):
+        old, core.EMPTY_BLOCK_US_SM = core.EMPTY_BLOCK_US_SM, rate
+        try:
+            streamed, batch = (cm.predict(dict(base, ranks=16, path=p))["total_ms"] for p in ("streamed", "batch"))
+        finally:
+            core.EMPTY_BLOCK_US_SM = old
+        ratio[rate] = streamed / batch
+    # at EP 16 the empty grids, not the GEMMs, cost the on-time forward
+    assert ratio[core.EMPTY_BLOCK_US_SM] > 1.2 and ratio[0.0] < 1.05
+
+
+def test_grids_cost_under_mps_by_the_share():
+    """A PE under MPS has 1/R of the SMs: the same empty blocks cost R times as long."""
+    from streamring.moe import cost_model as core
+    sch = {m: core._Schedule(core._norm(dict(ranks=4, tokens=1024, experts_per_pe=32, gemm="triton", machine=m,
+                                             path="streamed", chunks=1, source_order="ready")), core.load_rates())
+           for m in ("gpu", "mps")}
+    assert sch["mps"].empty_ms(100) == pytest.approx(4 * sch["gpu"].empty_ms(100))
+
+
+def test_a_late_grouped_step_pays_its_own_bound():
+    """With a late source the first grouped step takes fewer sources than its bound allows: its grid past its
+    blocks costs more than on time (step j's bound, not step 0's, for the late step)."""
+    from streamring.moe import cost_model as core
+    sch = core._Schedule(core._norm(dict(ranks=4, tokens=1024, experts_per_pe=32, gemm="triton", machine="mps",
+                                         path="streamed", chunks=1, source_order="ready")), core.load_rates())
+    one_then_rest = sch.group_call([1], False, 0) + sch.group_call([1, 3], True, 1)
+    rest_with_step0_bound = sch.group_call([1], False, 0) + sch.group_call([1, 3], True, 0)
+    assert rest_with_step0_bound > one_then_rest
