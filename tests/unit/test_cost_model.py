@@ -151,7 +151,7 @@ def test_deep_gemm_range_call_loads_the_whole_buffer():
                          core.load_rates())
     n_buf = -(-4096 * core.TOPK // 128) + 256
     assert sch._whole_call() == pytest.approx((core.CALL_US + n_buf * core.DG_SKIP_US) * 1e-3)
-    assert sch._whole_call(0.0, 100.0) > sch._whole_call()
+    assert sch._whole_call(100.0) > sch._whole_call()
 
 
 def test_a_capped_grid_slows_mps_calls_only():
