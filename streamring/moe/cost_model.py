@@ -284,8 +284,11 @@ class _Schedule:
         self.chunk_tokens = -(-T // C)
         self.max_blocks = consumer_max_blocks(R, max(T, C * self.chunk_tokens), TOPK, bm, E)
         self.batch_bound = min(self.max_blocks, step_bound(R, 1, T, TOPK, bm, E, self.max_blocks) + E)
-        _, (all_blocks,) = _block_counts(self.rows / E, E, 1, bm)
-        self.batch_grid_ms = self.empty_ms(self.batch_bound - all_blocks)
+        merged = bool(cfg.last_step_with_seal)
+        _, batch_blocks = _block_counts(self.rows / E, E, 1, bm, merged=merged)
+        self.batch_grid_ms = sum(self.empty_ms(bd - blk) for bd, blk in
+                                 zip(self._call_bounds(step_bound(R, 1, T, TOPK, bm, E, self.max_blocks),
+                                                       1 if merged else 2), batch_blocks))
         self.calls = self._step_calls()
 
     def _step_calls(self) -> list:
@@ -301,8 +304,7 @@ class _Schedule:
         # each call's grid past its blocks: a step's bound, the last step's (merged into the seal) one block per
         # expert more, the seal's own call (code before the merge) the same
         b = step_bound(self.R, self.steps // self.C, self.chunk_tokens, TOPK, cfg.block_m, E, self.max_blocks)
-        bounds = [b] * (n_calls - 1) + [min(self.max_blocks, b + E)]
-        calls = [c + self.empty_ms(bd - blk) for c, bd, blk in zip(calls, bounds, bb)]
+        calls = [c + self.empty_ms(bd - blk) for c, bd, blk in zip(calls, self._call_bounds(b, n_calls), bb)]
         if cfg.path == "streamed" and cfg.chunk_gemm_ctas and cfg.machine == "mps":
             # the calls before the seal's on a persistent grid of chunk_gemm_ctas CTAs, one per SM (Triton L1: 201 KB
             # of shared memory), of the 132 / R SMs an MPS client has (66 at 50 %:
@@ -364,6 +366,11 @@ class _Schedule:
         return gemm_call_ms(tt[s], bb[s], cfg.gemm, cfg.block_m, self.share, self.rates, cfg.machine) + \
             self.empty_ms(self.step_bound(j) - bb[s])
 
+    def _call_bounds(self, b: int, n_calls: int) -> list:
+        """The grid bounds of ``n_calls`` ungrouped calls whose steps are bounded by ``b``: every step's call,
+        and the last one (the seal's, merged with the last step or its own) one block per expert more."""
+        return [b] * (n_calls - 1) + [min(self.max_blocks, b + self.E)]
+
     def step_bound(self, j: int) -> int:
         """The GEMM grid bound (blocks) of grouped step ``j`` of a chunk, as the pipeline sizes it."""
         return grouped_step_bound(self.R, j, self.chunk_tokens, TOPK, self.cfg.block_m, self.E, self.max_blocks)
@@ -395,7 +402,7 @@ class _Schedule:
                 t = max(t, ready) + d + self.calls[s]
                 if q == reps[0]:
                     disp_tot += d
-            # the seal's own call (last_step_with_seal off); less the batch call's grid, which the rates hold
+            # the seal's own call (last_step_with_seal off); less the batch path's grids, which the rates hold
             ends.append(t + sum(self.calls[len(step_list):]) - self.batch_grid_ms)
         return max(ends), disp_tot, float(sum(self.calls)) - self.batch_grid_ms, len(self.calls)
 
@@ -429,7 +436,7 @@ class _Schedule:
                 t += idle
                 if q == reps[0]:
                     gemm_tot += idle
-            t -= self.batch_grid_ms   # the batch call's grid, which the fitted rates hold
+            t -= self.batch_grid_ms   # the batch path's grids, which the fitted rates hold
             if q == reps[0]:
                 gemm_tot -= self.batch_grid_ms
             if self.cfg.gemm == "deep_gemm":   # the empty steps' calls, after the last one that took a source
