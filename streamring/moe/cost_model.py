@@ -38,6 +38,12 @@ Per forward and per PE (the slowest PE sets the time), R PEs, T tokens per PE, E
   an MPS client has, so at ctas/(132/R) of their speed when fewer; CUTLASS on one GPU per PE reads each
   weight pass beyond the batch path's one per expert from HBM (W / 4.8 TB/s instead of t_w): its chunk
   order puts an expert's blocks apart (bench.gemm_launches: 8.8-9.6 µs per extra pass);
+* the grids: a Triton call launches one CTA per (block, tile) up to its host-sized bound
+  (``grid_bounds``), and each block of the bound past the call's ready blocks costs EMPTY_BLOCK_US_SM
+  SM-µs on the PE's SMs (bench.empty_grid). A forward is charged what its calls launch beyond the batch
+  path's own calls of the same code, which the fitted rates hold: for the grouped ready steps the idle
+  calls after a chunk's last source, R - 1 of them on time, whose bounds sum to about R²/2 sources'
+  blocks;
 * the streamed path (consumer per_chunk): steps = C (rank order: chunk c of every source per step)
   or C*R (arrival, and ready with ``ready_window_us=None`` or more than ``group_max_tokens`` tokens:
   one source's chunk per step); ready order with a window (the code since its grouping) takes per
