@@ -49,7 +49,7 @@ Per forward and per PE (the slowest PE sets the time), R PEs, T tokens per PE, E
   one source's chunk per step); ready order with a window (the code since its grouping) takes per
   step every source of the chunk ready within the window of the first (the schedule below), and the
   step taking the last source of the last chunk has the seal, so on-time sources share one call (the
-  empty steps' GEMM grids, one CTA per block and tile of a bound, are left out); each step's call
+  idle steps' GEMM grids are priced below, "the grids"); each step's call
   takes the step's FULL blocks of each expert (rows of an expert accumulate until they fill a block); the last step is
   merged into the seal call, which takes every remaining row (partial blocks). Every call that
   touches an expert streams its weights again: that is what chunking costs. ``last_step_with_seal=
