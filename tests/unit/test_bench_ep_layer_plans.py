@@ -1,10 +1,16 @@
-"""bench.ep_layer's plan grid: the ready order's grouping window is a dimension of that order only."""
+"""bench.ep_layer: its plan grid (the ready order's grouping window is a dimension of that order only) and the
+skew rows' first-source wait."""
 
+import os
 from types import SimpleNamespace
 
 import pytest
 
-from bench.skew import WARM_REPLAYS, skew_delays_ms
+torch = pytest.importorskip("torch", reason="bench.ep_layer needs torch")
+if not torch.cuda.is_available():  # before bench.ep_layer imports Triton (as every Triton test sets it)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from bench.skew import WARM_REPLAYS, skew_delays_ms  # noqa: E402
 
 ep_layer = pytest.importorskip("bench.ep_layer", reason="bench.ep_layer needs torch")
 
