@@ -34,6 +34,7 @@ import torch
 from ..device import ep_triton as EK
 from ..device import moe_triton as K
 from ..gemm.backends import make_experts, refuse_unsupported
+from .grid_bounds import consumer_max_blocks, step_bound
 from .math import MoEShape, MoEWeights, select_experts
 
 FP8 = torch.float8_e4m3fn
@@ -161,7 +162,7 @@ class BlockConsumer:
         self.shape, self.block_m, self.device = shape, block_m, device
         E, Kk, H, I = shape.num_experts, shape.topk, shape.hidden, shape.intermediate
         self.max_tokens, self.max_chunks = max_tokens, max_chunks
-        self.max_blocks = -(-max_tokens * Kk // block_m) + E
+        self.max_blocks = consumer_max_blocks(1, max_tokens, Kk, block_m, E)
         rows = self.max_blocks * block_m
         i32 = dict(dtype=torch.int32, device=device)
         self.state = torch.zeros(E + 3, **i32)  # fill per expert, allocated, ready, sealed
@@ -205,7 +206,7 @@ class BlockConsumer:
 
     def max_ready(self, tokens: int) -> int:
         """Most blocks one dispatch of ``tokens`` tokens can make ready (the GEMM grid bound)."""
-        return min(self.max_blocks, tokens * self.shape.topk // self.block_m + self.shape.num_experts)
+        return step_bound(1, 1, tokens, self.shape.topk, self.block_m, self.shape.num_experts, self.max_blocks)
 
     def begin(self) -> None:
         """Start a forward: no block allocated or ready (and, expert-parallel, no result row)."""

@@ -111,7 +111,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from .grid_bounds import consumer_max_blocks, grouped_step_bound, step_bound
-
 from .tuning import EPTuning
 
 _TUNING_DEFAULTS = EPTuning.model_fields
@@ -289,12 +288,11 @@ class _Schedule:
         bm = cfg.block_m
         self.chunk_tokens = -(-T // C)
         self.max_blocks = consumer_max_blocks(R, max(T, C * self.chunk_tokens), TOPK, bm, E)
-        self.batch_bound = min(self.max_blocks, step_bound(R, 1, T, TOPK, bm, E, self.max_blocks) + E)
         merged = bool(cfg.last_step_with_seal)
+        batch_bounds = self._call_bounds(step_bound(R, 1, T, TOPK, bm, E, self.max_blocks), 1 if merged else 2)
+        self.batch_bound = batch_bounds[-1]   # the seal's call
         _, batch_blocks = _block_counts(self.rows / E, E, 1, bm, merged=merged)
-        self.batch_grid_ms = sum(self.empty_ms(bd - blk) for bd, blk in
-                                 zip(self._call_bounds(step_bound(R, 1, T, TOPK, bm, E, self.max_blocks),
-                                                       1 if merged else 2), batch_blocks))
+        self.batch_grid_ms = sum(self.empty_ms(bd - blk) for bd, blk in zip(batch_bounds, batch_blocks))
         self.calls = self._step_calls()
 
     def _step_calls(self) -> list:

@@ -2,8 +2,9 @@
 
 The host sizes every GEMM call's grid before the device knows how many blocks are ready (a CUDA graph
 replays it unchanged), so a Triton call launches one CTA per (block, tile) up to its bound, and the CTAs
-past the ready blocks read the range and exit. One definition for the pipeline, which launches the calls,
-and the cost model, which prices the CTAs past the ready blocks. Plain integers (no torch)."""
+past the ready blocks read the range and exit. One definition for the block consumer (its capacity and a
+dispatch's bound), the pipeline, which launches the calls, and the cost model, which prices the CTAs past
+the ready blocks. Plain integers (no torch)."""
 
 from __future__ import annotations
 
