@@ -34,7 +34,7 @@ import torch
 
 from bench.common import capture, dsv3_shape, log, time_interleaved, uniform_inputs
 from streamring.moe import blocks as B
-from streamring.moe.grid_bounds import grouped_step_bound
+from streamring.moe.grid_bounds import grouped_step_bound, seal_bound
 
 
 def grouped_bounds(ranks: int, tokens: int, topk: int, block_m: int, experts: int, max_blocks: int) -> list[int]:
@@ -56,7 +56,7 @@ def measure(ranks: int, tokens: int, epp: int, args, dev) -> dict:
     bc.seal(1)
     torch.cuda.synchronize()
     ready = int(bc.ready_hi[2])
-    tight = min(bc.max_blocks, bc.max_ready(tokens) + bc.max_ready(0))
+    tight = seal_bound(bc.max_ready(tokens), epp, bc.max_blocks)  # one dispatch of the tokens and the seal
     bounds = grouped_bounds(ranks, tokens, shape.topk, args.block_m, epp, bc.max_blocks)
 
     sms = torch.cuda.get_device_properties(dev).multi_processor_count  # an MPS client's share of them

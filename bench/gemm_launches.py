@@ -52,6 +52,7 @@ from streamring.gemm import cutlass as CG
 from streamring.gemm import deep_gemm as DG
 from streamring.moe import blocks as B
 from streamring.moe.bitwise import same_bits
+from streamring.moe.grid_bounds import seal_bound
 from streamring.gemm import choice as GC
 
 IMPLS = ("cutlass", "triton", "deep_gemm")
@@ -82,7 +83,7 @@ class Forward:
         bc, C = self.bc, self.chunks
         out = [(c, c + 1, bc.max_ready(b - a)) for c, (a, b) in enumerate(self.bounds[:-1])]
         a, b = self.bounds[-1]
-        out.append((C - 1, C + 1, min(bc.max_blocks, bc.max_ready(b - a) + bc.max_ready(0))))
+        out.append((C - 1, C + 1, seal_bound(bc.max_ready(b - a), bc.shape.num_experts, bc.max_blocks)))
         return out
 
     def call(self, lo: int, hi: int, max_items: int, fw, pdl: bool = False) -> None:

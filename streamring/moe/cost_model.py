@@ -110,7 +110,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .grid_bounds import consumer_max_blocks, grouped_step_bound, step_bound
+from .grid_bounds import consumer_max_blocks, grouped_step_bound, seal_bound, step_bound
 from .tuning import EPTuning
 
 _TUNING_DEFAULTS = EPTuning.model_fields
@@ -373,7 +373,7 @@ class _Schedule:
     def _call_bounds(self, b: int, n_calls: int) -> list:
         """The grid bounds of ``n_calls`` ungrouped calls whose steps are bounded by ``b``: every step's call,
         and the last one (the seal's, merged with the last step or its own) one block per expert more."""
-        return [b] * (n_calls - 1) + [min(self.max_blocks, b + self.E)]
+        return [b] * (n_calls - 1) + [seal_bound(b, self.E, self.max_blocks)]
 
     def step_bound(self, j: int) -> int:
         """The GEMM grid bound (blocks) of grouped step ``j`` of a chunk, as the pipeline sizes it."""

@@ -94,7 +94,7 @@ from ..device.ringdesc import RING_LAYOUT, RING_ROUTE
 from ..ring.device import DeviceRing
 from ..ring.layout import RingLayout
 from .blocks import select_experts_into
-from .grid_bounds import grouped_step_bound, step_bound
+from .grid_bounds import grouped_step_bound, seal_bound, step_bound
 from .timeline_events import STAMP_STRIDE
 
 if TYPE_CHECKING:  # annotations only: the buffer module imports this one
@@ -415,8 +415,8 @@ class EPPipeline:
             n = len(path.order)  # dispatch steps so far: the seal is the next ready index
             self.bc.seal(n)
             # with the last step's blocks: ready_list[ready_hi[n-1] : ready_hi[n+1]]
-            most = self.E_loc + self._max_ready_per_step(path)
-            self._gemms(path, layer, n - 1, n + 1, min(self.bc.max_blocks, most), None, side_puts)
+            bound = seal_bound(self._max_ready_per_step(path), self.E_loc, self.bc.max_blocks)
+            self._gemms(path, layer, n - 1, n + 1, bound, None, side_puts)
             self._stamp(path.order[-1][0], 4)
             self._stamp(path.num_chunks, 2)
 

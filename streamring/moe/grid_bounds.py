@@ -30,3 +30,9 @@ def grouped_step_bound(ranks: int, j: int, chunk_tokens: int, topk: int, block_m
     rows carried from an earlier chunk, and the seal's partial blocks."""
     rows = (ranks - j) * chunk_tokens * topk
     return min(max_blocks, rows // block_m + 2 * local_experts)
+
+
+def seal_bound(step_blocks: int, local_experts: int, max_blocks: int) -> int:
+    """The bound of the seal's call, which has the last step's blocks (bounded by ``step_blocks``) and one
+    partial block per local expert."""
+    return min(max_blocks, step_blocks + local_experts)
