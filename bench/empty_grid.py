@@ -1,23 +1,30 @@
-"""What GEMM grids sized beyond their ready blocks cost: the grouped ready steps' schedule, on one GPU.
+"""What GEMM grids sized beyond their ready blocks cost, and what sizing them for the expected blocks saves, on
+one GPU.
 
-A grouped dispatch step's GEMM grid is one CTA per (block, tile) up to a host bound for every source the
-step may take (``EPPipeline._max_ready_per_step``), since the host does not know how many the device will
-take; after the step that takes every source and seals, each later step of the chunk is a call over an
-empty range with its own bound. This script times, with the Triton expert GEMMs over the blocks a PE gets
-at ``--tokens`` tokens per PE from ``--ranks`` sources (DeepSeek-V3 expert shapes, ``--experts-per-pe``
-experts, uniform top-8: one BlockConsumer dispatched once, sealed; only the GEMM calls are timed):
+A GEMM call's grid is sized on the host before the device knows how many blocks are ready. With one CTA per
+(block, tile) up to the call's bound (every block it could have, whatever the routing), the CTAs past the
+ready blocks read the range and exit: the batch call's bound covers every source routing all its rows to this
+PE, and after the grouped ready step that takes every source, each later step of the chunk is a call over an
+empty range with its own bound. ``expect_items`` sizes the grid for the blocks the call is expected to have
+under even routing and adds a small looping tail for any past them (``moe_triton._grid``). This script times,
+with the Triton expert GEMMs over the blocks a PE gets at ``--tokens`` tokens per PE from ``--ranks`` sources
+(DeepSeek-V3 expert shapes, ``--experts-per-pe`` experts, uniform top-8: one BlockConsumer dispatched once,
+sealed; only the GEMM calls are timed), each with the pipeline's bounds and expectations
+(``streamring.moe.grid_bounds``):
 
-* ``exact``: one call over the ready blocks with the tight bound (the blocks of one forward's rows). The
-  batch path's own call has the buffer's whole capacity as its bound, as the first grouped call does, so
-  ``grouped - exact`` also holds that first call's excess, which batch pays too;
-* ``grouped``: the on-time grouped schedule: the first call over the same blocks with the bound for all
-  ``R`` sources, then ``R - 1`` calls over an empty range with the bounds for ``R - 1 .. 1`` sources.
+* ``exact``: one call over the ready blocks with the tight bound (the blocks of one forward's rows): the
+  floor;
+* ``batch`` / ``batch_expect``: the batch path's call (its bound), one CTA per tile of the bound / sized for
+  the expected blocks;
+* ``grouped`` / ``grouped_expect``: the on-time grouped schedule: the first call over the same blocks with the
+  bound for all ``R`` sources, then ``R - 1`` calls over an empty range with the bounds for ``R - 1 .. 1``
+  sources; one CTA per tile of the bounds / sized for the expected blocks (every source in the first
+  step, none in the others);
+* ``exact_cap{k}`` (``--cap-waves``): the exact call on ``k`` CTAs per SM looping over every tile: what the
+  looping tail costs the work it takes.
 
-``grouped - exact`` is what the oversized grids cost. ``exact_persistent`` and ``grouped_persistent`` are the
-same calls on a persistent grid of one CTA per SM the process sees (``max_ctas``; an MPS client sees its
-share): the grid a device-sized schedule would launch. Each form is a CUDA graph; their replays are
-interleaved (``bench.common.time_interleaved``); medians. Run it as an MPS client with
-``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` = 100 / PEs to see a PE's share of the SMs
+Each form is a CUDA graph; their replays are interleaved (``bench.common.time_interleaved``); medians. Run it
+as an MPS client with ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` = 100 / PEs to see a PE's share of the SMs
 (``launch/empty_grid_mps.sh``).
 
     python -m bench.empty_grid --ranks 2,4 --tokens 1024 --json out/empty-grid.json
@@ -34,7 +41,7 @@ import torch
 
 from bench.common import capture, dsv3_shape, log, time_interleaved, uniform_inputs
 from streamring.moe import blocks as B
-from streamring.moe.grid_bounds import grouped_step_bound, seal_bound
+from streamring.moe.grid_bounds import grouped_step_bound, grouped_step_expect, seal_bound, step_bound, step_expect
 
 
 def grouped_bounds(ranks: int, tokens: int, topk: int, block_m: int, experts: int, max_blocks: int) -> list[int]:
@@ -56,38 +63,49 @@ def measure(ranks: int, tokens: int, epp: int, args, dev) -> dict:
     bc.seal(1)
     torch.cuda.synchronize()
     ready = int(bc.ready_hi[2])
-    tight = seal_bound(bc.max_ready(tokens), epp, bc.max_blocks)  # one dispatch of the tokens and the seal
-    bounds = grouped_bounds(ranks, tokens, shape.topk, args.block_m, epp, bc.max_blocks)
-
+    E, topk, bm, cap = epp, shape.topk, args.block_m, bc.max_blocks
+    tight = seal_bound(bc.max_ready(tokens), E, cap)  # one dispatch of the tokens and the seal
+    batch_bound = seal_bound(step_bound(ranks, 1, tokens, topk, bm, E, cap), E, cap)
+    batch_expect = seal_bound(step_expect(ranks, 1, tokens, topk, bm, E), E, cap)
+    bounds = grouped_bounds(ranks, tokens, topk, bm, E, cap)
+    expects = [grouped_step_expect(ranks, j, tokens, topk, bm, E) for j in range(ranks)]
     sms = torch.cuda.get_device_properties(dev).multi_processor_count  # an MPS client's share of them
 
-    def exact(ctas=None):
-        bc.compute(0, 2, tight, fw, impl="triton", max_ctas=ctas)
+    def one_call(bound, expect=None, ctas=None):
+        return lambda: bc.compute(0, 2, bound, fw, impl="triton", max_ctas=ctas, expect_items=expect)
 
-    def grouped(ctas=None):
-        bc.compute(0, 2, bounds[0], fw, impl="triton", max_ctas=ctas)
-        for b in bounds[1:]:
-            bc.compute(2, 2, b, fw, impl="triton", max_ctas=ctas)  # an empty range: ready_hi[2] .. ready_hi[2]
+    def grouped(with_expect):
+        def run():
+            for j, b in enumerate(bounds):  # j > 0: an empty range, ready_hi[2] .. ready_hi[2]
+                bc.compute(2 * (j > 0), 2, b, fw, impl="triton", expect_items=expects[j] if with_expect else None)
+        return run
 
+    forms = [("exact", one_call(tight)), ("batch", one_call(batch_bound)),
+             ("batch_expect", one_call(batch_bound, batch_expect)), ("grouped", grouped(False)),
+             ("grouped_expect", grouped(True))]
+    forms += [(f"exact_cap{k}", one_call(tight, ctas=k * sms)) for k in args.cap_waves]
     graphs = {}
-    for name, fn in (("exact", exact), ("grouped", grouped), ("exact_persistent", lambda: exact(sms)),
-                     ("grouped_persistent", lambda: grouped(sms))):
+    for name, fn in forms:
         g, mode = capture(fn)
         if mode != "graph":
             raise RuntimeError(f"{name}: captured as {mode}, not a graph: the forms would not compare")
         graphs[name] = g
     t = time_interleaved(graphs, 1, lambda s: None, args.replays)
     ms = {k: v["median_ms"] for k, v in t.items()}
-    row = {"ranks": ranks, "tokens_per_rank": tokens, "experts_per_pe": epp, "block_m": args.block_m,
-           "ready_blocks": ready, "tight_bound": tight, "grouped_bounds": bounds,
-           "empty_blocks": sum(bounds) - ready, "times": t, "ms": ms,
+    row = {"ranks": ranks, "tokens_per_rank": tokens, "experts_per_pe": epp, "block_m": bm, "sms": sms,
+           "ready_blocks": ready, "tight_bound": tight, "batch_bound": batch_bound, "batch_expect": batch_expect,
+           "grouped_bounds": bounds, "grouped_expects": expects, "empty_blocks": sum(bounds) - ready,
+           "times": t, "ms": ms, "over_exact": {k: v / ms["exact"] for k, v in ms.items()},
            "grouped_minus_exact_ms": ms["grouped"] - ms["exact"],
-           "grouped_persistent_minus_exact_ms": ms["grouped_persistent"] - ms["exact"],
-           "us_per_empty_block": 1e3 * (ms["grouped"] - ms["exact"]) / max(1, sum(bounds) - ready)}
-    log(f"R={ranks} T={tokens} E/PE={epp}: {ready} ready blocks; exact (bound {tight}) {ms['exact']:.3f} ms, "
-        f"grouped (bounds {bounds}) {ms['grouped']:.3f} ms: +{row['grouped_minus_exact_ms']:.3f} ms over "
-        f"{row['empty_blocks']} empty blocks ({row['us_per_empty_block']:.2f} us each); on a persistent grid of "
-        f"{sms} CTAs: exact {ms['exact_persistent']:.3f} ms, grouped {ms['grouped_persistent']:.3f} ms")
+           "grouped_expect_minus_exact_ms": ms["grouped_expect"] - ms["exact"],
+           "us_per_empty_block": 1e3 * (ms["grouped"] - ms["exact"]) / max(1, sum(bounds) - ready),
+           "cap_ctas": {k: k * sms for k in args.cap_waves}}
+    ox = row["over_exact"]
+    log(f"R={ranks} T={tokens} E/PE={epp} ({sms} SMs): {ready} ready blocks; exact (bound {tight}) "
+        f"{ms['exact']:.3f} ms; over exact: batch (bound {batch_bound}) x{ox['batch']:.3f}, sized for "
+        f"{batch_expect} x{ox['batch_expect']:.3f}; grouped (bounds {bounds}) x{ox['grouped']:.3f}, sized for "
+        f"{expects} x{ox['grouped_expect']:.3f}"
+        + "".join(f"; {k}/SM looping x{ox[f'exact_cap{k}']:.3f}" for k in args.cap_waves))
     return row
 
 
@@ -98,6 +116,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=ints, default=[1024], help="tokens per PE")
     ap.add_argument("--experts-per-pe", type=int, default=32)
     ap.add_argument("--block-m", type=int, default=64)
+    ap.add_argument("--cap-waves", type=ints, default=[],
+                    help="also the exact call on this many CTAs per SM looping over the tiles, e.g. 1,2,4,8")
     ap.add_argument("--replays", type=int, default=30)
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--label", default="", help="a note for the rows (e.g. the MPS share)")
@@ -107,8 +127,7 @@ def main(argv=None) -> int:
         print("error: no CUDA GPU", file=sys.stderr)
         return 2
     dev = torch.device("cuda")
-    rows = [dict(measure(R, T, args.experts_per_pe, args, dev), label=args.label,
-                 sms=torch.cuda.get_device_properties(dev).multi_processor_count)
+    rows = [dict(measure(R, T, args.experts_per_pe, args, dev), label=args.label)
             for R in args.ranks for T in args.tokens]
     if args.json:
         try:

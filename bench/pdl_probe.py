@@ -47,13 +47,14 @@ def xs(seed, dev):
 
 def compute_with(bc, pdl_l1: bool, pdl_l2: bool):
     """``bc.compute`` with PDL on the chosen GEMMs (the same kernels, the same buffers)."""
-    def compute(lo, hi, max_items, fw, pdl=False, max_ctas=None, out=None, direct=None):
+    def compute(lo, hi, max_items, fw, pdl=False, max_ctas=None, expect_items=None, out=None, direct=None):
         h1 = bc.h1.view(B.FP8)
         K.expert_l1(bc.ready_list, bc.ready_hi, lo, hi, max_items, bc.block_expert, bc.a.view(B.FP8), bc.a_sf, fw.w1,
-                    fw.w1_sf, h1, bc.h1_sf, block_m=bc.block_m, pdl=pdl_l1, max_ctas=max_ctas)
+                    fw.w1_sf, h1, bc.h1_sf, block_m=bc.block_m, pdl=pdl_l1, max_ctas=max_ctas,
+                    expect_items=expect_items)
         K.expert_l2(bc.ready_list, bc.ready_hi, lo, hi, max_items, bc.block_expert, h1, bc.h1_sf, fw.w2, fw.w2_sf,
                     bc.row_weight, bc.y if out is None else out, bc.block_rows, block_m=bc.block_m, pdl=pdl_l2,
-                    max_ctas=max_ctas, direct=direct)
+                    max_ctas=max_ctas, expect_items=expect_items, direct=direct)
     return compute
 
 

@@ -26,8 +26,10 @@ L2 instead of re-reading it from HBM once per block.
 
 from __future__ import annotations
 
+import functools
 import os
 
+import torch
 import triton
 import triton.language as tl
 
@@ -524,8 +526,8 @@ def _gemm_tile(t, n_items, lo, ready_list_ptr, block_expert_ptr, x_ptr, xsf_ptr,
 
 
 @triton.jit
-def _gemm_over_ready_tiles(ready_list_ptr, ready_hi_ptr, lo_index, hi_index, max_items, block_expert_ptr, x_ptr,
-                           xsf_ptr, w_ptr, wsf_ptr, out_ptr, outsf_ptr, roww_ptr, row_src_ptr, row_tok_ptr,
+def _gemm_over_ready_tiles(ready_list_ptr, ready_hi_ptr, lo_index, hi_index, max_items, single_tiles, block_expert_ptr,
+                           x_ptr, xsf_ptr, w_ptr, wsf_ptr, out_ptr, outsf_ptr, roww_ptr, row_src_ptr, row_tok_ptr,
                            comb_delta_ptr, block_rows_ptr, LAYER: tl.constexpr, NT: tl.constexpr,
                            H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, GROUP: tl.constexpr,
                            STAGES: tl.constexpr, PDL: tl.constexpr, PERSIST: tl.constexpr, DIRECT: tl.constexpr):
@@ -539,41 +541,51 @@ def _gemm_over_ready_tiles(ready_list_ptr, ready_hi_ptr, lo_index, hi_index, max
     hi = tl.load(ready_hi_ptr + hi_index)
     n_items = tl.minimum(hi - lo, max_items)
     if PERSIST:
-        # a fixed grid (fewer CTAs than the GPU holds) loops over the tiles: SM slots stay free
-        # for kernels of other streams (the producer) while the chunk's blocks compute
-        total = tl.cdiv(n_items, GROUP) * GROUP * NT
-        t = tl.program_id(0)
-        while t < total:  # (a while loop: the CPU interpreter cannot range() over loaded values)
-            _gemm_tile(t, n_items, lo, ready_list_ptr, block_expert_ptr, x_ptr, xsf_ptr, w_ptr, wsf_ptr, out_ptr,
+        # CTA p < single_tiles computes tile p (one CTA per tile, as without PERSIST); the CTAs past them loop
+        # over the remaining tiles. single_tiles 0: a fixed grid (fewer CTAs than the GPU holds) looping over
+        # every tile, SM slots left to other streams' kernels; single_tiles > 0: the tiles of the blocks the
+        # call is expected to have, and a small looping tail for any beyond them (see _grid)
+        pid = tl.program_id(0)
+        if pid < single_tiles:
+            _gemm_tile(pid, n_items, lo, ready_list_ptr, block_expert_ptr, x_ptr, xsf_ptr, w_ptr, wsf_ptr, out_ptr,
                        outsf_ptr, roww_ptr, row_src_ptr, row_tok_ptr, comb_delta_ptr, block_rows_ptr, LAYER, NT, H,
                        I, BM, GROUP, STAGES, DIRECT)
-            t += tl.num_programs(0)
+        else:
+            total = tl.cdiv(n_items, GROUP) * GROUP * NT
+            stride = tl.num_programs(0) - single_tiles
+            t = pid
+            while t < total:  # (a while loop: the CPU interpreter cannot range() over loaded values)
+                _gemm_tile(t, n_items, lo, ready_list_ptr, block_expert_ptr, x_ptr, xsf_ptr, w_ptr, wsf_ptr,
+                           out_ptr, outsf_ptr, roww_ptr, row_src_ptr, row_tok_ptr, comb_delta_ptr, block_rows_ptr,
+                           LAYER, NT, H, I, BM, GROUP, STAGES, DIRECT)
+                t += stride
     else:
         _gemm_tile(tl.program_id(0), n_items, lo, ready_list_ptr, block_expert_ptr, x_ptr, xsf_ptr, w_ptr, wsf_ptr,
                    out_ptr, outsf_ptr, roww_ptr, row_src_ptr, row_tok_ptr, comb_delta_ptr, block_rows_ptr, LAYER,
                    NT, H, I, BM, GROUP, STAGES, DIRECT)
 
 
-@triton.jit(do_not_specialize=["lo_index", "hi_index", "max_items"])
-def _l1_swiglu_kernel(ready_list_ptr, ready_hi_ptr, lo_index, hi_index, max_items, block_expert_ptr, a_ptr, asf_ptr,
-                      w1_ptr, w1sf_ptr, h1_ptr, h1sf_ptr, H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr,
-                      GROUP: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr, PERSIST: tl.constexpr):
+@triton.jit(do_not_specialize=["lo_index", "hi_index", "max_items", "single_tiles"])
+def _l1_swiglu_kernel(ready_list_ptr, ready_hi_ptr, lo_index, hi_index, max_items, single_tiles, block_expert_ptr,
+                      a_ptr, asf_ptr, w1_ptr, w1sf_ptr, h1_ptr, h1sf_ptr, H: tl.constexpr, I: tl.constexpr,
+                      BM: tl.constexpr, GROUP: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr,
+                      PERSIST: tl.constexpr):
     # (h1sf_ptr stands in for L2's pointers, unused by LAYER 1)
-    _gemm_over_ready_tiles(ready_list_ptr, ready_hi_ptr, lo_index, hi_index, max_items, block_expert_ptr, a_ptr,
-                           asf_ptr, w1_ptr, w1sf_ptr, h1_ptr, h1sf_ptr, h1sf_ptr, h1sf_ptr, h1sf_ptr, h1sf_ptr,
-                           h1sf_ptr, 1, I // 128, H, I, BM, GROUP, STAGES, PDL, PERSIST, False)
+    _gemm_over_ready_tiles(ready_list_ptr, ready_hi_ptr, lo_index, hi_index, max_items, single_tiles,
+                           block_expert_ptr, a_ptr, asf_ptr, w1_ptr, w1sf_ptr, h1_ptr, h1sf_ptr, h1sf_ptr, h1sf_ptr,
+                           h1sf_ptr, h1sf_ptr, h1sf_ptr, 1, I // 128, H, I, BM, GROUP, STAGES, PDL, PERSIST, False)
 
 
-@triton.jit(do_not_specialize=["lo_index", "hi_index", "max_items"])
-def _l2_kernel(ready_list_ptr, ready_hi_ptr, lo_index, hi_index, max_items, block_expert_ptr, h1_ptr, h1sf_ptr, w2_ptr,
-               w2sf_ptr, roww_ptr, y_ptr, row_src_ptr, row_tok_ptr, comb_delta_ptr, block_rows_ptr, H: tl.constexpr,
-               I: tl.constexpr, BM: tl.constexpr, GROUP: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr,
-               PERSIST: tl.constexpr, DIRECT: tl.constexpr):
+@triton.jit(do_not_specialize=["lo_index", "hi_index", "max_items", "single_tiles"])
+def _l2_kernel(ready_list_ptr, ready_hi_ptr, lo_index, hi_index, max_items, single_tiles, block_expert_ptr, h1_ptr,
+               h1sf_ptr, w2_ptr, w2sf_ptr, roww_ptr, y_ptr, row_src_ptr, row_tok_ptr, comb_delta_ptr, block_rows_ptr,
+               H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, GROUP: tl.constexpr, STAGES: tl.constexpr,
+               PDL: tl.constexpr, PERSIST: tl.constexpr, DIRECT: tl.constexpr):
     # (y_ptr stands in for L1's output scales, unused by LAYER 2)
-    _gemm_over_ready_tiles(ready_list_ptr, ready_hi_ptr, lo_index, hi_index, max_items, block_expert_ptr, h1_ptr,
-                           h1sf_ptr, w2_ptr, w2sf_ptr, y_ptr, y_ptr, roww_ptr, row_src_ptr, row_tok_ptr,
-                           comb_delta_ptr, block_rows_ptr, 2, H // 128, H, I, BM, GROUP, STAGES, PDL, PERSIST,
-                           DIRECT)
+    _gemm_over_ready_tiles(ready_list_ptr, ready_hi_ptr, lo_index, hi_index, max_items, single_tiles,
+                           block_expert_ptr, h1_ptr, h1sf_ptr, w2_ptr, w2sf_ptr, y_ptr, y_ptr, roww_ptr, row_src_ptr,
+                           row_tok_ptr, comb_delta_ptr, block_rows_ptr, 2, H // 128, H, I, BM, GROUP, STAGES, PDL,
+                           PERSIST, DIRECT)
 
 
 #: The expert GEMMs' launch: per GEMM, per block_m (the entry with the largest block_m at most the
@@ -602,21 +614,57 @@ def _pdl_kw(pdl: bool) -> dict:
     return {"PDL": True, "launch_pdl": True} if pdl else {"PDL": False}
 
 
-def _grid(max_items: int, group: int, nt: int, max_ctas: int | None) -> tuple[tuple[int], dict]:
+#: CTAs per SM of a grid's looping tail (``expect_items``): 1 per SM runs the tiles 1.18x slower than one CTA per
+#: tile (the L2 kernel fits two per SM), 2, 4 and 8 per SM about 1.05x (bench.empty_grid, one H200, with and
+#: without MPS, docs/performance.md); 2 launches the fewest CTAs at that speed.
+TAIL_CTAS_PER_SM = 2
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count  # an MPS client: its share
+
+
+def tail_ctas(device: torch.device) -> int:
+    """The looping tail of a grid launched with ``expect_items`` on ``device``: ``TAIL_CTAS_PER_SM`` per SM the
+    process sees (the CPU interpreter: as if one SM)."""
+    return TAIL_CTAS_PER_SM * (_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+                               if device.type == "cuda" else 1)
+
+
+def _grid(max_items: int, group: int, nt: int, max_ctas: int | None, expect_items: int | None,
+          device: torch.device) -> tuple[tuple[int], dict, int]:
+    """(grid, constexprs, single_tiles) of a GEMM over at most ``max_items`` ready blocks of ``nt`` tiles each.
+
+    * ``max_ctas`` below the tiles: ``max_ctas`` CTAs looping over every tile (an SM-sparing persistent grid);
+    * else ``expect_items``: one CTA per tile of the first ``expect_items`` blocks (rounded up to the tile
+      order's groups) and a tail of :func:`tail_ctas` CTAs looping over the tiles past them, so a call launches
+      CTAs for the blocks it is expected to have, not for every block its bound allows (a CTA past the ready
+      blocks still costs its launch, about 11 SM-us per block of tiles); blocks past the expectation run on
+      the tail, about 5 % slower;
+    * else (or when the tail would not launch fewer CTAs): one CTA per tile of ``max_items`` blocks.
+
+    Every form computes each tile in the same CTA code (the same bits)."""
     tiles = triton.cdiv(max_items, group) * group * nt
-    if max_ctas is None or max_ctas >= tiles:
-        return (tiles,), {"PERSIST": False}
-    return (max(1, int(max_ctas)),), {"PERSIST": True}
+    if max_ctas is not None and max_ctas < tiles:
+        return (max(1, int(max_ctas)),), {"PERSIST": True}, 0
+    if expect_items is not None:
+        single = triton.cdiv(max(0, min(int(expect_items), max_items)), group) * group * nt
+        tail = tail_ctas(device)
+        if single + tail < tiles:
+            return (single + tail,), {"PERSIST": True}, single
+    return (tiles,), {"PERSIST": False}, tiles
 
 
 def expert_l1(ready_list, ready_hi, lo_index: int, hi_index: int, max_items: int, block_expert, a, asf, w1, w1sf, h1,
               h1sf, *, block_m: int, group: int = 8, pdl: bool = False, max_ctas: int | None = None,
-              launch: dict | None = None):
+              expect_items: int | None = None, launch: dict | None = None):
     """L1 + SwiGLU + FP8 re-quantization of the ready blocks
     ``ready_list[ready_hi[lo_index] : ready_hi[hi_index]]``.
 
     The range is read on the device (the launch needs no host sync); ``max_items`` bounds the
-    launch grid (``hi - lo`` must not exceed it). Returns Triton's compiled-kernel handle
+    launch grid (``hi - lo`` must not exceed it); ``expect_items``, the blocks the call is expected to have, sizes
+    it for those (:func:`_grid`), ``max_ctas`` caps it. Returns Triton's compiled-kernel handle
     (registers, shared memory: for occupancy reports). ``launch``: ``{"num_warps", "STAGES"}`` instead
     of :data:`GEMM_LAUNCH`'s (for the benchmark that measures them).
     """
@@ -625,14 +673,15 @@ def expert_l1(ready_list, ready_hi, lo_index: int, hi_index: int, max_items: int
     e, two_i, h = w1.shape
     i = two_i // 2
     nt = i // 128
-    grid, persist = _grid(max_items, group, nt, max_ctas)
-    return _l1_swiglu_kernel[grid](ready_list, ready_hi, lo_index, hi_index, max_items, block_expert, a, asf, w1, w1sf, h1, h1sf, H=h, I=i,
-                            BM=block_m, GROUP=group, **_gemm_cfg(block_m, launch), **_pdl_kw(pdl), **persist)
+    grid, persist, single = _grid(max_items, group, nt, max_ctas, expect_items, a.device)
+    return _l1_swiglu_kernel[grid](ready_list, ready_hi, lo_index, hi_index, max_items, single, block_expert, a, asf,
+                                   w1, w1sf, h1, h1sf, H=h, I=i, BM=block_m, GROUP=group,
+                                   **_gemm_cfg(block_m, launch), **_pdl_kw(pdl), **persist)
 
 
 def expert_l2(ready_list, ready_hi, lo_index: int, hi_index: int, max_items: int, block_expert, h1, h1sf, w2, w2sf,
               roww, y, block_rows, *, block_m: int, group: int = 8, pdl: bool = False,
-              max_ctas: int | None = None, direct=None, launch: dict | None = None):
+              max_ctas: int | None = None, expect_items: int | None = None, direct=None, launch: dict | None = None):
     """L2 of the ready blocks, times the routing weight, as bf16 rows (returns the kernel handle).
 
     Of block ``b`` only the first ``block_rows[b]`` rows hold a route (see :func:`alloc_blocks`): the
@@ -641,18 +690,20 @@ def expert_l2(ready_list, ready_hi, lo_index: int, hi_index: int, max_items: int
     ``direct=None``: row ``r`` goes to ``y[r]``. ``direct=(row_src, row_tok, comb_delta)``: row ``r``
     goes straight into its owner's combine rows, ``y + comb_delta[row_src[r]] + row_tok[r] * H``
     (``y`` is then this PE's combine rows, ``comb_delta`` int64 element distances to each PE's copy);
-    rows with ``row_src < 0`` (padding of a sealed block) are not stored. ``launch``: as :func:`expert_l1`'s.
+    rows with ``row_src < 0`` (padding of a sealed block) are not stored. ``expect_items``, ``max_ctas`` and
+    ``launch``: as :func:`expert_l1`'s.
     """
     if max_items <= 0:
         return None
     e, h, i = w2.shape
     nt = h // 128
-    grid, persist = _grid(max_items, group, nt, max_ctas)
+    grid, persist, single = _grid(max_items, group, nt, max_ctas, expect_items, h1.device)
     if direct is None:
         row_src = row_tok = comb_delta = roww  # unused (DIRECT is a constexpr False)
     else:
         row_src, row_tok, comb_delta = direct
-    return _l2_kernel[grid](ready_list, ready_hi, lo_index, hi_index, max_items, block_expert, h1, h1sf, w2, w2sf, roww,
+    return _l2_kernel[grid](ready_list, ready_hi, lo_index, hi_index, max_items, single, block_expert, h1, h1sf, w2,
+                            w2sf, roww,
                             y, row_src, row_tok, comb_delta, block_rows, H=h, I=i, BM=block_m, GROUP=group, **_gemm_cfg(block_m, launch, "l2"),
                             **_pdl_kw(pdl), **persist, DIRECT=direct is not None)
 

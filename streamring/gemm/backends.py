@@ -3,11 +3,13 @@
 A backend is a class made for one :class:`~streamring.moe.blocks.BlockConsumer` ``bc``
 (``cls(bc, **options)``: it allocates, so before a graph capture) with
 
-* ``compute(lo_index, hi_index, max_items, fw, *, max_ctas=None, pdl=False, out=None, direct=None)``:
-  L1 + SwiGLU + L2 of the blocks ``bc.ready_list[bc.ready_hi[lo_index] : bc.ready_hi[hi_index]]``
-  (``max_items``: the grid bound) with the weights ``fw``, into ``bc.y`` (or ``out``; ``direct``: each row
-  straight into its owner's combine row). A call asking for what the backend cannot do raises ValueError
-  naming it (:func:`refuse_unsupported`);
+* ``compute(lo_index, hi_index, max_items, fw, *, max_ctas=None, expect_items=None, pdl=False, out=None,
+  direct=None)``: L1 + SwiGLU + L2 of the blocks ``bc.ready_list[bc.ready_hi[lo_index] : bc.ready_hi[hi_index]]``
+  (``max_items``: the grid bound; ``expect_items``: how many the call is expected to have, a hint that a
+  backend whose grid the host sizes uses to launch for those rather than for the bound, and the others
+  ignore) with the weights ``fw``, into ``bc.y`` (or ``out``; ``direct``: each row straight into its owner's
+  combine row). A call asking for what the backend cannot do raises ValueError naming it
+  (:func:`refuse_unsupported`);
 * ``status() -> int``: the ready-range status bits of the calls so far (0: fine; synchronises);
 * ``check()``: raise when ``status()`` is not 0;
 * ``capabilities``: its :class:`Capabilities`, :data:`CAPABILITIES` ``[name]``.

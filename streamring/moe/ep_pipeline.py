@@ -94,7 +94,7 @@ from ..device.ringdesc import RING_LAYOUT, RING_ROUTE
 from ..ring.device import DeviceRing
 from ..ring.layout import RingLayout
 from .blocks import select_experts_into
-from .grid_bounds import grouped_step_bound, seal_bound, step_bound
+from .grid_bounds import grouped_step_bound, grouped_step_expect, seal_bound, step_bound, step_expect
 from .timeline_events import STAMP_STRIDE
 
 if TYPE_CHECKING:  # annotations only: the buffer module imports this one
@@ -352,19 +352,19 @@ class EPPipeline:
             if j == path.steps - 1:
                 self._stamp(c, 3)
 
-    def _gemms(self, path: _Path, layer: LayerWeights, lo, hi, max_items, max_ctas=None, side_puts=False):
+    def _gemms(self, path: _Path, layer: LayerWeights, lo, hi, max_items, expect, max_ctas=None, side_puts=False):
         bc, r = self.bc, path.ring
         st = self._current_stream()
         if self.direct_l2:
-            bc.compute(lo, hi, max_items, layer.fw, impl=self.gemm, max_ctas=max_ctas, out=self.comb_rows,
-                       direct=(bc.row_src, bc.row_tok, self.comb_delta))
+            bc.compute(lo, hi, max_items, layer.fw, impl=self.gemm, max_ctas=max_ctas, expect_items=expect,
+                       out=self.comb_rows, direct=(bc.row_src, bc.row_tok, self.comb_delta))
             DK.ep_signal_arrivals(self.heap.lib, r.stream_ref(st), d=r.desc, comb=self.comb_base,
                                   comb_peers=self.comb_peers, me=self.me, off_arrived=self.comb_layout.off_arrived,
                                   ready_list=int(bc.ready_list.data_ptr()), ready_hi=int(bc.ready_hi.data_ptr()),
                                   lo_index=lo, hi_index=hi, row_src=int(bc.row_src.data_ptr()),
                                   row_chunk=int(bc.row_chunk.data_ptr()), block_m=bc.block_m, max_items=max_items)
         else:
-            bc.compute(lo, hi, max_items, layer.fw, impl=self.gemm, max_ctas=max_ctas)
+            bc.compute(lo, hi, max_items, layer.fw, impl=self.gemm, max_ctas=max_ctas, expect_items=expect)
             if side_puts:  # the puts read only this range's rows of y: the next GEMMs need not wait for them
                 self.computed[lo].record()
                 self.ustream.wait_event(self.computed[lo])
@@ -390,6 +390,16 @@ class EPPipeline:
             return grouped_step_bound(self.R, j, *args)
         return step_bound(self.R, path.steps, *args)
 
+    def _expected_per_step(self, path: _Path, c: int, j: int = 0) -> int:
+        """The blocks dispatch step ``j`` of chunk ``c`` is expected to make ready (the GEMM grid's hint:
+        :func:`grouped_step_expect`, :func:`step_expect`), every source's chunk ``c`` holding as many rows as
+        mine in this forward."""
+        rows = max(0, min(self._last_T, (c + 1) * path.chunk) - c * path.chunk)
+        args = (rows, self.shape.topk, self.bc.block_m, self.E_loc)
+        if self._grouped:
+            return grouped_step_expect(self.R, j, *args)
+        return step_expect(self.R, path.steps, *args)
+
     def _chunk_gemms(self, path: _Path, layer, c, j=0, side_puts=False):
         i = path.step_index[c, j]
         last = i == len(path.order) - 1
@@ -403,7 +413,8 @@ class EPPipeline:
             # of which may seal); the sealed blocks take the whole GPU
             sealing = last or (self._grouped and c == path.num_chunks - 1)
             ctas = self.chunk_gemm_ctas if path.name == "stream" and not sealing else None
-            self._gemms(path, layer, i, i + 1, self._max_ready_per_step(path, j), ctas, side_puts)
+            self._gemms(path, layer, i, i + 1, self._max_ready_per_step(path, j), self._expected_per_step(path, c, j),
+                        ctas, side_puts)
             if j == path.steps - 1:
                 self._stamp(c, 4)
 
@@ -416,7 +427,9 @@ class EPPipeline:
             self.bc.seal(n)
             # with the last step's blocks: ready_list[ready_hi[n-1] : ready_hi[n+1]]
             bound = seal_bound(self._max_ready_per_step(path), self.E_loc, self.bc.max_blocks)
-            self._gemms(path, layer, n - 1, n + 1, bound, None, side_puts)
+            c, j = path.order[-1]
+            expect = seal_bound(self._expected_per_step(path, c, j), self.E_loc, self.bc.max_blocks)
+            self._gemms(path, layer, n - 1, n + 1, bound, expect, None, side_puts)
             self._stamp(path.order[-1][0], 4)
             self._stamp(path.num_chunks, 2)
 

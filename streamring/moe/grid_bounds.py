@@ -1,10 +1,13 @@
-"""The GEMM grid bounds of the expert-parallel pipeline's calls, in blocks of ``block_m`` rows.
+"""The GEMM grid bounds of the expert-parallel pipeline's calls, and the blocks each call is expected to have,
+in blocks of ``block_m`` rows.
 
 The host sizes every GEMM call's grid before the device knows how many blocks are ready (a CUDA graph
-replays it unchanged), so a Triton call launches one CTA per (block, tile) up to its bound, and the CTAs
-past the ready blocks read the range and exit. One definition for the block consumer (its capacity and a
-dispatch's bound), the pipeline, which launches the calls, and the cost model, which prices the CTAs past
-the ready blocks. Plain integers (no torch)."""
+replays it unchanged). A bound is the most blocks a call can have (whatever the routing); the expectation is
+what it has when the routes spread evenly over the PEs. A Triton call launches one CTA per (block, tile) for
+the expected blocks and a small looping tail for any past them, up to the bound (``moe_triton._grid``): the
+CTAs past the ready blocks read the range and exit, and cost their launch. One definition for the block
+consumer (its capacity and a dispatch's bound), the pipeline, which launches the calls, and the cost model,
+which prices the CTAs past the ready blocks. Plain integers (no torch)."""
 
 from __future__ import annotations
 
@@ -36,3 +39,28 @@ def seal_bound(step_blocks: int, local_experts: int, max_blocks: int) -> int:
     """The bound of the seal's call, which has the last step's blocks (bounded by ``step_blocks``) and one
     partial block per local expert."""
     return min(max_blocks, step_blocks + local_experts)
+
+
+
+def uniform_blocks(rows: int, ranks: int, topk: int, block_m: int, local_experts: int, partial: int) -> int:
+    """The blocks a PE is expected to get from ``rows`` rows of any sources when their routes spread evenly over
+    the ``ranks`` PEs: its share of the routes, ``rows * topk / ranks``, in full blocks, plus ``partial`` blocks
+    per local expert (1: the expert's partial block; 2: also one completed by rows carried from an earlier
+    call). An expectation (a grid's ``expect_items``), never a bound: skewed routing gives a PE more."""
+    return -(-rows * topk // (ranks * block_m)) + partial * local_experts
+
+
+def step_expect(ranks: int, steps_per_chunk: int, chunk_rows: int, topk: int, block_m: int,
+                local_experts: int) -> int:
+    """The blocks an ungrouped dispatch step is expected to make ready: its share of every source's chunk of
+    ``chunk_rows`` rows (as many as this PE's), routed evenly (:func:`step_bound`'s expectation)."""
+    return uniform_blocks(ranks * chunk_rows // steps_per_chunk, ranks, topk, block_m, local_experts, 1)
+
+
+def grouped_step_expect(ranks: int, j: int, chunk_rows: int, topk: int, block_m: int, local_experts: int) -> int:
+    """The blocks grouped dispatch step ``j`` is expected to make ready: step 0 every source's chunk (the
+    sources on time together), a later step none (a late source's blocks then run on the grid's looping
+    tail; :func:`grouped_step_bound`'s expectation)."""
+    if j:
+        return 0
+    return uniform_blocks(ranks * chunk_rows, ranks, topk, block_m, local_experts, 2)

@@ -281,6 +281,32 @@ def test_persistent_gemm_grid_equals_one_cta_per_tile(setup, max_ctas):
     assert same_bits(yb, y), bit_difference(y, yb, f"persistent grid ({max_ctas} CTAs)", "one CTA per tile")
 
 
+@pytest.mark.parametrize("expect", [0, 9])
+def test_grid_for_the_expected_blocks_and_a_looping_tail_equals_one_cta_per_tile(setup, expect):
+    """A grid sized for ``expect_items`` blocks (one CTA per tile of those, rounded up to the tile order's groups
+    of 8 blocks) and a looping tail for the blocks past them gives the bits of one CTA per tile of the bound: the
+    tail computes every block beyond the expectation (0: all of them; 9: 16 blocks one CTA per tile, the rest
+    on the tail)."""
+    from streamring.device import moe_triton as K
+
+    shape, fw, _ = setup
+    x = torch.randn(150, shape.hidden, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16).to(DEV)
+    yb, _, _ = run_batch(shape, fw, x, 16)
+    T = x.shape[0]
+    _, _, sc, y = fresh(shape, fw, x, 2)
+    bc = B.BlockConsumer(shape, 2 * T, 2, 16, DEV)  # room for twice the rows: a bound well past the ready blocks
+    bc.begin()
+    bc.dispatch(0, sc["idx"], sc["w"], sc["q"], sc["sf"], 0)
+    bc.seal(1)
+    ready = int(bc.ready_hi[2])
+    grid, const, single = K._grid(bc.max_blocks, 8, shape.intermediate // 128, None, expect, torch.device(DEV))
+    assert const["PERSIST"] and single == -(-expect // 8) * 8 * (shape.intermediate // 128)
+    assert ready > -(-expect // 8) * 8, "the tail must have blocks to compute"
+    bc.compute(0, 2, bc.max_blocks, fw, expect_items=expect)
+    bc.combine(y)
+    assert same_bits(yb, y), bit_difference(y, yb, f"grid for {expect} blocks and a tail", "one CTA per tile")
+
+
 # The producer's routing kernel (moe_triton.select_experts) against the rule's torch definition
 # (moe.math.select_experts): the same experts in the same order, the same weights to float32 rounding.
 ROUTING_CASES = {
