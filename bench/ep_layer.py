@@ -65,7 +65,7 @@ import torch
 from bench.common import FP8, dsv3_shape, log, stats, timed, timed_rounds
 from bench.skew import skew_delays_ms, skew_seed, timed_skew_draws
 from streamring.device import kernels as DK
-from streamring.device.moe_triton import stamp
+from streamring.device.moe_triton import GEMM_GRID, stamp
 from streamring.moe import blocks as B
 from streamring.moe import debug as moe_debug
 from streamring.moe.ep_buffer import EPBuffer
@@ -486,7 +486,9 @@ def bench_tokens(heap, T, shape, full, base, args, rows, timelines, budget):
     g.manual_seed(1000 + 7 * me + T)
     x = torch.randn(T, shape.hidden, generator=g, device=dev).to(torch.bfloat16)
     epp = shape.num_experts // R
-    common = dict(ranks=R, tokens_per_rank=T, shape=args.shape, block_m=args.block_m, experts_per_pe=epp)
+    # gemm_grid: how the Triton GEMM grids are sized (the cost model models a row as the code that measured it)
+    common = dict(ranks=R, tokens_per_rank=T, shape=args.shape, block_m=args.block_m, experts_per_pe=epp,
+                  gemm_grid=GEMM_GRID)
     seed = skew_seed(T, epp)  # the skew draws: the same for every path of this size and load
     late_max = max(args.straggler_ms, default=0.0)
     for routing_name in args.routings:

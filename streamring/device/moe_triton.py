@@ -614,6 +614,10 @@ def _pdl_kw(pdl: bool) -> dict:
     return {"PDL": True, "launch_pdl": True} if pdl else {"PDL": False}
 
 
+#: How the expert GEMMs' grids are sized (result rows carry it, ``bench.ep_layer``; the cost model prices each
+#: row's grids by it): "expected", for the blocks a call is expected to have and a looping tail (:func:`_grid`);
+#: rows without it were measured with one CTA per tile of the call's bound ("bound").
+GEMM_GRID = "expected"
 #: CTAs per SM of a grid's looping tail (``expect_items``): 1 per SM runs the tiles 1.18x slower than one CTA per
 #: tile (the L2 kernel fits two per SM), 2, 4 and 8 per SM about 1.05x (bench.empty_grid, one H200, with and
 #: without MPS, docs/performance.md); 2 launches the fewest CTAs at that speed.
