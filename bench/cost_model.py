@@ -122,7 +122,7 @@ def load_rows(files, machines: dict | None = None):
                          straggler_rank=r.get("straggler_rank"), skew_ms=float(r.get("skew_ms") or 0.0),
                          skew_draws=measured_skew_draws(r, R, int(E)),
                          last_step_with_seal=code["last_step_with_seal"],
-                         chunk_gemm_ctas=r.get("chunk_gemm_ctas"),
+                         chunk_gemm_ctas=r.get("chunk_gemm_ctas"), gemm_grid=r.get("gemm_grid") or "bound",
                          ready_window_us=r.get("ready_window_us", code["ready_window_us"]))
             if cfg.ready_window_us is not None:   # a row names its window only where its forward grouped
                 cfg.group_max_tokens = max(cfg.group_max_tokens, cfg.tokens)

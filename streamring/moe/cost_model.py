@@ -38,12 +38,15 @@ Per forward and per PE (the slowest PE sets the time), R PEs, T tokens per PE, E
   an MPS client has, so at ctas/(132/R) of their speed when fewer; CUTLASS on one GPU per PE reads each
   weight pass beyond the batch path's one per expert from HBM (W / 4.8 TB/s instead of t_w): its chunk
   order puts an expert's blocks apart (bench.gemm_launches: 8.8-9.6 µs per extra pass);
-* the grids: a Triton call launches one CTA per (block, tile) up to its host-sized bound
-  (``grid_bounds``), and each block of the bound past the call's ready blocks costs EMPTY_BLOCK_US_SM
-  SM-µs on the PE's SMs (bench.empty_grid). A forward is charged what its calls launch beyond the batch
-  path's own calls of the same code, which the fitted rates hold: for the grouped ready steps the idle
-  calls after a chunk's last source, R - 1 of them on time, whose bounds sum to about R²/2 sources'
-  blocks;
+* the grids: a Triton call's grid is sized on the host (``grid_bounds``), and each block of it past the
+  call's ready blocks costs EMPTY_BLOCK_US_SM SM-µs on the PE's SMs (bench.empty_grid). Rows measured
+  before 2026-12-03's ``gemm_grid`` launched one CTA per (block, tile) up to the call's bound (``bound``):
+  for the grouped ready steps the idle calls after a chunk's last source, R - 1 of them on time, whose
+  bounds sum to about R²/2 sources' blocks. The code since (``expected``) launches one CTA per tile of the
+  blocks the call is expected under even routing and a looping tail of TAIL_CTAS_PER_SM per SM, which
+  computes any blocks past the expectation TAIL_SLOWDOWN slower; an idle grouped step expects none. A
+  forward is charged its calls' grids less the batch path's grids by the bound rule, which the fitted
+  rates hold (the batch path under the expected rule is charged the difference, a gain);
 * the streamed path (consumer per_chunk): steps = C (rank order: chunk c of every source per step)
   or C*R (arrival, and ready with ``ready_window_us=None`` or more than ``group_max_tokens`` tokens:
   one source's chunk per step); ready order with a window (the code since its grouping) takes per
@@ -110,7 +113,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .grid_bounds import consumer_max_blocks, grouped_step_bound, seal_bound, step_bound
+from .grid_bounds import (consumer_max_blocks, grouped_step_bound, grouped_step_expect, seal_bound, step_bound,
+                          step_expect)
 from .tuning import EPTuning
 
 _TUNING_DEFAULTS = EPTuning.model_fields
@@ -128,6 +132,13 @@ H200_SMS = 132
 # grid bound (all its L1 and L2 tiles), in SM-microseconds (bench.empty_grid: 9.5-12.5 at 132, 66 and 32 SMs,
 # docs/results/gemm-empty-grids-grouped-steps-1h200-mps-2026-12-03.json)
 EMPTY_BLOCK_US_SM = 11.0
+TILES_PER_BLOCK = I_DIM // 128 + H // 128   # a block's CTAs in the two Triton GEMMs' grids (L1 16, L2 56)
+# grids sized for the expected blocks (gemm_grid "expected", streamring.device.moe_triton._grid): the looping
+# tail's CTAs per SM, and how much slower it computes the blocks past the expectation than one CTA per tile
+# (bench.empty_grid, 2 CTAs per SM: 1.044-1.068 over one CTA per tile without MPS, 1.051-1.057 at 50 and 25 %
+# under MPS, docs/results/gemm-empty-grids-capped-1h200-mps-2026-12-03.json)
+TAIL_CTAS_PER_SM = 2
+TAIL_SLOWDOWN = 0.055
 CALL_US = 25.0      # fixed cost of one GEMM call (launch, grid set-up, tail wave): not fitted
 
 RATES_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cost_model_rates.json")
@@ -168,6 +179,9 @@ class Config:
     # forward is predicted as the benchmark reports the median replay (None: the mean over 256 draws)
     skew_draws: tuple | None = None
     chunk_gemm_ctas: int | None = None  # the persistent grid of the calls before the seal's (None: one CTA per tile)
+    # how the Triton grids are sized: "expected" (one CTA per tile of the blocks a call is expected to have, and
+    # a looping tail for any past them) or "bound" (one CTA per tile of the call's bound: rows measured before)
+    gemm_grid: str = "expected"
     last_step_with_seal: bool = True    # False: a call per dispatch step, then the seal's own call
     # ready order: the grouping window (None: one source per step) and the largest forward that groups (the
     # buffer's defaults, streamring.moe.tuning.EPTuning)
@@ -292,6 +306,8 @@ class _Schedule:
         batch_bounds = self._call_bounds(step_bound(R, 1, T, TOPK, bm, E, self.max_blocks), 1 if merged else 2)
         self.batch_bound = batch_bounds[-1]   # the seal's call
         _, batch_blocks = _block_counts(self.rows / E, E, 1, bm, merged=merged)
+        # the rates were fitted on rows whose grids were sized by their bounds: they hold the batch path's
+        # grid cost with that rule, whatever rule the modelled code has
         self.batch_grid_ms = sum(self.empty_ms(bd - blk) for bd, blk in zip(batch_bounds, batch_blocks))
         self.calls = self._step_calls()
 
@@ -307,8 +323,11 @@ class _Schedule:
         calls = [gemm_call_ms(t, b, cfg.gemm, cfg.block_m, self.share, self.rates, cfg.machine) for t, b in zip(tt, bb)]
         # each call's grid past its blocks: a step's bound, the last step's (merged into the seal) one block per
         # expert more, the seal's own call (code before the merge) the same
-        b = step_bound(self.R, self.steps // self.C, self.chunk_tokens, TOPK, cfg.block_m, E, self.max_blocks)
-        calls = [c + self.empty_ms(bd - blk) for c, bd, blk in zip(calls, self._call_bounds(b, n_calls), bb)]
+        per_chunk = self.steps // self.C
+        b = step_bound(self.R, per_chunk, self.chunk_tokens, TOPK, cfg.block_m, E, self.max_blocks)
+        x = step_expect(self.R, per_chunk, self.chunk_tokens, TOPK, cfg.block_m, E)
+        calls = [c + self.grid_ms(bd, ex, blk)
+                 for c, bd, ex, blk in zip(calls, self._call_bounds(b, n_calls), self._call_bounds(x, n_calls), bb)]
         if cfg.path == "streamed" and cfg.chunk_gemm_ctas and cfg.machine == "mps":
             # the calls before the seal's on a persistent grid of chunk_gemm_ctas CTAs, one per SM (Triton L1: 201 KB
             # of shared memory), of the 132 / R SMs an MPS client has (66 at 50 %:
@@ -360,7 +379,7 @@ class _Schedule:
         step ``j`` of its chunk): full blocks only, or (``last``) with the seal's partial blocks. Block
         counts are causal, so a prefix gives a step's call. DeepGEMM: every grouped call is a whole-buffer
         call (a seal decided on the device never gives the psum layout), as :meth:`_step_calls` prices the
-        ungrouped ones. Triton: plus the CTAs of the grid bound past the step's blocks (:meth:`empty_ms`)."""
+        ungrouped ones. Triton: plus what its grid costs past the step's blocks (:meth:`grid_ms`)."""
         cfg = self.cfg
         tt, bb = _group_block_counts(self.rows / self.E, self.E, tuple(sizes), cfg.block_m, merged=last,
                                      parts=self.C * self.R)
@@ -368,7 +387,7 @@ class _Schedule:
         if cfg.gemm == "deep_gemm":
             return self._whole_call(bb[s])
         return gemm_call_ms(tt[s], bb[s], cfg.gemm, cfg.block_m, self.share, self.rates, cfg.machine) + \
-            self.empty_ms(self.step_bound(j) - bb[s])
+            self.grid_ms(self.step_bound(j), self.step_expect(j), bb[s])
 
     def _call_bounds(self, b: int, n_calls: int) -> list:
         """The grid bounds of ``n_calls`` ungrouped calls whose steps are bounded by ``b``: every step's call,
@@ -378,6 +397,29 @@ class _Schedule:
     def step_bound(self, j: int) -> int:
         """The GEMM grid bound (blocks) of grouped step ``j`` of a chunk, as the pipeline sizes it."""
         return grouped_step_bound(self.R, j, self.chunk_tokens, TOPK, self.cfg.block_m, self.E, self.max_blocks)
+
+    def step_expect(self, j: int) -> int:
+        """The blocks grouped step ``j`` of a chunk is expected to have, as the pipeline sizes its grid."""
+        return grouped_step_expect(self.R, j, self.chunk_tokens, TOPK, self.cfg.block_m, self.E)
+
+    def grid_ms(self, bound: int, expect: int, blocks: float) -> float:
+        """What a Triton call's grid costs beyond one CTA per tile of its ``blocks`` ready blocks. ``bound``
+        rule: the CTAs of the bound past them (:meth:`empty_ms`). ``expected`` rule: the CTAs of the expected
+        blocks past them, the looping tail's CTAs, and the tail's slowdown on the blocks past the expectation
+        (the whole bound when the tail would launch no fewer CTAs)."""
+        cfg = self.cfg
+        if cfg.gemm != "triton":
+            return 0.0
+        if cfg.gemm_grid == "bound":
+            return self.empty_ms(bound - blocks)
+        sms = H200_SMS / self.share
+        tail = TAIL_CTAS_PER_SM * sms / TILES_PER_BLOCK   # the tail's CTAs, in blocks of tiles
+        if min(expect, bound) + tail >= bound:
+            return self.empty_ms(bound - blocks)
+        g = self.rates["gemm"].get(f"triton@{cfg.machine}") or self.rates["gemm"]["triton"]
+        t_b = cfg.block_m * FLOP_ROW / (g["tflops"] * 1e12) * 1e3
+        return (self.empty_ms(expect + tail - blocks)
+                + max(blocks - expect, 0.0) * self.share * t_b * TAIL_SLOWDOWN)
 
     def empty_ms(self, blocks: float) -> float:
         """The CTAs of ``blocks`` grid blocks past a call's ready range, on the SMs a PE has (all of them, or
@@ -436,7 +478,7 @@ class _Schedule:
                     j += 1
                     if q == reps[0]:
                         disp_tot, gemm_tot, n_calls = disp_tot + d, gemm_tot + call, n_calls + 1
-                idle = sum(self.empty_ms(self.step_bound(k)) for k in range(j, R))  # this chunk's idle steps
+                idle = sum(self.grid_ms(self.step_bound(k), self.step_expect(k), 0.0) for k in range(j, R))  # idle steps
                 t += idle
                 if q == reps[0]:
                     gemm_tot += idle

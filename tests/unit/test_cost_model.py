@@ -11,7 +11,7 @@ def _row(median_ms, **kw):
     row = {"ranks": 2, "tokens_per_rank": 4096, "experts_per_pe": 32, "block_m": 64, "routing": "uniform",
            "path": "batch", "gemm": "triton", "chunks": 1, "num_slots": 1, "policy": "serialized",
            "source_order": "rank", "consumer": "per_chunk", "chunk_gemm_ctas": None, "straggler_ms": 0.0,
-           "straggler_rank": None, "skew_ms": 0.0, "median_ms": median_ms}
+           "straggler_rank": None, "skew_ms": 0.0, "median_ms": median_ms, "gemm_grid": "expected"}
     row.update(kw)
     return row
 
@@ -50,6 +50,10 @@ def test_machine_override_and_skipped_rows(tmp_path):
     assert skipped == {"path torch_nccl": 1, "consumer persistent": 1}
     assert cm.load_rows([p])[0][0][0].machine == "gpu"
     assert cm.main(["--check", p, "--machine", p + ":mps"]) == 0
+    # a row names how its Triton grids were sized; rows from before the field had one CTA per tile of the bound
+    older = {k: v for k, v in _row(1.0).items() if k != "gemm_grid"}
+    got = cm.load_rows([_write(tmp_path, [_row(1.0), older], "ep-layer-mps-grids.json")])[0]
+    assert [c.gemm_grid for c, *_ in got] == ["expected", "bound"]
 
 
 def test_predictions_move_the_right_way():
@@ -113,7 +117,7 @@ def test_grouped_ready_steps_give_on_time_sources_one_call():
     """Ready order with a window: on-time sources share one step, so one GEMM call as the batch path's; a
     source later than the window gets a step and a call of its own; one source per step (the code before
     the grouping) pays a call per source."""
-    base = dict(ranks=2, tokens=1024, experts_per_pe=32, gemm="triton", machine="mps")
+    base = dict(ranks=2, tokens=1024, experts_per_pe=32, gemm="triton", machine="mps", gemm_grid="bound")
     batch = cm.predict(dict(base, path="batch"))
     grouped = cm.predict(dict(base, path="streamed", chunks=1, source_order="ready"))
     apart = cm.predict(dict(base, path="streamed", chunks=1, source_order="ready", ready_window_us=None))
@@ -127,6 +131,14 @@ def test_grouped_ready_steps_give_on_time_sources_one_call():
     assert 0 < idle < 0.1 * batch["gemm_ms"]
     assert grouped["gemm_ms"] == pytest.approx(batch["gemm_ms"] + idle)
     assert apart["gemm_ms"] > 1.05 * grouped["gemm_ms"]
+    # grids sized for the expected blocks: step 0 expects the batch call's blocks, step 1 none, so the idle
+    # call costs its looping tail's CTAs alone
+    exp = dict(base, gemm_grid="expected")
+    sch_x = core._Schedule(core._norm(dict(exp, path="streamed", chunks=1, source_order="ready")), core.load_rates())
+    idle_x = sch_x.grid_ms(sch_x.step_bound(1), sch_x.step_expect(1), 0.0)
+    assert sch_x.step_expect(1) == 0 and 0 < idle_x < 0.02 * idle
+    grouped_x = cm.predict(dict(exp, path="streamed", chunks=1, source_order="ready"))
+    assert grouped_x["gemm_ms"] == pytest.approx(cm.predict(dict(exp, path="batch"))["gemm_ms"] + idle_x)
     late = cm.predict(dict(base, path="streamed", chunks=1, source_order="ready", straggler_ms=1.0,
                            straggler_rank=1))
     assert late["gemm_calls"] == 2
@@ -265,7 +277,8 @@ def test_grouped_steps_grids_grow_with_the_pes():
 
     def grids(R, C=1, T=1024):
         sch = core._Schedule(core._norm(dict(ranks=R, tokens=T, experts_per_pe=32, gemm="triton", machine="gpu",
-                                             path="streamed", chunks=C, source_order="ready")), core.load_rates())
+                                             path="streamed", chunks=C, source_order="ready", gemm_grid="bound")),
+                             core.load_rates())
         chunk = -(-T // C)
         max_blocks = -(-R * chunk * C * 8 // 64) + 32   # the buffer's capacity: C chunks of ceil(T / C) tokens
         assert [sch.step_bound(j) for j in range(R)] == [grouped_step_bound(R, j, chunk, 8, 64, 32, max_blocks)
@@ -273,7 +286,8 @@ def test_grouped_steps_grids_grow_with_the_pes():
         return sum(sch.empty_ms(sch.step_bound(j)) for j in range(1, R))
     assert grids(8) > 10 * grids(2)
     grids(4, C=3, T=1000)   # chunked, uneven: the pipeline's ceil(T / C) chunk and capacity
-    base = dict(tokens=1024, experts_per_pe=32, gemm="triton", machine="gpu", chunks=1, source_order="ready")
+    base = dict(tokens=1024, experts_per_pe=32, gemm="triton", machine="gpu", chunks=1, source_order="ready",
+                gemm_grid="bound")
     ratio = {}
     for rate in (core.EMPTY_BLOCK_US_SM, 0.0):
         old, core.EMPTY_BLOCK_US_SM = core.EMPTY_BLOCK_US_SM, rate
@@ -284,6 +298,9 @@ def test_grouped_steps_grids_grow_with_the_pes():
         ratio[rate] = streamed / batch
     # at EP 16 the empty grids, not the GEMMs, cost the on-time forward
     assert ratio[core.EMPTY_BLOCK_US_SM] > 1.2 and ratio[0.0] < 1.05
+    # grids sized for the expected blocks launch none for the idle steps: within 1 % of no grid cost at all
+    x = {p: cm.predict(dict(base, ranks=16, path=p, gemm_grid="expected"))["total_ms"] for p in ("streamed", "batch")}
+    assert x["streamed"] / x["batch"] < ratio[0.0] * 1.01
 
 
 def test_grids_cost_under_mps_by_the_share():
@@ -299,8 +316,17 @@ def test_a_late_grouped_step_pays_its_own_bound():
     """With a late source the first grouped step takes fewer sources than its bound allows: its grid past its
     blocks costs more than on time (step j's bound, not step 0's, for the late step)."""
     from streamring.moe import cost_model as core
-    sch = core._Schedule(core._norm(dict(ranks=4, tokens=1024, experts_per_pe=32, gemm="triton", machine="mps",
-                                         path="streamed", chunks=1, source_order="ready")), core.load_rates())
+    cfg = dict(ranks=4, tokens=1024, experts_per_pe=32, gemm="triton", machine="mps", path="streamed", chunks=1,
+               source_order="ready", gemm_grid="bound")
+    sch = core._Schedule(core._norm(cfg), core.load_rates())
     one_then_rest = sch.group_call([1], False, 0) + sch.group_call([1, 3], True, 1)
     rest_with_step0_bound = sch.group_call([1], False, 0) + sch.group_call([1, 3], True, 0)
     assert rest_with_step0_bound > one_then_rest
+    # grids sized for the expected blocks: the late step expects none, so its blocks run on the looping tail,
+    # TAIL_SLOWDOWN slower than one CTA per tile, and step 0 (expecting every source) launches CTAs for all
+    x = core._Schedule(core._norm(dict(cfg, gemm_grid="expected")), core.load_rates())
+    _, blocks = core._group_block_counts(x.rows / x.E, x.E, (1, 3), 64, merged=True, parts=4)
+    g = core.load_rates()["gemm"]["triton@mps"]
+    t_b = 64 * core.FLOP_ROW / (g["tflops"] * 1e12) * 1e3
+    assert x.grid_ms(x.step_bound(1), 0, blocks[1]) == pytest.approx(blocks[1] * 4 * t_b * core.TAIL_SLOWDOWN)
+    assert x.grid_ms(x.step_bound(0), x.step_expect(0), blocks[0]) > x.empty_ms(x.step_expect(0) - blocks[0]) > 0
