@@ -59,8 +59,11 @@ def step_expect(ranks: int, steps_per_chunk: int, chunk_rows: int, topk: int, bl
 
 def grouped_step_expect(ranks: int, j: int, chunk_rows: int, topk: int, block_m: int, local_experts: int) -> int:
     """The blocks grouped dispatch step ``j`` is expected to make ready: step 0 every source's chunk (the
-    sources on time together), a later step none (a late source's blocks then run on the grid's looping
-    tail; :func:`grouped_step_bound`'s expectation)."""
-    if j:
-        return 0
-    return uniform_blocks(ranks * chunk_rows, ranks, topk, block_m, local_experts, 2)
+    sources on time together) with a block per expert completed by rows carried from an earlier chunk and the
+    seal's partial blocks, as :func:`grouped_step_bound`; a later step one source's chunk (a late source; on
+    time it takes none) and the seal's partial blocks. A later step's blocks are expected, not left to the
+    grid's looping tail, because the tail keeps each CTA's tiles: when other kernels share the SMs (an MPS
+    peer, the producer) its slowest CTA sets the call's time."""
+    if j == 0:
+        return uniform_blocks(chunk_rows * ranks, ranks, topk, block_m, local_experts, 2)
+    return uniform_blocks(chunk_rows, ranks, topk, block_m, local_experts, 1)

@@ -131,12 +131,14 @@ def test_grouped_ready_steps_give_on_time_sources_one_call():
     assert 0 < idle < 0.1 * batch["gemm_ms"]
     assert grouped["gemm_ms"] == pytest.approx(batch["gemm_ms"] + idle)
     assert apart["gemm_ms"] > 1.05 * grouped["gemm_ms"]
-    # grids sized for the expected blocks: step 0 expects the batch call's blocks, step 1 none, so the idle
-    # call costs its looping tail's CTAs alone
+    # grids sized for the expected blocks: step 0 expects the batch call's blocks, step 1 one source's, so the
+    # idle call launches CTAs for those (and its looping tail), fewer than its bound's
     exp = dict(base, gemm_grid="expected")
     sch_x = core._Schedule(core._norm(dict(exp, path="streamed", chunks=1, source_order="ready")), core.load_rates())
     idle_x = sch_x.grid_ms(sch_x.step_bound(1), sch_x.step_expect(1), 0.0)
-    assert sch_x.step_expect(1) == 0 and 0 < idle_x < 0.02 * idle
+    assert sch_x.step_expect(0) == sch_x.step_bound(0) - 96 and sch_x.step_expect(1) == sch_x.step_bound(1) - 96
+    tail = core.TAIL_CTAS_PER_SM * (core.H200_SMS / 2) / core.TILES_PER_BLOCK
+    assert idle_x == pytest.approx(sch_x.empty_ms(sch_x.step_expect(1) + tail)) and 0 < idle_x < idle
     grouped_x = cm.predict(dict(exp, path="streamed", chunks=1, source_order="ready"))
     assert grouped_x["gemm_ms"] == pytest.approx(cm.predict(dict(exp, path="batch"))["gemm_ms"] + idle_x)
     late = cm.predict(dict(base, path="streamed", chunks=1, source_order="ready", straggler_ms=1.0,
@@ -298,9 +300,10 @@ def test_grouped_steps_grids_grow_with_the_pes():
         ratio[rate] = streamed / batch
     # at EP 16 the empty grids, not the GEMMs, cost the on-time forward
     assert ratio[core.EMPTY_BLOCK_US_SM] > 1.2 and ratio[0.0] < 1.05
-    # grids sized for the expected blocks launch none for the idle steps: within 1 % of no grid cost at all
+    # grids sized for the expected blocks launch an idle step's CTAs for one source's blocks: within 3 % of no
+    # grid cost at all
     x = {p: cm.predict(dict(base, ranks=16, path=p, gemm_grid="expected"))["total_ms"] for p in ("streamed", "batch")}
-    assert x["streamed"] / x["batch"] < ratio[0.0] * 1.01
+    assert x["streamed"] / x["batch"] < ratio[0.0] * 1.03
 
 
 def test_grids_cost_under_mps_by_the_share():
