@@ -65,7 +65,8 @@ import torch
 from bench.common import FP8, dsv3_shape, log, stats, timed, timed_rounds
 from bench.skew import skew_delays_ms, skew_seed, timed_skew_draws
 from streamring.device import kernels as DK
-from streamring.device.moe_triton import GEMM_GRID, stamp
+from streamring.device.gemm_grid import GEMM_GRID
+from streamring.device.moe_triton import stamp
 from streamring.moe import blocks as B
 from streamring.moe import debug as moe_debug
 from streamring.moe.ep_buffer import EPBuffer

@@ -33,6 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .gemm_grid import TAIL_CTAS_PER_SM
+
 # Triton's CPU interpreter (the tests) mis-computes bf16 tl.dot; there the router runs in float32
 # (bf16 values are exact in float32, only the accumulation differs from the GPU path).
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -614,14 +616,6 @@ def _pdl_kw(pdl: bool) -> dict:
     return {"PDL": True, "launch_pdl": True} if pdl else {"PDL": False}
 
 
-#: How the expert GEMMs' grids are sized (result rows carry it, ``bench.ep_layer``; the cost model prices each
-#: row's grids by it): "expected", for the blocks a call is expected to have and a looping tail (:func:`_grid`);
-#: rows without it were measured with one CTA per tile of the call's bound ("bound").
-GEMM_GRID = "expected"
-#: CTAs per SM of a grid's looping tail (``expect_items``): 1 per SM runs the tiles 1.18x slower than one CTA per
-#: tile (the L2 kernel fits two per SM), 2, 4 and 8 per SM about 1.05x (bench.empty_grid, one H200, with and
-#: without MPS, docs/performance.md); 2 launches the fewest CTAs at that speed.
-TAIL_CTAS_PER_SM = 2
 
 
 @functools.lru_cache(maxsize=None)

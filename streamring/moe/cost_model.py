@@ -113,6 +113,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..device.gemm_grid import TAIL_CTAS_PER_SM
 from .grid_bounds import (consumer_max_blocks, grouped_step_bound, grouped_step_expect, seal_bound, step_bound,
                           step_expect)
 from .tuning import EPTuning
@@ -133,11 +134,10 @@ H200_SMS = 132
 # docs/results/gemm-empty-grids-grouped-steps-1h200-mps-2026-12-03.json)
 EMPTY_BLOCK_US_SM = 11.0
 TILES_PER_BLOCK = I_DIM // 128 + H // 128   # a block's CTAs in the two Triton GEMMs' grids (L1 16, L2 56)
-# grids sized for the expected blocks (gemm_grid "expected", streamring.device.moe_triton._grid): the looping
-# tail's CTAs per SM, and how much slower it computes the blocks past the expectation than one CTA per tile
-# (bench.empty_grid, 2 CTAs per SM: 1.044-1.068 over one CTA per tile without MPS, 1.051-1.057 at 50 and 25 %
-# under MPS, docs/results/gemm-empty-grids-capped-1h200-mps-2026-12-03.json)
-TAIL_CTAS_PER_SM = 2
+# grids sized for the expected blocks (gemm_grid "expected", streamring.device.moe_triton._grid): how much slower
+# the looping tail (TAIL_CTAS_PER_SM per SM) computes the blocks past the expectation than one CTA per tile
+# (bench.empty_grid, 2-8 CTAs per SM: 1.035-1.068 without MPS, 1.051-1.064 at 50 and 25 % under MPS,
+# docs/results/gemm-empty-grids-1h200-mps-2026-12-03.json)
 TAIL_SLOWDOWN = 0.055
 CALL_US = 25.0      # fixed cost of one GEMM call (launch, grid set-up, tail wave): not fitted
 
