@@ -51,8 +51,8 @@ class EPTuning(BaseModel):
             into one dispatch step and one GEMM call (one weight pass, as the batch path); larger ones take a
             step per source, whose dispatch overlaps the previous step's GEMMs. 0: never group. A chunk still
             has a step per PE: with Triton GEMMs the steps after the one that took every source are calls over
-            an empty range whose grids are sized for the sources they might have taken, a cost that grows as
-            the square of the PEs (0.36 ms at 4 PEs under MPS, docs/performance.md).
+            an empty range, each launching CTAs for one late source's blocks (``grid_bounds.grouped_step_expect``),
+            a cost that grows with the PEs (docs/performance.md).
         ready_window_us: grouped steps: how long a dispatch step that found a chunk's first ready source keeps
             taking the chunk's other sources as they become ready (0: only those ready at once). Sources that
             publish within it share the step; a source later than it gets a step of its own. The window costs at

@@ -294,7 +294,11 @@ def test_grid_for_the_expected_blocks_and_a_looping_tail_equals_one_cta_per_tile
     yb, _, _ = run_batch(shape, fw, x, 16)
     T = x.shape[0]
     _, _, sc, y = fresh(shape, fw, x, 2)
-    bc = B.BlockConsumer(shape, 2 * T, 2, 16, DEV)  # room for twice the rows: a bound well past the ready blocks
+    # room for twice the rows, and for more blocks than the tail's CTAs cover (they depend on the SMs): a bound
+    # well past the ready blocks, so the grid is the expected blocks' and a tail
+    nt = shape.intermediate // 128
+    cap = max(2 * T, (K.tail_ctas(torch.device(DEV)) // nt + 40) * 16 // shape.topk)
+    bc = B.BlockConsumer(shape, cap, 2, 16, DEV)
     bc.begin()
     bc.dispatch(0, sc["idx"], sc["w"], sc["q"], sc["sf"], 0)
     bc.seal(1)
