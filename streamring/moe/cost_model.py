@@ -131,7 +131,7 @@ HBM_GBPS = 4800.0   # H200 HBM3e
 H200_SMS = 132
 # a Triton GEMM grid's CTAs over blocks past the ready range (they read the range and exit): per block of the
 # grid bound (all its L1 and L2 tiles), in SM-microseconds (bench.empty_grid: 9.5-12.5 at 132, 66 and 32 SMs,
-# docs/results/gemm-empty-grids-grouped-steps-1h200-mps-2026-12-03.json)
+# docs/results/gemm-empty-grids-1h200-mps-2026-12-03.json)
 EMPTY_BLOCK_US_SM = 11.0
 TILES_PER_BLOCK = I_DIM // 128 + H // 128   # a block's CTAs in the two Triton GEMMs' grids (L1 16, L2 56)
 # grids sized for the expected blocks (gemm_grid "expected", streamring.device.moe_triton._grid): how much slower
