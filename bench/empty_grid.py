@@ -19,7 +19,7 @@ sealed; only the GEMM calls are timed), each with the pipeline's bounds and expe
 * ``grouped`` / ``grouped_expect``: the on-time grouped schedule: the first call over the same blocks with the
   bound for all ``R`` sources, then ``R - 1`` calls over an empty range with the bounds for ``R - 1 .. 1``
   sources; one CTA per tile of the bounds / sized for the expected blocks (every source in the first
-  step, none in the others);
+  step, one late source in each other);
 * ``exact_cap{k}`` (``--cap-waves``): the exact call on ``k`` CTAs per SM looping over every tile: what the
   looping tail costs the work it takes.
 

@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .gemm_grid import TAIL_CTAS_PER_SM
+from streamring.device.gemm_grid import TAIL_CTAS_PER_SM  # absolute: tests/helpers/ptx_queue.py loads this file alone
 
 # Triton's CPU interpreter (the tests) mis-computes bf16 tl.dot; there the router runs in float32
 # (bf16 values are exact in float32, only the accumulation differs from the GPU path).

@@ -39,12 +39,13 @@ Per forward and per PE (the slowest PE sets the time), R PEs, T tokens per PE, E
   weight pass beyond the batch path's one per expert from HBM (W / 4.8 TB/s instead of t_w): its chunk
   order puts an expert's blocks apart (bench.gemm_launches: 8.8-9.6 µs per extra pass);
 * the grids: a Triton call's grid is sized on the host (``grid_bounds``), and each block of it past the
-  call's ready blocks costs EMPTY_BLOCK_US_SM SM-µs on the PE's SMs (bench.empty_grid). Rows measured
-  before 2026-12-03's ``gemm_grid`` launched one CTA per (block, tile) up to the call's bound (``bound``):
+  call's ready blocks costs EMPTY_BLOCK_US_SM SM-µs on the PE's SMs (bench.empty_grid). ``gemm_grid``
+  ``bound`` (result rows without the field) launches one CTA per (block, tile) up to the call's bound:
   for the grouped ready steps the idle calls after a chunk's last source, R - 1 of them on time, whose
-  bounds sum to about R²/2 sources' blocks. The code since (``expected``) launches one CTA per tile of the
+  bounds sum to about R²/2 sources' blocks. ``expected`` launches one CTA per tile of the
   blocks the call is expected under even routing and a looping tail of TAIL_CTAS_PER_SM per SM, which
-  computes any blocks past the expectation TAIL_SLOWDOWN slower; an idle grouped step expects none. A
+  computes any blocks past the expectation TAIL_SLOWDOWN slower; an idle grouped step expects one late
+  source's blocks. A
   forward is charged its calls' grids less the batch path's grids by the bound rule, which the fitted
   rates hold (the batch path under the expected rule is charged the difference, a gain);
 * the streamed path (consumer per_chunk): steps = C (rank order: chunk c of every source per step)
@@ -180,7 +181,7 @@ class Config:
     skew_draws: tuple | None = None
     chunk_gemm_ctas: int | None = None  # the persistent grid of the calls before the seal's (None: one CTA per tile)
     # how the Triton grids are sized: "expected" (one CTA per tile of the blocks a call is expected to have, and
-    # a looping tail for any past them) or "bound" (one CTA per tile of the call's bound: rows measured before)
+    # a looping tail for any past them) or "bound" (one CTA per tile of the call's bound: result rows without the field)
     gemm_grid: str = "expected"
     last_step_with_seal: bool = True    # False: a call per dispatch step, then the seal's own call
     # ready order: the grouping window (None: one source per step) and the largest forward that groups (the
@@ -413,7 +414,7 @@ class _Schedule:
         if cfg.gemm_grid == "bound":
             return self.empty_ms(bound - blocks)
         sms = H200_SMS / self.share
-        tail = TAIL_CTAS_PER_SM * sms / TILES_PER_BLOCK   # the tail's CTAs, in blocks of tiles
+        tail = 2 * TAIL_CTAS_PER_SM * sms / TILES_PER_BLOCK   # the L1 and L2 tails' CTAs, in blocks of tiles
         if min(expect, bound) + tail >= bound:
             return self.empty_ms(bound - blocks)
         g = self.rates["gemm"].get(f"triton@{cfg.machine}") or self.rates["gemm"]["triton"]

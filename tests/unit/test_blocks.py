@@ -282,7 +282,7 @@ def test_persistent_gemm_grid_equals_one_cta_per_tile(setup, max_ctas):
 
 
 @pytest.mark.parametrize("expect", [0, 9])
-def test_grid_for_the_expected_blocks_and_a_looping_tail_equals_one_cta_per_tile(setup, expect):
+def test_grid_for_the_expected_blocks_and_a_looping_tail_equals_one_cta_per_tile(setup, expect, monkeypatch):
     """A grid sized for ``expect_items`` blocks (one CTA per tile of those, rounded up to the tile order's groups
     of 8 blocks) and a looping tail for the blocks past them gives the bits of one CTA per tile of the bound: the
     tail computes every block beyond the expectation (0: all of them; 9: 16 blocks one CTA per tile, the rest
@@ -294,11 +294,10 @@ def test_grid_for_the_expected_blocks_and_a_looping_tail_equals_one_cta_per_tile
     yb, _, _ = run_batch(shape, fw, x, 16)
     T = x.shape[0]
     _, _, sc, y = fresh(shape, fw, x, 2)
-    # room for twice the rows, and for more blocks than the tail's CTAs cover (they depend on the SMs): a bound
-    # well past the ready blocks, so the grid is the expected blocks' and a tail
-    nt = shape.intermediate // 128
-    cap = max(2 * T, (K.tail_ctas(torch.device(DEV)) // nt + 40) * 16 // shape.topk)
-    bc = B.BlockConsumer(shape, cap, 2, 16, DEV)
+    # a tail of 3 CTAs whatever the SMs, so each loops over several tiles (on a GPU's own tail every CTA would
+    # get one), and room for twice the rows: a bound well past the ready blocks
+    monkeypatch.setattr(K, "tail_ctas", lambda device: 3)
+    bc = B.BlockConsumer(shape, 2 * T, 2, 16, DEV)
     bc.begin()
     bc.dispatch(0, sc["idx"], sc["w"], sc["q"], sc["sf"], 0)
     bc.seal(1)

@@ -137,7 +137,7 @@ def test_grouped_ready_steps_give_on_time_sources_one_call():
     sch_x = core._Schedule(core._norm(dict(exp, path="streamed", chunks=1, source_order="ready")), core.load_rates())
     idle_x = sch_x.grid_ms(sch_x.step_bound(1), sch_x.step_expect(1), 0.0)
     assert sch_x.step_expect(0) == sch_x.step_bound(0) - 96 and sch_x.step_expect(1) == sch_x.step_bound(1) - 96
-    tail = core.TAIL_CTAS_PER_SM * (core.H200_SMS / 2) / core.TILES_PER_BLOCK
+    tail = 2 * core.TAIL_CTAS_PER_SM * (core.H200_SMS / 2) / core.TILES_PER_BLOCK
     assert idle_x == pytest.approx(sch_x.empty_ms(sch_x.step_expect(1) + tail)) and 0 < idle_x < idle
     grouped_x = cm.predict(dict(exp, path="streamed", chunks=1, source_order="ready"))
     assert grouped_x["gemm_ms"] == pytest.approx(cm.predict(dict(exp, path="batch"))["gemm_ms"] + idle_x)
@@ -325,11 +325,14 @@ def test_a_late_grouped_step_pays_its_own_bound():
     one_then_rest = sch.group_call([1], False, 0) + sch.group_call([1, 3], True, 1)
     rest_with_step0_bound = sch.group_call([1], False, 0) + sch.group_call([1, 3], True, 0)
     assert rest_with_step0_bound > one_then_rest
-    # grids sized for the expected blocks: the late step expects none, so its blocks run on the looping tail,
-    # TAIL_SLOWDOWN slower than one CTA per tile, and step 0 (expecting every source) launches CTAs for all
+    # grids sized for the expected blocks: blocks past a call's expectation (here an expectation of none) run on
+    # the looping tail, TAIL_SLOWDOWN slower than one CTA per tile; step 0 (expecting every source) launches CTAs
+    # for all; a late step expects one source's blocks: with fewer, it pays the CTAs past them and the tail's
     x = core._Schedule(core._norm(dict(cfg, gemm_grid="expected")), core.load_rates())
     _, blocks = core._group_block_counts(x.rows / x.E, x.E, (1, 3), 64, merged=True, parts=4)
     g = core.load_rates()["gemm"]["triton@mps"]
     t_b = 64 * core.FLOP_ROW / (g["tflops"] * 1e12) * 1e3
     assert x.grid_ms(x.step_bound(1), 0, blocks[1]) == pytest.approx(blocks[1] * 4 * t_b * core.TAIL_SLOWDOWN)
     assert x.grid_ms(x.step_bound(0), x.step_expect(0), blocks[0]) > x.empty_ms(x.step_expect(0) - blocks[0]) > 0
+    tail = 2 * core.TAIL_CTAS_PER_SM * (core.H200_SMS / 4) / core.TILES_PER_BLOCK
+    assert x.grid_ms(x.step_bound(1), x.step_expect(1), 50.0) == pytest.approx(x.empty_ms(x.step_expect(1) + tail - 50))
