@@ -33,7 +33,8 @@ class TritonExperts:
         ``pdl``: launch both GEMMs with programmatic dependent launch (they wait in-kernel).
         ``max_ctas``: a persistent grid of at most this many CTAs looping over the tiles (leaves SM slots
         to other streams); None: one CTA per tile, of the ``expect_items`` blocks the call is expected to have
-        and a small looping tail for the rest, or of every block up to ``max_items`` (``moe_triton._grid``). ``out``/``direct``: where L2 stores (default the local
+        and a small looping tail for the rest, or of every block up to ``max_items`` (``moe_triton._grid``).
+        ``out``/``direct``: where L2 stores (default the local
         ``y``; ``direct=(row_src, row_tok, comb_delta)`` with ``out`` = this PE's combine rows: straight
         into each row's owner, see ``moe_triton.expert_l2``). The launched kernels join
         ``bc.gemm_kernels`` (graph node priorities leave them at the default)."""

@@ -114,7 +114,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..device.gemm_grid import TAIL_CTAS_PER_SM
+from ..device.gemm_grid import GEMM_GRID, TAIL_CTAS_PER_SM
 from .grid_bounds import (consumer_max_blocks, grouped_step_bound, grouped_step_expect, seal_bound, step_bound,
                           step_expect)
 from .tuning import EPTuning
@@ -182,7 +182,7 @@ class Config:
     chunk_gemm_ctas: int | None = None  # the persistent grid of the calls before the seal's (None: one CTA per tile)
     # how the Triton grids are sized: "expected" (one CTA per tile of the blocks a call is expected to have, and
     # a looping tail for any past them) or "bound" (one CTA per tile of the call's bound: result rows without the field)
-    gemm_grid: str = "expected"
+    gemm_grid: str = GEMM_GRID
     last_step_with_seal: bool = True    # False: a call per dispatch step, then the seal's own call
     # ready order: the grouping window (None: one source per step) and the largest forward that groups (the
     # buffer's defaults, streamring.moe.tuning.EPTuning)

@@ -243,7 +243,7 @@ class EPPipeline:
             s = c % path.num_slots
             slot = path.slots[s]
             a = c * path.chunk
-            n = max(0, min(x.shape[0], a + path.chunk) - a)  # rows of x in this chunk (static)
+            n = self._chunk_rows(path, c, x.shape[0])
             self._stamp(c, 5)
             if c == 0:
                 DK.ep_delay(self.heap.lib, r.stream_ref(st), ns=int(self.straggler_t.data_ptr()))
@@ -390,12 +390,16 @@ class EPPipeline:
             return grouped_step_bound(self.R, j, *args)
         return step_bound(self.R, path.steps, *args)
 
+    @staticmethod
+    def _chunk_rows(path: _Path, c: int, rows: int) -> int:
+        """Rows of a forward of ``rows`` rows per PE in its chunk ``c`` (static: the host's count)."""
+        return max(0, min(rows, (c + 1) * path.chunk) - c * path.chunk)
+
     def _expected_per_step(self, path: _Path, c: int, j: int = 0) -> int:
         """The blocks dispatch step ``j`` of chunk ``c`` is expected to make ready (the GEMM grid's hint:
         :func:`grouped_step_expect`, :func:`step_expect`), every source's chunk ``c`` holding as many rows as
         mine in this forward."""
-        rows = max(0, min(self._last_T, (c + 1) * path.chunk) - c * path.chunk)
-        args = (rows, self.shape.topk, self.bc.block_m, self.E_loc)
+        args = (self._chunk_rows(path, c, self._last_T), self.shape.topk, self.bc.block_m, self.E_loc)
         if self._grouped:
             return grouped_step_expect(self.R, j, *args)
         return step_expect(self.R, path.steps, *args)
