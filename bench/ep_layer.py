@@ -41,7 +41,10 @@ order rotated every replay), so clock drift reaches both and the ratios are pair
 most 1.02), for a skew ``first_wait_ms``, ``streamed_less_first_wait_ms`` and
 ``less_first_wait_over_batch_on_time`` (the median wait for the earliest producer, which no schedule can
 hide, the median streamed time less each replay's own wait, and that over the on-time batch:
-:func:`first_wait`), ``bitwise_equal_to_batch``, ``rows_per_rank`` (routed rows each PE computed), ``gemm_only_ms``
+:func:`first_wait`), ``bitwise_equal_to_batch``, ``rows_per_rank`` (routed rows each PE computed), for a streamed plan
+``blocks_{ready,expected,past,past_groups}_per_pe`` (its GEMM calls' ready blocks against the blocks their
+grids were sized for, ``moe.debug.blocks_past_expectation``: ``past_groups`` ran on a Triton grid's looping
+tail), ``gemm_only_ms``
 (per PE) and ``pub_acq_us`` (``p50``, ``p99``, ``floor``); ``--timeline-json`` the device timelines of the
 batch path and of the best streamed plan per size (each on time and with the largest straggler on the
 last PE; draw with ``streamring timeline``). A table with the ratios and the targets' verdicts is
@@ -342,10 +345,13 @@ def measure_paired(heap, buf, layer, x, routing, args, seed):
     """The streamed graph against the same buffer's batch graph (the same path as the reference buffer's),
     their replays interleaved (:func:`bench.common.timed_rounds`): on time, then in each late-rank case
     beside the batch path in the same case (the same delays) and the batch path on time. Returns
-    ``(streamed out, {case: {"streamed": stats, "batch": stats, "batch_on_time": stats}})``."""
+    ``(streamed out, {case: {"streamed": stats, "batch": stats, "batch_on_time": stats}}, blocks)``, blocks:
+    how this PE's streamed forward on time met its GEMM grids' expectations (``moe.debug.blocks_past_expectation``
+    without the per-call list)."""
     yb, ys = torch.zeros_like(x), torch.zeros_like(x)
     buf.forward(x, layer, streaming=False, out=yb, routing=routing)
     buf.forward(x, layer, streaming=True, out=ys, routing=routing)
+    blocks = {k: v for k, v in moe_debug.blocks_past_expectation(buf).items() if k != "calls"}
     heap.barrier()
     gb = buf.capture(x, layer, yb, streaming=False, routing=routing, stamps=args.stamped_graphs)
     gs = buf.capture(x, layer, ys, streaming=True, routing=routing, stamps=args.stamped_graphs)
@@ -370,7 +376,7 @@ def measure_paired(heap, buf, layer, x, routing, args, seed):
             res[case]["first_wait"] = first_wait(t["streamed"], case[2], heap.num_ranks, seed)
     buf.set_straggler(0)
     del gb, gs
-    return out, res
+    return out, res, blocks
 
 
 def timeline_line(t: dict) -> str:
@@ -532,7 +538,8 @@ def bench_tokens(heap, T, shape, full, base, args, rows, timelines, budget):
                         batch_tl = stamped_timelines(heap, buf, layer, x, routing, False, late_max,
                                                      {**info, "batch_ms": ref_row["median_ms"]})
                         continue
-                    out, paired = measure_paired(heap, buf, layer, x, routing, args, seed)
+                    out, paired, blocks = measure_paired(heap, buf, layer, x, routing, args, seed)
+                    blocks = heap.allgather_obj(blocks)
                     same = all(heap.allgather_obj(bool(torch.equal(out.view(torch.int16), ref_out.view(torch.int16)))))
                     ok = buf.status()
                     good = all(heap.allgather_obj(not (ok["violations"] or ok["timeouts"] or ok["bad_routes"])))
@@ -544,7 +551,9 @@ def bench_tokens(heap, T, shape, full, base, args, rows, timelines, budget):
                          "batch_paired_ms": b0, "streamed_over_batch": st["median_ms"] / b0,
                          "over_batch_on_time": st["median_ms"] / b0,
                          "streamed_over_gemm_only": st["median_ms"] / max(ref_row["gemm_only_ms"]),
-                         "stamped_graphs": args.stamped_graphs}
+                         "stamped_graphs": args.stamped_graphs,
+                         **{f"blocks_{k_}_per_pe": [b[k_] for b in blocks]
+                            for k_ in ("ready", "expected", "past", "past_groups")}}
                     for k_ in ("streamed_alone", "batch_alone"):
                         if k_ in paired[ON_TIME]:
                             r[f"{k_}_ms"] = paired[ON_TIME][k_]["median_ms"]

@@ -1,6 +1,10 @@
 """How the Triton expert GEMMs size their grids: plain constants (no torch), shared by the kernels' launcher
 (``moe_triton._grid``) and the cost model, which prices the grids."""
 
+#: Blocks per group of the Triton GEMMs' tile order (CTAs running together read one weight tile of a group's
+#: blocks); a grid's expectation is rounded up to whole groups.
+GROUP_BLOCKS = 8
+
 #: CTAs per SM of a grid's looping tail (the blocks past a call's expectation): looping CTAs keep their
 #: tiles, so 1 per SM runs them 1.18x slower than one CTA per tile (the L2 kernel fits two per SM); 2, 4 and 8
 #: per SM ran 1.035-1.068x, within 1 % of each other (bench.empty_grid, one H200, with and without MPS,

@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from streamring.device.gemm_grid import TAIL_CTAS_PER_SM  # absolute: tests/helpers/ptx_queue.py loads this file alone
+from streamring.device.gemm_grid import GROUP_BLOCKS, TAIL_CTAS_PER_SM  # absolute: tests/helpers/ptx_queue.py loads this file alone
 
 # Triton's CPU interpreter (the tests) mis-computes bf16 tl.dot; there the router runs in float32
 # (bf16 values are exact in float32, only the accumulation differs from the GPU path).
@@ -655,7 +655,7 @@ def _grid(max_items: int, group: int, nt: int, max_ctas: int | None, expect_item
 
 
 def expert_l1(ready_list, ready_hi, lo_index: int, hi_index: int, max_items: int, block_expert, a, asf, w1, w1sf, h1,
-              h1sf, *, block_m: int, group: int = 8, pdl: bool = False, max_ctas: int | None = None,
+              h1sf, *, block_m: int, group: int = GROUP_BLOCKS, pdl: bool = False, max_ctas: int | None = None,
               expect_items: int | None = None, launch: dict | None = None):
     """L1 + SwiGLU + FP8 re-quantization of the ready blocks
     ``ready_list[ready_hi[lo_index] : ready_hi[hi_index]]``.
@@ -678,7 +678,7 @@ def expert_l1(ready_list, ready_hi, lo_index: int, hi_index: int, max_items: int
 
 
 def expert_l2(ready_list, ready_hi, lo_index: int, hi_index: int, max_items: int, block_expert, h1, h1sf, w2, w2sf,
-              roww, y, block_rows, *, block_m: int, group: int = 8, pdl: bool = False,
+              roww, y, block_rows, *, block_m: int, group: int = GROUP_BLOCKS, pdl: bool = False,
               max_ctas: int | None = None, expect_items: int | None = None, direct=None, launch: dict | None = None):
     """L2 of the ready blocks, times the routing weight, as bf16 rows (returns the kernel handle).
 

@@ -1,12 +1,14 @@
 """Test and debug hooks of the buffers, kept out of the signature an engine reads: a deliberate protocol
 mutation (to show that the checks catch it; both buffers) and the per-chunk device timeline of an
-:class:`~streamring.moe.ep_buffer.EPBuffer` (what ``streamring timeline`` draws). Both are set on a built
-buffer before its first forward (collective like the buffer: every rank sets the same)."""
+:class:`~streamring.moe.ep_buffer.EPBuffer` (what ``streamring timeline`` draws), both set on a built
+buffer before its first forward (collective like the buffer: every rank sets the same); and how a forward's
+ready blocks met its GEMM grids' expectations (read after it, on one rank)."""
 
 from __future__ import annotations
 
 import torch
 
+from ..device.gemm_grid import GROUP_BLOCKS
 from ..device.ringdesc import INJECT_BITS
 from ..ring.policies import Inject
 from .timeline_events import STAMP_STRIDE
@@ -32,3 +34,24 @@ def record_timeline(buf) -> None:
     :meth:`EPBuffer.timeline`). Allocates: call before capturing a graph that should record them."""
     if buf.stamps is None:
         buf.stamps = torch.zeros((buf._max_chunks + 1) * STAMP_STRIDE, dtype=torch.int64, device=buf.dev)
+
+
+def blocks_past_expectation(buf) -> dict:
+    """How the blocks of ``buf``'s last forward (or last replay of its last captured forward) met the
+    expectations its GEMM grids were sized for (``EPPipeline._expected_per_step``; synchronizes): per call the
+    blocks found ready, the expectation (a call without one: its bound), the blocks past it, and
+    ``past_groups``: those past the expectation rounded up to the Triton tile order's groups
+    (``device.gemm_grid.GROUP_BLOCKS``), which a Triton grid launched with a looping tail computes on that
+    tail (``moe_triton._grid``; CUTLASS and DeepGEMM grids ignore the expectation); with the sums over the
+    calls. The persistent consumer makes no such calls."""
+    if buf.dev.type == "cuda":
+        torch.cuda.synchronize(buf.dev)
+    hi_of = buf.bc.ready_hi.cpu().tolist()
+    calls = []
+    for lo, hi, bound, expect in buf.gemm_calls:
+        ready = max(0, min(hi_of[hi] - hi_of[lo], bound))
+        exp = bound if expect is None else min(expect, bound)
+        groups = -(-exp // GROUP_BLOCKS) * GROUP_BLOCKS
+        calls.append({"ready": ready, "expected": exp, "past": max(0, ready - exp),
+                      "past_groups": max(0, ready - groups)})
+    return {"calls": calls, **{k: sum(c[k] for c in calls) for k in ("ready", "expected", "past", "past_groups")}}

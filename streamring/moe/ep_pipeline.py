@@ -355,6 +355,9 @@ class EPPipeline:
     def _gemms(self, path: _Path, layer: LayerWeights, lo, hi, max_items, expect, max_ctas=None, side_puts=False):
         bc, r = self.bc, path.ring
         st = self._current_stream()
+        # host-side record of this forward's GEMM calls (ready range, bound, expectation): what
+        # debug.blocks_past_expectation compares with the blocks the calls found ready
+        self.gemm_calls.append((lo, hi, max_items, expect))
         if self.direct_l2:
             bc.compute(lo, hi, max_items, layer.fw, impl=self.gemm, max_ctas=max_ctas, expect_items=expect,
                        out=self.comb_rows, direct=(bc.row_src, bc.row_tok, self.comb_delta))
@@ -479,6 +482,7 @@ class EPPipeline:
     def _enqueue_inner(self, path, layer, x, out, num_tokens, routing, order):
         r = path.ring
         self._last_T = x.shape[0]
+        self.gemm_calls = []
         origin = self._current_stream()
         C = path.num_chunks
         persistent = self.queue is not None

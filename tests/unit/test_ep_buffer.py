@@ -358,6 +358,48 @@ def test_shared_buffer_bytes_at_the_deepseek_v3_shape(max_tokens):
     assert rep["combine"] >= max_tokens * 8 * 7168 * 2
 
 
+@pytest.mark.slow(reason=EMULATED)
+def test_blocks_past_the_grids_expectation_are_counted_and_computed_on_the_tail(setup, monkeypatch):
+    """Every GEMM call of a forward is recorded with the blocks its grid was sized for;
+    ``debug.blocks_past_expectation`` reads how many it found ready. With every call expecting one block the
+    Triton grids launch one group's tiles and a looping tail (here of 2 CTAs, so each loops over several tiles),
+    which computes every block past the group; the output keeps the batch path's bits."""
+    import streamring.moe.ep_buffer as EB
+    from streamring.device import moe_triton as K
+    from streamring.device.gemm_grid import GROUP_BLOCKS
+    from streamring.moe import debug
+
+    shape, fw, _ = setup
+    x = tokens(192, 4)  # 2 chunks of 96 tokens: 192 routes, more than a group of full 16-row blocks per call
+    b = EPBuffer(EmulatedHeap(), shape, max_tokens_per_rank=192, num_slots=2, tokens_per_slot=96, gemm="triton",
+                 tuning=SERIAL)
+    try:
+        w = b.prepare_weights(fw)
+        # streamed first: a block the tail skipped would keep the fresh buffer's zeros, not an earlier
+        # forward's rows of the same tokens
+        monkeypatch.setattr(EB.EPBuffer, "_expected_per_step", lambda self, path, c, j=0: 1)
+        monkeypatch.setattr(K, "tail_ctas", lambda device: 2)
+        got = b.forward(x, w, streaming=True).clone()
+        rec = debug.blocks_past_expectation(b)
+        monkeypatch.undo()
+        want = b.forward(x, w).clone()
+        batch = debug.blocks_past_expectation(b)
+    finally:
+        b.close()
+    assert torch.equal(bits(got), bits(want))
+    # the batch call's grid was sized for its own expectation, which even routing's blocks stay within
+    assert len(batch["calls"]) == 1 and batch["past"] == 0, batch
+    # chunk 0's call, then the seal's call (chunk 1's step, expecting one block, and a partial block per
+    # expert); the ready counts add up
+    assert [c["expected"] for c in rec["calls"]] == [1, 1 + shape.num_experts], rec
+    assert rec["ready"] == batch["ready"], (rec, batch)
+    for call in rec["calls"]:
+        groups = -(-call["expected"] // GROUP_BLOCKS) * GROUP_BLOCKS
+        assert call["past"] == call["ready"] - call["expected"] and call["past_groups"] == max(0, call["ready"] - groups)
+    # (one 128-column tile per block in both GEMMs at this shape)
+    assert max(c["past_groups"] for c in rec["calls"]) > 2, "each tail CTA must have looped over several blocks"
+
+
 def test_routing_given_by_the_caller(setup):
     """``routing=(idx, w)`` is published as it is: the router's own routing gives the router's output,
     bitwise; a masked route (-1) contributes nothing."""
