@@ -13,6 +13,7 @@
 # - with BUDGET_S (the call's whole time): T0, DEADLINE, left (seconds to DEADLINE) and
 #   `limit WANT RESERVE` (a step's time limit: what it asks for, at most what is left minus a reserve for
 #   the steps after it, at least 5 s);
+# - mps_start / mps_stop (below): an MPS daemon for several PEs on one GPU;
 # - dg_start / dg_wait (below): DeepGEMM built from the carried .deepgemm/ (launch/build_deep_gemm.sh).
 export OUT="${OUT:-$PWD/out}"
 mkdir -p "$OUT"
@@ -51,6 +52,28 @@ fi
 export PYTHONPATH="$PWD/.site:$PWD:${PYTHONPATH:-}"
 NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ')
 export NGPU
+
+# MPS, several PEs on one GPU (the clients choose their SM share, CUDA_MPS_ACTIVE_THREAD_PERCENTAGE):
+#   mps_start   starts a daemon on the first GPU this run may use, in fresh pipe and log directories
+#               (exported for the clients); status 1 when it cannot (its reason is in $LOG)
+#   mps_stop    stops it, if one was started (idempotent: a script runs `trap mps_stop EXIT` so an early
+#               exit never leaves a daemon holding the GPU)
+MPS_STARTED=0
+mps_start() {
+  local gpu="${CUDA_VISIBLE_DEVICES:-0}"
+  gpu="${gpu%%,*}"
+  export CUDA_MPS_PIPE_DIRECTORY="$(mktemp -d)" CUDA_MPS_LOG_DIRECTORY="$(mktemp -d)"
+  CUDA_VISIBLE_DEVICES=$gpu nvidia-cuda-mps-control -d >>"$LOG" 2>&1 || return 1
+  MPS_STARTED=1
+  sleep 1
+  say "MPS daemon started on GPU $gpu (pipe dir $CUDA_MPS_PIPE_DIRECTORY)"
+}
+mps_stop() {
+  [ "$MPS_STARTED" = 1 ] || return 0
+  echo quit | nvidia-cuda-mps-control >/dev/null 2>&1 || true
+  MPS_STARTED=0
+  say "MPS daemon stopped"
+}
 
 # DeepGEMM from the carried .deepgemm/ (launch/build_deep_gemm.sh with the host's g++ and torch):
 #   dg_start TIMEOUT_S   starts the build in the background, in its own process group (its own limit)

@@ -14,14 +14,13 @@ rm -f "$OUT/empty-grid.json"
 RUN=(python3 -m bench.empty_grid --ranks 2,4 --tokens 1024 --json "$OUT/empty-grid.json" ${EG_ARGS:-})
 say "=== no MPS, all SMs ($(( $(date +%s) - T0 )) s)"
 timeout "$(limit 90 120)" "${RUN[@]}" --label "no MPS" >> "$LOG" 2>&1; say "rc=$?"
-export CUDA_MPS_PIPE_DIRECTORY="$(mktemp -d)" CUDA_MPS_LOG_DIRECTORY="$(mktemp -d)"
-nvidia-cuda-mps-control -d >>"$LOG" 2>&1 || { say "could not start the MPS daemon"; exit 3; }
-sleep 1
+trap mps_stop EXIT
+mps_start || { say "could not start the MPS daemon"; exit 3; }
 for P in 50 25; do
   say "=== an MPS client at $P % ($(( $(date +%s) - T0 )) s)"
   CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$P timeout "$(limit 60 20)" "${RUN[@]}" --label "MPS $P %" >> "$LOG" 2>&1
   say "rc=$?"
 done
-echo quit | nvidia-cuda-mps-control >/dev/null 2>&1
+mps_stop
 grep -a "R=.*ready blocks" "$LOG"
 say "=== done ($(( $(date +%s) - T0 )) s)"

@@ -31,12 +31,8 @@ if [ "${EPM_SHARING:-0}" = 1 ]; then
   timeout "$(limit 120 400)" "${SHARING[@]}" --label "no MPS" > "$OUT/sm_sharing.log" 2>&1
   say "sm_sharing rc=$?"
 fi
-export CUDA_MPS_PIPE_DIRECTORY="$(mktemp -d)" CUDA_MPS_LOG_DIRECTORY="$(mktemp -d)"
-if ! nvidia-cuda-mps-control -d >>"$LOG" 2>&1; then
-  say "could not start the MPS daemon"
-  exit 3
-fi
-sleep 1
+trap mps_stop EXIT
+mps_start || { say "could not start the MPS daemon"; exit 3; }
 if [ "${EPM_SHARING:-0}" = 1 ]; then
   say "=== 0b. SM sharing probe, 1 process as an MPS client at 50 % ($(( $(date +%s) - T0 )) s)"
   CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50 timeout "$(limit 120 300)" "${SHARING[@]}" --label "MPS 50%" \
@@ -94,7 +90,7 @@ timeout -k 15 "$BUDGET" "${MPI2[@]}" python3 -m bench.ep_layer --tokens "${EPM_T
 rc=$?; [ $rc = 0 ] || RC=$rc; say "ep_layer rc=$rc"
 grep -A200 "^pub->acq across PEs: p50" "$OUT/ep_mps.log" | tee -a "$LOG" | tail -60
 fi
-echo quit | nvidia-cuda-mps-control >/dev/null 2>&1
+mps_stop
 if [ -s "$OUT/ep-timelines-mps.json" ]; then
   python3 -m streamring timeline "$OUT/ep-timelines-mps.json" --out "$OUT/ep-timeline-mps.png" 2>&1 | tail -4 | tee -a "$LOG"
 fi

@@ -70,31 +70,19 @@ if [ -z "${GPU_CHECK_PHASES:-}" ]; then
 fi
 say "gpu_check: $NGPU GPU(s), phases: $GPU_CHECK_PHASES"
 
-MPS_STARTED=0
-stop_mps() {
-  if [ "$MPS_STARTED" = 1 ]; then
-    echo quit | nvidia-cuda-mps-control >/dev/null 2>&1 || true
-    MPS_STARTED=0
-    say "gpu_check: MPS daemon stopped"
-  fi
-}
-trap stop_mps EXIT
-# several PEs on the one GPU: the steps of phase $1 under an MPS daemon started for them
+trap mps_stop EXIT
+# several PEs on the one GPU: the steps of phase $1 under an MPS daemon started for them (launch/device_env.sh)
 under_mps() {
   # the first GPU this run may use (a device call can give each of its GPUs to another job)
   local gpu="${CUDA_VISIBLE_DEVICES:-0}"
   gpu="${gpu%%,*}"
-  export CUDA_MPS_PIPE_DIRECTORY="$(mktemp -d)" CUDA_MPS_LOG_DIRECTORY="$(mktemp -d)"
-  if CUDA_VISIBLE_DEVICES=$gpu nvidia-cuda-mps-control -d >>"$LOG" 2>&1; then
-    MPS_STARTED=1
-    sleep 1
-    say "gpu_check: MPS daemon started on GPU $gpu (pipe dir $CUDA_MPS_PIPE_DIRECTORY)"
+  if CUDA_VISIBLE_DEVICES=$gpu mps_start; then
     CUDA_VISIBLE_DEVICES=$gpu python3 launch/gpu_check_steps.py --phase "$1"
   else
     say "gpu_check: could not start the MPS daemon: multi-PE steps not run"
     python3 launch/gpu_check_steps.py --phase mps-failed
   fi
-  stop_mps
+  mps_stop
   unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
 }
 for phase in $GPU_CHECK_PHASES; do
