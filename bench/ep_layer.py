@@ -9,7 +9,8 @@ DeepSeek-V3 expert shapes (hidden 7168, intermediate 2048, top-8, grouped routin
 128x128 scales) with ``--experts-per-pe`` experts on each PE (total = PEs x that; 32 is the per-GPU load
 of an EP8 deployment, 128 the worst case of 256 experts on 2 PEs). For every load, tokens-per-rank T,
 every ``--routings`` (``uniform``: each token's k experts drawn uniformly at random, as peer benchmarks
-do; ``router``: the model's router on random weights, which loads the PEs unevenly) and every
+do; ``router``: the model's router on random weights, which loads the PEs unevenly; ``hot``: low expert
+ids hot, so PE 0 gets about 70 % of the routes on 2 PEs) and every
 ``--gemms`` implementation, in the same processes and on the same inputs:
 
 * ``batch`` (``chunks`` = 1): :class:`~streamring.moe.ep_buffer.EPBuffer`'s batch path, captured as a
@@ -92,6 +93,28 @@ def uniform_routing(T: int, shape: MoEShape, seed: int, dev) -> tuple:
     idx = torch.rand(T, shape.num_experts, generator=g, device=dev).topk(shape.topk, dim=1).indices
     w = (torch.rand(T, shape.topk, generator=g, device=dev) + 0.05) * shape.routed_scaling_factor
     return idx.to(torch.int64).contiguous(), w.float().contiguous()
+
+
+#: ``hot`` routing's skew: expert e is drawn with weight (e + 1) ** -HOT_EXPONENT
+HOT_EXPONENT = 0.5
+
+
+def hot_routing(T: int, shape: MoEShape, seed: int, dev) -> tuple:
+    """Each token's ``topk`` distinct experts drawn without replacement with weight ``(e + 1) ** -0.5``
+    (Gumbel top-k), so the low expert ids, which PE 0 holds, are hot: on 2 PEs of 32 experts each PE 0 gets
+    about 70 % of the routes. A PE past its even share is what a Triton grid's looping tail computes
+    (``blocks_past_groups_per_pe``); weights as :func:`uniform_routing`."""
+    g = torch.Generator(device=dev)
+    g.manual_seed(seed)
+    logw = -HOT_EXPONENT * torch.log(torch.arange(1, shape.num_experts + 1, device=dev, dtype=torch.float32))
+    u = torch.rand(T, shape.num_experts, generator=g, device=dev).clamp_min(1e-12)
+    idx = (logw - torch.log(-torch.log(u))).topk(shape.topk, dim=1).indices
+    w = (torch.rand(T, shape.topk, generator=g, device=dev) + 0.05) * shape.routed_scaling_factor
+    return idx.to(torch.int64).contiguous(), w.float().contiguous()
+
+
+#: the --routings a run may measure: a routing made here (seeded per PE), or the model's router (None)
+ROUTINGS = {"uniform": uniform_routing, "hot": hot_routing, "router": None}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -499,7 +522,8 @@ def bench_tokens(heap, T, shape, full, base, args, rows, timelines, budget):
     seed = skew_seed(T, epp)  # the skew draws: the same for every path of this size and load
     late_max = max(args.straggler_ms, default=0.0)
     for routing_name in args.routings:
-        routing = uniform_routing(T, shape, 77 + me, dev) if routing_name == "uniform" else None
+        make = ROUTINGS[routing_name]
+        routing = make(T, shape, 77 + me, dev) if make is not None else None
         common_r = {**common, "routing": routing_name}
         best = None
         for gemm in args.gemms:
@@ -702,7 +726,8 @@ def main(argv=None) -> int:
     words = lambda s: [v for v in s.split(",") if v]  # noqa: E731
     ap.add_argument("--tokens", type=ints, default=[128, 1024, 4096, 8192], help="tokens per rank")
     ap.add_argument("--shape", choices=["dsv3", "megamoe"], default="dsv3")
-    ap.add_argument("--routings", type=words, default=["uniform", "router"], help="uniform, router")
+    ap.add_argument("--routings", type=words, default=["uniform", "router"],
+                    help=f"routings to measure, of {', '.join(ROUTINGS)} (hot: PE 0's experts hot, hot_routing)")
     ap.add_argument("--chunks", type=ints, default=[1, 2, 4],
                     help="chunk counts of the streamed plans (1: one dispatch step per source, ready and arrival "
                          "orders only; the batch path always runs)")
@@ -747,6 +772,9 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--timeline-json", default=None)
     args = ap.parse_args(argv)
+    bad = [r for r in args.routings if r not in ROUTINGS]
+    if bad:
+        ap.error(f"--routings: {bad} not among {list(ROUTINGS)}")
     budget = Budget(args.budget_s)
     os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", args.symmetric_size)
     from streamring.device.nvshmem import NvshmemHeap

@@ -56,3 +56,25 @@ def test_first_wait_takes_off_each_replays_own_earliest_delay():
     assert 0.0 < fw["first_wait_ms"] < skew
     shifted = [10.0 + min(skew_delays_ms(skew, j, ranks, seed)) for j in range(n)]
     assert abs(ep_layer.first_wait(shifted, skew, ranks, seed)["streamed_less_first_wait_ms"] - 10.0) > 1e-3
+
+
+def test_hot_routing_loads_pe_0_past_its_even_share():
+    """``hot`` routing: distinct experts per token, and on 2 PEs of 32 experts PE 0 (experts 0..31) gets well
+    past half the routes, so its GEMM calls have blocks past their even-routing expectations; uniform routing
+    stays near half."""
+    from streamring.moe.math import MoEShape
+
+    shape = MoEShape(hidden=128, intermediate=128, num_experts=64, topk=8, router="deepseek_v3", n_group=8,
+                     topk_group=4, routed_scaling_factor=2.5, weight_dtype="fp8", block_m=16)
+    share = {}
+    for name in ("hot", "uniform"):
+        idx, w = ep_layer.ROUTINGS[name](4096, shape, 77, "cpu")
+        assert idx.shape == (4096, 8) and idx.dtype == torch.int64 and w.shape == (4096, 8)
+        assert (idx.sort(1).values.diff(dim=1) > 0).all(), f"{name}: an expert twice in one token's routes"
+        share[name] = (idx < 32).float().mean().item()
+    assert 0.62 < share["hot"] < 0.78 and abs(share["uniform"] - 0.5) < 0.02, share
+
+
+def test_an_unknown_routing_is_refused_by_name():
+    with pytest.raises(SystemExit):
+        ep_layer.main(["--routings", "uniform,zipf"])
