@@ -10,7 +10,7 @@ DeepSeek-V3 expert shapes (hidden 7168, intermediate 2048, top-8, grouped routin
 of an EP8 deployment, 128 the worst case of 256 experts on 2 PEs). For every load, tokens-per-rank T,
 every ``--routings`` (``uniform``: each token's k experts drawn uniformly at random, as peer benchmarks
 do; ``router``: the model's router on random weights, which loads the PEs unevenly; ``hot``: low expert
-ids hot, so PE 0 gets about 70 % of the routes on 2 PEs) and every
+ids hot, so PE 0 gets about 67 % of the routes on 2 PEs) and every
 ``--gemms`` implementation, in the same processes and on the same inputs:
 
 * ``batch`` (``chunks`` = 1): :class:`~streamring.moe.ep_buffer.EPBuffer`'s batch path, captured as a
@@ -102,7 +102,7 @@ HOT_EXPONENT = 0.5
 def hot_routing(T: int, shape: MoEShape, seed: int, dev) -> tuple:
     """Each token's ``topk`` distinct experts drawn without replacement with weight ``(e + 1) ** -0.5``
     (Gumbel top-k), so the low expert ids, which PE 0 holds, are hot: on 2 PEs of 32 experts each PE 0 gets
-    about 70 % of the routes. A PE past its even share is what a Triton grid's looping tail computes
+    about 67 % of the routes. A PE past its even share is what a Triton grid's looping tail computes
     (``blocks_past_groups_per_pe``); weights as :func:`uniform_routing`."""
     g = torch.Generator(device=dev)
     g.manual_seed(seed)
