@@ -43,8 +43,8 @@ most 1.02), for a skew ``first_wait_ms``, ``streamed_less_first_wait_ms`` and
 ``less_first_wait_over_batch_on_time`` (the median wait for the earliest producer, which no schedule can
 hide, the median streamed time less each replay's own wait, and that over the on-time batch:
 :func:`first_wait`), ``bitwise_equal_to_batch``, ``rows_per_rank`` (routed rows each PE computed), for a streamed plan
-``blocks_{ready,expected,past,past_groups}_per_pe`` (its GEMM calls' ready blocks against the blocks their
-grids were sized for, ``moe.debug.blocks_past_expectation``: ``past_groups`` ran on a Triton grid's looping
+``blocks_{ready,expected,past,past_grid}_per_pe`` (its GEMM calls' ready blocks against the blocks their
+grids were sized for, ``moe.debug.blocks_past_expectation``: ``past_grid`` ran on a Triton grid's looping
 tail), ``gemm_only_ms``
 (per PE) and ``pub_acq_us`` (``p50``, ``p99``, ``floor``); ``--timeline-json`` the device timelines of the
 batch path and of the best streamed plan per size (each on time and with the largest straggler on the
@@ -103,7 +103,7 @@ def hot_routing(T: int, shape: MoEShape, seed: int, dev) -> tuple:
     """Each token's ``topk`` distinct experts drawn without replacement with weight ``(e + 1) ** -0.5``
     (Gumbel top-k), so the low expert ids, which PE 0 holds, are hot: on 2 PEs of 32 experts each PE 0 gets
     about 67 % of the routes. A PE past its even share is what a Triton grid's looping tail computes
-    (``blocks_past_groups_per_pe``); weights as :func:`uniform_routing`."""
+    (``blocks_past_grid_per_pe``); weights as :func:`uniform_routing`."""
     g = torch.Generator(device=dev)
     g.manual_seed(seed)
     logw = -HOT_EXPONENT * torch.log(torch.arange(1, shape.num_experts + 1, device=dev, dtype=torch.float32))
@@ -577,7 +577,7 @@ def bench_tokens(heap, T, shape, full, base, args, rows, timelines, budget):
                          "streamed_over_gemm_only": st["median_ms"] / max(ref_row["gemm_only_ms"]),
                          "stamped_graphs": args.stamped_graphs,
                          **{f"blocks_{k_}_per_pe": [b[k_] for b in blocks]
-                            for k_ in ("ready", "expected", "past", "past_groups")}}
+                            for k_ in ("ready", "expected", "past", "past_grid")}}
                     for k_ in ("streamed_alone", "batch_alone"):
                         if k_ in paired[ON_TIME]:
                             r[f"{k_}_ms"] = paired[ON_TIME][k_]["median_ms"]

@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from streamring.device.gemm_grid import GROUP_BLOCKS, TAIL_CTAS_PER_SM  # absolute: tests/helpers/ptx_queue.py loads this file alone
+from streamring.device.gemm_grid import GROUP_BLOCKS, TAIL_CTAS_PER_SM, grid_blocks  # absolute: tests/helpers/ptx_queue.py loads this file alone
 
 # Triton's CPU interpreter (the tests) mis-computes bf16 tl.dot; there the router runs in float32
 # (bf16 values are exact in float32, only the accumulation differs from the GPU path).
@@ -635,8 +635,9 @@ def _grid(max_items: int, group: int, nt: int, max_ctas: int | None, expect_item
     """(grid, constexprs, single_tiles) of a GEMM over at most ``max_items`` ready blocks of ``nt`` tiles each.
 
     * ``max_ctas`` below the tiles: ``max_ctas`` CTAs looping over every tile (an SM-sparing persistent grid);
-    * else ``expect_items``: one CTA per tile of the first ``expect_items`` blocks (rounded up to the tile
-      order's groups) and a tail of :func:`tail_ctas` CTAs looping over the tiles past them, so a call launches
+    * else ``expect_items``: one CTA per tile of the first ``gemm_grid.grid_blocks(expect_items, ...)``
+      blocks (the expectation with ``EXPECT_HEADROOM``, rounded up to the tile order's groups) and a tail
+      of :func:`tail_ctas` CTAs looping over the tiles past them, so a call launches
       CTAs for the blocks it is expected to have, not for every block its bound allows (a CTA past the ready
       blocks still costs its launch, about 11 SM-us per block of tiles); blocks past the expectation run on
       the tail, about 5 % slower;
@@ -647,7 +648,7 @@ def _grid(max_items: int, group: int, nt: int, max_ctas: int | None, expect_item
     if max_ctas is not None and max_ctas < tiles:
         return (max(1, int(max_ctas)),), {"PERSIST": True}, 0
     if expect_items is not None:
-        single = triton.cdiv(max(0, min(int(expect_items), max_items)), group) * group * nt
+        single = grid_blocks(int(expect_items), max_items, group) * nt
         tail = tail_ctas(device)
         if single + tail < tiles:
             return (single + tail,), {"PERSIST": True}, single

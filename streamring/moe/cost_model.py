@@ -45,7 +45,7 @@ Per forward and per PE (the slowest PE sets the time), R PEs, T tokens per PE, E
   bounds sum to about R²/2 sources' blocks. ``expected`` launches one CTA per tile of the
   blocks the call is expected under even routing and a looping tail of TAIL_CTAS_PER_SM per SM, which
   computes any blocks past the expectation TAIL_SLOWDOWN slower; an idle grouped step expects one late
-  source's blocks. A
+  source's blocks. ``expected_headroom`` (the current code) expects EXPECT_HEADROOM times as many. A
   forward is charged its calls' grids less the batch path's grids by the bound rule, which the fitted
   rates hold (the batch path under the expected rule is charged the difference, a gain);
 * the streamed path (consumer per_chunk): steps = C (rank order: chunk c of every source per step)
@@ -114,7 +114,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..device.gemm_grid import GEMM_GRID, TAIL_CTAS_PER_SM
+from ..device.gemm_grid import EXPECT_HEADROOM, GEMM_GRID, TAIL_CTAS_PER_SM
 from .grid_bounds import (consumer_max_blocks, grouped_step_bound, grouped_step_expect, seal_bound, step_bound,
                           step_expect)
 from .tuning import EPTuning
@@ -140,6 +140,7 @@ TILES_PER_BLOCK = I_DIM // 128 + H // 128   # a block's CTAs in the two Triton G
 # (bench.empty_grid, 2-8 CTAs per SM: 1.035-1.068 without MPS, 1.051-1.064 at 50 and 25 % under MPS,
 # docs/results/gemm-empty-grids-1h200-mps-2026-12-03.json)
 TAIL_SLOWDOWN = 0.055
+GRID_RULES = ("bound", "expected", "expected_headroom")   # Config.gemm_grid
 CALL_US = 25.0      # fixed cost of one GEMM call (launch, grid set-up, tail wave): not fitted
 
 RATES_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cost_model_rates.json")
@@ -180,8 +181,10 @@ class Config:
     # forward is predicted as the benchmark reports the median replay (None: the mean over 256 draws)
     skew_draws: tuple | None = None
     chunk_gemm_ctas: int | None = None  # the persistent grid of the calls before the seal's (None: one CTA per tile)
-    # how the Triton grids are sized: "expected" (one CTA per tile of the blocks a call is expected to have, and
-    # a looping tail for any past them) or "bound" (one CTA per tile of the call's bound: result rows without the field)
+    # how the Triton grids are sized (streamring.device.gemm_grid.GEMM_GRID): "expected_headroom" (one CTA per tile
+    # of the blocks a call is expected to have, with EXPECT_HEADROOM, and a looping tail for any past them),
+    # "expected" (the same without the headroom) or "bound" (one CTA per tile of the call's bound: result rows
+    # without the field)
     gemm_grid: str = GEMM_GRID
     last_step_with_seal: bool = True    # False: a call per dispatch step, then the seal's own call
     # ready order: the grouping window (None: one source per step) and the largest forward that groups (the
@@ -406,13 +409,17 @@ class _Schedule:
     def grid_ms(self, bound: int, expect: int, blocks: float) -> float:
         """What a Triton call's grid costs beyond one CTA per tile of its ``blocks`` ready blocks. ``bound``
         rule: the CTAs of the bound past them (:meth:`empty_ms`). ``expected`` rule: the CTAs of the expected
-        blocks past them, the looping tail's CTAs, and the tail's slowdown on the blocks past the expectation
+        blocks (``expected_headroom``: with ``EXPECT_HEADROOM``) past them, the looping tail's CTAs, and the tail's slowdown on the blocks past the expectation
         (the whole bound when the tail would launch no fewer CTAs)."""
         cfg = self.cfg
         if cfg.gemm != "triton":
             return 0.0
         if cfg.gemm_grid == "bound":
             return self.empty_ms(bound - blocks)
+        if cfg.gemm_grid not in GRID_RULES:
+            raise ValueError(f"gemm_grid must be one of {GRID_RULES}, got {cfg.gemm_grid!r}")
+        if cfg.gemm_grid == "expected_headroom":
+            expect = expect * EXPECT_HEADROOM
         sms = H200_SMS / self.share
         tail = 2 * TAIL_CTAS_PER_SM * sms / TILES_PER_BLOCK   # the L1 and L2 tails' CTAs, in blocks of tiles
         if min(expect, bound) + tail >= bound:

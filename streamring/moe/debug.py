@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ..device.gemm_grid import GROUP_BLOCKS
+from ..device.gemm_grid import grid_blocks
 from ..device.ringdesc import INJECT_BITS
 from ..ring.policies import Inject
 from .timeline_events import STAMP_STRIDE
@@ -40,10 +40,10 @@ def blocks_past_expectation(buf) -> dict:
     """How the blocks of ``buf``'s last forward (or last replay of its last captured forward) met the
     expectations its GEMM grids were sized for (``EPPipeline._expected_per_step``; synchronizes): per call the
     blocks found ready, the expectation (a call without one: its bound), the blocks past it, and
-    ``past_groups``: those past the expectation rounded up to the Triton tile order's groups
-    (``device.gemm_grid.GROUP_BLOCKS``), which a Triton grid launched with a looping tail computes on that
-    tail (``moe_triton._grid``; CUTLASS and DeepGEMM grids ignore the expectation); with the sums over the
-    calls. The persistent consumer makes no such calls."""
+    ``past_grid``: those past the blocks a Triton grid launched one CTA per tile for
+    (``device.gemm_grid.grid_blocks``: the expectation with headroom, in whole groups), which a grid with a
+    looping tail computes on that tail (``moe_triton._grid``; CUTLASS and DeepGEMM grids ignore the
+    expectation); with the sums over the calls. The persistent consumer makes no such calls."""
     if buf.dev.type == "cuda":
         torch.cuda.synchronize(buf.dev)
     hi_of = buf.bc.ready_hi.cpu().tolist()
@@ -51,7 +51,6 @@ def blocks_past_expectation(buf) -> dict:
     for lo, hi, bound, expect in buf.gemm_calls:
         ready = max(0, min(hi_of[hi] - hi_of[lo], bound))
         exp = bound if expect is None else min(expect, bound)
-        groups = -(-exp // GROUP_BLOCKS) * GROUP_BLOCKS
         calls.append({"ready": ready, "expected": exp, "past": max(0, ready - exp),
-                      "past_groups": max(0, ready - groups)})
-    return {"calls": calls, **{k: sum(c[k] for c in calls) for k in ("ready", "expected", "past", "past_groups")}}
+                      "past_grid": max(0, ready - grid_blocks(exp, bound))})
+    return {"calls": calls, **{k: sum(c[k] for c in calls) for k in ("ready", "expected", "past", "past_grid")}}

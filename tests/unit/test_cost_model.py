@@ -5,13 +5,14 @@ import json
 import pytest
 
 from bench import cost_model as cm
+from streamring.device.gemm_grid import GEMM_GRID
 
 
 def _row(median_ms, **kw):
     row = {"ranks": 2, "tokens_per_rank": 4096, "experts_per_pe": 32, "block_m": 64, "routing": "uniform",
            "path": "batch", "gemm": "triton", "chunks": 1, "num_slots": 1, "policy": "serialized",
            "source_order": "rank", "consumer": "per_chunk", "chunk_gemm_ctas": None, "straggler_ms": 0.0,
-           "straggler_rank": None, "skew_ms": 0.0, "median_ms": median_ms, "gemm_grid": "expected"}
+           "straggler_rank": None, "skew_ms": 0.0, "median_ms": median_ms, "gemm_grid": GEMM_GRID}
     row.update(kw)
     return row
 
@@ -53,7 +54,7 @@ def test_machine_override_and_skipped_rows(tmp_path):
     # a row names how its Triton grids were sized; rows from before the field had one CTA per tile of the bound
     older = {k: v for k, v in _row(1.0).items() if k != "gemm_grid"}
     got = cm.load_rows([_write(tmp_path, [_row(1.0), older], "ep-layer-mps-grids.json")])[0]
-    assert [c.gemm_grid for c, *_ in got] == ["expected", "bound"]
+    assert [c.gemm_grid for c, *_ in got] == [GEMM_GRID, "bound"]
 
 
 def test_predictions_move_the_right_way():
@@ -139,6 +140,17 @@ def test_grouped_ready_steps_give_on_time_sources_one_call():
     assert sch_x.step_expect(0) == sch_x.step_bound(0) - 96 and sch_x.step_expect(1) == sch_x.step_bound(1) - 96
     tail = 2 * core.TAIL_CTAS_PER_SM * (core.H200_SMS / 2) / core.TILES_PER_BLOCK
     assert idle_x == pytest.approx(sch_x.empty_ms(sch_x.step_expect(1) + tail)) and 0 < idle_x < idle
+    # with headroom the idle call launches a quarter more of the expected blocks' CTAs, and a call with blocks
+    # past its expectation loses less to the tail than without
+    sch_h = core._Schedule(core._norm(dict(base, gemm_grid="expected_headroom", path="streamed", chunks=1,
+                                           source_order="ready")), core.load_rates())
+    idle_h = sch_h.grid_ms(sch_h.step_bound(1), sch_h.step_expect(1), 0.0)
+    assert idle_h == pytest.approx(sch_h.empty_ms(sch_h.step_expect(1) * core.EXPECT_HEADROOM + tail))
+    over = sch_x.step_expect(1) * 1.2
+    assert sch_h.grid_ms(sch_h.step_bound(1), sch_h.step_expect(1), over) \
+        < sch_x.grid_ms(sch_x.step_bound(1), sch_x.step_expect(1), over)
+    with pytest.raises(ValueError, match="gemm_grid must be one of"):
+        core._Schedule(core._norm(dict(base, gemm_grid="expectd")), core.load_rates()).grid_ms(10, 5, 1.0)
     grouped_x = cm.predict(dict(exp, path="streamed", chunks=1, source_order="ready"))
     assert grouped_x["gemm_ms"] == pytest.approx(cm.predict(dict(exp, path="batch"))["gemm_ms"] + idle_x)
     late = cm.predict(dict(base, path="streamed", chunks=1, source_order="ready", straggler_ms=1.0,
