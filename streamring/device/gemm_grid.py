@@ -1,7 +1,6 @@
 """How the Triton expert GEMMs size their grids: plain constants (no torch), shared by the kernels' launcher
 (``moe_triton._grid``) and the cost model, which prices the grids."""
 
-import math
 
 #: Blocks per group of the Triton GEMMs' tile order (CTAs running together read one weight tile of a group's
 #: blocks); a grid's expectation is rounded up to whole groups.
@@ -15,24 +14,24 @@ GROUP_BLOCKS = 8
 #: call (11 SM-µs per 72 CTAs).
 TAIL_CTAS_PER_SM = 4
 
-#: How many more blocks than even routing gives a call its grid launches one CTA per tile for: a block past
-#: the grid's expectation runs on the looping tail about 5 % slower (TAIL_SLOWDOWN in the cost model, ~40
-#: SM-us of a block's ~750), while an expected block that never comes costs its empty CTAs (~11 SM-us), so
-#: a quarter more than the even share costs 0.2 % of a 4096-token forward's GEMMs under even routing and
-#: keeps a PE loaded a quarter past its share off the tail.
+#: How many more routed rows than even routing gives a call its grid is sized for (``grid_bounds.uniform_blocks``
+#: scales the expected full blocks by it; the partial blocks, one per expert, are slack already): a block
+#: past the grid runs on the looping tail about 5 % slower (TAIL_SLOWDOWN in the cost model, ~40 SM-us of a
+#: block's ~750), while an expected block that never comes costs its empty CTAs (~11 SM-us), so a quarter
+#: more costs about 0.2 % of a 4096-token forward's GEMMs under even routing and keeps a PE loaded a quarter
+#: past its share off the tail.
 EXPECT_HEADROOM = 1.25
 
 #: How the grids are sized, as result rows record it (``bench.ep_layer``; the cost model prices each row's
 #: grids by it): "expected_headroom", one CTA per tile of :func:`grid_blocks` of the blocks a call is
-#: expected to have and a looping tail for any past them (``moe_triton._grid``); "expected", the same
-#: without the headroom (rows measured before it); "bound", one CTA per tile of the call's bound (rows
-#: without the field).
+#: expected to have with EXPECT_HEADROOM on its routed rows, and a looping tail for any past them
+#: (``moe_triton._grid``); "expected", the same without the headroom (rows measured before it); "bound",
+#: one CTA per tile of the call's bound (rows without the field).
 GEMM_GRID = "expected_headroom"
 
 
-def grid_blocks(expect_items: int, max_items: int, group: int = GROUP_BLOCKS, headroom: float = EXPECT_HEADROOM) -> int:
-    """The blocks a Triton grid launches one CTA per tile for when its call expects ``expect_items`` of at
-    most ``max_items``: the expectation with ``headroom``, rounded up to the tile order's groups of ``group``
-    blocks (a whole number of groups: the looping tail starts at a group's first tile)."""
-    want = min(max(0, math.ceil(expect_items * headroom)), max_items)
-    return -(-want // group) * group
+def grid_blocks(expect_items: int, max_items: int, group: int = GROUP_BLOCKS) -> int:
+    """The blocks a Triton grid launches one CTA per tile for when its call expects ``expect_items`` of at most
+    ``max_items``: rounded up to the tile order's groups of ``group`` blocks (a whole number of groups: the
+    looping tail starts at a group's first tile)."""
+    return -(-min(max(0, int(expect_items)), max_items) // group) * group

@@ -45,7 +45,8 @@ Per forward and per PE (the slowest PE sets the time), R PEs, T tokens per PE, E
   bounds sum to about R²/2 sources' blocks. ``expected`` launches one CTA per tile of the
   blocks the call is expected under even routing and a looping tail of TAIL_CTAS_PER_SM per SM, which
   computes any blocks past the expectation TAIL_SLOWDOWN slower; an idle grouped step expects one late
-  source's blocks. ``expected_headroom`` (the current code) expects EXPECT_HEADROOM times as many. A
+  source's blocks. ``expected_headroom`` (the current code) expects EXPECT_HEADROOM times the routed rows'
+  full blocks. A
   forward is charged its calls' grids less the batch path's grids by the bound rule, which the fitted
   rates hold (the batch path under the expected rule is charged the difference, a gain);
 * the streamed path (consumer per_chunk): steps = C (rank order: chunk c of every source per step)
@@ -329,7 +330,7 @@ class _Schedule:
         # expert more, the seal's own call (code before the merge) the same
         per_chunk = self.steps // self.C
         b = step_bound(self.R, per_chunk, self.chunk_tokens, TOPK, cfg.block_m, E, self.max_blocks)
-        x = step_expect(self.R, per_chunk, self.chunk_tokens, TOPK, cfg.block_m, E)
+        x = step_expect(self.R, per_chunk, self.chunk_tokens, TOPK, cfg.block_m, E, self.headroom)
         calls = [c + self.grid_ms(bd, ex, blk)
                  for c, bd, ex, blk in zip(calls, self._call_bounds(b, n_calls), self._call_bounds(x, n_calls), bb)]
         if cfg.path == "streamed" and cfg.chunk_gemm_ctas and cfg.machine == "mps":
@@ -404,22 +405,26 @@ class _Schedule:
 
     def step_expect(self, j: int) -> int:
         """The blocks grouped step ``j`` of a chunk is expected to have, as the pipeline sizes its grid."""
-        return grouped_step_expect(self.R, j, self.chunk_tokens, TOPK, self.cfg.block_m, self.E)
+        return grouped_step_expect(self.R, j, self.chunk_tokens, TOPK, self.cfg.block_m, self.E, self.headroom)
+
+    @property
+    def headroom(self) -> float:
+        """The routed rows' headroom of the grids' expectations under this row's grid rule."""
+        if self.cfg.gemm_grid not in GRID_RULES:
+            raise ValueError(f"gemm_grid must be one of {GRID_RULES}, got {self.cfg.gemm_grid!r}")
+        return EXPECT_HEADROOM if self.cfg.gemm_grid == "expected_headroom" else 1.0
 
     def grid_ms(self, bound: int, expect: int, blocks: float) -> float:
         """What a Triton call's grid costs beyond one CTA per tile of its ``blocks`` ready blocks. ``bound``
         rule: the CTAs of the bound past them (:meth:`empty_ms`). ``expected`` rule: the CTAs of the expected
-        blocks (``expected_headroom``: with ``EXPECT_HEADROOM``) past them, the looping tail's CTAs, and the tail's slowdown on the blocks past the expectation
-        (the whole bound when the tail would launch no fewer CTAs)."""
+        blocks past them (the expectation as :meth:`headroom` sizes it), the looping tail's CTAs, and the tail's
+        slowdown on the blocks past the expectation (the whole bound when the tail would launch no fewer
+        CTAs)."""
         cfg = self.cfg
         if cfg.gemm != "triton":
             return 0.0
         if cfg.gemm_grid == "bound":
             return self.empty_ms(bound - blocks)
-        if cfg.gemm_grid not in GRID_RULES:
-            raise ValueError(f"gemm_grid must be one of {GRID_RULES}, got {cfg.gemm_grid!r}")
-        if cfg.gemm_grid == "expected_headroom":
-            expect = expect * EXPECT_HEADROOM
         sms = H200_SMS / self.share
         tail = 2 * TAIL_CTAS_PER_SM * sms / TILES_PER_BLOCK   # the L1 and L2 tails' CTAs, in blocks of tiles
         if min(expect, bound) + tail >= bound:

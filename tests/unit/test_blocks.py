@@ -288,7 +288,6 @@ def test_grid_for_the_expected_blocks_and_a_looping_tail_equals_one_cta_per_tile
     tail computes every block beyond the expectation (0: all of them; 9: 16 blocks one CTA per tile, the rest
     on the tail)."""
     from streamring.device import moe_triton as K
-    from streamring.device.gemm_grid import EXPECT_HEADROOM
 
     shape, fw, _ = setup
     x = torch.randn(150, shape.hidden, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16).to(DEV)
@@ -304,7 +303,7 @@ def test_grid_for_the_expected_blocks_and_a_looping_tail_equals_one_cta_per_tile
     bc.seal(1)
     ready = int(bc.ready_hi[2])
     grid, const, single = K._grid(bc.max_blocks, 8, shape.intermediate // 128, None, expect, torch.device(DEV))
-    one_cta_per_tile = -(-math.ceil(expect * EXPECT_HEADROOM) // 8) * 8
+    one_cta_per_tile = -(-expect // 8) * 8
     assert const["PERSIST"] and single == one_cta_per_tile * (shape.intermediate // 128)
     assert ready > one_cta_per_tile, "the tail must have blocks to compute"
     bc.compute(0, 2, bc.max_blocks, fw, expect_items=expect)

@@ -1,6 +1,7 @@
 """bench.cost_model: the check's exit status, predictions moving the right way, --predict's files.
 CPU only, numpy (matplotlib for the PNG); no ranks, no GPU."""
 import json
+import math
 
 import pytest
 
@@ -144,13 +145,17 @@ def test_grouped_ready_steps_give_on_time_sources_one_call():
     # past its expectation loses less to the tail than without
     sch_h = core._Schedule(core._norm(dict(base, gemm_grid="expected_headroom", path="streamed", chunks=1,
                                            source_order="ready")), core.load_rates())
+    # (the headroom scales the routed rows' full blocks, not the partial block per expert)
+    E, rows = sch_x.E, sch_x.chunk_tokens
+    full = sch_x.step_expect(1) - E
+    assert full == -(-rows * 8 // (2 * 64)) and sch_h.step_expect(1) - E == math.ceil(full * core.EXPECT_HEADROOM)
     idle_h = sch_h.grid_ms(sch_h.step_bound(1), sch_h.step_expect(1), 0.0)
-    assert idle_h == pytest.approx(sch_h.empty_ms(sch_h.step_expect(1) * core.EXPECT_HEADROOM + tail))
+    assert idle_h == pytest.approx(sch_h.empty_ms(sch_h.step_expect(1) + tail)) and idle_x < idle_h
     over = sch_x.step_expect(1) * 1.2
     assert sch_h.grid_ms(sch_h.step_bound(1), sch_h.step_expect(1), over) \
         < sch_x.grid_ms(sch_x.step_bound(1), sch_x.step_expect(1), over)
     with pytest.raises(ValueError, match="gemm_grid must be one of"):
-        core._Schedule(core._norm(dict(base, gemm_grid="expectd")), core.load_rates()).grid_ms(10, 5, 1.0)
+        core._Schedule(core._norm(dict(base, gemm_grid="expectd")), core.load_rates()).step_expect(1)
     grouped_x = cm.predict(dict(exp, path="streamed", chunks=1, source_order="ready"))
     assert grouped_x["gemm_ms"] == pytest.approx(cm.predict(dict(exp, path="batch"))["gemm_ms"] + idle_x)
     late = cm.predict(dict(base, path="streamed", chunks=1, source_order="ready", straggler_ms=1.0,
