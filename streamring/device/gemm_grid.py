@@ -1,7 +1,6 @@
 """How the Triton expert GEMMs size their grids: plain constants (no torch), shared by the kernels' launcher
 (``moe_triton._grid``) and the cost model, which prices the grids."""
 
-
 #: Blocks per group of the Triton GEMMs' tile order (CTAs running together read one weight tile of a group's
 #: blocks); a grid's expectation is rounded up to whole groups.
 GROUP_BLOCKS = 8

@@ -41,7 +41,7 @@ def blocks_past_expectation(buf) -> dict:
     expectations its GEMM grids were sized for (``EPPipeline._expected_per_step``; synchronizes): per call the
     blocks found ready, the expectation (a call without one: its bound), the blocks past it, and
     ``past_grid``: those past the blocks a Triton grid launched one CTA per tile for
-    (``device.gemm_grid.grid_blocks``: the expectation with headroom, in whole groups), which a grid with a
+    (``device.gemm_grid.grid_blocks``: the expectation, which has the headroom, in whole groups), which a grid with a
     looping tail computes on that tail (``moe_triton._grid``; CUTLASS and DeepGEMM grids ignore the
     expectation); with the sums over the calls. The persistent consumer makes no such calls."""
     if buf.dev.type == "cuda":

@@ -216,7 +216,8 @@ class EPBuffer(EPPipeline):
         self.my_idx = torch.full((self.token_capacity, Kk), -1, dtype=torch.int64, device=dev)
         self.my_w = torch.zeros(self.token_capacity, Kk, dtype=torch.float32, device=dev)
         self._last_T = 0
-        self.gemm_calls: list[tuple[int, int, int, int | None]] = []  # the last enqueued forward's (EPPipeline._gemms)
+        # the last enqueued forward's GEMM calls (EPPipeline._gemms)
+        self.gemm_calls: list[tuple[int, int, int, int | None]] = []
         self.expected = torch.zeros(max_chunks, dtype=torch.int64, device=dev)
         self.logits = torch.zeros(max(p.chunk for p in self.paths.values()), self.shape.num_experts,
                                   dtype=torch.float32, device=dev)
