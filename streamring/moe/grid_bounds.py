@@ -4,10 +4,11 @@ in blocks of ``block_m`` rows.
 The host sizes every GEMM call's grid before the device knows how many blocks are ready (a CUDA graph
 replays it unchanged). A bound is the most blocks a call can have (whatever the routing); the expectation is
 what it has when the routes spread evenly over the PEs, with headroom for a PE loaded past its share. A
-Triton call launches one CTA per (block, tile) for the expected blocks and a small looping tail for any past them, up to the bound (``moe_triton._grid``): the
-CTAs past the ready blocks read the range and exit, and cost their launch. One definition for the block
-consumer (its capacity and a dispatch's bound), the pipeline, which launches the calls, and the cost model,
-which prices the CTAs past the ready blocks. Plain integers (no torch)."""
+Triton call launches one CTA per (block, tile) for the expected blocks and a small looping tail for any past
+them, up to the bound (``moe_triton._grid``): the CTAs past the ready blocks read the range and exit, and
+cost their launch. One definition for the block consumer (its capacity and a dispatch's bound), the
+pipeline, which launches the calls, and the cost model, which prices the CTAs past the ready blocks. Plain
+integers (no torch)."""
 
 from __future__ import annotations
 
