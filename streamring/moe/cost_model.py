@@ -115,7 +115,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..device.gemm_grid import EXPECT_HEADROOM, GEMM_GRID, TAIL_CTAS_PER_SM
+from ..device.gemm_grid import EXPECT_HEADROOM, GEMM_GRID, TAIL_CTAS_PER_SM, grid_blocks
 from .grid_bounds import (consumer_max_blocks, grouped_step_bound, grouped_step_expect, seal_bound, step_bound,
                           step_expect)
 from .tuning import EPTuning
@@ -416,23 +416,34 @@ class _Schedule:
 
     def grid_ms(self, bound: int, expect: int, blocks: float) -> float:
         """What a Triton call's grid costs beyond one CTA per tile of its ``blocks`` ready blocks. ``bound``
-        rule: the CTAs of the bound past them (:meth:`empty_ms`). ``expected`` rule: the CTAs of the expected
-        blocks past them (the expectation as :meth:`headroom` sizes it), the looping tail's CTAs, and the tail's
-        slowdown on the blocks past the expectation (the whole bound when the tail would launch no fewer
-        CTAs)."""
+        rule: the CTAs of the bound past them (:meth:`empty_ms`). ``expected`` rules, per GEMM (L1, L2) as
+        ``moe_triton._grid`` decides: the CTAs of the expected blocks in whole groups
+        (``gemm_grid.grid_blocks``; the expectation as :meth:`headroom` sizes it) and of the looping tail past
+        the ready blocks, and the tail's slowdown on the blocks past the groups (the bound's CTAs when the tail
+        would launch no fewer)."""
         cfg = self.cfg
         if cfg.gemm != "triton":
             return 0.0
         if cfg.gemm_grid == "bound":
             return self.empty_ms(bound - blocks)
-        sms = H200_SMS / self.share
-        tail = 2 * TAIL_CTAS_PER_SM * sms / TILES_PER_BLOCK   # the L1 and L2 tails' CTAs, in blocks of tiles
-        if min(expect, bound) + tail >= bound:
-            return self.empty_ms(bound - blocks)
+        # per GEMM, as moe_triton._grid decides: one CTA per tile of the expectation in whole groups of blocks
+        # and the looping tail, or (when that launches no fewer CTAs than the bound's grid) the bound's grid
+        tail = TAIL_CTAS_PER_SM * H200_SMS / self.share
         g = self.rates["gemm"].get(f"triton@{cfg.machine}") or self.rates["gemm"]["triton"]
         t_b = cfg.block_m * FLOP_ROW / (g["tflops"] * 1e12) * 1e3
-        return (self.empty_ms(expect + tail - blocks)
-                + max(blocks - expect, 0.0) * self.share * t_b * TAIL_SLOWDOWN)
+        single_blocks = grid_blocks(expect, bound)
+        ms = 0.0
+        for nt in (I_DIM // 128, H // 128):     # L1 (with SwiGLU) and L2: their tiles per block
+            share_of_block = nt / TILES_PER_BLOCK  # of a block's CTAs, in empty_ms's per-block price
+            flop_frac = (2 if nt == I_DIM // 128 else 1) / 3   # L1's gate+up against L2's down
+            if single_blocks * nt + tail >= grid_blocks(bound, bound) * nt:
+                ms += self.empty_ms(bound - blocks) * share_of_block
+                continue
+            # the CTAs launched past the ready blocks' tiles (the tail's count as blocks of this GEMM's tiles),
+            # and the tail's slowdown on the blocks past the one-CTA-per-tile ones
+            ms += (self.empty_ms(single_blocks + tail / nt - blocks) * share_of_block
+                   + max(blocks - single_blocks, 0.0) * self.share * t_b * flop_frac * TAIL_SLOWDOWN)
+        return ms
 
     def empty_ms(self, blocks: float) -> float:
         """The CTAs of ``blocks`` grid blocks past a call's ready range, on the SMs a PE has (all of them, or
