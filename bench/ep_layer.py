@@ -44,8 +44,8 @@ most 1.02), for a skew ``first_wait_ms``, ``streamed_less_first_wait_ms`` and
 hide, the median streamed time less each replay's own wait, and that over the on-time batch:
 :func:`first_wait`), ``bitwise_equal_to_batch``, ``rows_per_rank`` (routed rows each PE computed), for a streamed plan
 ``blocks_{ready,expected,past,past_grid}_per_pe`` (its GEMM calls' ready blocks against the blocks their
-grids were sized for, ``moe.debug.blocks_past_expectation``: ``past_grid`` ran on a Triton grid's looping
-tail), ``gemm_only_ms``
+grids were sized for, ``moe.debug.blocks_past_expectation``: ``past_grid``, past the one-CTA-per-tile
+blocks, ran on a Triton grid's looping tail where it launched one), ``gemm_only_ms``
 (per PE) and ``pub_acq_us`` (``p50``, ``p99``, ``floor``); ``--timeline-json`` the device timelines of the
 batch path and of the best streamed plan per size (each on time and with the largest straggler on the
 last PE; draw with ``streamring timeline``). A table with the ratios and the targets' verdicts is
@@ -102,7 +102,8 @@ HOT_EXPONENT = 0.5
 def hot_routing(T: int, shape: MoEShape, seed: int, dev) -> tuple:
     """Each token's ``topk`` distinct experts drawn without replacement with weight ``(e + 1) ** -0.5``
     (Gumbel top-k), so the low expert ids, which PE 0 holds, are hot: on 2 PEs of 32 experts each PE 0 gets
-    about 67 % of the routes. A PE past its even share is what a Triton grid's looping tail computes
+    about 67 % of the routes. Blocks past a call's grid (well past the even share: the grids have headroom)
+    are what a Triton grid's looping tail computes
     (``blocks_past_grid_per_pe``); weights as :func:`uniform_routing`."""
     g = torch.Generator(device=dev)
     g.manual_seed(seed)
@@ -374,7 +375,7 @@ def measure_paired(heap, buf, layer, x, routing, args, seed):
     yb, ys = torch.zeros_like(x), torch.zeros_like(x)
     buf.forward(x, layer, streaming=False, out=yb, routing=routing)
     buf.forward(x, layer, streaming=True, out=ys, routing=routing)
-    blocks = {k: v for k, v in moe_debug.blocks_past_expectation(buf).items() if k != "calls"}
+    blocks = {k: v for k, v in moe_debug.blocks_past_expectation(buf).items() if k not in ("calls", "gemm")}
     heap.barrier()
     gb = buf.capture(x, layer, yb, streaming=False, routing=routing, stamps=args.stamped_graphs)
     gs = buf.capture(x, layer, ys, streaming=True, routing=routing, stamps=args.stamped_graphs)

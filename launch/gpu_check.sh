@@ -76,7 +76,7 @@ under_mps() {
   # the first GPU this run may use (a device call can give each of its GPUs to another job)
   local gpu="${CUDA_VISIBLE_DEVICES:-0}"
   gpu="${gpu%%,*}"
-  if CUDA_VISIBLE_DEVICES=$gpu mps_start; then
+  if mps_start; then  # on that GPU too (mps_start takes the first of CUDA_VISIBLE_DEVICES)
     CUDA_VISIBLE_DEVICES=$gpu python3 launch/gpu_check_steps.py --phase "$1"
   else
     say "gpu_check: could not start the MPS daemon: multi-PE steps not run"

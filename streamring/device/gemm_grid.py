@@ -14,9 +14,9 @@ GROUP_BLOCKS = 8
 TAIL_CTAS_PER_SM = 4
 
 #: How many more routed rows than even routing gives a call its grid is sized for (``grid_bounds.uniform_blocks``
-#: scales the expected full blocks by it; the partial blocks, one per expert, are slack already): a block
-#: past the grid runs on the looping tail about 5 % slower (TAIL_SLOWDOWN in the cost model, ~40 SM-us of a
-#: block's ~750), while an expected block that never comes costs its empty CTAs (~11 SM-us), so a quarter
+#: scales a call's share of the routed rows by it before rounding up to full blocks; the partial blocks, one
+#: per expert, are slack already): a block past the grid runs on the looping tail about 5 % slower
+#: (TAIL_SLOWDOWN in the cost model: 50-75 SM-us of a block's 900-1,400), while an expected block that never comes costs its empty CTAs (~11 SM-us), so a quarter
 #: more costs about 0.2 % of a 4096-token forward's GEMMs under even routing and keeps a PE loaded a quarter
 #: past its share off the tail.
 EXPECT_HEADROOM = 1.25

@@ -45,8 +45,8 @@ Per forward and per PE (the slowest PE sets the time), R PEs, T tokens per PE, E
   bounds sum to about R²/2 sources' blocks. ``expected`` launches one CTA per tile of the
   blocks the call is expected under even routing and a looping tail of TAIL_CTAS_PER_SM per SM, which
   computes any blocks past the expectation TAIL_SLOWDOWN slower; an idle grouped step expects one late
-  source's blocks. ``expected_headroom`` (the current code) expects EXPECT_HEADROOM times the routed rows'
-  full blocks. A
+  source's blocks. ``expected_headroom`` sizes the expectation for EXPECT_HEADROOM times the routed rows'
+  share (before rounding up to full blocks). A
   forward is charged its calls' grids less the batch path's grids by the bound rule, which the fitted
   rates hold (the batch path under the expected rule is charged the difference, a gain);
 * the streamed path (consumer per_chunk): steps = C (rank order: chunk c of every source per step)
@@ -433,11 +433,11 @@ class _Schedule:
         t_b = cfg.block_m * FLOP_ROW / (g["tflops"] * 1e12) * 1e3
         single_blocks = grid_blocks(expect, bound)
         ms = 0.0
-        for nt in (I_DIM // 128, H // 128):     # L1 (with SwiGLU) and L2: their tiles per block
+        # L1 (gate+up, with SwiGLU) and L2 (down): their tiles per block and their shares of a block's work
+        for nt, flop_frac in ((I_DIM // 128, 2 / 3), (H // 128, 1 / 3)):
             share_of_block = nt / TILES_PER_BLOCK  # of a block's CTAs, in empty_ms's per-block price
-            flop_frac = (2 if nt == I_DIM // 128 else 1) / 3   # L1's gate+up against L2's down
             if single_blocks * nt + tail >= grid_blocks(bound, bound) * nt:
-                ms += self.empty_ms(bound - blocks) * share_of_block
+                ms += self.empty_ms(grid_blocks(bound, bound) - blocks) * share_of_block
                 continue
             # the CTAs launched past the ready blocks' tiles (the tail's count as blocks of this GEMM's tiles),
             # and the tail's slowdown on the blocks past the one-CTA-per-tile ones

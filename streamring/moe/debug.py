@@ -40,10 +40,12 @@ def blocks_past_expectation(buf) -> dict:
     """How the blocks of ``buf``'s last forward (or last replay of its last captured forward) met the
     expectations its GEMM grids were sized for (``EPPipeline._expected_per_step``; synchronizes): per call the
     blocks found ready, the expectation (a call without one: its bound), the blocks past it, and
-    ``past_grid``: those past the blocks a Triton grid launched one CTA per tile for
-    (``device.gemm_grid.grid_blocks``: the expectation, which has the headroom, in whole groups), which a grid with a
-    looping tail computes on that tail (``moe_triton._grid``; CUTLASS and DeepGEMM grids ignore the
-    expectation); with the sums over the calls. The persistent consumer makes no such calls."""
+    ``past_grid``: those past the expectation in whole groups (``device.gemm_grid.grid_blocks``), the blocks
+    a Triton grid launches one CTA per tile for; with the sums over the calls and ``gemm``, the buffer's GEMMs.
+    Where a Triton grid launched its looping tail, ``past_grid`` blocks ran on it; where the tail would not
+    have launched fewer CTAs than the bound's grid, or under ``chunk_gemm_ctas``, every block ran on that
+    grid (``moe_triton._grid``); CUTLASS and DeepGEMM grids ignore the expectation. The persistent consumer
+    makes no such calls (every count 0, ``calls`` empty)."""
     if buf.dev.type == "cuda":
         torch.cuda.synchronize(buf.dev)
     hi_of = buf.bc.ready_hi.cpu().tolist()
@@ -53,4 +55,5 @@ def blocks_past_expectation(buf) -> dict:
         exp = bound if expect is None else min(expect, bound)
         calls.append({"ready": ready, "expected": exp, "past": max(0, ready - exp),
                       "past_grid": max(0, ready - grid_blocks(exp, bound))})
-    return {"calls": calls, **{k: sum(c[k] for c in calls) for k in ("ready", "expected", "past", "past_grid")}}
+    return {"gemm": buf.gemm, "calls": calls,
+            **{k: sum(c[k] for c in calls) for k in ("ready", "expected", "past", "past_grid")}}

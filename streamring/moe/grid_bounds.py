@@ -12,8 +12,6 @@ integers (no torch)."""
 
 from __future__ import annotations
 
-import math
-
 from ..device.gemm_grid import EXPECT_HEADROOM
 
 
@@ -55,7 +53,9 @@ def uniform_blocks(rows: int, ranks: int, topk: int, block_m: int, local_experts
     blocks per local expert (1: the expert's partial block; 2: also one completed by rows carried from an
     earlier call). An expectation (a grid's ``expect_items``), never a bound: skewed routing can give a PE
     more."""
-    return math.ceil(rows * topk * headroom / (ranks * block_m)) + partial * local_experts
+    # in integers (the headroom to a thousandth): a float quotient can land a hair above a whole number
+    milli = round(headroom * 1000)
+    return -(-rows * topk * milli // (ranks * block_m * 1000)) + partial * local_experts
 
 
 def step_expect(ranks: int, steps_per_chunk: int, chunk_rows: int, topk: int, block_m: int,

@@ -75,6 +75,8 @@ def test_hot_routing_loads_pe_0_past_its_even_share():
     assert 0.62 < share["hot"] < 0.78 and abs(share["uniform"] - 0.5) < 0.02, share
 
 
-def test_an_unknown_routing_is_refused_by_name():
-    with pytest.raises(SystemExit):
+def test_an_unknown_routing_is_refused_by_name(capsys):
+    with pytest.raises(SystemExit) as exc:
         ep_layer.main(["--routings", "uniform,zipf"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "['zipf'] not among ['uniform', 'hot', 'router']" in err, err

@@ -1,7 +1,6 @@
 """bench.cost_model: the check's exit status, predictions moving the right way, --predict's files.
 CPU only, numpy (matplotlib for the PNG); no ranks, no GPU."""
 import json
-import math
 
 import pytest
 
@@ -149,7 +148,7 @@ def test_grouped_ready_steps_give_on_time_sources_one_call():
     # (the headroom scales the routed rows' full blocks, not the partial block per expert)
     E, rows = sch_x.E, sch_x.chunk_tokens
     full = sch_x.step_expect(1) - E
-    assert full == -(-rows * 8 // (2 * 64)) and sch_h.step_expect(1) - E == math.ceil(full * core.EXPECT_HEADROOM)
+    assert full == -(-rows * 8 // (2 * 64)) and sch_h.step_expect(1) - E == -(-rows * 8 * 1250 // (2 * 64 * 1000))
     idle_h = sch_h.grid_ms(sch_h.step_bound(1), sch_h.step_expect(1), 0.0)
     assert idle_h == pytest.approx(sch_h.empty_ms(-(-sch_h.step_expect(1) // 8) * 8 + tail)) and idle_x <= idle_h
     over = sch_x.step_expect(1) * 1.2
