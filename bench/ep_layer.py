@@ -100,11 +100,11 @@ HOT_EXPONENT = 0.5
 
 
 def hot_routing(T: int, shape: MoEShape, seed: int, dev) -> tuple:
-    """Each token's ``topk`` distinct experts drawn without replacement with weight ``(e + 1) ** -0.5``
-    (Gumbel top-k), so the low expert ids, which PE 0 holds, are hot: on 2 PEs of 32 experts each PE 0 gets
-    about 67 % of the routes. Blocks past a call's grid (well past the even share: the grids have headroom)
-    are what a Triton grid's looping tail computes
-    (``blocks_past_grid_per_pe``); weights as :func:`uniform_routing`."""
+    """Each token's ``topk`` distinct experts drawn without replacement with weight
+    ``(e + 1) ** -HOT_EXPONENT`` (Gumbel top-k), so the low expert ids, which PE 0 holds, are hot: on 2 PEs of
+    32 experts each PE 0 gets about 67 % of the routes. Blocks past a call's grid (well past the even share:
+    the grids have headroom) are what a Triton grid's looping tail computes (``blocks_past_grid_per_pe``);
+    weights as :func:`uniform_routing`."""
     g = torch.Generator(device=dev)
     g.manual_seed(seed)
     logw = -HOT_EXPONENT * torch.log(torch.arange(1, shape.num_experts + 1, device=dev, dtype=torch.float32))

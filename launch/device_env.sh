@@ -54,19 +54,20 @@ NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ')
 export NGPU
 
 # MPS, several PEs on one GPU (the clients choose their SM share, CUDA_MPS_ACTIVE_THREAD_PERCENTAGE):
-#   mps_start   starts a daemon on the first GPU this run may use, in fresh pipe and log directories
-#               (exported for the clients); status 1 when it cannot (its reason is in $LOG)
+#   mps_start   starts a daemon on the first GPU this run may use (MPS_GPU), in fresh pipe and log
+#               directories (exported for the clients); status 1 when it cannot (its reason is in $LOG)
 #   mps_stop    stops it, if one was started (idempotent: a script runs `trap mps_stop EXIT` so an early
 #               exit never leaves a daemon holding the GPU)
 MPS_STARTED=0
 mps_start() {
-  local gpu="${CUDA_VISIBLE_DEVICES:-0}"
-  gpu="${gpu%%,*}"
+  # the first GPU this run may use (a device call can give each of its GPUs to another job)
+  MPS_GPU="${CUDA_VISIBLE_DEVICES:-0}"
+  MPS_GPU="${MPS_GPU%%,*}"
   export CUDA_MPS_PIPE_DIRECTORY="$(mktemp -d)" CUDA_MPS_LOG_DIRECTORY="$(mktemp -d)"
-  CUDA_VISIBLE_DEVICES=$gpu nvidia-cuda-mps-control -d >>"$LOG" 2>&1 || return 1
+  CUDA_VISIBLE_DEVICES=$MPS_GPU nvidia-cuda-mps-control -d >>"$LOG" 2>&1 || return 1
   MPS_STARTED=1
   sleep 1
-  say "MPS daemon started on GPU $gpu (pipe dir $CUDA_MPS_PIPE_DIRECTORY)"
+  say "MPS daemon started on GPU $MPS_GPU (pipe dir $CUDA_MPS_PIPE_DIRECTORY)"
 }
 mps_stop() {
   [ "$MPS_STARTED" = 1 ] || return 0

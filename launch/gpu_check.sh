@@ -73,11 +73,8 @@ say "gpu_check: $NGPU GPU(s), phases: $GPU_CHECK_PHASES"
 trap mps_stop EXIT
 # several PEs on the one GPU: the steps of phase $1 under an MPS daemon started for them (launch/device_env.sh)
 under_mps() {
-  # the first GPU this run may use (a device call can give each of its GPUs to another job)
-  local gpu="${CUDA_VISIBLE_DEVICES:-0}"
-  gpu="${gpu%%,*}"
-  if mps_start; then  # on that GPU too (mps_start takes the first of CUDA_VISIBLE_DEVICES)
-    CUDA_VISIBLE_DEVICES=$gpu python3 launch/gpu_check_steps.py --phase "$1"
+  if mps_start; then
+    CUDA_VISIBLE_DEVICES=$MPS_GPU python3 launch/gpu_check_steps.py --phase "$1"
   else
     say "gpu_check: could not start the MPS daemon: multi-PE steps not run"
     python3 launch/gpu_check_steps.py --phase mps-failed

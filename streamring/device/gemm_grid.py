@@ -13,12 +13,12 @@ GROUP_BLOCKS = 8
 #: call (11 SM-µs per 72 CTAs).
 TAIL_CTAS_PER_SM = 4
 
-#: How many more routed rows than even routing gives a call its grid is sized for (``grid_bounds.uniform_blocks``
-#: scales a call's share of the routed rows by it before rounding up to full blocks; the partial blocks, one
-#: per expert, are slack already): a block past the grid runs on the looping tail about 5 % slower
-#: (TAIL_SLOWDOWN in the cost model: 50-75 SM-us of a block's 900-1,400), while an expected block that never comes costs its empty CTAs (~11 SM-us), so a quarter
-#: more costs about 0.2 % of a 4096-token forward's GEMMs under even routing and keeps a PE loaded a quarter
-#: past its share off the tail.
+#: How many more routed rows than even routing gives a call its grid is sized for
+#: (``grid_bounds.uniform_blocks`` scales a call's share of the routed rows by it before rounding up to full
+#: blocks; the partial blocks, one per expert, are slack already): a block past the grid runs on the looping
+#: tail about 5 % slower (TAIL_SLOWDOWN in the cost model: 50-75 SM-us of a block's 900-1,400), while an
+#: expected block that never comes costs its empty CTAs (~11 SM-us), so a quarter more costs about 0.2 % of a
+#: 4096-token forward's GEMMs under even routing and keeps a PE loaded a quarter past its share off the tail.
 EXPECT_HEADROOM = 1.25
 
 #: How the grids are sized, as result rows record it (``bench.ep_layer``; the cost model prices each row's

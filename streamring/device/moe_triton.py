@@ -636,9 +636,8 @@ def _grid(max_items: int, group: int, nt: int, max_ctas: int | None, expect_item
 
     * ``max_ctas`` below the tiles: ``max_ctas`` CTAs looping over every tile (an SM-sparing persistent grid);
     * else ``expect_items``: one CTA per tile of the first ``gemm_grid.grid_blocks(expect_items, ...)``
-      blocks (the expectation rounded up to the tile order's groups) and a tail
-      of :func:`tail_ctas` CTAs looping over the tiles past them, so a call launches
-      CTAs for the blocks it is expected to have, not for every block its bound allows (a CTA past the ready
+      blocks (the expectation rounded up to the tile order's groups) and a tail of :func:`tail_ctas` CTAs
+      looping over the tiles past them, so a call launches CTAs for the blocks it is expected to have, not for every block its bound allows (a CTA past the ready
       blocks still costs its launch, about 11 SM-us per block of tiles); blocks past the expectation run on
       the tail, about 5 % slower;
     * else (or when the tail would not launch fewer CTAs): one CTA per tile of ``max_items`` blocks.

@@ -34,10 +34,9 @@ class TritonExperts:
         ``max_ctas``: a persistent grid of at most this many CTAs looping over the tiles (leaves SM slots
         to other streams); None: one CTA per tile, of the ``expect_items`` blocks the call is expected to have
         and a small looping tail for the rest, or of every block up to ``max_items`` (``moe_triton._grid``).
-        ``out``/``direct``: where L2 stores (default the local
-        ``y``; ``direct=(row_src, row_tok, comb_delta)`` with ``out`` = this PE's combine rows: straight
-        into each row's owner, see ``moe_triton.expert_l2``). The launched kernels join
-        ``bc.gemm_kernels`` (graph node priorities leave them at the default)."""
+        ``out``/``direct``: where L2 stores (default the local ``y``; ``direct=(row_src, row_tok, comb_delta)``
+        with ``out`` = this PE's combine rows: straight into each row's owner, see ``moe_triton.expert_l2``).
+        The launched kernels join ``bc.gemm_kernels`` (graph node priorities leave them at the default)."""
         bc = self.bc
         h1 = bc.h1.view(FP8)
         k1 = K.expert_l1(bc.ready_list, bc.ready_hi, lo_index, hi_index, max_items, bc.block_expert, bc.a.view(FP8),

@@ -431,13 +431,13 @@ class _Schedule:
         tail = TAIL_CTAS_PER_SM * H200_SMS / self.share
         g = self.rates["gemm"].get(f"triton@{cfg.machine}") or self.rates["gemm"]["triton"]
         t_b = cfg.block_m * FLOP_ROW / (g["tflops"] * 1e12) * 1e3
-        single_blocks = grid_blocks(expect, bound)
+        single_blocks, bound_blocks = grid_blocks(expect, bound), grid_blocks(bound, bound)
         ms = 0.0
         # L1 (gate+up, with SwiGLU) and L2 (down): their tiles per block and their shares of a block's work
         for nt, flop_frac in ((I_DIM // 128, 2 / 3), (H // 128, 1 / 3)):
             share_of_block = nt / TILES_PER_BLOCK  # of a block's CTAs, in empty_ms's per-block price
-            if single_blocks * nt + tail >= grid_blocks(bound, bound) * nt:
-                ms += self.empty_ms(grid_blocks(bound, bound) - blocks) * share_of_block
+            if single_blocks * nt + tail >= bound_blocks * nt:
+                ms += self.empty_ms(bound_blocks - blocks) * share_of_block
                 continue
             # the CTAs launched past the ready blocks' tiles (the tail's count as blocks of this GEMM's tiles),
             # and the tail's slowdown on the blocks past the one-CTA-per-tile ones

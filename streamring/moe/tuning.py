@@ -79,8 +79,8 @@ class EPTuning(BaseModel):
         """Whether a streamed forward of ``rows`` rows per PE on ``ranks`` PEs groups the sources that are ready
         together into one dispatch step and one GEMM call: the ready order on several PEs with the per-chunk
         consumer, up to ``group_max_tokens`` rows. Larger forwards take a step per source: there a step's
-        dispatch overlaps the previous step's GEMMs, and grouping at 4096 rows measured slower on time than a step
-        per source (1.029 against 0.995x at 2 PEs, docs/performance.md)."""
+        dispatch overlaps the previous step's GEMMs, and grouping there measured slower on time than a step per
+        source (docs/performance.md)."""
         return (self.source_order == "ready" and ranks > 1 and self.consumer == "per_chunk"
                 and rows <= self.group_max_tokens)
 
