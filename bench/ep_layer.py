@@ -45,7 +45,10 @@ hide, the median streamed time less each replay's own wait, and that over the on
 :func:`first_wait`), ``bitwise_equal_to_batch``, ``rows_per_rank`` (routed rows each PE computed), for a streamed plan
 ``blocks_{ready,expected,past,past_grid}_per_pe`` (its GEMM calls' ready blocks against the blocks their
 grids were sized for, ``moe.debug.blocks_past_expectation``: ``past_grid``, past the one-CTA-per-tile
-blocks, ran on a Triton grid's looping tail where it launched one), ``gemm_only_ms``
+blocks, ran on a Triton grid's looping tail where it launched one), ``auto_streams`` and ``auto_source``
+(whether ``streaming="auto"`` streams with the plan's buffer at this size, and whether the tuned table or
+the cost model decided: the verdicts weigh auto's path against the better of batch and the plan, case by
+case: :func:`auto_verdict`), ``gemm_only_ms``
 (per PE) and ``pub_acq_us`` (``p50``, ``p99``, ``floor``); ``--timeline-json`` the device timelines of the
 batch path and of the best streamed plan per size (each on time and with the largest straggler on the
 last PE; draw with ``streamring timeline``). A table with the ratios and the targets' verdicts is
@@ -563,6 +566,10 @@ def bench_tokens(heap, T, shape, full, base, args, rows, timelines, budget):
                         batch_tl = stamped_timelines(heap, buf, layer, x, routing, False, late_max,
                                                      {**info, "batch_ms": ref_row["median_ms"]})
                         continue
+                    # what streaming="auto" makes of this buffer at T rows: this plan where its table or model
+                    # picks this schedule, else the batch path (verdicts weigh it against the better of the two)
+                    auto_f = {"auto_streams": bool(buf.adaptive_streaming(T)),
+                              "auto_source": buf.last_adaptive.source}
                     out, paired, blocks = measure_paired(heap, buf, layer, x, routing, args, seed)
                     blocks = heap.allgather_obj(blocks)
                     same = all(heap.allgather_obj(bool(torch.equal(out.view(torch.int16), ref_out.view(torch.int16)))))
@@ -572,7 +579,7 @@ def bench_tokens(heap, T, shape, full, base, args, rows, timelines, budget):
                     b0 = paired[ON_TIME]["batch"]["median_ms"]
                     # ratios over this buffer's batch graph, replayed interleaved with the streamed one
                     r = {**common_r, **cfg, "path": "streamed", "gemm": buf.gemm, **case_fields(ON_TIME), **st,
-                         "bitwise_equal_to_batch": same, "ok": same and good, "paired": True,
+                         "bitwise_equal_to_batch": same, "ok": same and good, "paired": True, **auto_f,
                          "batch_paired_ms": b0, "streamed_over_batch": st["median_ms"] / b0,
                          "over_batch_on_time": st["median_ms"] / b0,
                          "streamed_over_gemm_only": st["median_ms"] / max(ref_row["gemm_only_ms"]),
@@ -588,6 +595,7 @@ def bench_tokens(heap, T, shape, full, base, args, rows, timelines, budget):
                         fw = paired[case].get("first_wait")
                         late_rows.append({**common_r, **cfg, "path": "streamed", "gemm": buf.gemm,
                                           **case_fields(case), **s_, "bitwise_equal_to_batch": same, "paired": True,
+                                          **auto_f,
                                           "batch_paired_ms": b_case, "batch_on_time_paired_ms": b_on,
                                           "streamed_over_batch": s_["median_ms"] / b_case,
                                           "over_batch_on_time": s_["median_ms"] / b_on,
@@ -717,8 +725,28 @@ def verdicts(rows) -> str:
                     if "first_wait_ms" in x else "")
             parts.append(f"{case_label(x)} {x['over_batch_on_time']:.3f}x on-time batch, {x['streamed_over_batch']:.3f}x "
                          f"batch same draws{' ok' if ok else ' MISSED'}{wait}")
+        auto = auto_verdict(rs)
+        if auto:
+            parts.append(auto)
         out.append(f"  T={T} E/PE={epp} {routing} {gemm}: [{label}] " + "; ".join(parts))
     return "\n".join(out)
+
+
+def auto_verdict(rs) -> str | None:
+    """``streaming="auto"`` against its target (never more than 2 % slower than the better path): in each
+    case of one streamed plan's paired rows, auto's time is the plan's where auto streams with it, else the
+    batch graph's of the same rounds, over the better of the two; the worst case. None for rows without
+    ``auto_streams`` (measured before it was recorded)."""
+    rs = [x for x in rs if "auto_streams" in x and x.get("batch_paired_ms")]
+    if not rs:
+        return None
+    def over_better(x):
+        s_, b = x["median_ms"], x["batch_paired_ms"]
+        return (s_ if x["auto_streams"] else b) / min(s_, b)
+    w = max(rs, key=over_better)
+    picks = "streams" if rs[0]["auto_streams"] else "keeps batch"
+    return (f"auto {picks} ({rs[0]['auto_source']}): worst ({case_label(w)}) {over_better(w):.3f}x the better path"
+            f"{' ok' if over_better(w) <= 1.02 else ' MISSED'}")
 
 
 def main(argv=None) -> int:

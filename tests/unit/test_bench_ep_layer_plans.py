@@ -80,3 +80,19 @@ def test_an_unknown_routing_is_refused_by_name(capsys):
         ep_layer.main(["--routings", "uniform,zipf"])
     err = capsys.readouterr().err
     assert exc.value.code == 2 and "['zipf'] not among ['uniform', 'hot', 'router']" in err, err
+
+
+def _row(case, streamed, batch, streams, **kw):
+    return {"path": "streamed", "median_ms": streamed, "batch_paired_ms": batch, "auto_streams": streams,
+            "auto_source": "table", "tokens_per_rank": 1024, **kw, **case}
+
+
+def test_auto_verdict_weighs_the_path_auto_takes_against_the_better_one():
+    """Where auto streams, a case in which batch is faster counts against it (and the reverse): the verdict is
+    the worst such ratio over the cases, and misses past 1.02."""
+    on, late = {}, {"straggler_rank": 1, "straggler_ms": 3.0}
+    v = ep_layer.auto_verdict([_row(on, 10.1, 10.0, True), _row(late, 10.2, 12.0, True)])
+    assert "streams (table)" in v and "worst (-) 1.010x" in v and v.endswith(" ok"), v
+    v = ep_layer.auto_verdict([_row(on, 10.1, 10.0, False), _row(late, 10.2, 12.0, False)])
+    assert "keeps batch" in v and "worst (r1+3) 1.176x" in v and v.endswith("MISSED"), v
+    assert ep_layer.auto_verdict([{"path": "streamed", "median_ms": 1.0, "batch_paired_ms": 1.0}]) is None
