@@ -317,8 +317,10 @@ class EPBuffer(EPPipeline):
         """``streaming="auto"``: whether streaming wins for ``tokens`` rows per PE with this buffer's GEMM
         implementation, PE count, experts per PE, chunk count and dispatch order. The tuned table
         (:mod:`streamring.moe.adaptive`, made by ``python -m bench.make_adaptive_table`` from the layer
-        benchmark) decides where it has a row for the setting (a measured win counts only for the buffer's
-        own chunking and order); elsewhere the cost model does (:func:`~streamring.moe.adaptive.choose_by_model`).
+        benchmark) decides where it has a row for the setting: its batch row, or its streamed row where that
+        row's schedule is the buffer's (chunking and order, ``_schedule``); elsewhere, a streamed row of
+        another schedule included, the cost model weighs the buffer's own schedule
+        (:func:`~streamring.moe.adaptive.choose_by_model`).
         Batch where neither finds a win (and for 0 rows): the batch path is the correctness fallback and what
         streaming must beat. :attr:`last_adaptive` keeps the answer; its ``source`` says which decided."""
         from . import adaptive
@@ -328,9 +330,14 @@ class EPBuffer(EPPipeline):
             return False
         st = self.paths["stream"]
         window = self.tuning.ready_window_us if self.groups_sources(st, int(tokens)) else None
+        own = _schedule(st.num_chunks, st.source_order, window, self.R)
         choice = adaptive.choose(int(tokens), gemm=self.gemm, ranks=self.R, experts_per_pe=self.E_loc,
                                  min_chunk_tokens=1)
-        if choice.source == "none":
+        # a measured streamed win of another schedule says nothing of this buffer's own against batch (it
+        # only beat this one, if this one was measured): the model weighs this buffer's schedule
+        mismatch = choice.path == "streamed" and _schedule(choice.chunks, choice.source_order,
+                                                            choice.ready_window_us, self.R) != own
+        if choice.source == "none" or mismatch:
             choice = adaptive.choose_by_model(
                 int(tokens), ranks=self.R, experts_per_pe=self.E_loc, gemm=self.gemm, block_m=self.block_m,
                 chunks=st.num_chunks, source_order=st.source_order, ready_window_us=window,
@@ -338,8 +345,7 @@ class EPBuffer(EPPipeline):
                 shape=(self.shape.hidden, self.shape.intermediate, self.shape.topk))
         self.last_adaptive = choice
         return choice.path == "streamed" and _schedule(choice.chunks, choice.source_order,
-                                                       choice.ready_window_us, self.R) == _schedule(
-            st.num_chunks, st.source_order, window, self.R)
+                                                       choice.ready_window_us, self.R) == own
 
     def forward(self, x: torch.Tensor, weights: LayerWeights, *, streaming: bool | str = False,
                 stream_epoch: Optional[int] = None, num_tokens=None, out: Optional[torch.Tensor] = None,
