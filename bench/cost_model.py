@@ -60,19 +60,32 @@ def _split_spec(spec: str):
 #    DeepSeek-V3 router on random inputs, which gave rank 1 1.5-1.7x the rows of rank 0. The model knows
 #    only uniform routing; they are modelled as uniform (their rows are the only one-GPU-per-PE
 #    calibration of the link and combine rates), a reason for some of their misses.
+#  - every file measured before the dispatch's own sort kernel (ep_triton.bucket_sort, c8f9c5d; the files
+#    from tree cabca03 on have it): a step's dispatch waited for the previous step's GEMM grid (torch's radix
+#    sort ran when the grid drained: docs/results/sm-sharing-probe-1h200-2026-12-03.log), so
+#    ``dispatch_during_gemm`` is off for them.
+_BEFORE_BUCKET_SORT = {"dispatch_during_gemm": False}
 MEASURED_CODE = {
     "ep-layer-2h200-cutlass-1024-8192-2026-11-30.json": {"last_step_with_seal": False, "chunk_combine": False,
-                                                         "routing": "router_modelled_as_uniform"},
+                                                         "routing": "router_modelled_as_uniform",
+                                                         **_BEFORE_BUCKET_SORT},
     "ep-layer-2h200-triton-128-8192-2026-11-30.json": {"last_step_with_seal": False, "chunk_combine": False,
-                                                       "routing": "router_modelled_as_uniform"},
-    "ep-layer-1pe-per-chunk-vs-persistent-2026-12-01.json": {"last_step_with_seal": False, "chunk_combine": True},
+                                                       "routing": "router_modelled_as_uniform", **_BEFORE_BUCKET_SORT},
+    "ep-layer-1pe-per-chunk-vs-persistent-2026-12-01.json": {"last_step_with_seal": False, "chunk_combine": True,
+                                                             **_BEFORE_BUCKET_SORT},
+    "ep-layer-1pe-seal-merged-deepgemm-2026-12-01.json": _BEFORE_BUCKET_SORT,
+    "ep-layer-1pe-seal-merged-triton-cutlass-2026-12-01.json": _BEFORE_BUCKET_SORT,
+    "ep-layer-1pe-cutlass-32768-2026-12-02.json": _BEFORE_BUCKET_SORT,
+    "ep-layer-mps2-128experts-cutlass-1024-4096-2026-12-01.json": _BEFORE_BUCKET_SORT,
+    "ep-layer-mps2-32experts-one-chunk-late-ranks-2026-12-03.json": _BEFORE_BUCKET_SORT,
 }
 
 
 def measured_code(base: str, args: dict) -> dict:
     # ready_window_us None: one source per ready-order step (the code before the grouped steps; a row
     # measured since names its window, bench.ep_layer's "ready_window_us", which load_rows reads)
-    code = {"last_step_with_seal": True, "chunk_combine": False, "ready_window_us": None, "routing": "uniform"}
+    code = {"last_step_with_seal": True, "chunk_combine": False, "ready_window_us": None, "routing": "uniform",
+            "dispatch_during_gemm": True}
     if "separate_seal_gemms" in args:
         code["last_step_with_seal"] = not args["separate_seal_gemms"]
     if "chunk_combine" in args:
@@ -122,6 +135,7 @@ def load_rows(files, machines: dict | None = None):
                          straggler_rank=r.get("straggler_rank"), skew_ms=float(r.get("skew_ms") or 0.0),
                          skew_draws=measured_skew_draws(r, R, int(E)),
                          last_step_with_seal=code["last_step_with_seal"],
+                         dispatch_during_gemm=code["dispatch_during_gemm"],
                          chunk_gemm_ctas=r.get("chunk_gemm_ctas"), gemm_grid=r.get("gemm_grid") or "bound",
                          ready_window_us=r.get("ready_window_us", code["ready_window_us"]))
             if cfg.ready_window_us is not None:   # a row names its window only where its forward grouped

@@ -63,8 +63,13 @@ mps_start() {
   # the first GPU this run may use (a device call can give each of its GPUs to another job)
   MPS_GPU="${CUDA_VISIBLE_DEVICES:-0}"
   MPS_GPU="${MPS_GPU%%,*}"
-  export CUDA_MPS_PIPE_DIRECTORY="$(mktemp -d)" CUDA_MPS_LOG_DIRECTORY="$(mktemp -d)"
-  CUDA_VISIBLE_DEVICES=$MPS_GPU nvidia-cuda-mps-control -d >>"$LOG" 2>&1 || return 1
+  local pipe logs
+  pipe="$(mktemp -d)" && logs="$(mktemp -d)" || { say "mps_start: mktemp -d failed (is TMPDIR writable?)"; return 1; }
+  export CUDA_MPS_PIPE_DIRECTORY="$pipe" CUDA_MPS_LOG_DIRECTORY="$logs"
+  if ! CUDA_VISIBLE_DEVICES=$MPS_GPU nvidia-cuda-mps-control -d >>"$LOG" 2>&1; then
+    rm -rf "$pipe" "$logs"
+    return 1
+  fi
   MPS_STARTED=1
   sleep 1
   say "MPS daemon started on GPU $MPS_GPU (pipe dir $CUDA_MPS_PIPE_DIRECTORY)"
@@ -73,6 +78,9 @@ mps_stop() {
   [ "$MPS_STARTED" = 1 ] || return 0
   echo quit | nvidia-cuda-mps-control >/dev/null 2>&1 || true
   MPS_STARTED=0
+  # the daemon's log holds the reason of a client's failure: its tail goes to $LOG, then the directories go
+  { echo "--- MPS control.log (last 20 lines)"; tail -20 "$CUDA_MPS_LOG_DIRECTORY/control.log"; } >>"$LOG" 2>/dev/null || true
+  rm -rf "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
   say "MPS daemon stopped"
 }
 

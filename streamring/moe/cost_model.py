@@ -35,7 +35,8 @@ Per forward and per PE (the slowest PE sets the time), R PEs, T tokens per PE, E
   range; only the batch path's one call (one allocation) takes the psum layout, the blocks in use;
 * two corrections of a streamed call: with ``chunk_gemm_ctas`` under MPS the calls before the sealing
   one run on that many CTAs, one per SM (the Triton L1 holds 201 KB of shared memory), of the 132/R SMs
-  an MPS client has, so at ctas/(132/R) of their speed when fewer; CUTLASS on one GPU per PE reads each
+  an MPS client has, so at ctas/(132/R) of their speed when fewer, and a looping grid of one CTA per SM
+  computes its blocks LOOP_ONE_PER_SM slower than one CTA per tile (bench.empty_grid); CUTLASS on one GPU per PE reads each
   weight pass beyond the batch path's one per expert from HBM (W / 4.8 TB/s instead of t_w): its chunk
   order puts an expert's blocks apart (bench.gemm_launches: 8.8-9.6 µs per extra pass);
 * the grids: a Triton call's grid is sized on the host (``grid_bounds``), and each block of it past the
@@ -63,7 +64,13 @@ Per forward and per PE (the slowest PE sets the time), R PEs, T tokens per PE, E
 * combine: c_fix + c_tok*T, plus on one GPU per PE the results coming back over the link:
   T*K*(R-1)/R bf16 rows of H (under MPS the timelines' combine phase already holds the local copy);
 * schedule: each source r publishes its chunk c at delay_r + (c+1)*producer(T/C); a PE's consumer
-  runs its steps one after the other (t = max(t, ready) + dispatch + GEMM call); the forward ends at
+  dispatches its steps one after the other, each when its sources are ready and the previous dispatch is
+  done, while the previous step's GEMM call runs (the dispatch kernels get SMs beside a GEMM grid:
+  bench.sm_sharing), and runs each step's call after its dispatch and the previous call
+  (d = max(d, ready) + dispatch; t = max(t, d) + GEMM call); code measured before the dispatch's own
+  sort kernel (``dispatch_during_gemm=False``) dispatched a step only after the previous call
+  (t = max(t, ready) + dispatch + GEMM call); ungrouped steps only: the grouped ready steps decide
+  what a step takes when the previous call ends (below). The forward ends at
   the slowest consumer + combine. Batch is the same with C = 1 and one step over every source, so a
   late source (delay L) costs batch about L (the on-time producers overlap the wait). Rank order
   waits for chunk c of every source; ready order takes chunk c's sources as they come, then chunk
@@ -141,6 +148,10 @@ TILES_PER_BLOCK = I_DIM // 128 + H // 128   # a block's CTAs in the two Triton G
 # (bench.empty_grid, 2-8 CTAs per SM: 1.035-1.068 without MPS, 1.051-1.064 at 50 and 25 % under MPS,
 # docs/results/gemm-empty-grids-1h200-mps-2026-12-03.json)
 TAIL_SLOWDOWN = 0.055
+# how much slower a looping grid of one CTA per SM computes a call's blocks than one CTA per tile
+# (bench.empty_grid run cap_sweep: 1.17-1.19 without MPS, 1.19-1.20 at 50 %, 1.18-1.20 at 25 % under MPS,
+# docs/results/gemm-empty-grids-1h200-mps-2026-12-03.json): a capped grid (chunk_gemm_ctas) is one
+LOOP_ONE_PER_SM = 1.19
 GRID_RULES = ("bound", "expected", "expected_headroom")   # Config.gemm_grid
 CALL_US = 25.0      # fixed cost of one GEMM call (launch, grid set-up, tail wave): not fitted
 
@@ -188,6 +199,9 @@ class Config:
     # without the field)
     gemm_grid: str = GEMM_GRID
     last_step_with_seal: bool = True    # False: a call per dispatch step, then the seal's own call
+    # True (the code since the dispatch's own sort kernel, ep_triton.bucket_sort): a step's dispatch runs while
+    # the previous step's GEMMs do; False (the code before it): it waited for them
+    dispatch_during_gemm: bool = True
     # ready order: the grouping window (None: one source per step) and the largest forward that groups (the
     # buffer's defaults, streamring.moe.tuning.EPTuning)
     ready_window_us: float | None = _TUNING_DEFAULTS["ready_window_us"].default
@@ -337,7 +351,7 @@ class _Schedule:
             # the calls before the seal's on a persistent grid of chunk_gemm_ctas CTAs, one per SM (Triton L1: 201 KB
             # of shared memory), of the 132 / R SMs an MPS client has (66 at 50 %:
             # docs/results/sm-sharing-probe-1h200-2026-12-03.log)
-            slow = max(1.0, (H200_SMS / self.share) / cfg.chunk_gemm_ctas)
+            slow = max(1.0, (H200_SMS / self.share) / cfg.chunk_gemm_ctas) * LOOP_ONE_PER_SM
             # current code: every step but the last (sealing) one; the 11-30 code: the steps of every chunk but the last
             capped = self.steps - 1 if merged else self.steps - self.steps // self.C
             calls = [c * slow if i < capped else c for i, c in enumerate(calls)]
@@ -463,13 +477,18 @@ class _Schedule:
         if self.grouped:
             return self._forward_grouped(delays)
         ends, disp_tot, reps = [], 0.0, self._consumers(delays)
+        overlap = bool(self.cfg.dispatch_during_gemm)
         for q in reps:
-            t = 0.0
+            t = d_end = 0.0
             step_list = self.step_sources(q, delays)
             for s, srcs in enumerate(step_list):
                 ready = max(delays[r] + (c + 1) * self.prod_chunk for r, c in srcs)
                 d = self._dispatch_ms(sum(self.src_chunk_bytes for r, c in srcs if r != q))
-                t = max(t, ready) + d + self.calls[s]
+                if overlap:   # this step's dispatch beside the previous step's call
+                    d_end = max(d_end, ready) + d
+                    t = max(t, d_end) + self.calls[s]
+                else:         # the dispatch after the previous call
+                    t = max(t, ready) + d + self.calls[s]
                 if q == reps[0]:
                     disp_tot += d
             # the seal's own call (last_step_with_seal off); less the batch path's grids, which the rates hold

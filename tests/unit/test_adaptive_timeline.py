@@ -207,11 +207,11 @@ def test_the_cost_model_decides_where_the_table_has_no_row():
     """choose_by_model: the buffer's own plan against batch in the model, on time and with a late PE; it says
     it was the model, streams where the model's regret favours it (2 PEs, 32 experts each: a late PE is
     most of the difference) and not where every source step costs a weight pass more than it hides
-    (EP16 at 1024 tokens), and refuses shapes its rates do not cover."""
+    (EP64 at 1024 tokens: 4 experts per PE, 64 calls), and refuses shapes its rates do not cover."""
     kw = dict(gemm="triton", block_m=64, chunks=1, source_order="ready", link_GBps=450.0)
     two = adaptive.choose_by_model(8192, ranks=2, experts_per_pe=32, **kw)
     assert (two.source, two.path, two.chunks, two.source_order) == ("model", "streamed", 1, "ready"), two
-    wide = adaptive.choose_by_model(1024, ranks=16, experts_per_pe=16, **kw)
+    wide = adaptive.choose_by_model(1024, ranks=64, experts_per_pe=4, **kw)
     assert (wide.source, wide.path) == ("model", "batch") and "regret" in wide.note, wide
     other = adaptive.choose_by_model(8192, ranks=2, experts_per_pe=32, shape=(4096, 2048, 6), **kw)
     assert other.path == "batch" and "covers" in other.note
