@@ -187,11 +187,12 @@ def test_deep_gemm_range_call_loads_the_whole_buffer():
 
 def test_a_capped_grid_slows_mps_calls_only():
     """chunk_gemm_ctas=60 under MPS (one CTA per SM of a 66-SM client) runs the calls before the sealing one
-    at 60/66 speed; on one GPU per PE the model keeps them as they are."""
+    at 60/66 speed, as a looping grid of one CTA per SM (LOOP_ONE_PER_SM slower); on one GPU per PE the
+    model keeps them as they are."""
     cfg = dict(ranks=2, tokens=4096, experts_per_pe=32, gemm="triton", path="streamed", chunks=4,
                source_order="ready", machine="mps", ready_window_us=None)
     free, capped = cm.predict(cfg), cm.predict(dict(cfg, chunk_gemm_ctas=60))
-    assert capped["gemm_ms"] > free["gemm_ms"] * 1.05
+    assert capped["gemm_ms"] > free["gemm_ms"] * 1.2   # 66/60 * 1.19 on all but the sealing call
     gpu = dict(cfg, machine="gpu")
     assert cm.predict(dict(gpu, chunk_gemm_ctas=60))["gemm_ms"] == pytest.approx(cm.predict(gpu)["gemm_ms"])
 
@@ -354,3 +355,26 @@ def test_a_late_grouped_step_pays_its_own_bound():
     tail = 2 * core.TAIL_CTAS_PER_SM * (core.H200_SMS / 4) / core.TILES_PER_BLOCK
     assert x.grid_ms(x.step_bound(1), x.step_expect(1), 50.0) \
         == pytest.approx(x.empty_ms(-(-x.step_expect(1) // 8) * 8 + tail - 50))
+
+
+def test_a_steps_dispatch_hides_under_the_previous_call_in_the_current_code():
+    """With a step per source, the current code dispatches a step while the previous step's call runs, so the
+    forward is shorter by about the hidden dispatches; files of the code before the dispatch's own sort kernel
+    are modelled with the dispatch after the call (MEASURED_CODE), later files with the overlap."""
+    cfg = dict(ranks=2, tokens=4096, experts_per_pe=32, gemm="triton", path="streamed", chunks=4,
+               source_order="arrival", machine="mps", ready_window_us=None)
+    over, serial = cm.predict(cfg), cm.predict(dict(cfg, dispatch_during_gemm=False))
+    assert over["dispatch_ms"] == pytest.approx(serial["dispatch_ms"])
+    hidden = serial["total_ms"] - over["total_ms"]
+    # 8 steps: every dispatch but the first (the PE's own source: d_fix alone, no peer bytes) can hide, and at
+    # 4096 tokens each call is longer than the next dispatch, so they all do
+    first = cm.load_rates()["machine"]["mps"]["d_fix_us"] * 1e-3
+    assert hidden == pytest.approx(over["dispatch_ms"] - first), (hidden, over)
+    # batch has one step: nothing to hide
+    b = dict(cfg, path="batch")
+    assert cm.predict(b)["total_ms"] == pytest.approx(cm.predict(dict(b, dispatch_during_gemm=False))["total_ms"])
+    assert cm.measured_code("ep-layer-mps2-32experts-one-chunk-late-ranks-2026-12-03.json", {})[
+        "dispatch_during_gemm"] is False
+    assert cm.measured_code("ep-layer-2h200-triton-128-8192-2026-11-30.json", {})["dispatch_during_gemm"] is False
+    assert cm.measured_code("ep-layer-mps2-32experts-one-chunk-paired-2026-12-03.json", {})[
+        "dispatch_during_gemm"] is True
