@@ -183,7 +183,7 @@ class StressConfig(_Strict):
     stragglers: dict[NonNegativeInt, float] = Field(default_factory=dict, description="rank -> delay multiplier")
     seed: int = 0
     inject: Literal[("none",) + INJECT_MODES] = "none"  # type: ignore[valid-type]
-    inject_delay_s: float = Field(0.002, ge=0)
+    inject_delay_s: float = Field(0.02, ge=0, description="signal-before-payload: the time between the early generation and the payload, the window a consumer must fall into for the mutation to be caught (long enough for a consumer process on a loaded, oversubscribed machine to get scheduled in it)")
     fault: Optional[Fault] = Field(None, description="kill or hang one rank mid-stream (rank-failure tests)")
     source_order: Literal[SOURCE_ORDERS] = Field(  # type: ignore[valid-type]
         "rank", description="consumer: wait for the sources of a chunk in rank order, or handle any ready source "

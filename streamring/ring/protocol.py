@@ -121,7 +121,7 @@ class Ring:
     """
 
     def __init__(self, heap: SymmetricHeap, layout: RingLayout, wait_timeout_s: float = 30.0,
-                 inject: Inject = Inject.NONE, inject_delay_s: float = 0.002, owner_release: bool = False,
+                 inject: Inject = Inject.NONE, inject_delay_s: float = 0.02, owner_release: bool = False,
                  name: str = "ring"):
         if layout.num_ranks != heap.num_ranks:
             raise ValueError(f"layout.num_ranks={layout.num_ranks} but the heap has {heap.num_ranks} ranks")
