@@ -484,11 +484,9 @@ class _Schedule:
             for s, srcs in enumerate(step_list):
                 ready = max(delays[r] + (c + 1) * self.prod_chunk for r, c in srcs)
                 d = self._dispatch_ms(sum(self.src_chunk_bytes for r, c in srcs if r != q))
-                if overlap:   # this step's dispatch beside the previous step's call
-                    d_end = max(d_end, ready) + d
-                    t = max(t, d_end) + self.calls[s]
-                else:         # the dispatch after the previous call
-                    t = max(t, ready) + d + self.calls[s]
+                # the dispatch beside the previous step's call (after the previous dispatch), or after that call
+                d_end = max(d_end if overlap else t, ready) + d
+                t = max(t, d_end) + self.calls[s]
                 if q == reps[0]:
                     disp_tot += d
             # the seal's own call (last_step_with_seal off); less the batch path's grids, which the rates hold

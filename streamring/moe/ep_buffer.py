@@ -344,8 +344,9 @@ class EPBuffer(EPPipeline):
                 link_GBps=NVLINK_GBPS if self.transport == "p2p" else INTER_NODE_GBPS,
                 shape=(self.shape.hidden, self.shape.intermediate, self.shape.topk))
         self.last_adaptive = choice
-        return choice.path == "streamed" and _schedule(choice.chunks, choice.source_order,
-                                                       choice.ready_window_us, self.R) == own
+        # a streamed choice is now the buffer's own schedule: a table row that matched it, or the model's (asked
+        # with the buffer's chunks, order and window)
+        return choice.path == "streamed"
 
     def forward(self, x: torch.Tensor, weights: LayerWeights, *, streaming: bool | str = False,
                 stream_epoch: Optional[int] = None, num_tokens=None, out: Optional[torch.Tensor] = None,

@@ -102,7 +102,7 @@ def test_every_inject_mode_is_caught(cli, mode, path):
     r = cli("stress", "--config", path, "--inject", mode, "--set", "wait_timeout_s=5", "--set", "ranks=3",
             "--set", "stress.chunks_per_rank=" + ("2" if mode == "ignore-epoch" else "16"),
             # the early generation's window, as test_multihost widens it: on 2 busy cores a consumer process can
-            # miss every window of the default (a run with 2 ms windows was not caught in CI once)
+            # go unscheduled through every short window, and the mutation would go uncaught
             *(["--set", "stress.inject_delay_s=0.05"] if mode == "signal-before-payload" else []), timeout=120)
     assert_stress_mutation_caught(r, mode)
 
