@@ -33,18 +33,29 @@ class Capabilities:
     ``max_ctas``: a capped (persistent) grid, leaving SMs to other streams; ``pdl``: programmatic
     dependent launch (the GEMMs wait in-kernel for the previous kernel); ``owner_rows``: L2 writes each
     row straight into its owner PE's combine row (``direct=``), no local ``y`` and no puts; ``persistent``:
-    its tile functions make the persistent consumer kernel (``device/persistent_moe.py``)."""
+    its tile functions make the persistent consumer kernel (``device/persistent_moe.py``); ``waves``: its own
+    grid is persistent (a CTA per SM, which holds every SM until the call ends, so no other stream's kernel
+    runs beside it) and ``max_ctas`` above the SM count runs it in waves instead (each CTA a share of the
+    tiles: CTAs retire during the call and other streams' CTAs get SMs between them); ``kernel_names``: parts of
+    the (mangled) names of its GEMM kernels that a library launches (Python sees no handle of them), so that a
+    captured graph's node priorities leave them at the default (``EPBuffer.prioritize``)."""
 
     max_ctas: bool
     pdl: bool
     owner_rows: bool
     persistent: bool
+    waves: bool = False
+    kernel_names: tuple = ()
 
 
 #: every backend by name (``gemm=`` of the buffers), in the measured table's order
 CAPABILITIES = {
-    "cutlass": Capabilities(max_ctas=True, pdl=False, owner_rows=False, persistent=False),
-    "deep_gemm": Capabilities(max_ctas=False, pdl=False, owner_rows=False, persistent=False),
+    # cutlass::device_kernel<...GemmUniversal...>: the grouped and the one-block-tile kernels
+    "cutlass": Capabilities(max_ctas=True, pdl=False, owner_rows=False, persistent=False, waves=True,
+                            kernel_names=("cutlass13device_kernel",)),
+    # DeepGEMM's SM90 FP8 GEMM kernels (JIT-compiled: sm90_fp8_gemm_1d2d_impl and its kin)
+    "deep_gemm": Capabilities(max_ctas=False, pdl=False, owner_rows=False, persistent=False,
+                              kernel_names=("fp8_gemm",)),
     "triton": Capabilities(max_ctas=True, pdl=True, owner_rows=True, persistent=True),
 }
 IMPLS = tuple(CAPABILITIES)

@@ -113,6 +113,8 @@ NUM_VARIANTS = 1 + max(v for t in TILE_TABLE.values() for v in t.variants.values
 OUT_DTYPES = {torch.bfloat16: 0, torch.float32: 1}
 RASTERS = {"m": 0, "n": 1}  # the group scheduler's order inside a group (along M / along N)
 SWIZZLES = (1, 2, 4, 8)
+#: the most CTAs per SM a run's grid may have (``kMaxCtasPerSm`` in the .cu; a larger ``max_ctas`` is capped)
+MAX_CTAS_PER_SM = 16
 
 
 def variant_id(tile: str, out_dtype) -> int:
@@ -497,7 +499,11 @@ class GroupedGemm:
             d, *, block_m: int, max_ctas: int | None = None) -> None:
         """Grouped GEMM of the ready blocks ``ready_list[ready_hi[lo_index] : ready_hi[hi_index]]`` into ``d``
         on the current stream (see the module doc); ``max_items`` bounds the range (≤ capacity);
-        ``max_ctas``: a persistent grid of at most this many CTAs (None: one per SM)."""
+        ``max_ctas``: the grid in CTAs, rounded down to whole clusters (None: one per SM, a persistent grid that
+        holds every SM until the run ends); fewer than the SMs leave SMs to other streams; more (at most
+        :data:`MAX_CTAS_PER_SM` per SM) run in waves, each CTA looping over its share of the tiles, so CTAs
+        retire during the run and higher-priority streams' CTAs get SMs between them. The grid never changes
+        what a row computes."""
         self._call("sr_gemm_run", ready_list, ready_hi, lo_index, hi_index, max_items, block_expert, a, a_sf, w, w_sf,
                    d, block_m, max_ctas)
 

@@ -60,6 +60,12 @@ class EPTuning(BaseModel):
         chunk_gemm_ctas: the persistent grid size of the streamed GEMM calls before the seal's (while a later
             source or chunk may still be being produced; ``None``: one CTA per tile); fewer CTAs than the GPU
             holds leave room for the producer and the dispatch.
+        streamed_grid_waves: CTAs per SM of every streamed GEMM call with a GEMM backend whose own grid is
+            persistent (CUTLASS: ``gemm.backends.Capabilities.waves``). Its one-CTA-per-SM grid holds every SM
+            until the call ends, so the next source's dispatch, a late PE's producer and the result puts would
+            wait for the whole call; a grid of this many CTAs per SM runs in waves, each CTA taking a share of the
+            tiles, and those higher-priority kernels get SMs as CTAs retire. 1: the backend's own grid. The batch
+            path always runs the backend's own grid.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -74,6 +80,7 @@ class EPTuning(BaseModel):
     group_max_tokens: int = Field(1024, ge=0)
     ready_window_us: float = Field(50.0, ge=0, le=1000)
     chunk_gemm_ctas: Optional[int] = Field(None, ge=1)
+    streamed_grid_waves: int = Field(4, ge=1, le=16)
 
     def groups_sources(self, ranks: int, rows: int) -> bool:
         """Whether a streamed forward of ``rows`` rows per PE on ``ranks`` PEs groups the sources that are ready

@@ -89,6 +89,10 @@ def test_every_variant_belongs_to_exactly_one_part():
     assert n == CG.NUM_VARIANTS
 
 
+def test_the_grid_cap_per_sm_is_the_libraries():
+    assert int(re.search(r"constexpr int kMaxCtasPerSm = (\d+);", SRC.read_text()).group(1)) == CG.MAX_CTAS_PER_SM
+
+
 def test_cutlass_patch_relaxes_exactly_the_three_shape_asserts(tmp_path):
     try:
         root = BG.find_cutlass()
@@ -681,6 +685,23 @@ def test_capped_persistent_grid_equals_the_full_grid(tile):
     for ctas in (1, 3, 16):
         capped = run(plan, p, list(range(20)), d=p.poisoned(), max_ctas=ctas)
         assert torch.equal(capped, full), ctas
+
+
+@needs_gpu
+@pytest.mark.parametrize("tile", ["coop128", "coop192_m2", "pingpong64", "block128_n2", "pair128"])
+def test_grid_in_waves_equals_the_one_wave_grid(tile):
+    """max_ctas above the SMs (a grid that runs in waves, each CTA a share of the tiles; past
+    MAX_CTAS_PER_SM per SM capped) computes every tile and the same bits as one CTA per SM."""
+    bm = 128 if CG.TILE_TABLE[tile].block_tile else 64
+    p = Problem(bm=bm, nb=40, seed=29)
+    plan = CG.GroupedGemm(p.n, p.k, capacity=48, tile=tile)
+    ids = list(range(40))
+    full = run(plan, p, ids, d=p.poisoned())
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for ctas in (sms + 2, 4 * sms, CG.MAX_CTAS_PER_SM * sms, 10 ** 6):
+        got = run(plan, p, ids, d=p.poisoned(), max_ctas=ctas)
+        assert torch.equal(got, full), ctas
+    plan.check()
 
 
 @needs_gpu

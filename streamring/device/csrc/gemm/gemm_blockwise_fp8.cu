@@ -228,6 +228,9 @@ using V5 = Config<Tile192, ClusterM2, Coop, CoopEpi, cutlass::bfloat16_t, 64>;
 using V6 = Config<Tile192, ClusterN2, Coop, CoopEpi, cutlass::bfloat16_t, 64>;
 using V7 = Config<PingTile192, Cluster1, Ping, PingEpi, cutlass::bfloat16_t, 64>;
 constexpr int kNumVariants = 14;
+// The most CTAs per SM a run's grid may have (max_ctas above the SM count: an oversubscribed grid that runs in
+// waves); the grouped plans' tensormap workspace (a slot per CTA, a few hundred bytes) is sized for it.
+constexpr int kMaxCtasPerSm = 16;
 
 // ------------------------------------------------------------------------------------------------
 // Ready range -> grouped problem arrays (one CTA; deterministic)
@@ -435,6 +438,11 @@ struct PlanBase {
   int swizzle = 1;  // the grouped scheduler's max_swizzle_size, a pair plan's band (1, 2, 4 or 8)
   int max_active_clusters = 0;
   virtual ~PlanBase() = default;
+  // The clusters of a grid of ctas CTAs: within one wave at most what fits on the device at once
+  // (max_active_clusters); an oversubscribed grid (ctas above the SMs) launches all of them, in waves.
+  int grid_clusters(int ctas, int cluster) const {
+    return ctas > sm_count ? ctas / cluster : std::max(1, std::min(max_active_clusters, ctas / cluster));
+  }
   virtual int create() = 0;
   virtual int read_groups(int count, int* m_out, int64_t* a_out, int64_t* b_out, int64_t* sfa_out, int64_t* sfb_out,
                           int64_t* d_out) = 0;
@@ -451,9 +459,12 @@ struct PlanBase {
     int rc = check_run(r);
     if (rc) return rc;
     if (r.max_items == 0) return SR_OK;  // nothing can be ready (the Triton launchers return too)
-    // persistent grid size: the device, or max_ctas rounded down to whole clusters (at least one)
+    // grid size in whole clusters (at least one): max_ctas <= 0, one wave (a CTA per SM); below the SMs, a
+    // capped persistent grid (SMs left to other streams); above, an oversubscribed grid (at most
+    // kMaxCtasPerSm per SM) that runs in waves, each CTA looping over about tiles / ctas tiles, so CTAs
+    // retire during the call and the CTAs of higher-priority streams get SMs between them
     int const cs = cluster_size();
-    int ctas = r.max_ctas > 0 && r.max_ctas < sm_count ? r.max_ctas : sm_count;
+    int ctas = r.max_ctas > 0 ? std::min(r.max_ctas, sm_count * kMaxCtasPerSm) : sm_count;
     ctas = std::max(cs, ctas / cs * cs);
     void const* params = nullptr;
     rc = prepare(r, ctas, &params);
@@ -616,7 +627,8 @@ struct Plan final : PlanBase {
     p.group_last = reinterpret_cast<int*>(base + offs[12]);
     rc = prepare_kernel<GemmKernel>();
     if (rc) return rc;
-    auto args = arguments(capacity, sm_count);
+    // the tensormap workspace holds a slot per CTA: sized for the largest (oversubscribed) grid
+    auto args = arguments(capacity, sm_count * kMaxCtasPerSm);
     workspace_bytes = Gemm::get_workspace_size(args);
     if (workspace_bytes > 0) SR_CUDA(cudaMalloc(&workspace, workspace_bytes));
     cutlass::Status st = Gemm::can_implement(args);
@@ -630,10 +642,11 @@ struct Plan final : PlanBase {
     cutlass::KernelHardwareInfo hw;
     hw.device_id = device;
     hw.sm_count = ctas;
-    // CUTLASS sizes the persistent grid as max_active_clusters clusters: at most what fits on the
-    // device, at most ctas CTAs (a smaller grid leaves SMs to other streams, like the Triton path's max_ctas)
-    int cluster_size = size(typename Cfg::ClusterShape{});
-    hw.max_active_clusters = std::max(1, std::min(max_active_clusters, ctas / cluster_size));
+    // CUTLASS sizes the persistent grid as max_active_clusters clusters (grid_clusters: within one wave at
+    // most what fits on the device; a smaller grid leaves SMs to other streams, like the Triton path's
+    // max_ctas; a larger one runs in waves). With no host problem shapes the group scheduler takes
+    // hw.sm_count as the tile count to truncate the grid by: ctas, so nothing is truncated.
+    hw.max_active_clusters = grid_clusters(ctas, size(typename Cfg::ClusterShape{}));
     typename Cfg::Arguments args{
         cutlass::gemm::GemmUniversalMode::kGrouped,
         {problem_count, p.shapes, nullptr},  // no host problem shapes: the device arrays are the truth
@@ -656,7 +669,7 @@ struct Plan final : PlanBase {
     return args;
   }
 
-  // (the tensormap workspace is indexed by CTA and sized for the device, so any grid fits)
+  // (the tensormap workspace is indexed by CTA and sized for kMaxCtasPerSm CTAs per SM, so any grid fits)
   int prepare(RunArgs const& r, int ctas, void const** out) override {
     std::lock_guard<std::mutex> lock(mu);
     auto key = std::make_pair(r.max_items, ctas);
@@ -1142,7 +1155,7 @@ struct PairPlan final : PlanBase {
     cutlass::KernelHardwareInfo hw;
     hw.device_id = device;
     hw.sm_count = ctas;
-    hw.max_active_clusters = std::max(1, std::min(max_active_clusters, ctas / Cfg::kClusterSize));
+    hw.max_active_clusters = grid_clusters(ctas, Cfg::kClusterSize);
     int const rows = r.num_blocks * kBlockTileRows;
     auto sfa = Cfg::ScaleConfig::tile_atom_to_shape_SFA(make_shape(rows, n, k, r.num_experts));
     typename Cfg::LayoutSFA layout_sfa = make_layout(shape(sfa), replace<2>(stride(sfa), 0));  // one row buffer
