@@ -70,7 +70,10 @@ import numpy as np
 import torch
 
 from bench.common import FP8, dsv3_shape, log, stats, timed, timed_rounds
+from bench.lateness import KINDS as LATE_KINDS
+from bench.lateness import measure_kinds
 from bench.skew import skew_delays_ms, skew_seed, timed_skew_draws
+from streamring.gemm.backends import CAPABILITIES
 from streamring.device import kernels as DK
 from streamring.device.gemm_grid import GEMM_GRID
 from streamring.device.moe_triton import stamp
@@ -324,9 +327,10 @@ def gemm_only_graph(buf: EPBuffer, layer):
 
 
 def late_cases(args) -> list[tuple]:
-    """``(straggler_ms, straggler_rank, skew_ms)`` of every late-rank case measured after the on-time one:
-    each straggler delay on each straggling PE in turn, then each random arrival skew."""
-    return [(ms, r, 0.0) for ms in args.straggler_ms for r in args.straggler_ranks] + \
+    """``(straggler_ms, straggler_rank, skew_ms)`` of every late-rank case of the producer kind measured after the
+    on-time one: each straggler delay on each straggling PE in turn (with ``--lateness producer``), then each
+    random arrival skew."""
+    return [(ms, r, 0.0) for ms in args.straggler_ms for r in args.straggler_ranks if getattr(args, "producer_late", True)] + \
         [(0.0, None, sk) for sk in args.skew_ms]
 
 
@@ -457,22 +461,28 @@ def stamped_timelines(heap, buf, layer, x, routing, streaming, late_ms: float, i
 
 def case_fields(case) -> dict:
     ms, rank, skew = case
-    return {"straggler_ms": ms, "straggler_rank": rank, "skew_ms": skew}
+    kind = "skew" if skew else "producer" if rank is not None else "none"
+    return {"straggler_ms": ms, "straggler_rank": rank, "skew_ms": skew, "lateness": kind}
 
 
 ON_TIME = (0.0, None, 0.0)
 
 
 def plans_for(args, T: int, gemm: str) -> list[tuple]:
-    """Every streamed plan ``(chunks, policy, ctas, order, consumer, reserved_sms, ready_window_us)`` measured at
-    ``T``. One chunk streams only in the ready and arrival orders: dispatch steps by source, so a late source
-    delays only its own rows (with the rank order it would be the batch path's schedule). The ready window is a
-    dimension of the ready order only (None: ``EPTuning``'s default)."""
-    return [(C, pol, ctas, order, cons, k, win) for C in args.chunks if math.ceil(T / C) >= 8
+    """Every streamed plan ``(chunks, policy, ctas, order, consumer, reserved_sms, ready_window_us,
+    streamed_grid_waves, group_max_tokens)`` measured at ``T``. One chunk streams only in the ready and arrival
+    orders: dispatch steps by source, so a late source delays only its own rows (with the rank order it would be
+    the batch path's schedule). The ready window and the grouping bound are dimensions of the ready order only,
+    the grid's waves of the GEMMs that have them (``gemm.backends.Capabilities.waves``; None: ``EPTuning``'s
+    defaults)."""
+    waves = args.waves if gemm == "auto" or CAPABILITIES.get(gemm, CAPABILITIES["triton"]).waves else [None]
+    return [(C, pol, ctas, order, cons, k, win, wv, gmt) for C in args.chunks if math.ceil(T / C) >= 8
             for order in args.orders if C >= 2 or order != "rank"
             for pol in args.policies for ctas in args.ctas
             for cons in args.consumers for k in (args.reserved_sms if cons == "persistent" else [None])
             for win in (args.ready_windows_us if order == "ready" else [None])
+            for gmt in (args.group_max_tokens if order == "ready" else [None])
+            for wv in waves
             if cons == "per_chunk" or (gemm == "triton" and ctas is None)]
 
 
@@ -537,8 +547,8 @@ def bench_tokens(heap, T, shape, full, base, args, rows, timelines, budget):
                 if budget.spent():
                     rows.append({**common_r, "gemm": gemm, "path": "skipped", "error": "time budget spent"})
                     return
-                C, pol, ctas, order, cons, k, win = plan or (1, "serialized", None, "rank", args.batch_consumer, None,
-                                                             None)
+                C, pol, ctas, order, cons, k, win, wv, gmt = plan or (1, "serialized", None, "rank",
+                                                                      args.batch_consumer, None, None, None, None)
                 chunk = math.ceil(T / C)
                 slots = C if order == "arrival" else min(args.slots, C)  # arrival: a slot per chunk
                 cfg = {"chunks": C, "chunk_tokens": chunk, "policy": pol, "num_slots": slots,
@@ -549,13 +559,17 @@ def bench_tokens(heap, T, shape, full, base, args, rows, timelines, budget):
                                       transport=args.transport, chunk_gemm_ctas=ctas, consumer=cons,
                                       reserved_sms=k or 16,
                                       **({} if win is None else {"ready_window_us": win}),
-                                      **({} if args.group_max_tokens is None
-                                         else {"group_max_tokens": args.group_max_tokens}))
+                                      **({} if wv is None else {"streamed_grid_waves": wv}),
+                                      **({} if gmt is None else {"group_max_tokens": gmt}))
                     buf = EPBuffer(heap, shape, max_tokens_per_rank=T, num_slots=slots, tokens_per_slot=chunk,
                                    gemm=gemm, deadline_s=args.deadline_s, tuning=tuning, name="bench")
                     if plan and buf.groups_sources(buf.paths["stream"], T):
                         # the rows ran grouped ready steps with this window (the cost model reads it)
                         cfg["ready_window_us"] = tuning.ready_window_us
+                    if plan:
+                        cfg["grouped_steps"] = buf.groups_sources(buf.paths["stream"], T)
+                        cfg["streamed_grid_waves"] = tuning.streamed_grid_waves if CAPABILITIES[buf.gemm].waves \
+                            else None
                     moe_debug.record_timeline(buf)
                     layer = buf.prepare_weights(full)
                     info = dict(tokens=T, routing=routing_name, gemm=buf.gemm, experts_per_pe=epp)
@@ -602,6 +616,8 @@ def bench_tokens(heap, T, shape, full, base, args, rows, timelines, budget):
                                           **({} if fw is None else {
                                               **fw, "less_first_wait_over_batch_on_time":
                                                   fw["streamed_less_first_wait_ms"] / b_on})})
+                    if any(kd in LATE_KINDS for kd in args.lateness):
+                        late_rows += kind_rows(heap, buf, layer, x, routing, args, {**common_r, **cfg}, same, auto_f)
                     rows += [r] + late_rows
                     log(f"T={T} E/PE={epp} {routing_name} {buf.gemm}: streamed {cfg} {st['median_ms']:.3f} ms "
                         f"({r['streamed_over_batch']:.3f}x batch), late "
@@ -655,11 +671,35 @@ def bench_tokens(heap, T, shape, full, base, args, rows, timelines, budget):
                 log(f"T={T}: torch+NCCL FAILED: {type(exc).__name__}: {exc}")
 
 
+def kind_rows(heap, buf, layer, x, routing, args, fields: dict, same: bool, auto_f: dict) -> list[dict]:
+    """The rows of ``bench.lateness``'s kinds for one streamed plan (each paired with the batch path in the same
+    case and on time; ``other_work_over_batch``: the late PE's own work beside the streamed path over beside
+    the batch path)."""
+    out = []
+    for m in measure_kinds(heap, buf, layer, x, routing, args, timed_rounds, stats):
+        b_case, b_on = m["batch"]["median_ms"], m["batch_on_time"]["median_ms"]
+        s_ = m["streamed"]
+        ow, owb = m["other_work_ms"], m["other_work_batch_ms"]
+        out.append({**fields, "path": "streamed", "gemm": buf.gemm, "straggler_ms": m["ms"], "straggler_rank": m["rank"],
+                    "skew_ms": 0.0, "lateness": m["kind"], "launch_ahead": m["launch_ahead"], "late_matmuls": m["matmuls"],
+                    **s_, "bitwise_equal_to_batch": same, "paired": True, **auto_f,
+                    "batch_paired_ms": b_case, "batch_on_time_paired_ms": b_on,
+                    "streamed_over_batch": s_["median_ms"] / b_case, "over_batch_on_time": s_["median_ms"] / b_on,
+                    "other_work_ms": ow, "other_work_batch_ms": owb,
+                    "other_work_over_batch": ow / owb if ow and owb else None})
+        log(f"  {m['kind']} {m['ms']:g} ms on PE {m['rank']} (launched ahead {m['launch_ahead']}): streamed "
+            f"{out[-1]['streamed_over_batch']:.3f}x batch same case, {out[-1]['over_batch_on_time']:.3f}x on-time batch"
+            + (f", other work {out[-1]['other_work_over_batch']:.3f}x" if out[-1]["other_work_over_batch"] else ""))
+    return out
+
+
 def case_label(r) -> str:
     if r.get("skew_ms"):
         return f"skew{r['skew_ms']:g}"
     if r.get("straggler_rank") is not None:
-        return f"r{r['straggler_rank']}+{r['straggler_ms']:g}"
+        kind = r.get("lateness", "producer")
+        prefix = "" if kind == "producer" else f"{kind}{'^' if r.get('launch_ahead') else ''}:"
+        return f"{prefix}r{r['straggler_rank']}+{r['straggler_ms']:g}"
     return "-"
 
 
@@ -711,7 +751,7 @@ def verdicts(rows) -> str:
     for (T, epp, routing, gemm), plans in sorted(groups.items(), key=lambda kv: str(kv[0])):
         label, rs = min(plans.items(), key=lambda kv: max(x["over_batch_on_time"] for x in kv[1]))
         on = [x for x in rs if case_label(x) == "-"]
-        late = [x for x in rs if x.get("straggler_rank") is not None]
+        late = [x for x in rs if x.get("straggler_rank") is not None and x.get("lateness", "producer") == "producer"]
         skew = [x for x in rs if x.get("skew_ms")]
         parts = [f"on time {on[0]['over_batch_on_time']:.3f}x{' ok' if on[0]['over_batch_on_time'] <= 1.0 else ' MISSED'}"
                  if on else "on time n/a"]
@@ -725,6 +765,19 @@ def verdicts(rows) -> str:
                     if "first_wait_ms" in x else "")
             parts.append(f"{case_label(x)} {x['over_batch_on_time']:.3f}x on-time batch, {x['streamed_over_batch']:.3f}x "
                          f"batch same draws{' ok' if ok else ' MISSED'}{wait}")
+        for kind in LATE_KINDS:
+            ks = [x for x in rs if x.get("lateness") == kind]
+            if not ks:
+                continue
+            w = max(ks, key=lambda x: x["over_batch_on_time"] if kind == "idle" else x["streamed_over_batch"])
+            if kind == "idle":  # hidden: the layer's time with the wait before it as if on time
+                parts.append(f"{case_label(w)} {w['over_batch_on_time']:.3f}x on-time batch"
+                             f"{' hidden' if w['over_batch_on_time'] <= 1.02 else ' NOT hidden'}")
+            else:  # the same work either way: no slower than batch in the same case, its other work not slowed
+                ow = max((x["other_work_over_batch"] for x in ks if x.get("other_work_over_batch")), default=None)
+                ok = w["streamed_over_batch"] <= 1.0 and (ow is None or ow <= 1.03)
+                parts.append(f"{case_label(w)} {w['streamed_over_batch']:.3f}x batch same case, other work "
+                             f"{'n/a' if ow is None else format(ow, '.3f') + 'x'}{' ok' if ok else ' MISSED'}")
         auto = auto_verdict(rs)
         if auto:
             parts.append(auto)
@@ -772,8 +825,20 @@ def main(argv=None) -> int:
                          "Triton GEMMs only)")
     ap.add_argument("--ready-windows-us", type=lambda s: [float(v) for v in s.split(",") if v], default=[None],
                     help="ready order: EPTuning.ready_window_us values to measure (default: its default)")
-    ap.add_argument("--group-max-tokens", type=int, default=None,
-                    help="ready order: EPTuning.group_max_tokens (default: its default)")
+    ap.add_argument("--group-max-tokens", type=lambda s: [None if v == "default" else int(v) for v in s.split(",")],
+                    default=[None], help="ready order: EPTuning.group_max_tokens values to measure ('default': its "
+                                         "default)")
+    ap.add_argument("--waves", type=lambda s: [None if v == "default" else int(v) for v in s.split(",")],
+                    default=[None], help="GEMMs whose grid runs in waves (CUTLASS): EPTuning.streamed_grid_waves "
+                                         "values to measure ('default': its default; 1: one CTA per SM)")
+    ap.add_argument("--lateness", type=words, default=["producer"],
+                    help=f"kinds of lateness of the late PE: producer (a delay inside its producer stage, the "
+                         f"stragglers), {', '.join(LATE_KINDS)} (bench.lateness: its caller stream idle or busy "
+                         f"before the layer, or busy beside it), each for every --straggler-ms and "
+                         f"--straggler-ranks")
+    ap.add_argument("--launch-ahead", choices=["on", "off", "both"], default="on",
+                    help="the lateness kinds' streamed graphs launch the consumer ahead of the late work "
+                         "(EPBuffer.launch_consumer), or not, or both")
     ap.add_argument("--batch-consumer", default="per_chunk", choices=["per_chunk", "persistent"])
     ap.add_argument("--reserved-sms", type=ints, default=[16], help="persistent consumer: SMs left to the producers")
     ap.add_argument("--transport", default="auto", choices=["auto", "p2p", "nv"])
@@ -804,6 +869,14 @@ def main(argv=None) -> int:
     bad = [r for r in args.routings if r not in ROUTINGS]
     if bad:
         ap.error(f"--routings: {bad} not among {list(ROUTINGS)}")
+    bad = [k for k in args.lateness if k not in ("producer",) + LATE_KINDS]
+    if bad:
+        ap.error(f"--lateness: {bad} not among {['producer', *LATE_KINDS]}")
+    if "producer" not in args.lateness:  # the straggler delays are the producer kind: measured only when asked
+        args.skew_ms = []
+        args.producer_late = False
+    else:
+        args.producer_late = True
     budget = Budget(args.budget_s)
     os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", args.symmetric_size)
     from streamring.device.nvshmem import NvshmemHeap

@@ -9,7 +9,8 @@
 #    EPM_TESTS_FILES and EPM_TESTS_K choose others; skipped with exit status 3 when the budget leaves them
 #    under 60 s after the 330 s the later steps hold back);
 #    unless EPM_RUN=0: `streamring run` with 2 PEs in the ready and arrival orders (EPM_RUN_ORDERS) with a
-#    3 ms straggler (bitwise streamed == batch);
+#    3 ms straggler (bitwise streamed == batch); EPM_RUN_SETS: more `--set KEY=VALUE` words for it (e.g.
+#    run.launch_ahead=true);
 # 2. `mpiexec -n 2 python3 -m bench.ep_layer` at $EPM_TOKENS (1024,4096,8192) tokens per PE,
 #    $EPM_EXPERTS (32) experts per PE, uniform routing, Triton GEMMs (EPM_GEMMS), $EPM_CHUNKS (1,2,4) chunks, the
 #    ready and arrival orders, stragglers of 1 and 3 ms on either PE and a 0..2 ms random skew; no torch +
@@ -81,7 +82,7 @@ if [ "${EPM_RUN:-1}" = 1 ]; then
       --set layer.topk_group=2 --set layer.topk=4 --set layer.hidden=512 --set layer.intermediate=256 \
       --set run.block_m=16 --set run.tokens_per_rank=300 --set ring.num_slots=5 --set ring.tokens_per_slot=64 \
       --set run.epochs=3 --set run.source_order="$ORDER" --set "run.straggler={rank: 1, ms: 3}" \
-      > "$OUT/run_$ORDER.log" 2>&1
+      $(for kv in ${EPM_RUN_SETS:-}; do printf -- '--set %s ' "$kv"; done) > "$OUT/run_$ORDER.log" 2>&1
     rc=$?; [ $rc = 0 ] || RC=$rc; say "run $ORDER rc=$rc"
     tail -6 "$OUT/run_$ORDER.log" | tee -a "$LOG"
   done

@@ -122,6 +122,9 @@ class RunConfig(_Strict):
     fault: Optional["ReplayFault"] = Field(
         None, description="fast GPU path: kill or stop one rank in the middle of a streamed forward (rank-failure "
                           "tests; the CPU backend's is stress.fault)")
+    launch_ahead: bool = Field(
+        False, description="fast GPU path: the streamed graph launches its consumer side ahead of the forward's "
+                           "input (EPBuffer.launch_consumer, both in the graph)")
 
 
 class Straggler(_Strict):

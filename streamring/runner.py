@@ -137,6 +137,9 @@ def check_run_job(cfg: Config, num_ranks: int) -> None:
             raise ConfigError(f"run.fault.epoch must be in [0, run.epochs={cfg.run.epochs}), got {f.epoch}")
         if cfg.run.mode == "batch":
             raise ConfigError("run.fault fails a streamed forward: run.mode must be 'both' or 'stream', got 'batch'")
+    if cfg.run.launch_ahead and not use_fast_gpu_path(cfg):
+        raise ConfigError("run.launch_ahead launches the consumer of the expert-parallel GPU layer ahead "
+                          "(--backend nvshmem, layer.weight_dtype=fp8); the CPU layer's consumer runs in its forward")
     if cfg.run.source_order == "arrival":
         if not use_fast_gpu_path(cfg):
             raise ConfigError("run.source_order 'arrival' is a dispatch order of the expert-parallel GPU layer "
@@ -267,7 +270,7 @@ def run_layer_gpu(heap, cfg: Config) -> dict:
                ref_excluded=0, batch_wall_s=0.0, stream_wall_s=0.0, epochs=cfg.run.epochs, scheduler="blocks",
                rtol=B.FAST_PATH_REL_TOL, atol=0.0, path="fast", transport=buf.transport,
                policy=cfg.nvshmem.progress, gemm=buf.gemm, gemm_batch=buf.gemm, gemm_stream=buf.gemm,
-               ring_errors={})
+               launch_ahead=cfg.run.launch_ahead, ring_errors={})
     # Every host barrier has a deadline, so a dead or stopped peer ends this rank's run with an error. It
     # outlasts a peer's slowest forward (every device wait ends within wait_timeout_s; the host gives a
     # forward 2 x wait_timeout_s + 5 s): a peer whose forward ran into a deadline is late, not dead.
@@ -282,7 +285,8 @@ def run_layer_gpu(heap, cfg: Config) -> dict:
             failed = failed or str(exc)
             break
         barrier()
-        graphs[m] = buf.capture(x_buf, layer, outs[m], streaming=(m == "stream"))
+        graphs[m] = buf.capture(x_buf, layer, outs[m], streaming=(m == "stream"),
+                                launch_ahead=cfg.run.launch_ahead and m == "stream")
         barrier()
     if st is not None and st.rank == me:
         buf.set_straggler(int(st.ms * 1e6))

@@ -28,8 +28,9 @@ choice) is :mod:`streamring.moe.ep_pipeline`, beside the code that does it.
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -66,6 +67,17 @@ def resolve_gemm(gemm: str, shape: MoEShape, num_ranks: int, max_tokens_per_rank
     if gemm not in GEMMS:
         raise ValueError(f"gemm must be one of {GEMMS}, got {gemm!r}")
     return GC.resolve_layer(gemm, block_m, shape, [max_tokens_per_rank] * num_ranks)
+
+
+@dataclass(frozen=True)
+class _Launched:
+    """A streamed forward's consumer side enqueued ahead of its producer (:meth:`EPBuffer.launch_consumer`)."""
+
+    layer: "LayerWeights"
+    rows: int
+    stamps: bool
+    enqueued: bool  # False: nothing was enqueued (serialized policy, or the streamed path's first forward)
+    capturing: bool  # enqueued inside a CUDA graph capture
 
 
 @dataclass
@@ -160,11 +172,14 @@ class EPBuffer(EPPipeline):
         self.deadline_s = deadline_s
         self.dev = dev = heap.device
         self._on_gpu = torch.device(dev).type == "cuda"
+        #: the SMs this process's kernels may use (an MPS client's share under MPS)
+        self.sm_count = torch.cuda.get_device_properties(dev).multi_processor_count if self._on_gpu else 1
         if not self._on_gpu and policy != "serialized":
             raise ValueError(f"policy {policy!r} needs a GPU (streams); off the GPU only 'serialized' runs")
         self.broken: Optional[str] = None
         #: the tuned table's answer for the last streaming="auto" forward (:meth:`adaptive_streaming`)
         self.last_adaptive = None
+        self._launched: Optional[_Launched] = None  # a consumer side enqueued ahead (launch_consumer)
         self._warm: set = set()
         self._graph_paths: dict = {}  # id(graph) -> the path it was captured on (replay() checks that ring)
         self._regions: list = []
@@ -264,7 +279,6 @@ class EPBuffer(EPPipeline):
             from .work_queue import WorkQueue
 
             self.queue = WorkQueue(self.bc)
-            self.sm_count = torch.cuda.get_device_properties(dev).multi_processor_count if self._on_gpu else 1
             self.comb_arrived_delta = ((self._comb_peers_t - self.comb_base) // 8).contiguous()  # int64 words
 
     # -- layers -----------------------------------------------------------------------------------
@@ -315,16 +329,15 @@ class EPBuffer(EPPipeline):
     # -- the forward --------------------------------------------------------------------------------
     def adaptive_streaming(self, tokens: int) -> bool:
         """``streaming="auto"``: whether streaming wins for ``tokens`` rows per PE with this buffer's GEMM
-        implementation, PE count, experts per PE, chunk count and dispatch order. The tuned table
-        (:mod:`streamring.moe.adaptive`, made by ``python -m bench.make_adaptive_table`` from the layer
-        benchmark) decides where it has a row for the setting: its batch row, or its streamed row where that
-        row's schedule is the buffer's (chunking and order, ``_schedule``); elsewhere, a streamed row of
-        another schedule included, the cost model weighs the buffer's own schedule
-        (:func:`~streamring.moe.adaptive.choose_by_model`).
-        Batch where neither finds a win (and for 0 rows): the batch path is the correctness fallback and what
-        streaming must beat. :attr:`last_adaptive` keeps the answer; its ``source`` says which decided."""
+        implementation, PE count, experts per PE, chunk count and dispatch order, from the tuned table's rows of
+        that same GEMM implementation only (:mod:`streamring.moe.adaptive`, made by
+        ``python -m bench.make_adaptive_table`` from the layer benchmark): its batch row, or its streamed row
+        where that row's schedule is the buffer's (chunking and order, ``_schedule``). Batch where the table has
+        no row of this implementation and setting, where its row is another schedule's, or where it measured
+        no win (and for 0 rows): the batch path is the correctness fallback and what streaming must beat, and a
+        measurement of one GEMM implementation says nothing of another's. :attr:`last_adaptive` keeps the
+        answer; its ``source`` says what decided (``measured``, ``none``, ``other schedule``)."""
         from . import adaptive
-        from .cost_model import INTER_NODE_GBPS, NVLINK_GBPS
 
         if tokens < 1:
             return False
@@ -333,19 +346,14 @@ class EPBuffer(EPPipeline):
         own = _schedule(st.num_chunks, st.source_order, window, self.R)
         choice = adaptive.choose(int(tokens), gemm=self.gemm, ranks=self.R, experts_per_pe=self.E_loc,
                                  min_chunk_tokens=1)
-        # a measured streamed win of another schedule says nothing of this buffer's own against batch (it
-        # only beat this one, if this one was measured): the model weighs this buffer's schedule
-        mismatch = choice.path == "streamed" and _schedule(choice.chunks, choice.source_order,
-                                                            choice.ready_window_us, self.R) != own
-        if choice.source == "none" or mismatch:
-            choice = adaptive.choose_by_model(
-                int(tokens), ranks=self.R, experts_per_pe=self.E_loc, gemm=self.gemm, block_m=self.block_m,
-                chunks=st.num_chunks, source_order=st.source_order, ready_window_us=window,
-                link_GBps=NVLINK_GBPS if self.transport == "p2p" else INTER_NODE_GBPS,
-                shape=(self.shape.hidden, self.shape.intermediate, self.shape.topk))
+        # a measured streamed win of another schedule says nothing of this buffer's own against batch
+        if choice.path == "streamed" and _schedule(choice.chunks, choice.source_order, choice.ready_window_us,
+                                                   self.R) != own:
+            choice = adaptive.AdaptiveChoice(int(tokens), "batch", self.block_m, int(tokens), source="other schedule",
+                                             table_tokens=choice.table_tokens,
+                                             note=f"the table's streamed row is another schedule "
+                                                  f"({choice.chunks} chunks, {choice.source_order}): the batch path")
         self.last_adaptive = choice
-        # a streamed choice is now the buffer's own schedule: a table row that matched it, or the model's (asked
-        # with the buffer's chunks, order and window)
         return choice.path == "streamed"
 
     def forward(self, x: torch.Tensor, weights: LayerWeights, *, streaming: bool | str = False,
@@ -419,6 +427,7 @@ class EPBuffer(EPPipeline):
             raise ValueError(f"streaming must be True, False or 'auto', got {streaming!r}")
         path = self.paths["stream" if streaming else "batch"]
         capturing = self._on_gpu and torch.cuda.is_current_stream_capturing()
+        launched = self._take_launched(weights, T, streaming, stream_epoch, capturing)
         if stream_epoch is not None:
             if not streaming:
                 raise ValueError("stream_epoch is for streaming=True (the batch ring counts its own epochs)")
@@ -439,29 +448,153 @@ class EPBuffer(EPPipeline):
             self._warm.add(path.name)
             self.check()
             return out
-        self._enqueue(path, weights, x, out, num_tokens, routing, None, stamps)
+        if launched is not None and launched.enqueued:
+            self._enqueue(path, weights, x, out, num_tokens, routing, None, launched.stamps, launched=True)
+        else:
+            self._enqueue(path, weights, x, out, num_tokens, routing, None, stamps)
         return out
 
+    def launch_consumer(self, weights: LayerWeights, rows: int, *, stamps: bool = True) -> None:
+        """Enqueue the consumer side of this layer's next streamed forward now, ahead of its input (the RFC's
+        question 4: a consumer launched before all chunks are ready).
+
+        The dispatch, GEMM and puts streams start behind what the current stream holds at this call (the
+        previous layer's forward: its blocks, rows and combine area are reused) and never wait on anything the
+        caller enqueues after it: while this PE's own stream is still busy (attention) or waiting, its consumer
+        already dispatches and computes the rows that other PEs publish. Past that start its waits are the
+        ring's generations (acquire, with the deadline ``deadline_s``, naming the source and chunk when it
+        expires) and its own stream order. Call it right after the previous layer's forward, before the work
+        that produces this layer's ``x``; the next :meth:`forward` must then be this layer's
+        (``weights``), ``streaming=True`` (or ``"auto"`` choosing it) with ``x`` of ``rows`` rows: it enqueues
+        the producer, the owner's reduce and the join only. Collective like :meth:`forward` (every PE launches
+        the same layers in the same order). Streamed output stays bitwise equal to batch.
+
+        Any other call first cancels the launch (a forward of another layer, of another row count or on the batch
+        path, :meth:`capture`, :meth:`close`, :meth:`cancel_launch`): this PE's producer publishes empty chunks
+        so that no consumer waits past its deadline, with a warning naming both. Inside a CUDA graph capture the
+        launch and its forward must be captured together (both inside, as a whole-model graph does).
+
+        With the ``serialized`` policy (one stream), with the persistent consumer refused below, and before the
+        streamed path's first (eager) forward, nothing is enqueued here and the forward runs whole.
+
+        Args:
+            weights: the layer's weights (:meth:`prepare_weights`), as the next forward passes them.
+            rows: ``x.shape[0]`` of the next forward (the grids' expectations depend on it).
+            stamps: record the timeline stamps (a buffer with ``record_timeline``).
+        Raises:
+            ValueError: naming the argument (nothing is enqueued, a pending launch stays); with
+                ``tuning.consumer='persistent'`` (its kernel would hold the SMs the caller's own work needs).
+        """
+        if self.broken:
+            raise RuntimeError(f"this EPBuffer is unusable after a ring error ({self.broken}); close() it and build "
+                               f"a new EPBuffer on every PE (collective)")
+        if not isinstance(weights, LayerWeights):
+            raise ValueError(f"weights must come from EPBuffer.prepare_weights (a LayerWeights), got "
+                             f"{type(weights).__name__}")
+        if isinstance(rows, bool) or not isinstance(rows, int) or not 0 <= rows <= self.max_tokens:
+            raise ValueError(f"rows must be an int in [0, max_tokens_per_rank={self.max_tokens}] (x.shape[0] of the "
+                             f"next forward), got {rows!r}")
+        if self.consumer == "persistent":
+            raise ValueError("launch_consumer needs tuning.consumer 'per_chunk': the persistent consumer's kernel "
+                             "would hold the SMs the caller's own work needs while it waits")
+        capturing = self._on_gpu and torch.cuda.is_current_stream_capturing()
+        self._cancel_launched("a new launch_consumer")
+        path = self.paths["stream"]
+        enqueue = path.name in self._warm and path.policy != "serialized" and self.pstream is not None
+        if enqueue:
+            self._enqueue_launch(path, weights, rows, stamps)
+        self._launched = _Launched(weights, rows, stamps, enqueue, capturing)
+
+    def cancel_launch(self) -> bool:
+        """Cancel a consumer side enqueued ahead by :meth:`launch_consumer` (this PE's producer publishes empty
+        chunks and the forward's end is enqueued: its consumers, here and on every PE, finish with no rows of this
+        PE's). Collective in effect: every PE must cancel or run the launched forward. True if one was pending."""
+        return self._cancel_launched(None)
+
+    def _cancel_launched(self, why: Optional[str]) -> bool:
+        ld, self._launched = self._launched, None
+        if ld is None:
+            return False
+        if why is not None:
+            warnings.warn(f"EPBuffer: the consumer launched ahead for a layer's forward of {ld.rows} rows was "
+                          f"cancelled by {why}", stacklevel=3)
+        if ld.enqueued:
+            capturing = self._on_gpu and torch.cuda.is_current_stream_capturing()
+            if capturing != ld.capturing:
+                self.broken = self.broken or ("a consumer launched ahead " + ("inside" if ld.capturing else "outside")
+                                              + " a CUDA graph capture was cancelled " + ("outside" if ld.capturing
+                                              else "inside") + " it")
+                raise RuntimeError(f"{self.broken}: its producer cannot be enqueued there (a captured graph would "
+                                   f"hold a consumer whose producer never runs); the buffer now refuses to run: "
+                                   f"rebuild it")
+            H = self.shape.hidden
+            empty = torch.empty(0, H, dtype=torch.bfloat16, device=self.dev)
+            self._enqueue(self.paths["stream"], ld.layer, empty, empty, 0, None, None, ld.stamps, launched=True)
+        return True
+
+    def _take_launched(self, weights, rows: int, streaming: bool, stream_epoch, capturing: bool):
+        """The pending launch this forward runs the producer side of (None: none pending, or cancelled here
+        because this forward is not the launched one)."""
+        ld = self._launched
+        if ld is None:
+            return None
+        if ld.enqueued and ld.capturing != capturing:
+            self._cancel_launched("a forward " + ("inside" if capturing else "outside") + " a CUDA graph capture")
+            return None
+        if not streaming or weights is not ld.layer or rows != ld.rows or stream_epoch is not None:
+            what = ("a batch forward" if not streaming else "a forward with stream_epoch" if stream_epoch is not None
+                    else "a forward of another layer" if weights is not ld.layer
+                    else f"a forward of {rows} rows")
+            self._cancel_launched(what)
+            return None
+        self._launched = None
+        return ld
+
     def capture(self, x: torch.Tensor, weights: LayerWeights, out: torch.Tensor, *, streaming: bool = False,
-                num_tokens=None, routing: Optional[tuple] = None, node_priority: bool = True, stamps: bool = True):
+                num_tokens=None, routing: Optional[tuple] = None, node_priority: bool = True, stamps: bool = True,
+                launch_ahead: bool = False, before: Optional[Callable[[], None]] = None):
         """Capture one :meth:`forward` into a CUDA graph and return it (run one eager forward of the
         same path first). With ``node_priority`` (and high-priority producer/dispatch streams) every
         kernel node but the expert GEMMs gets the high launch priority explicitly (a captured node
-        does not keep its stream's priority); ``self.node_priority_report`` says what was changed."""
+        does not keep its stream's priority, :meth:`prioritize`); ``self.node_priority_report`` says what was
+        changed. A consumer launched ahead eagerly (:meth:`launch_consumer`) is cancelled first.
+
+        ``before``: the caller's own work for this layer (what produces ``x``: attention), called on the
+        capture stream before the forward and captured with it. ``launch_ahead`` (``streaming=True``): the
+        consumer side is launched (:meth:`launch_consumer`) at the graph's start, before ``before``'s work, so
+        in every replay it runs beside that work instead of after it."""
+        self._cancel_launched("capture()")
+        if launch_ahead and not streaming:
+            raise ValueError("launch_ahead=True needs streaming=True (the batch path has no consumer to launch ahead)")
         want = node_priority and streaming and self.priority_streams and self.events != []
         g = torch.cuda.CUDAGraph(keep_graph=want)
         side = torch.cuda.Stream(device=self.dev)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.graph(g, stream=side, capture_error_mode="thread_local"):
+            if launch_ahead:
+                self.launch_consumer(weights, x.shape[0], stamps=stamps)
+            if before is not None:
+                before()
             self.forward(x, weights, streaming=streaming, num_tokens=num_tokens, out=out, routing=routing,
                          stamps=stamps)
         self._graph_paths[id(g)] = self.paths["stream" if streaming else "batch"]
-        self.node_priority_report = "not asked" if not want else _prioritize_nodes(
-            g, {int(k.function) for k in self.bc.gemm_kernels}, self.pstream.priority)
+        self.node_priority_report = "not asked" if not want else self.prioritize(g)
         if want:
             g.instantiate()
         torch.cuda.current_stream().wait_stream(side)
         return g
+
+    def prioritize(self, graph) -> str:
+        """Give every kernel node of ``graph`` (a ``torch.cuda.CUDAGraph(keep_graph=True)`` captured with this
+        buffer's streamed forwards in it, not yet instantiated) but this buffer's expert GEMMs the high launch
+        priority of its producer and dispatch streams: a captured node does not keep its stream's priority, and
+        without it the next source's dispatch, a late PE's producer and the result puts wait behind the GEMMs'
+        pending CTAs. The caller's own kernels in the graph (attention, ...) get it too, so a consumer launched
+        ahead (:meth:`launch_consumer`) computes in the SMs they leave. Returns a one-line report."""
+        if self.pstream is None:
+            return "no priorities: the serialized policy runs one stream"
+        return _prioritize_nodes(graph, {int(k.function) for k in self.bc.gemm_kernels}, self.pstream.priority,
+                                 CAPABILITIES[self.gemm].kernel_names)
 
     # -- status -------------------------------------------------------------------------------------
     def status(self) -> dict:
@@ -596,7 +729,10 @@ class EPBuffer(EPPipeline):
                              block_m=self.block_m, gemm=self.gemm)
 
     def close(self) -> None:
-        """Free the rings and the combine area (collective)."""
+        """Free the rings and the combine area (collective; a consumer launched ahead is cancelled first)."""
+        if self._launched is not None and not self.broken:
+            self._cancel_launched("close()")
+            self._sync()
         self.heap.free(self.comb_region)
         for p in self.paths.values():
             p.ring.close()
@@ -697,10 +833,22 @@ def memory_report(shape: MoEShape, num_ranks: int, *, max_tokens_per_rank: int, 
             "one_layer_ring_and_combine": one, "ratio": sym / one, "local": local}
 
 
-def _prioritize_nodes(graph, low_funcs: set, priority: int) -> str:
-    """Give every kernel node of the captured ``graph`` whose function is not in ``low_funcs``
-    the launch priority ``priority`` (CUDA driver graph API). Returns a one-line report."""
+def _prioritize_nodes(graph, low_funcs: set, priority: int, low_names: tuple = ()) -> str:
+    """Give every kernel node of the captured ``graph`` whose function is not in ``low_funcs`` and whose name
+    (``cuFuncGetName``: kernels launched by a library, whose handles Python does not see) contains none of
+    ``low_names`` the launch priority ``priority`` (CUDA driver graph API). Returns a one-line report."""
     from cuda.bindings import driver as drv
+
+    def is_low(func) -> bool:
+        if int(func) in low_funcs:
+            return True
+        if not low_names:
+            return False
+        res = drv.cuFuncGetName(func)
+        if res[0] != drv.CUresult.CUDA_SUCCESS:
+            return False
+        name = res[1].decode(errors="replace") if isinstance(res[1], bytes) else str(res[1])
+        return any(part in name for part in low_names)
 
     def ok(res, what):
         err = res[0] if isinstance(res, tuple) else res
@@ -725,7 +873,7 @@ def _prioritize_nodes(graph, low_funcs: set, priority: int) -> str:
             if ntype != kernel_type:
                 continue
             (params,) = ok(drv.cuGraphKernelNodeGetParams(node), "cuGraphKernelNodeGetParams")
-            if int(params.func) in low_funcs:
+            if is_low(params.func):
                 kept += 1
                 continue
             val = value_type()

@@ -91,6 +91,7 @@ from ..device import ep_triton as EK
 from ..device import moe_triton as K
 from ..device.ranges import annotate as nvtx_range
 from ..device.ringdesc import RING_LAYOUT, RING_ROUTE
+from ..gemm.backends import CAPABILITIES
 from ..ring.device import DeviceRing
 from ..ring.layout import RingLayout
 from .blocks import select_experts_into
@@ -176,8 +177,9 @@ class EPPipeline:
             self.dstream = torch.cuda.Stream(device=self.dev, priority=hi)
             self.gstream = torch.cuda.Stream(device=self.dev, priority=0)
             # (GEMMs with a local y) the puts of the result rows: off the GEMM stream, so the next blocks'
-            # GEMMs do not wait for them
-            self.ustream = torch.cuda.Stream(device=self.dev, priority=0)
+            # GEMMs do not wait for them, and at the dispatch's priority, so their CTAs get the SMs that the
+            # next call's CTAs free (memory-bound puts beside compute-bound GEMMs)
+            self.ustream = torch.cuda.Stream(device=self.dev, priority=hi)
             st = self.paths["stream"]
             n_steps = st.num_chunks * st.steps
             self.events = [torch.cuda.Event() for _ in range(n_steps)]
@@ -386,6 +388,22 @@ class EPPipeline:
                        row_tok=int(bc.row_tok.data_ptr()), row_chunk=int(bc.row_chunk.data_ptr()),
                        block_m=bc.block_m, max_items=max_items)
 
+    def _grid_ctas(self, path: _Path, sealing: bool) -> Optional[int]:
+        """The ``max_ctas`` of a streamed GEMM call (None: the backend's own grid). ``tuning.chunk_gemm_ctas`` caps
+        the calls while a later source may still be produced; a backend whose grid is persistent
+        (``Capabilities.waves``: one CTA per SM would hold every SM until the call ends) runs every streamed
+        call on ``tuning.streamed_grid_waves`` CTAs per SM, so its CTAs retire during the call and the next
+        source's dispatch, a late PE's producer and the result puts (all on higher-priority streams) get SMs
+        between them. The batch path keeps the backend's own grid."""
+        if path.name != "stream":
+            return None
+        if self.chunk_gemm_ctas is not None and not sealing:
+            return self.chunk_gemm_ctas
+        waves = self.tuning.streamed_grid_waves
+        if CAPABILITIES[self.gemm].waves and waves > 1:
+            return waves * self.sm_count
+        return None
+
     def _max_ready_per_step(self, path: _Path, j: int = 0) -> int:
         """Most blocks one dispatch step can make ready (the GEMM grid bound; grouped: :func:`grouped_step_bound`)."""
         args = (path.chunk, self.shape.topk, self.bc.block_m, self.E_loc, self.bc.max_blocks)
@@ -419,9 +437,8 @@ class EPPipeline:
             # (every step but the last, which joins the seal's call; grouped: every step of the last chunk, any
             # of which may seal); the sealed blocks take the whole GPU
             sealing = last or (self._grouped and c == path.num_chunks - 1)
-            ctas = self.chunk_gemm_ctas if path.name == "stream" and not sealing else None
             self._gemms(path, layer, i, i + 1, self._max_ready_per_step(path, j), self._expected_per_step(path, c, j),
-                        ctas, side_puts)
+                        self._grid_ctas(path, sealing), side_puts)
             if j == path.steps - 1:
                 self._stamp(c, 4)
 
@@ -436,7 +453,7 @@ class EPPipeline:
             bound = seal_bound(self._max_ready_per_step(path), self.E_loc, self.bc.max_blocks)
             c, j = path.order[-1]
             expect = seal_bound(self._expected_per_step(path, c, j), self.E_loc, self.bc.max_blocks)
-            self._gemms(path, layer, n - 1, n + 1, bound, expect, None, side_puts)
+            self._gemms(path, layer, n - 1, n + 1, bound, expect, self._grid_ctas(path, True), side_puts)
             self._stamp(path.order[-1][0], 4)
             self._stamp(path.num_chunks, 2)
 
@@ -456,16 +473,52 @@ class EPPipeline:
                 self.arrived[:path.num_chunks].zero_()
                 self._stamp(path.num_chunks, 3)
 
-    def _enqueue(self, path: _Path, layer: LayerWeights, x, out, num_tokens, routing, order, stamps):
+    def _begin(self, path: _Path, rows: int, stamps: bool) -> None:
+        """The host-side state of a forward of ``rows`` rows per PE on ``path`` (its grids' expectations, whether
+        it groups ready sources, its GEMM-call record and stamps), set by whichever half is enqueued first."""
         self._recording = stamps
         self._stamp_path = path
-        self._grouped = self.groups_sources(path, x.shape[0])
+        self._grouped = self.groups_sources(path, rows)
+        self._last_T = rows
+        self.gemm_calls = []
+
+    def _enqueue(self, path: _Path, layer: LayerWeights, x, out, num_tokens, routing, order, stamps, launched=False):
+        """One forward. ``launched``: its consumer side was enqueued ahead by :meth:`_enqueue_launch` (same
+        path, layer and rows), so only the producer side, the combine and the join are enqueued here."""
+        if not launched:
+            self._begin(path, x.shape[0], stamps)
         try:
             with nvtx_range(f"streamring EPBuffer.forward {path.name} ({path.num_chunks} chunks, {path.policy})",
                             color="purple"):
-                self._enqueue_inner(path, layer, x, out, num_tokens, routing, order)
+                self._enqueue_inner(path, layer, x, out, num_tokens, routing, order, launched)
         finally:
             self._recording = True
+
+    def _consumer_resets(self) -> None:
+        """Before the dispatch on the current stream: the dispatch (and the persistent consumer) start from empty
+        blocks and queue, the pulled-bytes count from 0."""
+        self.pull_bytes.zero_()
+        self.bc.begin()
+        if self.queue is not None:
+            self.queue.reset()
+
+    def _enqueue_launch(self, path: _Path, layer, rows: int, stamps: bool) -> None:
+        """The consumer side of the next streamed forward, ahead of its input (``EPBuffer.launch_consumer``):
+        the dispatch, GEMM and puts streams start behind what the current stream holds now (the previous
+        forward, whose blocks, rows and combine area they reuse) and wait on nothing the caller enqueues after
+        this call; past that, only on the ring's generations (acquire, with the deadline) and their own
+        stream order."""
+        self._begin(path, rows, stamps)
+        origin = self._current_stream()
+        for st in self._consumer_sides():
+            st.wait_stream(origin)
+        with self._side("d"):
+            self._stamp(path.num_chunks, 0)
+            self._consumer_resets()
+        self._enqueue_consumer(path, layer)
+
+    def _consumer_sides(self) -> list:
+        return [s_ for s_ in dict.fromkeys((self.dstream, self.gstream, self.ustream)) if s_ is not None]
 
     def _launch_consumer(self, path: _Path, layer, ctas: int):
         """The persistent consumer of this forward: ONE launch on the current stream (see ``work_queue``)."""
@@ -479,26 +532,23 @@ class EPPipeline:
         self.queue.seal(n)
         self._stamp(path.num_chunks, 2)
 
-    def _enqueue_inner(self, path, layer, x, out, num_tokens, routing, order):
+    def _enqueue_inner(self, path, layer, x, out, num_tokens, routing, order, launched):
         r = path.ring
-        self._last_T = x.shape[0]
-        self.gemm_calls = []
         origin = self._current_stream()
         C = path.num_chunks
-        persistent = self.queue is not None
         self._set_counts(path, num_tokens, x.shape[0])
         self.my_idx[: C * path.chunk].fill_(-1)
         self.expected[:C].zero_()
-        self.pull_bytes.zero_()
-        self._stamp(C, 0)
-        # before every side: the dispatch and the persistent consumer both start from empty blocks and queue
-        self.bc.begin()
-        if persistent:
-            self.queue.reset()
-        if path.policy == "serialized" or order == "serialized" or self.pstream is None:
-            self._enqueue_serialized(path, layer, x, out, routing)
+        if launched:
+            self._enqueue_producer(path, layer, x, out, routing, origin)
         else:
-            self._enqueue_streams(path, layer, x, out, routing, origin)
+            self._stamp(C, 0)
+            # before every side: the dispatch and the persistent consumer both start from empty blocks and queue
+            self._consumer_resets()
+            if path.policy == "serialized" or order == "serialized" or self.pstream is None:
+                self._enqueue_serialized(path, layer, x, out, routing)
+            else:
+                self._enqueue_streams(path, layer, x, out, routing, origin)
         r.drain(origin)
         r.advance_epoch(origin)
 
@@ -526,14 +576,20 @@ class EPPipeline:
         self._combine(path, out, 0, C)
 
     def _enqueue_streams(self, path, layer, x, out, routing, origin):
-        """Producer, dispatch and GEMM streams (spin_kernel, stream_wait, green_ctx): the consumer side is
-        enqueued first, so the progress policy must keep its waits from blocking the producer."""
-        C, persistent = path.num_chunks, self.queue is not None
-        sides = [s_ for s_ in dict.fromkeys((self.pstream, self.dstream, self.gstream, self.ustream))
-                 if s_ is not None]
-        side_puts = self.ustream is not None and not self.direct_l2
-        for st in sides:
+        """Producer, dispatch and GEMM streams (spin_kernel, stream_wait, green_ctx), every side forked from the
+        caller's stream: the consumer side is enqueued first, so the progress policy must keep its waits from
+        blocking the producer."""
+        for st in self._consumer_sides():
             st.wait_stream(origin)
+        self._enqueue_consumer(path, layer)
+        self._enqueue_producer(path, layer, x, out, routing, origin)
+
+    def _enqueue_consumer(self, path, layer):
+        """The consumer side on the dispatch, GEMM and puts streams: every dispatch step (acquire, dispatch,
+        ack), the GEMM calls of its blocks and the seal (the persistent consumer: its one launch and the queue's
+        seal)."""
+        persistent = self.queue is not None
+        side_puts = self.ustream is not None and not self.direct_l2
         if persistent:
             # launched before any block is ready: its CTAs claim blocks as the dispatch publishes them, and
             # leave reserved_sms SMs to the producer and the dispatch, which must progress while they wait
@@ -559,13 +615,18 @@ class EPPipeline:
         elif not persistent:
             with self._side("g"):
                 self._seal(path, layer, side_puts)
+
+    def _enqueue_producer(self, path, layer, x, out, routing, origin):
+        """The producer side (behind the caller's stream), the owner's reduce after it and the GEMMs, and every
+        side joined back into the caller's stream."""
+        self.pstream.wait_stream(origin)
         with self._side("p"):
-            for c in range(C):
+            for c in range(path.num_chunks):
                 self._produce(path, layer, x, c, routing)
-            self._stamp(C, 1)
+            self._stamp(path.num_chunks, 1)
         # one reduce after the producer and the GEMMs (green_ctx: on the consumer's partition)
         self.gstream.wait_stream(self.pstream)
         with self._side("g"):
-            self._combine(path, out, 0, C)
-        for st in sides:
+            self._combine(path, out, 0, path.num_chunks)
+        for st in dict.fromkeys((self.pstream, *self._consumer_sides())):
             origin.wait_stream(st)

@@ -212,23 +212,27 @@ class StreamringDeepseekV3MoE(nn.Module):
         layer: the registered layer (its ``id`` goes into the op).
         shared_experts: the original module's ``shared_experts``, kept as they are.
         streaming: streamed path (True) or batch-ready path (False) of the buffer.
+        launch_next: the id of the next MoE layer, whose consumer side the op enqueues ahead after this one
+            (``launch_ahead`` of :func:`replace_moe_experts`); None: none.
     """
 
-    def __init__(self, layer: MoELayer, shared_experts: nn.Module, streaming: bool = False):
+    def __init__(self, layer: MoELayer, shared_experts: nn.Module, streaming: bool = False,
+                 launch_next: Optional[int] = None):
         super().__init__()
         self.layer_id = int(layer.id)
         self.shared_experts = shared_experts
         self.streaming = bool(streaming)
+        self.launch_next = launch_next
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``[..., hidden]`` -> ``[..., hidden]`` in the input's dtype (collective: every rank calls it)."""
         shape = hidden_states.shape
         routed = torch.ops.streamring.moe_forward(hidden_states.reshape(-1, shape[-1]), self.layer_id,
-                                                  self.streaming, None, None)
+                                                  self.streaming, None, None, self.launch_next)
         return routed.view(shape) + self.shared_experts(hidden_states)
 
     def extra_repr(self) -> str:
-        return f"layer_id={self.layer_id}, streaming={self.streaming}"
+        return f"layer_id={self.layer_id}, streaming={self.streaming}, launch_next={self.launch_next}"
 
 
 class SwappedMoE:
@@ -239,12 +243,17 @@ class SwappedMoE:
         buffer: the shared buffer (not closed by :meth:`close`: the caller owns it).
     """
 
-    def __init__(self, buffer: Any, layers: dict):
+    def __init__(self, buffer: Any, layers: dict, hooks: tuple = ()):
         self.buffer = buffer
         self.layers: dict[str, MoELayer] = layers
+        self._hooks = list(hooks)
 
     def close(self) -> None:
-        """Unregister every layer (the swapped modules then raise if called); idempotent."""
+        """Unregister every layer (the swapped modules then raise if called) and remove the launch hook;
+        idempotent."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
         for layer in self.layers.values():
             layer.close()
 
@@ -256,7 +265,7 @@ class SwappedMoE:
 
 
 def replace_moe_experts(model: nn.Module, buffer: Any, *, checkpoint: Optional[Checkpoint] = None,
-                        checkpoint_prefix: str = "", streaming: bool = False) -> SwappedMoE:
+                        checkpoint_prefix: str = "", streaming: bool = False, launch_ahead: bool = False) -> SwappedMoE:
     """Replace the router + routed experts of every ``DeepseekV3MoE`` in ``model`` by this library's layer.
 
     Each module becomes a :class:`StreamringDeepseekV3MoE` (same place in the model, its
@@ -275,12 +284,23 @@ def replace_moe_experts(model: nn.Module, buffer: Any, *, checkpoint: Optional[C
         checkpoint_prefix: prepended to the module names (``"model."`` when ``model`` is a
             ``DeepseekV3Model`` and the checkpoint belongs to the causal-LM).
         streaming: run the layers on the buffer's streamed path.
+        launch_ahead: (with ``streaming``; a buffer with ``launch_consumer``, the GPU buffer) enqueue each MoE
+            layer's consumer side before the decoder layer's attention that feeds it: the first one from a
+            forward pre-hook of its decoder layer, every later one at the end of the previous MoE layer's op
+            (``launch_next``). A PE whose attention runs late then already computes the rows other PEs
+            published. Outputs are bitwise those without it.
     Returns:
         :class:`SwappedMoE` with the registered layers; close it (or use ``with``) when done.
     Raises:
         ValueError: no ``DeepseekV3MoE`` in the model, a config field the buffer's shape does not
-        share, or weights the layer cannot take (naming the field).
+        share, or weights the layer cannot take (naming the field); ``launch_ahead`` without ``streaming`` or
+        with a buffer that cannot launch a consumer ahead.
     """
+    if launch_ahead and not streaming:
+        raise ValueError("launch_ahead=True needs streaming=True (the batch path has no consumer to launch ahead)")
+    if launch_ahead and not callable(getattr(buffer, "launch_consumer", None)):
+        raise ValueError(f"launch_ahead=True needs a buffer with launch_consumer (the GPU buffer), got "
+                         f"{type(buffer).__name__}")
     found = deepseek_v3_moe_modules(model)
     if not found:
         raise ValueError(f"model ({type(model).__name__}) has no transformers DeepseekV3MoE module to replace")
@@ -307,8 +327,25 @@ def replace_moe_experts(model: nn.Module, buffer: Any, *, checkpoint: Optional[C
         for layer in layers.values():
             layer.close()
         raise
-    for name, moe in found:
+    names = [name for name, _ in found]
+    hooks = []
+    for i, (name, moe) in enumerate(found):
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, StreamringDeepseekV3MoE(layers[name], moe.shared_experts, streaming))
-    return SwappedMoE(buffer, layers)
+        nxt = layers[names[i + 1]].id if launch_ahead and i + 1 < len(names) else None
+        setattr(parent, child, StreamringDeepseekV3MoE(layers[name], moe.shared_experts, streaming, nxt))
+        if launch_ahead and i == 0:
+            # the first MoE layer's consumer: before its decoder layer (the MoE's parent) runs its attention
+            hooks.append(parent.register_forward_pre_hook(_first_launch(buffer, layers[name]), with_kwargs=True))
+    return SwappedMoE(buffer, layers, hooks)
+
+
+def _first_launch(buffer: Any, layer: MoELayer):
+    """A forward pre-hook of the first MoE layer's decoder layer: its consumer, launched ahead of its attention
+    for the rows of the hidden states the decoder layer receives."""
+    def hook(module, args, kwargs):
+        hs = args[0] if args else kwargs.get("hidden_states")
+        if isinstance(hs, torch.Tensor):
+            buffer.launch_consumer(layer.weights, rows=int(hs.numel() // hs.shape[-1]))
+        return None
+    return hook

@@ -5,8 +5,11 @@ process-local registry and the op names them by an int id:
 
 * :func:`register_layer` prepares the weights once (``buffer.prepare_weights``) and returns a
   :class:`MoELayer` handle holding the id;
-* ``torch.ops.streamring.moe_forward(x, layer_id, streaming, stream_epoch, num_tokens)`` looks the id
-  up and runs ``buffer.forward``; the output has ``x``'s shape and dtype;
+* ``torch.ops.streamring.moe_forward(x, layer_id, streaming, stream_epoch, num_tokens, launch_next)`` looks
+  the id up and runs ``buffer.forward``; the output has ``x``'s shape and dtype; ``launch_next`` (a layer id,
+  default None) then enqueues that layer's consumer side ahead of its input (``buffer.launch_consumer``, the
+  GPU buffer: while the caller's stream computes what feeds the next layer, its consumer already takes what
+  other PEs publish);
 * ``handle.close()`` (or leaving ``with register_layer(...) as layer:``) removes the entry. Ids are
   never reused, so a graph that still calls a closed id raises a ``KeyError`` naming it instead of
   reaching another layer. The registry holds the buffer and the weights strongly until then;
@@ -64,7 +67,8 @@ class MoELayer:
         return self.id not in _REGISTRY
 
     def __call__(self, x: torch.Tensor, *, streaming: bool = False, stream_epoch: Optional[int] = None,
-                 num_tokens: Optional[NumTokens] = None) -> torch.Tensor:
+                 num_tokens: Optional[NumTokens] = None, launch_next: Optional["MoELayer | int"] = None
+                 ) -> torch.Tensor:
         """``buffer.forward`` through the torch op (collective).
 
         Args:
@@ -72,10 +76,12 @@ class MoELayer:
             streaming: streamed path (True) or batch-ready path (False).
             stream_epoch: the call's epoch, default the buffer's next one.
             num_tokens: valid row count (int or 0-d/1-element integer tensor), default ``T``.
+            launch_next: the layer whose streamed forward comes next (:func:`moe_forward`).
         Returns:
             ``[T, hidden]`` in ``x``'s dtype; rows ``>= num_tokens`` are zero.
         """
-        return moe_forward(x, self.id, streaming=streaming, stream_epoch=stream_epoch, num_tokens=num_tokens)
+        return moe_forward(x, self.id, streaming=streaming, stream_epoch=stream_epoch, num_tokens=num_tokens,
+                           launch_next=launch_next)
 
     def close(self) -> None:
         """Unregister (idempotent). The buffer stays open: it belongs to every layer."""
@@ -132,23 +138,33 @@ def _lookup(layer_id: int) -> MoELayer:
 
 @torch.library.custom_op("streamring::moe_forward", mutates_args=())
 def _moe_forward_op(x: torch.Tensor, layer: int, streaming: bool, stream_epoch: Optional[int],
-                    num_tokens: Optional[torch.Tensor]) -> torch.Tensor:
+                    num_tokens: Optional[torch.Tensor], launch_next: Optional[int] = None) -> torch.Tensor:
     entry = _lookup(layer)
+    nxt = None
+    if launch_next is not None:  # checked before the forward: a bad id enqueues nothing
+        nxt = _lookup(launch_next)
+        if nxt.buffer is not entry.buffer or not callable(getattr(entry.buffer, "launch_consumer", None)):
+            raise ValueError(f"streamring::moe_forward: launch_next={launch_next} must be a layer of the same buffer "
+                             f"as layer {layer}, a buffer that launches consumers ahead (the GPU buffer); got "
+                             f"{type(nxt.buffer).__name__}" + ("" if nxt.buffer is entry.buffer else " (another one)"))
     y = entry.buffer.forward(x, entry.weights, streaming=streaming, stream_epoch=stream_epoch,
                              num_tokens=num_tokens)
     entry.last_routing = getattr(entry.buffer, "last_routing", None)
+    if nxt is not None:
+        entry.buffer.launch_consumer(nxt.weights, rows=x.shape[0])
     # A custom op's output must not alias its inputs: y is the buffer's fresh tensor (float32 on the
     # CPU buffer); .to() copies only where the dtype differs and never returns x itself.
     return y.to(x.dtype)
 
 
 @_moe_forward_op.register_fake
-def _moe_forward_fake(x, layer, streaming, stream_epoch, num_tokens):
+def _moe_forward_fake(x, layer, streaming, stream_epoch, num_tokens, launch_next=None):
     return torch.empty_like(x)
 
 
 def moe_forward(x: torch.Tensor, layer: int, *, streaming: bool = False, stream_epoch: Optional[int] = None,
-                num_tokens: Optional[NumTokens] = None) -> torch.Tensor:
+                num_tokens: Optional[NumTokens] = None, launch_next: Optional["MoELayer | int"] = None
+                ) -> torch.Tensor:
     """Call ``torch.ops.streamring.moe_forward`` (collective): the registered layer ``layer`` on ``x``.
 
     Args:
@@ -159,13 +175,19 @@ def moe_forward(x: torch.Tensor, layer: int, *, streaming: bool = False, stream_
             Under ``torch.compile`` leave it None: a Python int that changes per call recompiles.
         num_tokens: valid row count, an int (turned into a 0-d int64 tensor on ``x``'s device) or a
             0-d/1-element integer tensor; default every row.
+        launch_next: the layer (a :class:`MoELayer` of the same buffer, or its id) whose streamed forward of
+            ``T`` rows comes next: after this forward its consumer side is enqueued ahead of its input
+            (``buffer.launch_consumer``; the GPU buffer only), so it waits only on the ring and on this forward,
+            never on what the caller enqueues before the next layer (its attention).
     Returns:
         ``[T, hidden]`` in ``x``'s dtype; rows ``>= num_tokens`` are zero.
     """
     layer_id = layer.id if isinstance(layer, MoELayer) else int(layer)
+    if launch_next is not None:
+        launch_next = launch_next.id if isinstance(launch_next, MoELayer) else int(launch_next)
     if num_tokens is not None and not isinstance(num_tokens, torch.Tensor):
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, int):
             raise ValueError(f"num_tokens must be an int or a 0-d/1-element integer tensor, "
                              f"got {type(num_tokens).__name__}")
         num_tokens = torch.tensor(num_tokens, dtype=torch.int64, device=x.device)
-    return torch.ops.streamring.moe_forward(x, layer_id, bool(streaming), stream_epoch, num_tokens)
+    return torch.ops.streamring.moe_forward(x, layer_id, bool(streaming), stream_epoch, num_tokens, launch_next)

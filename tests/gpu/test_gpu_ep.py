@@ -9,6 +9,8 @@ error, that a captured graph replays with new inputs and with any token count fr
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from ep_case import ep_env  # noqa: F401 - the module-scoped fixture `env`
@@ -187,5 +189,86 @@ def test_persistent_consumer_equals_single_process(env, policy, order):
                 y.fill_(float("nan"))
                 buf.replay(g)
                 assert torch.equal(bits(y), bits(single_batch(shape, fw, x2))), (streaming, seed, buf.status())
+    finally:
+        buf.close()
+
+
+def _next_input(y: torch.Tensor) -> torch.Tensor:
+    """What the caller computes from one layer's output for the next (a stand-in for a decoder layer)."""
+    return torch.tanh(y.float()).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("gemm,order", [("triton", "ready"), ("triton", "rank"), ("cutlass", "ready")])
+def test_a_consumer_launched_ahead_keeps_every_output(env, gemm, order):
+    """Two layers, the second one's consumer side launched right after the first forward, ahead of the caller's
+    work that makes its input (a 2 ms sleep, then the next input computed on the caller's stream): eager, and in
+    one captured graph holding both layers (as a whole-model graph does, node priorities set) replayed with new
+    inputs; also through the torch op (``launch_next``), and a launch cancelled by another layer's forward.
+    Every output equals the buffer's batch path bitwise (Triton: also the single-process block path); the ring
+    reports no error."""
+    from streamring.moe import blocks as B
+    from streamring.moe import register_layer
+    from streamring.moe.ep_buffer import cutlass_unavailable_reason
+    from streamring.moe.ops import moe_forward
+
+    if gemm == "cutlass" and cutlass_unavailable_reason():
+        pytest.skip(f"the CUTLASS library is not available here: {cutlass_unavailable_reason()}")
+    heap, shape, fw = env
+    fw2 = B.FastWeights.random(shape, 19, heap.device)
+    T = 157
+    buf = _buffer(heap, shape, order=order, gemm=gemm)
+    try:
+        w0, w1 = buf.prepare_weights(fw), buf.prepare_weights(fw2)
+
+        def reference(x):  # the batch path of the same buffer (its GEMMs), layer after layer
+            y0 = buf.forward(x, w0)
+            return y0, buf.forward(_next_input(y0), w1)
+
+        def two_layers(x, y0, y1):
+            buf.forward(x, w0, streaming=True, out=y0)
+            buf.launch_consumer(w1, T)
+            torch.cuda._sleep(2_000_000)  # the caller's own work before the next layer
+            buf.forward(_next_input(y0), w1, streaming=True, out=y1)
+
+        x = random_x(shape, T, 1, heap.device)
+        reference(x)
+        buf.forward(x, w0, streaming=True)  # each path's first forward runs eagerly and whole
+        y0, y1 = torch.full_like(x, float("nan")), torch.full_like(x, float("nan"))
+        two_layers(x, y0, y1)
+        r0, r1 = reference(x)
+        assert torch.equal(bits(y0), bits(r0)) and torch.equal(bits(y1), bits(r1)), f"eager; {buf.status()}"
+        if gemm == "triton":
+            assert torch.equal(bits(r0), bits(single_batch(shape, fw, x)))
+            assert torch.equal(bits(r1), bits(single_batch(shape, fw2, _next_input(r0))))
+        g = torch.cuda.CUDAGraph(keep_graph=True)
+        side = torch.cuda.Stream(device=heap.device)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.graph(g, stream=side, capture_error_mode="thread_local"):
+            two_layers(x, y0, y1)
+        report = buf.prioritize(g)
+        m = re.match(r"(\d+) kernel nodes set to priority -?\d+, (\d+) GEMM nodes left at the default", report)
+        assert m and int(m.group(1)) > 0 and int(m.group(2)) > 0, report  # the GEMMs found, by handle or name
+        g.instantiate()
+        torch.cuda.current_stream().wait_stream(side)
+        for seed in (2, 3):
+            x.copy_(random_x(shape, T, seed, heap.device))
+            y0.fill_(float("nan"))
+            y1.fill_(float("nan"))
+            g.replay()
+            torch.cuda.synchronize()
+            r0, r1 = reference(x)
+            assert torch.equal(bits(y0), bits(r0)) and torch.equal(bits(y1), bits(r1)), f"replay {seed}"
+        del g
+        with register_layer(buf, fw) as l0, register_layer(buf, fw2) as l1:
+            a = moe_forward(x, l0, streaming=True, launch_next=l1)
+            b = moe_forward(_next_input(a), l1, streaming=True)
+            r0, r1 = reference(x)
+            assert torch.equal(bits(a), bits(r0)) and torch.equal(bits(b), bits(r1)), "torch op"
+        buf.launch_consumer(w1, T)
+        with pytest.warns(UserWarning, match="cancelled by a forward of another layer"):
+            a = buf.forward(x, w0, streaming=True)
+        assert torch.equal(bits(a), bits(reference(x)[0])), "after a cancelled launch"
+        st = buf.status()
+        assert not (st["violations"] or st["timeouts"] or st["bad_routes"]), f"{st}"
     finally:
         buf.close()

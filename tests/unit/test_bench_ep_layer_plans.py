@@ -17,7 +17,8 @@ ep_layer = pytest.importorskip("bench.ep_layer", reason="bench.ep_layer needs to
 
 def _args(**kw):
     base = dict(chunks=[1, 2], orders=["ready", "arrival"], policies=["spin_kernel"], ctas=[None],
-                consumers=["per_chunk"], reserved_sms=[16], ready_windows_us=[None])
+                consumers=["per_chunk"], reserved_sms=[16], ready_windows_us=[None], waves=[None],
+                group_max_tokens=[None])
     base.update(kw)
     return SimpleNamespace(**base)
 
@@ -28,6 +29,17 @@ def test_ready_windows_multiply_the_ready_plans_only():
     arrival = [p for p in plans if p[3] == "arrival"]
     assert sorted({p[6] for p in ready}) == [0.0, 50.0] and len(ready) == 2 * 2  # 2 chunkings x 2 windows
     assert {p[6] for p in arrival} == {None} and len(arrival) == 2
+
+
+def test_grid_waves_multiply_the_plans_of_the_gemms_that_have_them_only():
+    """--waves is a dimension of the GEMMs whose own grid is persistent (CUTLASS: Capabilities.waves) and of
+    'auto' (which may resolve to one); the grouping bound one of the ready order only."""
+    args = _args(waves=[1, 4], group_max_tokens=[0, 8192])
+    cut = ep_layer.plans_for(args, 1024, "cutlass")
+    tri = ep_layer.plans_for(args, 1024, "triton")
+    assert {p[7] for p in cut} == {1, 4} and {p[7] for p in tri} == {None}
+    assert len(cut) == 2 * len(tri)
+    assert {p[8] for p in tri if p[3] == "ready"} == {0, 8192} and {p[8] for p in tri if p[3] == "arrival"} == {None}
 
 
 def test_the_default_window_is_the_tunings():
@@ -96,3 +108,25 @@ def test_auto_verdict_weighs_the_path_auto_takes_against_the_better_one():
     v = ep_layer.auto_verdict([_row(on, 10.1, 10.0, False), _row(late, 10.2, 12.0, False)])
     assert "keeps batch" in v and "worst (r1+3) 1.176x" in v and v.endswith("MISSED"), v
     assert ep_layer.auto_verdict([{"path": "streamed", "median_ms": 1.0, "batch_paired_ms": 1.0}]) is None
+
+
+def test_lateness_kinds_are_labelled_and_judged_by_their_own_rule():
+    """An idle-before-the-layer row is judged against the on-time batch (hidden or not); a busy or beside row
+    against batch in the same case with the late PE's other work no more than 3 % slower; a producer delay keeps
+    its plain label; an unknown kind is refused by name."""
+    base = {"path": "streamed", "tokens_per_rank": 4096, "experts_per_pe": 32, "routing": "uniform", "gemm": "cutlass",
+            "chunks": 1, "chunk_tokens": 4096, "policy": "spin_kernel", "source_order": "ready", "median_ms": 9.0}
+    rows = [{**base, "over_batch_on_time": 0.99, "streamed_over_batch": 0.99, "straggler_rank": None},
+            {**base, "lateness": "idle", "launch_ahead": True, "straggler_rank": 1, "straggler_ms": 3.0,
+             "over_batch_on_time": 1.01, "streamed_over_batch": 0.8},
+            {**base, "lateness": "busy", "launch_ahead": True, "straggler_rank": 0, "straggler_ms": 3.0,
+             "over_batch_on_time": 1.3, "streamed_over_batch": 0.99, "other_work_over_batch": 1.05},
+            {**base, "lateness": "producer", "straggler_rank": 1, "straggler_ms": 1.0, "over_batch_on_time": 1.0,
+             "streamed_over_batch": 0.95}]
+    assert [ep_layer.case_label(r) for r in rows] == ["-", "idle^:r1+3", "busy^:r0+3", "r1+1"]
+    v = ep_layer.verdicts(rows)
+    assert "idle^:r1+3 1.010x on-time batch hidden" in v, v
+    assert "busy^:r0+3 0.990x batch same case, other work 1.050x MISSED" in v, v
+    assert "worst late (r1+1) 1.000x on-time batch hidden" in v, v
+    with pytest.raises(SystemExit):
+        ep_layer.main(["--lateness", "producer,sleepy"])

@@ -250,9 +250,9 @@ def test_bad_arguments_name_the_field(setup):
 
 
 def test_auto_streams_only_where_the_table_measured_a_win(setup, monkeypatch):
-    """streaming='auto' follows the tuned table for this GEMM, PE count and chunk count; a streamed row of
-    another schedule, or no row, leaves it to the cost model for the buffer's own schedule (batch for this
-    shape, which the model does not cover); either way the output is the batch output."""
+    """streaming='auto' follows the tuned table's rows of this GEMM implementation, PE count and chunk count
+    only; a streamed row of another schedule, or no row (another GEMM's rows included), gives the batch path
+    and says why; no model is consulted; either way the output is the batch output."""
     from streamring.moe import adaptive
 
     shape, fw, buf = setup
@@ -263,10 +263,10 @@ def test_auto_streams_only_where_the_table_measured_a_win(setup, monkeypatch):
                      "path": "streamed", "chunks": 3, "num_slots": 2, "policy": "serialized", "source_order": "ready",
                      "streamed_over_batch": 0.9}]}
     cases = [(win, True, "streamed", "measured"),
-             ({"rows": [{**win["rows"][0], "chunks": 2}]}, False, "batch", "model"),  # measured with other chunking
-             ({"rows": [{**win["rows"][0], "source_order": "arrival"}]}, False, "batch", "model"),  # another order
-             ({"rows": [{**win["rows"][0], "experts_per_pe": 32}]}, False, "batch", "model"),  # another expert load
-             ({"rows": [{**win["rows"][0], "gemm": "cutlass"}]}, False, "batch", "model"),  # nothing for this GEMM
+             ({"rows": [{**win["rows"][0], "chunks": 2}]}, False, "batch", "other schedule"),  # other chunking
+             ({"rows": [{**win["rows"][0], "source_order": "arrival"}]}, False, "batch", "other schedule"),
+             ({"rows": [{**win["rows"][0], "experts_per_pe": 32}]}, False, "batch", "none"),  # another expert load
+             ({"rows": [{**win["rows"][0], "gemm": "cutlass"}]}, False, "batch", "none"),  # another GEMM's win
              ({"rows": [{"tokens": 32, "ranks": 1, "experts_per_pe": 4, "gemm": "triton", "block_m": 16,
                         "path": "batch"}]}, False, "batch", "measured")]  # a measured batch row decides
     for table, streams, answer, source in cases:
@@ -277,12 +277,12 @@ def test_auto_streams_only_where_the_table_measured_a_win(setup, monkeypatch):
         assert torch.equal(bits(y), bits(want)), table
         assert (buf.paths["stream"].ring.epoch() > before) == streams, table
         assert (buf.last_adaptive.path, buf.last_adaptive.source) == (answer, source), (table, buf.last_adaptive)
-    # no row for this setting: the cost model decides and says so (it covers DeepSeek-V3 shapes only: batch here)
+    # no row for this setting: the batch path, and the answer says why
     monkeypatch.setattr(adaptive, "load_table", lambda path=None: {"rows": [{**win["rows"][0], "ranks": 8}]})
     y = buf.forward(x, w, streaming="auto").clone()
     assert torch.equal(bits(y), bits(want))
-    assert buf.last_adaptive.source == "model" and buf.last_adaptive.path == "batch"
-    assert "covers (hidden, intermediate, topk) = (7168, 2048, 8) only" in buf.last_adaptive.note
+    assert buf.last_adaptive.source == "none" and buf.last_adaptive.path == "batch"
+    assert "no measured row for gemm='triton' on 1 ranks" in buf.last_adaptive.note
     with pytest.raises(ValueError, match="streaming must be True, False or 'auto'"):
         buf.forward(x, w, streaming="yes")
     # the committed table: no streamed win was ever measured, so auto is the batch path
@@ -483,3 +483,72 @@ def test_persistent_consumer_keeps_the_output():
     with pytest.raises(ValueError, match="consumer 'persistent' runs the Triton GEMMs"):
         EPBuffer(EmulatedHeap(), shape, max_tokens_per_rank=8, gemm="cutlass",
                  tuning=EPTuning(policy="serialized", consumer="persistent"))
+
+
+@pytest.mark.slow(reason=EMULATED)
+def test_a_consumer_launched_ahead_is_consumed_or_cancelled(setup):
+    """launch_consumer then the launched layer's streamed forward: the batch output, bitwise (one stream here:
+    the forward runs whole); any other call cancels it with a warning naming why, and the buffer goes on
+    (the next forwards are right); bad arguments raise naming the argument and change nothing."""
+    shape, fw, buf = setup
+    fw2 = B.FastWeights.random(shape, 11, "cpu")
+    w, w2 = buf.prepare_weights(fw), buf.prepare_weights(fw2)
+    x = tokens(37, 21)
+    buf.launch_consumer(w2, 37)
+    assert torch.equal(bits(buf.forward(x, w2, streaming=True)), bits(single_batch(shape, fw2, x)))
+    assert buf._launched is None
+    for why, call in (("a forward of another layer", lambda: buf.forward(x, w, streaming=True)),
+                      ("a batch forward", lambda: buf.forward(x, w2)),
+                      ("a forward of 36 rows", lambda: buf.forward(x[:36], w2, streaming=True)),
+                      ("a new launch_consumer", lambda: buf.launch_consumer(w, 37))):
+        buf.launch_consumer(w2, 37)
+        with pytest.warns(UserWarning, match=f"cancelled by {why}"):
+            y = call()
+        if y is not None:
+            want = single_batch(shape, fw if why.endswith("another layer") else fw2, x[:y.shape[0]])
+            assert torch.equal(bits(y), bits(want)), why
+    assert buf.cancel_launch() and not buf.cancel_launch()
+    for bad, match in (((fw, 37), "weights must come from EPBuffer.prepare_weights"),
+                       ((w, 41), r"rows must be an int in \[0, max_tokens_per_rank=40\]"),
+                       ((w, True), "rows must be an int")):
+        with pytest.raises(ValueError, match=match):
+            buf.launch_consumer(*bad)
+        assert buf._launched is None
+    assert torch.equal(bits(buf.forward(x, w, streaming=True)), bits(single_batch(shape, fw, x)))
+    st = buf.status()
+    assert not (st["violations"] or st["timeouts"]), st
+
+
+def test_launch_ahead_refuses_the_persistent_consumer_and_the_batch_only_buffers():
+    shape = shape_()
+    fw = B.FastWeights.random(shape, 3, "cpu")
+    buf = EPBuffer(EmulatedHeap(), shape, max_tokens_per_rank=40, num_slots=2, tokens_per_slot=16, gemm="triton",
+                   tuning=EPTuning(policy="serialized", consumer="persistent"))
+    try:
+        with pytest.raises(ValueError, match="launch_consumer needs tuning.consumer 'per_chunk'"):
+            buf.launch_consumer(buf.prepare_weights(fw), 8)
+    finally:
+        buf.close()
+
+
+@pytest.mark.slow(reason=EMULATED)
+def test_the_torch_op_launches_the_next_layer_ahead(setup):
+    """moe_forward(..., launch_next=) runs this layer, then launches the next one's consumer: the next call of
+    that layer takes it; a launch_next of an unregistered id or of another buffer is refused before anything
+    runs."""
+    from streamring.moe import register_layer
+    from streamring.moe.ops import moe_forward
+
+    shape, fw, buf = setup
+    fw2 = B.FastWeights.random(shape, 13, "cpu")
+    x = tokens(23, 5)
+    with register_layer(buf, fw) as l0, register_layer(buf, fw2) as l1:
+        y0 = moe_forward(x, l0, streaming=True, launch_next=l1)
+        assert buf._launched is not None and buf._launched.layer is l1.weights
+        y1 = moe_forward(y0, l1, streaming=True)
+        assert buf._launched is None
+        assert torch.equal(bits(y0), bits(single_batch(shape, fw, x)))
+        assert torch.equal(bits(y1), bits(single_batch(shape, fw2, y0)))
+        with pytest.raises(KeyError, match="layer id 999999 is not registered"):
+            moe_forward(x, l0, streaming=True, launch_next=999999)
+        assert buf._launched is None
