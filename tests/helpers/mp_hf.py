@@ -388,9 +388,12 @@ def drop_in_gpu(heap):
     with torch.no_grad():
         unmod = model(ids).logits
     rows = []
-    for streaming in (False, True):
-        swapped, swap, probe, ours = run_swapped(model, buf, ids, streaming=streaming)
-        row = {"what": f"GPU layer, streaming={streaming}", "ours_vs_unmod_logits_rel_rms": rel_rms(ours, unmod),
+    logits = {}
+    for streaming, ahead in ((False, False), (True, False), (True, True)):
+        swapped, swap, probe, ours = run_swapped(model, buf, ids, streaming=streaming, launch_ahead=ahead)
+        logits[streaming, ahead] = ours
+        row = {"what": f"GPU layer, streaming={streaming}, launch_ahead={ahead}",
+               "ours_vs_unmod_logits_rel_rms": rel_rms(ours, unmod),
                "layer1_ours_vs_unmod_rel_rms": rel_rms(probe.outputs[0], unmod_taps.outputs[0]),
                "routing_flips_vs_hf_router": probe.flips, "routed_tokens": probe.tokens}
         assert row["ours_vs_unmod_logits_rel_rms"] <= FP8_REL_RMS_MAX, row
@@ -398,6 +401,9 @@ def drop_in_gpu(heap):
         assert row["routing_flips_vs_hf_router"] == 0, row
         rows.append(row)
         swap.close()
+    # every MoE layer's consumer launched before its decoder layer's attention: the same bits as without
+    assert torch.equal(logits[True, True], logits[True, False]), "launch_ahead changed the logits"
+    assert buf._launched is None, "a consumer launched ahead was left pending after the model's forward"
     compiled = copy.deepcopy(model)
     swap = replace_moe_experts(compiled, buf)
     ex = torch._dynamo.explain(compiled)(ids)
