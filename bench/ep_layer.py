@@ -886,7 +886,8 @@ def main(argv=None) -> int:
     R, me, dev = heap.num_ranks, heap.rank, heap.device
     args.straggler_ranks = [r for r in args.straggler_ranks if r < R]
     if me == 0:
-        log(f"{R} PEs, device {torch.cuda.get_device_name(dev)}, shape {args.shape}, experts per PE "
+        log(f"{R} PEs, device {torch.cuda.get_device_name(dev)} ({torch.cuda.get_device_properties(dev).multi_processor_count} "
+            f"SMs reported to this process), shape {args.shape}, experts per PE "
             f"{args.experts_per_pe}, transport {args.transport}, GEMMs {args.gemms}")
     nccl = False
     if not args.no_baseline and R > 1:

@@ -477,6 +477,13 @@ class EPBuffer(EPPipeline):
         With the ``serialized`` policy (one stream), with the persistent consumer refused below, and before the
         streamed path's first (eager) forward, nothing is enqueued here and the forward runs whole.
 
+        Eagerly, every kernel the caller launches between this call and the forward must have run once before
+        (run the model once without launching ahead): under CUDA's lazy module loading (the default) a kernel's
+        first launch can wait for the kernels already running, this consumer's waits among them, which wait in
+        turn for a producer the host has not enqueued yet; the wait's deadline then ends the forward with an
+        acquire timeout. ``CUDA_MODULE_LOADING=EAGER`` removes the hazard; a captured graph has none (its
+        kernels are loaded when it is captured).
+
         Args:
             weights: the layer's weights (:meth:`prepare_weights`), as the next forward passes them.
             rows: ``x.shape[0]`` of the next forward (the grids' expectations depend on it).

@@ -232,7 +232,11 @@ def test_a_consumer_launched_ahead_keeps_every_output(env, gemm, order):
 
         x = random_x(shape, T, 1, heap.device)
         reference(x)
-        buf.forward(x, w0, streaming=True)  # each path's first forward runs eagerly and whole
+        # each path's first forward runs eagerly and whole; and every kernel the caller runs between a launch and
+        # its forward has run once before (CUDA's lazy loading: a kernel's first launch can wait for the running
+        # kernels, the launched consumer's waits among them)
+        buf.forward(_next_input(buf.forward(x, w0, streaming=True)), w1, streaming=True)
+        torch.cuda._sleep(1000)
         y0, y1 = torch.full_like(x, float("nan")), torch.full_like(x, float("nan"))
         two_layers(x, y0, y1)
         r0, r1 = reference(x)
