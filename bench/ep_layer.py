@@ -524,7 +524,7 @@ def batch_reference(heap, buf, layer, x, routing, full, shape, args, common, cfg
     return ref_out, row, rows
 
 
-def bench_tokens(heap, T, shape, full, base, args, rows, timelines, budget):
+def bench_tokens(heap, T, shape, full, base, args, rows, timelines, budget, save=lambda: None):
     R, me, dev = heap.num_ranks, heap.rank, heap.device
     g = torch.Generator(device=dev)
     g.manual_seed(1000 + 7 * me + T)
@@ -616,9 +616,13 @@ def bench_tokens(heap, T, shape, full, base, args, rows, timelines, budget):
                                           **({} if fw is None else {
                                               **fw, "less_first_wait_over_batch_on_time":
                                                   fw["streamed_less_first_wait_ms"] / b_on})})
-                    if any(kd in LATE_KINDS for kd in args.lateness):
-                        late_rows += kind_rows(heap, buf, layer, x, routing, args, {**common_r, **cfg}, same, auto_f)
                     rows += [r] + late_rows
+                    save()  # a later failure or the call's time limit keeps what was measured
+                    if any(kd in LATE_KINDS for kd in args.lateness):
+                        kinds = kind_rows(heap, buf, layer, x, routing, args, {**common_r, **cfg}, same, auto_f)
+                        rows += kinds
+                        late_rows += kinds
+                        save()
                     log(f"T={T} E/PE={epp} {routing_name} {buf.gemm}: streamed {cfg} {st['median_ms']:.3f} ms "
                         f"({r['streamed_over_batch']:.3f}x batch), late "
                         f"{[round(lr['over_batch_on_time'], 3) for lr in late_rows]}x on-time batch, "
@@ -802,6 +806,10 @@ def auto_verdict(rs) -> str | None:
             f"{' ok' if over_better(w) <= 1.02 else ' MISSED'}")
 
 
+def _json_args(args) -> dict:
+    return {k: v for k, v in vars(args).items() if k != "budget"}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ints = lambda s: [int(v) for v in s.split(",") if v]  # noqa: E731
@@ -877,7 +885,7 @@ def main(argv=None) -> int:
         args.producer_late = False
     else:
         args.producer_late = True
-    budget = Budget(args.budget_s)
+    budget = args.budget = Budget(args.budget_s)
     os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", args.symmetric_size)
     from streamring.device.nvshmem import NvshmemHeap
     from streamring.host.launch import detect_launcher
@@ -905,10 +913,12 @@ def main(argv=None) -> int:
         shape = (dsv3_shape if args.shape == "dsv3" else megamoe_shape)(args.block_m, epp * R)
         full = B.FastWeights.random(shape, 5, dev)
         base = TorchNcclBaseline(shape, full.local(me, R), me, R, None) if nccl else None
-        for T in args.tokens:
-            bench_tokens(heap, T, shape, full, base, args, rows, timelines, budget)
+        def save():
             if me == 0 and args.json:
-                Path(args.json).write_text(json.dumps({"rows": rows, "pub_acq": pub, "args": vars(args)}, indent=1))
+                Path(args.json).write_text(json.dumps({"rows": rows, "pub_acq": pub, "args": _json_args(args)}, indent=1))
+        for T in args.tokens:
+            bench_tokens(heap, T, shape, full, base, args, rows, timelines, budget, save)
+            save()
         del full, base
         torch.cuda.empty_cache()
     if me == 0:
@@ -917,7 +927,7 @@ def main(argv=None) -> int:
         log(table(rows, pub))
         log(verdicts(rows))
         if args.json:
-            Path(args.json).write_text(json.dumps({"rows": rows, "pub_acq": pub, "args": vars(args)}, indent=1))
+            Path(args.json).write_text(json.dumps({"rows": rows, "pub_acq": pub, "args": _json_args(args)}, indent=1))
         if args.timeline_json:
             Path(args.timeline_json).write_text(json.dumps({"timelines": timelines}, indent=1))
     bad = [r for r in rows if r.get("path") == "streamed" and r.get("bitwise_equal_to_batch") is False]

@@ -129,6 +129,9 @@ def measure_kinds(heap, buf, layer, x, routing, args, timed_rounds, stats) -> li
     out = []
     aheads = {"on": [True], "off": [False], "both": [True, False]}[args.launch_ahead]
     for kind in [k for k in args.lateness if k in KINDS]:
+        if any(heap.allgather_obj(args.budget.spent())):  # every PE stops at the same kind
+            log(f"late work: {kind} and the kinds after it skipped: the time budget is spent")
+            break
         for ms in args.straggler_ms:
             for rank in args.straggler_ranks:
                 late = me == rank
