@@ -743,6 +743,9 @@ class EPBuffer(EPPipeline):
         self.heap.free(self.comb_region)
         for p in self.paths.values():
             p.ring.close()
+        for s_ in self._own_streams:
+            s_.close()
+        self._own_streams = []
 
 
 

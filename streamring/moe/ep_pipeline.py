@@ -91,6 +91,7 @@ from ..device import ep_triton as EK
 from ..device import moe_triton as K
 from ..device.ranges import annotate as nvtx_range
 from ..device.ringdesc import RING_LAYOUT, RING_ROUTE
+from ..device.streams import OwnStream
 from ..gemm.backends import CAPABILITIES
 from ..ring.device import DeviceRing
 from ..ring.layout import RingLayout
@@ -157,6 +158,7 @@ class EPPipeline:
                      deltas=ring.read_distances(mirror), mirror=mirror)
 
     def _make_streams(self, policy, producer_sms):
+        self._own_streams = []
         self.green = None
         self.events = []
         self.ustream = None
@@ -172,14 +174,13 @@ class EPPipeline:
             # Producer and dispatch at high priority: their CTAs are scheduled before the next
             # pending CTA of a big GEMM grid, so chunk c+1 is produced and dispatched while chunk c's
             # blocks compute.
+            # (the buffer's own CUDA streams: a pooled torch stream could be the caller's, see OwnStream)
             hi = -10 if self.priority_streams else 0
-            self.pstream = torch.cuda.Stream(device=self.dev, priority=hi)
-            self.dstream = torch.cuda.Stream(device=self.dev, priority=hi)
-            self.gstream = torch.cuda.Stream(device=self.dev, priority=0)
-            # (GEMMs with a local y) the puts of the result rows: off the GEMM stream, so the next blocks'
+            self._own_streams = [OwnStream(self.dev, prio) for prio in (hi, hi, 0, hi)]
+            self.pstream, self.dstream, self.gstream, self.ustream = (s_.torch for s_ in self._own_streams)
+            # ustream (GEMMs with a local y): the puts of the result rows, off the GEMM stream, so the next blocks'
             # GEMMs do not wait for them, and at the dispatch's priority, so their CTAs get the SMs that the
             # next call's CTAs free (memory-bound puts beside compute-bound GEMMs)
-            self.ustream = torch.cuda.Stream(device=self.dev, priority=hi)
             st = self.paths["stream"]
             n_steps = st.num_chunks * st.steps
             self.events = [torch.cuda.Event() for _ in range(n_steps)]

@@ -276,3 +276,18 @@ def test_a_consumer_launched_ahead_keeps_every_output(env, gemm, order):
         assert not (st["violations"] or st["timeouts"] or st["bad_routes"]), f"{st}"
     finally:
         buf.close()
+
+
+def test_the_buffers_streams_are_never_the_callers(env):
+    """torch hands out its streams from a pool, round robin: however many streams the caller makes, none is one
+    of the buffer's side streams (its GEMM stream as a capture stream would put the producer behind GEMMs that
+    wait for it)."""
+    heap, shape, fw = env
+    buf = _buffer(heap, shape)
+    try:
+        own = {int(s.cuda_stream) for s in (buf.pstream, buf.dstream, buf.gstream, buf.ustream)}
+        pooled = {int(torch.cuda.Stream(device=heap.device, priority=p).cuda_stream) for p in (0, -1, -5)
+                  for _ in range(70)}
+        assert len(own) == 4 and not own & pooled
+    finally:
+        buf.close()
