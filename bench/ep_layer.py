@@ -73,6 +73,7 @@ from bench.common import FP8, dsv3_shape, log, stats, timed, timed_rounds
 from bench.lateness import KINDS as LATE_KINDS
 from bench.lateness import measure_kinds
 from bench.skew import skew_delays_ms, skew_seed, timed_skew_draws
+from bench.weight_floor import floor_graph, weight_bytes
 from streamring.gemm.backends import CAPABILITIES
 from streamring.device import kernels as DK
 from streamring.device.gemm_grid import GEMM_GRID
@@ -505,6 +506,13 @@ def batch_reference(heap, buf, layer, x, routing, full, shape, args, common, cfg
         times.append(e0.elapsed_time(e1))
     gemm_only = heap.allgather_obj(statistics.median(times))
     del gg
+    floor = {}
+    if args.floor:  # every PE reads its experts' weights once, all at once: the floor on the same SM shares
+        fg = floor_graph(layer.fw)
+        floor_ms = stats(timed(heap, fg.replay, args.replays))["median_ms"]
+        del fg
+        floor = {"floor_ms": floor_ms, "weight_bytes_per_pe": heap.allgather_obj(weight_bytes(layer.fw)),
+                 "over_floor": st["median_ms"] / floor_ms, "gemm_only_over_floor": max(gemm_only) / floor_ms}
     rel = None
     if routing is None:
         samp = torch.linspace(0, T - 1, min(T, args.ref_tokens), device=dev).round().long().unique()
@@ -514,13 +522,15 @@ def batch_reference(heap, buf, layer, x, routing, full, shape, args, common, cfg
     row = {**common, **cfg, "path": "batch", "gemm": buf.gemm, **case_fields(ON_TIME), **st,
            "bitwise_equal_to_batch": True, "rows_per_rank": rows_here, "gemm_only_ms": gemm_only,
            "peer_bytes_per_route": [b[0] for b in pulled], "peer_bytes_per_token": [b[1] for b in pulled],
-           "batch_over_gemm_only": st["median_ms"] / max(gemm_only),
+           "batch_over_gemm_only": st["median_ms"] / max(gemm_only), **floor,
            "rel_err_vs_f64_max": rel, "ring_ok": not (ok["violations"] or ok["timeouts"])}
     rows = [row] + [{**common, **cfg, "path": "batch", "gemm": buf.gemm, **case_fields(c), **s_,
                      "over_batch_on_time": s_["median_ms"] / st["median_ms"]} for c, s_ in late.items()]
     log(f"T={T} E/PE={common['experts_per_pe']} {common['routing']} {buf.gemm}: batch {st['median_ms']:.3f} ms, "
         f"late {[round(s_['median_ms'], 3) for s_ in late.values()]} ms, gemm-only per PE "
-        f"{[round(v, 3) for v in gemm_only]} ms, rows per PE {rows_here}")
+        f"{[round(v, 3) for v in gemm_only]} ms, rows per PE {rows_here}"
+        + (f"; weight-read floor {floor['floor_ms']:.3f} ms ({floor['weight_bytes_per_pe'][0] / 1e9:.2f} GB per PE): "
+           f"batch {floor['over_floor']:.2f}x, GEMMs alone {floor['gemm_only_over_floor']:.2f}x" if floor else ""))
     return ref_out, row, rows
 
 
@@ -597,6 +607,8 @@ def bench_tokens(heap, T, shape, full, base, args, rows, timelines, budget, save
                          "batch_paired_ms": b0, "streamed_over_batch": st["median_ms"] / b0,
                          "over_batch_on_time": st["median_ms"] / b0,
                          "streamed_over_gemm_only": st["median_ms"] / max(ref_row["gemm_only_ms"]),
+                         **({"floor_ms": ref_row["floor_ms"], "over_floor": st["median_ms"] / ref_row["floor_ms"]}
+                            if "floor_ms" in ref_row else {}),
                          "stamped_graphs": args.stamped_graphs,
                          **{f"blocks_{k_}_per_pe": [b[k_] for b in blocks]
                             for k_ in ("ready", "expected", "past", "past_grid")}}
@@ -865,6 +877,9 @@ def main(argv=None) -> int:
                     help="time the paired batch and streamed graphs with their timeline stamps in (what stamping changes)")
     ap.add_argument("--also-alone", action="store_true",
                     help="also time each plan's two graphs on time replayed back to back, not interleaved")
+    ap.add_argument("--floor", action="store_true",
+                    help="also time a kernel reading each PE's expert weights once, all PEs at once (bench.weight_floor): "
+                         "rows get floor_ms and over_floor")
     ap.add_argument("--deadline-s", type=float, default=20.0)
     ap.add_argument("--no-baseline", action="store_true", help="skip the torch + NCCL baseline")
     ap.add_argument("--gemms", type=words, default=["auto"],
