@@ -3,8 +3,8 @@
 At decode sizes the layer's time is bound by reading each local expert's FP8 weights once (L1 ``[2I, H]``, L2
 ``[H, I]``, and their 128x128 block scales). :func:`floor_graph` captures one read of every byte of this PE's
 ``w1``, ``w1_sf``, ``w2``, ``w2_sf`` (``FastWeights``) into a graph: a Triton kernel per tensor, each program
-reading a contiguous run of 32-bit words with wide loads and folding them into one word it stores (so nothing
-is optimised away). Timed on every PE at once, as the layer is (``bench.common.timed``: the slowest PE), it is
+reading a contiguous run of 32-bit words with wide loads and folding them (xor) into one row of words it stores
+(so nothing is optimised away). Timed on every PE at once, as the layer is (``bench.common.timed``: the slowest PE), it is
 the floor on the same PEs and SM share: ``floor_ms``; a row's ``over_floor`` is its time over it.
 """
 
@@ -24,16 +24,16 @@ STEPS = 64
 def _read_words_kernel(src_ptr, n_words, out_ptr, BLOCK: tl.constexpr, STEPS: tl.constexpr):
     pid = tl.program_id(0)
     base = pid.to(tl.int64) * BLOCK * STEPS
-    acc = tl.zeros([BLOCK], dtype=tl.int32)
+    acc = tl.full([BLOCK], 0, tl.int32)
     for i in range(STEPS):
         offs = base + i * BLOCK + tl.arange(0, BLOCK)
         acc ^= tl.load(src_ptr + offs, mask=offs < n_words, other=0)
-    tl.store(out_ptr + pid, tl.sum(acc, axis=0))
+    tl.store(out_ptr + pid * BLOCK + tl.arange(0, BLOCK), acc)
 
 
 def read_once(t: torch.Tensor, out: torch.Tensor) -> None:
     """Read every byte of ``t`` (contiguous, a multiple of 4 bytes) once; ``out`` (int32, at least
-    :func:`programs_for` ``(t)`` words) receives one folded word per program."""
+    :func:`programs_for` ``(t) * BLOCK`` words) receives one folded row of ``BLOCK`` words per program."""
     words = t.contiguous().view(torch.uint8).view(torch.int32)
     n = words.numel()
     grid = (programs_for(t),)
@@ -56,7 +56,7 @@ def weight_bytes(fw) -> int:
 def floor_graph(fw):
     """A CUDA graph reading every weight byte of ``fw`` once (compiled and run once eagerly first)."""
     ts = weight_tensors(fw)
-    out = torch.zeros(max(programs_for(t) for t in ts), dtype=torch.int32, device=ts[0].device)
+    out = torch.zeros(max(programs_for(t) for t in ts) * BLOCK, dtype=torch.int32, device=ts[0].device)
     for t in ts:
         read_once(t, out)
     torch.cuda.synchronize()
