@@ -303,7 +303,7 @@ class Budget:
 
 def rows_routed_here(buf: EPBuffer) -> int:
     """Routed rows this PE's expert blocks received in the last forward (the fill of every expert)."""
-    return int(buf.bc.state[: buf.E_loc].sum().item())
+    return int(buf.pipeline.experts.bc.state[: buf.E_loc].sum().item())
 
 
 def gemm_only_graph(buf: EPBuffer, layer):
@@ -311,12 +311,13 @@ def gemm_only_graph(buf: EPBuffer, layer):
     L1 + SwiGLU + L2 of every ready block in ONE call (no dispatch, signal or reduce): as the default
     buffer's batch path runs them (its last step's blocks go with the seal's); with
     ``--separate-seal-gemms`` the layer makes two calls and this stays the one-call reference."""
-    bc = buf.bc
+    ex, comb = buf.pipeline.experts, buf.pipeline.combine
+    bc = ex.bc
     n = buf.paths["batch"].num_chunks * buf.paths["batch"].steps + 1  # dispatch steps + the seal
 
     def run():
         # the buffer's own GEMMs (CUTLASS, DeepGEMM: one call over every block, its psum layout)
-        direct = dict(out=buf.comb_rows, direct=(bc.row_src, bc.row_tok, buf.comb_delta)) if buf.direct_l2 else {}
+        direct = dict(out=comb.rows, direct=(bc.row_src, bc.row_tok, comb.row_delta)) if ex.owner_rows else {}
         bc.compute(0, n, bc.max_blocks, layer.fw, impl=buf.gemm, **direct)
 
     run()
@@ -350,9 +351,9 @@ def delay_setter(heap, buf, case, seed):
     """A per-replay hook (``timed``'s ``before``) setting this PE's producer delay for ``case``."""
     ms, rank, skew = case
     if skew:
-        return lambda i: buf.set_straggler(int(skew_delays_ms(skew, i, heap.num_ranks, seed)[heap.rank] * 1e6))
+        return lambda i: buf.instrument.set_delay(int(skew_delays_ms(skew, i, heap.num_ranks, seed)[heap.rank] * 1e6))
     ns = int(ms * 1e6) if heap.rank == rank else 0
-    return lambda i: buf.set_straggler(ns)
+    return lambda i: buf.instrument.set_delay(ns)
 
 
 def measure_batch(heap, buf, layer, x, routing, args, seed):
@@ -368,7 +369,7 @@ def measure_batch(heap, buf, layer, x, routing, args, seed):
     late = {}
     for case in late_cases(args):
         late[case] = stats(timed(heap, g.replay, args.replays, before=delay_setter(heap, buf, case, seed)))
-        buf.set_straggler(0)
+        buf.instrument.set_delay(0)
     del g
     return out, st, late
 
@@ -391,7 +392,7 @@ def measure_paired(heap, buf, layer, x, routing, args, seed):
     heap.barrier()
 
     def on_time(i):
-        buf.set_straggler(0)
+        buf.instrument.set_delay(0)
     t = timed_rounds(heap, [("batch", gb.replay, on_time), ("streamed", gs.replay, on_time)], args.replays)
     res = {ON_TIME: {"streamed": stats(t["streamed"]), "batch": stats(t["batch"]),
                      "batch_on_time": stats(t["batch"])}}
@@ -406,7 +407,7 @@ def measure_paired(heap, buf, layer, x, routing, args, seed):
         res[case] = {k: stats(v) for k, v in t.items()}
         if case[2]:
             res[case]["first_wait"] = first_wait(t["streamed"], case[2], heap.num_ranks, seed)
-    buf.set_straggler(0)
+    buf.instrument.set_delay(0)
     del gb, gs
     return out, res, blocks
 
@@ -433,7 +434,7 @@ def stamped_timelines(heap, buf, layer, x, routing, streaming, late_ms: float, i
     outer = torch.zeros(2, dtype=torch.int64, device=heap.device)
     e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for ms in (0.0, late_ms):
-        buf.set_straggler(int(ms * 1e6) if heap.rank == heap.num_ranks - 1 else 0)
+        buf.instrument.set_delay(int(ms * 1e6) if heap.rank == heap.num_ranks - 1 else 0)
         runs = []
         for _ in range(replays):
             torch.cuda.synchronize()
@@ -444,7 +445,7 @@ def stamped_timelines(heap, buf, layer, x, routing, streaming, late_ms: float, i
             e1.record()
             stamp(outer, 1)
             torch.cuda.synchronize()
-            tl = buf.timeline()
+            tl = moe_debug.timeline(buf)
             t0 = tl.pop("t0_ns")
             called, end = outer.tolist()
             tl["tail"].update(replay_called=(called - t0) / 1e3, replay_end=(end - t0) / 1e3)
@@ -455,7 +456,7 @@ def stamped_timelines(heap, buf, layer, x, routing, streaming, late_ms: float, i
         out += runs[len(runs) // 2]
         for t in runs[len(runs) // 2]:
             log(timeline_line(t))
-    buf.set_straggler(0)
+    buf.instrument.set_delay(0)
     del gt
     return out
 
@@ -493,7 +494,7 @@ def batch_reference(heap, buf, layer, x, routing, full, shape, args, common, cfg
     ref_out, st, late = measure_batch(heap, buf, layer, x, routing, args, seed)
     rows_here = heap.allgather_obj(rows_routed_here(buf))
     # NVLink bytes per forward: one row per route (before) and one per token (after)
-    pulled = heap.allgather_obj([int(v) for v in buf.pull_bytes.tolist()])
+    pulled = heap.allgather_obj([int(v) for v in buf.pipeline.dispatch.pull_bytes.tolist()])
     gg = gemm_only_graph(buf, layer)
     heap.barrier()
     e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -573,11 +574,11 @@ def bench_tokens(heap, T, shape, full, base, args, rows, timelines, budget, save
                                       **({} if gmt is None else {"group_max_tokens": gmt}))
                     buf = EPBuffer(heap, shape, max_tokens_per_rank=T, num_slots=slots, tokens_per_slot=chunk,
                                    gemm=gemm, deadline_s=args.deadline_s, tuning=tuning, name="bench")
-                    if plan and buf.groups_sources(buf.paths["stream"], T):
+                    if plan and buf.pipeline.groups_sources(buf.paths["stream"], T):
                         # the rows ran grouped ready steps with this window (the cost model reads it)
                         cfg["ready_window_us"] = tuning.ready_window_us
                     if plan:
-                        cfg["grouped_steps"] = buf.groups_sources(buf.paths["stream"], T)
+                        cfg["grouped_steps"] = buf.pipeline.groups_sources(buf.paths["stream"], T)
                         cfg["streamed_grid_waves"] = tuning.streamed_grid_waves if CAPABILITIES[buf.gemm].waves \
                             else None
                     moe_debug.record_timeline(buf)

@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 
 
+from .device import progress as PG
 from .device.ringdesc import CLOCK_HZ, INJECT_BITS, RING_LAYOUT, RING_ROUTE
 from .ring.device import DeviceRing
 from .ring.layout import RingLayout
@@ -43,35 +44,32 @@ from .ring.policies import PROGRESS_POLICIES
 POLICIES = PROGRESS_POLICIES
 
 
+def _streams_of(policy: str) -> str:
+    """The progress policy whose streams ``policy`` runs on: its own (pdl, refused by the EP layer, on one stream,
+    as serialized)."""
+    return "serialized" if policy == "pdl" else policy
+
+
 class StreamedSequence:
     """Enqueues one stream (epoch) of the synthetic producer/consumer sequence under a policy."""
 
     def __init__(self, heap, ring: DeviceRing, policy: str, *, inject: int = 0, delay_cycles: int = 0,
                  hold_cycles: int = 0, producer_sms: int = 16):
-        import torch
-
         if policy not in POLICIES:
             raise ValueError(f"progress policy {policy!r} is not one of {POLICIES}")
         self.heap, self.ring, self.policy = heap, ring, policy
         self.inject = int(inject)
         self.delay = int(delay_cycles)
         self.hold = int(hold_cycles)
-        self.green = None
-        self.green_how = ""
-        if policy == "green_ctx":
-            from .device.green import make_green_pair
-
-            if ring.transport != "p2p":
-                raise ValueError("green_ctx needs a DeviceRing with transport='p2p' (no NVSHMEM state in green contexts)")
-            self.green = make_green_pair(heap.device_index, producer_sms)
-            self.green_how = f"{self.green[0].how}; producer {self.green[0].sms} SMs, consumer {self.green[1].sms} SMs"
-            self.pstream, self.cstream = self.green[0].stream, self.green[1].stream
-        elif policy in ("serialized", "pdl"):
-            self.pstream = self.cstream = None
-        else:
-            self.pstream = torch.cuda.Stream(device=heap.device)
-            self.cstream = torch.cuda.Stream(device=heap.device)
-        if policy == "stream_wait" and ring.off_wake < 0:
+        if policy == "green_ctx" and ring.transport != "p2p":
+            raise ValueError("green_ctx needs a DeviceRing with transport='p2p' (no NVSHMEM state in green contexts)")
+        # the producer and the consumer ("d": the dispatch role) on the policy's streams (device.progress); pdl
+        # runs on one stream, as serialized does
+        self.progress = PG.make(_streams_of(policy), heap.device, roles=("p", "d"), producer_sms=producer_sms)
+        self.green = self.progress.green
+        self.green_how = self.progress.how
+        self.pstream, self.cstream = self.progress.stream("p"), self.progress.stream("d")
+        if self.progress.rings_doorbells and ring.off_wake < 0:
             raise ValueError("the stream_wait policy needs a DeviceRing made with wake=True")
 
     def warm_up(self) -> None:
@@ -88,10 +86,9 @@ class StreamedSequence:
 
     def _side(self, which):
         """(stream, context manager) of side 'p' (producer) or 'c' (consumer)."""
-        if self.green is not None:
-            side = self.green[0 if which == "p" else 1]
-            return side.sref, side.current()
-        return (self.pstream if which == "p" else self.cstream), contextlib.nullcontext()
+        role = "p" if which == "p" else "d"
+        ctx = self.progress.side(role) if self.green is not None else contextlib.nullcontext()
+        return self.progress.library_stream(role), ctx
 
     def enqueue(self, origin) -> None:
         """Enqueue one epoch on ``origin`` (a torch stream; the capture stream when capturing)."""
@@ -116,7 +113,7 @@ class StreamedSequence:
             cst, cctx = self._side("c")
             with cctx:
                 for c in range(n):
-                    if self.policy == "stream_wait":
+                    if self.progress.rings_doorbells:
                         if not inj & INJECT_BITS["skip-acquire"]:
                             r.wait_doorbells(self.cstream, c)
                     else:
@@ -202,7 +199,8 @@ def graph_check(heap, policy: str, *, replays: int = 10000, num_slots: int = 4, 
     res = {"policy": policy, "pes": R, "rank": heap.rank, "inject": inject, "replays_asked": replays,
            "num_slots": num_slots, "num_chunks": num_chunks, "mode": "", "ok": False, "error": None}
     ring = DeviceRing(heap, layout, num_chunks, transport="p2p" if policy == "green_ctx" else "nv",
-                      wake=(policy == "stream_wait"), deadline_s=deadline_s, name="gpu-check-ring")
+                      wake=PG.policy_class(_streams_of(policy)).rings_doorbells, deadline_s=deadline_s,
+                      name="gpu-check-ring")
     seq = None
     try:
         err = None
@@ -272,6 +270,8 @@ def graph_check(heap, policy: str, *, replays: int = 10000, num_slots: int = 4, 
             heap.barrier()
         finally:
             ring.close()
+            if seq is not None:
+                seq.progress.close()
 
 
 # --------------------------------------------------------------------------------------------

@@ -289,7 +289,7 @@ def run_layer_gpu(heap, cfg: Config) -> dict:
                                 launch_ahead=cfg.run.launch_ahead and m == "stream")
         barrier()
     if st is not None and st.rank == me:
-        buf.set_straggler(int(st.ms * 1e6))
+        buf.instrument.set_delay(int(st.ms * 1e6))
     fault = cfg.run.fault if cfg.run.fault is not None and cfg.run.fault.rank == me else None
     for ep in range(cfg.run.epochs if failed is None else 0):
         x = make_tokens(cfg, me, ep, T).to(dev, torch.bfloat16)
@@ -317,7 +317,7 @@ def run_layer_gpu(heap, cfg: Config) -> dict:
             row["ref_max_abs_err"] = max(row["ref_max_abs_err"], float((y[sample].double() - ref).abs().max()))
             row["ref_max_err_ratio"] = max(row["ref_max_err_ratio"], rel / B.FAST_PATH_REL_TOL)
             row["ref_ok"] &= rel < B.FAST_PATH_REL_TOL
-            row["experts_hit"] = max(row["experts_hit"], int(buf.my_idx[:T].unique().numel()))
+            row["experts_hit"] = max(row["experts_hit"], int(buf.last_routing[0].unique().numel()))
     status = buf.status()
     errors = {k: status[k] for k in ("violations", "timeouts", "bad_routes", "bad_counts") if status[k]}
     if status["first_error"]:
@@ -352,10 +352,12 @@ def _fast_path_job(cfg: Config, R: int) -> tuple:
 
 
 def _ep_buffer_of(heap, cfg: Config, shape, max_tokens: int):
-    """The run's :class:`~streamring.moe.ep_buffer.EPBuffer`: its sizes, GEMMs and tuning from ``cfg``, the
-    config's protocol mutation (``run.inject``) set through the test hook."""
+    """The run's :class:`~streamring.moe.ep_buffer.EPBuffer`: its sizes, GEMMs and tuning from ``cfg``; with a
+    protocol mutation (``run.inject``), a straggler (``run.straggler``) or a fault (``run.fault``: a held-back
+    producer) the test and benchmark instrument is attached (before any graph is captured) and set."""
     from .moe import debug as moe_debug
     from .moe.ep_buffer import EPBuffer
+    from .moe.instrument import attach
     from .moe.tuning import EPTuning
 
     tuning = EPTuning(block_m=cfg.run.block_m, policy=cfg.nvshmem.progress, source_order=cfg.run.source_order,
@@ -363,7 +365,9 @@ def _ep_buffer_of(heap, cfg: Config, shape, max_tokens: int):
     buf = EPBuffer(heap, shape, max_tokens_per_rank=max_tokens, num_slots=cfg.ring.num_slots,
                    tokens_per_slot=min(cfg.ring.tokens_per_slot, max_tokens), gemm=cfg.run.gemm,
                    deadline_s=cfg.wait_timeout_s, tuning=tuning, name="run")
-    moe_debug.inject(buf, cfg.run.inject)
+    if cfg.run.inject != "none" or cfg.run.straggler is not None or cfg.run.fault is not None:
+        attach(buf)
+        moe_debug.inject(buf, cfg.run.inject)
     return buf
 
 
@@ -380,7 +384,7 @@ def replay_checked(buf, graph) -> None:
     """
     import torch
 
-    if buf.inject != "none":
+    if buf.instrument is not None and buf.instrument.inject != "none":
         graph.replay()
         torch.cuda.synchronize(buf.dev)
         return
@@ -424,7 +428,7 @@ def fail_this_rank(kind: str, buf, graph, wait_timeout_s: float) -> None:
     print(f"rank {buf.me}: run.fault: {'SIGKILL' if kind == 'kill' else 'SIGSTOP'} of this rank (pid "
           f"{os.getpid()}) in the streamed forward", file=sys.stderr, flush=True)
     if kind == "kill":
-        buf.set_straggler(int((2 * wait_timeout_s + 5) * 1e9))
+        buf.instrument.set_delay(int((2 * wait_timeout_s + 5) * 1e9))
         graph.replay()
         os.kill(os.getpid(), signal.SIGKILL)
     os.kill(os.getpid(), signal.SIGSTOP)

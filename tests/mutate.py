@@ -157,21 +157,21 @@ GPU_MUTATIONS = [
              (f"{GPU_RULES}::test_ring_selftest_under_stress",
               "tests/unit/test_ptx_ring.py::test_the_acquire_is_ordered_in_the_compiled_kernels"), gpu=True),
     Mutation("ack-before-copy", "the EP dispatch acknowledges a slot only after copying its rows out",
-             (("streamring/moe/ep_pipeline.py",
-               "            self.bc.dispatch_ep(c, flat_e, flat_w, srcs, (ring_u8, ring_u8.view(torch.float32)), "
+             (("streamring/moe/ep_dispatch.py",
+               "            bc.dispatch_ep(c, flat_e, flat_w, srcs, (ring_u8, ring_u8.view(torch.float32)), "
                "(d_u8, d_f32),\n"
-               "                                (L.x_off(s), L.x_sf_off(s) // 4), step=path.step_index[c, j], "
+               "                           (L.x_off(s), L.x_sf_off(s) // 4), step=path.step_index[c, j], "
                "pull=\"token\",\n"
-               "                                on_slot_released=release)\n",
+               "                           on_slot_released=release)\n",
                "            release()\n"
-               "            self.bc.dispatch_ep(c, flat_e, flat_w, srcs, (ring_u8, ring_u8.view(torch.float32)), "
+               "            bc.dispatch_ep(c, flat_e, flat_w, srcs, (ring_u8, ring_u8.view(torch.float32)), "
                "(d_u8, d_f32),\n"
-               "                                (L.x_off(s), L.x_sf_off(s) // 4), step=path.step_index[c, j], "
+               "                           (L.x_off(s), L.x_sf_off(s) // 4), step=path.step_index[c, j], "
                "pull=\"token\",\n"
-               "                                on_slot_released=None)\n"),),
+               "                           on_slot_released=None)\n"),),
              (f"{GPU_RULES}::test_slow_copy_keeps_its_slot",), gpu=True),
     Mutation("arrival-counter-not-reset", "the owner resets its arrival counters after each reduce",
-             (("streamring/moe/ep_pipeline.py", "                self.arrived[:path.num_chunks].zero_()\n", ""),),
+             (("streamring/moe/ep_combine.py", "            self.arrived[:path.num_chunks].zero_()\n", ""),),
              (f"{GPU_RULES}::test_arrival_counters_start_from_zero_every_forward[serialized]",
               f"{GPU_RULES}::test_arrival_counters_start_from_zero_every_forward[spin_kernel]"), gpu=True),
     Mutation("meta-valid-off-by-one", "the device metadata check: a valid count past the slot is refused",

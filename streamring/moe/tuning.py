@@ -64,8 +64,9 @@ class EPTuning(BaseModel):
             persistent (CUTLASS: ``gemm.backends.Capabilities.waves``). Its one-CTA-per-SM grid holds every SM
             until the call ends, so the next source's dispatch, a late PE's producer and the result puts would
             wait for the whole call; a grid of this many CTAs per SM runs in waves, each CTA taking a share of the
-            tiles, and those higher-priority kernels get SMs as CTAs retire. 1: the backend's own grid. The batch
-            path always runs the backend's own grid.
+            tiles, and those higher-priority kernels get SMs as CTAs retire. 1 (the default): the backend's own
+            grid; 2 and 4 measured no faster (CUTLASS at 4096 tokens, 2 PEs under MPS: streamed 1.35x and 1.34x the
+            batch path against 1.30x, docs/performance.md). The batch path always runs the backend's own grid.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -80,7 +81,7 @@ class EPTuning(BaseModel):
     group_max_tokens: int = Field(1024, ge=0)
     ready_window_us: float = Field(50.0, ge=0, le=1000)
     chunk_gemm_ctas: Optional[int] = Field(None, ge=1)
-    streamed_grid_waves: int = Field(4, ge=1, le=16)
+    streamed_grid_waves: int = Field(1, ge=1, le=16)
 
     def groups_sources(self, ranks: int, rows: int) -> bool:
         """Whether a streamed forward of ``rows`` rows per PE on ``ranks`` PEs groups the sources that are ready
@@ -106,11 +107,3 @@ class EPTuning(BaseModel):
             raise ValueError(f"producer_sms must be a multiple of 8 (green contexts split SMs in groups of 8), "
                              f"got {v}")
         return v
-
-    @property
-    def priority_streams(self) -> bool:
-        """Producer and dispatch streams at high priority: with ``spin_kernel`` only (their CTAs are then
-        scheduled before the next pending CTA of a large GEMM grid). ``stream_wait`` keeps default priorities:
-        a consumer blocked in ``cuStreamWaitValue64`` has no deadline, so nothing may depend on its stream
-        being scheduled first."""
-        return self.policy == "spin_kernel"

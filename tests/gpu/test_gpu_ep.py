@@ -112,13 +112,14 @@ def test_a_missing_arrival_is_reported_not_hung(env):
     try:
         w = buf.prepare_weights(fw)
         buf.forward(x, w)
-        real = buf._produce  # noqa: SLF001 - the test breaks the owner's expectation on purpose
+        producer = buf.pipeline.producer
+        real = producer.produce  # the test breaks the owner's expectation on purpose
 
-        def one_more(path, layer, x, c, routing=None):
-            real(path, layer, x, c, routing)
-            buf.expected[c].add_(1)  # on the producer's stream, after the chunk's own count
+        def one_more(path, layer, x, c, routing, stream, instrument):
+            real(path, layer, x, c, routing, stream, instrument)
+            producer.expected[c].add_(1)  # on the producer's stream, after the chunk's own count
 
-        buf._produce = one_more
+        producer.produce = one_more
         buf.forward(x, w)
         torch.cuda.synchronize()
         st = buf.status()
@@ -285,7 +286,7 @@ def test_the_buffers_streams_are_never_the_callers(env):
     heap, shape, fw = env
     buf = _buffer(heap, shape)
     try:
-        own = {int(s.cuda_stream) for s in (buf.pstream, buf.dstream, buf.gstream, buf.ustream)}
+        own = {int(s.cuda_stream) for s in buf.pipeline.progress.streams()}
         pooled = {int(torch.cuda.Stream(device=heap.device, priority=p).cuda_stream) for p in (0, -1, -5)
                   for _ in range(70)}
         assert len(own) == 4 and not own & pooled

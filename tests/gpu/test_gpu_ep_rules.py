@@ -61,14 +61,14 @@ def test_slow_copy_keeps_its_slot(env):
     T = 157
     buf = _buffer(heap, shape, T, "spin_kernel", "rules-slow-copy", 5.0)
     hold = torch.full((1,), 2_000_000, dtype=torch.int64, device=heap.device)
-    real = buf.bc.dispatch_ep
+    real = buf.pipeline.experts.bc.dispatch_ep
     ring = buf.paths["stream"].ring
 
     def slow_copy(*args, **kw):
         DK.ep_delay(heap.lib, ring.stream_ref(torch.cuda.current_stream()), ns=int(hold.data_ptr()))
         return real(*args, **kw)
 
-    buf.bc.dispatch_ep = slow_copy
+    buf.pipeline.experts.bc.dispatch_ep = slow_copy
     try:
         w = buf.prepare_weights(fw)
         x = random_x(shape, T, 21, heap.device)
@@ -108,7 +108,7 @@ def test_arrival_counters_start_from_zero_every_forward(env, policy):
             y.fill_(float("nan"))
             st = buf.replay(g)  # raises on RE_COMBINE_COUNT / RE_COMBINE_TIMEOUT
             assert torch.equal(bits(y), bits(_batch_out(heap, shape, fw, x2))), f"seed {seed}; {st}"
-            assert int(buf.arrived.abs().sum().item()) == 0, f"arrived counters left {buf.arrived.tolist()}"
+            assert int(buf.pipeline.combine.arrived.abs().sum().item()) == 0, f"arrived counters left {buf.pipeline.combine.arrived.tolist()}"
     finally:
         buf.close()
 

@@ -323,7 +323,7 @@ def layer_broken(heap) -> list[str]:
         sees it: they read only after the layout generation), overwrite a word it published. Chunk 0
         holds 40 tokens, a full slot: its valid count + 1 is past the slot."""
         path = buf.paths["stream"]
-        real = buf._layout
+        real = buf.pipeline.producer.layout
         done = []
 
         def hooked(x_rows, slot, n):
@@ -338,7 +338,7 @@ def layer_broken(heap) -> list[str]:
             return real(x_rows, slot, n)
 
         if me == evil:
-            buf._layout = hooked
+            buf.pipeline.producer.layout = hooked
 
     def expect_refusal(buf, w, graph, what):
         msgs = []

@@ -168,11 +168,17 @@ def test_tuning_validation_names_fields():
 
 def test_priority_streams_follow_the_policy():
     """High-priority producer and dispatch streams with spin_kernel only: a consumer blocked in
-    cuStreamWaitValue64 (stream_wait) has no deadline, so nothing may depend on its stream going first."""
-    from streamring.moe.tuning import EPTuning
+    cuStreamWaitValue64 (stream_wait) has no deadline, so nothing may depend on its stream going first; only
+    stream_wait rings the doorbells; every policy of the EP layer is a class of device.progress (one each)."""
+    from streamring.device import progress as PG
+    from streamring.moe.tuning import EP_POLICIES
 
-    assert EPTuning(policy="spin_kernel").priority_streams
-    assert not any(EPTuning(policy=p).priority_streams for p in ("stream_wait", "serialized", "green_ctx"))
+    assert PG.policy_class("spin_kernel").high_priority
+    assert not any(PG.policy_class(p).high_priority for p in ("stream_wait", "serialized", "green_ctx"))
+    assert [p for p in EP_POLICIES if PG.policy_class(p).rings_doorbells] == ["stream_wait"]
+    assert len({PG.policy_class(p) for p in EP_POLICIES}) == len(EP_POLICIES)
+    with pytest.raises(ValueError, match="progress policy 'pdl' has no streams here"):
+        PG.policy_class("pdl")
 
 
 def test_make_adaptive_table_weighs_late_ranks_by_regret(tmp_path):

@@ -89,16 +89,16 @@ def test_every_source_order_computes_the_last_step_in_the_seal_call_and_keeps_th
     """The last dispatch step's blocks are computed in the seal's call: one GEMM call per forward fewer
     (the batch path: one call over its step and the seal), in every dispatch order; the orders' outputs are
     bitwise equal."""
-    import streamring.moe.ep_buffer as EB
+    import streamring.moe.ep_experts as EX
 
     shape, fw, _ = setup  # buffers of its own: the shared one's status counts are asserted elsewhere
     ranges = []
-    real = EB.EPBuffer._gemms
+    real = EX.EPExperts.compute
 
     def gemms(self, path, layer, lo, hi, *a, **k):  # every GEMM call of a forward, as its ready range
         ranges.append((lo, hi))
         return real(self, path, layer, lo, hi, *a, **k)
-    monkeypatch.setattr(EB.EPBuffer, "_gemms", gemms)
+    monkeypatch.setattr(EX.EPExperts, "compute", gemms)
     x = tokens(37, 1)
     got = {}
     for order in ("rank", "ready", "arrival"):  # 3 chunks: arrival needs 3 slots
@@ -141,7 +141,7 @@ def test_a_gemm_status_makes_the_buffer_refuse(setup):
             def status(self):
                 return 32
 
-        buf.bc.experts = lambda impl="triton", **options: RefusedPsum()
+        buf.pipeline.experts.bc.experts = lambda impl="triton", **options: RefusedPsum()
         st = buf.status()
         assert st["gemm_status"] == 32
         assert "psum layout" in buf.broken and "rank 0" in buf.broken
@@ -315,7 +315,7 @@ def test_a_grouped_ready_row_decides_only_for_grouped_ready_buffers():
     """On several PEs the ready order's grouped steps are a schedule of their own: a row measured with them
     (it names its window) decides for a grouped buffer whatever its window, never for an arrival buffer; a
     row measured with one source per ready step (no window) still serves an arrival buffer at one chunk."""
-    from streamring.moe.ep_buffer import _schedule
+    from streamring.moe.ep_config import schedule as _schedule
 
     assert _schedule(1, "ready", 20.0, 2) == _schedule(1, "ready", 50.0, 2)
     assert _schedule(1, "ready", 20.0, 2) != _schedule(1, "arrival", None, 2)
@@ -366,7 +366,7 @@ def test_blocks_past_the_grids_expectation_are_counted_and_computed_on_the_tail(
     ``debug.blocks_past_expectation`` reads how many it found ready. With every call expecting one block the
     Triton grids launch one group's tiles and a looping tail (here of 2 CTAs, so each loops over several tiles),
     which computes every block past the group; the output keeps the batch path's bits."""
-    import streamring.moe.ep_buffer as EB
+    import streamring.moe.ep_experts as EX
     from streamring.device import moe_triton as K
     from streamring.device.gemm_grid import GROUP_BLOCKS
     from streamring.moe import debug
@@ -379,7 +379,7 @@ def test_blocks_past_the_grids_expectation_are_counted_and_computed_on_the_tail(
         w = b.prepare_weights(fw)
         # streamed first: a block the tail skipped would keep the fresh buffer's zeros, not an earlier
         # forward's rows of the same tokens
-        monkeypatch.setattr(EB.EPBuffer, "_expected_per_step", lambda self, path, c, j=0: 1)
+        monkeypatch.setattr(EX.EPExperts, "expect", lambda self, path, rows, grouped, c, j=0: 1)
         monkeypatch.setattr(K, "tail_ctas", lambda device: 2)
         got = b.forward(x, w, streaming=True).clone()
         rec = debug.blocks_past_expectation(b)
@@ -477,7 +477,7 @@ def test_persistent_consumer_keeps_the_output():
             assert torch.equal(bits(buf.forward(x, w, streaming=streaming)), bits(want)), streaming
         st = buf.status()
         assert not (st["violations"] or st["timeouts"] or st["bad_routes"]), st
-        assert buf.pull_bytes.tolist() == [0, 0]
+        assert buf.pipeline.dispatch.pull_bytes.tolist() == [0, 0]
     finally:
         buf.close()
     with pytest.raises(ValueError, match="consumer 'persistent' runs the Triton GEMMs"):

@@ -305,7 +305,7 @@ def test_replay_holds_a_sigterm_until_the_forward_ends():
     from streamring.runner import replay_checked
 
     class Layer:
-        inject = "none"
+        instrument = None  # no protocol mutation: its replay is checked
 
         def __init__(self, error):
             self.error = error

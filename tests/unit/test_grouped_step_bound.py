@@ -1,4 +1,4 @@
-"""The GEMM grid bound of the ready order's grouped dispatch steps (``EPPipeline._max_ready_per_step``) holds
+"""The GEMM grid bound of the ready order's grouped dispatch steps (``EPExperts.bound``) holds
 for every grouping: the Triton GEMMs bound a step's ready range by it and would silently drop the blocks
 past it. Random groupings of R sources over C chunks, random per-expert row counts, through the real block
 allocator (``alloc_blocks``, the Triton interpreter off the GPU) and the seal decided on the device."""
@@ -16,15 +16,15 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton", reason="Triton is not installed (pip install triton)")
 
 from streamring.moe import blocks as B  # noqa: E402
-from streamring.moe.ep_pipeline import EPPipeline  # noqa: E402
+from streamring.moe.ep_experts import EPExperts  # noqa: E402
 from streamring.moe.math import MoEShape  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _bound(R, chunk, topk, E_loc, bc, j):
-    me = SimpleNamespace(R=R, shape=SimpleNamespace(topk=topk), bc=bc, E_loc=E_loc, _grouped=True)
-    return EPPipeline._max_ready_per_step(me, SimpleNamespace(chunk=chunk, steps=R), j)
+    me = SimpleNamespace(heap=SimpleNamespace(num_ranks=R), bc=bc, E_loc=E_loc)
+    return EPExperts.bound(me, SimpleNamespace(chunk=chunk, steps=R), True, j)
 
 
 def _groups(gen, R):

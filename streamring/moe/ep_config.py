@@ -1,0 +1,132 @@
+"""The sizes, switches and GEMMs of an :class:`~streamring.moe.ep_buffer.EPBuffer` checked before anything is
+allocated (errors name the field and its allowed values), the bytes a buffer of given sizes holds, and what a
+measured plan and a buffer must share for the measurement to decide for the buffer. No GPU imports here."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..gemm import choice as GC
+from ..gemm.backends import CAPABILITIES
+from ..ring.layout import CombineLayout, RingLayout
+from ..ring.policies import GEMM_CHOICES
+from .math import MoEShape, MoEWeights, quantize_weight_fp8_block
+from .tuning import BLOCK_MS, EPTuning
+
+GEMMS = GEMM_CHOICES
+
+
+def cutlass_unavailable_reason() -> Optional[str]:
+    """Why the CUTLASS GEMM library is not taken here (``None`` when it loads). Never builds anything:
+    the library is built ahead with ``python -m streamring.gemm.build --out .gemm-build``."""
+    why = GC.available_impls(128)["cutlass"]
+    return why or None
+
+
+def resolve_gemm(gemm: str, shape: MoEShape, num_ranks: int, max_tokens_per_rank: int,
+                 block_m: int) -> "GC.LayerChoice":
+    """The expert GEMMs ``gemm`` stands for in a buffer of these sizes (``"auto"``: the fastest available
+    implementation of the measured table, ``streamring/gemm/choice.py``, at the buffer's rows per
+    expert; an explicit one: its own fastest variants). Every path of one buffer runs the result, so a
+    streamed-vs-batch comparison never measures two GEMMs' rounding."""
+    if gemm not in GEMMS:
+        raise ValueError(f"gemm must be one of {GEMMS}, got {gemm!r}")
+    return GC.resolve_layer(gemm, block_m, shape, [max_tokens_per_rank] * num_ranks)
+
+
+
+def schedule(chunks: int, source_order: str, ready_window_us: Optional[float], R: int) -> tuple:
+    """What a measured plan and a buffer must share for the measurement to decide for the buffer: the ready
+    order's grouped steps (any window) are a schedule of their own; with one chunk, arrival and one source
+    per ready step are one schedule (a step per source, in the order they publish; arrival differs only in
+    how it takes later chunks)."""
+    if source_order == "ready" and R > 1 and ready_window_us is not None:
+        return chunks, "ready, grouped"
+    if chunks == 1 and source_order in ("ready", "arrival"):
+        return 1, "a step per source"
+    return chunks, source_order
+
+
+def check_tuning(tu: EPTuning, R: int, chunks: int, slots: int) -> None:
+    """What ``tu`` needs of this job's sizes; errors name the field."""
+    if tu.source_order != "rank" and R > 64:
+        raise ValueError(f"tuning.source_order {tu.source_order!r} supports up to 64 PEs, got {R}")
+    if tu.source_order == "arrival" and slots < chunks:
+        raise ValueError(f"tuning.source_order 'arrival' needs num_slots >= the chunks of a forward "
+                         f"(max_tokens_per_rank / tokens_per_slot = {chunks}), got num_slots={slots}: a consumer "
+                         f"taking all of one source's chunks first could wait for a slot only its own later "
+                         f"acknowledgement frees")
+    if tu.source_order == "arrival" and tu.policy == "stream_wait":
+        raise ValueError("tuning.source_order 'arrival' with policy 'stream_wait' would wait for every source's "
+                         "doorbell of a chunk before taking any: use policy 'spin_kernel'")
+
+
+def check_sizes(shape: MoEShape, R: int, max_tokens_per_rank, num_slots, tokens_per_slot, block_m):
+    """Validated ``(max_tokens, tokens_per_slot, num_slots, block_m)``; errors name the field."""
+    if not isinstance(shape, MoEShape):
+        raise ValueError(f"shape must be a MoEShape, got {type(shape).__name__}")
+    if shape.num_experts % R:
+        raise ValueError(f"shape.num_experts={shape.num_experts} must be a multiple of the {R} PEs")
+    if shape.hidden % 128 or shape.intermediate % 128:
+        raise ValueError(f"shape.hidden={shape.hidden} and shape.intermediate={shape.intermediate} must be multiples "
+                         f"of 128 (one FP8 scale per 128 columns)")
+    if not isinstance(max_tokens_per_rank, int) or max_tokens_per_rank < 1:
+        raise ValueError(f"max_tokens_per_rank must be an int >= 1, got {max_tokens_per_rank!r}")
+    if not isinstance(num_slots, int) or num_slots < 1:
+        raise ValueError(f"num_slots must be an int >= 1, got {num_slots!r}")
+    C = max_tokens_per_rank if tokens_per_slot is None else tokens_per_slot
+    if not isinstance(C, int) or not 1 <= C <= max_tokens_per_rank:
+        raise ValueError(f"tokens_per_slot must be an int in [1, max_tokens_per_rank={max_tokens_per_rank}], "
+                         f"got {tokens_per_slot!r}")
+    bm = shape.block_m if block_m is None else block_m
+    if bm not in BLOCK_MS:
+        raise ValueError(f"block_m must be one of {BLOCK_MS}, got {bm!r}")
+    return max_tokens_per_rank, C, num_slots, bm
+
+
+def fp8_weights(w: MoEWeights, shape: MoEShape, device) -> MoEWeights:
+    """``w`` with FP8 expert weights: bf16/float weights are quantized with 128x128 block scales;
+    FP8 weights (with their scales) are kept as they are."""
+    if w.is_fp8:
+        return w
+    q = {}
+    for name in ("w1", "w3", "w2"):
+        t = getattr(w, name).to(device)
+        qs = [quantize_weight_fp8_block(t[e].float()) for e in range(t.shape[0])]
+        q[name] = torch.stack([a for a, _ in qs])
+        q[f"{name}_scale"] = torch.stack([s for _, s in qs])
+    return MoEWeights(router_weight=w.router_weight.to(device), correction_bias=None if w.correction_bias is None
+                      else w.correction_bias.to(device), **q)
+
+
+def memory_report(shape: MoEShape, num_ranks: int, *, max_tokens_per_rank: int, num_slots: int = 2,
+                  tokens_per_slot: Optional[int] = None, block_m: int = 64, gemm: str = "triton") -> dict:
+    """Bytes per PE of an :class:`EPBuffer` of these sizes, without allocating anything.
+
+    Returns a dict: ``symmetric`` (both rings + the combine area: what NVSHMEM's heap must hold),
+    ``one_layer_ring_and_combine`` (the streamed ring + the combine area: what a buffer per layer would
+    hold at the least), ``ratio`` (symmetric / one layer), ``local`` (the expert blocks' scratch and
+    the producer's, on the GPU outside the symmetric heap) and each part.
+    """
+    R, H, Kk, E, I = num_ranks, shape.hidden, shape.topk, shape.num_experts, shape.intermediate
+    M, C, S, bm = check_sizes(shape, R, max_tokens_per_rank, num_slots, tokens_per_slot, block_m)
+    lay = dict(num_ranks=R, hidden=H, topk=Kk, num_experts=E)
+    nch_s = -(-M // C)
+    batch_ring = RingLayout(num_slots=1, tokens_per_slot=M, **lay).nbytes
+    stream_ring = RingLayout(num_slots=min(S, nch_s), tokens_per_slot=C, **lay).nbytes
+    cap = max(M, nch_s * C)
+    combine = CombineLayout(max_tokens=cap, topk=Kk, hidden=H, max_chunks=max(nch_s, 1)).nbytes
+    E_loc = E // R
+    max_blocks = -(-(R * cap) * Kk // bm) + E_loc
+    rows = max_blocks * bm
+    local = rows * (H + H // 128 * 4 + I + I // 128 * 4 + 4 + 4 + 8 + 4)  # a, a_sf, h1, h1_sf, weight, src, tok, chunk
+    if gemm not in CAPABILITIES or not CAPABILITIES[gemm].owner_rows:
+        local += rows * (2 * I * 2 + I // 128 * 4 + H * 2)  # bf16 L1 output, L2 scales, local y
+    sym = batch_ring + stream_ring + combine
+    one = stream_ring + combine
+    return {"symmetric": sym, "batch_ring": batch_ring, "stream_ring": stream_ring, "combine": combine,
+            "one_layer_ring_and_combine": one, "ratio": sym / one, "local": local}
+
+

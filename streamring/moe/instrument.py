@@ -1,0 +1,122 @@
+"""Test and benchmark hooks of an :class:`~streamring.moe.ep_buffer.EPBuffer`, in one object a test or benchmark
+attaches explicitly (:func:`attach`): a device-side delay of this PE's producer (the late producer of the
+benchmarks and of ``run.straggler``), per-chunk ``%globaltimer`` stamps (the device timeline that ``streamring
+timeline`` draws) and a deliberate protocol mutation (to show that the checks catch it). A buffer without one
+(``buf.instrument is None``, every engine's) enqueues none of their kernels.
+
+Collective like the buffer: attach on every PE, before the forwards (and captures) that should carry it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..device import kernels as DK
+from ..device import moe_triton as K
+from ..device.ringdesc import INJECT_BITS
+from .timeline_events import CHUNK_EVENTS, STAMP_STRIDE, TAIL_EVENTS
+
+
+class Instrument:
+    """The hooks of one buffer (made by :func:`attach`)."""
+
+    def __init__(self, buf):
+        self._buf = buf
+        #: the producer's delay in ns before its first chunk (device word, read when the forward runs)
+        self.delay_ns = torch.zeros(1, dtype=torch.int64, device=buf.dev)
+        #: the protocol mutation of the streamed ring (``streamring.ring.policies.INJECT_MODES``; ``none``)
+        self.inject = "none"
+        self.inject_bits = 0
+        self.stamps = None  # int64 rows of STAMP_STRIDE words: a chunk's events per row, the tail last
+        self.recording = True  # whether this forward writes its stamps (a forward's ``stamps=`` argument)
+        self.stamp_path = None  # the path the last stamped forward ran
+
+    def begin(self, path, stamps: bool) -> None:
+        """A forward on ``path`` starts: it writes its stamps if ``stamps``."""
+        self.recording, self.stamp_path = stamps, path
+
+    def end(self) -> None:
+        self.recording = True
+
+    # -- the late producer -------------------------------------------------------------------------
+    def set_delay(self, ns: int) -> None:
+        """Delay this PE's producer by ``ns`` nanoseconds (device side) in the next forwards (0: none)."""
+        self.delay_ns.fill_(int(ns))
+
+    def delay(self, lib, stream) -> None:
+        """Enqueue the delay on ``stream`` (a library stream ref): one thread spinning for :attr:`delay_ns`."""
+        DK.ep_delay(lib, stream, ns=int(self.delay_ns.data_ptr()))
+
+    # -- the protocol mutation ----------------------------------------------------------------------
+    def set_inject(self, mode: str) -> None:
+        """Run the mutation ``mode`` on the streamed ring from the next forward (``none`` undoes it)."""
+        if mode not in INJECT_BITS:
+            raise ValueError(f"inject mode must be one of {list(INJECT_BITS)}, got {mode!r}")
+        self.inject, self.inject_bits = mode, INJECT_BITS[mode]
+
+    # -- the timeline -------------------------------------------------------------------------------
+    def record_timeline(self) -> None:
+        """Make every later forward record its per-chunk stamps. Allocates: before capturing a graph that
+        should record them."""
+        if self.stamps is None:
+            rows = self._buf.pipeline.max_chunks + 1
+            self.stamps = torch.zeros(rows * STAMP_STRIDE, dtype=torch.int64, device=self._buf.dev)
+
+    def stamp(self, row: int, col: int) -> None:
+        if self.stamps is not None and self.recording:
+            K.stamp(self.stamps, row * STAMP_STRIDE + col)
+
+    def timeline(self) -> dict:
+        """Per-chunk device timestamps of the last stamped forward, in us. A chunk's ``acquired`` is its first
+        dispatch step's, ``dispatched_acked`` and ``blocks_done`` its last step's; ``blocks_ready`` counts the
+        blocks all its steps made ready; ``t0_ns`` is the forward's first stamp (``%globaltimer``, ns), the
+        zero of the rest."""
+        if self.stamps is None or self.stamp_path is None:
+            raise ValueError("no timeline: call streamring.moe.debug.record_timeline(buffer) and run a forward")
+        buf, p = self._buf, self.stamp_path
+        st = self.stamps.view(-1, STAMP_STRIDE).cpu().numpy().astype(np.int64)
+        t0 = int(st[p.num_chunks, 0])
+        chunks = [{ev: (int(st[c, j]) - t0) / 1e3 for j, ev in enumerate(CHUNK_EVENTS)} for c in range(p.num_chunks)]
+        tail = {ev: (int(st[p.num_chunks, j]) - t0) / 1e3 for j, ev in enumerate(TAIL_EVENTS)}
+        n = len(p.order)
+        ready = buf.experts.bc.ready_hi.cpu().tolist()[: n + 2]
+        for c in range(p.num_chunks):
+            chunks[c]["blocks_ready"] = sum(ready[i + 1] - ready[i] for i, (cc, _) in enumerate(p.order) if cc == c)
+        grouped = buf.pipeline.plan.grouped
+        # grouped ready steps: the seal's partial blocks are in the blocks of the step that sealed (no call of
+        # its own, ready_hi[n + 1] unwritten)
+        tail["seal_blocks"] = 0 if grouped else ready[n + 1] - ready[n]
+        return {"chunks": chunks, "tail": tail, "t0_ns": t0, "policy": p.policy, "source_order": p.source_order,
+                "chunk_tokens": p.chunk, "num_slots": p.num_slots, "block_m": buf.block_m, "rank": buf.me,
+                "ranks": buf.R, "path": p.name, "grouped_steps": grouped}
+
+
+class NoInstrument:
+    """What the pipeline's parts call when no instrument is attached: nothing is enqueued."""
+
+    inject = "none"
+    inject_bits = 0
+    recording = False
+
+    def begin(self, path, stamps: bool) -> None:
+        pass
+
+    def end(self) -> None:
+        pass
+
+    def stamp(self, row: int, col: int) -> None:
+        pass
+
+    def delay(self, lib, stream) -> None:
+        pass
+
+
+NO_INSTRUMENT = NoInstrument()
+
+
+def attach(buf) -> Instrument:
+    """The instrument of ``buf`` (an :class:`~streamring.moe.ep_buffer.EPBuffer`), attached on first use."""
+    if buf.instrument is None:
+        buf.instrument = Instrument(buf)
+    return buf.instrument
