@@ -110,7 +110,8 @@ def exp_ring(dev) -> dict:
     fw = B.FastWeights.random(SHAPE, 7, dev)
     bufs = {name: EPBuffer(heap, SHAPE, max_tokens_per_rank=T, num_slots=2, tokens_per_slot=CHUNK, gemm="triton",
                            tuning=EPTuning(block_m=16, policy="serialized"), name=name) for name in ("plain", "pdl")}
-    bufs["pdl"].bc.compute = compute_with(bufs["pdl"].bc, True, True)
+    bc = bufs["pdl"].pipeline.experts.bc
+    bc.compute = compute_with(bc, True, True)
     out = {"eager": [], "graph": []}
     x = xs(1, dev)
     ys = {n: torch.zeros_like(x) for n in bufs}

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+from streamring.device import progress as PG
 from streamring.ring.device import DeviceRing
 from streamring.gpu_selftest import POLICIES, StreamedSequence, _agree
 from streamring.ring.layout import RingLayout
@@ -74,8 +75,10 @@ def bench_policy(heap, policy: str, replays: int, chunks: int, slots: int, produ
     R = heap.num_ranks
     layout = RingLayout(num_ranks=R, num_slots=slots, tokens_per_slot=32, hidden=128, topk=4, num_experts=64)
     ring = DeviceRing(heap, layout, chunks, transport="p2p" if policy == "green_ctx" else "nv",
-                      wake=(policy == "stream_wait"), timestamps=True, name="latency-ring")
+                      wake=PG.policy_class("serialized" if policy == "pdl" else policy).rings_doorbells, timestamps=True,
+                      name="latency-ring")
     out = {"policy": policy}
+    seq = None
     try:
         err = None
         try:
@@ -145,6 +148,8 @@ def bench_policy(heap, policy: str, replays: int, chunks: int, slots: int, produ
         torch.cuda.synchronize()
         heap.barrier()
         ring.close()
+        if seq is not None:
+            seq.progress.close()  # the sequence's own streams
 
 
 def main(argv=None) -> int:

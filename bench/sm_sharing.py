@@ -32,7 +32,7 @@ import torch
 from bench.common import dsv3_shape, log, uniform_inputs
 from streamring.device import moe_triton as K
 from streamring.moe.blocks import BlockConsumer, FastWeights, Producer, select_experts_into
-from streamring.moe.ep_buffer import _prioritize_nodes
+from streamring.device.graph_priority import prioritize_nodes as _prioritize_nodes
 
 FP8 = torch.float8_e4m3fn
 # stamp slots

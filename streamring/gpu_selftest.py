@@ -65,7 +65,8 @@ class StreamedSequence:
             raise ValueError("green_ctx needs a DeviceRing with transport='p2p' (no NVSHMEM state in green contexts)")
         # the producer and the consumer ("d": the dispatch role) on the policy's streams (device.progress); pdl
         # runs on one stream, as serialized does
-        self.progress = PG.make(_streams_of(policy), heap.device, roles=("p", "d"), producer_sms=producer_sms)
+        self.progress = PG.make(_streams_of(policy), heap.device, roles=("p", "d"), producer_sms=producer_sms,
+                                priorities=False)
         self.green = self.progress.green
         self.green_how = self.progress.how
         self.pstream, self.cstream = self.progress.stream("p"), self.progress.stream("d")

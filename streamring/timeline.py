@@ -2,7 +2,7 @@
 
 Input: the JSON written by ``bench/ep_layer.py --timeline-json`` (its ``timelines``
 list), or one timeline object as returned by
-:meth:`streamring.moe.ep_buffer.EPBuffer.timeline`. Every time is in microseconds from
+:func:`streamring.moe.debug.timeline`. Every time is in microseconds from
 the forward's start, read from the GPU's ``%globaltimer`` by stamp kernels on the streams.
 
 One figure per timeline, one row per lane:
@@ -50,7 +50,7 @@ def load_timelines(path: str | Path) -> list[dict]:
         for key in ("chunks", "tail", "tokens", "policy"):
             if key not in t:
                 raise TimelineError(f"{p}: timeline {i} has no '{key}' field (expected the output of "
-                                    f"EPBuffer.timeline())")
+                                    f"streamring.moe.debug.timeline(buffer))")
         for c, ch in enumerate(t["chunks"]):
             missing = [e for e in CHUNK_EVENTS if e not in ch and e not in OPTIONAL_EVENTS]
             if missing:

@@ -43,7 +43,7 @@ class Progress:
     rings_doorbells = False
     high_priority = False
 
-    def __init__(self, device, *, roles: tuple = ROLES, producer_sms: int = 16):
+    def __init__(self, device, *, roles: tuple = ROLES, producer_sms: int = 16, priorities: bool = True):
         self.green = None
         self._own: list = []
         self._streams: dict = {}
@@ -99,12 +99,13 @@ class SpinKernel(Progress):
     name = "spin_kernel"
     high_priority = True
 
-    def __init__(self, device, *, roles: tuple = ROLES, producer_sms: int = 16):
+    def __init__(self, device, *, roles: tuple = ROLES, producer_sms: int = 16, priorities: bool = True):
         from .streams import OwnStream
 
         super().__init__(device, roles=roles, producer_sms=producer_sms)
         for r in roles:
-            self._own.append(OwnStream(device, HIGH_PRIORITY if self.high_priority and r != "g" else 0))
+            hi = priorities and self.high_priority and r != "g"
+            self._own.append(OwnStream(device, HIGH_PRIORITY if hi else 0))
             self._streams[r] = self._own[-1].torch
 
 
@@ -117,7 +118,7 @@ class StreamWait(SpinKernel):
 class GreenCtx(Progress):
     name = "green_ctx"
 
-    def __init__(self, device, *, roles: tuple = ROLES, producer_sms: int = 16):
+    def __init__(self, device, *, roles: tuple = ROLES, producer_sms: int = 16, priorities: bool = True):
         import torch
 
         from .green import make_green_pair
@@ -169,6 +170,7 @@ def policy_class(name: str) -> type:
     return _POLICIES[name]
 
 
-def make(name: str, device, *, roles: tuple = ROLES, producer_sms: int = 16) -> Progress:
-    """The streams of policy ``name`` for ``roles`` on ``device``."""
-    return policy_class(name)(device, roles=roles, producer_sms=producer_sms)
+def make(name: str, device, *, roles: tuple = ROLES, producer_sms: int = 16, priorities: bool = True) -> Progress:
+    """The streams of policy ``name`` for ``roles`` on ``device`` (``priorities=False``: every stream at the default
+    priority, whatever the policy's: the ring's self-test, whose timings predate them)."""
+    return policy_class(name)(device, roles=roles, producer_sms=producer_sms, priorities=priorities)

@@ -9,6 +9,8 @@ Collective like the buffer: attach on every PE, before the forwards (and capture
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import torch
 
@@ -80,7 +82,7 @@ class Instrument:
         chunks = [{ev: (int(st[c, j]) - t0) / 1e3 for j, ev in enumerate(CHUNK_EVENTS)} for c in range(p.num_chunks)]
         tail = {ev: (int(st[p.num_chunks, j]) - t0) / 1e3 for j, ev in enumerate(TAIL_EVENTS)}
         n = len(p.order)
-        ready = buf.experts.bc.ready_hi.cpu().tolist()[: n + 2]
+        ready = buf.pipeline.experts.bc.ready_hi.cpu().tolist()[: n + 2]
         for c in range(p.num_chunks):
             chunks[c]["blocks_ready"] = sum(ready[i + 1] - ready[i] for i, (cc, _) in enumerate(p.order) if cc == c)
         grouped = buf.pipeline.plan.grouped
@@ -118,5 +120,8 @@ NO_INSTRUMENT = NoInstrument()
 def attach(buf) -> Instrument:
     """The instrument of ``buf`` (an :class:`~streamring.moe.ep_buffer.EPBuffer`), attached on first use."""
     if buf.instrument is None:
+        if buf._graph_paths:
+            warnings.warn("an instrument attached after EPBuffer.capture(): the graphs captured before carry none of "
+                          "its kernels (producer delay, stamps, mutation); attach it before capturing", stacklevel=2)
         buf.instrument = Instrument(buf)
     return buf.instrument
