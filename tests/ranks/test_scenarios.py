@@ -18,6 +18,14 @@ def test_fuzzed_forward_inputs(mpirun, ranks):
     assert r.rc == 0 and "SCENARIO OK" in r.out, r
 
 
+def test_bad_arguments_leave_the_buffer_usable(mpirun):
+    """Each bad argument of forward (an expert id of 99 in a given routing among them) raises on every rank
+    before anything is published, and the same buffer's next streamed and batch calls equal a fresh
+    buffer's, bitwise."""
+    r = mpirun(2, SCRIPT, "bad_arguments_leave_the_buffer_usable", timeout=120)
+    assert r.rc == 0 and "SCENARIO OK" in r.out, r
+
+
 def test_recovery_after_watchdog_needs_rebuild_and_rebuild_works(mpirun):
     r = mpirun(2, SCRIPT, "recovery_after_watchdog", timeout=120)
     assert r.rc == 0 and "SCENARIO OK" in r.out, r
