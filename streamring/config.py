@@ -44,7 +44,9 @@ class NvshmemConfig(_Strict):
     """NVSHMEM backend options."""
 
     progress: Literal[PROGRESS_POLICIES] = Field(  # type: ignore[valid-type]
-        "spin_kernel", description="progress policy of the GPU layer and gpu-check (streamring.ring.protocol)")
+        "spin_kernel", description="progress policy of the GPU layer (streamring.ring.protocol; the layer refuses "
+                                   "those of streamring.ring.policies.REFUSED_POLICIES before launch, with the "
+                                   "reason; gpu-check takes --policies)")
     producer_sms: int = Field(16, ge=8, description="green_ctx: SMs of the producer context (multiple of 8)")
     transport: Literal["auto", "p2p", "nv"] = Field(
         "auto", description="GPU layer between PEs: auto (NVLink pointers when every peer has one, else NVSHMEM "
