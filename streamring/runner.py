@@ -274,6 +274,7 @@ def run_layer_gpu(heap, cfg: Config) -> dict:
     barrier = lambda: heap.barrier(time.monotonic() + 2 * cfg.wait_timeout_s + 10)  # noqa: E731
     graphs = {}
     failed = None
+    routed: set = set()  # the experts this rank's tokens were routed to, over every epoch
     x_buf.copy_(make_tokens(cfg, me, 0, T).to(dev, torch.bfloat16))
     for m in ("batch", "stream"):
         try:
@@ -313,7 +314,10 @@ def run_layer_gpu(heap, cfg: Config) -> dict:
             row["ref_max_abs_err"] = max(row["ref_max_abs_err"], float((y[sample].double() - ref).abs().max()))
             row["ref_max_err_ratio"] = max(row["ref_max_err_ratio"], rel / B.FAST_PATH_REL_TOL)
             row["ref_ok"] &= rel < B.FAST_PATH_REL_TOL
-            row["experts_hit"] = max(row["experts_hit"], int(buf.my_idx[:T].unique().numel()))
+            routed.update(int(e) for e in buf.my_idx[:T].unique().tolist() if e >= 0)
+    # the experts of this rank that computed a row: those any rank's tokens were routed to (as on the CPU layer)
+    everyone = set().union(*heap.allgather_obj(sorted(routed)))
+    row["experts_hit"] = len(everyone & set(buf.local_experts))
     status = buf.status()
     errors = {k: status[k] for k in ("violations", "timeouts", "bad_routes", "bad_counts") if status[k]}
     if status["first_error"]:

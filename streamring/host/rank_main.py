@@ -173,11 +173,23 @@ def rank_main(command: str, cfg: Config, json_path: str | None = None) -> int:
 
 
 RUN_COLUMNS = [
-    Column("rank"), Column("tokens"), Column("chunks"), Column("experts hit", "experts_hit"),
+    Column("rank"), Column("tokens"), Column("chunks"), Column("local experts hit", "local_experts_hit"),
     Column("stream vs batch", "stream_vs_batch"), Column("max |stream-batch|", "max_abs_diff"),
     Column("max err vs f64 ref", "max_err_f64"), Column("err/tol", "err_over_tol"),
     Column("batch s", "batch_s"), Column("stream s", "stream_s"),
 ]
+
+
+def run_legend(ranks: int, experts: int, mode: str, epochs: int, fast: bool) -> str:
+    """The one line under the ``run`` table that says what its columns count."""
+    per = experts // ranks
+    parts = [f"local experts hit = of the rank's own {per} experts (rank r holds {per}r..{per}r+{per - 1} of "
+             f"{experts}), those that got a routed row"]
+    if mode == "both":
+        parts.append("stream vs batch = the streamed output against the batch output")
+    parts.append(f"err = {'sampled tokens ' if fast else ''}against a float64 reference, err/tol > 1 fails")
+    parts.append(f"times = wall seconds of the {epochs} epoch{'s' if epochs != 1 else ''} per path")
+    return "legend: " + "; ".join(parts)
 
 
 def report_run(results: list[dict], cfg: Config, wall_s: float, json_path: str | None,
@@ -191,11 +203,12 @@ def report_run(results: list[dict], cfg: Config, wall_s: float, json_path: str |
     out = out or Report()
     L, mode = cfg.layer, cfg.run.mode
     both = mode == "both"
+    per = L.num_experts // len(results)  # each rank's local experts
     rows = []
     for r in results:
         same = (Text("bitwise ==") if r["bitwise_equal"] else Text("differ", style="red")) if both else "-"
         rows.append([str(r["rank"]), str(r["tokens"]), str(r["chunks"]) if mode != "batch" else "-",
-                     str(r["experts_hit"]), same, f"{r['max_abs_stream_minus_batch']:.3g}" if both else "-",
+                     f"{r['experts_hit']}/{per}", same, f"{r['max_abs_stream_minus_batch']:.3g}" if both else "-",
                      f"{r['ref_max_abs_err']:.3g}",
                      Text(f"{r['ref_max_err_ratio']:.3f}") if r["ref_ok"] else
                      Text(f"{r['ref_max_err_ratio']:.3f} FAIL", style="red"),
@@ -217,6 +230,7 @@ def report_run(results: list[dict], cfg: Config, wall_s: float, json_path: str |
     if cfg.run.straggler is not None:
         title += f", straggler: rank {cfg.run.straggler.rank}'s producers {cfg.run.straggler.ms:g} ms late"
     out.table(title, RUN_COLUMNS, rows)
+    out.line(run_legend(len(results), L.num_experts, mode, cfg.run.epochs, fast))
     differ = [r["rank"] for r in results if both and not r["bitwise_equal"]]
     outside = [r["rank"] for r in results if not r["ref_ok"]]
     ring_errors = {r["rank"]: r["ring_errors"] for r in results if r.get("ring_errors")}

@@ -96,7 +96,10 @@ def valid_token_count(num_tokens: Optional[NumTokens], rows: int) -> int:
 
 @dataclass
 class ForwardStats:
-    """What one forward call did on this rank."""
+    """What one forward call did on this rank.
+
+    ``experts_hit`` counts this rank's own (local) experts that computed at least one row, not the experts
+    of the whole layer; ``rows_computed`` and ``blocks_run`` are this rank's expert rows and blocks."""
 
     mode: str
     epoch: int

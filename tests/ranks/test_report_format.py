@@ -118,6 +118,12 @@ def test_run_batch_only_does_not_claim_a_streamed_comparison(cli):
     assert len(verdict) == 1 and "streamed == batch" not in verdict[0], r.out
     assert "batch output within the float64 reference tolerance" in verdict[0], r.out
     assert "streamed path was not run (run.mode=batch)" in verdict[0], r.out
+    # under the table, one line says what its columns count (experts hit: the rank's own experts, of how many)
+    lines = r.out.splitlines()
+    legend = [i for i, ln in enumerate(lines) if ln.startswith("legend: ")]
+    assert len(legend) == 1 and lines[legend[0] + 1].startswith("PASS"), r.out
+    assert "local experts hit = of the rank's own 4 experts (rank r holds 4r..4r+3 of 8)" in lines[legend[0]], r.out
+    assert re.search(r"^ +0 +20 +- +\d/4 ", r.out, re.M), r.out
 
 
 
