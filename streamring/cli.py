@@ -200,10 +200,17 @@ def main(argv: list[str] | None = None) -> int:
             return EXIT_USAGE
         try:
             preload = RANK_MODULES[args.command] if cfg.backend == "cpu" else ()
-            return spawn_local(cfg.ranks, argv, preload=preload)
+            errors: dict = {}
+            rc = spawn_local(cfg.ranks, argv, preload=preload, errors=errors)
         except LaunchError as exc:
             print(f"streamring: {exc}", file=sys.stderr)
             return EXIT_USAGE
+        if args.command == "stress" and cfg.stress.inject != "none" and errors:
+            # the ranks ended with errors, not with rank 0's report and its verdict: say it last, from them
+            from .verify.inject_verdict import stress_error_verdict
+
+            print(stress_error_verdict(cfg.stress.inject, [errors[r] for r in sorted(errors)]), file=sys.stderr)
+        return rc
     if launcher is Launcher.TORCHRUN and cfg.backend == "cpu":
         from .host.bootstrap import make_heap
 

@@ -18,6 +18,7 @@ from .jobstate import job_dir, peer_report, record_job_files, register_rank, rep
 from .launch import SPAWNED_ENV, Launcher, detect_launcher
 from .prelaunch import agree_on_problems, job_problems
 from .preload import PRELOADED_ENV
+from ..verify.inject_verdict import run_verdict, stress_error_caught, stress_error_verdict, stress_verdict
 from .report import Column, Report
 
 
@@ -78,6 +79,12 @@ def report_stress(results: list[dict], cfg: Config, wall_s: float, json_path: st
                                 + (f"; stopped in {stopped}, every rank ended that epoch early" if stopped else "")
                                 + f" (wall {wall_s:.2f}s)")
     out.line(verdict)
+    if cfg.stress.inject != "none":  # the last line says whether a FAIL above is the expected result
+        kinds_all: dict = {}
+        for r in results:
+            for k, n in r["violation_kinds"].items():
+                kinds_all[k] = kinds_all.get(k, 0) + n
+        out.line(stress_verdict(cfg.stress.inject, total_viol, kinds_all))
     if json_path:
         Path(json_path).write_text(json.dumps({
             "command": "stress", "config": cfg.model_dump(), "ranks": results, "violations": total_viol,
@@ -168,6 +175,10 @@ def rank_main(command: str, cfg: Config, json_path: str | None = None) -> int:
                 report_status(MPI.COMM_WORLD.Get_rank(), f"{type(exc).__name__}: {exc}")
             except Exception:  # noqa: BLE001
                 pass
+        elif command == "stress" and stress_error_caught(cfg.stress.inject, f"{type(exc).__name__}: {exc}"):
+            # (under our launcher the launcher says it last, from every rank's status)
+            print(stress_error_verdict(cfg.stress.inject, [f"{type(exc).__name__}: {exc}"]), file=sys.stderr,
+                  flush=True)
         abort_job(exc, 2 if isinstance(exc, (ConfigError, HeapSizeError)) else 1)
         return 1
 
@@ -261,6 +272,8 @@ def report_run(results: list[dict], cfg: Config, wall_s: float, json_path: str |
                          f"comparison measures the GEMMs' rounding, not the protocol")
         verdict = Text.assemble(("FAIL", "red"), f": {'; '.join(parts)}{not_run}; wall {wall_s:.2f}s")
     out.line(verdict)
+    if cfg.run.inject != "none":
+        out.line(run_verdict(cfg.run.inject, ok and not ring_errors))
     if json_path:
         Path(json_path).write_text(json.dumps({"command": "run", "config": cfg.model_dump(), "ranks": results,
                                                "ok": ok, "wall_s": wall_s}, indent=2, default=str))
