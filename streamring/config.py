@@ -201,6 +201,8 @@ class Config(_Strict):
     backend: Literal["cpu", "nvshmem"] = "cpu"
     ranks: int = Field(4, ge=1, le=1024, description="ranks started by the local launcher")
     wait_timeout_s: float = Field(30.0, gt=0, description="watchdog deadline of every wait")
+    progress_s: float = Field(10.0, ge=0, description="run and stress: rank 0 says what the job is doing at least "
+                                                      "this often, on stderr (0: never)")
     ring: RingConfig = RingConfig()
     cpu: CpuConfig = CpuConfig()
     nvshmem: NvshmemConfig = NvshmemConfig()

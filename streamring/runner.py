@@ -170,10 +170,15 @@ def run_heap_bytes(cfg: Config, num_ranks: int) -> int:
     return sum(lay.nbytes for lay in run_layouts(cfg, num_ranks).values())
 
 
-def run_layer(heap: SymmetricHeap, cfg: Config) -> dict:
-    """Run ``cfg`` on this rank; returns this rank's row of the report."""
+def run_layer(heap: SymmetricHeap, cfg: Config, progress=None) -> dict:
+    """Run ``cfg`` on this rank; returns this rank's row of the report.
+
+    ``progress``: an object whose ``what`` is set to each step as it starts (rank 0's progress lines,
+    :class:`streamring.host.progress.Heartbeat`); ``None``: nothing is told.
+    """
+    progress = progress if progress is not None else _Quiet()
     if use_fast_gpu_path(cfg):
-        return run_layer_gpu(heap, cfg)
+        return run_layer_gpu(heap, cfg, progress)
     import torch
 
     from .moe.bitwise import same_bits
@@ -186,6 +191,7 @@ def run_layer(heap: SymmetricHeap, cfg: Config) -> dict:
     check_run_job(cfg, R)
     shape = shape_from_config(cfg)
     tokens = per_rank(cfg.run.tokens_per_rank, R, "run.tokens_per_rank")
+    progress.what = "building the layer's weights and buffers"
     # Expert math on the rank's GPU with the NVSHMEM backend (torch ops), on the CPU otherwise.
     device = getattr(heap, "device", None) or "cpu"
     weights = MoEWeights.random(shape, seed=cfg.layer.seed, device=device)
@@ -207,6 +213,8 @@ def run_layer(heap: SymmetricHeap, cfg: Config) -> dict:
         for mode in ("batch", "stream"):
             if cfg.run.mode not in ("both", mode):
                 continue
+            progress.what = (f"epoch {ep + 1} of {cfg.run.epochs}: the {'streamed' if mode == 'stream' else 'batch'} "
+                             f"forward, {tokens[me]} tokens on rank {me}")
             t0 = time.monotonic()
             outs[mode] = buf.forward(x, weights, streaming=(mode == "stream"), scheduler=cfg.run.scheduler,
                                      routing=routing, source_order=cfg.run.source_order)
@@ -220,6 +228,7 @@ def run_layer(heap: SymmetricHeap, cfg: Config) -> dict:
             row["max_abs_stream_minus_batch"] = max(row["max_abs_stream_minus_batch"], diff)
             row["bitwise_equal"] &= same_bits(outs["stream"], outs["batch"])  # bytes: -0.0 != +0.0
         # Independent float64 reference of the same math.
+        progress.what = f"epoch {ep + 1} of {cfg.run.epochs}: the float64 reference of rank {me}'s {tokens[me]} tokens"
         if routing is None:
             y_ref, idx64, _ = reference_forward_f64(x, weights, shape, return_routing=True)
         else:
@@ -237,7 +246,13 @@ def run_layer(heap: SymmetricHeap, cfg: Config) -> dict:
     return row
 
 
-def run_layer_gpu(heap, cfg: Config) -> dict:
+class _Quiet:
+    """A progress holder that tells nothing."""
+
+    what = ""
+
+
+def run_layer_gpu(heap, cfg: Config, progress=None) -> dict:
     """``run`` on the expert-parallel FP8 GPU layer (:class:`streamring.moe.ep_buffer.EPBuffer`).
 
     Every rank builds the same random FP8 layer and keeps its own experts in ONE buffer; its tokens go
@@ -252,9 +267,11 @@ def run_layer_gpu(heap, cfg: Config) -> dict:
 
     from .moe import blocks as B
 
+    progress = progress if progress is not None else _Quiet()
     R, me = heap.num_ranks, heap.rank
     shape, tokens = _fast_path_job(cfg, R)
     dev = heap.device
+    progress.what = "building the buffer and capturing the first forward of each path"
     full = B.FastWeights.random(shape, cfg.layer.seed, dev)  # every expert, for this rank's reference
     st = cfg.run.straggler
     buf = _ep_buffer_of(heap, cfg, shape, max(max(tokens), 1))
@@ -296,6 +313,7 @@ def run_layer_gpu(heap, cfg: Config) -> dict:
                 continue
             torch.cuda.synchronize(dev)
             barrier()
+            progress.what = f"epoch {ep + 1} of {cfg.run.epochs}: the {'streamed' if m == 'stream' else 'batch'} replay"
             if m == "stream" and fault is not None and fault.epoch == ep:
                 fail_this_rank(fault.kind, buf, graphs[m], cfg.wait_timeout_s)
             t0 = time.monotonic()

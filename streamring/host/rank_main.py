@@ -17,6 +17,7 @@ from .bootstrap import abort_job, make_heap, watch_blocked_calls
 from .jobstate import job_dir, peer_report, record_job_files, register_rank, report_status
 from .launch import SPAWNED_ENV, Launcher, detect_launcher
 from .prelaunch import agree_on_problems, job_problems
+from .progress import Heartbeat
 from .preload import PRELOADED_ENV
 from ..verify.inject_verdict import run_verdict, stress_error_caught, stress_error_verdict, stress_verdict
 from .report import Column, Report
@@ -143,18 +144,24 @@ def rank_main(command: str, cfg: Config, json_path: str | None = None) -> int:
         watching = watch_blocked_calls(heap, cfg.wait_timeout_s, DIAGNOSTIC_HOOKS)
         heap.barrier()
         t0 = time.monotonic()
+        # rank 0 says what the job does at least every progress_s seconds (a long run is not silent)
+        heartbeat = Heartbeat(f"streamring {command}", cfg.progress_s if heap.rank == 0 else 0)
         if command == "stress":
             from ..verify.stress import result_dict, run_stress
 
-            res = result_dict(run_stress(heap, cfg)) | process_facts()
-            results = heap.allgather_obj(res)
+            with heartbeat:
+                res = result_dict(run_stress(heap, cfg, heartbeat)) | process_facts()
+                heartbeat.what = "collecting every rank's results"
+                results = heap.allgather_obj(res)
             wall = time.monotonic() - t0
             code = report_stress(results, cfg, wall, json_path) if heap.rank == 0 else 0
         elif command == "run":
             from ..runner import run_layer
 
-            res = run_layer(heap, cfg) | process_facts()
-            results = heap.allgather_obj(res)
+            with heartbeat:
+                res = run_layer(heap, cfg, heartbeat) | process_facts()
+                heartbeat.what = "collecting every rank's results"
+                results = heap.allgather_obj(res)
             wall = time.monotonic() - t0
             code = report_run(results, cfg, wall, json_path) if heap.rank == 0 else 0
         else:

@@ -138,3 +138,16 @@ def test_uneven_stress_shows_each_ranks_tokens(cli):
                                                                  epochs * (10 * 8 + 3)]
     assert len({x["chunks_published"] for x in r.json["ranks"]}) == 1
     assert "tokens_pub" in r.out and f" {epochs * (22 * 8 + 3)} " in r.out, r.out
+
+
+def test_a_long_run_says_what_it_does_every_progress_s(cli):
+    """Rank 0 prints a progress line on stderr at least every ``progress_s`` (10 s by default; 0.2 s here, so a
+    run of a few seconds shows several): the step and the time spent, while the ranks compute."""
+    r = cli("run", "--ranks", 2, "--set", "progress_s=0.2", "--set", "run.tokens_per_rank=1500", "--set",
+            "run.epochs=1", "--set", "run.mode=batch")
+    assert r.rc == 0, r
+    beats = [(float(m[1]), m[2]) for m in re.finditer(r"^streamring run: ([\d.]+) s: (.+)$", r.err, re.M)]
+    assert len(beats) >= 2, r
+    assert any(what.startswith("epoch 1 of 1: the batch forward, 1500 tokens on rank 0") for _, what in beats), r
+    times = [t for t, _ in beats]
+    assert times == sorted(times) and max(b - a for a, b in zip(times, times[1:])) < 2.0, times

@@ -73,8 +73,8 @@ def test_arrival_order_is_the_gpu_layers_and_needs_a_slot_per_chunk():
 @pytest.mark.parametrize("override,lines", [
     ("ring.num_slot=3", ["ring.num_slot: unknown key; the keys of ring are num_slots, tokens_per_slot "
                          "(did you mean ring.num_slots?)"]),
-    ("rn.tokens_per_rank=3", ["rn: unknown key; the top-level keys are backend, ranks, wait_timeout_s, ring, cpu, "
-                              "nvshmem, layer, run, stress (did you mean run?)"]),
+    ("rn.tokens_per_rank=3", ["rn: unknown key; the top-level keys are backend, ranks, wait_timeout_s, progress_s, "
+                              "ring, cpu, nvshmem, layer, run, stress (did you mean run?)"]),
     ("run.tokens_per_rank=-5", ["run.tokens_per_rank: got -5; it must be a whole number >= 0, or a list, each entry "
                                 "a whole number >= 0 (tokens on each rank: one number for all, or one per rank)"]),
     ("run.tokens_per_rank=[1, -5]", ["run.tokens_per_rank[1]: got -5; it must be a whole number >= 0"]),
