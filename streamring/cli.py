@@ -29,7 +29,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", metavar="PATH", help="YAML config (default: the embedded default config)")
     p.add_argument("--set", metavar="KEY=VALUE", action="append", default=[], dest="overrides",
                    help="override a config key, dotted (ring.num_slots=3); repeatable")
-    p.add_argument("--ranks", type=int, metavar="N", help="local ranks to start when no launcher is used (config: ranks)")
+    p.add_argument("--ranks", type=int, metavar="N",
+                   help="local ranks to start when no launcher is used (config: ranks)")
     p.add_argument("--backend", choices=["cpu", "nvshmem"], help="symmetric-heap backend (config: backend)")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
 

@@ -1,8 +1,8 @@
-"""The Python examples of README.md and docs/*.md that run on CPU ranks (the :class:`doc_examples.Ranks` entries of
-``doc_examples.HOW``), as a reader runs them: ``mpiexec -n 2 python this.py [GROUP ...]``, started by
-tests/ranks/test_docs_examples.py. The blocks of one group run in one namespace, in the order of the docs; rank 0
-prints ``DOC OK <file> block <i>`` after each. Any failure prints the block and the traceback and ends the whole
-job non-zero."""
+"""The Python examples of README.md and docs/*.md that run on CPU ranks (the :class:`doc_examples.Ranks`
+entries of ``doc_examples.HOW``), as a reader runs them: ``mpiexec -n 2 python this.py [GROUP ...]``, started
+by tests/ranks/test_docs_examples_on_ranks.py. The blocks of one group run in one namespace, in the order of
+the docs; rank 0 prints ``DOC OK <file> block <i>`` after each. Any failure prints the block and the traceback
+and ends the whole job non-zero."""
 
 from __future__ import annotations
 
@@ -34,7 +34,8 @@ def main(groups: list[str]) -> None:
             if rank == 0:
                 print(f"DOC OK {block.file} block {block.index}", flush=True)
     except BaseException:
-        sys.stderr.write(f"rank {rank}: the example {block.where if block else '?'} failed:\n{block.code if block else ''}")
+        where, code = (block.where, block.code) if block else ("?", "")
+        sys.stderr.write(f"rank {rank}: the example {where} failed:\n{code}")
         traceback.print_exc()
         sys.stderr.flush()
         MPI.COMM_WORLD.Abort(1)

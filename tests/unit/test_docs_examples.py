@@ -1,10 +1,10 @@
 """Every example of README.md and docs/*.md is run or checked here, so an example that drifts from the code fails.
 
-Which block is run how is the table of tests/helpers/doc_examples.py: the Python examples that need a heap run on 2
-real ranks (tests/ranks/test_docs_examples.py); here the GPU buffer's examples run on the emulated device, the
-GPU-only ones (CUDA graphs) compile and import, every shell command is checked against what it names (the CLI's
-parser and config, scripts with their options, modules with theirs, what an install asks for), and so is every
-command written inline in the prose.
+Which block is run how is the table of tests/helpers/doc_examples.py: the Python examples that need a heap run
+on 2 real ranks (tests/ranks/test_docs_examples_on_ranks.py); here the GPU buffer's examples run on the
+emulated device, the GPU-only ones (CUDA graphs) compile and import, every shell command is checked against
+what it names (the CLI's parser and config, scripts with their options, modules with theirs, what an install
+asks for), and so is every command written inline in the prose.
 """
 
 from __future__ import annotations
@@ -184,7 +184,8 @@ def check_pip(args: list[str]) -> list[str]:
     for a in args:
         m = re.fullmatch(r"\.\[([\w,-]+)\]", a)
         if m:
-            out += [f"pip install: no extra {x!r} in pyproject.toml" for x in m.group(1).split(",") if x not in _extras()]
+            out += [f"pip install: no extra {x!r} in pyproject.toml" for x in m.group(1).split(",")
+                    if x not in _extras()]
         if a.startswith("torch==") and a != f"torch=={_torch_pin()}":
             out.append(f"pip install {a}: tests/run.sh pins torch=={_torch_pin()}")
     return out
@@ -264,7 +265,8 @@ def test_shell_examples_name_what_exists(block):
     assert not problems, f"{block.where}:\n  " + "\n  ".join(problems)
 
 
-INLINE = re.compile(r"`((?:\.venv/bin/)?(?:streamring|mpiexec|mpirun) [^`]+|python3? -m [^`]+|bash (?:launch|tests)/[^`]+)`")
+INLINE = re.compile(r"`((?:\.venv/bin/)?(?:streamring|mpiexec|mpirun) [^`]+|python3? -m [^`]+"
+                    r"|bash (?:launch|tests)/[^`]+)`")
 
 
 def test_inline_commands_name_what_exists():

@@ -76,4 +76,5 @@ def test_model_check_caught_says_so_last(capsys):
     assert cli.main(["model-check", "--inject", "skip-ack-wait"]) == 1
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[-2].startswith("FAIL")
-    assert lines[-1].startswith("streamring model-check: the injected bug (skip-ack-wait) was caught, as intended"), lines
+    assert lines[-1].startswith("streamring model-check: the injected bug (skip-ack-wait) was caught, "
+                                "as intended"), lines
