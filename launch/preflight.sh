@@ -66,8 +66,9 @@ streamring_python() {
     if [ -z "$miss" ]; then echo "$cand"; return; fi
     tried+=("$cand lacks $miss")
   done
-  preflight_fail "no python that can import streamring${1:+ and $*} (${tried[*]:-no .venv/bin/python, python3 or python})" \
-    "$VENV_FIX"
+  local with="$*" list="no .venv/bin/python, python3 or python"
+  [ ${#tried[@]} -gt 0 ] && printf -v list '%s; ' "${tried[@]}" && list=${list%; }
+  preflight_fail "no python that can import streamring${with:+ (with ${with// /, })}: $list" "$VENV_FIX"
 }
 
 mpiexec_for() {
