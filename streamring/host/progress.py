@@ -14,9 +14,9 @@ import time
 
 
 class Heartbeat:
-    """While entered, prints ``"{prefix}: {elapsed} s: {what}"`` every ``period_s`` seconds (``period_s <= 0``:
-    never) from a daemon thread. ``what`` is set by the job; a step's own elapsed time follows it when it has
-    run for a whole period."""
+    """While entered, prints ``"{prefix}: {elapsed} s: {what}"`` every ``period_s`` seconds, the first after half
+    of one (``period_s <= 0``: never), from a daemon thread. ``what`` is set by the job; a step's own elapsed
+    time follows it when it has run for a whole period."""
 
     def __init__(self, prefix: str, period_s: float, file=None):
         self.prefix, self.period_s = prefix, float(period_s)
@@ -35,7 +35,11 @@ class Heartbeat:
 
     def _run(self) -> None:
         t0 = time.monotonic()
-        while not self._stop.wait(self.period_s):
+        # the first line after half a period: the job's start-up before this (the launcher, the ranks' imports)
+        # then still fits in one period
+        wait = self.period_s / 2
+        while not self._stop.wait(wait):
+            wait = self.period_s
             now = time.monotonic()
             step = now - self._since
             digits = 0 if self.period_s >= 1 else 1
