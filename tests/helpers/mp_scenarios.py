@@ -1,4 +1,5 @@
-"""MoE-layer scenarios run on several real MPI ranks by tests/ranks/test_scenarios.py (``mpiexec -n N python this.py NAME``).
+"""MoE-layer scenarios run on several real MPI ranks by tests/ranks/test_scenarios.py (``mpiexec -n N python this.py
+NAME[,NAME...]``: the named scenarios one after the other in one job).
 
 Each scenario asserts on every rank and prints ``SCENARIO OK`` on rank 0; any
 failure raises, which aborts the job with a non-zero exit code.
@@ -302,4 +303,4 @@ SCENARIOS = {f.__name__: f for f in (moe_api, recovery_after_watchdog, bad_argum
                                      fuzz_forward, alloc_size_check, bitwise_oracle)}
 
 if __name__ == "__main__":
-    run_scenarios(SCENARIOS, sys.argv[1:2], MpiHeap(window=sys.argv[2] if len(sys.argv) > 2 else "auto"))
+    run_scenarios(SCENARIOS, sys.argv[1].split(","), MpiHeap(window=sys.argv[2] if len(sys.argv) > 2 else "auto"))
