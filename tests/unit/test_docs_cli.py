@@ -31,13 +31,18 @@ def test_synopsis_names_every_option_of_every_command():
                     assert re.search(rf"\[{re.escape(flag)}[\] ]", text), (name, flag)
 
 
-def test_timeline_takes_several_token_counts_after_one_option(tmp_path, capsys):
-    """``--tokens 1024 4096`` (what docs/cli.md shows and users type) and the repeated form both select."""
+def test_timeline_takes_several_token_counts_after_one_option(tmp_path, capsys, monkeypatch):
+    """``--tokens 1024 4096`` (what docs/cli.md shows and users type) and the repeated form both select; the
+    command then draws those timelines (the drawing itself: tests/unit/test_adaptive_timeline.py)."""
+    from streamring import timeline
+
     p = build_parser()
     assert p.parse_args(["timeline", "f.json", "--tokens", "1024", "4096"]).tokens == [1024, 4096]
     assert p.parse_args(["timeline", "f.json", "--tokens", "1024", "--tokens", "4096"]).tokens == [1024, 4096]
+    drawn = []
+    monkeypatch.setattr(timeline, "draw", lambda tls, out: drawn.extend(tls) or out)
     src = ROOT / "docs" / "results" / "ep-timelines-2h200-triton-2026-11-30.json"
     assert main(["timeline", str(src), "--out", str(tmp_path / "t.png"), "--tokens", "1024", "4096"]) == 0
+    assert sorted({t["tokens"] for t in drawn}) == [1024, 4096]
     out = capsys.readouterr().out
     assert sorted({int(t) for t in re.findall(r"^(\d+) tokens,", out, re.M)}) == [1024, 4096], out
-    assert (tmp_path / "t.png").stat().st_size > 0
