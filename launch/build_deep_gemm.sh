@@ -11,15 +11,23 @@
 # Exit 0 only when `import deep_gemm` works afterwards; every step has a time limit.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+ROOT=$PWD
+. launch/preflight.sh
 DG_PREFIX=${DG_PREFIX:-$PWD/.dg-site}
 export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 export DG_JIT_CACHE_DIR=${DG_JIT_CACHE_DIR:-/tmp/streamring-deep-gemm-jit}
 export PYTHONPATH="$PWD:${PYTHONPATH:-}"
 T0=$(date +%s)
-if [ ! -d .deepgemm ]; then
-  echo "build_deep_gemm: no .deepgemm/ here (run launch/pack_deep_gemm.sh where the sources are and carry .deepgemm)"
-  exit 2
-fi
+[ -d .deepgemm ] || preflight_fail "no .deepgemm/ here (DeepGEMM's sources)" \
+  "bash launch/pack_deep_gemm.sh where the git repositories are, and carry .deepgemm"
+need_cmd python3 "use the GPU host's image (its python3 has torch), or put a python3 with torch on PATH"
+miss=$(missing_modules python3 torch streamring)
+[ -z "$miss" ] || preflight_fail "python3 cannot import $miss" \
+  "run it on the GPU host, whose python3 has torch, from the checkout (it puts the checkout on PYTHONPATH)"
+need_cmd g++ "install a C++ compiler (apt-get install g++)"
+[ -x "$CUDA_HOME/bin/nvcc" ] || preflight_fail "no nvcc at CUDA_HOME=$CUDA_HOME" \
+  "set CUDA_HOME to the CUDA toolkit (the one with bin/nvcc)"
+preflight_done "python3 $(command -v python3), g++, $CUDA_HOME/bin/nvcc, .deepgemm"
 mkdir -p "$DG_PREFIX" "$DG_JIT_CACHE_DIR"
 timeout "${DG_BUILD_TIMEOUT:-300}" python3 -m streamring.gemm.build_deep_gemm --src .deepgemm --prefix "$DG_PREFIX" \
   --build-dir /tmp/streamring-deep-gemm-build --cuda-home "$CUDA_HOME" --jit-cache "$DG_JIT_CACHE_DIR"

@@ -15,6 +15,17 @@
 #   the steps after it, at least 5 s);
 # - mps_start / mps_stop (below): an MPS daemon for several PEs on one GPU;
 # - dg_start / dg_wait (below): DeepGEMM built from the carried .deepgemm/ (launch/build_deep_gemm.sh).
+#
+# First the tools (launch/preflight.sh: a missing one ends the script with status 2 and one line naming it
+# and its fix): python3 with torch (the GPU image's), after the carried wheels are installed pydantic,
+# streamring and nvshmem4py, mpiexec where the script sets DEVICE_NEEDS_MPI=1 before sourcing this, and an
+# NVIDIA GPU. PREFLIGHT_ONLY=1 stops the script after them (status 0).
+ROOT=${ROOT:-$PWD}
+. launch/preflight.sh
+need_cmd python3 "run it on the GPU machine, whose image has python3 with torch (here: bash tests/run.sh)"
+miss=$(missing_modules python3 torch)
+[ -z "$miss" ] || preflight_fail "python3 ($(command -v python3)) cannot import $miss" \
+  "run it on the GPU machine, whose image has torch (a CPU machine runs the CPU suite: bash tests/run.sh)"
 export OUT="${OUT:-$PWD/out}"
 mkdir -p "$OUT"
 if [ -n "${1:-}" ]; then
@@ -31,7 +42,7 @@ if [ -n "${2:-}" ]; then
   left() { echo $(( DEADLINE - $(date +%s) )); }
   limit() { local want=$1 reserve=$2 l; l=$(( $(left) - reserve )); [ "$l" -lt "$want" ] && want=$l; [ "$want" -lt 5 ] && want=5; echo "$want"; }
 fi
-[ -n "${1:-}" ] && nvidia-smi -L 2>&1 | tee -a "$LOG"
+[ -n "${1:-}" ] && command -v nvidia-smi >/dev/null && nvidia-smi -L 2>&1 | tee -a "$LOG"
 export PYTHONUNBUFFERED=1
 # NVLink multicast stays off everywhere (shared machines): never remove these.
 export NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
@@ -46,12 +57,23 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target .site .whl/*.whl >>"$LOG" 2>&1 \
       || { say "device_env: installing the carried wheels failed (see $LOG)"; exit 3; }
   fi
-else
-  say "device_env: no .whl/*.whl carried (run \`bash launch/fetch_wheels.sh\` where there is network, and carry .whl)"
 fi
 export PYTHONPATH="$PWD/.site:$PWD:${PYTHONPATH:-}"
+miss=$(missing_modules python3 pydantic streamring nvshmem.core)
+if [ -n "$miss" ]; then
+  if ls .whl/*.whl >/dev/null 2>&1; then
+    preflight_fail "python3 cannot import $miss, and the carried .whl/ does not provide it" \
+      "bash launch/fetch_wheels.sh where there is network (it fetches nvshmem4py and pydantic), and carry .whl"
+  fi
+  preflight_fail "python3 cannot import $miss, and no .whl/*.whl is carried" \
+    "bash launch/fetch_wheels.sh where there is network, and carry .whl (launch/device_env.sh installs it into .site)"
+fi
+if [ "${DEVICE_NEEDS_MPI:-0}" = 1 ]; then need_cmd mpiexec "use the GPU machine's image (Open MPI's mpiexec), or put an mpiexec on PATH"; fi
 NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ')
+[ "$NGPU" -ge 1 ] || preflight_fail "no NVIDIA GPU (nvidia-smi lists none)" \
+  "run it on the GPU machine (the device tool's run); here the CPU suite runs: bash tests/run.sh"
 export NGPU
+preflight_done "python3 $(command -v python3) with torch, pydantic, streamring and nvshmem4py; $NGPU GPU(s)"
 
 # MPS, several PEs on one GPU (the clients choose their SM share, CUDA_MPS_ACTIVE_THREAD_PERCENTAGE):
 #   mps_start   starts a daemon on the first GPU this run may use (MPS_GPU), in fresh pipe and log

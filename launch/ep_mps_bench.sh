@@ -24,6 +24,7 @@
 # on half the SMs; what it shows is the schedule: whether a late source delays only its own rows.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+DEVICE_NEEDS_MPI=1  # (its steps start ranks with mpiexec)
 . launch/device_env.sh epm.log "${EPM_BUDGET_S:-540}"
 export STREAMRING_CACHE="${STREAMRING_CACHE:-$PWD/.cache/streamring}"
 rm -f "$OUT/sm-sharing.json"

@@ -14,6 +14,7 @@ mkdir -p "$OUT"
 LOG="$OUT/mpi_exit_probe.log"
 : > "$LOG"
 say() { echo "$*" | tee -a "$LOG"; }
+DEVICE_NEEDS_MPI=1  # (its steps start ranks with mpiexec)
 . launch/device_env.sh
 
 say "mpiexec: $(command -v mpiexec) $(mpiexec --version 2>&1 | head -1)"

@@ -12,7 +12,15 @@
 # `python -m streamring.gemm.build --out .gemm-build`, then carry .gemm-build/ as well.
 # Wheels for CPython 3.12 on x86_64 manylinux (the GPU machine's Python).
 set -euo pipefail
-cd "$(git -C "$(dirname "$0")" rev-parse --show-toplevel)"
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+. "$ROOT/launch/preflight.sh"
+need_cmd git "install git (apt-get install git); .whl/ is kept out of git through the checkout's exclude list"
+git -C "$ROOT" rev-parse --show-toplevel >/dev/null 2>&1 || preflight_fail "$ROOT is not a git checkout" \
+  "run it in the streamring checkout you carry to the GPU machine"
+need_cmd python3 "install Python 3 with pip (apt-get install python3-pip)"
+python3 -m pip --version >/dev/null 2>&1 || preflight_fail "python3 has no pip" "python3 -m ensurepip --upgrade"
+preflight_done "git $(command -v git), python3 $(command -v python3) with pip (the downloads need network)"
+cd "$(git -C "$ROOT" rev-parse --show-toplevel)"
 # keep .whl/ out of git (a worktree's .git is a file: its exclude list is the common directory's)
 exclude="$(git rev-parse --git-common-dir)/info/exclude"
 mkdir -p "$(dirname "$exclude")"

@@ -28,6 +28,7 @@ LOG="${OUT:-$PWD/out}/gpu_check.log"
 mkdir -p "$(dirname "$LOG")"
 : > "$LOG"
 say() { echo "$*" | tee -a "$LOG"; }
+DEVICE_NEEDS_MPI=1  # (its steps start ranks with mpiexec)
 . launch/device_env.sh
 rm -f "$OUT/summary.json"
 export GPU_CHECK_T0="$(date +%s)"

@@ -14,6 +14,7 @@ LOG="${OUT:-$PWD/out}/ep_bench.log"
 mkdir -p "$(dirname "$LOG")"
 : > "$LOG"
 say() { echo "$*" | tee -a "$LOG"; }
+DEVICE_NEEDS_MPI=1  # (its steps start ranks with mpiexec)
 . launch/device_env.sh
 T0=$(date +%s)
 BUDGET=${EP_BUDGET_S:-480}

@@ -13,7 +13,12 @@
 #
 #   bash launch/pack_deep_gemm.sh
 set -euo pipefail
-top=$(git rev-parse --show-toplevel)
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+. "$ROOT/launch/preflight.sh"
+need_cmd git "install git (apt-get install git)"
+need_cmd gzip "install gzip (apt-get install gzip)"
+top=$(git -C "$ROOT" rev-parse --show-toplevel 2>/dev/null) || preflight_fail "$ROOT is not a git checkout" \
+  "run it in the streamring checkout you carry to the GPU host"
 cd "$top"
 DG_COMMIT=54e2261
 CUTLASS_COMMIT=f3fde58
@@ -22,6 +27,13 @@ MIRROR_ROOT=${MIRROR_ROOT:-$(cd "$top/.." && pwd)/.mirror}
 DEEPGEMM_GIT=${DEEPGEMM_GIT:-$MIRROR_ROOT/deepseek-ai+DeepGEMM/repo}
 CUTLASS_GIT=${CUTLASS_GIT:-$MIRROR_ROOT/NVIDIA+cutlass/repo}
 FMT_GIT=${FMT_GIT:-$MIRROR_ROOT/fmtlib+fmt/repo}
+for need in DEEPGEMM_GIT:$DG_COMMIT CUTLASS_GIT:$CUTLASS_COMMIT FMT_GIT:$FMT_COMMIT; do
+  var=${need%%:*}; commit=${need#*:}
+  git --git-dir="${!var}" rev-parse --verify -q "$commit^{commit}" >/dev/null 2>&1 || preflight_fail \
+    "no git repository holding commit $commit at $var=${!var}" \
+    "set $var to a clone's .git directory that holds it (or MIRROR_ROOT to where the mirrors lie)"
+done
+preflight_done "DeepGEMM $DEEPGEMM_GIT, CUTLASS $CUTLASS_GIT, fmt $FMT_GIT"
 OUTDIR=.deepgemm
 
 # keep the folder out of git (worktrees share the main repository's info/exclude)

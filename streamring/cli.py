@@ -1,17 +1,9 @@
 """``streamring`` command line: a thin layer over the library API.
 
-    streamring run         [--config PATH] [--set k=v ...] [--ranks N] [--backend cpu|nvshmem] [--json PATH]
-    streamring stress      ... [--inject MODE]
-    streamring model-check [--layer ring|ep] [--inject MODE] [--ranks R --slots S --chunks C --epochs E] [--topk K]
-    streamring model-check --layer queue [--inject MODE] [--ctas N --blocks B --block-rows M --chunks C --tiles T --group G]
-    streamring gpu-check   [--policies P,..] [--replays N] [--controls] [--ranks N] [--json PATH]
-    streamring check-env
-    streamring timeline    JSON [--out PNG] [--tokens N ...]
-
-Without a launcher, ``run`` and ``stress`` start ``--ranks`` local ranks
-themselves (the embedded default); under ``mpirun`` they use the ranks that
-exist. Exit codes: 0 success, 1 a check failed or a rank raised, 2 bad
-arguments or config.
+The commands and their options are :func:`build_parser`'s; :func:`synopsis` renders them as the synopsis
+of docs/cli.md (a test holds the page to it). Without a launcher, ``run`` and ``stress`` start
+``--ranks`` local ranks themselves (the embedded default); under ``mpirun`` they use the ranks that
+exist. Exit codes: 0 success, 1 a check failed or a rank raised, 2 bad arguments or config.
 """
 
 from __future__ import annotations
@@ -37,7 +29,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", metavar="PATH", help="YAML config (default: the embedded default config)")
     p.add_argument("--set", metavar="KEY=VALUE", action="append", default=[], dest="overrides",
                    help="override a config key, dotted (ring.num_slots=3); repeatable")
-    p.add_argument("--ranks", type=int, help="local ranks to start when no launcher is used (config: ranks)")
+    p.add_argument("--ranks", type=int, metavar="N",
+                   help="local ranks to start when no launcher is used (config: ranks)")
     p.add_argument("--backend", choices=["cpu", "nvshmem"], help="symmetric-heap backend (config: backend)")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
 
@@ -64,50 +57,80 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="PATH",
                    help="write the result as JSON (sizes, states, transitions, time, every property, "
                         "the whole counter-example trace)")
-    p.add_argument("--ranks", type=int, default=2,
+    p.add_argument("--ranks", type=int, default=2, metavar="R",
                    help="ranks, each with a route and a layout producer and a consumer (--layer ep: also a "
                         "compute and the owner's reduce) (default 2)")
-    p.add_argument("--slots", type=int, default=2, help="ring slots per rank (default 2)")
-    p.add_argument("--chunks", type=int, default=3,
+    p.add_argument("--slots", type=int, default=2, metavar="S", help="ring slots per rank (default 2)")
+    p.add_argument("--chunks", type=int, default=3, metavar="C",
                    help="chunks per rank and epoch, one token each; odd ranks have one token fewer, so "
                         "their last chunk is empty (--layer queue: dispatch steps, the blocks' rows split over "
                         "them in order) (default 3)")
-    p.add_argument("--epochs", type=int, default=2,
+    p.add_argument("--epochs", type=int, default=2, metavar="E",
                    help="stream epochs over the same buffers, nothing cleared between them (default 2)")
-    p.add_argument("--topk", type=int, default=None,
+    p.add_argument("--topk", type=int, default=None, metavar="K",
                    help="--layer ep: routed entries (token, k) per token, each to the rank "
                         "(owner + k * (token + epoch)) %% ranks (default 2)")
-    p.add_argument("--ctas", type=int, default=2, help="--layer queue: CTAs of the persistent grid (default 2)")
-    p.add_argument("--blocks", type=int, default=3,
+    p.add_argument("--ctas", type=int, default=2, metavar="N", help="--layer queue: CTAs of the persistent grid (default 2)")
+    p.add_argument("--blocks", type=int, default=3, metavar="B",
                    help="--layer queue: expert blocks, filled in order over the chunks, the last one partial "
                         "(ready only at the seal) (default 3)")
-    p.add_argument("--block-rows", type=int, default=2, help="--layer queue: rows of a full block (default 2)")
-    p.add_argument("--tiles", type=int, default=2, help="--layer queue: N-tiles of L1 and of L2 per block (default 2)")
-    p.add_argument("--group", type=int, default=2,
+    p.add_argument("--block-rows", type=int, default=2, metavar="M", help="--layer queue: rows of a full block (default 2)")
+    p.add_argument("--tiles", type=int, default=2, metavar="T", help="--layer queue: N-tiles of L1 and of L2 per block (default 2)")
+    p.add_argument("--group", type=int, default=2, metavar="G",
                    help="--layer queue: blocks per group of the item order (queue_order) (default 2)")
     p.add_argument("--source-order", choices=SOURCE_ORDERS, default="rank",
                    help="consumer order over the sources of a chunk (stress.source_order): rank (default) "
                         "or ready (any source whose chunk is ready first)")
     p = sub.add_parser("gpu-check", help="GPU self-test: the device ring under every progress policy, 10^4 CUDA-graph "
                                          "replays each, negative controls (needs a GPU and nvshmem4py)")
-    p.add_argument("--policies", default="all", help=f"comma list of {list(PROGRESS_POLICIES)} or 'all'")
-    p.add_argument("--replays", type=int, default=10000, help="graph replays per policy (each one ring epoch)")
-    p.add_argument("--slots", type=int, default=4, help="ring slots")
-    p.add_argument("--chunks", type=int, default=6, help="chunks per epoch")
-    p.add_argument("--producer-sms", type=int, default=16, help="green_ctx: SMs of the producer (multiple of 8)")
+    p.add_argument("--policies", default="all", metavar="P,..|all", help=f"comma list of {list(PROGRESS_POLICIES)} or 'all'")
+    p.add_argument("--replays", type=int, default=10000, metavar="N", help="graph replays per policy (each one ring epoch)")
+    p.add_argument("--slots", type=int, default=4, metavar="S", help="ring slots")
+    p.add_argument("--chunks", type=int, default=6, metavar="C", help="chunks per epoch")
+    p.add_argument("--producer-sms", type=int, default=16, metavar="N", help="green_ctx: SMs of the producer (multiple of 8)")
     p.add_argument("--controls", action="store_true",
                    help="also run the negative controls (each inject mode must be detected)")
-    p.add_argument("--control-replays", type=int, default=40, help="replays of each negative control")
-    p.add_argument("--deadline-s", type=float, default=10.0, help="deadline of every device wait")
-    p.add_argument("--ranks", type=int, default=1,
+    p.add_argument("--control-replays", type=int, default=40, metavar="N", help="replays of each negative control")
+    p.add_argument("--deadline-s", type=float, default=10.0, metavar="S", help="deadline of every device wait")
+    p.add_argument("--ranks", type=int, default=1, metavar="N",
                    help="PEs to start when no launcher is used (under mpirun/torchrun: the job's ranks)")
     p.add_argument("--json", metavar="PATH", help="write every check's result as JSON")
     sub.add_parser("check-env", help="print what streamring finds on this machine")
     p = sub.add_parser("timeline", help="draw the device timeline of a streamed forward as a PNG")
     p.add_argument("input", metavar="JSON", help="bench/ep_layer.py --timeline-json output, or one timeline")
     p.add_argument("--out", metavar="PNG", default="timeline.png")
-    p.add_argument("--tokens", type=int, action="append", help="only the timelines of these token counts")
+    p.add_argument("--tokens", type=int, nargs="+", action="extend", metavar="N",
+                   help="only the timelines of these token counts (--tokens 1024 4096; repeatable)")
     return ap
+
+
+def _option_synopsis(a: argparse.Action) -> str:
+    if not a.option_strings:  # a positional argument
+        return a.metavar or a.dest.upper()
+    flag = max(a.option_strings, key=len)
+    if a.nargs == 0:
+        return f"[{flag}]"
+    value = a.metavar or ("|".join(map(str, a.choices)) if a.choices else a.dest.upper())
+    many = isinstance(a, argparse._AppendAction) or a.nargs in ("+", "*")
+    return f"[{flag} {value}{' ...' if many else ''}]"
+
+
+def synopsis(width: int = 110) -> str:
+    """The synopsis of every command, one entry per command (wrapped at ``width``), from :func:`build_parser`:
+    what docs/cli.md shows (tests/unit/test_docs_cli.py holds the page to it)."""
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    pad = max(map(len, sub.choices)) + len("streamring ") + 1
+    lines = []
+    for name, p in sub.choices.items():
+        words = [_option_synopsis(a) for a in p._actions if not isinstance(a, argparse._HelpAction)]
+        line = f"streamring {name}".ljust(pad)
+        for w in words:
+            if len(line) + 1 + len(w) > width and line.strip() != f"streamring {name}":
+                lines.append(line.rstrip())
+                line = " " * pad
+            line += w + " "
+        lines.append(line.rstrip())
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -178,10 +201,17 @@ def main(argv: list[str] | None = None) -> int:
             return EXIT_USAGE
         try:
             preload = RANK_MODULES[args.command] if cfg.backend == "cpu" else ()
-            return spawn_local(cfg.ranks, argv, preload=preload)
+            errors: dict = {}
+            rc = spawn_local(cfg.ranks, argv, preload=preload, errors=errors)
         except LaunchError as exc:
             print(f"streamring: {exc}", file=sys.stderr)
             return EXIT_USAGE
+        if args.command == "stress" and cfg.stress.inject != "none" and errors:
+            # the ranks ended with errors, not with rank 0's report and its verdict: say it last, from them
+            from .verify.inject_verdict import stress_error_verdict
+
+            print(stress_error_verdict(cfg.stress.inject, [errors[r] for r in sorted(errors)]), file=sys.stderr)
+        return rc
     if launcher is Launcher.TORCHRUN and cfg.backend == "cpu":
         from .host.bootstrap import make_heap
 

@@ -1,14 +1,17 @@
 """Configuration schema (pydantic), YAML loading and ``--set`` overrides.
 
-Every key is validated; an error names the dotted field and the allowed
-values. With no ``--config`` the embedded :data:`DEFAULT_CONFIG` is used.
+Every key is validated; an error says, in plain words, the dotted field, the value given and what the
+field allows (:func:`describe` of its schema), or for an unknown key the keys of its section and the
+closest one. With no ``--config`` the embedded :data:`DEFAULT_CONFIG` is used.
 """
 
 from __future__ import annotations
 
 import copy
+import difflib
+import typing
 from pathlib import Path
-from typing import Literal, Optional, Union
+from typing import Annotated, Literal, Optional, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, ValidationError, field_validator, model_validator
@@ -44,7 +47,9 @@ class NvshmemConfig(_Strict):
     """NVSHMEM backend options."""
 
     progress: Literal[PROGRESS_POLICIES] = Field(  # type: ignore[valid-type]
-        "spin_kernel", description="progress policy of the GPU layer and gpu-check (streamring.ring.protocol)")
+        "spin_kernel", description="progress policy of the GPU layer (streamring.ring.protocol; the layer refuses "
+                                   "those of streamring.ring.policies.REFUSED_POLICIES before launch, with the "
+                                   "reason; gpu-check takes --policies)")
     producer_sms: int = Field(16, ge=8, description="green_ctx: SMs of the producer context (multiple of 8)")
     transport: Literal["auto", "p2p", "nv"] = Field(
         "auto", description="GPU layer between PEs: auto (NVLink pointers when every peer has one, else NVSHMEM "
@@ -199,6 +204,8 @@ class Config(_Strict):
     backend: Literal["cpu", "nvshmem"] = "cpu"
     ranks: int = Field(4, ge=1, le=1024, description="ranks started by the local launcher")
     wait_timeout_s: float = Field(30.0, gt=0, description="watchdog deadline of every wait")
+    progress_s: float = Field(10.0, ge=0, description="run and stress: rank 0 says what the job is doing at least "
+                                                      "this often, on stderr (0: never)")
     ring: RingConfig = RingConfig()
     cpu: CpuConfig = CpuConfig()
     nvshmem: NvshmemConfig = NvshmemConfig()
@@ -210,15 +217,167 @@ class Config(_Strict):
 DEFAULT_CONFIG = Config().model_dump()
 
 
+# ----------------------------------------------------------------------------------------
+# Errors in plain words: the field, the value given, what the schema allows there
+# ----------------------------------------------------------------------------------------
+_TYPE_TAGS = {"int", "float", "str", "bool", "none", "dict", "list"}
+
+
+def _is_union_tag(part) -> bool:
+    """pydantic names the branch of a union an error came from in its location (``constrained-int``,
+    ``list[constrained-int]``): not a key of the config (``[key]`` is: the key of a mapping entry)."""
+    return isinstance(part, str) and part != "[key]" and ("[" in part or "-" in part or part in _TYPE_TAGS)
+
+
+def _unwrap(annotation) -> tuple:
+    """``(type, [constraints])`` of an annotation, ``Annotated`` unwrapped."""
+    meta: list = []
+    while typing.get_origin(annotation) is Annotated:
+        annotation, *more = typing.get_args(annotation)
+        meta += more
+    return annotation, meta
+
+
+def _bounds(meta) -> str:
+    lo = hi = None
+    for m in meta:
+        if getattr(m, "ge", None) is not None:
+            lo = f"[{m.ge}"
+        if getattr(m, "gt", None) is not None:
+            lo = f"({m.gt}"
+        if getattr(m, "le", None) is not None:
+            hi = f"{m.le}]"
+        if getattr(m, "lt", None) is not None:
+            hi = f"{m.lt})"
+    if lo and hi:
+        return f" in {lo}, {hi}"
+    if lo:
+        return f" {'>=' if lo[0] == '[' else '>'} {lo[1:]}"
+    if hi:
+        return f" {'<=' if hi[-1] == ']' else '<'} {hi[:-1]}"
+    return ""
+
+
+def describe(annotation, meta=()) -> str:
+    """What a field of this annotation (and these constraints) takes, in words."""
+    annotation, more = _unwrap(annotation)
+    meta = list(meta) + more
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is Union:
+        options = [a for a in args if a is not type(None)]
+        text = ", or ".join(describe(a, meta) for a in options)
+        return text + (", or null" if len(options) < len(args) else "")
+    if origin is Literal:
+        values = [repr(v) for v in args]
+        return values[0] if len(values) == 1 else \
+            ("one of " if len(values) > 2 else "") + ", ".join(values[:-1]) + " or " + values[-1]
+    if origin is list:
+        return f"a list, each entry {describe(args[0])}"
+    if origin is dict:
+        return f"a mapping, each key {describe(args[0])} and each value {describe(args[1])}"
+    if annotation is bool:
+        return "true or false"
+    if annotation is int:
+        return "a whole number" + _bounds(meta)
+    if annotation is float:
+        return "a number" + _bounds(meta)
+    if annotation is str:
+        return "text"
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return f"a section with the keys {', '.join(annotation.model_fields)}"
+    return str(annotation)
+
+
+def _walk(path: list) -> tuple:
+    """The ``(model, field name, annotation, constraints)`` at ``path`` (keys, list indices; ``"[key]"`` last:
+    the key of a mapping entry, not its value) from :class:`Config`; ``None`` past the schema."""
+    model, annotation, meta, name = Config, Config, [], None
+    for i, part in enumerate(path):
+        if part == "[key]":
+            continue
+        key = i + 1 < len(path) and path[i + 1] == "[key]"
+        annotation, more = _unwrap(annotation)
+        options = typing.get_args(annotation) if typing.get_origin(annotation) is Union else (annotation,)
+        for opt in options:  # through an Optional or a union: the branch that has this part
+            opt, opt_meta = _unwrap(opt)
+            if isinstance(opt, type) and issubclass(opt, BaseModel) and part in opt.model_fields:
+                model, name = opt, part
+                annotation, meta = opt.model_fields[part].annotation, list(opt.model_fields[part].metadata)
+                break
+            if typing.get_origin(opt) is list and isinstance(part, int):
+                annotation, meta = typing.get_args(opt)[0], []
+                break
+            if typing.get_origin(opt) is dict:
+                annotation, meta = typing.get_args(opt)[0 if key else 1], []
+                break
+        else:
+            return None
+    return model, name, annotation, meta
+
+
+def _dotted(path: list) -> str:
+    out = ""
+    for part in path:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part == "[key]":
+            out += " (a key)"
+        else:
+            out += ("." if out else "") + str(part)
+    return out or "(the top level)"
+
+
+def _unknown_key(path: list) -> str:
+    where = _walk(path[:-1])
+    section = where[2] if where else None
+    section, _ = _unwrap(section) if section is not None else (None, [])
+    if typing.get_origin(section) is Union:  # an optional section
+        section = next((a for a in typing.get_args(section) if a is not type(None)), None)
+    keys = list(section.model_fields) if isinstance(section, type) and issubclass(section, BaseModel) else []
+    owner = f"the keys of {_dotted(path[:-1])}" if path[:-1] else "the top-level keys"
+    line = f"{_dotted(path)}: unknown key; {owner} are {', '.join(keys)}"
+    close = difflib.get_close_matches(str(path[-1]), keys, n=1)
+    return line + (f" (did you mean {_dotted(path[:-1] + [close[0]])}?)" if close else "")
+
+
 def _format_error(err: ValidationError) -> str:
-    lines = []
+    """Every error of ``err`` in plain words: the field, the value given and what the field allows (the
+    schema's range or choices; the check's own sentence where a validator refused it); an unknown key
+    lists the keys of its section, with the closest one to a misspelt key."""
+    found = []
     for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"]) or "(root)"
-        msg = e["msg"]
-        if e.get("type") == "extra_forbidden":
-            msg = "unknown key (check spelling; see configs/default.yaml for the keys)"
-        lines.append(f"{loc}: {msg} (got {e.get('input')!r})" if e.get("type") != "extra_forbidden"
-                     else f"{loc}: {msg}")
+        loc = list(e["loc"])
+        tag = next((i for i, part in enumerate(loc) if _is_union_tag(part)), None)
+        path = [part for part in loc if not _is_union_tag(part)]
+        found.append((tuple(loc[:tag]) if tag is not None else None, path, e))
+    # of one union's branches, the one whose error lies deepest says most (a list's bad entry, not "not a number")
+    deepest: dict = {}
+    for union, path, _ in found:
+        if union is not None:
+            deepest[union] = max(deepest.get(union, 0), len(path))
+    lines: list[str] = []
+    for union, path, e in found:
+        if union is not None and len(path) < deepest[union]:
+            continue
+        typ, msg, value = e["type"], e["msg"], e.get("input")
+        if typ == "extra_forbidden":
+            line = _unknown_key(path)
+        elif typ in ("value_error", "assertion_error"):
+            why = msg.split(", ", 1)[1] if msg.startswith(("Value error, ", "Assertion failed, ")) else msg
+            line = why if why.startswith(_dotted(path) + ".") else f"{_dotted(path)}: {why}"
+        else:
+            where = _walk(path)
+            allowed = describe(where[2], where[3]) if where and where[2] is not None else None
+            field = where[0].model_fields.get(where[1]) if where and where[1] and path[-1] == where[1] else None
+            if allowed and field is not None and field.description:
+                allowed += f" ({field.description.split(';')[0]})"
+            if typ == "missing":
+                line = f"{_dotted(path)}: missing" + (f"; it must be {allowed}" if allowed else "")
+            else:
+                line = f"{_dotted(path)}: got {value!r}; it must be {allowed}" if allowed else \
+                    f"{_dotted(path)}: got {value!r}: {msg}"
+        if line not in lines:
+            lines.append(line)
     return "invalid config:\n  " + "\n  ".join(lines)
 
 

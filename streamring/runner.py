@@ -173,10 +173,15 @@ def run_heap_bytes(cfg: Config, num_ranks: int) -> int:
     return sum(lay.nbytes for lay in run_layouts(cfg, num_ranks).values())
 
 
-def run_layer(heap: SymmetricHeap, cfg: Config) -> dict:
-    """Run ``cfg`` on this rank; returns this rank's row of the report."""
+def run_layer(heap: SymmetricHeap, cfg: Config, progress=None) -> dict:
+    """Run ``cfg`` on this rank; returns this rank's row of the report.
+
+    ``progress``: an object whose ``what`` is set to each step as it starts (rank 0's progress lines,
+    :class:`streamring.host.progress.Heartbeat`); ``None``: nothing is told.
+    """
+    progress = progress if progress is not None else _Quiet()
     if use_fast_gpu_path(cfg):
-        return run_layer_gpu(heap, cfg)
+        return run_layer_gpu(heap, cfg, progress)
     import torch
 
     from .moe.bitwise import same_bits
@@ -189,6 +194,7 @@ def run_layer(heap: SymmetricHeap, cfg: Config) -> dict:
     check_run_job(cfg, R)
     shape = shape_from_config(cfg)
     tokens = per_rank(cfg.run.tokens_per_rank, R, "run.tokens_per_rank")
+    progress.what = "building the layer's weights and buffers"
     # Expert math on the rank's GPU with the NVSHMEM backend (torch ops), on the CPU otherwise.
     device = getattr(heap, "device", None) or "cpu"
     weights = MoEWeights.random(shape, seed=cfg.layer.seed, device=device)
@@ -210,6 +216,8 @@ def run_layer(heap: SymmetricHeap, cfg: Config) -> dict:
         for mode in ("batch", "stream"):
             if cfg.run.mode not in ("both", mode):
                 continue
+            progress.what = (f"epoch {ep + 1} of {cfg.run.epochs}: the {'streamed' if mode == 'stream' else 'batch'} "
+                             f"forward, {tokens[me]} tokens on rank {me}")
             t0 = time.monotonic()
             outs[mode] = buf.forward(x, weights, streaming=(mode == "stream"), scheduler=cfg.run.scheduler,
                                      routing=routing, source_order=cfg.run.source_order)
@@ -223,6 +231,7 @@ def run_layer(heap: SymmetricHeap, cfg: Config) -> dict:
             row["max_abs_stream_minus_batch"] = max(row["max_abs_stream_minus_batch"], diff)
             row["bitwise_equal"] &= same_bits(outs["stream"], outs["batch"])  # bytes: -0.0 != +0.0
         # Independent float64 reference of the same math.
+        progress.what = f"epoch {ep + 1} of {cfg.run.epochs}: the float64 reference of rank {me}'s {tokens[me]} tokens"
         if routing is None:
             y_ref, idx64, _ = reference_forward_f64(x, weights, shape, return_routing=True)
         else:
@@ -240,7 +249,13 @@ def run_layer(heap: SymmetricHeap, cfg: Config) -> dict:
     return row
 
 
-def run_layer_gpu(heap, cfg: Config) -> dict:
+class _Quiet:
+    """A progress holder that tells nothing."""
+
+    what = ""
+
+
+def run_layer_gpu(heap, cfg: Config, progress=None) -> dict:
     """``run`` on the expert-parallel FP8 GPU layer (:class:`streamring.moe.ep_buffer.EPBuffer`).
 
     Every rank builds the same random FP8 layer and keeps its own experts in ONE buffer; its tokens go
@@ -255,9 +270,11 @@ def run_layer_gpu(heap, cfg: Config) -> dict:
 
     from .moe import blocks as B
 
+    progress = progress if progress is not None else _Quiet()
     R, me = heap.num_ranks, heap.rank
     shape, tokens = _fast_path_job(cfg, R)
     dev = heap.device
+    progress.what = "building the buffer and capturing the first forward of each path"
     full = B.FastWeights.random(shape, cfg.layer.seed, dev)  # every expert, for this rank's reference
     st = cfg.run.straggler
     buf = _ep_buffer_of(heap, cfg, shape, max(max(tokens), 1))
@@ -277,6 +294,7 @@ def run_layer_gpu(heap, cfg: Config) -> dict:
     barrier = lambda: heap.barrier(time.monotonic() + 2 * cfg.wait_timeout_s + 10)  # noqa: E731
     graphs = {}
     failed = None
+    routed: set = set()  # the experts this rank's tokens were routed to, over every epoch
     x_buf.copy_(make_tokens(cfg, me, 0, T).to(dev, torch.bfloat16))
     for m in ("batch", "stream"):
         try:
@@ -299,6 +317,7 @@ def run_layer_gpu(heap, cfg: Config) -> dict:
                 continue
             torch.cuda.synchronize(dev)
             barrier()
+            progress.what = f"epoch {ep + 1} of {cfg.run.epochs}: the {'streamed' if m == 'stream' else 'batch'} replay"
             if m == "stream" and fault is not None and fault.epoch == ep:
                 fail_this_rank(fault.kind, buf, graphs[m], cfg.wait_timeout_s)
             t0 = time.monotonic()
@@ -317,7 +336,10 @@ def run_layer_gpu(heap, cfg: Config) -> dict:
             row["ref_max_abs_err"] = max(row["ref_max_abs_err"], float((y[sample].double() - ref).abs().max()))
             row["ref_max_err_ratio"] = max(row["ref_max_err_ratio"], rel / B.FAST_PATH_REL_TOL)
             row["ref_ok"] &= rel < B.FAST_PATH_REL_TOL
-            row["experts_hit"] = max(row["experts_hit"], int(buf.last_routing[0].unique().numel()))
+            routed.update(int(e) for e in buf.last_routing[0].unique().tolist() if e >= 0)
+    # the experts of this rank that computed a row: those any rank's tokens were routed to (as on the CPU layer)
+    everyone = set().union(*heap.allgather_obj(sorted(routed)))
+    row["experts_hit"] = len(everyone & set(buf.local_experts))
     status = buf.status()
     errors = {k: status[k] for k in ("violations", "timeouts", "bad_routes", "bad_counts") if status[k]}
     if status["first_error"]:

@@ -399,12 +399,17 @@ def assert_stress_mutation_caught(r: Result, mode: str) -> None:
     """``r`` (a stress run with ``--inject mode``) failed the way ``mode`` must fail, and no other way."""
     kinds_needed, drain_wait = STRESS_INJECT_EXPECTED[mode]
     assert r.rc == 1, r
+    # the last line says the FAIL is the expected result (rank 0's report, or the local launcher's from the
+    # ranks' errors)
+    caught = f"the injected bug ({mode}) was caught, as intended"
     if r.json is not None:
         assert r.json["config"]["stress"]["inject"] == mode and r.json["violations"] > 0, r
         kinds = set().union(*(x["violation_kinds"] for x in r.json["ranks"]))
         assert kinds_needed <= kinds, (mode, kinds, r)
+        assert caught in r.out.strip().splitlines()[-1], r
         return
     died = error_types(r.err)
     # WaitTimeout: a rank whose peer died first times out in a collective; it is never the only error.
     assert drain_wait and "WatchdogError" in died and died <= {"WatchdogError", "WaitTimeout"}, (mode, died, r)
     assert drain_wait in r.err and "route_ready_gen" in r.err and "missing acks" in r.err, r
+    assert caught in r.err.strip().splitlines()[-1], r

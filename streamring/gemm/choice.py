@@ -232,12 +232,15 @@ def available_impls(block_m: int, policy: str = "serialized") -> dict[str, str]:
     if policy == "pdl":
         out["cutlass"] = out["deep_gemm"] = "no programmatic dependent launch (plan.policy 'pdl')"
         return out
+    import torch
+
     from . import cutlass as CG
 
     try:
         CG.load_library(build=False)
         CG.library_info()
-        out["cutlass"] = ""
+        # the library loads without a GPU (it opens the driver only to run): it runs only where one is
+        out["cutlass"] = "" if torch.cuda.is_available() else "CUTLASS library built, but no CUDA GPU here"
     except CG.GemmLibraryMissing as exc:
         out["cutlass"] = f"{CUTLASS_NOT_BUILT}: {str(exc)[:200]}"
     except Exception as exc:  # noqa: BLE001 - built for another source, cannot load, no GPU

@@ -135,6 +135,17 @@ def ranks_not_ok(d: Path, num_ranks: int) -> dict[int, str]:
     return out
 
 
+def rank_errors(d: Path, num_ranks: int) -> dict[int, str]:
+    """``{rank: its whole error report}`` of the ranks that reported an error (not ``"ok"``)."""
+    out = {}
+    for r in range(num_ranks):
+        st = d / f"rank-{r}.status"
+        text = st.read_text() if st.exists() else None
+        if text is not None and text != "ok":
+            out[r] = text
+    return out
+
+
 def ranks_down(d: Path, num_ranks: int) -> list:
     """``[(rank, pid, state), ...]`` of the ranks dead, zombie or stopped without having reported."""
     down = []

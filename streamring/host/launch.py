@@ -26,7 +26,7 @@ from pathlib import Path
 from .jobfiles import JobFiles, is_mpi_job_file, orphaned_files
 from .preload import STUB as PRELOAD_STUB
 from .preload import PreloadServer, preload_enabled
-from .jobstate import JOB_DIR_ENV, ranks_down, ranks_not_ok, recorded_job_files, summarize
+from .jobstate import JOB_DIR_ENV, rank_errors, ranks_down, ranks_not_ok, recorded_job_files, summarize
 from .report import TERMINAL_COLUMNS_ENV, terminal_columns
 
 SPAWNED_ENV = "STREAMRING_SPAWNED"
@@ -102,8 +102,10 @@ def _rank_env(jdir: Path, extra_env: dict | None) -> dict:
 
 
 def spawn_local(num_ranks: int, argv: list[str], extra_env: dict | None = None, timeout_s: float | None = None,
-                preload: tuple[str, ...] = ()) -> int:
+                preload: tuple[str, ...] = (), errors: dict | None = None) -> int:
     """Start ``num_ranks`` ranks of ``python -m streamring <argv>`` and return the job's exit code.
+
+    ``errors``, if given, receives ``{rank: its error report}`` of the ranks that reported one.
 
     ``preload``: modules that every rank imports (CPU ranks only: a fork of a process that holds a
     CUDA context is unusable). When given, with Hydra's ``mpiexec`` and ``STREAMRING_PRELOAD`` not
@@ -195,6 +197,8 @@ def spawn_local(num_ranks: int, argv: list[str], extra_env: dict | None = None, 
         files.seen |= {f for f in recorded_job_files(jdir) if is_mpi_job_file(f)}
         if rc != 0:
             files.seen |= set(orphaned_files(started_at))
+        if errors is not None:
+            errors.update(rank_errors(jdir, num_ranks))
         shutil.rmtree(jdir, ignore_errors=True)
         files.remove_leftovers()
 

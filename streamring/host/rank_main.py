@@ -17,7 +17,9 @@ from .bootstrap import abort_job, make_heap, watch_blocked_calls
 from .jobstate import job_dir, peer_report, record_job_files, register_rank, report_status
 from .launch import SPAWNED_ENV, Launcher, detect_launcher
 from .prelaunch import agree_on_problems, job_problems
+from .progress import Heartbeat
 from .preload import PRELOADED_ENV
+from ..verify.inject_verdict import run_verdict, stress_error_caught, stress_error_verdict, stress_verdict
 from .report import Column, Report
 
 
@@ -78,6 +80,12 @@ def report_stress(results: list[dict], cfg: Config, wall_s: float, json_path: st
                                 + (f"; stopped in {stopped}, every rank ended that epoch early" if stopped else "")
                                 + f" (wall {wall_s:.2f}s)")
     out.line(verdict)
+    if cfg.stress.inject != "none":  # the last line says whether a FAIL above is the expected result
+        kinds_all: dict = {}
+        for r in results:
+            for k, n in r["violation_kinds"].items():
+                kinds_all[k] = kinds_all.get(k, 0) + n
+        out.line(stress_verdict(cfg.stress.inject, total_viol, kinds_all))
     if json_path:
         Path(json_path).write_text(json.dumps({
             "command": "stress", "config": cfg.model_dump(), "ranks": results, "violations": total_viol,
@@ -136,18 +144,24 @@ def rank_main(command: str, cfg: Config, json_path: str | None = None) -> int:
         watching = watch_blocked_calls(heap, cfg.wait_timeout_s, DIAGNOSTIC_HOOKS)
         heap.barrier()
         t0 = time.monotonic()
+        # rank 0 says what the job does at least every progress_s seconds (a long run is not silent)
+        heartbeat = Heartbeat(f"streamring {command}", cfg.progress_s if heap.rank == 0 else 0)
         if command == "stress":
             from ..verify.stress import result_dict, run_stress
 
-            res = result_dict(run_stress(heap, cfg)) | process_facts()
-            results = heap.allgather_obj(res)
+            with heartbeat:
+                res = result_dict(run_stress(heap, cfg, heartbeat)) | process_facts()
+                heartbeat.what = "collecting every rank's results"
+                results = heap.allgather_obj(res)
             wall = time.monotonic() - t0
             code = report_stress(results, cfg, wall, json_path) if heap.rank == 0 else 0
         elif command == "run":
             from ..runner import run_layer
 
-            res = run_layer(heap, cfg) | process_facts()
-            results = heap.allgather_obj(res)
+            with heartbeat:
+                res = run_layer(heap, cfg, heartbeat) | process_facts()
+                heartbeat.what = "collecting every rank's results"
+                results = heap.allgather_obj(res)
             wall = time.monotonic() - t0
             code = report_run(results, cfg, wall, json_path) if heap.rank == 0 else 0
         else:
@@ -168,16 +182,32 @@ def rank_main(command: str, cfg: Config, json_path: str | None = None) -> int:
                 report_status(MPI.COMM_WORLD.Get_rank(), f"{type(exc).__name__}: {exc}")
             except Exception:  # noqa: BLE001
                 pass
+        elif command == "stress" and stress_error_caught(cfg.stress.inject, f"{type(exc).__name__}: {exc}"):
+            # (under our launcher the launcher says it last, from every rank's status)
+            print(stress_error_verdict(cfg.stress.inject, [f"{type(exc).__name__}: {exc}"]), file=sys.stderr,
+                  flush=True)
         abort_job(exc, 2 if isinstance(exc, (ConfigError, HeapSizeError)) else 1)
         return 1
 
 
 RUN_COLUMNS = [
-    Column("rank"), Column("tokens"), Column("chunks"), Column("experts hit", "experts_hit"),
+    Column("rank"), Column("tokens"), Column("chunks"), Column("local experts hit", "local_experts_hit"),
     Column("stream vs batch", "stream_vs_batch"), Column("max |stream-batch|", "max_abs_diff"),
     Column("max err vs f64 ref", "max_err_f64"), Column("err/tol", "err_over_tol"),
     Column("batch s", "batch_s"), Column("stream s", "stream_s"),
 ]
+
+
+def run_legend(ranks: int, experts: int, mode: str, epochs: int, fast: bool) -> str:
+    """The one line under the ``run`` table that says what its columns count."""
+    per = experts // ranks
+    parts = [f"local experts hit = of the rank's own {per} experts (rank r holds {per}r..{per}r+{per - 1} of "
+             f"{experts}), those that got a routed row"]
+    if mode == "both":
+        parts.append("stream vs batch = the streamed output against the batch output")
+    parts.append(f"err = {'sampled tokens ' if fast else ''}against a float64 reference, err/tol > 1 fails")
+    parts.append(f"times = wall seconds of the {epochs} epoch{'s' if epochs != 1 else ''} per path")
+    return "legend: " + "; ".join(parts)
 
 
 def report_run(results: list[dict], cfg: Config, wall_s: float, json_path: str | None,
@@ -191,11 +221,12 @@ def report_run(results: list[dict], cfg: Config, wall_s: float, json_path: str |
     out = out or Report()
     L, mode = cfg.layer, cfg.run.mode
     both = mode == "both"
+    per = L.num_experts // len(results)  # each rank's local experts
     rows = []
     for r in results:
         same = (Text("bitwise ==") if r["bitwise_equal"] else Text("differ", style="red")) if both else "-"
         rows.append([str(r["rank"]), str(r["tokens"]), str(r["chunks"]) if mode != "batch" else "-",
-                     str(r["experts_hit"]), same, f"{r['max_abs_stream_minus_batch']:.3g}" if both else "-",
+                     f"{r['experts_hit']}/{per}", same, f"{r['max_abs_stream_minus_batch']:.3g}" if both else "-",
                      f"{r['ref_max_abs_err']:.3g}",
                      Text(f"{r['ref_max_err_ratio']:.3f}") if r["ref_ok"] else
                      Text(f"{r['ref_max_err_ratio']:.3f} FAIL", style="red"),
@@ -217,6 +248,7 @@ def report_run(results: list[dict], cfg: Config, wall_s: float, json_path: str |
     if cfg.run.straggler is not None:
         title += f", straggler: rank {cfg.run.straggler.rank}'s producers {cfg.run.straggler.ms:g} ms late"
     out.table(title, RUN_COLUMNS, rows)
+    out.line(run_legend(len(results), L.num_experts, mode, cfg.run.epochs, fast))
     differ = [r["rank"] for r in results if both and not r["bitwise_equal"]]
     outside = [r["rank"] for r in results if not r["ref_ok"]]
     ring_errors = {r["rank"]: r["ring_errors"] for r in results if r.get("ring_errors")}
@@ -247,6 +279,8 @@ def report_run(results: list[dict], cfg: Config, wall_s: float, json_path: str |
                          f"comparison measures the GEMMs' rounding, not the protocol")
         verdict = Text.assemble(("FAIL", "red"), f": {'; '.join(parts)}{not_run}; wall {wall_s:.2f}s")
     out.line(verdict)
+    if cfg.run.inject != "none":
+        out.line(run_verdict(cfg.run.inject, ok and not ring_errors))
     if json_path:
         Path(json_path).write_text(json.dumps({"command": "run", "config": cfg.model_dump(), "ranks": results,
                                                "ok": ok, "wall_s": wall_s}, indent=2, default=str))

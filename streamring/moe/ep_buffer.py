@@ -41,9 +41,12 @@ from ..device import progress as PG
 from ..device.ringdesc import describe_status
 from ..gemm.backends import CAPABILITIES
 from ..gemm.cutlass import status_text as gemm_status_text
+from ..ring.layout import MAX_EPOCH
 from ..ring.protocol import WatchdogError
 from . import ep_config as CFG
 from .blocks import FP8, FastWeights
+from .checks import (check_num_tokens, check_out, check_routing, check_stream_epoch, check_streaming, check_x,
+                     host_read_allowed)
 from .ep_combine import CombineArea
 from .ep_dispatch import EPDispatch
 from .ep_experts import EPExperts
@@ -335,37 +338,52 @@ class EPBuffer:
             stream_epoch: the streamed ring's epoch of this call (must grow from call to call); default:
                 the device's own count (the only choice inside a captured graph, which replays it).
             num_tokens: the valid rows of ``x`` (``None``: all ``T``): an int, or a one-element integer
-                CUDA tensor read when the forward runs (replays of one captured graph may vary it).
-                Rows at and past it are ignored and their output rows are zero. A device value outside
-                ``[0, T]`` is clamped into it and counted in :meth:`status` (``bad_counts``).
+                tensor on the buffer's device, read when the forward runs (replays of one captured graph may
+                vary it). Rows at and past it are ignored and their output rows are zero. Outside a capture
+                the tensor is read on the host and a value outside ``[0, T]`` raises; under a capture a
+                device value outside ``[0, T]`` is clamped into it and counted in :meth:`status`
+                (``bad_counts``), and the buffer then refuses further work.
             out: bf16 ``[T, hidden]`` to write into (default: a new tensor).
             routing: ``(topk_idx, topk_weights)`` computed by the caller (int64 and float32 ``[T, topk]``
-                on the buffer's device, experts in ``[0, num_experts)`` or -1 for none) instead of the
-                layer's router: the producer publishes them as they are.
+                on the buffer's device, experts in ``[0, num_experts)`` or -1 for none, finite weights)
+                instead of the layer's router: the producer publishes them as they are. Outside a capture
+                the values of the valid rows are read on the host and checked (a bad one raises); under a
+                capture the dispatch drops a bad route and counts it (``status()["bad_routes"]``), and
+                the buffer then refuses further work.
             stamps: record the timeline stamps (a buffer with an instrument recording them).
 
         Returns:
             ``out``: bf16 ``[T, hidden]``, the sum over each token's routed experts.
 
+        Raises:
+            ValueError: a bad argument, naming it and its allowed values, before anything is enqueued;
+                the buffer stays usable (:mod:`streamring.moe.checks`).
+            RuntimeError: the buffer is :attr:`broken` by an earlier failure on the device.
+
         The first forward of each path must run eagerly (it compiles and loads every kernel: a module
         load while a stream waits on the ring could deadlock); capture after it.
         """
         self._refuse_if_broken()
-        x, out, routing, streaming = self._checked_inputs(x, weights, streaming, num_tokens, out, routing)
+        x, out, num_tokens, routing = self._checked_inputs(x, weights, streaming, num_tokens, out, routing)
         T = x.shape[0]
         if streaming == "auto":
             streaming = self.adaptive_streaming(T)
             stream_epoch = stream_epoch if streaming else None
         path = self.paths["stream" if streaming else "batch"]
         capturing = self._capturing()
+        if stream_epoch is not None:
+            last = path.ring.epoch() - 1 if streaming and not capturing else 0  # (refused without a read)
+            stream_epoch = check_stream_epoch(stream_epoch, streaming=streaming, capturing=capturing, last=last,
+                                              max_epoch=MAX_EPOCH)
+        if path.name not in self._warm and capturing:
+            raise RuntimeError(f"the {path.name} path of this EPBuffer has not run yet: run one forward "
+                               f"(streaming={streaming}) eagerly before capturing it (it compiles the kernels)")
+        # every argument checked: from here on something is enqueued (a pending launch is taken or cancelled)
         launched = self._take_launched(weights, T, streaming, stream_epoch, capturing)
         if stream_epoch is not None:
-            self._set_stream_epoch(path, streaming, stream_epoch, capturing)
+            path.ring.set_epoch(stream_epoch)
         pl = self.pipeline
         if path.name not in self._warm:
-            if capturing:
-                raise RuntimeError(f"the {path.name} path of this EPBuffer has not run yet: run one forward "
-                                   f"(streaming={streaming}) eagerly before capturing it (it compiles the kernels)")
             pl.enqueue(path, weights, x, out, num_tokens, routing, serialized=True, stamps=stamps)
             self._sync()
             self._warm.add(path.name)
@@ -379,51 +397,30 @@ class EPBuffer:
         return out
 
     def _checked_inputs(self, x, weights, streaming, num_tokens, out, routing) -> tuple:
-        """Every argument of :meth:`forward` checked before anything is enqueued (errors name it); returns
-        ``(x in bf16, out, routing made contiguous, streaming)``."""
+        """Every argument of :meth:`forward` checked before anything is enqueued (:mod:`streamring.moe.checks`: a bad
+        one raises naming it and leaves the buffer usable; values are read on the host only outside a CUDA graph
+        capture); returns ``(x in bf16, out, num_tokens, routing made contiguous)`` (a count read on the host
+        comes back as an int)."""
         if not isinstance(weights, LayerWeights):
             raise ValueError(f"weights must come from EPBuffer.prepare_weights (a LayerWeights), got "
                              f"{type(weights).__name__}")
-        H = self.shape.hidden
-        if not x.is_floating_point() or x.ndim != 2 or x.shape[1] != H or x.device != self.dev:
-            raise ValueError(f"x must be a bfloat16 (or other float) [tokens, hidden={H}] tensor on {self.dev}, got "
-                             f"{x.dtype} {list(x.shape)} on {x.device}")
+        check_x(x, self.shape.hidden, device=self.dev, max_rows=self.max_tokens)
+        T = x.shape[0]
+        check_out(out, (T, self.shape.hidden), torch.bfloat16, self.dev)
+        read = host_read_allowed(self.dev)
+        valid = check_num_tokens(num_tokens, T, device=self.dev, read=read)
+        if routing is not None:  # the producer reads rows of K back to back (contiguous: no copy if so)
+            routing = check_routing(routing, T, self.shape.topk, self.shape.num_experts, valid=valid,
+                                    device=self.dev, read=read and valid is not None)
+        if num_tokens is not None and valid is not None:
+            num_tokens = valid  # read and checked on the host: the forward fills it in as an int
+        check_streaming(streaming, auto=True)
         if x.dtype != torch.bfloat16:
             # the producer quantizes rows to FP8 with 1x128 scales from bf16; a wider x costs one rounding more
             x = x.to(torch.bfloat16)
-        T = x.shape[0]
-        if T > self.max_tokens:
-            raise ValueError(f"x has {T} tokens, more than max_tokens_per_rank={self.max_tokens}")
         if out is None:
             out = torch.empty_like(x)
-        elif out.dtype != torch.bfloat16 or tuple(out.shape) != tuple(x.shape) or out.device != self.dev:
-            raise ValueError(f"out must be bfloat16 {list(x.shape)} on {self.dev}, got {out.dtype} {list(out.shape)}")
-        if routing is not None:
-            idx, w = routing
-            Kk = self.shape.topk
-            if idx.dtype != torch.int64 or tuple(idx.shape) != (T, Kk) or idx.device != self.dev:
-                raise ValueError(f"routing[0] (topk_idx) must be int64 [{T}, {Kk}] on {self.dev}, got {idx.dtype} "
-                                 f"{list(idx.shape)} on {idx.device}")
-            if w.dtype != torch.float32 or tuple(w.shape) != (T, Kk) or w.device != self.dev:
-                raise ValueError(f"routing[1] (topk_weights) must be float32 [{T}, {Kk}] on {self.dev}, got {w.dtype} "
-                                 f"{list(w.shape)} on {w.device}")
-            routing = (idx.contiguous(), w.contiguous())  # the producer reads rows of K back to back (no copy if so)
-        if isinstance(num_tokens, int) and not 0 <= num_tokens <= T:
-            raise ValueError(f"num_tokens must be in [0, {T}] (rows of x), got {num_tokens}")
-        if streaming != "auto" and not isinstance(streaming, bool):
-            raise ValueError(f"streaming must be True, False or 'auto', got {streaming!r}")
-        return x, out, routing, streaming
-
-    def _set_stream_epoch(self, path, streaming: bool, stream_epoch: int, capturing: bool) -> None:
-        if not streaming:
-            raise ValueError("stream_epoch is for streaming=True (the batch ring counts its own epochs)")
-        if capturing:
-            raise ValueError("stream_epoch cannot be given while capturing a CUDA graph: every replay would "
-                             "reuse it (ABA); the device epoch advances by itself")
-        now = path.ring.epoch()
-        if int(stream_epoch) < now:
-            raise ValueError(f"stream_epoch must grow from call to call: the last was {now - 1}, got {stream_epoch}")
-        path.ring.set_epoch(int(stream_epoch))
+        return x, out, num_tokens, routing
 
     def _refuse_if_broken(self) -> None:
         if self.broken:

@@ -57,9 +57,10 @@ import torch
 from ..ring.roles import run_roles, sleep_for, wait_for
 from ..device.ranges import annotate as nvtx_range
 from ..device.verbs import SymmetricHeap
-from ..ring.layout import RingLayout, StreamPlan
+from ..ring.layout import MAX_EPOCH, RingLayout, StreamPlan
 from ..ring.policies import SOURCE_ORDERS
 from ..ring.protocol import Ring
+from .checks import check_finite_rows, check_num_tokens, check_routing, check_stream_epoch, check_streaming, check_x
 from .math import (
     FP8_DTYPE,
     MoEShape,
@@ -72,8 +73,10 @@ from .math import (
 
 SCHEDULERS = ("chunk_local", "reservation")
 
-#: A routing override: ``(x_chunk, token_ids) -> (topk_idx int64 [n,k], topk_weights float32 [n,k])``.
+#: A routing override: ``(x_valid, token_ids) -> (topk_idx int64 [n,k], topk_weights float32 [n,k])``.
 RoutingFn = Callable[[torch.Tensor, torch.Tensor], tuple]
+#: What ``MoEBuffer.forward(routing=...)`` takes: the pair itself, or a function that gives it.
+Routing = Union[tuple, RoutingFn]
 #: The valid row count of ``forward``'s ``x``: an int, or a 0-d / 1-element integer tensor.
 NumTokens = Union[int, torch.Tensor]
 
@@ -88,27 +91,15 @@ def valid_token_count(num_tokens: Optional[NumTokens], rows: int) -> int:
     Returns:
         the count, ``0 <= count <= rows``.
     """
-    if num_tokens is None:
-        return rows
-    if isinstance(num_tokens, torch.Tensor):
-        if num_tokens.numel() != 1 or num_tokens.dtype.is_floating_point or num_tokens.dtype.is_complex \
-                or num_tokens.dtype == torch.bool:
-            raise ValueError(f"num_tokens must be an int or a 0-d/1-element integer tensor, got a {num_tokens.dtype} "
-                             f"tensor of shape {list(num_tokens.shape)}")
-        n = int(num_tokens.reshape(()).item())
-    elif isinstance(num_tokens, (int, np.integer)) and not isinstance(num_tokens, (bool, np.bool_)):
-        n = int(num_tokens)
-    else:
-        raise ValueError(f"num_tokens must be an int or a 0-d/1-element integer tensor, "
-                         f"got {type(num_tokens).__name__}")
-    if not 0 <= n <= rows:
-        raise ValueError(f"num_tokens must be in [0, {rows}] (x has {rows} rows), got {n}")
-    return n
+    return check_num_tokens(num_tokens, rows)
 
 
 @dataclass
 class ForwardStats:
-    """What one forward call did on this rank."""
+    """What one forward call did on this rank.
+
+    ``experts_hit`` counts this rank's own (local) experts that computed at least one row, not the experts
+    of the whole layer; ``rows_computed`` and ``blocks_run`` are this rank's expert rows and blocks."""
 
     mode: str
     epoch: int
@@ -166,7 +157,6 @@ class MoEBuffer:
         # the buffers are not reused; the caller rebuilds the MoEBuffer.
         self.broken: Optional[str] = None
         self._resolved_weights = None  # (weights, expert offset) of the current call, set by its input check
-        self._valid_tokens = 0  # valid rows of the current call's x, set by its input check
         # Weights that prepare_weights checked once: forward skips their full validation (a scan of every
         # expert weight) on each call. Keyed by the object, so dropping the weights drops the entry.
         self._prepared: "weakref.WeakKeyDictionary[MoEWeights, tuple[MoEWeights, int]]" = weakref.WeakKeyDictionary()
@@ -209,11 +199,16 @@ class MoEBuffer:
     # ------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, weights: MoEWeights, *, streaming: bool = False,
                 stream_epoch: Optional[int] = None, scheduler: str = "chunk_local",
-                block_m: Optional[int] = None, routing: Optional[RoutingFn] = None,
+                block_m: Optional[int] = None, routing: Optional[Routing] = None,
                 source_order: str = "rank", num_tokens: Optional[NumTokens] = None) -> torch.Tensor:
         """Run the MoE layer on this rank's tokens ``x`` ``[T, hidden]``; returns ``y`` float32 ``[T, hidden]``.
 
         Collective: every rank calls it (a rank with no tokens passes ``T = 0`` or ``num_tokens=0``).
+
+        Every argument is checked on every rank before anything is published (the ranks exchange their
+        verdicts in one collective): a bad argument on any rank makes every rank raise a ``ValueError``
+        naming it and the allowed values, and the buffer stays usable. Only a failure inside a running
+        stream (a watchdog, a protocol violation) makes the buffer refuse further calls (:attr:`broken`).
 
         Args:
             x: bf16/float32/float64 tokens of this rank; its valid rows finite (NaN/Inf are
@@ -223,11 +218,15 @@ class MoEBuffer:
                 passed through :meth:`prepare_weights` once.
             streaming: ``False`` = batch-ready path (default, one handoff);
                 ``True`` = chunks through the ring.
-            stream_epoch: epoch of this call (must grow from call to call on the
+            stream_epoch: epoch of this call on the streamed path (must grow from call to call on the
                 same buffers); default: last epoch + 1.
             scheduler: ``"chunk_local"`` or ``"reservation"`` (see module doc).
             block_m: rows per expert block (default ``shape.block_m``).
-            routing: optional routing override (tests, replays of recorded routing).
+            routing: a routing instead of the router's (tests, replays of recorded routing):
+                ``(topk_idx, topk_weights)``, ``[T, topk]`` each (any integer / float dtype; ids in
+                ``[0, num_experts)`` or -1 for a masked route, finite weights), or a function
+                ``(x_valid, token_ids) -> (topk_idx, topk_weights)`` called once per forward, on the
+                valid rows, before anything is published. Either is checked like ``x``.
             source_order: ``"rank"`` (wait for the sources of a chunk in rank order) or
                 ``"ready"`` (pull from any source whose chunk is ready first; an RFC later
                 optimisation, off by default: model-checked at 2 ranks only, see ``streamring.verify``).
@@ -238,13 +237,17 @@ class MoEBuffer:
                 every row. The batch path's capacity ``max_tokens_per_rank`` bounds this count.
         Returns:
             ``y`` float32 ``[T, hidden]`` on ``x``'s device.
+        Raises:
+            ValueError: a bad argument (on this rank or another: the message names the rank).
+            RuntimeError: the buffer is :attr:`broken` by an earlier failure inside a stream.
         """
-        if source_order not in SOURCE_ORDERS:
-            raise ValueError(f"source_order must be one of {SOURCE_ORDERS}, got {source_order!r}")
         if self.broken:
             raise RuntimeError(f"this MoEBuffer is unusable after an error in the middle of a stream ({self.broken}); "
                                f"close() it and build a new MoEBuffer on every rank (collective)")
-        err = self._check_inputs(x, weights, scheduler, block_m, streaming, num_tokens)
+        ring = self.stream_ring if isinstance(streaming, (bool, np.bool_)) and streaming else self.batch_ring
+        err, checked = self._check_inputs(x, weights, streaming=streaming, stream_epoch=stream_epoch,
+                                          scheduler=scheduler, block_m=block_m, routing=routing,
+                                          source_order=source_order, num_tokens=num_tokens, ring=ring)
         errors = self.heap.allgather_obj(err)
         bad = [(r, e) for r, e in enumerate(errors) if e]
         if bad:
@@ -252,11 +255,9 @@ class MoEBuffer:
             if mine:
                 raise ValueError(mine)
             raise ValueError("forward aborted on every rank: " + "; ".join(f"rank {r}: {e}" for r, e in bad))
-        ring = self.stream_ring if streaming else self.batch_ring
-        epoch = ring.last_epoch + 1 if stream_epoch is None else int(stream_epoch)
+        n, epoch, given = checked["valid"], checked["epoch"], checked["routing"]
         bm = self.shape.block_m if block_m is None else int(block_m)
         t0 = time.monotonic()
-        n = self._valid_tokens
         plan = ring.begin_stream(epoch, n)
         stats = ForwardStats(mode="stream" if streaming else "batch", epoch=epoch, num_chunks=plan.num_chunks,
                              tokens=n)
@@ -266,7 +267,7 @@ class MoEBuffer:
         y = torch.zeros(x.shape[0], self.shape.hidden, dtype=torch.float32, device=x.device)
         routing_out = (torch.full((x.shape[0], self.shape.topk), -1, dtype=torch.int64, device=x.device),
                        torch.zeros(x.shape[0], self.shape.topk, dtype=torch.float32, device=x.device))
-        run = _Forward(self, ring, plan, x[:n], weights, bm, routing, y[:n], (routing_out[0][:n], routing_out[1][:n]),
+        run = _Forward(self, ring, plan, x[:n], weights, bm, given, y[:n], (routing_out[0][:n], routing_out[1][:n]),
                        stats, scheduler if streaming else "chunk_local", source_order)
         try:
             with nvtx_range(f"streamring forward {'stream' if streaming else 'batch'} epoch {epoch} "
@@ -282,37 +283,48 @@ class MoEBuffer:
         self.last_routing = routing_out
         return y
 
-    def _check_inputs(self, x, weights, scheduler, block_m, streaming, num_tokens=None) -> Optional[str]:
+    def _check_inputs(self, x, weights, *, streaming, stream_epoch, scheduler, block_m, routing, source_order,
+                      num_tokens, ring) -> tuple[Optional[str], dict]:
+        """This rank's verdict on the arguments of one forward (changes nothing): ``(error or None, checked)``,
+        ``checked`` holding the valid row count, the epoch and the routing (checked, on the first rows)."""
         sh = self.shape
+        checked: dict = {}
         try:
+            check_streaming(streaming)
             if scheduler not in SCHEDULERS:
-                return f"scheduler must be one of {SCHEDULERS}, got {scheduler!r}"
-            if block_m is not None and (not isinstance(block_m, int) or block_m < 1):
-                return f"block_m must be an int >= 1, got {block_m!r}"
-            if not isinstance(x, torch.Tensor):
-                return f"x must be a torch.Tensor, got {type(x).__name__}"
-            if x.dtype not in (torch.bfloat16, torch.float32, torch.float64):
-                return f"x must be bfloat16, float32 or float64, got {x.dtype}"
-            if x.ndim != 2 or x.shape[1] != sh.hidden:
-                return f"x must have shape [tokens, hidden={sh.hidden}], got {list(x.shape)}"
-            n = valid_token_count(num_tokens, int(x.shape[0]))
+                return f"scheduler must be one of {SCHEDULERS}, got {scheduler!r}", checked
+            if source_order not in SOURCE_ORDERS:
+                return f"source_order must be one of {SOURCE_ORDERS}, got {source_order!r}", checked
+            if block_m is not None and (not isinstance(block_m, int) or isinstance(block_m, bool) or block_m < 1):
+                return f"block_m must be None or an int >= 1, got {block_m!r}", checked
+            check_x(x, sh.hidden, dtypes=(torch.bfloat16, torch.float32, torch.float64))
+            n = check_num_tokens(num_tokens, int(x.shape[0]))
             if not streaming and n > self.max_tokens_per_rank:
                 return (f"x has {n} valid tokens, more than this buffer's batch capacity "
-                        f"max_tokens_per_rank={self.max_tokens_per_rank}")
-            xv = x[:n]
-            if xv.numel() and not torch.isfinite(xv).all():
-                bad = int((~torch.isfinite(xv)).any(dim=1).nonzero()[0, 0])
-                return f"x contains NaN/Inf at token {bad} (rejected: non-finite activations are not propagated)"
+                        f"max_tokens_per_rank={self.max_tokens_per_rank}"), checked
+            epoch = check_stream_epoch(stream_epoch, streaming=bool(streaming), last=ring.last_epoch,
+                                       max_epoch=MAX_EPOCH)
+            check_finite_rows(x, n)
             if not isinstance(weights, MoEWeights):
-                return f"weights must be a MoEWeights, got {type(weights).__name__}"
+                return f"weights must be a MoEWeights, got {type(weights).__name__}", checked
             if weights.w1.device != x.device:
-                return f"weights are on {weights.w1.device} but x is on {x.device}: put both on one device"
+                return f"weights are on {weights.w1.device} but x is on {x.device}: put both on one device", checked
+            given = None
+            if routing is not None:
+                if callable(routing):
+                    got = routing(x[:n], torch.arange(n))
+                    given = check_routing(got, n, sh.topk, sh.num_experts, exact_dtypes=False)
+                    given = tuple(t.to(x.device) for t in given)
+                else:
+                    given = check_routing(routing, int(x.shape[0]), sh.topk, sh.num_experts, valid=n,
+                                          device=x.device, exact_dtypes=False)
+                    given = (given[0][:n], given[1][:n])
             prepared = self._prepared.get(weights)
             self._resolved_weights = prepared if prepared is not None else self._local_weights(weights)
-            self._valid_tokens = n
+            checked.update(valid=n, epoch=ring.last_epoch + 1 if epoch is None else epoch, routing=given)
         except Exception as exc:  # noqa: BLE001 - any local error must reach every rank, not desync them
-            return f"{type(exc).__name__}: {exc}" if not isinstance(exc, ValueError) else str(exc)
-        return None
+            return (f"{type(exc).__name__}: {exc}" if not isinstance(exc, ValueError) else str(exc)), checked
+        return None, checked
 
     def _local_weights(self, weights: MoEWeights) -> tuple[MoEWeights, int]:
         """``(weights, expert offset)``: full weights are used as they are; local-only ones are shifted."""
@@ -374,9 +386,8 @@ class _Forward:
         for c in range(self.plan.num_chunks):
             yield from wait_for(self.ring, lambda: self.ring.try_reserve(c), f"reuse of my slot for chunk {c}")
             base, valid, xc = self._chunk_rows(c)
-            if self.routing is not None:
-                idx, w = self.routing(xc, torch.arange(base, base + valid))
-                idx, w = idx.to(torch.int64).to(self.dev), w.to(torch.float32).to(self.dev)
+            if self.routing is not None:  # given by the caller, checked before the stream began
+                idx, w = self.routing[0][base:base + valid], self.routing[1][base:base + valid]
             elif valid:
                 idx, w = route(xc, self.weights, self.sh)
             else:

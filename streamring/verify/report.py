@@ -11,6 +11,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .inject_verdict import model_check_verdict
+
 from .state import PROPERTY_TEXT
 
 NOT_CHECKED = "NOT CHECKED (stopped at the first violation)"
@@ -127,4 +129,7 @@ def finish(res: CheckResult, print_fn, report, json_path) -> int:
     print_fn(res, report)
     if json_path:
         Path(json_path).write_text(json.dumps(res.to_dict(), indent=2))
+    mode = res.config.get("inject") or "none"
+    if mode != "none":  # the last line says whether a FAIL above is the expected result
+        print(model_check_verdict(mode, res.counterexample is not None, res.exhaustive), flush=True)
     return 0 if res.ok else 1

@@ -376,8 +376,11 @@ class _StopFlag:
         self.heap.free(self.region)
 
 
-def run_stress(heap: SymmetricHeap, cfg: Config) -> RankResult:
+def run_stress(heap: SymmetricHeap, cfg: Config, progress=None) -> RankResult:
     """Run the stress configuration on this rank; collective over all ranks.
+
+    ``progress``: an object whose ``what`` is set as each epoch starts (rank 0's progress lines); ``None``:
+    nothing is told.
 
     A violation on any rank stops every rank at the end of the current epoch's work
     that does not wait on the broken protocol, and the results are reported (the
@@ -404,6 +407,8 @@ def run_stress(heap: SymmetricHeap, cfg: Config) -> RankResult:
     roles = _Roles(ring, cfg, res, rng, stop)
     t0 = time.monotonic()
     for e in range(1, st.epochs + 1):
+        if progress is not None:
+            progress.what = f"epoch {e} of {st.epochs}, {n} chunks per rank on rank {me}"
         epoch = ring.last_epoch + 1
         plan = ring.begin_stream(epoch, my_tokens)
         roles.own_acked = -1

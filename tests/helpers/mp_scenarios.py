@@ -1,4 +1,5 @@
-"""MoE-layer scenarios run on several real MPI ranks by tests/ranks/test_scenarios.py (``mpiexec -n N python this.py NAME``).
+"""MoE-layer scenarios run on several real MPI ranks by tests/ranks/test_scenarios.py (``mpiexec -n N python this.py
+NAME[,NAME...]``: the named scenarios one after the other in one job).
 
 Each scenario asserts on every rank and prints ``SCENARIO OK`` on rank 0; any
 failure raises, which aborts the job with a non-zero exit code.
@@ -85,8 +86,6 @@ def moe_api(heap):
 
 def recovery_after_watchdog(heap):
     """A forward call that dies on the watchdog leaves the buffer unusable (clear error); rebuilding works."""
-    import time as _t
-
     R, me = heap.num_ranks, heap.rank
     shape = MoEShape(hidden=128, intermediate=128, num_experts=2 * R, topk=2, block_m=4)
     w = MoEWeights.random(shape, seed=5)
@@ -95,26 +94,79 @@ def recovery_after_watchdog(heap):
     good = buf.forward(x, w, streaming=True)
     buf.stream_ring.wait_timeout_s = 1.0  # short deadline only for the stalled call
 
-    def stalled(xc, ids):  # rank 1's router hangs past every deadline on its second chunk (the fault itself)
-        if me == 1 and int(ids[0]) >= 4:
-            _t.sleep(2.5)
-        n = len(ids)
-        return torch.zeros(n, 2, dtype=torch.int64), torch.ones(n, 2)
-
+    if me == 1:  # rank 1's producers start past every deadline (the fault itself), inside the stream
+        buf.set_straggler(int(2.5e9))
     try:
-        buf.forward(x, w, streaming=True, routing=stalled)
+        buf.forward(x, w, streaming=True)
     except (WatchdogError, TimeoutError, ProtocolViolation) as exc:
         err = exc
     else:
         raise AssertionError("the stalled forward did not fail")
     assert buf.broken and type(err).__name__ in buf.broken
     expect(RuntimeError, lambda: buf.forward(x, w, streaming=True), "close() it and build a new MoEBuffer")
-    heap.barrier()  # every rank has failed (rank 1 once out of its stall) before the buffers go
+    heap.barrier()  # every rank has failed before the buffers go
     buf.close()
     buf2 = MoEBuffer(heap, shape, num_slots=2, tokens_per_slot=4, max_tokens_per_rank=10, deadline_s=10.0)
     same(buf2.forward(x, w, streaming=True), good, "rebuilt buffer, streamed", "before the failure")
     same(buf2.forward(x, w), good, "rebuilt buffer, batch", "before the failure")
     buf2.close()
+
+
+def bad_arguments_leave_the_buffer_usable(heap):
+    """Every argument family of ``forward`` refused before anything is published: each bad call (on every
+    rank, or on one rank only) raises a ValueError naming the argument on every rank, and then a streamed
+    and a batch call on the same buffer give the same bits as a fresh buffer's. An expert id out of range
+    in a given routing is one of them (it used to be found inside the stream, breaking the buffer)."""
+    R, me = heap.num_ranks, heap.rank
+    shape = MoEShape(hidden=128, intermediate=128, num_experts=4 * R, topk=2, block_m=4)
+    w = MoEWeights.random(shape, seed=7)
+    x = torch.randn(20, 128, generator=torch.Generator().manual_seed(me))
+    E = shape.num_experts
+    fresh = MoEBuffer(heap, shape, num_slots=2, tokens_per_slot=8, max_tokens_per_rank=32)
+    want_s, want_b = fresh.forward(x, w, streaming=True), fresh.forward(x, w)
+    fresh.close()
+    buf = MoEBuffer(heap, shape, num_slots=2, tokens_per_slot=8, max_tokens_per_rank=32)
+    idx = (torch.arange(40).view(20, 2) + me) % E
+    wt = torch.full((20, 2), 0.5)
+    far, nan_w = idx.clone(), wt.clone()
+    far[3, 1], nan_w[5, 0] = 99, float("nan")
+    one_rank_far = far if me == R - 1 else idx
+    cases = [  # (what, call, the argument named in every rank's message)
+        ("routing id 99 (a pair)", lambda: buf.forward(x, w, streaming=True, routing=(far, wt)), "topk_idx"),
+        ("routing id 99 (a function)", lambda: buf.forward(x, w, streaming=True, routing=lambda xc, t: (far[t], wt[t])),
+         "topk_idx"),
+        ("routing id 99 on one rank", lambda: buf.forward(x, w, routing=(one_rank_far, wt)), "topk_idx"),
+        ("routing NaN weight", lambda: buf.forward(x, w, streaming=True, routing=(idx, nan_w)), "topk_weights"),
+        ("routing shape", lambda: buf.forward(x, w, routing=(idx[:, :1], wt)), "topk_idx"),
+        ("routing not a pair", lambda: buf.forward(x, w, routing=idx), "routing must be"),
+        ("x dtype", lambda: buf.forward(x.to(torch.int32), w), "x must be"),
+        ("x shape", lambda: buf.forward(x[:, :64], w, streaming=True), "x must have shape"),
+        ("x NaN", lambda: buf.forward(torch.full_like(x, float("nan")), w, streaming=True), "NaN/Inf"),
+        ("x over the batch capacity", lambda: buf.forward(torch.zeros(33, 128), w), "max_tokens_per_rank=32"),
+        ("num_tokens too large", lambda: buf.forward(x, w, streaming=True, num_tokens=21), "num_tokens"),
+        ("num_tokens a float tensor", lambda: buf.forward(x, w, num_tokens=torch.tensor(3.0)), "num_tokens"),
+        ("num_tokens a bool", lambda: buf.forward(x, w, num_tokens=True), "num_tokens"),
+        ("streaming not a bool", lambda: buf.forward(x, w, streaming="yes"), "streaming must be True or False"),
+        ("stream_epoch not growing", lambda: buf.forward(x, w, streaming=True, stream_epoch=0), "stream_epoch"),
+        ("stream_epoch not an int", lambda: buf.forward(x, w, streaming=True, stream_epoch="7"), "stream_epoch"),
+        ("stream_epoch on the batch path", lambda: buf.forward(x, w, stream_epoch=9), "stream_epoch"),
+        ("scheduler", lambda: buf.forward(x, w, streaming=True, scheduler="fifo"), "scheduler"),
+        ("source_order", lambda: buf.forward(x, w, streaming=True, source_order="any"), "source_order"),
+        ("block_m", lambda: buf.forward(x, w, streaming=True, block_m=0), "block_m"),
+    ]
+    for what, call, needle in cases:
+        e = expect(ValueError, call, needle)
+        assert not buf.broken, (what, buf.broken)
+        same(buf.forward(x, w, streaming=True), want_s, f"streamed after a bad {what}", "a fresh buffer's")
+        same(buf.forward(x, w), want_b, f"batch after a bad {what}", "a fresh buffer's")
+        if what.endswith("on one rank") and me != R - 1:
+            assert f"rank {R - 1}" in str(e), (what, str(e))
+    # the caller's routing, as a pair and as a function, is taken when it is good
+    y_pair = buf.forward(x, w, streaming=True, routing=(idx, wt))
+    same(buf.forward(x, w, streaming=True, routing=lambda xc, t: (idx[t], wt[t])), y_pair, "routing function",
+         "routing pair")
+    same(buf.forward(x, w, routing=(idx, wt)), y_pair, "batch, routing pair", "streamed")
+    buf.close()
 
 
 def collective_verdict(heap, err, what):
@@ -247,8 +299,8 @@ def bitwise_oracle(heap):
                        "\n  " + "\n  ".join(every))
 
 
-SCENARIOS = {f.__name__: f for f in (moe_api, recovery_after_watchdog,
+SCENARIOS = {f.__name__: f for f in (moe_api, recovery_after_watchdog, bad_arguments_leave_the_buffer_usable,
                                      fuzz_forward, alloc_size_check, bitwise_oracle)}
 
 if __name__ == "__main__":
-    run_scenarios(SCENARIOS, sys.argv[1:2], MpiHeap(window=sys.argv[2] if len(sys.argv) > 2 else "auto"))
+    run_scenarios(SCENARIOS, sys.argv[1].split(","), MpiHeap(window=sys.argv[2] if len(sys.argv) > 2 else "auto"))

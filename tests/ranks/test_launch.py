@@ -78,7 +78,7 @@ def test_device_scripts_parse_and_name_only_what_exists():
         assert p.returncode == 0, (sh.name, p.stderr)
         text = sh.read_text()
         user_or_cpu_side = ("mpirun.sh", "torchrun.sh", "slurm.sbatch", "fetch_wheels.sh", "build_deep_gemm.sh",
-                            "pack_deep_gemm.sh")
+                            "pack_deep_gemm.sh", "preflight.sh")
         assert sh.name in user_or_cpu_side or re.search(r"\. launch/device_env\.sh", text), \
             f"{sh.name} does not source launch/device_env.sh"
         named = set(re.findall(r"\b((?:launch|tests)(?:/[\w.-]+)+\.(?:sh|py|c))\b", text))
@@ -86,3 +86,17 @@ def test_device_scripts_parse_and_name_only_what_exists():
         assert not missing, (sh.name, missing)
         for mod in set(re.findall(r"python3? -m ((?:bench|streamring)(?:\.\w+)*)", text)):
             assert importlib.util.find_spec(mod) is not None, (sh.name, mod)
+
+
+@pytest.mark.ranks
+def test_mpirun_sh_runs_without_the_venv_on_path(tmp_path):
+    """launch/mpirun.sh with only the system's PATH (the venv not activated): it takes the checkout's
+    .venv/bin/python and the mpiexec beside it, and the 2-rank job passes (it used to exit 1 with no output)."""
+    if not (ROOT / ".venv" / "bin" / "python").exists():
+        pytest.skip("this checkout has no .venv (bash tests/run.sh makes one)")
+    env = {k: v for k, v in _env().items() if not k.startswith(("VIRTUAL_ENV", "MPIEXEC"))}
+    env["PATH"] = "/usr/bin:/bin"
+    p = subprocess.run(["bash", str(ROOT / "launch" / "mpirun.sh"), "2", "run", "--set", "run.tokens_per_rank=8",
+                        "--set", "run.epochs=1", "--json", str(tmp_path / "run.json")],
+                       capture_output=True, text=True, timeout=180, env=env, cwd=tmp_path)
+    assert p.returncode == 0 and "PASS" in p.stdout, (p.returncode, p.stdout[-3000:], p.stderr[-3000:])

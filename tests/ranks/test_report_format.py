@@ -112,13 +112,28 @@ def test_rank_table_in_a_log_is_plain(cli):
 # verdicts
 # ----------------------------------------------------------------------------------------------
 def test_run_batch_only_does_not_claim_a_streamed_comparison(cli):
-    r = cli("run", "--ranks", 2, "--set", "run.mode=batch", "--set", "run.tokens_per_rank=20", "--set", "run.epochs=1")
+    """A batch-only run's verdict claims no streamed comparison; under the table one legend line says what the
+    columns count; and while the ranks compute, rank 0 says what the job does at least every ``progress_s``
+    (10 s by default; 0.2 s here, so a run of a few seconds shows several lines on stderr)."""
+    r = cli("run", "--ranks", 2, "--set", "run.mode=batch", "--set", "run.tokens_per_rank=1500", "--set", "run.epochs=1",
+            "--set", "progress_s=0.2")
     assert r.rc == 0, r
     verdict = [ln for ln in r.out.splitlines() if ln.startswith("PASS")]
     assert len(verdict) == 1 and "streamed == batch" not in verdict[0], r.out
     assert "batch output within the float64 reference tolerance" in verdict[0], r.out
     assert "streamed path was not run (run.mode=batch)" in verdict[0], r.out
-
+    # under the table, one line says what its columns count (experts hit: the rank's own experts, of how many)
+    lines = r.out.splitlines()
+    legend = [i for i, ln in enumerate(lines) if ln.startswith("legend: ")]
+    assert len(legend) == 1 and lines[legend[0] + 1].startswith("PASS"), r.out
+    assert "local experts hit = of the rank's own 4 experts (rank r holds 4r..4r+3 of 8)" in lines[legend[0]], r.out
+    assert re.search(r"^ +0 +1500 +- +\d/4 ", r.out, re.M), r.out
+    # the progress lines: the step and the time spent
+    beats = [(float(m[1]), m[2]) for m in re.finditer(r"^streamring run: ([\d.]+) s: (.+)$", r.err, re.M)]
+    assert len(beats) >= 2, r
+    assert any(what.startswith("epoch 1 of 1: the batch forward, 1500 tokens on rank 0") for _, what in beats), r
+    times = [t for t, _ in beats]
+    assert times == sorted(times) and max(b - a for a, b in zip(times, times[1:])) < 2.0, times
 
 
 def test_uneven_stress_shows_each_ranks_tokens(cli):
@@ -132,3 +147,4 @@ def test_uneven_stress_shows_each_ranks_tokens(cli):
                                                                  epochs * (10 * 8 + 3)]
     assert len({x["chunks_published"] for x in r.json["ranks"]}) == 1
     assert "tokens_pub" in r.out and f" {epochs * (22 * 8 + 3)} " in r.out, r.out
+

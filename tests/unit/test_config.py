@@ -68,3 +68,32 @@ def test_arrival_order_is_the_gpu_layers_and_needs_a_slot_per_chunk():
                                           r"ring.tokens_per_slot=32 = 4\), got ring.num_slots="):
         check_run_job(load_config(None, gpu + ["ring.num_slots=2"]), 4)
     check_run_job(load_config(None, gpu + ["ring.num_slots=4"]), 4)
+
+
+@pytest.mark.parametrize("override,lines", [
+    ("ring.num_slot=3", ["ring.num_slot: unknown key; the keys of ring are num_slots, tokens_per_slot "
+                         "(did you mean ring.num_slots?)"]),
+    ("rn.tokens_per_rank=3", ["rn: unknown key; the top-level keys are backend, ranks, wait_timeout_s, progress_s, "
+                              "ring, cpu, nvshmem, layer, run, stress (did you mean run?)"]),
+    ("run.tokens_per_rank=-5", ["run.tokens_per_rank: got -5; it must be a whole number >= 0, or a list, each entry "
+                                "a whole number >= 0 (tokens on each rank: one number for all, or one per rank)"]),
+    ("run.tokens_per_rank=[1, -5]", ["run.tokens_per_rank[1]: got -5; it must be a whole number >= 0"]),
+    ("ring.num_slots=abc", ["ring.num_slots: got 'abc'; it must be a whole number in [1, 4096] (slots in the ring (S))"]),
+    ("run.mode=fast", ["run.mode: got 'fast'; it must be one of 'both', 'batch' or 'stream'"]),
+    ("run.straggler={rnk: 1, ms: 2}", ["run.straggler.rank: missing; it must be a whole number >= 0",
+                                       "run.straggler.rnk: unknown key; the keys of run.straggler are rank, ms "
+                                       "(did you mean run.straggler.rank?)"]),
+    ("nvshmem.symmetric_size=5", ["nvshmem.symmetric_size: got 5; it must be a whole number >= 1048576, or null"]),
+])
+def test_config_errors_in_plain_words(override, lines):
+    """The field, the value given, the allowed range or values (or the keys of the section and the closest
+    one); no pydantic internals (union branch names, "Input should be")."""
+    with pytest.raises(ConfigError) as ei:
+        load_config(None, [override])
+    text = str(ei.value)
+    got = text.splitlines()[1:]
+    assert text.startswith("invalid config:") and len(got) == len(lines), text
+    for line, want in zip(got, lines):
+        assert line.strip().startswith(want), (line, want)
+    for internal in ("constrained-int", "list[", "Input should", "Extra inputs", "configs/default.yaml"):
+        assert internal not in text, text

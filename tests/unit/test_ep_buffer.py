@@ -180,7 +180,12 @@ def test_any_token_count_through_a_device_count(setup, n):
     assert st["violations"] == 0 and st["timeouts"] == 0 and st["bad_counts"] == 0, st
 
 
-def test_count_outside_the_rows_is_clamped_then_refused():
+def test_count_outside_the_rows_is_clamped_then_refused(monkeypatch):
+    """Outside a capture a count outside the rows of x raises before anything is enqueued (the buffer stays
+    usable); where it cannot be read on the host (under a CUDA graph capture, stood in for here) the device
+    clamps it, counts it, and the buffer refuses further forwards until rebuilt."""
+    from streamring.moe import ep_buffer
+
     shape = shape_()
     fw = B.FastWeights.random(shape, 3, "cpu")
     buf = EPBuffer(EmulatedHeap(), shape, max_tokens_per_rank=40, num_slots=2, tokens_per_slot=16,
@@ -189,10 +194,69 @@ def test_count_outside_the_rows_is_clamped_then_refused():
     x = tokens(20, 4)
     with pytest.raises(ValueError, match=r"num_tokens must be in \[0, 20\]"):
         buf.forward(x, w, num_tokens=21)
+    with pytest.raises(ValueError, match=r"num_tokens must be in \[0, 20\] \(x has 20 rows\), got 25"):
+        buf.forward(x, w, num_tokens=torch.tensor([25]))
+    assert not buf.broken
+    monkeypatch.setattr(ep_buffer, "host_read_allowed", lambda device: False)  # as under a capture
     with pytest.raises(RuntimeError, match="bad_counts=1"):
         buf.forward(x, w, num_tokens=torch.tensor([25]))  # the first forward checks the status
     with pytest.raises(RuntimeError, match="unusable after a ring error"):
         buf.forward(x, w)
+    buf.close()
+
+
+def test_bad_arguments_leave_the_buffer_usable(monkeypatch):
+    """Every argument family of forward is checked before anything is enqueued: each bad call raises a
+    ValueError naming the argument, the buffer is not broken, and its next streamed and batch forwards give
+    the bits of a fresh buffer's (the single-process batch, which test_streamed_equals_batch_equals_single_process
+    holds every path of a buffer to). A routing id out of range is refused on the host; under a capture
+    (stood in for) the dispatch drops it and counts it instead, and the buffer refuses further work."""
+    from streamring.moe import ep_buffer
+
+    shape = shape_()
+    fw = B.FastWeights.random(shape, 3, "cpu")
+    buf = EPBuffer(EmulatedHeap(), shape, max_tokens_per_rank=40, num_slots=2, tokens_per_slot=16,
+                   gemm="triton", tuning=SERIAL)
+    w = buf.prepare_weights(fw)
+    x = tokens(24, 9)
+    E, K = shape.num_experts, shape.topk
+    idx = (torch.arange(24 * K).view(24, K) % E).contiguous()
+    wt = torch.full((24, K), 0.5)
+    far, nan_w = idx.clone(), wt.clone()
+    far[3, 1], nan_w[5, 0] = 99, float("nan")
+    bad = [  # (the call's arguments, what its message must say)
+        (dict(x=x, routing=(far, wt), streaming=True),
+         "routing[0] (topk_idx) values must be expert ids in [0, 4) or -1 (a masked route), got 99 at token 3"),
+        (dict(x=x, routing=(far, wt)), "got 99 at token 3"),
+        (dict(x=x, routing=(idx, nan_w)), "routing[1] (topk_weights) must be finite, got nan at token 5"),
+        (dict(x=x, routing=(idx.int(), wt)), "routing[0] (topk_idx) must be int64 [24, 2]"),
+        (dict(x=x, routing=idx), "routing must be None or a pair"),
+        (dict(x=x, num_tokens=25), "num_tokens must be in [0, 24]"),
+        (dict(x=x, num_tokens=torch.tensor([30])), "num_tokens must be in [0, 24]"),
+        (dict(x=x, num_tokens=torch.tensor([2.0])), "num_tokens must be an int or a 0-d/1-element integer tensor"),
+        (dict(x=x, out=torch.zeros(24, 128)), "out must be None or a bfloat16 tensor of shape [24, 128]"),
+        (dict(x=x, streaming="yes"), "streaming must be True, False or 'auto'"),
+        (dict(x=x, streaming=True, stream_epoch=0), "stream_epoch must grow from call to call"),
+        (dict(x=x, streaming=True, stream_epoch="9"), "stream_epoch must be None or an int"),
+        (dict(x=x, stream_epoch=9), "stream_epoch is for streaming=True"),
+        (dict(x=x.int()), "x must be a bfloat16 (or other float) tensor"),
+        (dict(x=x[:, :64]), "x must have shape [tokens, hidden=128]"),
+        (dict(x=tokens(41, 1)), "x has 41 tokens, more than max_tokens_per_rank=40"),
+    ]
+    for kw, needle in bad:
+        with pytest.raises(ValueError) as ei:
+            buf.forward(kw.pop("x"), w, **kw)
+        assert needle in str(ei.value), (needle, str(ei.value))
+        assert not buf.broken, (needle, buf.broken)
+    want = single_batch(shape, fw, x)
+    assert torch.equal(bits(buf.forward(x, w, streaming=True)), bits(want))
+    assert torch.equal(bits(buf.forward(x, w)), bits(want))
+    # where the values cannot be read on the host the device-side count stays the mechanism
+    monkeypatch.setattr(ep_buffer, "host_read_allowed", lambda device: False)
+    with pytest.raises(RuntimeError, match="bad_routes"):
+        buf.forward(x, w, routing=(far, wt))
+        buf.check()
+    assert buf.broken
     buf.close()
 
 

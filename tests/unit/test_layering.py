@@ -111,7 +111,7 @@ def test_host_is_job_hosting_only():
     host = PKG / "host"
     assert sorted(p.name for p in host.glob("*.py")) == [
         "__init__.py", "bootstrap.py", "envcheck.py", "jobfiles.py", "jobstate.py", "launch.py", "netns.py",
-        "prelaunch.py", "preload.py", "preload_stub.py", "rank_main.py", "report.py"]
+        "prelaunch.py", "preload.py", "preload_stub.py", "progress.py", "rank_main.py", "report.py"]
     for path in host.glob("*.py"):
         tree = ast.parse(path.read_text())
         for node in tree.body:  # module level only: lazy imports inside functions are the bootstrap's job

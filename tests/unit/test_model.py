@@ -373,7 +373,9 @@ def test_ep_each_broken_handoff_gives_a_counterexample(tmp_path, capsys, mode):
     assert data["properties"][prop] == "FAIL"
     assert ce["steps"] == len(ce["trace"]) and ce["trace"][-1].endswith("<-- VIOLATION")
     assert f"[{mode}]" in "\n".join(ce["trace"])  # the broken step is in the trace, named
-    assert "counter-example" in out and prop in out and out.rstrip().splitlines()[-1].startswith("FAIL: ") and prop in out.rstrip().splitlines()[-1]
+    *_, fail, verdict = out.rstrip().splitlines()  # the FAIL line, then the injected bug's verdict
+    assert "counter-example" in out and prop in out and fail.startswith("FAIL: ") and prop in fail
+    assert verdict.startswith(f"streamring model-check: the injected bug ({mode}) was caught, as intended"), verdict
 
 
 @pytest.mark.slow(reason="five ep mutations searched and their counter-examples shortened: about 3 s on 2 cores")
