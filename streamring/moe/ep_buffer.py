@@ -718,9 +718,7 @@ class EPBuffer(EPPipeline):
         tail["seal_blocks"] = 0 if self._grouped else ready[n + 1] - ready[n]
         return {"chunks": chunks, "tail": tail, "t0_ns": t0, "policy": p.policy, "source_order": p.source_order,
                 "chunk_tokens": p.chunk, "num_slots": p.num_slots, "block_m": self.block_m, "rank": self.me,
-                "ranks": self.R, "path": p.name, "grouped_steps": self._grouped,
-                # the last dispatch step's blocks_done is the seal's stamp (one GEMM call computes both)
-                "last_step_with_seal": True}
+                "ranks": self.R, "path": p.name, "grouped_steps": self._grouped}
 
     def memory_report(self) -> dict:
         """Bytes this buffer holds: symmetric (rings, combine area) and local (scratch)."""
