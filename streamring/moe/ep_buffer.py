@@ -30,7 +30,7 @@ from __future__ import annotations
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -881,11 +881,3 @@ def _prioritize_nodes(graph, low_funcs: set, priority: int, low_names: tuple = (
         return f"{changed} kernel nodes set to priority {priority}, {kept} GEMM nodes left at the default"
     except Exception as exc:  # noqa: BLE001 - the graph still runs, without node priorities
         return f"node priorities not set: {type(exc).__name__}: {exc}"
-
-
-def warm_up_all(buf: EPBuffer, x: torch.Tensor, weights: LayerWeights, paths: Sequence[str] = ("batch", "stream")):
-    """Run the first (eager, serialized) forward of each path of ``buf`` (collective)."""
-    outs = []
-    for p in paths:
-        outs.append(buf.forward(x, weights, streaming=(p == "stream")))
-    return outs

@@ -111,13 +111,3 @@ class MoEShape:
                     f"topk must be <= topk_group * (num_experts // n_group) = {cap} "
                     f"for router 'deepseek_v3', got {self.topk}")
         return self
-
-    @property
-    def hidden_blocks(self) -> int:
-        """Number of 128-column scale blocks along hidden (H/128)."""
-        return self.hidden // QUANT_BLOCK
-
-    @property
-    def intermediate_blocks(self) -> int:
-        """Number of 128-column scale blocks along intermediate (I/128)."""
-        return self.intermediate // QUANT_BLOCK
