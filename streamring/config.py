@@ -14,7 +14,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, ValidationError, field_validator, model_validator
 
 from .ring.layout import SF_BLOCK
-from .ring.policies import EP_SOURCE_ORDERS, GEMM_CHOICES, INJECT_MODES, PROGRESS_POLICIES, SOURCE_ORDERS
+from .ring.policies import (EP_SOURCE_ORDERS, GEMM_CHOICES, INJECT_MODES, PROGRESS_POLICIES, REFUSED_POLICIES,
+                            SOURCE_ORDERS)
 
 
 class ConfigError(ValueError):
@@ -43,7 +44,7 @@ class CpuConfig(_Strict):
 class NvshmemConfig(_Strict):
     """NVSHMEM backend options."""
 
-    progress: Literal[PROGRESS_POLICIES] = Field(  # type: ignore[valid-type]
+    progress: Literal[PROGRESS_POLICIES + tuple(REFUSED_POLICIES)] = Field(  # type: ignore[valid-type]
         "spin_kernel", description="progress policy of the GPU layer and gpu-check (streamring.ring.protocol)")
     producer_sms: int = Field(16, ge=8, description="green_ctx: SMs of the producer context (multiple of 8)")
     transport: Literal["auto", "p2p", "nv"] = Field(

@@ -20,8 +20,7 @@ policy (``streamring.ring.policies.PROGRESS_POLICIES``) must keep it from blocki
   the consume kernel; holds one SM slot per waiting source.
 * ``green_ctx`` - producer and consumer on streams of two green contexts with disjoint SMs
   (``producer_sms`` for the producer); the ring uses the P2P transport.
-* ``serialized`` / ``pdl`` - producer then consumer, chunk by chunk, on one stream (the ring
-  kernels have no PDL form; ``pdl`` concerns the MoE layer's GEMMs). Always valid.
+* ``serialized`` - producer then consumer, chunk by chunk, on one stream. Always valid.
 
 Run it on every PE of a job (``mpiexec -n 2 streamring gpu-check``; or ``--ranks N`` to start
 the ranks) or as one PE (``streamring gpu-check``); exit 0 iff every expectation held.
@@ -66,7 +65,7 @@ class StreamedSequence:
             self.green = make_green_pair(heap.device_index, producer_sms)
             self.green_how = f"{self.green[0].how}; producer {self.green[0].sms} SMs, consumer {self.green[1].sms} SMs"
             self.pstream, self.cstream = self.green[0].stream, self.green[1].stream
-        elif policy in ("serialized", "pdl"):
+        elif policy == "serialized":
             self.pstream = self.cstream = None
         else:
             self.pstream = torch.cuda.Stream(device=heap.device)
@@ -105,7 +104,7 @@ class StreamedSequence:
             for k in kinds(c):
                 r.produce(st, c, k, inject=inj, delay_cycles=self.delay)
 
-        if self.pstream is None:  # serialized / pdl
+        if self.pstream is None:  # serialized
             for c in range(n):
                 produce_chunk(origin, c)
                 r.consume(origin, c, inject=inj, hold_cycles=self.hold)

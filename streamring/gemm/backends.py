@@ -3,8 +3,8 @@
 A backend is a class made for one :class:`~streamring.moe.blocks.BlockConsumer` ``bc``
 (``cls(bc, **options)``: it allocates, so before a graph capture) with
 
-* ``compute(lo_index, hi_index, max_items, fw, *, max_ctas=None, expect_items=None, pdl=False, out=None,
-  direct=None)``: L1 + SwiGLU + L2 of the blocks ``bc.ready_list[bc.ready_hi[lo_index] : bc.ready_hi[hi_index]]``
+* ``compute(lo_index, hi_index, max_items, fw, *, max_ctas=None, expect_items=None, out=None, direct=None)``:
+  L1 + SwiGLU + L2 of the blocks ``bc.ready_list[bc.ready_hi[lo_index] : bc.ready_hi[hi_index]]``
   (``max_items``: the grid bound; ``expect_items``: how many the call is expected to have, a hint that a
   backend whose grid the host sizes uses to launch for those rather than for the bound, and the others
   ignore) with the weights ``fw``, into ``bc.y`` (or ``out``; ``direct``: each row straight into its owner's
@@ -30,8 +30,7 @@ from dataclasses import dataclass
 class Capabilities:
     """What a backend's ``compute`` can do beside the GEMMs themselves.
 
-    ``max_ctas``: a capped (persistent) grid, leaving SMs to other streams; ``pdl``: programmatic
-    dependent launch (the GEMMs wait in-kernel for the previous kernel); ``owner_rows``: L2 writes each
+    ``max_ctas``: a capped (persistent) grid, leaving SMs to other streams; ``owner_rows``: L2 writes each
     row straight into its owner PE's combine row (``direct=``), no local ``y`` and no puts; ``persistent``:
     its tile functions make the persistent consumer kernel (``device/persistent_moe.py``); ``waves``: its own
     grid is persistent (a CTA per SM, which holds every SM until the call ends, so no other stream's kernel
@@ -41,7 +40,6 @@ class Capabilities:
     captured graph's node priorities leave them at the default (``EPBuffer.prioritize``)."""
 
     max_ctas: bool
-    pdl: bool
     owner_rows: bool
     persistent: bool
     waves: bool = False
@@ -51,12 +49,12 @@ class Capabilities:
 #: every backend by name (``gemm=`` of the buffers), in the measured table's order
 CAPABILITIES = {
     # cutlass::device_kernel<...GemmUniversal...>: the grouped and the one-block-tile kernels
-    "cutlass": Capabilities(max_ctas=True, pdl=False, owner_rows=False, persistent=False, waves=True,
+    "cutlass": Capabilities(max_ctas=True, owner_rows=False, persistent=False, waves=True,
                             kernel_names=("cutlass13device_kernel",)),
     # DeepGEMM's SM90 FP8 GEMM kernels (JIT-compiled: sm90_fp8_gemm_1d2d_impl and its kin)
-    "deep_gemm": Capabilities(max_ctas=False, pdl=False, owner_rows=False, persistent=False,
+    "deep_gemm": Capabilities(max_ctas=False, owner_rows=False, persistent=False,
                               kernel_names=("fp8_gemm",)),
-    "triton": Capabilities(max_ctas=True, pdl=True, owner_rows=True, persistent=True),
+    "triton": Capabilities(max_ctas=True, owner_rows=True, persistent=True),
 }
 IMPLS = tuple(CAPABILITIES)
 _CLASSES = {"cutlass": ("cutlass", "CutlassExperts"), "deep_gemm": ("deep_gemm", "DeepGemmExperts"),
@@ -81,13 +79,10 @@ def make_experts(impl: str, bc, **options):
     return backend_class(impl)(bc, **options)
 
 
-def refuse_unsupported(impl: str, *, max_ctas=None, pdl: bool = False, out=None, direct=None) -> None:
+def refuse_unsupported(impl: str, *, max_ctas=None, out=None, direct=None) -> None:
     """ValueError naming the argument when a ``compute`` call of ``impl`` asks for what it cannot do
     (``out``: L2 into rows other than the consumer's ``y``, which only the owner-rows backends take)."""
     cap = CAPABILITIES[check_impl(impl)]
-    if pdl and not cap.pdl:
-        raise ValueError(f"pdl=True: programmatic dependent launch is not implemented for gemm={impl!r} "
-                         f"(only for {[k for k, c in CAPABILITIES.items() if c.pdl]})")
     if max_ctas is not None and not cap.max_ctas:
         raise ValueError(f"max_ctas must be None for gemm={impl!r} (it sizes its own persistent grid from the "
                          f"device's SM count; a capped grid would change its configuration), got {max_ctas}")

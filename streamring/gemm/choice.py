@@ -224,14 +224,11 @@ def choose_layer(rows_per_expert: float, hidden: int, intermediate: int, availab
 CUTLASS_NOT_BUILT = "CUTLASS library not built"
 
 
-def available_impls(block_m: int, policy: str = "serialized") -> dict[str, str]:
+def available_impls(block_m: int) -> dict[str, str]:
     """Each implementation -> "" when the layer can use it here, else why not (loads nothing that is
     not already built: CUTLASS's library from ``.gemm-build``/the cache, DeepGEMM if installed; never
     builds: a build takes minutes, see :func:`resolve_layer` for what a run says instead)."""
     out = {"triton": ""}
-    if policy == "pdl":
-        out["cutlass"] = out["deep_gemm"] = "no programmatic dependent launch (plan.policy 'pdl')"
-        return out
     from . import cutlass as CG
 
     try:

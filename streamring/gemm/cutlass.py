@@ -637,11 +637,11 @@ class CutlassExperts:
                        max_ctas=max_ctas)
 
     def compute(self, lo_index: int, hi_index: int, max_items: int, fw, *, max_ctas: int | None = None,
-                expect_items: int | None = None, pdl: bool = False, out=None, direct=None) -> None:
+                expect_items: int | None = None, out=None, direct=None) -> None:
         """L1 + SwiGLU/requant and L2 of the ready blocks into ``bc.y`` (:mod:`~streamring.gemm.backends`);
         ``max_ctas`` caps the persistent grids (``expect_items`` is not needed: they loop over the ready tiles);
-        ``pdl``, ``out`` and ``direct`` are refused (ValueError)."""
-        refuse_unsupported(self.name, max_ctas=max_ctas, pdl=pdl, out=out, direct=direct)
+        ``out`` and ``direct`` are refused (ValueError)."""
+        refuse_unsupported(self.name, max_ctas=max_ctas, out=out, direct=direct)
         self.l1_swiglu(lo_index, hi_index, max_items, fw, max_ctas)
         self.l2(lo_index, hi_index, max_items, fw, max_ctas)
 

@@ -382,11 +382,11 @@ class DeepGemmExperts:
                             block_m=bc.block_m)
 
     def compute(self, lo_index: int, hi_index: int, max_items: int, fw, *, max_ctas: int | None = None,
-                expect_items: int | None = None, pdl: bool = False, out=None, direct=None) -> None:
+                expect_items: int | None = None, out=None, direct=None) -> None:
         """L1 + SwiGLU/requant and L2 of the ready blocks into ``bc.y`` (:mod:`~streamring.gemm.backends`);
-        ``max_ctas``, ``pdl``, ``out`` and ``direct`` are refused (ValueError): DeepGEMM's grid and
+        ``max_ctas``, ``out`` and ``direct`` are refused (ValueError): DeepGEMM's grid and
         configuration follow the device's SM count (``expect_items`` is ignored for the same reason)."""
-        refuse_unsupported(self.name, max_ctas=max_ctas, pdl=pdl, out=out, direct=direct)
+        refuse_unsupported(self.name, max_ctas=max_ctas, out=out, direct=direct)
         if max_items <= 0:
             return
         psum = self.allow_psum and self.bc.covers_one_allocation(lo_index, hi_index)

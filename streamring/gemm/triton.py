@@ -27,10 +27,9 @@ class TritonExperts:
         self.bc = bc
 
     def compute(self, lo_index: int, hi_index: int, max_items: int, fw, *, max_ctas: int | None = None,
-                expect_items: int | None = None, pdl: bool = False, out=None, direct=None) -> None:
+                expect_items: int | None = None, out=None, direct=None) -> None:
         """L1 + SwiGLU and L2 of the ready blocks (module :mod:`~streamring.gemm.backends`).
 
-        ``pdl``: launch both GEMMs with programmatic dependent launch (they wait in-kernel).
         ``max_ctas``: a persistent grid of at most this many CTAs looping over the tiles (leaves SM slots
         to other streams); None: one CTA per tile, of the ``expect_items`` blocks the call is expected to have
         and a small looping tail for the rest, or of every block up to ``max_items`` (``moe_triton._grid``).
@@ -40,11 +39,11 @@ class TritonExperts:
         bc = self.bc
         h1 = bc.h1.view(FP8)
         k1 = K.expert_l1(bc.ready_list, bc.ready_hi, lo_index, hi_index, max_items, bc.block_expert, bc.a.view(FP8),
-                         bc.a_sf, fw.w1, fw.w1_sf, h1, bc.h1_sf, block_m=bc.block_m, pdl=pdl, max_ctas=max_ctas,
+                         bc.a_sf, fw.w1, fw.w1_sf, h1, bc.h1_sf, block_m=bc.block_m, max_ctas=max_ctas,
                          expect_items=expect_items)
         k2 = K.expert_l2(bc.ready_list, bc.ready_hi, lo_index, hi_index, max_items, bc.block_expert, h1, bc.h1_sf,
                          fw.w2, fw.w2_sf, bc.row_weight, bc.y if out is None else out, bc.block_rows,
-                         block_m=bc.block_m, pdl=pdl, max_ctas=max_ctas, expect_items=expect_items,
+                         block_m=bc.block_m, max_ctas=max_ctas, expect_items=expect_items,
                          direct=direct)
         bc.gemm_kernels.update(k for k in (k1, k2) if k is not None)
 

@@ -332,16 +332,16 @@ class BlockConsumer:
         return self._experts.get(impl)
 
     def compute(self, lo_index: int, hi_index: int, max_items: int, fw: FastWeights, *, impl: str = "triton",
-                max_ctas: int | None = None, expect_items: int | None = None, pdl: bool = False, out=None,
+                max_ctas: int | None = None, expect_items: int | None = None, out=None,
                 direct=None) -> None:
         """L1+SwiGLU and L2 of the blocks ``ready_list[ready_hi[lo_index] : ready_hi[hi_index]]`` by the
         expert GEMMs of ``impl`` (:meth:`experts`). ``max_ctas`` (a capped persistent grid), ``expect_items``
-        (the blocks the call is expected to have: the grid's hint), ``pdl`` (programmatic dependent launch)
-        and ``out``/``direct`` (where L2 stores) as the backend's ``compute`` takes them; a backend without
-        one of them refuses it (ValueError), before it is made."""
-        refuse_unsupported(impl, max_ctas=max_ctas, pdl=pdl, out=out, direct=direct)
+        (the blocks the call is expected to have: the grid's hint) and ``out``/``direct`` (where L2 stores) as
+        the backend's ``compute`` takes them; a backend without one of them refuses it (ValueError), before it is
+        made."""
+        refuse_unsupported(impl, max_ctas=max_ctas, out=out, direct=direct)
         self.experts(impl).compute(lo_index, hi_index, max_items, fw, max_ctas=max_ctas, expect_items=expect_items,
-                                   pdl=pdl, out=out, direct=direct)
+                                   out=out, direct=direct)
 
     def combine(self, out: torch.Tensor) -> None:
         """``out [T, H]`` bf16: the sum of each token's k weighted expert rows."""

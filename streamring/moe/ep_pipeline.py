@@ -68,8 +68,8 @@ Progress policies (``streamring.moe.tuning.EP_POLICIES``) of the streamed path: 
 stream is enqueued before the producer and must not block it: ``serialized`` (one stream, chunk by
 chunk), ``spin_kernel`` (one-thread acquire kernels with a deadline; producer and dispatch streams at
 high priority), ``stream_wait`` (``cuStreamWaitValue64`` on the ring's doorbells, no SM held),
-``green_ctx`` (producer and consumer on disjoint SM partitions; P2P transport). ``pdl`` is refused
-here (``streamring.ring.policies.REFUSED_POLICIES``). The batch path always runs ``serialized``.
+``green_ctx`` (producer and consumer on disjoint SM partitions; P2P transport); ``REFUSED_POLICIES``
+(``streamring.ring.policies``) says why the others tried are refused. The batch path always runs ``serialized``.
 
 Transports (chosen once per buffer): ``p2p`` (NVLink loads/stores through peer pointers: the
 dispatch pulls rows from the peers' slots, L2 stores into the peers' combine rows) or ``nv``

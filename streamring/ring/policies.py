@@ -36,17 +36,16 @@ EP_SOURCE_ORDERS = SOURCE_ORDERS + ("arrival",)
 #   stream_wait - the consumer stream blocks in cuStreamWaitValue64 on the ring's doorbell words
 #                 (no SM held while it waits), then the exact generation check runs;
 #   spin_kernel - a one-thread-per-source kernel polls the generations (acquire, with a deadline);
-#   green_ctx   - producer and consumer on disjoint green-context SM partitions (P2P transport);
-#   pdl         - the serialized order with programmatic dependent launch of the expert GEMMs
-#                 (the ring kernels themselves run as in serialized).
-PROGRESS_POLICIES = ("serialized", "stream_wait", "spin_kernel", "green_ctx", "pdl")
+#   green_ctx   - producer and consumer on disjoint green-context SM partitions (P2P transport).
+PROGRESS_POLICIES = ("serialized", "stream_wait", "spin_kernel", "green_ctx")
 
-# Progress policies the expert-parallel GPU layer refuses, with the measured reason (docs/gpu.md); the
-# device ring's own self-test still runs them.
+# Progress policies that were tried and are refused, with the measured reason (docs/gpu.md): a config or an
+# EPTuning naming one gets this reason instead of a bare "not one of". Nothing else implements them.
 REFUSED_POLICIES = {
-    "pdl": "its serialized order overlaps nothing (1.17x batch at 4 chunks on one H200), and one measured run's "
-           "streamed output was not bitwise equal to batch where every other policy's was (not reproduced by "
-           "bench.pdl_probe since, docs/performance.md); it gains nothing to weigh against that doubt",
+    "pdl": "programmatic dependent launch of the expert GEMMs in the serialized order overlaps nothing (1.17x "
+           "batch at 4 chunks on one H200), and one measured run's streamed output was not bitwise equal to batch "
+           "where every other policy's was (not reproduced on one H200 since, "
+           "docs/results/pdl-probe-1h200-2026-12-01.log); it gains nothing to weigh against that doubt",
 }
 
 # The expert GEMM implementations of the GPU layer ("auto": the fastest available one of the measured table,

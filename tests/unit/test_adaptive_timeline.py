@@ -92,7 +92,7 @@ def test_make_adaptive_table_picks_batch_unless_streaming_wins(tmp_path):
          "streamed": [{"ok": True, "streamed_over_batch": 1.05, "chunks": 2, "num_slots": 2, "policy": "spin_kernel"}]},
         {"tokens": 8192, "block_m": 64, "batch": {"median_ms": 11.0},
          "streamed": [{"ok": True, "streamed_over_batch": 0.95, "chunks": 4, "num_slots": 4, "policy": "spin_kernel"},
-                      {"ok": False, "streamed_over_batch": 0.5, "chunks": 8, "num_slots": 4, "policy": "pdl"}]}]}
+                      {"ok": False, "streamed_over_batch": 0.5, "chunks": 8, "num_slots": 4, "policy": "serialized"}]}]}
     src = tmp_path / "bench.json"
     src.write_text(json.dumps(bench))
     out = tmp_path / "table.json"

@@ -358,7 +358,7 @@ def test_every_backend_is_one_class_with_the_registry_capabilities():
     for impl in GB.IMPLS:
         cls = GB.backend_class(impl)
         assert cls.name == impl and cls.capabilities is GB.CAPABILITIES[impl]
-        for what, kw in (("pdl", dict(pdl=True)), ("max_ctas", dict(max_ctas=8)), ("owner_rows", dict(direct=())),
+        for what, kw in (("max_ctas", dict(max_ctas=8)), ("owner_rows", dict(direct=())),
                          ("owner_rows", dict(out=()))):
             if getattr(cls.capabilities, what):
                 GB.refuse_unsupported(impl, **kw)
