@@ -14,8 +14,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, ValidationError, field_validator, model_validator
 
 from .ring.layout import SF_BLOCK
-from .ring.policies import (EP_SOURCE_ORDERS, GEMM_CHOICES, INJECT_MODES, PROGRESS_POLICIES, REFUSED_POLICIES,
-                            SOURCE_ORDERS)
+from .gemm.backends import names as gemm_names
+from .ring.policies import EP_SOURCE_ORDERS, INJECT_MODES, PROGRESS_POLICIES, REFUSED_POLICIES, SOURCE_ORDERS
 
 
 class ConfigError(ValueError):
@@ -117,7 +117,7 @@ class RunConfig(_Strict):
     straggler: Optional["Straggler"] = Field(
         None, description="delay one rank's producers at the start of every forward, batch and streamed: device "
                           "side on the fast GPU path, its producer roles sleeping on the CPU and host-verb layers")
-    gemm: Literal[GEMM_CHOICES] = Field(  # type: ignore[valid-type]
+    gemm: Literal[("auto",) + gemm_names()] = Field(  # type: ignore[valid-type]
         "auto", description="fast GPU path: the expert GEMMs of both the batch and the streamed path (auto: CUTLASS "
                             "when its library is built, else Triton)")
     fault: Optional["ReplayFault"] = Field(

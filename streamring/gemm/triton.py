@@ -11,17 +11,21 @@ from __future__ import annotations
 import torch
 
 from ..device import moe_triton as K
-from .backends import CAPABILITIES
+from .backends import Capabilities, GemmBackend, register_backend
 
 FP8 = torch.float8_e4m3fn
 
 
-class TritonExperts:
+@register_backend
+class TritonExperts(GemmBackend):
     """The Triton L1 + SwiGLU and L2 kernels over one :class:`~streamring.moe.blocks.BlockConsumer`
-    (no buffers of its own: ``h1`` and its scales are the consumer's)."""
+    (no buffers of its own: ``h1`` and its scales are the consumer's). Runs wherever Triton runs, so the rule
+    where nothing is measured takes it when no backend ranked before it is available."""
 
     name = "triton"
-    capabilities = CAPABILITIES["triton"]
+    capabilities = Capabilities(max_ctas=True, owner_rows=True, persistent=True)
+    title = "the Triton GEMMs"
+    fallback_rank = 1
 
     def __init__(self, bc):
         self.bc = bc
@@ -51,5 +55,6 @@ class TritonExperts:
         """0: the Triton kernels bound every ready range by ``max_items`` and record no status."""
         return 0
 
-    def check(self) -> None:
-        """Nothing to check (see :meth:`status`)."""
+    @classmethod
+    def fallback_variant(cls, rows_per_expert: float) -> tuple:
+        return {}, "the Triton GEMMs (no backend ranked before them available)"

@@ -40,15 +40,12 @@ from ..gemm import choice as GC
 from ..gemm.backends import CAPABILITIES
 from ..gemm.cutlass import status_text as gemm_status_text
 from ..ring.layout import CombineLayout, RingLayout
-from ..ring.policies import GEMM_CHOICES
 from ..ring.protocol import WatchdogError
 from .blocks import FP8, BlockConsumer, FastWeights
 from .ep_pipeline import EPPipeline, _Path
 from .math import MoEShape, MoEWeights, quantize_weight_fp8_block
 from .timeline_events import CHUNK_EVENTS, STAMP_STRIDE, TAIL_EVENTS
 from .tuning import BLOCK_MS, EPTuning
-
-GEMMS = GEMM_CHOICES
 
 
 def cutlass_unavailable_reason() -> Optional[str]:
@@ -64,8 +61,8 @@ def resolve_gemm(gemm: str, shape: MoEShape, num_ranks: int, max_tokens_per_rank
     implementation of the measured table, ``streamring/gemm/choice.py``, at the buffer's rows per
     expert; an explicit one: its own fastest variants). Every path of one buffer runs the result, so a
     streamed-vs-batch comparison never measures two GEMMs' rounding."""
-    if gemm not in GEMMS:
-        raise ValueError(f"gemm must be one of {GEMMS}, got {gemm!r}")
+    if gemm != "auto" and gemm not in CAPABILITIES:
+        raise ValueError(f"gemm must be one of {('auto',) + tuple(CAPABILITIES)}, got {gemm!r}")
     return GC.resolve_layer(gemm, block_m, shape, [max_tokens_per_rank] * num_ranks)
 
 

@@ -1,4 +1,4 @@
-"""The ring's choices, named in one place: progress policies, source orders, mutations, GEMMs.
+"""The ring's choices, named in one place: progress policies, source orders, mutations.
 
 Plain data (no imports beyond ``enum``): the config, the CLI, the device ring, its self-test, the
 GPU MoE layer and the model checkers all read these tuples, so each choice is spelled once.
@@ -47,7 +47,3 @@ REFUSED_POLICIES = {
            "where every other policy's was (not reproduced on one H200 since, "
            "docs/results/pdl-probe-1h200-2026-12-01.log); it gains nothing to weigh against that doubt",
 }
-
-# The expert GEMM implementations of the GPU layer ("auto": the fastest available one of the measured table,
-# streamring/gemm/choice.py).
-GEMM_CHOICES = ("auto", "triton", "cutlass", "deep_gemm")
