@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, ValidationErr
 
 from .ring.layout import SF_BLOCK
 from .gemm.backends import names as gemm_names
+from .moe.routing import router_names
 from .ring.policies import EP_SOURCE_ORDERS, INJECT_MODES, PROGRESS_POLICIES, REFUSED_POLICIES, SOURCE_ORDERS
 
 
@@ -69,7 +70,7 @@ class LayerConfig(_Strict):
     intermediate: int = Field(256, ge=SF_BLOCK)
     num_experts: int = Field(8, ge=1)
     topk: int = Field(2, ge=1)
-    router: Literal["softmax_topk", "deepseek_v3"] = "softmax_topk"
+    router: Literal[router_names()] = "softmax_topk"  # type: ignore[valid-type]
     renormalize: bool = True
     n_group: int = Field(1, ge=1)
     topk_group: int = Field(1, ge=1)

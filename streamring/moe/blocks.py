@@ -36,6 +36,7 @@ from ..device import moe_triton as K
 from ..gemm.backends import make_experts, refuse_unsupported
 from .grid_bounds import consumer_max_blocks, step_bound
 from .math import MoEShape, MoEWeights, select_experts
+from .routing import router_of
 
 FP8 = torch.float8_e4m3fn
 PULLS = ("route", "token")  # BlockConsumer.dispatch_ep: one slot read per route, or per needed token
@@ -102,21 +103,37 @@ class FastWeights:
             w2[ex].copy_(q)
             w2_sf[ex].copy_(s)
         router = (torch.randn(e, h, generator=g, device=device) / math.sqrt(h)).to(torch.bfloat16)
-        bias = torch.randn(e, generator=g, device=device) * 0.1 if shape.router == "deepseek_v3" else None
+        bias = torch.randn(e, generator=g, device=device) * 0.1 if router_of(shape.router).uses_bias else None
         return cls(w1, w1_sf, w2, w2_sf, router, bias)
 
 
 def select_experts_into(logits: torch.Tensor, bias: Optional[torch.Tensor], shape: MoEShape, idx_out: torch.Tensor,
                         w_out: torch.Tensor, launch: Optional[dict] = None) -> None:
-    """:func:`~streamring.moe.math.select_experts` (the routing rule of ``shape``) of float32 ``logits
-    [n, E]`` written into ``idx_out`` (int64 ``[n, topk]``) and ``w_out`` (float32 ``[n, topk]``) by one
-    kernel (the torch form is a dozen launches: about 0.4 ms of a forward at 8192 tokens). ``launch``:
-    the kernel's rows per program and warps (default ``moe_triton.SELECT_EXPERTS_LAUNCH``)."""
-    softmax = shape.router == "softmax_topk"
-    K.select_experts(logits, None if bias is None else bias.float(), idx_out, w_out, topk=shape.topk, softmax=softmax,
-                     normalize=shape.renormalize if softmax else shape.norm_topk_prob,
-                     n_group=1 if softmax else shape.n_group, topk_group=1 if softmax else shape.topk_group,
-                     routed_scaling_factor=1.0 if softmax else shape.routed_scaling_factor, launch=launch)
+    """The router of ``shape`` (:mod:`streamring.moe.routing`) on float32 ``logits [n, E]``, written into
+    ``idx_out`` (int64 ``[n, topk]``) and ``w_out`` (float32 ``[n, topk]``): by the router's one kernel
+    (``select_into``; the torch form of the built-in rules is a dozen launches, about 0.4 ms of a forward at
+    8192 tokens), else by its ``select`` and a copy. ``launch``: the kernel's launch parameters (the built-in
+    ones: rows per program and warps, default ``moe_triton.SELECT_EXPERTS_LAUNCH``)."""
+    r = router_of(shape.router)
+    if r.select_into is not None:
+        r.function("select_into")(logits, bias, shape, idx_out, w_out, launch=launch)
+        return
+    idx, w = r.function()(logits, bias, shape)
+    idx_out.copy_(idx)
+    w_out.copy_(w)
+
+
+def softmax_topk_into(logits, bias, shape: MoEShape, idx_out, w_out, launch: Optional[dict] = None) -> None:
+    """The ``softmax_topk`` router (:func:`streamring.moe.math.softmax_topk`) as one kernel."""
+    K.select_experts(logits, None if bias is None else bias.float(), idx_out, w_out, topk=shape.topk, softmax=True,
+                     normalize=shape.renormalize, n_group=1, topk_group=1, routed_scaling_factor=1.0, launch=launch)
+
+
+def deepseek_v3_into(logits, bias, shape: MoEShape, idx_out, w_out, launch: Optional[dict] = None) -> None:
+    """The ``deepseek_v3`` router (:func:`streamring.moe.math.deepseek_v3`) as one kernel."""
+    K.select_experts(logits, None if bias is None else bias.float(), idx_out, w_out, topk=shape.topk, softmax=False,
+                     normalize=shape.norm_topk_prob, n_group=shape.n_group, topk_group=shape.topk_group,
+                     routed_scaling_factor=shape.routed_scaling_factor, launch=launch)
 
 
 class Producer:
