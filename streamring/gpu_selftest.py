@@ -37,7 +37,7 @@ from pathlib import Path
 from .device.ringdesc import CLOCK_HZ, INJECT_BITS, RING_LAYOUT, RING_ROUTE
 from .ring.device import DeviceRing
 from .ring.layout import RingLayout
-from .ring.policies import PROGRESS_POLICIES
+from .ring.policies import PROGRESS_POLICIES, progress
 
 POLICIES = PROGRESS_POLICIES
 
@@ -49,29 +49,29 @@ class StreamedSequence:
                  hold_cycles: int = 0, producer_sms: int = 16):
         import torch
 
-        if policy not in POLICIES:
-            raise ValueError(f"progress policy {policy!r} is not one of {POLICIES}")
+        self.progress = how = progress(policy)
         self.heap, self.ring, self.policy = heap, ring, policy
         self.inject = int(inject)
         self.delay = int(delay_cycles)
         self.hold = int(hold_cycles)
         self.green = None
         self.green_how = ""
-        if policy == "green_ctx":
+        if how.streams == "green":
             from .device.green import make_green_pair
 
             if ring.transport != "p2p":
-                raise ValueError("green_ctx needs a DeviceRing with transport='p2p' (no NVSHMEM state in green contexts)")
+                raise ValueError(f"{policy} needs a DeviceRing with transport='p2p' (no NVSHMEM state in green "
+                                 f"contexts)")
             self.green = make_green_pair(heap.device_index, producer_sms)
             self.green_how = f"{self.green[0].how}; producer {self.green[0].sms} SMs, consumer {self.green[1].sms} SMs"
             self.pstream, self.cstream = self.green[0].stream, self.green[1].stream
-        elif policy == "serialized":
+        elif how.streams == "one":
             self.pstream = self.cstream = None
         else:
             self.pstream = torch.cuda.Stream(device=heap.device)
             self.cstream = torch.cuda.Stream(device=heap.device)
-        if policy == "stream_wait" and ring.off_wake < 0:
-            raise ValueError("the stream_wait policy needs a DeviceRing made with wake=True")
+        if how.doorbells and ring.off_wake < 0:
+            raise ValueError(f"the {policy} policy needs a DeviceRing made with wake=True")
 
     def warm_up(self) -> None:
         """Load every kernel in every context used, before any wait is enqueued."""
@@ -104,7 +104,7 @@ class StreamedSequence:
             for k in kinds(c):
                 r.produce(st, c, k, inject=inj, delay_cycles=self.delay)
 
-        if self.pstream is None:  # serialized
+        if self.pstream is None:  # one stream: producer then consumer, chunk by chunk
             for c in range(n):
                 produce_chunk(origin, c)
                 r.consume(origin, c, inject=inj, hold_cycles=self.hold)
@@ -115,7 +115,7 @@ class StreamedSequence:
             cst, cctx = self._side("c")
             with cctx:
                 for c in range(n):
-                    if self.policy == "stream_wait":
+                    if self.progress.wait == "doorbell":
                         if not inj & INJECT_BITS["skip-acquire"]:
                             r.wait_doorbells(self.cstream, c)
                     else:
@@ -200,8 +200,9 @@ def graph_check(heap, policy: str, *, replays: int = 10000, num_slots: int = 4, 
                         num_experts=64)
     res = {"policy": policy, "pes": R, "rank": heap.rank, "inject": inject, "replays_asked": replays,
            "num_slots": num_slots, "num_chunks": num_chunks, "mode": "", "ok": False, "error": None}
-    ring = DeviceRing(heap, layout, num_chunks, transport="p2p" if policy == "green_ctx" else "nv",
-                      wake=(policy == "stream_wait"), deadline_s=deadline_s, name="gpu-check-ring")
+    how = progress(policy)
+    ring = DeviceRing(heap, layout, num_chunks, transport="p2p" if how.p2p else "nv", wake=how.doorbells,
+                      deadline_s=deadline_s, name="gpu-check-ring")
     seq = None
     try:
         err = None
@@ -329,7 +330,7 @@ def run_checks(heap, *, policies=POLICIES, replays: int = 10000, slots: int = 4,
         for key in ("violations", "timeouts", "consumed"):
             merged[key] = sum(int(x.get(key, 0) or 0) for x in all_r)
         merged["per_pe"] = all_r
-        if merged.get("mode") == "not run" and spec["policy"] == "green_ctx" and heap.num_ranks > 1:
+        if merged.get("mode") == "not run" and progress(spec["policy"]).streams == "green" and heap.num_ranks > 1:
             merged["verdict"] = "n/a"  # green contexts under MPS: reported, not counted
         else:
             merged["verdict"] = "PASS" if merged["ok"] else "FAIL"
