@@ -166,7 +166,9 @@ def register_backend(cls: type) -> type:
 
 
 def unregister_backend(name: str) -> None:
-    """Forget backend ``name`` (a test's, or one to be replaced); a built-in one comes back at its next lookup."""
+    """Forget backend ``name`` (a test's, or one to be replaced); the built-in ones stay (ValueError)."""
+    if name in BUILTIN:
+        raise ValueError(f"gemm backend {name!r} is built in: it cannot be unregistered")
     _BACKENDS.pop(name, None)
 
 

@@ -125,6 +125,8 @@ def test_registrations_are_checked_and_capabilities_refuse_by_name(registered):
     with pytest.raises(ValueError, match="router must be one of .*got 'nope'"):
         MoEShape(hidden=128, intermediate=128, num_experts=4, topk=2, router="nope").validate()
     assert backend("torch_reference") is TorchReferenceExperts
+    with pytest.raises(ValueError, match="'triton' is built in"):
+        unregister_backend("triton")
     with pytest.raises(ValueError, match="max_ctas must be None for gemm='torch_reference'"):
         refuse_unsupported("torch_reference", max_ctas=4)
     with pytest.raises(ValueError, match=r"direct= .* not implemented for gemm='torch_reference' \(only for "
