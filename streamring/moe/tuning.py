@@ -13,7 +13,7 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from ..ring.policies import EP_SOURCE_ORDERS, PROGRESS_POLICIES, REFUSED_POLICIES
+from ..ring.policies import EP_SOURCE_ORDERS, PROGRESS_POLICIES, REFUSED_POLICIES, progress
 
 #: progress policies of the streamed path (``REFUSED_POLICIES`` are named with the reason they are refused)
 EP_POLICIES = PROGRESS_POLICIES
@@ -109,8 +109,10 @@ class EPTuning(BaseModel):
 
     @property
     def priority_streams(self) -> bool:
-        """Producer and dispatch streams at high priority: with ``spin_kernel`` only (their CTAs are then
-        scheduled before the next pending CTA of a large GEMM grid). ``stream_wait`` keeps default priorities:
-        a consumer blocked in ``cuStreamWaitValue64`` has no deadline, so nothing may depend on its stream
-        being scheduled first."""
-        return self.policy == "spin_kernel"
+        """Producer and dispatch streams at high priority: for a policy whose consumer spins on streams of their
+        own (``spin_kernel``: their CTAs are then scheduled before the next pending CTA of a large GEMM grid).
+        A doorbell wait (``stream_wait``) keeps default priorities: a consumer blocked in ``cuStreamWaitValue64``
+        has no deadline, so nothing may depend on its stream being scheduled first; green contexts have SMs of
+        their own."""
+        how = progress(self.policy)
+        return how.streams == "own" and how.wait == "spin"
