@@ -1,11 +1,11 @@
-"""The cost model's fit, check and prediction grid (the model: :mod:`streamring.moe.cost_model`).
+"""The cost model's fit, check and prediction grid (the model: :mod:`bench.cost_model_core`).
 
 Run ``python -m bench.cost_model --check [FILES...]`` (measured beside predicted, exit 1 past ±10 %),
-``--fit [FILES...]`` (refit the rates, write ``streamring/moe/cost_model_rates.json``, then check),
+``--fit [FILES...]`` (refit the rates, write ``bench/cost_model_rates.json``, then check),
 ``--cv`` (leave one file out: refit without each file, check that file) or
 ``--predict --out DIR`` (streamed ÷ batch over EP 8-64, NVLink and inter-node, 128-32768 tokens per
 rank: a CSV, a markdown table and a PNG heat map). The model's equations, parameters and what it leaves
-out are in :mod:`streamring.moe.cost_model`'s docstring.
+out are in :mod:`bench.cost_model_core`'s docstring.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import sys
 import numpy as np
 
 from bench.skew import skew_seed, timed_skew_draws
-from streamring.moe.cost_model import (CALL_US, E_TOTAL_DSV3, FALLBACK_RATES, FLOP_ROW,  # noqa: F401
+from bench.cost_model_core import (CALL_US, E_TOTAL_DSV3, FALLBACK_RATES, FLOP_ROW,  # noqa: F401
                                        INTER_NODE_GBPS, NVLINK_GBPS, RATES_PATH, ROW_BYTES, TOPK, W_BYTES, Config,
                                        _RATES_CACHE, _block_counts, _norm, comb_bytes, gemm_call_ms, load_rates,
                                        predict, pull_bytes)

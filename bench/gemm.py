@@ -36,7 +36,7 @@ heuristic table uses (``streamring/gemm/choice.py``). ``--table PATH`` writes th
 (rows per expert, N, K) every variant's median and the fastest.
 
 ``--layer-tokens`` (default 8192): the whole batch layer on one GPU (router, FP8 layout, dispatch into
-blocks, seal, both GEMMs, combine: ``blocks.batch_forward``, one CUDA graph) for each GEMM
+blocks, seal, both GEMMs, combine: ``gemm_lib.layer_forward``, one CUDA graph) for each GEMM
 implementation, each with the variants this run measured fastest at that size (the fallback rule if
 the size was not measured), and which one ``gemm="auto"`` picks; every output is compared with
 Triton's and a float64 reference, and the streamed path (``streamed_forward_serial``, 2 chunks) is
@@ -448,7 +448,7 @@ def targets(summary_by_t: dict) -> list[str]:
 
 
 def layer_rows(T, shape, fw, args, dev, table: dict, avail: dict) -> tuple[list, dict]:
-    """``blocks.batch_forward`` (one CUDA graph) per implementation with this run's fastest variants."""
+    """``gemm_lib.layer_forward`` (one CUDA graph) per implementation with this run's fastest variants."""
     H, I, E, Kk = shape.hidden, shape.intermediate, shape.num_experts, shape.topk
     rpe = T * Kk / E
     g = torch.Generator(device=dev).manual_seed(args.seed + 77)

@@ -9,7 +9,7 @@ GEMM implementation:
 
 * ``per_chunk``: the blocks of a streamed forward of ``C`` chunks (``C`` dispatches, then the seal),
   computed as the per-chunk consumer computes them: one call per chunk, the last chunk's full blocks
-  together with the seal's partial blocks (``EPBuffer(last_step_with_seal=True)``, its default):
+  together with the seal's partial blocks (as ``EPBuffer`` computes them):
   ``C`` L1 + ``C`` L2 launches (CUTLASS: plus its SwiGLU kernel each);
 * ``one_launch``: the SAME blocks (the same ready list) in ONE call: the same tiles with no launch
   boundary between the chunks, which is what a scheduler claiming them from a queue would run
@@ -23,10 +23,9 @@ calls over a range take ``m_indices``, the batch call the psum layout.
 ``per_chunk / one_launch`` is therefore what bounded launches cost against one launch of the same
 tiles; ``one_launch / batch`` what the chunk order of the same blocks costs (an expert's blocks
 apart in the ready list: smaller CUTLASS groups, weight tiles less often shared in L2), which no
-scheduler over these blocks removes. Triton also gets ``per_chunk_pdl`` (programmatic dependent
-launch: the next grid launches while the last one drains). Before any timing every form's outputs
-and intermediates are filled with NaN and it is run: ``per_chunk`` (and ``per_chunk_pdl``) must store
-``one_launch``'s row for every (token, k) route bit for bit, and so must ``batch``.
+scheduler over these blocks removes. Before any timing every form's outputs and intermediates are
+filled with NaN and it is run: ``per_chunk`` must store ``one_launch``'s row for every (token, k) route
+bit for bit, and so must ``batch``.
 
 Uniform top-8 routing (``bench.common.uniform_inputs``), DeepSeek-V3 shape, ``--block-m`` rows per
 block. Each form is one CUDA graph; for each of ``--sets`` input sets the graphs are replayed
@@ -86,11 +85,11 @@ class Forward:
         out.append((C - 1, C + 1, seal_bound(bc.max_ready(b - a), bc.shape.num_experts, bc.max_blocks)))
         return out
 
-    def call(self, lo: int, hi: int, max_items: int, fw, pdl: bool = False) -> None:
-        self.bc.compute(lo, hi, max_items, fw, impl=self.impl, pdl=pdl)
+    def call(self, lo: int, hi: int, max_items: int, fw) -> None:
+        self.bc.compute(lo, hi, max_items, fw, impl=self.impl)
 
-    def per_chunk(self, fw, pdl: bool = False):
-        return lambda: [self.call(lo, hi, m, fw, pdl) for lo, hi, m in self.steps()]
+    def per_chunk(self, fw):
+        return lambda: [self.call(lo, hi, m, fw) for lo, hi, m in self.steps()]
 
     def one_launch(self, fw):
         return lambda: self.call(0, self.chunks + 1, self.bc.max_blocks, fw)
@@ -140,8 +139,6 @@ def measure(T: int, chunks: int, impl: str, shape, fw, args, dev, sets: list) ->
     streamed.load(sets[0])
     batch.load(sets[0])
     forms = {"per_chunk": streamed.per_chunk(fw), "one_launch": streamed.one_launch(fw)}
-    if impl == "triton":
-        forms["per_chunk_pdl"] = streamed.per_chunk(fw, pdl=True)
     # every route's row, bitwise, from every form over the streamed blocks and from the batch blocks
     run_poisoned(streamed, forms["one_launch"])
     ref = by_route(streamed).clone()
@@ -175,21 +172,18 @@ def measure(T: int, chunks: int, impl: str, shape, fw, args, dev, sets: list) ->
            "per_chunk_over_batch": ms["per_chunk"] / ms["batch"],
            # per_chunk - one_launch (the key the committed results carry; not a strict bound: module doc)
            "scheduler_saving_bound_ms": ms["per_chunk"] - ms["one_launch"]}
-    if "per_chunk_pdl" in ms:
-        row["per_chunk_pdl_over_one_launch"] = ms["per_chunk_pdl"] / ms["one_launch"]
     del streamed, batch, forms, captured, graphs
     torch.cuda.empty_cache()
     return [row]
 
 
 def print_rows(rows: list[dict]) -> None:
-    print(f"{'tokens':>6} {'C':>2} {'impl':8} {'blocks':>11} {'batch':>8} {'one':>8} {'per-chunk':>9} {'pdl':>8} "
+    print(f"{'tokens':>6} {'C':>2} {'impl':8} {'blocks':>11} {'batch':>8} {'one':>8} {'per-chunk':>9} "
           f"{'chunk/one':>9} {'one/batch':>9} {'chunk-one':>9}")
     for r in rows:
         m = r["ms"]
-        pdl = f"{m['per_chunk_pdl']:8.3f}" if "per_chunk_pdl" in m else f"{'-':>8}"
         print(f"{r['tokens']:6d} {r['chunks']:2d} {r['impl']:8} {r['blocks_batch']:5d}/{r['blocks_streamed']:5d} "
-              f"{m['batch']:8.3f} {m['one_launch']:8.3f} {m['per_chunk']:9.3f} {pdl} "
+              f"{m['batch']:8.3f} {m['one_launch']:8.3f} {m['per_chunk']:9.3f} "
               f"{r['per_chunk_over_one_launch']:9.3f} {r['one_launch_over_batch']:9.3f} "
               f"{r['scheduler_saving_bound_ms']:9.3f}", flush=True)
 

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from streamring.device import progress as PG
+from streamring.ring.policies import progress
 from streamring.ring.device import DeviceRing
 from streamring.gpu_selftest import POLICIES, StreamedSequence, _agree
 from streamring.ring.layout import RingLayout
@@ -75,8 +75,7 @@ def bench_policy(heap, policy: str, replays: int, chunks: int, slots: int, produ
     R = heap.num_ranks
     layout = RingLayout(num_ranks=R, num_slots=slots, tokens_per_slot=32, hidden=128, topk=4, num_experts=64)
     ring = DeviceRing(heap, layout, chunks, transport="p2p" if policy == "green_ctx" else "nv",
-                      wake=PG.policy_class("serialized" if policy == "pdl" else policy).rings_doorbells, timestamps=True,
-                      name="latency-ring")
+                      wake=progress(policy).doorbells, timestamps=True, name="latency-ring")
     out = {"policy": policy}
     seq = None
     try:

@@ -360,7 +360,7 @@ def phase_gpus(state: dict) -> None:
     run_step(state, f"gpu-check x{REPLAYS} replays, all policies + negative controls (one PE per GPU)", mpiexec(
         n, "-m", "streamring", "gpu-check", "--policies", "all", "--replays", REPLAYS, "--controls",
         "--json", str(gj)), 150, pes=n, judge=judge_graph, json_path=gj)
-    # the ring's own progress under every policy (pdl included) runs in the gpu-check step above
+    # the ring's own progress under every policy runs in the gpu-check step above
     for policy in EP_POLICIES:
         rj = TMP / f"fast-{policy}.json"
         run_step(state, f"EP layer run: policy {policy}", run_cmd(

@@ -17,7 +17,9 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, ValidationError, field_validator, model_validator
 
 from .ring.layout import SF_BLOCK
-from .ring.policies import EP_SOURCE_ORDERS, GEMM_CHOICES, INJECT_MODES, PROGRESS_POLICIES, SOURCE_ORDERS
+from .gemm.backends import names as gemm_names
+from .moe.routing import router_names
+from .ring.policies import EP_SOURCE_ORDERS, INJECT_MODES, PROGRESS_POLICIES, REFUSED_POLICIES, SOURCE_ORDERS
 
 
 class ConfigError(ValueError):
@@ -46,9 +48,9 @@ class CpuConfig(_Strict):
 class NvshmemConfig(_Strict):
     """NVSHMEM backend options."""
 
-    progress: Literal[PROGRESS_POLICIES] = Field(  # type: ignore[valid-type]
-        "spin_kernel", description="progress policy of the GPU layer (streamring.ring.protocol; the layer refuses "
-                                   "those of streamring.ring.policies.REFUSED_POLICIES before launch, with the "
+    progress: Literal[PROGRESS_POLICIES + tuple(REFUSED_POLICIES)] = Field(  # type: ignore[valid-type]
+        "spin_kernel", description="progress policy of the GPU layer (streamring.ring.policies.PROGRESS; the layer "
+                                   "refuses those of streamring.ring.policies.REFUSED_POLICIES before launch, with the "
                                    "reason; gpu-check takes --policies)")
     producer_sms: int = Field(16, ge=8, description="green_ctx: SMs of the producer context (multiple of 8)")
     transport: Literal["auto", "p2p", "nv"] = Field(
@@ -73,7 +75,7 @@ class LayerConfig(_Strict):
     intermediate: int = Field(256, ge=SF_BLOCK)
     num_experts: int = Field(8, ge=1)
     topk: int = Field(2, ge=1)
-    router: Literal["softmax_topk", "deepseek_v3"] = "softmax_topk"
+    router: Literal[router_names()] = "softmax_topk"  # type: ignore[valid-type]
     renormalize: bool = True
     n_group: int = Field(1, ge=1)
     topk_group: int = Field(1, ge=1)
@@ -121,7 +123,7 @@ class RunConfig(_Strict):
     straggler: Optional["Straggler"] = Field(
         None, description="delay one rank's producers at the start of every forward, batch and streamed: device "
                           "side on the fast GPU path, its producer roles sleeping on the CPU and host-verb layers")
-    gemm: Literal[GEMM_CHOICES] = Field(  # type: ignore[valid-type]
+    gemm: Literal[("auto",) + gemm_names()] = Field(  # type: ignore[valid-type]
         "auto", description="fast GPU path: the expert GEMMs of both the batch and the streamed path (auto: CUTLASS "
                             "when its library is built, else Triton)")
     fault: Optional["ReplayFault"] = Field(

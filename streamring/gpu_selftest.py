@@ -20,8 +20,7 @@ policy (``streamring.ring.policies.PROGRESS_POLICIES``) must keep it from blocki
   the consume kernel; holds one SM slot per waiting source.
 * ``green_ctx`` - producer and consumer on streams of two green contexts with disjoint SMs
   (``producer_sms`` for the producer); the ring uses the P2P transport.
-* ``serialized`` / ``pdl`` - producer then consumer, chunk by chunk, on one stream (the ring
-  kernels have no PDL form; ``pdl`` concerns the MoE layer's GEMMs). Always valid.
+* ``serialized`` - producer then consumer, chunk by chunk, on one stream. Always valid.
 
 Run it on every PE of a job (``mpiexec -n 2 streamring gpu-check``; or ``--ranks N`` to start
 the ranks) or as one PE (``streamring gpu-check``); exit 0 iff every expectation held.
@@ -35,19 +34,13 @@ import time
 from pathlib import Path
 
 
-from .device import progress as PG
+from .ring import progress as PG
 from .device.ringdesc import CLOCK_HZ, INJECT_BITS, RING_LAYOUT, RING_ROUTE
 from .ring.device import DeviceRing
 from .ring.layout import RingLayout
-from .ring.policies import PROGRESS_POLICIES
+from .ring.policies import PROGRESS_POLICIES, progress
 
 POLICIES = PROGRESS_POLICIES
-
-
-def _streams_of(policy: str) -> str:
-    """The progress policy whose streams ``policy`` runs on: its own (pdl, refused by the EP layer, on one stream,
-    as serialized)."""
-    return "serialized" if policy == "pdl" else policy
 
 
 class StreamedSequence:
@@ -55,23 +48,20 @@ class StreamedSequence:
 
     def __init__(self, heap, ring: DeviceRing, policy: str, *, inject: int = 0, delay_cycles: int = 0,
                  hold_cycles: int = 0, producer_sms: int = 16):
-        if policy not in POLICIES:
-            raise ValueError(f"progress policy {policy!r} is not one of {POLICIES}")
+        how = progress(policy)  # ValueError naming the policies (and the reason, for a refused one)
         self.heap, self.ring, self.policy = heap, ring, policy
         self.inject = int(inject)
         self.delay = int(delay_cycles)
         self.hold = int(hold_cycles)
-        if policy == "green_ctx" and ring.transport != "p2p":
-            raise ValueError("green_ctx needs a DeviceRing with transport='p2p' (no NVSHMEM state in green contexts)")
-        # the producer and the consumer ("d": the dispatch role) on the policy's streams (device.progress); pdl
-        # runs on one stream, as serialized does
-        self.progress = PG.make(_streams_of(policy), heap.device, roles=("p", "d"), producer_sms=producer_sms,
-                                priorities=False)
+        if how.p2p and ring.transport != "p2p":
+            raise ValueError(f"{policy} needs a DeviceRing with transport='p2p' (no NVSHMEM state in green contexts)")
+        # the producer and the consumer ("d": the dispatch role) on the policy's streams (ring.progress)
+        self.progress = PG.make(policy, heap.device, roles=("p", "d"), producer_sms=producer_sms, priorities=False)
         self.green = self.progress.green
         self.green_how = self.progress.how
         self.pstream, self.cstream = self.progress.stream("p"), self.progress.stream("d")
-        if self.progress.rings_doorbells and ring.off_wake < 0:
-            raise ValueError("the stream_wait policy needs a DeviceRing made with wake=True")
+        if how.doorbells and ring.off_wake < 0:
+            raise ValueError(f"the {policy} policy needs a DeviceRing made with wake=True")
 
     def warm_up(self) -> None:
         """Load every kernel in every context used, before any wait is enqueued."""
@@ -103,7 +93,7 @@ class StreamedSequence:
             for k in kinds(c):
                 r.produce(st, c, k, inject=inj, delay_cycles=self.delay)
 
-        if self.pstream is None:  # serialized / pdl
+        if self.pstream is None:  # one stream: producer then consumer, chunk by chunk
             for c in range(n):
                 produce_chunk(origin, c)
                 r.consume(origin, c, inject=inj, hold_cycles=self.hold)
@@ -199,9 +189,9 @@ def graph_check(heap, policy: str, *, replays: int = 10000, num_slots: int = 4, 
                         num_experts=64)
     res = {"policy": policy, "pes": R, "rank": heap.rank, "inject": inject, "replays_asked": replays,
            "num_slots": num_slots, "num_chunks": num_chunks, "mode": "", "ok": False, "error": None}
-    ring = DeviceRing(heap, layout, num_chunks, transport="p2p" if policy == "green_ctx" else "nv",
-                      wake=PG.policy_class(_streams_of(policy)).rings_doorbells, deadline_s=deadline_s,
-                      name="gpu-check-ring")
+    how = progress(policy)
+    ring = DeviceRing(heap, layout, num_chunks, transport="p2p" if how.p2p else "nv", wake=how.doorbells,
+                      deadline_s=deadline_s, name="gpu-check-ring")
     seq = None
     try:
         err = None
@@ -331,7 +321,7 @@ def run_checks(heap, *, policies=POLICIES, replays: int = 10000, slots: int = 4,
         for key in ("violations", "timeouts", "consumed"):
             merged[key] = sum(int(x.get(key, 0) or 0) for x in all_r)
         merged["per_pe"] = all_r
-        if merged.get("mode") == "not run" and spec["policy"] == "green_ctx" and heap.num_ranks > 1:
+        if merged.get("mode") == "not run" and progress(spec["policy"]).streams == "green" and heap.num_ranks > 1:
             merged["verdict"] = "n/a"  # green contexts under MPS: reported, not counted
         else:
             merged["verdict"] = "PASS" if merged["ok"] else "FAIL"

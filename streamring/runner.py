@@ -152,7 +152,7 @@ def check_run_job(cfg: Config, num_ranks: int) -> None:
                               f"got ring.num_slots={cfg.ring.num_slots}")
     if use_fast_gpu_path(cfg) and cfg.nvshmem.progress in REFUSED_POLICIES:
         # the expert-parallel layer refuses it (see moe/ep_buffer.py): say so before launch
-        allowed = [p for p in PROGRESS_POLICIES if p not in REFUSED_POLICIES]
+        allowed = list(PROGRESS_POLICIES)
         raise ConfigError(f"nvshmem.progress={cfg.nvshmem.progress} is refused by the expert-parallel GPU layer: "
                           f"{REFUSED_POLICIES[cfg.nvshmem.progress]}; use one of {allowed}, or "
                           f"run.gpu_path=host_verbs")

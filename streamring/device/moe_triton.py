@@ -532,13 +532,9 @@ def _gemm_over_ready_tiles(ready_list_ptr, ready_hi_ptr, lo_index, hi_index, max
                            x_ptr, xsf_ptr, w_ptr, wsf_ptr, out_ptr, outsf_ptr, roww_ptr, row_src_ptr, row_tok_ptr,
                            comb_delta_ptr, block_rows_ptr, LAYER: tl.constexpr, NT: tl.constexpr,
                            H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, GROUP: tl.constexpr,
-                           STAGES: tl.constexpr, PDL: tl.constexpr, PERSIST: tl.constexpr, DIRECT: tl.constexpr):
+                           STAGES: tl.constexpr, PERSIST: tl.constexpr, DIRECT: tl.constexpr):
     # The tiles of L1 (LAYER 1: x = a, w = w1, out = h1 + scales) or L2 (LAYER 2: x = h1, w = w2, out = y or
     # the owners' combine rows) over the ready blocks ready_list[ready_hi[lo_index] : ready_hi[hi_index]].
-    if PDL:
-        # programmatic dependent launch: this grid was launched before its predecessor ended;
-        # wait here (before the first read of anything the predecessor writes)
-        tl.extra.cuda.gdc_wait()
     lo = tl.load(ready_hi_ptr + lo_index)
     hi = tl.load(ready_hi_ptr + hi_index)
     n_items = tl.minimum(hi - lo, max_items)
@@ -570,23 +566,22 @@ def _gemm_over_ready_tiles(ready_list_ptr, ready_hi_ptr, lo_index, hi_index, max
 @triton.jit(do_not_specialize=["lo_index", "hi_index", "max_items", "single_tiles"])
 def _l1_swiglu_kernel(ready_list_ptr, ready_hi_ptr, lo_index, hi_index, max_items, single_tiles, block_expert_ptr,
                       a_ptr, asf_ptr, w1_ptr, w1sf_ptr, h1_ptr, h1sf_ptr, H: tl.constexpr, I: tl.constexpr,
-                      BM: tl.constexpr, GROUP: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr,
-                      PERSIST: tl.constexpr):
+                      BM: tl.constexpr, GROUP: tl.constexpr, STAGES: tl.constexpr, PERSIST: tl.constexpr):
     # (h1sf_ptr stands in for L2's pointers, unused by LAYER 1)
     _gemm_over_ready_tiles(ready_list_ptr, ready_hi_ptr, lo_index, hi_index, max_items, single_tiles,
                            block_expert_ptr, a_ptr, asf_ptr, w1_ptr, w1sf_ptr, h1_ptr, h1sf_ptr, h1sf_ptr, h1sf_ptr,
-                           h1sf_ptr, h1sf_ptr, h1sf_ptr, 1, I // 128, H, I, BM, GROUP, STAGES, PDL, PERSIST, False)
+                           h1sf_ptr, h1sf_ptr, h1sf_ptr, 1, I // 128, H, I, BM, GROUP, STAGES, PERSIST, False)
 
 
 @triton.jit(do_not_specialize=["lo_index", "hi_index", "max_items", "single_tiles"])
 def _l2_kernel(ready_list_ptr, ready_hi_ptr, lo_index, hi_index, max_items, single_tiles, block_expert_ptr, h1_ptr,
                h1sf_ptr, w2_ptr, w2sf_ptr, roww_ptr, y_ptr, row_src_ptr, row_tok_ptr, comb_delta_ptr, block_rows_ptr,
                H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, GROUP: tl.constexpr, STAGES: tl.constexpr,
-               PDL: tl.constexpr, PERSIST: tl.constexpr, DIRECT: tl.constexpr):
+               PERSIST: tl.constexpr, DIRECT: tl.constexpr):
     # (y_ptr stands in for L1's output scales, unused by LAYER 2)
     _gemm_over_ready_tiles(ready_list_ptr, ready_hi_ptr, lo_index, hi_index, max_items, single_tiles,
                            block_expert_ptr, h1_ptr, h1sf_ptr, w2_ptr, w2sf_ptr, y_ptr, y_ptr, roww_ptr, row_src_ptr,
-                           row_tok_ptr, comb_delta_ptr, block_rows_ptr, 2, H // 128, H, I, BM, GROUP, STAGES, PDL,
+                           row_tok_ptr, comb_delta_ptr, block_rows_ptr, 2, H // 128, H, I, BM, GROUP, STAGES,
                            PERSIST, DIRECT)
 
 
@@ -610,12 +605,6 @@ def _gemm_cfg(block_m: int, launch: dict | None = None, gemm: str = "l1") -> dic
         return {"num_warps": launch["num_warps"], "STAGES": launch["STAGES"]}
     table = GEMM_LAUNCH[gemm]
     return dict(table[max((k for k in table if k <= block_m), default=min(table))])
-
-
-def _pdl_kw(pdl: bool) -> dict:
-    return {"PDL": True, "launch_pdl": True} if pdl else {"PDL": False}
-
-
 
 
 @functools.lru_cache(maxsize=None)
@@ -655,7 +644,7 @@ def _grid(max_items: int, group: int, nt: int, max_ctas: int | None, expect_item
 
 
 def expert_l1(ready_list, ready_hi, lo_index: int, hi_index: int, max_items: int, block_expert, a, asf, w1, w1sf, h1,
-              h1sf, *, block_m: int, group: int = GROUP_BLOCKS, pdl: bool = False, max_ctas: int | None = None,
+              h1sf, *, block_m: int, group: int = GROUP_BLOCKS, max_ctas: int | None = None,
               expect_items: int | None = None, launch: dict | None = None):
     """L1 + SwiGLU + FP8 re-quantization of the ready blocks
     ``ready_list[ready_hi[lo_index] : ready_hi[hi_index]]``.
@@ -674,11 +663,11 @@ def expert_l1(ready_list, ready_hi, lo_index: int, hi_index: int, max_items: int
     grid, persist, single = _grid(max_items, group, nt, max_ctas, expect_items, a.device)
     return _l1_swiglu_kernel[grid](ready_list, ready_hi, lo_index, hi_index, max_items, single, block_expert, a, asf,
                                    w1, w1sf, h1, h1sf, H=h, I=i, BM=block_m, GROUP=group,
-                                   **_gemm_cfg(block_m, launch), **_pdl_kw(pdl), **persist)
+                                   **_gemm_cfg(block_m, launch), **persist)
 
 
 def expert_l2(ready_list, ready_hi, lo_index: int, hi_index: int, max_items: int, block_expert, h1, h1sf, w2, w2sf,
-              roww, y, block_rows, *, block_m: int, group: int = GROUP_BLOCKS, pdl: bool = False,
+              roww, y, block_rows, *, block_m: int, group: int = GROUP_BLOCKS,
               max_ctas: int | None = None, expect_items: int | None = None, direct=None, launch: dict | None = None):
     """L2 of the ready blocks, times the routing weight, as bf16 rows (returns the kernel handle).
 
@@ -703,7 +692,7 @@ def expert_l2(ready_list, ready_hi, lo_index: int, hi_index: int, max_items: int
     return _l2_kernel[grid](ready_list, ready_hi, lo_index, hi_index, max_items, single, block_expert, h1, h1sf, w2,
                             w2sf, roww,
                             y, row_src, row_tok, comb_delta, block_rows, H=h, I=i, BM=block_m, GROUP=group, **_gemm_cfg(block_m, launch, "l2"),
-                            **_pdl_kw(pdl), **persist, DIRECT=direct is not None)
+                            **persist, DIRECT=direct is not None)
 
 
 @triton.jit

@@ -1,18 +1,21 @@
 """Which expert GEMM implementation (and which variant of it) runs a shape: the measured heuristic.
 
 ``python -m bench.gemm --table PATH`` times every implementation of the block consumer's expert GEMMs
-on one H200 (CUTLASS variants, DeepGEMM, Triton) and writes, per (rows per expert, N, K), every time
-and the fastest; the committed copy is :data:`TABLE_PATH`. :func:`choose_gemm` picks one GEMM's
-implementation from it, :func:`choose_layer` one implementation for both GEMMs of a layer (the
-expert-parallel layer's ``gemm="auto"`` resolves through it), :func:`setup_consumer` prepares a
+on one H200 (every backend's variants) and writes, per (rows per expert, N, K), every time and the
+fastest; the committed copy is :data:`TABLE_PATH`. :func:`choose_gemm` picks one GEMM's implementation
+from it, :func:`choose_layer` one implementation for both GEMMs of a layer (the expert-parallel layer's
+``gemm="auto"`` resolves through it), :func:`setup_consumer` prepares a
 :class:`~streamring.moe.blocks.BlockConsumer` for the choice.
+
+Everything here reads the backend registry (:mod:`streamring.gemm.backends`) and names no backend: a table
+key is parsed by the backend it names, a backend says whether it runs here (``probe``) and which of its
+variants a block size runs, and gives its options for a choice.
 
 Where the table has no measured entry for (N, K) near the asked rows per expert (within a factor of
 :data:`NEAREST_FACTOR`), or the table is marked ``"measured": false``, the rule that held before the
-table existed decides: CUTLASS with the 64-row ping-pong tile below 128 rows per expert (weight-read
-bound), the 128x128 cooperative tile from 128 on (``docs/results/gemm-cutlass-triton-vs-torch-128-32768-2026-11-30.json``), bf16 L1
-output; Triton where CUTLASS is not available. The choice says which of the two decided
-(:attr:`GemmChoice.source`).
+table existed decides: the available backend of the lowest ``fallback_rank``, with its own variant for the
+rows per expert; the only backend asked for where none ranked is; else the last ranked one (the one that runs
+wherever the layer runs). The choice says which decided (:attr:`GemmChoice.source`).
 """
 
 from __future__ import annotations
@@ -23,29 +26,19 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Iterable, Mapping
 
-from .backends import IMPLS
+from .backends import backend, backends, names, unavailable
 
 TABLE_PATH = Path(__file__).with_name("table.json")
 #: a measured entry serves rows-per-expert values within this factor of its own
 NEAREST_FACTOR = 2.0
-#: below this many rows per expert the fallback rule takes the 64-row ping-pong tile
-PINGPONG_BELOW_ROWS = 128
-#: the group scheduler swizzles a key may name after the raster (``gemm.cutlass.SWIZZLES`` less the
-#: default 1, which a key leaves out; not imported: that module loads torch)
-KEY_SWIZZLES = (2, 4, 8)
-#: CUTLASS tiles that take one block per tile (``gemm.cutlass.TILE_TABLE``'s ``block_tile`` tiles; not
-#: imported: that module loads torch. tests/unit/test_gemm_choice.py holds the two equal), and the block
-#: size they need: a consumer of other blocks never gets them from the table
-BLOCK_TILES = ("pair128", "pair192", "pair128_n2", "block128", "block128_n2", "block64pp")
-BLOCK_TILE_ROWS = 128
 
 
 @dataclass(frozen=True)
 class GemmChoice:
-    """One GEMM's implementation: ``impl`` (:data:`IMPLS`), for CUTLASS its ``tile``
-    (``gemm.cutlass.TILE_TABLE``), ``out`` (``"bf16"``/``"f32"``, the L1 output) and ``raster``
-    (``"m"``/``"n"``) and ``swizzle`` (1, 2, 4, 8: the group scheduler's tile order); ``ms`` the
-    measured median (None when the fallback rule chose); ``source`` what decided."""
+    """One GEMM's implementation: ``impl`` (a backend name), the fields of its variant as its table keys name
+    them (``tile``, ``out``: the L1 output dtype, ``raster`` and ``swizzle``: a tile order; a backend without
+    variants leaves the defaults); ``ms`` the measured median (None when the fallback rule chose); ``source``
+    what decided."""
 
     impl: str
     tile: str | None = None
@@ -62,41 +55,48 @@ class GemmChoice:
 
 def variant_key(impl: str, tile: str | None = None, out: str | None = None, raster: str = "m",
                 swizzle: int = 1) -> str:
-    """The table's name of an implementation variant: ``cutlass:<tile>:<out>:<raster>`` (with
-    ``:s<swizzle>`` appended when the swizzle is not 1), ``deep_gemm``, ``triton``."""
-    if impl == "cutlass":
-        if swizzle != 1 and swizzle not in KEY_SWIZZLES:
-            raise ValueError(f"swizzle must be 1 or one of {KEY_SWIZZLES}, got {swizzle!r}")
-        return f"cutlass:{tile}:{out or 'bf16'}:{raster}" + (f":s{swizzle}" if swizzle != 1 else "")
-    return impl
+    """The table's name of an implementation variant, as its backend names it (the backend's name alone where
+    it has no variants, or where ``impl`` names no backend)."""
+    try:
+        b = backend(impl)
+    except (ValueError, RuntimeError):
+        return impl
+    return b.variant_key(GemmChoice(impl, tile, out, raster, swizzle))
 
 
 def parse_key(key: str) -> GemmChoice:
-    """:func:`variant_key` backwards (ValueError for a key that names no implementation)."""
-    parts = key.split(":")
-    swizzles = {f"s{s}": s for s in KEY_SWIZZLES}
-    swizzle = 1 if len(parts) == 4 else swizzles.get(parts[4]) if len(parts) == 5 else None
-    if (parts[0] == "cutlass" and swizzle is not None and parts[2] in ("bf16", "f32") and parts[3] in ("m", "n")):
-        return GemmChoice("cutlass", tile=parts[1], out=parts[2], raster=parts[3], swizzle=swizzle)
-    if key in ("deep_gemm", "triton"):
-        return GemmChoice(key)
-    raise ValueError(f"table key {key!r} names no implementation (cutlass:<tile>:<bf16|f32>:<m|n>[:s<2|4|8>], "
-                     f"deep_gemm, triton)")
+    """:func:`variant_key` backwards (ValueError for a key that names no implementation loaded here)."""
+    name, *fields = key.split(":")
+    try:
+        variant = backend(name).parse_variant(fields)
+    except (ValueError, RuntimeError):
+        variant = None
+    if variant is None:
+        raise ValueError(f"table key {key!r} names no implementation "
+                         f"({', '.join(b.key_form() for b in backends().values())})")
+    return GemmChoice(name, **variant)
+
+
+def _ranked() -> list:
+    """The backends the fallback rule knows, in its order."""
+    return sorted((b for b in backends().values() if b.fallback_rank is not None),
+                  key=lambda b: (b.fallback_rank, b.name))
 
 
 def fallback(rows_per_expert: float, available: Iterable[str], why: str = "") -> GemmChoice:
-    """The rule before the table: CUTLASS ping-pong 64 below 128 rows per expert, else 128x128
-    cooperative (bf16 L1 output); Triton without CUTLASS. DeepGEMM only when it is the one
-    implementation asked for (unmeasured, it is not preferred to either)."""
-    avail = set(available)
+    """The rule before the table: the available backend of the lowest ``fallback_rank`` with its own variant
+    for ``rows_per_expert``; where none ranked is available, the one implementation asked for (unmeasured, a
+    backend without a rank is not preferred to any); else the last ranked one, which runs wherever the layer
+    runs."""
+    avail = set(available) & set(names())
     note = f" ({why})" if why else ""
-    if "cutlass" in avail:
-        tile = "pingpong64" if rows_per_expert < PINGPONG_BELOW_ROWS else "coop128"
-        return GemmChoice("cutlass", tile=tile, out="bf16", source=f"fallback rule: {tile} at "
-                          f"{rows_per_expert:g} rows per expert{note}")
-    if avail == {"deep_gemm"}:
-        return GemmChoice("deep_gemm", source=f"asked for explicitly{note}")
-    return GemmChoice("triton", source=f"fallback rule: Triton (CUTLASS not available){note}")
+    ranked = _ranked()
+    pick = next((b for b in ranked if b.name in avail), None)
+    if pick is None and len(avail) == 1:
+        return GemmChoice(next(iter(avail)), source=f"asked for explicitly{note}")
+    pick = pick or ranked[-1]
+    fields, rule = pick.fallback_variant(rows_per_expert)
+    return GemmChoice(pick.name, **fields, source=f"fallback rule: {rule}{note}")
 
 
 def load_table(path: str | Path | None = None) -> dict:
@@ -134,8 +134,8 @@ def _measured_in(entry: Mapping, table: Mapping) -> str:
 
 def usable_at(choice: GemmChoice, block_m: int | None) -> bool:
     """Whether a consumer of ``block_m``-row blocks can run ``choice`` (None: the block size is not
-    known, so only what runs at every block size)."""
-    return choice.tile not in BLOCK_TILES or block_m == BLOCK_TILE_ROWS
+    known, so only what runs at every block size): its backend says."""
+    return backend(choice.impl).runs_variant(choice, block_m)
 
 
 def _available_times(entry: Mapping, available: set, block_m: int | None) -> dict:
@@ -163,7 +163,7 @@ def choose_gemm(rows_per_expert: float, n: int, k: int, available: Iterable[str]
     """The fastest measured variant of the ``available`` implementations for one GEMM of ``n`` output
     columns and reduction ``k`` at ``rows_per_expert`` (tokens x top-k / experts) that a consumer of
     ``block_m``-row blocks can run (:func:`usable_at`); the fallback rule where nothing measured applies."""
-    avail = set(available) & set(IMPLS)
+    avail = set(available) & set(names())
     table = load_table() if table is None else table
     entry = _nearest_entry(table, rows_per_expert, n, k, block_m)
     if entry is None:
@@ -202,7 +202,7 @@ def choose_layer(rows_per_expert: float, hidden: int, intermediate: int, availab
     entries = [_nearest_entry(table, rows_per_expert, n, k, block_m) for n, k in shapes]
     totals = {}
     if all(entries):
-        for impl in sorted(avail & set(IMPLS)):
+        for impl in sorted(avail & set(names())):
             picks = []
             for e, (n, k) in zip(entries, shapes):
                 times = _available_times(e, {impl}, block_m)
@@ -220,85 +220,55 @@ def choose_layer(rows_per_expert: float, hidden: int, intermediate: int, availab
     return LayerChoice(f.impl, f, f, f.source, skipped)
 
 
-#: how :func:`available_impls` starts the reason of a CUTLASS library that is not built (none found)
-CUTLASS_NOT_BUILT = "CUTLASS library not built"
-
-
-def available_impls(block_m: int, policy: str = "serialized") -> dict[str, str]:
-    """Each implementation -> "" when the layer can use it here, else why not (loads nothing that is
-    not already built: CUTLASS's library from ``.gemm-build``/the cache, DeepGEMM if installed; never
-    builds: a build takes minutes, see :func:`resolve_layer` for what a run says instead)."""
-    out = {"triton": ""}
-    if policy == "pdl":
-        out["cutlass"] = out["deep_gemm"] = "no programmatic dependent launch (plan.policy 'pdl')"
-        return out
-    import torch
-
-    from . import cutlass as CG
-
-    try:
-        CG.load_library(build=False)
-        CG.library_info()
-        # the library loads without a GPU (it opens the driver only to run): it runs only where one is
-        out["cutlass"] = "" if torch.cuda.is_available() else "CUTLASS library built, but no CUDA GPU here"
-    except CG.GemmLibraryMissing as exc:
-        out["cutlass"] = f"{CUTLASS_NOT_BUILT}: {str(exc)[:200]}"
-    except Exception as exc:  # noqa: BLE001 - built for another source, cannot load, no GPU
-        out["cutlass"] = f"CUTLASS library unavailable: {str(exc)[:200]}"
-    from . import deep_gemm as DG
-
-    if block_m != DG.BLOCK_M:
-        out["deep_gemm"] = f"block_m must be {DG.BLOCK_M} for deep_gemm, the plan has {block_m}"
-    else:
-        a = DG.deep_gemm_available()
-        out["deep_gemm"] = "" if a else a.reason
+def available_impls(block_m: int) -> dict[str, str]:
+    """Each implementation -> "" when the layer can use it here, else why not: its block sizes, then its
+    ``probe`` (which loads nothing that is not built and never builds: a build takes minutes, see
+    :func:`resolve_layer` for what a run says instead)."""
+    out = {}
+    for name in names():
+        try:
+            b = backend(name)
+        except RuntimeError as exc:
+            out[name] = str(exc)
+            continue
+        sizes = b.capabilities.block_sizes
+        if sizes is not None and block_m not in sizes:
+            out[name] = f"block_m must be {' or '.join(map(str, sizes))} for {name}, the plan has {block_m}"
+        else:
+            out[name] = b.probe(block_m)
     return out
 
 
 def resolve_layer(gemm: str, block_m: int, shape, tokens_per_rank, table: Mapping | None = None) -> LayerChoice:
     """The expert-parallel layer's GEMMs for its ``gemm`` argument: ``"auto"`` takes the fastest
     available implementation of the table at the layer's rows per expert (every PE's tokens x top-k /
-    experts); an explicit implementation takes its own fastest variants (``"deep_gemm"``: ValueError
-    unless ``block_m`` is 128, RuntimeError with the reason when DeepGEMM is not available)."""
+    experts), and each backend it leaves out may say so (``left_out``: e.g. a library not built); an explicit
+    implementation takes its own fastest variants after its ``require`` (ValueError for a setting it does
+    not take, RuntimeError where it cannot run here)."""
     rows_per_expert = sum(int(t) for t in tokens_per_rank) * shape.topk / shape.num_experts
     if gemm == "auto":
         avail: Mapping[str, str] = available_impls(block_m)
-    elif gemm in IMPLS:
-        if gemm == "deep_gemm":
-            from . import deep_gemm as DG
-
-            DG.check_block_m(block_m, "block_m")
-            a = DG.deep_gemm_available()
-            if not a:
-                raise RuntimeError(f"gemm='deep_gemm' is not available: {a.reason}")
+    elif gemm in names():
+        backend(gemm).require(block_m)
         avail = {gemm: ""}
     else:
-        raise ValueError(f"gemm must be 'auto' or one of {IMPLS}, got {gemm!r}")
+        raise ValueError(f"gemm must be 'auto' or one of {names()}, got {gemm!r}")
     choice = choose_layer(rows_per_expert, shape.hidden, shape.intermediate, avail, table, block_m=block_m)
-    if gemm == "auto" and avail.get("cutlass", "").startswith(CUTLASS_NOT_BUILT):
-        from . import cutlass as CG
-
-        names = {"triton": "the Triton GEMMs", "deep_gemm": "DeepGEMM"}
-        CG.notice_once("gemm-auto-absent", CG.absent_text(
-            f"gemm='auto' runs {names.get(choice.impl, choice.impl)} instead (no build starts inside a run)"))
+    if gemm == "auto":
+        instead = backend(choice.impl).label()
+        for name, why in avail.items():
+            if why and not unavailable(name):
+                backend(name).left_out(why, instead)
     return choice
 
 
 def backend_options(choice: LayerChoice, *, staging_y: bool) -> dict:
     """The options of ``choice``'s backend (:mod:`streamring.gemm.backends`) for a block consumer.
     ``staging_y``: the caller reads ``bc.y``'s rows of each ready range right after computing them (the
-    expert-parallel layer), so DeepGEMM may overwrite the other rows (see ``DeepGemmExperts``)."""
-    if choice.impl == "cutlass":
-        import torch
-
-        out = {"bf16": torch.bfloat16, "f32": torch.float32}[choice.l1.out or "bf16"]
-        return dict(tile_l1=choice.l1.tile, tile_l2=choice.l2.tile, l1_out_dtype=out, raster_l1=choice.l1.raster,
-                    raster_l2=choice.l2.raster, swizzle_l1=choice.l1.swizzle, swizzle_l2=choice.l2.swizzle)
-    if choice.impl == "deep_gemm":
-        return dict(keep_rows_outside_range=not staging_y)
-    if choice.impl == "triton":
-        return {}
-    raise ValueError(f"choice.impl must be one of {IMPLS}, got {choice.impl!r}")
+    expert-parallel layer), so a backend may overwrite the other rows."""
+    if choice.impl not in names():
+        raise ValueError(f"choice.impl must be one of {names()}, got {choice.impl!r}")
+    return backend(choice.impl).options(choice, staging_y=staging_y)
 
 
 def setup_consumer(bc, choice: LayerChoice, *, staging_y: bool):

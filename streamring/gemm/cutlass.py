@@ -31,7 +31,7 @@ cache of :mod:`streamring.gemm.build`. A library built from another version of t
 refused (its embedded sha256 must match the source next to this file). A build is never silent: where
 none is found and one starts (a ``GroupedGemm`` made, e.g. ``gemm="cutlass"``), stderr says so once per
 process, with how long it takes, and a line per compile unit follows; ``gemm="auto"`` never builds
-(``gemm.choice.available_impls`` loads with ``build=False``) and says on stderr, once, that the library
+(:meth:`CutlassExperts.probe` loads with ``build=False``) and says on stderr, once, that the library
 is absent and which GEMMs run instead.
 
 Device-side range errors (a range longer than ``max_items``, a negative range, a block or expert id
@@ -52,7 +52,7 @@ from pathlib import Path
 
 import torch
 
-from .backends import CAPABILITIES, refuse_unsupported
+from .backends import Capabilities, GemmBackend, refuse_unsupported, register_backend
 
 FP8 = torch.float8_e4m3fn
 SF_BLOCK = 128
@@ -573,7 +573,17 @@ class GroupedGemm:
 # from that row only (see ``csrc/gemm/gemm_blockwise_fp8.cu``), the SwiGLU/quant kernel is row-local.
 
 
-class CutlassExperts:
+#: how :meth:`CutlassExperts.probe` starts the reason of a library that is not built (none found)
+NOT_BUILT = "CUTLASS library not built"
+#: the swizzles a table key names after the raster (the default 1 is left out of the key)
+KEY_SWIZZLES = tuple(s for s in SWIZZLES if s != 1)
+#: where nothing is measured, the 64-row ping-pong tile below this many rows per expert (weight-read bound),
+#: the 128x128 cooperative tile from it on (docs/results/gemm-cutlass-triton-vs-torch-128-32768-2026-11-30.json)
+PINGPONG_BELOW_ROWS = 128
+
+
+@register_backend
+class CutlassExperts(GemmBackend):
     """CUTLASS plans and intermediates for one :class:`~streamring.moe.blocks.BlockConsumer`: the
     ``cutlass`` backend of :mod:`streamring.gemm.backends`.
 
@@ -587,7 +597,10 @@ class CutlassExperts:
     """
 
     name = "cutlass"
-    capabilities = CAPABILITIES["cutlass"]
+    # cutlass::device_kernel<...GemmUniversal...>: the grouped and the one-block-tile kernels
+    capabilities = Capabilities(max_ctas=True, waves=True, kernel_names=("cutlass13device_kernel",))
+    title = "CUTLASS"
+    fallback_rank = 0  # the rule where nothing is measured prefers it (measured faster before the table)
 
     def __init__(self, bc, *, tile_l1: str = "coop128", tile_l2: str = "coop128", l1_out_dtype=torch.float32,
                  trap_on_error: bool = True, raster_l1: str = "m", raster_l2: str = "m", swizzle_l1: int = 1,
@@ -637,11 +650,11 @@ class CutlassExperts:
                        max_ctas=max_ctas)
 
     def compute(self, lo_index: int, hi_index: int, max_items: int, fw, *, max_ctas: int | None = None,
-                expect_items: int | None = None, pdl: bool = False, out=None, direct=None) -> None:
+                expect_items: int | None = None, out=None, direct=None) -> None:
         """L1 + SwiGLU/requant and L2 of the ready blocks into ``bc.y`` (:mod:`~streamring.gemm.backends`);
         ``max_ctas`` caps the persistent grids (``expect_items`` is not needed: they loop over the ready tiles);
-        ``pdl``, ``out`` and ``direct`` are refused (ValueError)."""
-        refuse_unsupported(self.name, max_ctas=max_ctas, pdl=pdl, out=out, direct=direct)
+        ``out`` and ``direct`` are refused (ValueError)."""
+        refuse_unsupported(self.name, max_ctas=max_ctas, out=out, direct=direct)
         self.l1_swiglu(lo_index, hi_index, max_items, fw, max_ctas)
         self.l2(lo_index, hi_index, max_items, fw, max_ctas)
 
@@ -654,3 +667,59 @@ class CutlassExperts:
         """Raise if any run met a bad ready range (synchronises)."""
         self.gemm1.check()
         self.gemm2.check()
+
+    # -- what the measured choice asks (streamring.gemm.choice) -------------------------------------------
+    @classmethod
+    def probe(cls, block_m: int) -> str:
+        """"" when a library built from this source loads (never builds: :data:`NOT_BUILT` says it is absent)."""
+        try:
+            load_library(build=False)
+            library_info()
+            # the library loads without a GPU (it opens the driver only to run): it runs only where one is
+            return "" if torch.cuda.is_available() else "CUTLASS library built, but no CUDA GPU here"
+        except GemmLibraryMissing as exc:
+            return f"{NOT_BUILT}: {str(exc)[:200]}"
+        except Exception as exc:  # noqa: BLE001 - built for another source, cannot load, no GPU
+            return f"CUTLASS library unavailable: {str(exc)[:200]}"
+
+    @classmethod
+    def left_out(cls, reason: str, instead: str) -> None:
+        if reason.startswith(NOT_BUILT):
+            notice_once("gemm-auto-absent", absent_text(
+                f"gemm='auto' runs {instead} instead (no build starts inside a run)"))
+
+    @classmethod
+    def options(cls, choice, *, staging_y: bool) -> dict:
+        out = {"bf16": torch.bfloat16, "f32": torch.float32}[choice.l1.out or "bf16"]
+        return dict(tile_l1=choice.l1.tile, tile_l2=choice.l2.tile, l1_out_dtype=out, raster_l1=choice.l1.raster,
+                    raster_l2=choice.l2.raster, swizzle_l1=choice.l1.swizzle, swizzle_l2=choice.l2.swizzle)
+
+    @classmethod
+    def variant_key(cls, choice) -> str:
+        """``cutlass:<tile>:<out>:<raster>``, with ``:s<swizzle>`` appended when the swizzle is not 1."""
+        if choice.swizzle != 1 and choice.swizzle not in KEY_SWIZZLES:
+            raise ValueError(f"swizzle must be 1 or one of {KEY_SWIZZLES}, got {choice.swizzle!r}")
+        return (f"cutlass:{choice.tile}:{choice.out or 'bf16'}:{choice.raster}"
+                + (f":s{choice.swizzle}" if choice.swizzle != 1 else ""))
+
+    @classmethod
+    def parse_variant(cls, fields: list):
+        swizzles = {f"s{s}": s for s in KEY_SWIZZLES}
+        swizzle = 1 if len(fields) == 3 else swizzles.get(fields[3]) if len(fields) == 4 else None
+        if swizzle is None or fields[1] not in ("bf16", "f32") or fields[2] not in RASTERS:
+            return None
+        return dict(tile=fields[0], out=fields[1], raster=fields[2], swizzle=swizzle)
+
+    @classmethod
+    def key_form(cls) -> str:
+        return "cutlass:<tile>:<bf16|f32>:<m|n>[:s<2|4|8>]"
+
+    @classmethod
+    def runs_variant(cls, choice, block_m) -> bool:
+        """The one-block tiles take 128-row blocks only."""
+        return choice.tile not in BLOCK_TILES or block_m == BLOCK_TILE_ROWS
+
+    @classmethod
+    def fallback_variant(cls, rows_per_expert: float) -> tuple:
+        tile = "pingpong64" if rows_per_expert < PINGPONG_BELOW_ROWS else "coop128"
+        return dict(tile=tile, out="bf16"), f"{tile} at {rows_per_expert:g} rows per expert"

@@ -54,7 +54,7 @@ from pathlib import Path
 
 import torch
 
-from .backends import CAPABILITIES, refuse_unsupported
+from .backends import Capabilities, GemmBackend, refuse_unsupported, register_backend
 # the status bits of a ready range are the CUTLASS path's (one definition, re-exported here)
 from .cutlass import STATUS_BITS, status_text  # noqa: F401
 
@@ -306,7 +306,8 @@ def copy_ready_rows(ready_list, ready_hi, lo_index: int, hi_index: int, max_item
 # the SwiGLU/quant kernel is row-local, the copy is exact.
 
 
-class DeepGemmExperts:
+@register_backend
+class DeepGemmExperts(GemmBackend):
     """DeepGEMM buffers for one :class:`~streamring.moe.blocks.BlockConsumer` (allocated here, once): the
     ``deep_gemm`` backend of :mod:`streamring.gemm.backends`.
 
@@ -316,7 +317,9 @@ class DeepGemmExperts:
     """
 
     name = "deep_gemm"
-    capabilities = CAPABILITIES["deep_gemm"]
+    # DeepGEMM's SM90 FP8 GEMM kernels (JIT-compiled: sm90_fp8_gemm_1d2d_impl and its kin)
+    capabilities = Capabilities(kernel_names=("fp8_gemm",), block_sizes=(BLOCK_M,))
+    title = "DeepGEMM"
 
     def __init__(self, bc, *, keep_rows_outside_range: bool = True, psum: bool = True):
         check_block_m(bc.block_m, "block_m (BlockConsumer.block_m, the plan's block_m)")
@@ -382,11 +385,11 @@ class DeepGemmExperts:
                             block_m=bc.block_m)
 
     def compute(self, lo_index: int, hi_index: int, max_items: int, fw, *, max_ctas: int | None = None,
-                expect_items: int | None = None, pdl: bool = False, out=None, direct=None) -> None:
+                expect_items: int | None = None, out=None, direct=None) -> None:
         """L1 + SwiGLU/requant and L2 of the ready blocks into ``bc.y`` (:mod:`~streamring.gemm.backends`);
-        ``max_ctas``, ``pdl``, ``out`` and ``direct`` are refused (ValueError): DeepGEMM's grid and
+        ``max_ctas``, ``out`` and ``direct`` are refused (ValueError): DeepGEMM's grid and
         configuration follow the device's SM count (``expect_items`` is ignored for the same reason)."""
-        refuse_unsupported(self.name, max_ctas=max_ctas, pdl=pdl, out=out, direct=direct)
+        refuse_unsupported(self.name, max_ctas=max_ctas, out=out, direct=direct)
         if max_items <= 0:
             return
         psum = self.allow_psum and self.bc.covers_one_allocation(lo_index, hi_index)
@@ -407,3 +410,21 @@ class DeepGemmExperts:
         s = self.status()
         if s:
             raise RuntimeError(f"DeepGemmExperts: status {s:#x}: {status_text(s)}")
+
+    # -- what the measured choice asks (streamring.gemm.choice) -------------------------------------------
+    @classmethod
+    def probe(cls, block_m: int) -> str:
+        a = deep_gemm_available()
+        return "" if a else a.reason
+
+    @classmethod
+    def require(cls, block_m: int) -> None:
+        check_block_m(block_m, "block_m")
+        a = deep_gemm_available()
+        if not a:
+            raise RuntimeError(f"gemm='deep_gemm' is not available: {a.reason}")
+
+    @classmethod
+    def options(cls, choice, *, staging_y: bool) -> dict:
+        """``staging_y``: the caller reads each range's rows right away, so DeepGEMM may overwrite the others."""
+        return dict(keep_rows_outside_range=not staging_y)

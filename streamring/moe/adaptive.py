@@ -6,6 +6,10 @@ command is recorded in the table). A token count uses the row of the largest mea
 count not above it (the smallest row below every measured count). A row says ``batch`` where
 no streamed configuration beat the batch path in the same interleaved run - so the adaptive
 policy is never slower than batch at a measured size; between measured sizes it extrapolates.
+Where the table has no row of a setting (GEMM implementation, PE count, experts per PE) the answer is
+the batch path: it is the correctness fallback and what streaming must beat, and a measurement of
+another setting, or another GPU's, says nothing of this one. The runtime holds no performance model;
+the fitted one, and its comparison with this table, live in ``bench/`` (``python -m bench.cost_model``).
 
 No GPU import here: an engine can read the plan anywhere.
 """
@@ -44,50 +48,10 @@ class AdaptiveChoice:
     #: the ready order's grouping window the row was measured with; None: one source per step (rows
     #: measured before the grouped steps, and every other order)
     ready_window_us: Optional[float] = None
-    #: what decided: ``measured`` (a row of the tuned table), ``none`` (the table has no row for the setting:
-    #: the batch path) or ``model`` (:mod:`streamring.moe.cost_model`)
+    #: what decided: ``measured`` (a row of the tuned table) or ``none`` (the table has no row for the setting:
+    #: the batch path); ``EPBuffer.adaptive_streaming`` adds ``other schedule`` (the row's streamed plan is not
+    #: the buffer's own: the batch path), the research model in ``bench/`` answers ``model``
     source: str = "measured"
-
-
-#: late-rank cases the model weighs beside the on-time one (ms of one PE's producer delay)
-MODEL_LATE_MS = (1.0, 3.0)
-
-
-def choose_by_model(tokens: int, *, ranks: int, experts_per_pe: int, gemm: str, block_m: int, chunks: int,
-                    source_order: str, link_GBps: float, shape: tuple = (7168, 2048, 8),
-                    margin: float = 0.01, ready_window_us: Optional[float] = None) -> AdaptiveChoice:
-    """The batch path or the buffer's own streamed plan for ``tokens`` tokens per PE, from the cost model
-    (:func:`streamring.moe.cost_model.predict`, one GPU per PE): each path's regret is its worst ratio over
-    the faster path in the cases on time and with one PE ``MODEL_LATE_MS`` late, and the streamed plan is
-    taken where its regret is below batch's by more than ``margin`` (the tuned table's rule). ``shape``:
-    ``(hidden, intermediate, topk)`` of the layer; the model's rates are DeepSeek-V3's expert shapes, so any
-    other shape gets the batch path. ``ready_window_us``: the buffer's grouping window (ready order; None: one
-    source per step)."""
-    from . import cost_model as CM
-
-    if tuple(shape) != (CM.H, CM.I_DIM, CM.TOPK):
-        return AdaptiveChoice(tokens, "batch", block_m, tokens, source="model",
-                              note=f"no measured row, and the cost model covers (hidden, intermediate, topk) = "
-                                   f"{(CM.H, CM.I_DIM, CM.TOPK)} only, not {tuple(shape)}: the batch path")
-    if gemm not in CM.load_rates()["gemm"]:
-        return AdaptiveChoice(tokens, "batch", block_m, tokens, source="model",
-                              note=f"the cost model has no rates for gemm={gemm!r}: the batch path")
-    base = dict(ranks=ranks, tokens=tokens, experts_per_pe=experts_per_pe, gemm=gemm, block_m=block_m,
-                machine="gpu", link_GBps=link_GBps)
-    times = {p: [] for p in ("batch", "streamed")}
-    for late in (0.0,) + MODEL_LATE_MS:
-        case = dict(base, straggler_ms=late, straggler_rank=ranks - 1 if late else None)
-        times["batch"].append(CM.predict(dict(case, path="batch"))["total_ms"])
-        times["streamed"].append(CM.predict(dict(case, path="streamed", chunks=chunks, source_order=source_order,
-                                                 ready_window_us=ready_window_us))["total_ms"])
-    best = [min(b, s) for b, s in zip(times["batch"], times["streamed"])]
-    regret = {p: max(t / f for t, f in zip(ts, best)) for p, ts in times.items()}
-    path = "streamed" if regret["streamed"] < regret["batch"] * (1.0 - margin) else "batch"
-    return AdaptiveChoice(tokens, path, block_m, -(-tokens // chunks) if path == "streamed" else tokens,
-                          num_slots=chunks, policy="spin_kernel" if path == "streamed" else None, chunks=chunks,
-                          source_order=source_order, ready_window_us=ready_window_us, source="model",
-                          note=f"cost model: regret streamed {regret['streamed']:.3f}, batch {regret['batch']:.3f} "
-                               f"(on time and {', '.join(format(x, 'g') for x in MODEL_LATE_MS)} ms late)")
 
 
 def load_table(path: str | Path = DEFAULT_TABLE) -> dict:

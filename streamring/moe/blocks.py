@@ -36,6 +36,7 @@ from ..device import moe_triton as K
 from ..gemm.backends import make_experts, refuse_unsupported
 from .grid_bounds import consumer_max_blocks, step_bound
 from .math import MoEShape, MoEWeights, select_experts
+from .routing import router_of
 
 FP8 = torch.float8_e4m3fn
 PULLS = ("route", "token")  # BlockConsumer.dispatch_ep: one slot read per route, or per needed token
@@ -102,21 +103,37 @@ class FastWeights:
             w2[ex].copy_(q)
             w2_sf[ex].copy_(s)
         router = (torch.randn(e, h, generator=g, device=device) / math.sqrt(h)).to(torch.bfloat16)
-        bias = torch.randn(e, generator=g, device=device) * 0.1 if shape.router == "deepseek_v3" else None
+        bias = torch.randn(e, generator=g, device=device) * 0.1 if router_of(shape.router).uses_bias else None
         return cls(w1, w1_sf, w2, w2_sf, router, bias)
 
 
 def select_experts_into(logits: torch.Tensor, bias: Optional[torch.Tensor], shape: MoEShape, idx_out: torch.Tensor,
                         w_out: torch.Tensor, launch: Optional[dict] = None) -> None:
-    """:func:`~streamring.moe.math.select_experts` (the routing rule of ``shape``) of float32 ``logits
-    [n, E]`` written into ``idx_out`` (int64 ``[n, topk]``) and ``w_out`` (float32 ``[n, topk]``) by one
-    kernel (the torch form is a dozen launches: about 0.4 ms of a forward at 8192 tokens). ``launch``:
-    the kernel's rows per program and warps (default ``moe_triton.SELECT_EXPERTS_LAUNCH``)."""
-    softmax = shape.router == "softmax_topk"
-    K.select_experts(logits, None if bias is None else bias.float(), idx_out, w_out, topk=shape.topk, softmax=softmax,
-                     normalize=shape.renormalize if softmax else shape.norm_topk_prob,
-                     n_group=1 if softmax else shape.n_group, topk_group=1 if softmax else shape.topk_group,
-                     routed_scaling_factor=1.0 if softmax else shape.routed_scaling_factor, launch=launch)
+    """The router of ``shape`` (:mod:`streamring.moe.routing`) on float32 ``logits [n, E]``, written into
+    ``idx_out`` (int64 ``[n, topk]``) and ``w_out`` (float32 ``[n, topk]``): by the router's one kernel
+    (``select_into``; the torch form of the built-in rules is a dozen launches, about 0.4 ms of a forward at
+    8192 tokens), else by its ``select`` and a copy. ``launch``: the kernel's launch parameters (the built-in
+    ones: rows per program and warps, default ``moe_triton.SELECT_EXPERTS_LAUNCH``)."""
+    r = router_of(shape.router)
+    if r.select_into is not None:
+        r.function("select_into")(logits, bias, shape, idx_out, w_out, launch=launch)
+        return
+    idx, w = r.function()(logits, bias, shape)
+    idx_out.copy_(idx)
+    w_out.copy_(w)
+
+
+def softmax_topk_into(logits, bias, shape: MoEShape, idx_out, w_out, launch: Optional[dict] = None) -> None:
+    """The ``softmax_topk`` router (:func:`streamring.moe.math.softmax_topk`) as one kernel."""
+    K.select_experts(logits, None if bias is None else bias.float(), idx_out, w_out, topk=shape.topk, softmax=True,
+                     normalize=shape.renormalize, n_group=1, topk_group=1, routed_scaling_factor=1.0, launch=launch)
+
+
+def deepseek_v3_into(logits, bias, shape: MoEShape, idx_out, w_out, launch: Optional[dict] = None) -> None:
+    """The ``deepseek_v3`` router (:func:`streamring.moe.math.deepseek_v3`) as one kernel."""
+    K.select_experts(logits, None if bias is None else bias.float(), idx_out, w_out, topk=shape.topk, softmax=False,
+                     normalize=shape.norm_topk_prob, n_group=shape.n_group, topk_group=shape.topk_group,
+                     routed_scaling_factor=shape.routed_scaling_factor, launch=launch)
 
 
 class Producer:
@@ -332,31 +349,20 @@ class BlockConsumer:
         return self._experts.get(impl)
 
     def compute(self, lo_index: int, hi_index: int, max_items: int, fw: FastWeights, *, impl: str = "triton",
-                max_ctas: int | None = None, expect_items: int | None = None, pdl: bool = False, out=None,
+                max_ctas: int | None = None, expect_items: int | None = None, out=None,
                 direct=None) -> None:
         """L1+SwiGLU and L2 of the blocks ``ready_list[ready_hi[lo_index] : ready_hi[hi_index]]`` by the
         expert GEMMs of ``impl`` (:meth:`experts`). ``max_ctas`` (a capped persistent grid), ``expect_items``
-        (the blocks the call is expected to have: the grid's hint), ``pdl`` (programmatic dependent launch)
-        and ``out``/``direct`` (where L2 stores) as the backend's ``compute`` takes them; a backend without
-        one of them refuses it (ValueError), before it is made."""
-        refuse_unsupported(impl, max_ctas=max_ctas, pdl=pdl, out=out, direct=direct)
+        (the blocks the call is expected to have: the grid's hint) and ``out``/``direct`` (where L2 stores) as
+        the backend's ``compute`` takes them; a backend without one of them refuses it (ValueError), before it is
+        made."""
+        refuse_unsupported(impl, max_ctas=max_ctas, out=out, direct=direct)
         self.experts(impl).compute(lo_index, hi_index, max_items, fw, max_ctas=max_ctas, expect_items=expect_items,
-                                   pdl=pdl, out=out, direct=direct)
+                                   out=out, direct=direct)
 
     def combine(self, out: torch.Tensor) -> None:
         """``out [T, H]`` bf16: the sum of each token's k weighted expert rows."""
         K.combine(self.tok_row, self.y, out, topk=self.shape.topk)
-
-
-def batch_forward(x, fw: FastWeights, shape: MoEShape, prod: Producer, bc: BlockConsumer, scratch: dict,
-                  out: torch.Tensor) -> None:
-    """The batch-ready path: produce the whole batch, then one dispatch, seal and GEMM pass."""
-    t = x.shape[0]
-    idx, w = scratch["idx"][:t], scratch["w"][:t]
-    q, sf = scratch["q"][:t], scratch["sf"][:t]
-    prod.route(x, idx, w)
-    prod.layout(x, q, sf)
-    moe_forward(idx, w, q, sf, fw, bc, out)
 
 
 def moe_forward(idx, w, q, sf, fw: FastWeights, bc: BlockConsumer, out: torch.Tensor,
@@ -376,31 +382,6 @@ def scratch_buffers(shape: MoEShape, tokens: int, device) -> dict:
             "w": torch.zeros(tokens, shape.topk, dtype=torch.float32, device=device),
             "q": torch.zeros(tokens, shape.hidden, dtype=FP8, device=device),
             "sf": torch.zeros(tokens, shape.hidden // 128, dtype=torch.float32, device=device)}
-
-
-def emulate_forward(x, fw: FastWeights, shape: MoEShape) -> torch.Tensor:
-    """Float32 torch emulation of exactly what the kernels compute (for tests): same routing,
-    same activation and ``h`` quantization rules, per-(token, k) bf16 rows, k-ordered combine."""
-    from .math import dequantize_act_fp8, dequantize_weight_fp8_block, quantize_act_fp8
-
-    t, H = x.shape
-    logits = x.float() @ fw.router.float().t()
-    idx, w = select_experts(logits, fw.bias, shape)
-    q, sf = quantize_act_fp8(x.float())
-    xd = dequantize_act_fp8(q, sf)
-    w1 = dequantize_weight_fp8_block(fw.w1, fw.w1_sf)
-    w2 = dequantize_weight_fp8_block(fw.w2, fw.w2_sf)
-    I = shape.intermediate
-    out = torch.zeros(t, H, dtype=torch.float32)
-    for tok in range(t):
-        for j in range(shape.topk):
-            e = int(idx[tok, j])
-            gu = xd[tok] @ w1[e].t()
-            h = torch.nn.functional.silu(gu[:I]) * gu[I:]
-            hq, hs = quantize_act_fp8(h[None, :])
-            y = (dequantize_act_fp8(hq, hs)[0] @ w2[e].t()) * w[tok, j]
-            out[tok] += y.to(torch.bfloat16).float()
-    return out.to(torch.bfloat16)
 
 
 def reference_tokens_f64(x, fw: FastWeights, shape: MoEShape, tokens) -> torch.Tensor:

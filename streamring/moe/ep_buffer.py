@@ -37,11 +37,12 @@ from typing import Callable, Optional
 import torch
 
 from ..device.graph_priority import prioritize_nodes
-from ..device import progress as PG
+from ..ring import progress as PG
 from ..device.ringdesc import describe_status
 from ..gemm.backends import CAPABILITIES
 from ..gemm.cutlass import status_text as gemm_status_text
 from ..ring.layout import MAX_EPOCH
+from ..ring.policies import progress
 from ..ring.protocol import WatchdogError
 from . import ep_config as CFG
 from .blocks import FP8, FastWeights
@@ -57,8 +58,7 @@ from .instrument import NO_INSTRUMENT
 from .math import MoEShape, MoEWeights
 from .tuning import EPTuning
 
-# re-exported: the buffer's GEMM names and resolution, its sizes' check and memory report (ep_config)
-GEMMS = CFG.GEMMS
+# re-exported: the buffer's GEMM resolution, its sizes' check and memory report (ep_config)
 resolve_gemm = CFG.resolve_gemm
 cutlass_unavailable_reason = CFG.cutlass_unavailable_reason
 memory_report = CFG.memory_report
@@ -166,7 +166,7 @@ class EPBuffer:
                                     ring_name=f"{name}-batch-ring", **common),
                  "stream": make_path(self.heap, self.shape, self.max_tokens, name="stream", chunk=chunk,
                                      num_slots=slots, policy=tu.policy, source_order=tu.source_order,
-                                     wake=PG.policy_class(tu.policy).rings_doorbells, ring_name=f"{name}-stream-ring", **common)}
+                                     wake=progress(tu.policy).doorbells, ring_name=f"{name}-stream-ring", **common)}
         if tu.consumer == "persistent" and paths["stream"].ring.transport != "p2p":
             raise ValueError("consumer 'persistent' needs every peer load/store reachable (P2P); this job's transport "
                              "is 'nv' (another node?): use consumer 'per_chunk'")

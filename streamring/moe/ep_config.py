@@ -11,12 +11,8 @@ import torch
 from ..gemm import choice as GC
 from ..gemm.backends import CAPABILITIES
 from ..ring.layout import CombineLayout, RingLayout
-from ..ring.policies import GEMM_CHOICES
 from .math import MoEShape, MoEWeights, quantize_weight_fp8_block
 from .tuning import BLOCK_MS, EPTuning
-
-GEMMS = GEMM_CHOICES
-
 
 def cutlass_unavailable_reason() -> Optional[str]:
     """Why the CUTLASS GEMM library is not taken here (``None`` when it loads). Never builds anything:
@@ -31,8 +27,8 @@ def resolve_gemm(gemm: str, shape: MoEShape, num_ranks: int, max_tokens_per_rank
     implementation of the measured table, ``streamring/gemm/choice.py``, at the buffer's rows per
     expert; an explicit one: its own fastest variants). Every path of one buffer runs the result, so a
     streamed-vs-batch comparison never measures two GEMMs' rounding."""
-    if gemm not in GEMMS:
-        raise ValueError(f"gemm must be one of {GEMMS}, got {gemm!r}")
+    if gemm != "auto" and gemm not in CAPABILITIES:
+        raise ValueError(f"gemm must be one of {('auto',) + tuple(CAPABILITIES)}, got {gemm!r}")
     return GC.resolve_layer(gemm, block_m, shape, [max_tokens_per_rank] * num_ranks)
 
 

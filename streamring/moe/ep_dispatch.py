@@ -23,7 +23,7 @@ import torch
 
 from ..device import ep_triton as EK
 from ..device import kernels as DK
-from ..device.progress import policy_class
+from ..ring.policies import progress
 from ..device.ranges import annotate as nvtx_range
 
 
@@ -55,7 +55,7 @@ class EPDispatch:
     def _acquire(self, path, c: int, j: int, grouped: bool, stream, inject: int):
         """Wait (acquire, deadline) for step j of chunk c's sources; returns the device int32 list of them."""
         r = path.ring
-        if j == 0 and policy_class(path.policy).rings_doorbells:  # no SM held until the doorbells ring
+        if j == 0 and progress(path.policy).doorbells:  # no SM held until the doorbells ring
             r.wait_doorbells(stream, c)
         if grouped:
             # every source of chunk c ready together: the first one pending (acquire, deadline), then those ready

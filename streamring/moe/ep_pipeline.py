@@ -4,7 +4,7 @@ The buffer is a composition of parts, each with its own module and the ordering 
 the rings (``ep_rings``), the producer (``ep_producer``: router, top-k, FP8 layout, publications), the dispatch
 (``ep_dispatch``: acquire, copy into the expert blocks, acknowledge), the experts (``ep_experts``: the GEMM backend
 over ready ranges, the delivery of the result rows), the owners' combine area (``ep_combine``: arrival counts, the
-owner's reduce) and the progress policy's streams (``device.progress``). This module orders them. Per chunk c
+owner's reduce) and the progress policy's streams (``ring.progress``). This module orders them. Per chunk c
 (slot s = c % S) on every PE::
 
     producer stream                          dispatch stream (enqueued first)
@@ -40,8 +40,8 @@ producer side, the owner's reduce and the join follow with the forward that take
 waits read is the previous forward's advance (before the launch in stream order), the one its producer publishes
 with.
 
-Progress policies (``device.progress``): the dispatch stream is enqueued before the producer and must not block
-it. The batch path always runs ``serialized``; ``pdl`` is refused (``streamring.ring.policies.REFUSED_POLICIES``).
+Progress policies (``ring.policies.PROGRESS``, their streams: ``ring.progress``): the dispatch stream is enqueued
+before the producer and must not block it. The batch path always runs ``serialized``.
 Transports (chosen once per buffer): ``p2p`` (NVLink loads/stores through peer pointers) or ``nv`` (NVSHMEM device
 RMA into a local mirror, for peers without a pointer, e.g. on another node; ``EPTuning(transport='nv')`` forces it
 between GPUs of one host, so it is tested there).

@@ -53,8 +53,9 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-# (the shape needs no torch: the launcher's pre-launch check validates it without loading torch)
-from .shape import QUANT_BLOCK, ROUTERS, WEIGHT_DTYPES, MoEShape, _is_int
+# (the shape and the router names need no torch: the launcher's pre-launch check validates a shape without it)
+from .routing import router_of
+from .shape import QUANT_BLOCK, WEIGHT_DTYPES, MoEShape, _is_int
 
 __all__ = [
     "FP8_DTYPE",
@@ -62,7 +63,6 @@ __all__ = [
     "QUANT_BLOCK",
     "ROUTER_BLOCK_ROWS",
     "CPU_GEMM_ROW_QUANTUM",
-    "ROUTERS",
     "WEIGHT_DTYPES",
     "MoEShape",
     "MoEWeights",
@@ -280,9 +280,9 @@ class MoEWeights:
 
     Attributes:
         router_weight: float32 ``[E, H]``; logits = x @ router_weight.T.
-        correction_bias: float32 ``[E]`` or None.  deepseek_v3 adds it to the
-            scores for *selection only*; the returned weights do not include it.
-            Ignored by softmax_topk.
+        correction_bias: float32 ``[E]`` or None, for a router that reads it
+            (``uses_bias``: deepseek_v3 adds it to the scores for *selection
+            only*; the returned weights do not include it).
         w1, w3: ``[E, I, H]`` (gate and up projections).
         w2: ``[E, H, I]`` (down projection).
             bf16, or float8_e4m3fn together with the block scales below.
@@ -399,7 +399,7 @@ class MoEWeights:
             seed: int seed.
             device: target device.
             with_bias: create ``correction_bias`` (``N(0, bias_std)``); default:
-                True for deepseek_v3, False for softmax_topk.
+                whether the shape's router reads one (``uses_bias``).
             bias_std: std of the correction bias.
         """
         if not isinstance(shape, MoEShape):
@@ -408,7 +408,7 @@ class MoEWeights:
         if not _is_int(seed):
             raise ValueError(f"seed must be an int, got {seed!r}")
         if with_bias is None:
-            with_bias = shape.router == "deepseek_v3"
+            with_bias = router_of(shape.router).uses_bias
         e, h, i = shape.num_experts, shape.hidden, shape.intermediate
         g = torch.Generator(device="cpu")
         g.manual_seed(seed)
@@ -518,35 +518,37 @@ def _ordered_row_sum(w: torch.Tensor) -> torch.Tensor:
 
 def select_experts(logits: torch.Tensor, correction_bias: Optional[torch.Tensor], shape: MoEShape
                    ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The routing rule: top-k experts and their weights from router ``logits`` ``[T, E]``.
-
-    The one definition of the rule, used by :func:`route` (CPU/torch path, float32 or float64
-    logits). The GPU producers run the same rule in one kernel (``moe_triton.select_experts``
-    through ``streamring.moe.blocks.select_experts_into``; ``tests/unit/test_blocks.py`` holds the two
-    equal). Row-local operations only, so a token's choice never depends on the other rows.
-
-    * ``softmax_topk``: ``p = softmax(logits)``; ``topk_idx, w = topk(p, k)``; if
-      ``shape.renormalize``, ``w /= sum(w)``.
-    * ``deepseek_v3``: ``s = sigmoid(logits)``; ``sel = s + correction_bias`` (0 if None);
-      group score = sum of the top-2 ``sel`` of each of ``n_group`` groups (the single value if
-      a group holds one expert); keep the ``topk_group`` best groups, mask the other experts'
-      ``sel`` to -inf; ``topk_idx = topk(sel, k)``; ``w = s[topk_idx]``; if ``norm_topk_prob``
-      ``w /= (sum(w) + 1e-20)``; ``w *= routed_scaling_factor``.
-
-    Sums over the k weights run in the fixed order j = 0..k-1. Returns ``(topk_idx int64 [T, k],
-    topk_weights [T, k])`` in the dtype of ``logits``.
+    """Top-k experts and their weights from router ``logits`` ``[T, E]`` by the router ``shape.router`` names
+    (:mod:`streamring.moe.routing`: its ``select``), used by :func:`route` (CPU/torch path, float32 or float64
+    logits). The GPU producers run the same router through ``streamring.moe.blocks.select_experts_into`` (the
+    built-in ones in one kernel; ``tests/unit/test_blocks.py`` holds the two equal). Returns ``(topk_idx int64
+    [T, k], topk_weights [T, k])`` in the dtype of ``logits``.
     """
+    return router_of(shape.router).function()(logits, correction_bias, shape)
+
+
+def softmax_topk(logits: torch.Tensor, correction_bias: Optional[torch.Tensor], shape: MoEShape
+                 ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The ``softmax_topk`` router: ``p = softmax(logits)``; ``topk_idx, w = topk(p, k)``; if
+    ``shape.renormalize``, ``w /= sum(w)`` (the sum in the fixed order j = 0..k-1). Row-local; no bias."""
+    k = shape.topk
+    probs = torch.softmax(logits, dim=-1)
+    topk_w, topk_idx = torch.topk(probs, k, dim=-1, sorted=True)
+    if shape.renormalize:
+        topk_w = topk_w / _ordered_row_sum(topk_w)
+    return topk_idx.to(torch.int64), topk_w.contiguous()
+
+
+def deepseek_v3(logits: torch.Tensor, correction_bias: Optional[torch.Tensor], shape: MoEShape
+                ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The ``deepseek_v3`` router: ``s = sigmoid(logits)``; ``sel = s + correction_bias`` (0 if None); group
+    score = sum of the top-2 ``sel`` of each of ``n_group`` groups (the single value if a group holds one
+    expert); keep the ``topk_group`` best groups, mask the other experts' ``sel`` to -inf;
+    ``topk_idx = topk(sel, k)``; ``w = s[topk_idx]``; if ``norm_topk_prob`` ``w /= (sum(w) + 1e-20)``;
+    ``w *= routed_scaling_factor``. Sums over the k weights run in the fixed order j = 0..k-1. Row-local."""
     t, e = logits.shape
     k = shape.topk
     dev, dtype = logits.device, logits.dtype
-    if shape.router == "softmax_topk":
-        probs = torch.softmax(logits, dim=-1)
-        topk_w, topk_idx = torch.topk(probs, k, dim=-1, sorted=True)
-        if shape.renormalize:
-            topk_w = topk_w / _ordered_row_sum(topk_w)
-        return topk_idx.to(torch.int64), topk_w.contiguous()
-
-    # deepseek_v3
     scores = _rowwise(torch.sigmoid, logits)
     if correction_bias is not None:
         sel = scores + correction_bias.to(device=dev, dtype=dtype)[None, :]
@@ -580,20 +582,8 @@ def route(x: torch.Tensor, weights: MoEWeights, shape: MoEShape,
     Computed in ``dtype`` (float32 for the runtime, float64 for the reference)
     from the *unquantized* ``x``: ``logits = x @ router_weight.T``.  Logits are
     computed on fixed blocks of :data:`ROUTER_BLOCK_ROWS` zero-padded rows, so a
-    token's routing is bitwise independent of the other tokens in ``x``.
-
-    * ``softmax_topk``: ``p = softmax(logits)``; ``topk_idx, w = topk(p, k)``;
-      if ``shape.renormalize``, ``w /= sum(w)``.
-    * ``deepseek_v3``: ``s = sigmoid(logits)``; ``sel = s + correction_bias``
-      (0 if None); group score = sum of the top-2 ``sel`` in each of
-      ``n_group`` groups (the single value if a group holds one expert); keep
-      the ``topk_group`` best groups, mask other experts' ``sel`` to -inf;
-      ``topk_idx = topk(sel, k)``; ``w = s[topk_idx]``; if
-      ``norm_topk_prob`` ``w /= (sum(w) + 1e-20)``; ``w *= routed_scaling_factor``.
-
-    ``torch.topk(..., sorted=True)`` is used throughout, so experts are listed
-    in descending score order and the output is deterministic for a given input.
-    Sums over the k selected weights are accumulated in fixed order j = 0..k-1.
+    token's routing is bitwise independent of the other tokens in ``x``. The
+    experts and weights are the router's (:func:`select_experts`).
 
     Args:
         x: ``[T, H]`` bf16 / float32 / float64, finite.

@@ -10,10 +10,10 @@ from __future__ import annotations
 import math as _math
 from dataclasses import dataclass
 
+from .routing import router_names, router_of
+
 #: Width of a quantization block (activations: 1x128, weights: 128x128).
 QUANT_BLOCK = 128
-#: Allowed values of :attr:`MoEShape.router`.
-ROUTERS = ("softmax_topk", "deepseek_v3")
 #: Allowed values of :attr:`MoEShape.weight_dtype`.
 WEIGHT_DTYPES = ("bf16", "fp8")
 
@@ -31,9 +31,10 @@ class MoEShape:
         intermediate: expert FFN width I (multiple of 128).
         num_experts: number of routed experts E.
         topk: experts per token k, ``1 <= k <= E``.
-        router: ``'softmax_topk'`` (Mixtral: softmax, top-k, optional
-            renormalisation) or ``'deepseek_v3'`` (sigmoid scores, correction
-            bias for selection, group-limited top-k).
+        router: a registered router's name (:mod:`streamring.moe.routing`); built in:
+            ``'softmax_topk'`` (Mixtral: softmax, top-k, optional renormalisation)
+            and ``'deepseek_v3'`` (sigmoid scores, correction bias for selection,
+            group-limited top-k).
         renormalize: softmax_topk only: renormalise the k weights to sum to 1.
         n_group: deepseek_v3: number of expert groups (E % n_group == 0).
         topk_group: deepseek_v3: groups a token may pick experts from.
@@ -83,8 +84,8 @@ class MoEShape:
         if self.num_experts % num_ranks != 0:
             raise ValueError(
                 f"num_experts must be divisible by num_ranks={num_ranks}, got {self.num_experts}")
-        if self.router not in ROUTERS:
-            raise ValueError(f"router must be one of {ROUTERS}, got {self.router!r}")
+        if self.router not in router_names():
+            raise ValueError(f"router must be one of {router_names()}, got {self.router!r}")
         if self.weight_dtype not in WEIGHT_DTYPES:
             raise ValueError(
                 f"weight_dtype must be one of {WEIGHT_DTYPES}, got {self.weight_dtype!r}")
@@ -104,20 +105,7 @@ class MoEShape:
                 or not _math.isfinite(rsf) or rsf <= 0):
             raise ValueError(
                 f"routed_scaling_factor must be a finite float > 0, got {rsf!r}")
-        if self.router == "deepseek_v3":
-            cap = self.topk_group * (self.num_experts // self.n_group)
-            if self.topk > cap:
-                raise ValueError(
-                    f"topk must be <= topk_group * (num_experts // n_group) = {cap} "
-                    f"for router 'deepseek_v3', got {self.topk}")
+        check = router_of(self.router).check
+        if check is not None:
+            check(self)
         return self
-
-    @property
-    def hidden_blocks(self) -> int:
-        """Number of 128-column scale blocks along hidden (H/128)."""
-        return self.hidden // QUANT_BLOCK
-
-    @property
-    def intermediate_blocks(self) -> int:
-        """Number of 128-column scale blocks along intermediate (I/128)."""
-        return self.intermediate // QUANT_BLOCK

@@ -13,10 +13,10 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from ..ring.policies import EP_SOURCE_ORDERS, PROGRESS_POLICIES, REFUSED_POLICIES
+from ..ring.policies import EP_SOURCE_ORDERS, PROGRESS_POLICIES, REFUSED_POLICIES, progress
 
-#: progress policies of the streamed path (the device ring's own self-test also runs the refused ones)
-EP_POLICIES = tuple(p for p in PROGRESS_POLICIES if p not in REFUSED_POLICIES)
+#: progress policies of the streamed path (``REFUSED_POLICIES`` are named with the reason they are refused)
+EP_POLICIES = PROGRESS_POLICIES
 BLOCK_MS = (16, 32, 64, 128)
 
 

@@ -916,13 +916,11 @@ def test_consumer_cutlass_streamed_equals_batch_bitwise(chunk, tiles, bm):
     assert torch.equal(ys[0], ys[1])
 
 
-def test_compute_cutlass_refuses_pdl_and_unknown_impls():
+def test_compute_cutlass_refuses_unknown_impls():
     pytest.importorskip("triton", reason="Triton is not installed")
     B, shape, fw, x = _moe_setup(DEV)
     bc = B.BlockConsumer(shape, 4, 1, 64, DEV)
-    with pytest.raises(ValueError, match="pdl"):
-        bc.compute(0, 1, 1, fw, impl="cutlass", pdl=True)
-    with pytest.raises(ValueError, match=r"gemm implementation must be one of \('cutlass', 'deep_gemm', 'triton'\), "
+    with pytest.raises(ValueError, match=r"gemm implementation must be one of \('triton', 'cutlass', 'deep_gemm'\), "
                                          r"got 'cublas'"):
         bc.compute(0, 1, 1, fw, impl="cublas")
 

@@ -37,10 +37,11 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 def single_batch(shape, fw, x: torch.Tensor) -> torch.Tensor:
     """The single-process block path (no ring): the reference a buffer's output must equal bitwise."""
+    from block_forwards import batch_forward
     from streamring.moe import blocks as B
 
     T = x.shape[0]
     y = torch.zeros_like(x)
-    B.batch_forward(x, fw, shape, B.Producer(shape, fw, T, x.device), B.BlockConsumer(shape, T, 2, 16, x.device),
+    batch_forward(x, fw, shape, B.Producer(shape, fw, T, x.device), B.BlockConsumer(shape, T, 2, 16, x.device),
                     B.scratch_buffers(shape, T, x.device), y)
     return y

@@ -177,23 +177,24 @@ def gemm_ptx(moe_triton_path: Path) -> dict[str, str]:
         ready["single_tiles"] = "i32"
     ready["block_expert_ptr"] = ready.pop("block_expert_ptr")  # (after single_tiles, as in the kernels)
     out = {}
+    # revisions with programmatic dependent launch take it as a constexpr: compiled without it, as every launch is
+    pdl = {"PDL": False} if "PDL" in mt._l1_swiglu_kernel.arg_names else {}
     for persist in (False, True):
-        for pdl in (False, True):
-            for bm, nw, st in ((16, 4, 4), (64, 8, 3)):
-                sig = dict(ready, a_ptr="*fp8e4nv", asf_ptr="*fp32", w1_ptr="*fp8e4nv", w1sf_ptr="*fp32",
-                           h1_ptr="*fp8e4nv", h1sf_ptr="*fp32")
-                c = dict(H=7168, I=2048, BM=bm, GROUP=8, STAGES=st, PDL=pdl, PERSIST=persist)
-                out[f"l1_p{int(persist)}_pdl{int(pdl)}_bm{bm}"] = _compile(mt._l1_swiglu_kernel,
-                                                                          {**sig, **{k: "constexpr" for k in c}}, c, nw)
-                for direct in (False, True):
-                    sig = dict(ready, h1_ptr="*fp8e4nv", h1sf_ptr="*fp32", w2_ptr="*fp8e4nv", w2sf_ptr="*fp32",
-                               roww_ptr="*fp32", y_ptr="*bf16", row_src_ptr="*i32", row_tok_ptr="*i64",
-                               comb_delta_ptr="*i64")
-                    if "block_rows_ptr" in mt._l2_kernel.arg_names:  # revisions with the routed rows per block
-                        sig["block_rows_ptr"] = "*i32"
-                    c = dict(H=7168, I=2048, BM=bm, GROUP=8, STAGES=st, PDL=pdl, PERSIST=persist, DIRECT=direct)
-                    out[f"l2_p{int(persist)}_pdl{int(pdl)}_d{int(direct)}_bm{bm}"] = _compile(
-                        mt._l2_kernel, {**sig, **{k: "constexpr" for k in c}}, c, nw)
+        for bm, nw, st in ((16, 4, 4), (64, 8, 3)):
+            sig = dict(ready, a_ptr="*fp8e4nv", asf_ptr="*fp32", w1_ptr="*fp8e4nv", w1sf_ptr="*fp32",
+                       h1_ptr="*fp8e4nv", h1sf_ptr="*fp32")
+            c = dict(H=7168, I=2048, BM=bm, GROUP=8, STAGES=st, **pdl, PERSIST=persist)
+            out[f"l1_p{int(persist)}_bm{bm}"] = _compile(mt._l1_swiglu_kernel, {**sig, **{k: "constexpr" for k in c}},
+                                                         c, nw)
+            for direct in (False, True):
+                sig = dict(ready, h1_ptr="*fp8e4nv", h1sf_ptr="*fp32", w2_ptr="*fp8e4nv", w2sf_ptr="*fp32",
+                           roww_ptr="*fp32", y_ptr="*bf16", row_src_ptr="*i32", row_tok_ptr="*i64",
+                           comb_delta_ptr="*i64")
+                if "block_rows_ptr" in mt._l2_kernel.arg_names:  # revisions with the routed rows per block
+                    sig["block_rows_ptr"] = "*i32"
+                c = dict(H=7168, I=2048, BM=bm, GROUP=8, STAGES=st, **pdl, PERSIST=persist, DIRECT=direct)
+                out[f"l2_p{int(persist)}_d{int(direct)}_bm{bm}"] = _compile(
+                    mt._l2_kernel, {**sig, **{k: "constexpr" for k in c}}, c, nw)
     c = dict(H=7168, BR=16)
     out["quant_rows"] = _compile(mt._quant_rows_kernel, dict(x_ptr="*bf16", x_stride="i32", q_ptr="*fp8e4nv",
                                                              sf_ptr="*fp32", n_rows="i32", H="constexpr",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import subprocess
 import sys
@@ -92,7 +93,7 @@ def test_make_adaptive_table_picks_batch_unless_streaming_wins(tmp_path):
          "streamed": [{"ok": True, "streamed_over_batch": 1.05, "chunks": 2, "num_slots": 2, "policy": "spin_kernel"}]},
         {"tokens": 8192, "block_m": 64, "batch": {"median_ms": 11.0},
          "streamed": [{"ok": True, "streamed_over_batch": 0.95, "chunks": 4, "num_slots": 4, "policy": "spin_kernel"},
-                      {"ok": False, "streamed_over_batch": 0.5, "chunks": 8, "num_slots": 4, "policy": "pdl"}]}]}
+                      {"ok": False, "streamed_over_batch": 0.5, "chunks": 8, "num_slots": 4, "policy": "serialized"}]}]}
     src = tmp_path / "bench.json"
     src.write_text(json.dumps(bench))
     out = tmp_path / "table.json"
@@ -169,16 +170,18 @@ def test_tuning_validation_names_fields():
 def test_priority_streams_follow_the_policy():
     """High-priority producer and dispatch streams with spin_kernel only: a consumer blocked in
     cuStreamWaitValue64 (stream_wait) has no deadline, so nothing may depend on its stream going first; only
-    stream_wait rings the doorbells; every policy of the EP layer is a class of device.progress (one each)."""
-    from streamring.device import progress as PG
+    stream_wait rings the doorbells; every kind of streams of the EP layer's policies is one class of
+    ring.progress."""
+    from streamring.ring import progress as PG
     from streamring.moe.tuning import EP_POLICIES
+    from streamring.ring.policies import progress
 
-    assert PG.policy_class("spin_kernel").high_priority
-    assert not any(PG.policy_class(p).high_priority for p in ("stream_wait", "serialized", "green_ctx"))
-    assert [p for p in EP_POLICIES if PG.policy_class(p).rings_doorbells] == ["stream_wait"]
-    assert len({PG.policy_class(p) for p in EP_POLICIES}) == len(EP_POLICIES)
-    with pytest.raises(ValueError, match="progress policy 'pdl' has no streams here"):
-        PG.policy_class("pdl")
+    assert PG.high_priority(progress("spin_kernel"))
+    assert not any(PG.high_priority(progress(p)) for p in ("stream_wait", "serialized", "green_ctx"))
+    assert [p for p in EP_POLICIES if progress(p).doorbells] == ["stream_wait"]
+    assert {progress(p).streams for p in EP_POLICIES} <= set(PG.KINDS)
+    with pytest.raises(ValueError, match="progress policy 'pdl' is refused"):
+        PG.make("pdl", "cpu")
 
 
 def test_make_adaptive_table_weighs_late_ranks_by_regret(tmp_path):
@@ -209,15 +212,39 @@ def test_make_adaptive_table_weighs_late_ranks_by_regret(tmp_path):
     assert (c.path, c.source_order, c.chunks) == ("streamed", "arrival", 1)
 
 
-def test_the_cost_model_decides_where_the_table_has_no_row():
-    """choose_by_model: the buffer's own plan against batch in the model, on time and with a late PE; it says
-    it was the model, streams where the model's regret favours it (2 PEs, 32 experts each: a late PE is
-    most of the difference) and not where every source step costs a weight pass more than it hides
-    (EP64 at 1024 tokens: 4 experts per PE, 64 calls), and refuses shapes its rates do not cover."""
-    kw = dict(gemm="triton", block_m=64, chunks=1, source_order="ready", link_GBps=450.0)
-    two = adaptive.choose_by_model(8192, ranks=2, experts_per_pe=32, **kw)
-    assert (two.source, two.path, two.chunks, two.source_order) == ("model", "streamed", 1, "ready"), two
-    wide = adaptive.choose_by_model(1024, ranks=64, experts_per_pe=4, **kw)
-    assert (wide.source, wide.path) == ("model", "batch") and "regret" in wide.note, wide
-    other = adaptive.choose_by_model(8192, ranks=2, experts_per_pe=32, shape=(4096, 2048, 6), **kw)
-    assert other.path == "batch" and "covers" in other.note
+def _reachable(start: str) -> set:
+    """Every module of this repository that ``start`` imports, directly or through others, at module level or
+    inside a function (parsed, not run: a lazy import counts although no call made it), with the top-level
+    names it imports from elsewhere."""
+    seen, todo = set(), [start]
+    while todo:
+        mod = todo.pop()
+        if mod in seen:
+            continue
+        seen.add(mod)
+        base = ROOT.joinpath(*mod.split("."))
+        path = base.with_suffix(".py") if base.with_suffix(".py").is_file() else base / "__init__.py"
+        if not path.is_file():
+            continue
+        pkg = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                parts = pkg.split(".")
+                target = ".".join(parts[: len(parts) - node.level + 1] + ([node.module] if node.module else [])) \
+                    if node.level else node.module
+                todo += [target] + [f"{target}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                todo += [a.name for a in node.names]
+    return seen
+
+
+def test_streaming_auto_imports_no_performance_model():
+    """The runtime's streaming="auto" reads the tuned table only: nothing that the table's module or the buffer
+    imports, however indirectly and however lazily, is the cost model or any of bench/ (the research code that
+    fits and checks it); the same walk from bench.cost_model does reach the model (the check can fail)."""
+    for start in ("streamring.moe.adaptive", "streamring.moe.ep_buffer"):
+        found = _reachable(start)
+        bad = sorted(m for m in found if "cost_model" in m or m.split(".")[0] == "bench")
+        assert not bad, (start, bad)
+    assert {"streamring.moe.adaptive", "streamring.moe.blocks", "streamring.gemm.choice"} <= found  # (the walk walks)
+    assert "bench.cost_model_core" in _reachable("bench.cost_model")

@@ -27,6 +27,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 import triton  # noqa: E402,F401 - a declared test dependency: missing means failing, not skipping
 
+from block_forwards import batch_forward, emulate_forward  # noqa: E402
 from conftest import quick_subset  # noqa: E402
 from streamring.moe import blocks as B  # noqa: E402
 from streamring.moe.bitwise import bit_difference, same_bits  # noqa: E402
@@ -57,7 +58,7 @@ def run_batch(shape, fw, x, block_m):
     bc = B.BlockConsumer(shape, T, T + 1, block_m, DEV)
     sc = B.scratch_buffers(shape, T, DEV)
     y = torch.zeros_like(x)
-    B.batch_forward(x, fw, shape, prod, bc, sc, y)
+    batch_forward(x, fw, shape, prod, bc, sc, y)
     return y, bc, sc
 
 
@@ -105,7 +106,7 @@ def test_streamed_equals_batch_bitwise(setup, block_m, chunk):
 def test_batch_matches_float32_emulation(setup):
     shape, fw, x = setup
     yb, _, _ = run_batch(shape, fw, x, 16)
-    ye = B.emulate_forward(x.cpu(), _cpu(fw), shape)
+    ye = emulate_forward(x.cpu(), _cpu(fw), shape)
     rel = float((yb.cpu().float() - ye.float()).norm() / ye.float().norm())
     # Measured for this fixture: 1.37 % under the CPU interpreter, 0.50 % on an H200 (1.2-1.6 % and
     # 0.5-0.9 % over 12 weight/input seeds). 2 % sits above both; a lost row or a wrong scale gives
@@ -201,7 +202,7 @@ def test_negative_control_missing_seal_is_caught(setup):
         bc.compute(c, c + 1, bc.max_ready(b - a), fw)
     bc.combine(y)  # BROKEN: no seal, no GEMMs of the partial blocks
     assert not same_bits(yb, y)
-    ye = B.emulate_forward(x.cpu(), _cpu(fw), shape)
+    ye = emulate_forward(x.cpu(), _cpu(fw), shape)
     rel = float((y.cpu().float() - ye.float()).norm() / ye.float().norm())
     assert rel > 0.1, f"the unsealed forward went unnoticed (relative error {rel:.4f})"
 

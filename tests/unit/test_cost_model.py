@@ -125,7 +125,7 @@ def test_grouped_ready_steps_give_on_time_sources_one_call():
     assert grouped["gemm_calls"] == 1 and apart["gemm_calls"] == 2
     # batch's call (step 0's grid bound is the batch call's: both sources), plus step 1, an empty call with
     # the bound for one source (its Triton CTAs: bench.empty_grid measured what they cost)
-    from streamring.moe import cost_model as core
+    from bench import cost_model_core as core
     sch = core._Schedule(core._norm(dict(base, path="streamed", chunks=1, source_order="ready")), core.load_rates())
     assert sch.step_bound(0) == sch.batch_bound > sch.step_bound(1) > 0
     idle = sch.empty_ms(sch.step_bound(1))
@@ -176,7 +176,7 @@ def test_grouped_ready_steps_give_on_time_sources_one_call():
 def test_deep_gemm_range_call_loads_the_whole_buffer():
     """A DeepGEMM call over a range loads and stores every block of the buffer (DG_SKIP_US each): an empty
     range costs that and the call's fixed cost, and it grows with the buffer, not with the range."""
-    from streamring.moe import cost_model as core
+    from bench import cost_model_core as core
     sch = core._Schedule(core._norm(dict(ranks=1, tokens=4096, experts_per_pe=256, gemm="deep_gemm",
                                          block_m=128, path="streamed", chunks=2, source_order="rank")),
                          core.load_rates())
@@ -200,7 +200,7 @@ def test_a_capped_grid_slows_mps_calls_only():
 def test_cutlass_chunk_order_reads_each_extra_pass_from_hbm():
     """CUTLASS streamed on one GPU per PE: each weight pass beyond the batch path's costs at least a full read
     of an expert's weights from HBM."""
-    from streamring.moe import cost_model as core
+    from bench import cost_model_core as core
     cfg = dict(ranks=1, tokens=4096, experts_per_pe=256, gemm="cutlass", machine="gpu", chunks=2,
                source_order="rank")
     extra = cm.predict(dict(cfg, path="streamed"))["gemm_ms"] - cm.predict(dict(cfg, path="batch"))["gemm_ms"]
@@ -227,7 +227,7 @@ def test_measured_skew_draws_are_the_forwards_delays():
 def test_load_rows_gives_a_skew_row_its_draws(tmp_path):
     """A skew row of a result file is predicted over its own draws: its prediction is the one with
     bench.skew's draws for its seed and replay count, and moves with that count."""
-    from streamring.moe import cost_model as core
+    from bench import cost_model_core as core
     rows = [_row(5.0, path="streamed", chunks=1, source_order="ready", ready_window_us=50.0, skew_ms=2.0, n=n,
                  tokens_per_rank=1024, experts_per_pe=32) for n in (3, 30)]
     p = tmp_path / "ep-layer-mps-skew.json"
@@ -292,7 +292,7 @@ def test_grouped_steps_grids_grow_with_the_pes():
     """A chunk of the grouped ready order has R steps, each a Triton call with a grid bound for every source
     it may still take: on time the first takes them all and the R - 1 others are empty calls, whose CTAs
     grow with R * (R - 1) / 2 sources' blocks. The bound is the pipeline's."""
-    from streamring.moe import cost_model as core
+    from bench import cost_model_core as core
     from streamring.moe.grid_bounds import grouped_step_bound
 
     def grids(R, C=1, T=1024):
@@ -326,7 +326,7 @@ def test_grouped_steps_grids_grow_with_the_pes():
 
 def test_grids_cost_under_mps_by_the_share():
     """A PE under MPS has 1/R of the SMs: the same empty blocks cost R times as long."""
-    from streamring.moe import cost_model as core
+    from bench import cost_model_core as core
     sch = {m: core._Schedule(core._norm(dict(ranks=4, tokens=1024, experts_per_pe=32, gemm="triton", machine=m,
                                              path="streamed", chunks=1, source_order="ready")), core.load_rates())
            for m in ("gpu", "mps")}
@@ -336,7 +336,7 @@ def test_grids_cost_under_mps_by_the_share():
 def test_a_late_grouped_step_pays_its_own_bound():
     """With a late source the first grouped step takes fewer sources than its bound allows: its grid past its
     blocks costs more than on time (step j's bound, not step 0's, for the late step)."""
-    from streamring.moe import cost_model as core
+    from bench import cost_model_core as core
     cfg = dict(ranks=4, tokens=1024, experts_per_pe=32, gemm="triton", machine="mps", path="streamed", chunks=1,
                source_order="ready", gemm_grid="bound")
     sch = core._Schedule(core._norm(cfg), core.load_rates())
@@ -378,3 +378,19 @@ def test_a_steps_dispatch_hides_under_the_previous_call_in_the_current_code():
     assert cm.measured_code("ep-layer-2h200-triton-128-8192-2026-11-30.json", {})["dispatch_during_gemm"] is False
     assert cm.measured_code("ep-layer-mps2-32experts-one-chunk-paired-2026-12-03.json", {})[
         "dispatch_during_gemm"] is True
+
+
+def test_the_models_choice_weighs_the_buffers_plan_on_time_and_late():
+    """choose_by_model: the buffer's own plan against batch in the model, on time and with a late PE; it says
+    it was the model, streams where the model's regret favours it (2 PEs, 32 experts each: a late PE is
+    most of the difference) and not where every source step costs a weight pass more than it hides
+    (EP64 at 1024 tokens: 4 experts per PE, 64 calls), and refuses shapes its rates do not cover."""
+    from bench import cost_model_core as core
+
+    kw = dict(gemm="triton", block_m=64, chunks=1, source_order="ready", link_GBps=450.0)
+    two = core.choose_by_model(8192, ranks=2, experts_per_pe=32, **kw)
+    assert (two.source, two.path, two.chunks, two.source_order) == ("model", "streamed", 1, "ready"), two
+    wide = core.choose_by_model(1024, ranks=64, experts_per_pe=4, **kw)
+    assert (wide.source, wide.path) == ("model", "batch") and "regret" in wide.note, wide
+    other = core.choose_by_model(8192, ranks=2, experts_per_pe=32, shape=(4096, 2048, 6), **kw)
+    assert other.path == "batch" and "covers" in other.note

@@ -5,8 +5,8 @@ Runs anywhere (CPU):
 * ``ready_m_indices`` (torch, what the GPU runs) against a pure-Python reference: hand cases, every
   status bit, a property test; its output is the expert on exactly the rows of the range's blocks;
 * ``copy_ready_rows`` under Triton's CPU interpreter: only the ready blocks' rows change;
-* the refusals: ``block_m`` other than 128 (naming the field and the allowed value), ``max_ctas``,
-  ``pdl``; ``deep_gemm_available()`` says why not here and builds nothing;
+* the refusals: ``block_m`` other than 128 (naming the field and the allowed value), ``max_ctas``;
+  ``deep_gemm_available()`` says why not here and builds nothing;
 * the offline build recipe: the carried tarballs (``.deepgemm/``, if packed here) unpack into the
   tree DeepGEMM's build and JIT expect, and the compile command has setup.py's flags and folders.
 
@@ -217,17 +217,15 @@ def _tiny_consumer(block_m, dev=DEV):
     return B, B.BlockConsumer(shape, 8, 1, block_m, dev)
 
 
-def test_consumer_refuses_deep_gemm_with_other_block_m_pdl_and_max_ctas():
+def test_consumer_refuses_deep_gemm_with_other_block_m_and_max_ctas():
     B, bc = _tiny_consumer(64)
     with pytest.raises(ValueError, match=r"block_m \(BlockConsumer\.block_m, the plan's block_m\) must be 128"):
         bc.experts("deep_gemm")
-    with pytest.raises(ValueError, match="pdl"):
-        bc.compute(0, 1, 1, None, impl="deep_gemm", pdl=True)
     with pytest.raises(ValueError, match="max_ctas must be None for gemm='deep_gemm'"):
         bc.compute(0, 1, 1, None, impl="deep_gemm", max_ctas=16)
-    from streamring.gemm.backends import IMPLS
+    from streamring.gemm.backends import names
 
-    assert "deep_gemm" in IMPLS
+    assert "deep_gemm" in names()
 
 
 def test_availability_gives_a_reason_and_builds_nothing(tmp_path, monkeypatch):
@@ -241,9 +239,9 @@ def test_availability_gives_a_reason_and_builds_nothing(tmp_path, monkeypatch):
 
 
 def test_gemm_layer_names_deep_gemm():
-    from streamring.moe.ep_buffer import GEMMS
+    from streamring.config import RunConfig
 
-    assert GEMMS == ("auto", "triton", "cutlass", "deep_gemm")
+    assert RunConfig.model_fields["gemm"].annotation.__args__ == ("auto", "triton", "cutlass", "deep_gemm")
 
 
 # ----------------------------------------------------------------------------------------------

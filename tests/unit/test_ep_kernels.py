@@ -28,6 +28,7 @@ if not torch.cuda.is_available():
 triton = pytest.importorskip("triton", reason="Triton is not installed (pip install triton)")
 
 import queue_case  # noqa: E402
+from block_forwards import batch_forward  # noqa: E402
 from conftest import quick_subset  # noqa: E402
 from streamring.device import ep_triton as K  # noqa: E402
 from streamring.device import moe_triton as MT  # noqa: E402
@@ -142,7 +143,7 @@ def single_batch(shape, fw, x):
     T = x.shape[0]
     bc = B.BlockConsumer(shape, T, 2, 16, DEV)
     y = torch.zeros_like(x)
-    B.batch_forward(x, fw, shape, B.Producer(shape, fw, T, DEV), bc, B.scratch_buffers(shape, T, DEV), y)
+    batch_forward(x, fw, shape, B.Producer(shape, fw, T, DEV), bc, B.scratch_buffers(shape, T, DEV), y)
     return y
 
 

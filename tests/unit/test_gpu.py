@@ -25,7 +25,7 @@ from streamring.config import NvshmemConfig
 from streamring.device import build, kernels
 from streamring.device import ringdesc as gpu
 from streamring.ring.layout import RingLayout, make_gen
-from streamring.ring.policies import EP_SOURCE_ORDERS, PROGRESS_POLICIES, REFUSED_POLICIES
+from streamring.ring.policies import EP_SOURCE_ORDERS, PROGRESS, PROGRESS_POLICIES, REFUSED_POLICIES, Progress, progress
 
 ROOT = Path(__file__).resolve().parents[2]
 CSRC = ROOT / "streamring" / "device" / "csrc"
@@ -106,7 +106,19 @@ def test_policies_are_defined_once():
     from streamring.moe import tuning
 
     choices = NvshmemConfig.model_fields["progress"].annotation.__args__
-    assert tuple(choices) == PROGRESS_POLICIES == gpu_selftest.POLICIES
+    # a config may name a refused policy: the run's check then says why it is refused (runner.check_run_job)
+    assert tuple(choices) == PROGRESS_POLICIES + tuple(REFUSED_POLICIES)
+    assert PROGRESS_POLICIES == gpu_selftest.POLICIES == tuple(PROGRESS)
+    assert all(progress(p) is PROGRESS[p] for p in PROGRESS_POLICIES)
+    with pytest.raises(ValueError, match=r"progress policy 'pdl' is refused: programmatic dependent launch"):
+        progress("pdl")
+    with pytest.raises(ValueError, match=r"progress policy 'x' is not one of \('serialized', "):
+        progress("x")
+    with pytest.raises(ValueError, match="waits by stream order exactly when"):
+        Progress("bad", streams="own", wait="order")
+    # the self-test sets a policy up from its description (streams, wait), never from its name
+    src = Path(gpu_selftest.__file__).read_text()
+    assert not [p for p in PROGRESS_POLICIES if f'== "{p}"' in src or f'!= "{p}"' in src or f'in ("{p}"' in src]
     assert tuning.EP_POLICIES == tuple(p for p in PROGRESS_POLICIES if p not in REFUSED_POLICIES)
     assert tuning.EP_SOURCE_ORDERS is EP_SOURCE_ORDERS
 

@@ -53,13 +53,13 @@ def _fast_row(rank, gemm_batch, gemm_stream):
     return dict(rank=rank, tokens=300, chunks=5, experts_hit=4, bitwise_equal=True, max_abs_stream_minus_batch=0.0,
                 ref_ok=True, ref_max_abs_err=0.01, ref_max_err_ratio=0.5, ref_excluded=0, batch_wall_s=0.0,
                 stream_wall_s=0.0, epochs=2, scheduler="blocks", rtol=0.03, atol=0.0, path="fast", transport="p2p",
-                policy="pdl", gemm=gemm_stream, gemm_batch=gemm_batch, gemm_stream=gemm_stream, ring_errors={})
+                policy="spin_kernel", gemm=gemm_stream, gemm_batch=gemm_batch, gemm_stream=gemm_stream, ring_errors={})
 
 
 def _report(rows):
     from streamring.host.rank_main import report_run
 
-    cfg = load_config(None, FAST + ["nvshmem.progress=pdl"], backend="nvshmem", ranks=len(rows))
+    cfg = load_config(None, FAST + ["nvshmem.progress=spin_kernel"], backend="nvshmem", ranks=len(rows))
     buf = io.StringIO()
     code = report_run(rows, cfg, 1.0, None, out=Report(file=buf, width=None))
     return code, buf.getvalue()

@@ -14,9 +14,10 @@ PKG = Path(__file__).resolve().parents[2] / "streamring"
 # rank: higher may import lower. ring (the protocol, its layout, its device form and the cooperative
 # roles) and gemm (the expert GEMM backends, their choice and builds) sit on device, below moe; verify
 # (the stress harness, which host starts on every rank, and the model checkers), the GPU self-test and
-# the layer runner drive the ring and the MoE layer; the other top-level tools (cli, timeline) sit with
-# launch; host above moe/ring/gemm/verify; device at the bottom.
-RANK = {"device": 0, "ring": 1, "gemm": 1, "config": 1, "moe": 2, "verify": 2, "gpu_selftest": 2, "runner": 2,
+# the layer runner drive the ring and the MoE layer; the config's schema sits beside them (it reads the
+# names of the ring's policies, gemm's backends and moe's routers: moe.routing, torch-free); the other
+# top-level tools (cli, timeline) sit with launch; host above moe/ring/gemm/verify; device at the bottom.
+RANK = {"device": 0, "ring": 1, "gemm": 1, "config": 2, "moe": 2, "verify": 2, "gpu_selftest": 2, "runner": 2,
         "host": 3}
 TOP = 4
 

@@ -2,8 +2,9 @@
 import): :func:`predict` gives the phase times of a batch or streamed forward for a configuration, with
 rates measured on the H200 (``cost_model_rates.json`` beside this module, fitted by ``python -m
 bench.cost_model --fit`` from ``bench.ep_layer`` results and timelines, which names its sources).
-``streaming="auto"`` follows it where the tuned table has no measured row. ``python -m bench.cost_model --check`` prints every measured
-configuration beside its prediction; ``--predict`` the streamed ÷ batch grid.
+Research, not the runtime: ``streaming="auto"`` reads the tuned table only (:mod:`streamring.moe.adaptive`);
+:func:`choose_by_model` is what the model would choose, for comparison. ``python -m bench.cost_model --check``
+prints every measured configuration beside its prediction; ``--predict`` the streamed ÷ batch grid.
 
 Shapes: DeepSeek-V3 experts, H = 7168, I = 2048, top-K = 8, FP8: one expert's weights are
 W = 3*I*H bytes (44 MB); a routed row pulls H + 4*H/128 bytes (FP8 row + 1x128 scales); a routed row
@@ -79,7 +80,7 @@ Per forward and per PE (the slowest PE sets the time), R PEs, T tokens per PE, E
   per forward) is the mean over 256 fixed-seed draws (for batch: S*R/(R+1) added, the expected max), or,
   for a measured row, the median forward over the draws its replays were timed with (``skew_draws``).
 
-Parameters (all physical; ``streamring/moe/cost_model_rates.json`` names their sources and fit rows):
+Parameters (all physical; ``bench/cost_model_rates.json`` names their sources and fit rows):
   per GEMM implementation and machine kind (``triton``, ``cutlass``, ``deep_gemm``; ``triton@mps``,
   ``cutlass@mps``; a kind without its own entry takes the one-GPU rates): BW (GB/s, effective
   weight-streaming rate) and F (TFLOP/s, effective rate of a block) - 2 each (the JSON also gives them
@@ -122,10 +123,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..device.gemm_grid import EXPECT_HEADROOM, GEMM_GRID, TAIL_CTAS_PER_SM, grid_blocks
-from .grid_bounds import (consumer_max_blocks, grouped_step_bound, grouped_step_expect, seal_bound, step_bound,
+from streamring.device.gemm_grid import EXPECT_HEADROOM, GEMM_GRID, TAIL_CTAS_PER_SM, grid_blocks
+from streamring.moe.adaptive import AdaptiveChoice
+from streamring.moe.grid_bounds import (consumer_max_blocks, grouped_step_bound, grouped_step_expect, seal_bound, step_bound,
                           step_expect)
-from .tuning import EPTuning
+from streamring.moe.tuning import EPTuning
 
 _TUNING_DEFAULTS = EPTuning.model_fields
 
@@ -573,3 +575,42 @@ def predict(config, rates: dict | None = None) -> dict:
         "gemm_calls": n_calls, "steps": sch.steps, "rows_per_pe": sch.rows, "experts_per_pe": sch.E,
         "pull_fraction": sch.f_pull, "pulled_bytes": (R - 1) * T * sch.f_pull * ROW_BYTES,
     }
+
+
+#: late-rank cases :func:`choose_by_model` weighs beside the on-time one (ms of one PE's producer delay)
+MODEL_LATE_MS = (1.0, 3.0)
+
+
+def choose_by_model(tokens: int, *, ranks: int, experts_per_pe: int, gemm: str, block_m: int, chunks: int,
+                    source_order: str, link_GBps: float, shape: tuple = (7168, 2048, 8),
+                    margin: float = 0.01, ready_window_us: float | None = None) -> AdaptiveChoice:
+    """The batch path or a buffer's own streamed plan for ``tokens`` tokens per PE, from the model
+    (:func:`predict`, one GPU per PE): each path's regret is its worst ratio over the faster path in the cases
+    on time and with one PE ``MODEL_LATE_MS`` late, and the streamed plan is taken where its regret is below
+    batch's by more than ``margin`` (the tuned table's rule). ``shape``: ``(hidden, intermediate, topk)`` of the
+    layer; the model's rates are DeepSeek-V3's expert shapes on an H200, so any other shape gets the batch path.
+    ``ready_window_us``: the buffer's grouping window (ready order; None: one source per step). The answer's
+    ``source`` is ``"model"``."""
+    if tuple(shape) != (H, I_DIM, TOPK):
+        return AdaptiveChoice(tokens, "batch", block_m, tokens, source="model",
+                              note=f"the cost model covers (hidden, intermediate, topk) = {(H, I_DIM, TOPK)} only, "
+                                   f"not {tuple(shape)}: the batch path")
+    if gemm not in load_rates()["gemm"]:
+        return AdaptiveChoice(tokens, "batch", block_m, tokens, source="model",
+                              note=f"the cost model has no rates for gemm={gemm!r}: the batch path")
+    base = dict(ranks=ranks, tokens=tokens, experts_per_pe=experts_per_pe, gemm=gemm, block_m=block_m,
+                machine="gpu", link_GBps=link_GBps)
+    times = {p: [] for p in ("batch", "streamed")}
+    for late in (0.0,) + MODEL_LATE_MS:
+        case = dict(base, straggler_ms=late, straggler_rank=ranks - 1 if late else None)
+        times["batch"].append(predict(dict(case, path="batch"))["total_ms"])
+        times["streamed"].append(predict(dict(case, path="streamed", chunks=chunks, source_order=source_order,
+                                              ready_window_us=ready_window_us))["total_ms"])
+    best = [min(b, s) for b, s in zip(times["batch"], times["streamed"])]
+    regret = {p: max(t / f for t, f in zip(ts, best)) for p, ts in times.items()}
+    path = "streamed" if regret["streamed"] < regret["batch"] * (1.0 - margin) else "batch"
+    return AdaptiveChoice(tokens, path, block_m, -(-tokens // chunks) if path == "streamed" else tokens,
+                          num_slots=chunks, policy="spin_kernel" if path == "streamed" else None, chunks=chunks,
+                          source_order=source_order, ready_window_us=ready_window_us, source="model",
+                          note=f"cost model: regret streamed {regret['streamed']:.3f}, batch {regret['batch']:.3f} "
+                               f"(on time and {', '.join(format(x, 'g') for x in MODEL_LATE_MS)} ms late)")
