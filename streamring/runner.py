@@ -188,6 +188,7 @@ def run_layer(heap: SymmetricHeap, cfg: Config, progress=None) -> dict:
     from .moe import debug as moe_debug
     from .moe.layer import MoEBuffer
     from .moe.math import MoEWeights
+    from .moe.tuning import MoETuning
     from .moe.reference import compare_to_reference, reference_forward_f64, reference_tolerance
 
     R, me = heap.num_ranks, heap.rank
@@ -198,13 +199,14 @@ def run_layer(heap: SymmetricHeap, cfg: Config, progress=None) -> dict:
     # Expert math on the rank's GPU with the NVSHMEM backend (torch ops), on the CPU otherwise.
     device = getattr(heap, "device", None) or "cpu"
     weights = MoEWeights.random(shape, seed=cfg.layer.seed, device=device)
+    tuning = MoETuning(scheduler=cfg.run.scheduler, source_order=cfg.run.source_order)
     buf = MoEBuffer(heap, shape, num_slots=cfg.ring.num_slots, tokens_per_slot=cfg.ring.tokens_per_slot,
-                    max_tokens_per_rank=max(max(tokens), 1), deadline_s=cfg.wait_timeout_s)
+                    max_tokens_per_rank=max(max(tokens), 1), deadline_s=cfg.wait_timeout_s, tuning=tuning)
     moe_debug.inject(buf, cfg.run.inject)
     if cfg.run.straggler is not None and cfg.run.straggler.rank == me:
-        buf.set_straggler(int(cfg.run.straggler.ms * 1e6))
-    routing = None if cfg.run.routing == "router" else synthetic_routing(cfg.run.routing, me, shape, R,
-                                                                         cfg.layer.seed)
+        moe_debug.set_producer_delay(buf, int(cfg.run.straggler.ms * 1e6))
+    routing_fn = None if cfg.run.routing == "router" else synthetic_routing(cfg.run.routing, me, shape, R,
+                                                                            cfg.layer.seed)
     rtol, atol = reference_tolerance(shape)
     row = dict(rank=me, tokens=tokens[me], chunks=0, experts_hit=0, bitwise_equal=True,
                max_abs_stream_minus_batch=0.0, ref_ok=True, ref_max_abs_err=0.0, ref_max_err_ratio=0.0,
@@ -212,6 +214,7 @@ def run_layer(heap: SymmetricHeap, cfg: Config, progress=None) -> dict:
                scheduler=cfg.run.scheduler, rtol=rtol, atol=atol)
     for ep in range(cfg.run.epochs):
         x = make_tokens(cfg, me, ep, tokens[me]).to(device)
+        routing = None if routing_fn is None else tuple(t.to(device) for t in routing_fn(x, torch.arange(len(x))))
         outs = {}
         for mode in ("batch", "stream"):
             if cfg.run.mode not in ("both", mode):
@@ -219,8 +222,7 @@ def run_layer(heap: SymmetricHeap, cfg: Config, progress=None) -> dict:
             progress.what = (f"epoch {ep + 1} of {cfg.run.epochs}: the {'streamed' if mode == 'stream' else 'batch'} "
                              f"forward, {tokens[me]} tokens on rank {me}")
             t0 = time.monotonic()
-            outs[mode] = buf.forward(x, weights, streaming=(mode == "stream"), scheduler=cfg.run.scheduler,
-                                     routing=routing, source_order=cfg.run.source_order)
+            outs[mode] = buf.forward(x, weights, streaming=(mode == "stream"), routing=routing)
             row[f"{mode}_wall_s"] += time.monotonic() - t0
             if mode == "stream":
                 row["chunks"] = buf.last_stats.num_chunks
@@ -235,10 +237,8 @@ def run_layer(heap: SymmetricHeap, cfg: Config, progress=None) -> dict:
         if routing is None:
             y_ref, idx64, _ = reference_forward_f64(x, weights, shape, return_routing=True)
         else:
-            idx_r, w_r = routing(x, torch.arange(x.shape[0]))
-            idx_r, w_r = idx_r.to(device), w_r.to(device)
-            y_ref, idx64 = reference_forward_f64(x, weights, shape, routing=(idx_r, w_r)), idx_r
-            idx32 = idx_r
+            y_ref, idx64 = reference_forward_f64(x, weights, shape, routing=routing), routing[0]
+            idx32 = routing[0]
         for y in outs.values():
             cmp = compare_to_reference(y, y_ref, idx32, idx64, shape=shape)
             row["ref_ok"] &= bool(cmp.ok)

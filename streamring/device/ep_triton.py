@@ -246,7 +246,7 @@ def _own_routes_kernel(idx_ptr, w_ptr, slot_idx_ptr, slot_w_ptr, my_idx_ptr, my_
     live = (row0 + offs // K) < tl.load(num_tokens_ptr)
     mine = tl.where(live, idx, -1)
     tl.store(my_idx_ptr + offs, mine, mask=m)
-    tl.store(my_w_ptr + offs, w, mask=m)
+    tl.store(my_w_ptr + offs, tl.where(live, w, 0.0), mask=m)
     tl.atomic_add(expected_ptr, tl.sum((m & (mine >= 0)).to(tl.int64), axis=0))
 
 
@@ -254,7 +254,7 @@ def own_routes(idx, w, my_idx, my_w, num_tokens, expected, *, row0: int, slot_id
                block: int = 1024) -> None:
     """The producer's own view of one chunk's routes, in one kernel: ``my_idx`` = ``idx`` (int64 ``[n, K]``)
     with the rows at and past the forward's token count (``row0`` + row >= ``num_tokens``, a device int64
-    ``[1]``) set to -1, ``my_w`` = ``w`` (float32 ``[n, K]``), and the routed (token, k) pairs of
+    ``[1]``) set to -1, ``my_w`` = ``w`` (float32 ``[n, K]``) with those rows 0, and the routed (token, k) pairs of
     ``my_idx`` added to ``expected`` (device int64 ``[1]``, zeroed by the caller before the forward: the
     owner's combine waits for that many result rows). ``slot_idx`` / ``slot_w`` given: ``idx`` / ``w``
     are copied there too (the ring slot, when the caller supplied the routing).

@@ -7,7 +7,8 @@
   scheduling switches, with measured defaults.
 * :class:`MoEBuffer` (``moe.layer``): the reference layer on any backend (CPU MPI windows or NVSHMEM
   through the host verbs), bf16 or FP8; batch-ready path by default, ``forward(..., streaming=True)``
-  for the streamed path.
+  for the streamed path; :class:`MoETuning`: its consumer's switches. Both buffers implement one contract,
+  :class:`streamring.moe.contract.MoELayerBuffer`.
 * :class:`MoEShape` (``moe.shape``), :class:`MoEWeights` (``moe.math``): the layer's sizes, router and
   weights; :func:`weights_from_float`, :func:`weights_from_fp8` (``moe.weights``): one layer's weights
   from bf16/float tensors (quantised to FP8 128x128 blocks) or FP8 checkpoint tensors with
@@ -24,7 +25,7 @@ you touch loads its module. Everything else is reached through its module.
 """
 
 _EXPORTS = {
-    "EPBuffer": ".ep_buffer", "EPTuning": ".tuning", "MoEBuffer": ".layer",
+    "EPBuffer": ".ep_buffer", "EPTuning": ".tuning", "MoEBuffer": ".layer", "MoETuning": ".tuning",
     "MoEShape": ".shape", "MoEWeights": ".math",
     "weights_from_float": ".weights", "weights_from_fp8": ".weights",
     "register_layer": ".ops", "replace_moe_experts": ".hf", "moe_shape_from_config": ".hf",

@@ -12,6 +12,7 @@ from ..device.gemm_grid import grid_blocks
 from ..device.ringdesc import INJECT_BITS
 from ..ring.policies import Inject
 from .instrument import attach
+from .layer import MoEBuffer
 
 
 def inject(buf, mode: str) -> None:
@@ -23,7 +24,7 @@ def inject(buf, mode: str) -> None:
     (:func:`streamring.moe.instrument.attach`)."""
     if mode not in INJECT_BITS:
         raise ValueError(f"inject mode must be one of {list(INJECT_BITS)}, got {mode!r}")
-    if hasattr(buf, "stream_ring"):  # MoEBuffer: the host protocol's ring reads the mode at every step
+    if isinstance(buf, MoEBuffer):  # the host protocol's ring reads the mode at every step
         buf.stream_ring.inject = Inject(mode)
         return
     attach(buf).set_inject(mode)
@@ -43,7 +44,15 @@ def timeline(buf) -> dict:
 
 
 def set_producer_delay(buf, ns: int) -> None:
-    """Delay ``buf``'s producer on this PE by ``ns`` nanoseconds (device side) from the next forward (0: none)."""
+    """Delay ``buf``'s producers on this rank by ``ns`` nanoseconds from the next forward (0: none): a slow rank on
+    purpose, batch and streamed alike, while this rank's consumer already serves the others' chunks. Local (not
+    collective). On the GPU buffer the delay runs on the device (its instrument); on the CPU buffer the route and
+    layout producers sleep before their first chunk."""
+    if not isinstance(ns, int) or isinstance(ns, bool) or ns < 0:
+        raise ValueError(f"ns must be an int >= 0, got {ns!r}")
+    if isinstance(buf, MoEBuffer):
+        buf.producer_delay_s = ns * 1e-9
+        return
     attach(buf).set_delay(ns)
 
 

@@ -46,6 +46,7 @@ from ..ring.policies import progress
 from ..ring.protocol import WatchdogError
 from . import ep_config as CFG
 from .blocks import FP8, FastWeights
+from .contract import DEFAULT_DEADLINE_S
 from .checks import (check_num_tokens, check_out, check_routing, check_stream_epoch, check_streaming, check_x,
                      host_read_allowed)
 from .ep_combine import CombineArea
@@ -127,7 +128,7 @@ class EPBuffer:
     """
 
     def __init__(self, heap, shape: MoEShape, *, max_tokens_per_rank: int, num_slots: int = 2,
-                 tokens_per_slot: Optional[int] = None, gemm: str = "auto", deadline_s: float = 10.0,
+                 tokens_per_slot: Optional[int] = None, gemm: str = "auto", deadline_s: float = DEFAULT_DEADLINE_S,
                  tuning: Optional[EPTuning] = None, name: str = "ep"):
         if tuning is None:
             tuning = EPTuning()
@@ -212,6 +213,11 @@ class EPBuffer:
     def E_loc(self) -> int:
         """Experts per PE."""
         return self.shape.num_experts // self.heap.num_ranks
+
+    @property
+    def max_tokens_per_rank(self) -> int:
+        """The most tokens any PE passes to one forward."""
+        return self.max_tokens
 
     @property
     def local_experts(self) -> range:
@@ -324,50 +330,26 @@ class EPBuffer:
     def forward(self, x: torch.Tensor, weights: LayerWeights, *, streaming: bool | str = False,
                 stream_epoch: Optional[int] = None, num_tokens=None, out: Optional[torch.Tensor] = None,
                 routing: Optional[tuple] = None, stamps: bool = True) -> torch.Tensor:
-        """One layer on this PE's tokens (collective: every PE calls it, each replay of a captured
-        graph likewise).
+        """One layer on this PE's ``x [T, hidden]`` (collective: every PE calls it, each replay of a captured
+        graph likewise); returns ``y [T, hidden]`` in ``x``'s dtype (``out`` when given).
 
-        Args:
-            x: ``[T, hidden]``, ``T <= max_tokens_per_rank``, bf16 (another float dtype is rounded to
-                bf16 first; a PE without tokens passes ``[0, hidden]`` or ``num_tokens=0``).
-            weights: the layer, from :meth:`prepare_weights`.
-            streaming: ``False`` = batch-ready path (the default and the correctness fallback);
-                ``True`` = chunks through the streamed ring. Both give bitwise equal outputs. ``"auto"``:
-                streamed where the tuned table measured a win for ``T`` (:meth:`adaptive_streaming`),
-                decided on the host from ``T`` (under a capture: once, for every replay).
-            stream_epoch: the streamed ring's epoch of this call (must grow from call to call); default:
-                the device's own count (the only choice inside a captured graph, which replays it).
-            num_tokens: the valid rows of ``x`` (``None``: all ``T``): an int, or a one-element integer
-                tensor on the buffer's device, read when the forward runs (replays of one captured graph may
-                vary it). Rows at and past it are ignored and their output rows are zero. Outside a capture
-                the tensor is read on the host and a value outside ``[0, T]`` raises; under a capture a
-                device value outside ``[0, T]`` is clamped into it and counted in :meth:`status`
-                (``bad_counts``), and the buffer then refuses further work.
-            out: bf16 ``[T, hidden]`` to write into (default: a new tensor).
-            routing: ``(topk_idx, topk_weights)`` computed by the caller (int64 and float32 ``[T, topk]``
-                on the buffer's device, experts in ``[0, num_experts)`` or -1 for none, finite weights)
-                instead of the layer's router: the producer publishes them as they are. Outside a capture
-                the values of the valid rows are read on the host and checked (a bad one raises); under a
-                capture the dispatch drops a bad route and counts it (``status()["bad_routes"]``), and
-                the buffer then refuses further work.
-            stamps: record the timeline stamps (a buffer with an instrument recording them).
-
-        Returns:
-            ``out``: bf16 ``[T, hidden]``, the sum over each token's routed experts.
-
-        Raises:
-            ValueError: a bad argument, naming it and its allowed values, before anything is enqueued;
-                the buffer stays usable (:mod:`streamring.moe.checks`).
-            RuntimeError: the buffer is :attr:`broken` by an earlier failure on the device.
+        The arguments, checks and errors are the contract's (:mod:`streamring.moe.contract`); what this buffer
+        adds: ``streaming="auto"`` streams where the tuned table measured a win for ``T``
+        (:meth:`adaptive_streaming`, decided on the host, under a capture once for every replay);
+        ``stream_epoch`` defaults to the device's own count (the only choice inside a captured graph);
+        ``num_tokens`` and ``routing`` on the buffer's device, read on the host only outside a capture (under a
+        capture a count outside ``[0, T]`` is clamped, a bad route dropped, both counted in :meth:`status`, and
+        the buffer then refuses further work); ``stamps`` records the timeline stamps (a buffer with an
+        instrument recording them). The producer quantizes bf16 rows: another float ``x`` is rounded to bf16
+        first and ``y`` rounded back to ``x``'s dtype.
 
         The first forward of each path must run eagerly (it compiles and loads every kernel: a module
         load while a stream waits on the ring could deadlock); capture after it.
         """
         self._refuse_if_broken()
-        x, out, num_tokens, routing = self._checked_inputs(x, weights, streaming, num_tokens, out, routing)
-        T = x.shape[0]
+        x16, out16, num_tokens, routing = self._checked_inputs(x, weights, streaming, num_tokens, out, routing)
         if streaming == "auto":
-            streaming = self.adaptive_streaming(T)
+            streaming = self.adaptive_streaming(x.shape[0])
             stream_epoch = stream_epoch if streaming else None
         path = self.paths["stream" if streaming else "batch"]
         capturing = self._capturing()
@@ -379,34 +361,33 @@ class EPBuffer:
             raise RuntimeError(f"the {path.name} path of this EPBuffer has not run yet: run one forward "
                                f"(streaming={streaming}) eagerly before capturing it (it compiles the kernels)")
         # every argument checked: from here on something is enqueued (a pending launch is taken or cancelled)
-        launched = self._take_launched(weights, T, streaming, stream_epoch, capturing)
+        launched = self._take_launched(weights, x.shape[0], streaming, stream_epoch, capturing)
         if stream_epoch is not None:
             path.ring.set_epoch(stream_epoch)
-        pl = self.pipeline
-        if path.name not in self._warm:
-            pl.enqueue(path, weights, x, out, num_tokens, routing, serialized=True, stamps=stamps)
+        warm = path.name in self._warm
+        if launched is not None and launched.enqueued:
+            stamps = launched.stamps
+        self.pipeline.enqueue(path, weights, x16, out16, num_tokens, routing, serialized=not warm, stamps=stamps,
+                              launched=launched is not None and launched.enqueued)
+        if not warm:
             self._sync()
             self._warm.add(path.name)
             self.check()
-            return out
-        if launched is not None and launched.enqueued:
-            pl.enqueue(path, weights, x, out, num_tokens, routing, serialized=False, stamps=launched.stamps,
-                       launched=True)
-        else:
-            pl.enqueue(path, weights, x, out, num_tokens, routing, serialized=False, stamps=stamps)
-        return out
+        if out16.dtype == x.dtype:
+            return out16
+        return out16.to(x.dtype) if out is None else out.copy_(out16)
 
     def _checked_inputs(self, x, weights, streaming, num_tokens, out, routing) -> tuple:
         """Every argument of :meth:`forward` checked before anything is enqueued (:mod:`streamring.moe.checks`: a bad
         one raises naming it and leaves the buffer usable; values are read on the host only outside a CUDA graph
-        capture); returns ``(x in bf16, out, num_tokens, routing made contiguous)`` (a count read on the host
-        comes back as an int)."""
+        capture); returns ``(x in bf16, the bf16 output, num_tokens, routing made contiguous)`` (a count read on the
+        host comes back as an int)."""
         if not isinstance(weights, LayerWeights):
             raise ValueError(f"weights must come from EPBuffer.prepare_weights (a LayerWeights), got "
                              f"{type(weights).__name__}")
         check_x(x, self.shape.hidden, device=self.dev, max_rows=self.max_tokens)
         T = x.shape[0]
-        check_out(out, (T, self.shape.hidden), torch.bfloat16, self.dev)
+        check_out(out, (T, self.shape.hidden), x.dtype, self.dev)
         read = host_read_allowed(self.dev)
         valid = check_num_tokens(num_tokens, T, device=self.dev, read=read)
         if routing is not None:  # the producer reads rows of K back to back (contiguous: no copy if so)
@@ -417,10 +398,9 @@ class EPBuffer:
         check_streaming(streaming, auto=True)
         if x.dtype != torch.bfloat16:
             # the producer quantizes rows to FP8 with 1x128 scales from bf16; a wider x costs one rounding more
-            x = x.to(torch.bfloat16)
-        if out is None:
-            out = torch.empty_like(x)
-        return x, out, num_tokens, routing
+            return x.to(torch.bfloat16), torch.empty(T, self.shape.hidden, dtype=torch.bfloat16, device=self.dev), \
+                num_tokens, routing
+        return x, torch.empty_like(x) if out is None else out, num_tokens, routing
 
     def _refuse_if_broken(self) -> None:
         if self.broken:

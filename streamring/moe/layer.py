@@ -49,7 +49,7 @@ from __future__ import annotations
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Union
+from typing import Optional, Union
 
 import numpy as np
 import torch
@@ -58,9 +58,10 @@ from ..ring.roles import run_roles, sleep_for, wait_for
 from ..device.ranges import annotate as nvtx_range
 from ..device.verbs import SymmetricHeap
 from ..ring.layout import MAX_EPOCH, RingLayout, StreamPlan
-from ..ring.policies import SOURCE_ORDERS
-from ..ring.protocol import Ring
-from .checks import check_finite_rows, check_num_tokens, check_routing, check_stream_epoch, check_streaming, check_x
+from ..ring.protocol import ProtocolViolation, Ring, WatchdogError
+from .checks import (check_finite_rows, check_num_tokens, check_out, check_routing, check_stream_epoch, check_streaming,
+                     check_x)
+from .contract import DEFAULT_DEADLINE_S
 from .math import (
     FP8_DTYPE,
     MoEShape,
@@ -70,28 +71,10 @@ from .math import (
     quantize_act_fp8,
     route,
 )
+from .tuning import MoETuning
 
-SCHEDULERS = ("chunk_local", "reservation")
-
-#: A routing override: ``(x_valid, token_ids) -> (topk_idx int64 [n,k], topk_weights float32 [n,k])``.
-RoutingFn = Callable[[torch.Tensor, torch.Tensor], tuple]
-#: What ``MoEBuffer.forward(routing=...)`` takes: the pair itself, or a function that gives it.
-Routing = Union[tuple, RoutingFn]
 #: The valid row count of ``forward``'s ``x``: an int, or a 0-d / 1-element integer tensor.
 NumTokens = Union[int, torch.Tensor]
-
-
-def valid_token_count(num_tokens: Optional[NumTokens], rows: int) -> int:
-    """The number of valid rows of an ``x`` with ``rows`` rows; raises ValueError naming ``num_tokens``.
-
-    Args:
-        num_tokens: None (every row is valid), an int, or a 0-d / 1-element integer tensor (read on
-            the host here; on a GPU buffer the kernels read it on the device).
-        rows: ``x.shape[0]``.
-    Returns:
-        the count, ``0 <= count <= rows``.
-    """
-    return check_num_tokens(num_tokens, rows)
 
 
 @dataclass
@@ -113,218 +96,149 @@ class ForwardStats:
 
 
 class MoEBuffer:
-    """One rank's symmetric buffers for the MoE layer, batch and streamed.
+    """One rank's symmetric buffers for the MoE layer on any heap (the CPU reference layer; collective: every rank
+    builds it with the same arguments). It implements :class:`~streamring.moe.contract.MoELayerBuffer`, the
+    contract :class:`~streamring.moe.ep_buffer.EPBuffer` implements on GPUs.
 
     Args:
-        heap: this rank's symmetric heap (collective construction: every rank
-            must create its buffer with the same arguments).
+        heap: this rank's symmetric heap.
         shape: the layer (validated against the number of ranks).
-        num_slots: streamed ring slots (``front_num_slots``).
-        tokens_per_slot: tokens per slot (``front_tokens_per_slot``).
-        max_tokens_per_rank: capacity of the batch handoff (largest ``x`` any
-            rank may pass to :meth:`forward`).
-        deadline_s: every wait gives up after this long and says what it waited for (the name and meaning
-            :class:`~streamring.moe.ep_buffer.EPBuffer` gives it).
+        max_tokens_per_rank: the most tokens any rank passes to one :meth:`forward` (the batch handoff's slot).
+        num_slots, tokens_per_slot: the streamed ring (``front_num_slots`` / ``front_tokens_per_slot``); default
+            ``tokens_per_slot``: ``max_tokens_per_rank``.
+        deadline_s: every wait gives up after this long and says what it waited for.
+        tuning: the streamed consumer's switches (:class:`~streamring.moe.tuning.MoETuning`; default: chunk-local
+            blocks of ``shape.block_m`` rows, sources in rank order).
 
-    A deliberate protocol mutation of the streamed ring (tests only) is set by
-    :func:`streamring.moe.debug.inject`, as for the GPU buffer.
+    Test hooks (a protocol mutation, a late producer) are set by :mod:`streamring.moe.debug`, as for the GPU buffer.
     """
 
-    def __init__(self, heap: SymmetricHeap, shape: MoEShape, *, max_tokens_per_rank: int, num_slots: int,
-                 tokens_per_slot: int, deadline_s: float = 30.0):
+    def __init__(self, heap: SymmetricHeap, shape: MoEShape, *, max_tokens_per_rank: int, num_slots: int = 2,
+                 tokens_per_slot: Optional[int] = None, deadline_s: float = DEFAULT_DEADLINE_S,
+                 tuning: Optional[MoETuning] = None):
         if not isinstance(shape, MoEShape):
             raise ValueError(f"shape must be a MoEShape, got {type(shape).__name__}")
         shape.validate(heap.num_ranks)
-        if max_tokens_per_rank < 1:
-            raise ValueError(f"max_tokens_per_rank must be >= 1, got {max_tokens_per_rank}")
-        self.heap = heap
-        self.shape = shape
+        if tuning is None:
+            tuning = MoETuning()
+        elif not isinstance(tuning, MoETuning):
+            raise ValueError(f"tuning must be a MoETuning, got {type(tuning).__name__}")
+        if not isinstance(max_tokens_per_rank, int) or max_tokens_per_rank < 1:
+            raise ValueError(f"max_tokens_per_rank must be an int >= 1, got {max_tokens_per_rank!r}")
+        self.heap, self.shape, self.tuning, self.deadline_s = heap, shape, tuning, float(deadline_s)
         self.rank, self.num_ranks = heap.rank, heap.num_ranks
-        self.max_tokens_per_rank = int(max_tokens_per_rank)
+        self.max_tokens_per_rank = max_tokens_per_rank
         lay = dict(num_ranks=heap.num_ranks, hidden=shape.hidden, topk=shape.topk,
                    num_experts=shape.num_experts, with_combine=True)
-        self.stream_ring = Ring(heap, RingLayout(num_slots=num_slots, tokens_per_slot=tokens_per_slot, **lay),
+        C = max_tokens_per_rank if tokens_per_slot is None else tokens_per_slot
+        self.stream_ring = Ring(heap, RingLayout(num_slots=num_slots, tokens_per_slot=C, **lay),
                                 wait_timeout_s=deadline_s, owner_release=True, name="moe-stream-ring")
         self.batch_ring = Ring(heap, RingLayout(num_slots=1, tokens_per_slot=max_tokens_per_rank, **lay),
                                wait_timeout_s=deadline_s, owner_release=True, name="moe-batch-ring")
-        self.deadline_s = deadline_s
         per = shape.num_experts // heap.num_ranks
         self.local_experts = range(self.rank * per, (self.rank + 1) * per)
         self.last_stats: Optional[ForwardStats] = None
         self.last_routing: Optional[tuple] = None
-        # Set when a forward call died mid-stream (watchdog, violation): the
-        # ranks may then disagree on what was published and acknowledged, so
-        # the buffers are not reused; the caller rebuilds the MoEBuffer.
+        #: an error in the middle of a stream (None: usable): the ranks may then disagree on what was published
+        #: and acknowledged, so the buffer refuses further forwards; close it and build a new one on every rank
         self.broken: Optional[str] = None
+        self._errors = {"violations": 0, "timeouts": 0}
+        #: the late producer of tests and benchmarks (seconds before its first chunk; ``debug.set_producer_delay``)
+        self.producer_delay_s = 0.0
         self._resolved_weights = None  # (weights, expert offset) of the current call, set by its input check
         # Weights that prepare_weights checked once: forward skips their full validation (a scan of every
         # expert weight) on each call. Keyed by the object, so dropping the weights drops the entry.
         self._prepared: "weakref.WeakKeyDictionary[MoEWeights, tuple[MoEWeights, int]]" = weakref.WeakKeyDictionary()
-        self.straggler_s = 0.0  # set_straggler
 
-    # ------------------------------------------------------------------------------
     def prepare_weights(self, weights: MoEWeights) -> MoEWeights:
-        """Check one layer's weights once against this buffer; returns the object ``forward`` takes.
-
-        Every layer of a model shares the buffer; prepare each layer's weights once and pass the
-        result to every :meth:`forward` of that layer. Prepared weights skip the per-call scan of
-        every expert weight (shape, dtype, finiteness); do not modify them afterwards (prepare the
-        new tensors instead). Local (this rank's experts only) or all experts, as :meth:`forward`
-        takes them.
-
-        Args:
-            weights: the layer's :class:`~streamring.moe.math.MoEWeights` (see
-                ``streamring.moe.weights`` to build them from bf16/float or FP8 checkpoint tensors).
-        Returns:
-            ``weights`` itself (on this CPU buffer the weights stay in their form).
-        Raises:
-            ValueError: naming the bad field, as :meth:`forward` would.
-        """
+        """Check one layer's weights once (:class:`~streamring.moe.math.MoEWeights`, all experts or this rank's
+        local ones; ``streamring.moe.weights`` builds them from checkpoint tensors); returns ``weights`` itself,
+        which :meth:`forward` then takes without scanning every expert weight again. Do not modify them afterwards.
+        Raises ValueError naming the bad field, as :meth:`forward` would."""
         if not isinstance(weights, MoEWeights):
             raise ValueError(f"weights must be a MoEWeights, got {type(weights).__name__}")
         self._prepared[weights] = self._local_weights(weights)
         return weights
 
-    def set_straggler(self, ns: int) -> None:
-        """Delay this rank's producers by ``ns`` nanoseconds at the start of every later forward (0: none).
-
-        A slow rank on purpose, as :meth:`streamring.moe.ep_buffer.EPBuffer.set_straggler` is on the GPU
-        layer: the route and layout producers sleep before their first chunk, batch and streamed alike,
-        while this rank's consumer and combiner already serve the other ranks' chunks. Local (not
-        collective)."""
-        if int(ns) < 0:
-            raise ValueError(f"ns must be >= 0, got {ns}")
-        self.straggler_s = int(ns) * 1e-9
-
-    # ------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, weights: MoEWeights, *, streaming: bool = False,
-                stream_epoch: Optional[int] = None, scheduler: str = "chunk_local",
-                block_m: Optional[int] = None, routing: Optional[Routing] = None,
-                source_order: str = "rank", num_tokens: Optional[NumTokens] = None) -> torch.Tensor:
-        """Run the MoE layer on this rank's tokens ``x`` ``[T, hidden]``; returns ``y`` float32 ``[T, hidden]``.
+                stream_epoch: Optional[int] = None, num_tokens: Optional[NumTokens] = None,
+                out: Optional[torch.Tensor] = None, routing: Optional[tuple] = None) -> torch.Tensor:
+        """The layer on this rank's ``x [T, hidden]`` (collective); returns ``y [T, hidden]`` in ``x``'s dtype.
 
-        Collective: every rank calls it (a rank with no tokens passes ``T = 0`` or ``num_tokens=0``).
-
-        Every argument is checked on every rank before anything is published (the ranks exchange their
-        verdicts in one collective): a bad argument on any rank makes every rank raise a ``ValueError``
-        naming it and the allowed values, and the buffer stays usable. Only a failure inside a running
-        stream (a watchdog, a protocol violation) makes the buffer refuse further calls (:attr:`broken`).
-
-        Args:
-            x: bf16/float32/float64 tokens of this rank; its valid rows finite (NaN/Inf are
-                rejected on every rank before anything is published).
-            weights: the layer's weights (all experts, or only this rank's
-                local experts, ``w1.shape[0] == num_experts / num_ranks``), best
-                passed through :meth:`prepare_weights` once.
-            streaming: ``False`` = batch-ready path (default, one handoff);
-                ``True`` = chunks through the ring.
-            stream_epoch: epoch of this call on the streamed path (must grow from call to call on the
-                same buffers); default: last epoch + 1.
-            scheduler: ``"chunk_local"`` or ``"reservation"`` (see module doc).
-            block_m: rows per expert block (default ``shape.block_m``).
-            routing: a routing instead of the router's (tests, replays of recorded routing):
-                ``(topk_idx, topk_weights)``, ``[T, topk]`` each (any integer / float dtype; ids in
-                ``[0, num_experts)`` or -1 for a masked route, finite weights), or a function
-                ``(x_valid, token_ids) -> (topk_idx, topk_weights)`` called once per forward, on the
-                valid rows, before anything is published. Either is checked like ``x``.
-            source_order: ``"rank"`` (wait for the sources of a chunk in rank order) or
-                ``"ready"`` (pull from any source whose chunk is ready first; an RFC later
-                optimisation, off by default: model-checked at 2 ranks only, see ``streamring.verify``).
-            num_tokens: the valid row count, ``0 <= num_tokens <= T``: an int or a 0-d/1-element
-                integer tensor (a fixed-size ``x`` whose count changes from call to call, as under a
-                captured graph). Rows ``>= num_tokens`` of ``x`` are ignored (not checked, not routed),
-                the same rows of ``y`` are zero and of ``last_routing`` are ``-1`` / ``0``. Default:
-                every row. The batch path's capacity ``max_tokens_per_rank`` bounds this count.
-        Returns:
-            ``y`` float32 ``[T, hidden]`` on ``x``'s device.
-        Raises:
-            ValueError: a bad argument (on this rank or another: the message names the rank).
-            RuntimeError: the buffer is :attr:`broken` by an earlier failure inside a stream.
+        The arguments, checks and errors are the contract's (:mod:`streamring.moe.contract`). Here every rank's
+        verdict on its arguments is exchanged before anything is published, so a bad argument on one rank makes
+        every rank raise (naming the rank). The experts compute in float32; ``y`` is rounded to ``x``'s dtype once.
+        :attr:`last_stats` says what the call did on this rank.
         """
         if self.broken:
             raise RuntimeError(f"this MoEBuffer is unusable after an error in the middle of a stream ({self.broken}); "
                                f"close() it and build a new MoEBuffer on every rank (collective)")
         ring = self.stream_ring if isinstance(streaming, (bool, np.bool_)) and streaming else self.batch_ring
-        err, checked = self._check_inputs(x, weights, streaming=streaming, stream_epoch=stream_epoch,
-                                          scheduler=scheduler, block_m=block_m, routing=routing,
-                                          source_order=source_order, num_tokens=num_tokens, ring=ring)
-        errors = self.heap.allgather_obj(err)
-        bad = [(r, e) for r, e in enumerate(errors) if e]
+        err, checked = self._check_inputs(x, weights, streaming, stream_epoch, num_tokens, out, routing, ring)
+        bad = [(r, e) for r, e in enumerate(self.heap.allgather_obj(err)) if e]
         if bad:
-            mine = dict(bad).get(self.rank)
-            if mine:
-                raise ValueError(mine)
-            raise ValueError("forward aborted on every rank: " + "; ".join(f"rank {r}: {e}" for r, e in bad))
-        n, epoch, given = checked["valid"], checked["epoch"], checked["routing"]
-        bm = self.shape.block_m if block_m is None else int(block_m)
+            raise ValueError(dict(bad).get(self.rank) or "forward aborted on every rank: "
+                             + "; ".join(f"rank {r}: {e}" for r, e in bad))
+        n, epoch = checked["valid"], checked["epoch"]
         t0 = time.monotonic()
         plan = ring.begin_stream(epoch, n)
         stats = ForwardStats(mode="stream" if streaming else "batch", epoch=epoch, num_chunks=plan.num_chunks,
                              tokens=n)
-        # Outputs live where x lives (CPU, or the rank's GPU on the NVSHMEM backend); the
-        # ring traffic itself goes through the heap's verbs. Rows past the valid count stay zero / -1:
-        # the roles write only into the views of the first n rows.
+        # Rows past the valid count stay zero / -1: the roles write only into the views of the first n rows.
         y = torch.zeros(x.shape[0], self.shape.hidden, dtype=torch.float32, device=x.device)
         routing_out = (torch.full((x.shape[0], self.shape.topk), -1, dtype=torch.int64, device=x.device),
                        torch.zeros(x.shape[0], self.shape.topk, dtype=torch.float32, device=x.device))
-        run = _Forward(self, ring, plan, x[:n], weights, bm, given, y[:n], (routing_out[0][:n], routing_out[1][:n]),
-                       stats, scheduler if streaming else "chunk_local", source_order)
+        run = _Forward(self, ring, plan, x[:n], weights, checked["routing"], y[:n],
+                       (routing_out[0][:n], routing_out[1][:n]), stats, bool(streaming))
         try:
-            with nvtx_range(f"streamring forward {'stream' if streaming else 'batch'} epoch {epoch} "
-                               f"({plan.num_chunks} chunks)", color="purple"):
+            with nvtx_range(f"streamring forward {stats.mode} epoch {epoch} ({plan.num_chunks} chunks)",
+                            color="purple"):
                 run_roles([run.route_producer(), run.layout_producer(), run.consumer(), run.combiner()], self.heap)
             ring.end_stream()
         except BaseException as exc:
-            ring.abort_stream(f"{type(exc).__name__}")
-            self.broken = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+            self._break(ring, exc)
             raise
         stats.wall_s = time.monotonic() - t0
-        self.last_stats = stats
-        self.last_routing = routing_out
-        return y
+        self.last_stats, self.last_routing = stats, routing_out
+        if out is None:
+            return y if x.dtype == torch.float32 else y.to(x.dtype)
+        return out.copy_(y)
 
-    def _check_inputs(self, x, weights, *, streaming, stream_epoch, scheduler, block_m, routing, source_order,
-                      num_tokens, ring) -> tuple[Optional[str], dict]:
+    def _break(self, ring: Ring, exc: BaseException) -> None:
+        """A failure inside a running stream: the buffer refuses further forwards (:attr:`broken`)."""
+        ring.abort_stream(f"{type(exc).__name__}")
+        self.broken = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+        kind = "timeouts" if isinstance(exc, WatchdogError) else "violations" if isinstance(
+            exc, ProtocolViolation) else None
+        if kind:
+            self._errors[kind] += 1
+
+    def _check_inputs(self, x, weights, streaming, stream_epoch, num_tokens, out, routing,
+                      ring) -> tuple[Optional[str], dict]:
         """This rank's verdict on the arguments of one forward (changes nothing): ``(error or None, checked)``,
         ``checked`` holding the valid row count, the epoch and the routing (checked, on the first rows)."""
         sh = self.shape
-        checked: dict = {}
         try:
             check_streaming(streaming)
-            if scheduler not in SCHEDULERS:
-                return f"scheduler must be one of {SCHEDULERS}, got {scheduler!r}", checked
-            if source_order not in SOURCE_ORDERS:
-                return f"source_order must be one of {SOURCE_ORDERS}, got {source_order!r}", checked
-            if block_m is not None and (not isinstance(block_m, int) or isinstance(block_m, bool) or block_m < 1):
-                return f"block_m must be None or an int >= 1, got {block_m!r}", checked
-            check_x(x, sh.hidden, dtypes=(torch.bfloat16, torch.float32, torch.float64))
+            check_x(x, sh.hidden, max_rows=self.max_tokens_per_rank)
+            check_out(out, (x.shape[0], sh.hidden), x.dtype, x.device)
             n = check_num_tokens(num_tokens, int(x.shape[0]))
-            if not streaming and n > self.max_tokens_per_rank:
-                return (f"x has {n} valid tokens, more than this buffer's batch capacity "
-                        f"max_tokens_per_rank={self.max_tokens_per_rank}"), checked
             epoch = check_stream_epoch(stream_epoch, streaming=bool(streaming), last=ring.last_epoch,
                                        max_epoch=MAX_EPOCH)
             check_finite_rows(x, n)
             if not isinstance(weights, MoEWeights):
-                return f"weights must be a MoEWeights, got {type(weights).__name__}", checked
+                return f"weights must be a MoEWeights, got {type(weights).__name__}", {}
             if weights.w1.device != x.device:
-                return f"weights are on {weights.w1.device} but x is on {x.device}: put both on one device", checked
+                return f"weights are on {weights.w1.device} but x is on {x.device}: put both on one device", {}
             given = None
             if routing is not None:
-                if callable(routing):
-                    got = routing(x[:n], torch.arange(n))
-                    given = check_routing(got, n, sh.topk, sh.num_experts, exact_dtypes=False)
-                    given = tuple(t.to(x.device) for t in given)
-                else:
-                    given = check_routing(routing, int(x.shape[0]), sh.topk, sh.num_experts, valid=n,
-                                          device=x.device, exact_dtypes=False)
-                    given = (given[0][:n], given[1][:n])
+                given = check_routing(routing, int(x.shape[0]), sh.topk, sh.num_experts, valid=n, device=x.device)
+                given = (given[0][:n], given[1][:n])
             prepared = self._prepared.get(weights)
             self._resolved_weights = prepared if prepared is not None else self._local_weights(weights)
-            checked.update(valid=n, epoch=ring.last_epoch + 1 if epoch is None else epoch, routing=given)
         except Exception as exc:  # noqa: BLE001 - any local error must reach every rank, not desync them
-            return (f"{type(exc).__name__}: {exc}" if not isinstance(exc, ValueError) else str(exc)), checked
-        return None, checked
+            return (f"{type(exc).__name__}: {exc}" if not isinstance(exc, ValueError) else str(exc)), {}
+        return None, {"valid": n, "epoch": ring.last_epoch + 1 if epoch is None else epoch, "routing": given}
 
     def _local_weights(self, weights: MoEWeights) -> tuple[MoEWeights, int]:
         """``(weights, expert offset)``: full weights are used as they are; local-only ones are shifted."""
@@ -349,6 +263,22 @@ class MoEBuffer:
         raise ValueError(f"weights.w1 must hold all {sh.num_experts} experts or this rank's {per} local experts, "
                          f"got {n}")
 
+    def status(self) -> dict:
+        """What the rings recorded on this rank: ``violations`` and ``timeouts`` (forwards that died of one),
+        ``first_error`` (why the buffer is :attr:`broken`, or None) and per path (``stream``, ``batch``) the
+        chunks published and consumed and the last epoch."""
+        paths = {name: {"published": r.stats.chunks_published, "consumed": r.stats.chunks_consumed,
+                        "last_epoch": r.last_epoch, "aborted": r.aborted or None}
+                 for name, r in (("stream", self.stream_ring), ("batch", self.batch_ring))}
+        return {**self._errors, "first_error": self.broken, **paths}
+
+    def check(self) -> None:
+        """Raise RuntimeError if a forward died in the middle of a stream (the buffer is then :attr:`broken`:
+        close it and build a new one on every rank)."""
+        if self.broken:
+            raise RuntimeError(f"ring errors on rank {self.rank}: {self.broken} ({self._errors}); close() it and "
+                               f"build a new MoEBuffer on every rank")
+
     def close(self) -> None:
         """Free the symmetric buffers (collective; also after an error, before rebuilding)."""
         self.stream_ring.close()
@@ -359,15 +289,17 @@ class MoEBuffer:
 class _Forward:
     """The roles of one forward call on one rank."""
 
-    def __init__(self, buf: MoEBuffer, ring: Ring, plan: StreamPlan, x, weights, block_m, routing, y,
-                 routing_out, stats: ForwardStats, scheduler: str, source_order: str = "rank"):
+    def __init__(self, buf: MoEBuffer, ring: Ring, plan: StreamPlan, x, weights, routing, y, routing_out,
+                 stats: ForwardStats, streaming: bool):
         self.buf, self.ring, self.plan = buf, ring, plan
         self.L = ring.layout
-        self.x, self.block_m, self.routing, self.y = x, block_m, routing, y
+        tuning = buf.tuning
+        self.block_m = buf.shape.block_m if tuning.block_m is None else tuning.block_m
+        self.x, self.routing, self.y = x, routing, y
         self.idx_out, self.w_out = routing_out
         self.stats = stats
-        self.scheduler = scheduler
-        self.source_order = source_order
+        self.scheduler = tuning.scheduler if streaming else "chunk_local"
+        self.source_order = tuning.source_order
         self.me = buf.rank
         self.sh = buf.shape
         self.weights = weights
@@ -382,7 +314,7 @@ class _Forward:
         return base, valid, self.x[base:base + valid]
 
     def route_producer(self):
-        yield from sleep_for(self.buf.straggler_s)
+        yield from sleep_for(self.buf.producer_delay_s)
         for c in range(self.plan.num_chunks):
             yield from wait_for(self.ring, lambda: self.ring.try_reserve(c), f"reuse of my slot for chunk {c}")
             base, valid, xc = self._chunk_rows(c)
@@ -402,7 +334,7 @@ class _Forward:
             yield
 
     def layout_producer(self):
-        yield from sleep_for(self.buf.straggler_s)
+        yield from sleep_for(self.buf.producer_delay_s)
         for c in range(self.plan.num_chunks):
             yield from wait_for(self.ring, lambda: self.ring.try_reserve(c), f"reuse of my slot for chunk {c}")
             base, valid, xc = self._chunk_rows(c)

@@ -32,6 +32,7 @@ from typing import Any, Optional
 
 import torch
 
+from .contract import MoELayerBuffer
 from .layer import NumTokens
 
 __all__ = ["MoELayer", "register_layer", "moe_forward", "registered_layers"]
@@ -52,7 +53,7 @@ class MoELayer:
         buffer: the shared buffer (``MoEBuffer`` on CPUs).
         weights: what ``buffer.prepare_weights`` returned for this layer.
         last_routing: ``(topk_idx [T, k], topk_weights [T, k])`` of this layer's last call on this
-            rank, or None (from ``buffer.last_routing`` where the buffer has it).
+            rank, or None (``buffer.last_routing`` after it).
     """
 
     def __init__(self, layer_id: int, buffer: Any, weights: Any):
@@ -102,18 +103,16 @@ def register_layer(buffer: Any, weights: Any) -> MoELayer:
     """Prepare one layer's weights for ``buffer`` and register them for the op.
 
     Args:
-        buffer: the buffer every layer shares; it must have ``prepare_weights(weights)`` and
-            ``forward(x, prepared, *, streaming, stream_epoch, num_tokens)``.
+        buffer: the buffer every layer shares (:class:`~streamring.moe.contract.MoELayerBuffer`).
         weights: the layer's :class:`~streamring.moe.math.MoEWeights` (all experts or this rank's).
     Returns:
         the :class:`MoELayer` handle; keep it while a model calls the op with its id, then ``close()``.
     Raises:
         ValueError: from ``prepare_weights``, naming the bad field.
     """
-    for name in ("prepare_weights", "forward"):
-        if not callable(getattr(buffer, name, None)):
-            raise ValueError(f"buffer must have a {name}() method (MoEBuffer or the GPU buffer), "
-                             f"got {type(buffer).__name__}")
+    if not isinstance(buffer, MoELayerBuffer):
+        raise ValueError(f"buffer must implement streamring.moe.contract.MoELayerBuffer (a MoEBuffer or an EPBuffer), "
+                         f"got {type(buffer).__name__}")
     prepared = buffer.prepare_weights(weights)
     with _LOCK:
         layer = MoELayer(next(_NEXT_ID), buffer, prepared)
@@ -149,12 +148,11 @@ def _moe_forward_op(x: torch.Tensor, layer: int, streaming: bool, stream_epoch: 
                              f"{type(nxt.buffer).__name__}" + ("" if nxt.buffer is entry.buffer else " (another one)"))
     y = entry.buffer.forward(x, entry.weights, streaming=streaming, stream_epoch=stream_epoch,
                              num_tokens=num_tokens)
-    entry.last_routing = getattr(entry.buffer, "last_routing", None)
+    entry.last_routing = entry.buffer.last_routing
     if nxt is not None:
         entry.buffer.launch_consumer(nxt.weights, rows=x.shape[0])
-    # A custom op's output must not alias its inputs: y is the buffer's fresh tensor (float32 on the
-    # CPU buffer); .to() copies only where the dtype differs and never returns x itself.
-    return y.to(x.dtype)
+    # A custom op's output must not alias its inputs: y is the buffer's fresh tensor, in x's dtype (the contract).
+    return y
 
 
 @_moe_forward_op.register_fake

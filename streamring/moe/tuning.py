@@ -13,7 +13,7 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from ..ring.policies import EP_SOURCE_ORDERS, PROGRESS_POLICIES, REFUSED_POLICIES, progress
+from ..ring.policies import EP_SOURCE_ORDERS, PROGRESS_POLICIES, REFUSED_POLICIES, SOURCE_ORDERS
 
 #: progress policies of the streamed path (``REFUSED_POLICIES`` are named with the reason they are refused)
 EP_POLICIES = PROGRESS_POLICIES
@@ -107,3 +107,26 @@ class EPTuning(BaseModel):
             raise ValueError(f"producer_sms must be a multiple of 8 (green contexts split SMs in groups of 8), "
                              f"got {v}")
         return v
+
+
+#: the CPU layer's schedulers: ``chunk_local`` (RFC option 1) and ``reservation`` (option 2, blocks filled across
+#: chunks; ``streamring.moe.layer``'s module doc)
+SCHEDULERS = ("chunk_local", "reservation")
+
+
+class MoETuning(BaseModel):
+    """The switches of a :class:`~streamring.moe.layer.MoEBuffer`, the CPU reference layer (frozen; errors name the
+    field and its allowed values). Its streamed path's consumer:
+
+    Attributes:
+        scheduler: ``chunk_local`` (each chunk's blocks on their own) or ``reservation`` (per-expert blocks filled
+            across chunks, sealed at the end of the stream).
+        block_m: rows per expert block; ``None``: the shape's ``block_m``.
+        source_order: ``rank`` (a chunk's sources in rank order) or ``ready`` (any ready source first).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    scheduler: Literal[SCHEDULERS] = "chunk_local"  # type: ignore[valid-type]
+    block_m: Optional[int] = Field(None, ge=1)
+    source_order: Literal[SOURCE_ORDERS] = "rank"  # type: ignore[valid-type]

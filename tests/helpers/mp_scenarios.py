@@ -12,9 +12,11 @@ import torch
 from mp_main import run_scenarios
 from streamring.device.cpu import MpiHeap
 from streamring.moe.bitwise import bit_difference
+from streamring.moe import debug as moe_debug
 from streamring.moe.layer import MoEBuffer
 from streamring.moe.math import MoEShape, MoEWeights
 from streamring.moe.reference import batch_forward_single
+from streamring.moe.tuning import MoETuning
 from streamring.ring.protocol import ProtocolViolation, WatchdogError
 
 
@@ -39,12 +41,14 @@ def moe_api(heap):
     shape = MoEShape(hidden=256, intermediate=128, num_experts=4 * R, topk=2, block_m=8)
     w = MoEWeights.random(shape, seed=3)
     buf = MoEBuffer(heap, shape, num_slots=2, tokens_per_slot=8, max_tokens_per_rank=40)
+    res = MoEBuffer(heap, shape, num_slots=2, tokens_per_slot=8, max_tokens_per_rank=40,
+                    tuning=MoETuning(scheduler="reservation", block_m=3))
     tokens = [0, 1, 37, 40][me % 4]
     for ep in range(3):
         x = torch.randn(tokens, 256, generator=torch.Generator().manual_seed(100 * ep + me))
         y_b = buf.forward(x, w)
         y_s = buf.forward(x, w, streaming=True)
-        y_r = buf.forward(x, w, streaming=True, scheduler="reservation", block_m=3)
+        y_r = res.forward(x, w, streaming=True)
         same(y_s, y_b, f"epoch {ep} streamed", "batch")
         same(y_r, y_b, f"epoch {ep} streamed (reservation)", "batch")
         if tokens:
@@ -71,9 +75,9 @@ def moe_api(heap):
         expect(ValueError, lambda: buf.forward(torch.zeros(2, 100), w), "x must have shape [tokens, hidden=256]")
     else:
         expect(ValueError, lambda: buf.forward(x, w), "rank 0: x must have shape")
-    expect(ValueError, lambda: buf.forward(x.to(torch.int32), w), "x must be bfloat16, float32 or float64")
+    expect(ValueError, lambda: buf.forward(x.to(torch.int32), w), "x must be a bfloat16 (or other float) tensor")
     expect(ValueError, lambda: buf.forward(torch.zeros(41, 256), w), "max_tokens_per_rank=40")
-    expect(ValueError, lambda: buf.forward(x, w, scheduler="fifo"), "scheduler must be one of")
+    expect(ValueError, lambda: MoETuning(scheduler="fifo"), "scheduler")
     wbad = MoEWeights(router_weight=w.router_weight, correction_bias=None, w1=w.w1[:, :, :128], w3=w.w3, w2=w.w2)
     expect(ValueError, lambda: buf.forward(x, wbad), "w1")
     # the buffers still work after all those errors (recovery)
@@ -82,6 +86,7 @@ def moe_api(heap):
     expect(ValueError, lambda: MoEBuffer(heap, MoEShape(hidden=256, intermediate=128, num_experts=4 * R + 1, topk=2),
                                          num_slots=2, tokens_per_slot=8, max_tokens_per_rank=4), "num_experts")
     buf.close()
+    res.close()
 
 
 def recovery_after_watchdog(heap):
@@ -95,7 +100,7 @@ def recovery_after_watchdog(heap):
     buf.stream_ring.wait_timeout_s = 1.0  # short deadline only for the stalled call
 
     if me == 1:  # rank 1's producers start past every deadline (the fault itself), inside the stream
-        buf.set_straggler(int(2.5e9))
+        moe_debug.set_producer_delay(buf, int(2.5e9))
     try:
         buf.forward(x, w, streaming=True)
     except (WatchdogError, TimeoutError, ProtocolViolation) as exc:
@@ -133,8 +138,8 @@ def bad_arguments_leave_the_buffer_usable(heap):
     one_rank_far = far if me == R - 1 else idx
     cases = [  # (what, call, the argument named in every rank's message)
         ("routing id 99 (a pair)", lambda: buf.forward(x, w, streaming=True, routing=(far, wt)), "topk_idx"),
-        ("routing id 99 (a function)", lambda: buf.forward(x, w, streaming=True, routing=lambda xc, t: (far[t], wt[t])),
-         "topk_idx"),
+        ("routing a function", lambda: buf.forward(x, w, streaming=True, routing=lambda xc, t: (idx[t], wt[t])),
+         "routing must be None or a pair"),
         ("routing id 99 on one rank", lambda: buf.forward(x, w, routing=(one_rank_far, wt)), "topk_idx"),
         ("routing NaN weight", lambda: buf.forward(x, w, streaming=True, routing=(idx, nan_w)), "topk_weights"),
         ("routing shape", lambda: buf.forward(x, w, routing=(idx[:, :1], wt)), "topk_idx"),
@@ -150,9 +155,8 @@ def bad_arguments_leave_the_buffer_usable(heap):
         ("stream_epoch not growing", lambda: buf.forward(x, w, streaming=True, stream_epoch=0), "stream_epoch"),
         ("stream_epoch not an int", lambda: buf.forward(x, w, streaming=True, stream_epoch="7"), "stream_epoch"),
         ("stream_epoch on the batch path", lambda: buf.forward(x, w, stream_epoch=9), "stream_epoch"),
-        ("scheduler", lambda: buf.forward(x, w, streaming=True, scheduler="fifo"), "scheduler"),
-        ("source_order", lambda: buf.forward(x, w, streaming=True, source_order="any"), "source_order"),
-        ("block_m", lambda: buf.forward(x, w, streaming=True, block_m=0), "block_m"),
+        ("out dtype", lambda: buf.forward(x, w, out=torch.zeros(20, 128, dtype=torch.float64)), "out must be"),
+        ("out shape", lambda: buf.forward(x, w, streaming=True, out=torch.zeros(19, 128)), "out must be"),
     ]
     for what, call, needle in cases:
         e = expect(ValueError, call, needle)
@@ -161,11 +165,12 @@ def bad_arguments_leave_the_buffer_usable(heap):
         same(buf.forward(x, w), want_b, f"batch after a bad {what}", "a fresh buffer's")
         if what.endswith("on one rank") and me != R - 1:
             assert f"rank {R - 1}" in str(e), (what, str(e))
-    # the caller's routing, as a pair and as a function, is taken when it is good
+    # the caller's routing is taken when it is good; ``out`` receives the same bits
     y_pair = buf.forward(x, w, streaming=True, routing=(idx, wt))
-    same(buf.forward(x, w, streaming=True, routing=lambda xc, t: (idx[t], wt[t])), y_pair, "routing function",
-         "routing pair")
     same(buf.forward(x, w, routing=(idx, wt)), y_pair, "batch, routing pair", "streamed")
+    out = torch.full_like(x, 7.0)
+    assert buf.forward(x, w, streaming=True, out=out) is out
+    same(out, want_s, "streamed into out", "a fresh buffer's")
     buf.close()
 
 
@@ -215,19 +220,21 @@ def fuzz_forward(heap):
                              weight_dtype=wdt, block_m=block_m, **kw)
             w = MoEWeights.random(shape, seed=hidden + E)
             buf = MoEBuffer(heap, shape, num_slots=slots, tokens_per_slot=tps,
-                            max_tokens_per_rank=max(max(tokens), 1), deadline_s=30)
+                            max_tokens_per_rank=max(max(tokens), 1), deadline_s=30,
+                            tuning=MoETuning(scheduler=scheduler))
             g = torch.Generator().manual_seed(me * 1000 + tokens[me])
             x = (torch.randn(tokens[me], hidden, generator=g, dtype=torch.float64) * scale).to(xdtype)
             if poison and tokens[poison_rank]:
                 bad = x.clone()
                 if me == poison_rank:
                     bad[tokens[me] // 2, 3] = float(poison)
-                expect(ValueError, lambda: buf.forward(bad, w, streaming=True, scheduler=scheduler), "NaN/Inf")
+                expect(ValueError, lambda: buf.forward(bad, w, streaming=True), "NaN/Inf")
             y_b = buf.forward(x, w)
-            y_s = buf.forward(x, w, streaming=True, scheduler=scheduler)
+            y_s = buf.forward(x, w, streaming=True)
             same(y_s, y_b, f"streamed ({scheduler})", "batch")
             if tokens[me] and scale <= 1e3:
-                same(y_b, batch_forward_single(x, w, shape), "distributed batch", "single-process batch")
+                assert y_b.dtype == x.dtype, (y_b.dtype, x.dtype)
+                same(y_b, batch_forward_single(x, w, shape).to(x.dtype), "distributed batch", "single-process batch")
         except Exception as exc:  # noqa: BLE001 - reported collectively below
             err = f"{type(exc).__name__}: {exc}"
         finally:
@@ -283,12 +290,15 @@ def bitwise_oracle(heap):
         tokens = counts[(me + n) % len(counts)]  # uneven; a rank without tokens; partial chunks
         x = torch.randn(tokens, 256, generator=torch.Generator().manual_seed(1000 * n + me))
         buf = MoEBuffer(heap, shape, num_slots=2, tokens_per_slot=4, max_tokens_per_rank=max(counts))
+        res = MoEBuffer(heap, shape, num_slots=2, tokens_per_slot=4, max_tokens_per_rank=max(counts),
+                        tuning=MoETuning(scheduler="reservation", block_m=3))
         try:
             outs = {"batch": buf.forward(x, w),
                     "streamed (chunk_local)": buf.forward(x, w, streaming=True),
-                    "streamed (reservation)": buf.forward(x, w, streaming=True, scheduler="reservation", block_m=3)}
+                    "streamed (reservation)": res.forward(x, w, streaming=True)}
         finally:
             buf.close()
+            res.close()
         ref = batch_forward_single(x, w, shape) if tokens else torch.zeros(0, 256)
         for path, y in outs.items():
             diff = bit_difference(y, ref, path, "single-process batch")
