@@ -30,8 +30,6 @@ part's module the argument of what it does. Test and benchmark hooks are an inst
 from __future__ import annotations
 
 import time
-import warnings
-from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
@@ -45,49 +43,25 @@ from ..ring.layout import MAX_EPOCH
 from ..ring.policies import progress
 from ..ring.protocol import WatchdogError
 from . import ep_config as CFG
-from .blocks import FP8, FastWeights
 from .contract import DEFAULT_DEADLINE_S
 from .checks import (check_num_tokens, check_out, check_routing, check_stream_epoch, check_streaming, check_x,
                      host_read_allowed)
 from .ep_combine import CombineArea
 from .ep_dispatch import EPDispatch
 from .ep_experts import EPExperts
+from .ep_launch import LaunchAhead
 from .ep_pipeline import Pipeline
 from .ep_producer import EPProducer
 from .ep_rings import make_path
+from .ep_weights import LayerWeights, prepare_layer_weights
 from .instrument import NO_INSTRUMENT
-from .math import MoEShape, MoEWeights
+from .math import MoEShape
 from .tuning import EPTuning
 
 # re-exported: the buffer's GEMM resolution, its sizes' check and memory report (ep_config)
 resolve_gemm = CFG.resolve_gemm
 cutlass_unavailable_reason = CFG.cutlass_unavailable_reason
 memory_report = CFG.memory_report
-
-
-@dataclass(frozen=True)
-class _Launched:
-    """A streamed forward's consumer side enqueued ahead of its producer (:meth:`EPBuffer.launch_consumer`)."""
-
-    layer: "LayerWeights"
-    rows: int
-    stamps: bool
-    enqueued: bool  # False: nothing was enqueued (serialized policy, or the streamed path's first forward)
-    capturing: bool  # enqueued inside a CUDA graph capture
-
-
-@dataclass
-class LayerWeights:
-    """One MoE layer's weights, prepared for an :class:`EPBuffer` (:meth:`EPBuffer.prepare_weights`).
-
-    Attributes:
-        routing: the layer's :class:`MoEShape` (router kind, groups, scaling; sizes equal the buffer's).
-        fw: this PE's experts (``w1 [E/R, 2I, H]``, ``w2 [E/R, H, I]``, FP8 with 128x128 scales)
-            and the global router (bf16 ``[E, H]``) and bias.
-    """
-
-    routing: MoEShape
-    fw: FastWeights
 
 
 class EPBuffer:
@@ -138,7 +112,7 @@ class EPBuffer:
         M, C, S, block_m = CFG.check_sizes(shape, R, max_tokens_per_rank, num_slots, tokens_per_slot, tuning.block_m)
         CFG.check_tuning(tuning, R, -(-M // C), S)
         choice = resolve_gemm(gemm, shape, R, M, block_m)
-        _check_gemm(tuning, choice.impl, torch.device(heap.device).type == "cuda")
+        CFG.check_gemm(tuning, choice.impl, torch.device(heap.device).type == "cuda")
         #: the scheduling switches this buffer runs (frozen)
         self.tuning = tuning
         self.heap, self.shape, self.max_tokens, self.deadline_s = heap, shape, M, deadline_s
@@ -146,8 +120,9 @@ class EPBuffer:
         self.broken: Optional[str] = None
         #: the tuned table's answer for the last streaming="auto" forward (:meth:`adaptive_streaming`)
         self.last_adaptive = None
-        self._launched: Optional[_Launched] = None  # a consumer side enqueued ahead (launch_consumer)
-        self._warm: set = set()
+        #: a consumer side enqueued ahead of its forward (:meth:`launch_consumer`)
+        self.launches = LaunchAhead(self)
+        self.warm_paths: set = set()  # the paths whose first (eager) forward ran
         self._graph_paths: dict = {}  # id(graph) -> the path it was captured on (replay() checks that ring)
         #: what the last :meth:`capture` set of its graph's node priorities
         self.node_priority_report = "not asked"
@@ -268,34 +243,8 @@ class EPBuffer:
         Returns:
             :class:`LayerWeights` holding this PE's experts and the global router.
         """
-        sh = self.shape if routing is None else routing
-        for f in ("hidden", "intermediate", "num_experts", "topk"):
-            if getattr(sh, f) != getattr(self.shape, f):
-                raise ValueError(f"routing.{f}={getattr(sh, f)} differs from the buffer's shape.{f}="
-                                 f"{getattr(self.shape, f)}: a buffer serves layers of one size")
-        if isinstance(weights, MoEWeights):
-            fw = FastWeights.from_moe_weights(CFG.fp8_weights(weights, sh, self.dev))
-        elif isinstance(weights, FastWeights):
-            fw = weights
-        else:
-            raise ValueError(f"weights must be a MoEWeights or a FastWeights, got {type(weights).__name__}")
-        E, E_loc, H, I = sh.num_experts, self.E_loc, sh.hidden, sh.intermediate
-        if fw.w1.shape[0] == E and E_loc != E:
-            fw = fw.local(self.me, self.R)
-        want = {"w1": (E_loc, 2 * I, H), "w1_sf": (E_loc, 2 * I // 128, H // 128), "w2": (E_loc, H, I),
-                "w2_sf": (E_loc, H // 128, I // 128), "router": (E, H)}
-        for f, shp in want.items():
-            t = getattr(fw, f)
-            if tuple(t.shape) != shp:
-                raise ValueError(f"weights.{f} must have shape {list(shp)} (all {E} experts or this PE's {E_loc}), "
-                                 f"got {list(t.shape)}")
-            if t.device != self.dev:
-                raise ValueError(f"weights.{f} is on {t.device}, the buffer on {self.dev}")
-        if fw.w1.dtype != FP8 or fw.w2.dtype != FP8:
-            raise ValueError(f"weights.w1/w2 must be float8_e4m3fn here, got {fw.w1.dtype}/{fw.w2.dtype}")
-        if sh.router == "deepseek_v3" and fw.bias is None:
-            raise ValueError("routing.router 'deepseek_v3' needs weights.correction_bias [num_experts]")
-        return LayerWeights(routing=sh, fw=fw)
+        return prepare_layer_weights(weights, self.shape if routing is None else routing, self.shape, self.me,
+                                     self.R, self.dev)
 
     # -- the forward --------------------------------------------------------------------------------
     def adaptive_streaming(self, tokens: int) -> bool:
@@ -352,26 +301,26 @@ class EPBuffer:
             streaming = self.adaptive_streaming(x.shape[0])
             stream_epoch = stream_epoch if streaming else None
         path = self.paths["stream" if streaming else "batch"]
-        capturing = self._capturing()
+        capturing = self.capturing()
         if stream_epoch is not None:
             last = path.ring.epoch() - 1 if streaming and not capturing else 0  # (refused without a read)
             stream_epoch = check_stream_epoch(stream_epoch, streaming=streaming, capturing=capturing, last=last,
                                               max_epoch=MAX_EPOCH)
-        if path.name not in self._warm and capturing:
+        if path.name not in self.warm_paths and capturing:
             raise RuntimeError(f"the {path.name} path of this EPBuffer has not run yet: run one forward "
                                f"(streaming={streaming}) eagerly before capturing it (it compiles the kernels)")
         # every argument checked: from here on something is enqueued (a pending launch is taken or cancelled)
-        launched = self._take_launched(weights, x.shape[0], streaming, stream_epoch, capturing)
+        launched = self.launches.take(weights, x.shape[0], streaming, stream_epoch, capturing)
         if stream_epoch is not None:
             path.ring.set_epoch(stream_epoch)
-        warm = path.name in self._warm
+        warm = path.name in self.warm_paths
         if launched is not None and launched.enqueued:
             stamps = launched.stamps
         self.pipeline.enqueue(path, weights, x16, out16, num_tokens, routing, serialized=not warm, stamps=stamps,
                               launched=launched is not None and launched.enqueued)
         if not warm:
             self._sync()
-            self._warm.add(path.name)
+            self.warm_paths.add(path.name)
             self.check()
         if out16.dtype == x.dtype:
             return out16
@@ -407,7 +356,8 @@ class EPBuffer:
             raise RuntimeError(f"this EPBuffer is unusable after a ring error ({self.broken}); close() it and build "
                                f"a new EPBuffer on every PE (collective)")
 
-    def _capturing(self) -> bool:
+    def capturing(self) -> bool:
+        """Whether the current stream is capturing a CUDA graph (values cannot be read on the host then)."""
         return self.pipeline.on_gpu and torch.cuda.is_current_stream_capturing()
 
     def _sync(self) -> None:
@@ -463,56 +413,13 @@ class EPBuffer:
         if self.tuning.consumer == "persistent":
             raise ValueError("launch_consumer needs tuning.consumer 'per_chunk': the persistent consumer's kernel "
                              "would hold the SMs the caller's own work needs while it waits")
-        capturing = self._capturing()
-        self._cancel_launched("a new launch_consumer")
-        path = self.paths["stream"]
-        enqueue = path.name in self._warm and path.policy != "serialized" and self.pipeline.progress.concurrent
-        if enqueue:
-            self.pipeline.launch(path, weights, rows, stamps)
-        self._launched = _Launched(weights, rows, stamps, enqueue, capturing)
+        self.launches.launch(weights, rows, stamps, self.capturing())
 
     def cancel_launch(self) -> bool:
         """Cancel a consumer side enqueued ahead by :meth:`launch_consumer` (this PE's producer publishes empty
         chunks and the forward's end is enqueued: its consumers, here and on every PE, finish with no rows of this
         PE's). Collective in effect: every PE must cancel or run the launched forward. True if one was pending."""
-        return self._cancel_launched(None)
-
-    def _cancel_launched(self, why: Optional[str]) -> bool:
-        ld, self._launched = self._launched, None
-        if ld is None:
-            return False
-        if why is not None:
-            warnings.warn(f"EPBuffer: the consumer launched ahead for a layer's forward of {ld.rows} rows was "
-                          f"cancelled by {why}", stacklevel=3)
-        if ld.enqueued:
-            if self._capturing() != ld.capturing:
-                where, now = ("inside", "outside") if ld.capturing else ("outside", "inside")
-                self.broken = self.broken or f"a consumer launched ahead {where} a CUDA graph capture was cancelled {now} it"
-                raise RuntimeError(f"{self.broken}: its producer cannot be enqueued there (a captured graph would "
-                                   f"hold a consumer whose producer never runs); the buffer now refuses to run: "
-                                   f"rebuild it")
-            empty = torch.empty(0, self.shape.hidden, dtype=torch.bfloat16, device=self.dev)
-            self.pipeline.enqueue(self.paths["stream"], ld.layer, empty, empty, 0, None, serialized=False,
-                                  stamps=ld.stamps, launched=True)
-        return True
-
-    def _take_launched(self, weights, rows: int, streaming: bool, stream_epoch, capturing: bool):
-        """The pending launch this forward runs the producer side of (None: none pending, or cancelled here
-        because this forward is not the launched one)."""
-        ld = self._launched
-        if ld is None:
-            return None
-        if ld.enqueued and ld.capturing != capturing:
-            self._cancel_launched("a forward " + ("inside" if capturing else "outside") + " a CUDA graph capture")
-            return None
-        if not streaming or weights is not ld.layer or rows != ld.rows or stream_epoch is not None:
-            what = ("a batch forward" if not streaming else "a forward with stream_epoch" if stream_epoch is not None
-                    else "a forward of another layer" if weights is not ld.layer
-                    else f"a forward of {rows} rows")
-            self._cancel_launched(what)
-            return None
-        self._launched = None
-        return ld
+        return self.launches.cancel(None)
 
     # -- graphs -------------------------------------------------------------------------------------
     def capture(self, x: torch.Tensor, weights: LayerWeights, out: torch.Tensor, *, streaming: bool = False,
@@ -528,7 +435,7 @@ class EPBuffer:
         capture stream before the forward and captured with it. ``launch_ahead`` (``streaming=True``): the
         consumer side is launched (:meth:`launch_consumer`) at the graph's start, before ``before``'s work, so
         in every replay it runs beside that work instead of after it."""
-        self._cancel_launched("capture()")
+        self.launches.cancel("capture()")
         if launch_ahead and not streaming:
             raise ValueError("launch_ahead=True needs streaming=True (the batch path has no consumer to launch ahead)")
         want = node_priority and streaming and self.pipeline.progress.high_priority
@@ -666,24 +573,10 @@ class EPBuffer:
     def close(self) -> None:
         """Free the rings and the combine area (collective; a consumer launched ahead is cancelled first) and
         destroy the streams."""
-        if self._launched is not None and not self.broken:
-            self._cancel_launched("close()")
+        if self.launches.pending is not None and not self.broken:
+            self.launches.cancel("close()")
             self._sync()
         self.pipeline.combine.close()
         for p in self.paths.values():
             p.close()
         self.pipeline.progress.close()
-
-
-def _check_gemm(tuning: EPTuning, gemm: str, on_gpu: bool) -> None:
-    """What ``tuning`` needs of the resolved GEMMs and of the device; errors name the field."""
-    cap = CAPABILITIES[gemm]
-    if tuning.consumer == "persistent" and (not cap.persistent or tuning.transport == "nv"
-                                            or tuning.policy == "green_ctx"):
-        raise ValueError(f"tuning.consumer 'persistent' runs the Triton GEMMs storing straight into the owners over "
-                         f"P2P: it needs gemm 'triton' (got {gemm!r}), transport 'auto' or 'p2p' (got "
-                         f"{tuning.transport!r}) and a policy other than 'green_ctx' (got {tuning.policy!r})")
-    if tuning.chunk_gemm_ctas is not None and not cap.max_ctas:
-        raise ValueError(f"tuning.chunk_gemm_ctas must be None with gemm {gemm!r} (it sizes its own grid)")
-    if not on_gpu and tuning.policy != "serialized":
-        raise ValueError(f"policy {tuning.policy!r} needs a GPU (streams); off the GPU only 'serialized' runs")

@@ -126,3 +126,17 @@ def memory_report(shape: MoEShape, num_ranks: int, *, max_tokens_per_rank: int, 
             "one_layer_ring_and_combine": one, "ratio": sym / one, "local": local}
 
 
+
+
+def check_gemm(tuning: EPTuning, gemm: str, on_gpu: bool) -> None:
+    """What ``tuning`` needs of the resolved GEMMs and of the device; errors name the field."""
+    cap = CAPABILITIES[gemm]
+    if tuning.consumer == "persistent" and (not cap.persistent or tuning.transport == "nv"
+                                            or tuning.policy == "green_ctx"):
+        raise ValueError(f"tuning.consumer 'persistent' runs the Triton GEMMs storing straight into the owners over "
+                         f"P2P: it needs gemm 'triton' (got {gemm!r}), transport 'auto' or 'p2p' (got "
+                         f"{tuning.transport!r}) and a policy other than 'green_ctx' (got {tuning.policy!r})")
+    if tuning.chunk_gemm_ctas is not None and not cap.max_ctas:
+        raise ValueError(f"tuning.chunk_gemm_ctas must be None with gemm {gemm!r} (it sizes its own grid)")
+    if not on_gpu and tuning.policy != "serialized":
+        raise ValueError(f"policy {tuning.policy!r} needs a GPU (streams); off the GPU only 'serialized' runs")

@@ -403,7 +403,7 @@ def drop_in_gpu(heap):
         swap.close()
     # every MoE layer's consumer launched before its decoder layer's attention: the same bits as without
     assert torch.equal(logits[True, True], logits[True, False]), "launch_ahead changed the logits"
-    assert buf._launched is None, "a consumer launched ahead was left pending after the model's forward"
+    assert buf.launches.pending is None, "a consumer launched ahead was left pending after the model's forward"
     compiled = copy.deepcopy(model)
     swap = replace_moe_experts(compiled, buf)
     ex = torch._dynamo.explain(compiled)(ids)

@@ -560,7 +560,7 @@ def test_a_consumer_launched_ahead_is_consumed_or_cancelled(setup):
     x = tokens(37, 21)
     buf.launch_consumer(w2, 37)
     assert torch.equal(bits(buf.forward(x, w2, streaming=True)), bits(single_batch(shape, fw2, x)))
-    assert buf._launched is None
+    assert buf.launches.pending is None
     for why, call in (("a forward of another layer", lambda: buf.forward(x, w, streaming=True)),
                       ("a batch forward", lambda: buf.forward(x, w2)),
                       ("a forward of 36 rows", lambda: buf.forward(x[:36], w2, streaming=True)),
@@ -577,7 +577,7 @@ def test_a_consumer_launched_ahead_is_consumed_or_cancelled(setup):
                        ((w, True), "rows must be an int")):
         with pytest.raises(ValueError, match=match):
             buf.launch_consumer(*bad)
-        assert buf._launched is None
+        assert buf.launches.pending is None
     assert torch.equal(bits(buf.forward(x, w, streaming=True)), bits(single_batch(shape, fw, x)))
     st = buf.status()
     assert not (st["violations"] or st["timeouts"]), st
@@ -608,11 +608,11 @@ def test_the_torch_op_launches_the_next_layer_ahead(setup):
     x = tokens(23, 5)
     with register_layer(buf, fw) as l0, register_layer(buf, fw2) as l1:
         y0 = moe_forward(x, l0, streaming=True, launch_next=l1)
-        assert buf._launched is not None and buf._launched.layer is l1.weights
+        assert buf.launches.pending is not None and buf.launches.pending.layer is l1.weights
         y1 = moe_forward(y0, l1, streaming=True)
-        assert buf._launched is None
+        assert buf.launches.pending is None
         assert torch.equal(bits(y0), bits(single_batch(shape, fw, x)))
         assert torch.equal(bits(y1), bits(single_batch(shape, fw2, y0)))
         with pytest.raises(KeyError, match="layer id 999999 is not registered"):
             moe_forward(x, l0, streaming=True, launch_next=999999)
-        assert buf._launched is None
+        assert buf.launches.pending is None
