@@ -81,7 +81,8 @@ from streamring.device.moe_triton import stamp
 from streamring.moe import blocks as B
 from streamring.moe import debug as moe_debug
 from streamring.moe.ep_buffer import EPBuffer
-from streamring.moe.math import MoEShape, select_experts
+from streamring.moe.math import MoEShape
+from streamring.moe.routers import select_experts
 from streamring.moe.tuning import EPTuning
 
 def megamoe_shape(block_m: int, num_experts: int = 256) -> MoEShape:

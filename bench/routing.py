@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The producer's routing (router logits -> top-k experts and weights) on one GPU: the one-kernel rule
 (``blocks.select_experts_into``, what the producers run) against the same rule in torch ops
-(``moe.math.select_experts``: sigmoid, group top-2, group top-k, mask, top-k, gather, sums).
+(``moe.routers.select_experts``: sigmoid, group top-2, group top-k, mask, top-k, gather, sums).
 
     python3 -m bench.routing [--tokens 1024,8192] [--json out/routing.json]
 
@@ -26,7 +26,7 @@ import torch
 
 from streamring.device import moe_triton as K
 from streamring.moe.blocks import select_experts_into
-from streamring.moe.math import select_experts
+from streamring.moe.routers import select_experts
 
 from .common import dsv3_shape, event_times
 

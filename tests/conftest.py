@@ -19,6 +19,19 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
 
 
+def _set_triton_interpreter_off_the_gpu() -> None:
+    """Triton reads TRITON_INTERPRET when a module first imports it, and a test module is not the only importer
+    (transformers' FP8 integration imports Triton): without a GPU the interpreter is set here, before any test
+    module is collected, so the order the tests run in does not decide how the kernels run."""
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+_set_triton_interpreter_off_the_gpu()
+
+
 def missing_test_dependencies(pyproject: Path = ROOT / "pyproject.toml") -> list[str]:
     """The declared test dependencies (``[project.optional-dependencies] test``) that are not installed
     in a matching version (for this platform's markers)."""

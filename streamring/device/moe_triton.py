@@ -128,7 +128,7 @@ def _select_experts_kernel(logits_ptr, bias_ptr, idx_ptr, w_ptr, n_rows, routed_
                            E: tl.constexpr, EP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
                            SOFTMAX: tl.constexpr, NORMALIZE: tl.constexpr, HAS_BIAS: tl.constexpr,
                            G: tl.constexpr, GP: tl.constexpr, TOPK_GROUP: tl.constexpr, BR: tl.constexpr):
-    # The routing rule of moe.math.select_experts, one row block per program, every step row-local.
+    # The routing rule of moe.routers.select_experts, one row block per program, every step row-local.
     # Picks run largest first (the lowest column on a tie, as an iterative top-k picks), so the
     # weights are summed in the rule's order j = 0..k-1.
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
@@ -222,7 +222,7 @@ SELECT_EXPERTS_LAUNCH = {"rows": 8, "num_warps": 4}
 
 def select_experts(logits, bias, idx_out, w_out, *, topk: int, softmax: bool, normalize: bool, n_group: int = 1,
                    topk_group: int = 1, routed_scaling_factor: float = 1.0, launch: dict | None = None) -> None:
-    """The routing rule of :func:`streamring.moe.math.select_experts` in one kernel: from float32
+    """The routing rule of :func:`streamring.moe.routers.select_experts` in one kernel: from float32
     ``logits [T, E]`` write ``idx_out [T, topk]`` (int64, contiguous) and ``w_out [T, topk]``
     (float32, contiguous).
 

@@ -35,7 +35,8 @@ from ..device import ep_triton as EK
 from ..device import moe_triton as K
 from ..gemm.backends import make_experts, refuse_unsupported
 from .grid_bounds import consumer_max_blocks, step_bound
-from .math import MoEShape, MoEWeights, select_experts
+from .math import MoEShape, MoEWeights
+from .routers import select_experts
 from .routing import router_of
 
 FP8 = torch.float8_e4m3fn
@@ -124,13 +125,13 @@ def select_experts_into(logits: torch.Tensor, bias: Optional[torch.Tensor], shap
 
 
 def softmax_topk_into(logits, bias, shape: MoEShape, idx_out, w_out, launch: Optional[dict] = None) -> None:
-    """The ``softmax_topk`` router (:func:`streamring.moe.math.softmax_topk`) as one kernel."""
+    """The ``softmax_topk`` router (:func:`streamring.moe.routers.softmax_topk`) as one kernel."""
     K.select_experts(logits, None if bias is None else bias.float(), idx_out, w_out, topk=shape.topk, softmax=True,
                      normalize=shape.renormalize, n_group=1, topk_group=1, routed_scaling_factor=1.0, launch=launch)
 
 
 def deepseek_v3_into(logits, bias, shape: MoEShape, idx_out, w_out, launch: Optional[dict] = None) -> None:
-    """The ``deepseek_v3`` router (:func:`streamring.moe.math.deepseek_v3`) as one kernel."""
+    """The ``deepseek_v3`` router (:func:`streamring.moe.routers.deepseek_v3`) as one kernel."""
     K.select_experts(logits, None if bias is None else bias.float(), idx_out, w_out, topk=shape.topk, softmax=False,
                      normalize=shape.norm_topk_prob, n_group=shape.n_group, topk_group=shape.topk_group,
                      routed_scaling_factor=shape.routed_scaling_factor, launch=launch)

@@ -69,8 +69,8 @@ from .math import (
     combine,
     expert_pool_forward,
     quantize_act_fp8,
-    route,
 )
+from .routers import route
 from .tuning import MoETuning
 
 #: The valid row count of ``forward``'s ``x``: an int, or a 0-d / 1-element integer tensor.

@@ -11,8 +11,8 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from .math import (QUANT_BLOCK, MoEShape, MoEWeights, _check_tensor, _check_x, combine,
-                   expert_pool_forward, quantize_act_fp8, route)
+from .math import QUANT_BLOCK, MoEShape, MoEWeights, _check_tensor, combine, expert_pool_forward, quantize_act_fp8
+from .routers import _check_x, route
 
 __all__ = ["batch_forward_single", "reference_forward_f64", "reference_tolerance", "ReferenceComparison",
            "compare_to_reference"]

@@ -9,7 +9,7 @@ None; ``shape``: the layer's :class:`~streamring.moe.shape.MoEShape` (``topk`` a
 reads). It returns int64 ``[T, topk]`` expert ids and ``[T, topk]`` weights in the logits' dtype. It must be
 row-local (a token's choice never depends on another row, which keeps streamed output bitwise equal to batch)
 and deterministic. :attr:`MoEShape.router <streamring.moe.shape.MoEShape.router>` names it, and every layer
-routes through this registry: the reference layer (:func:`streamring.moe.math.select_experts`), the GPU
+routes through this registry: the reference layer (:func:`streamring.moe.routers.select_experts`), the GPU
 producers (:func:`streamring.moe.blocks.select_experts_into`) and the config's allowed values.
 
 Optional, per router: ``select_into(logits, bias, shape, idx_out, w_out, launch=None)``, the same rule as one
@@ -93,8 +93,8 @@ def _deepseek_v3_check(shape) -> None:
 
 
 # Mixtral's: softmax over the experts, the top k, optionally renormalised (shape.renormalize)
-register_router("softmax_topk", "streamring.moe.math:softmax_topk",
+register_router("softmax_topk", "streamring.moe.routers:softmax_topk",
                 select_into="streamring.moe.blocks:softmax_topk_into")
 # DeepSeek-V3's: sigmoid scores, a correction bias for the choice, group-limited top-k, scaled weights
-register_router("deepseek_v3", "streamring.moe.math:deepseek_v3", select_into="streamring.moe.blocks:deepseek_v3_into",
+register_router("deepseek_v3", "streamring.moe.routers:deepseek_v3", select_into="streamring.moe.blocks:deepseek_v3_into",
                 uses_bias=True, check=_deepseek_v3_check)

@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 
 from streamring.moe.blocks import BlockConsumer, FastWeights, Producer, moe_forward
-from streamring.moe.math import (MoEShape, dequantize_act_fp8, dequantize_weight_fp8_block, quantize_act_fp8,
-                                 select_experts)
+from streamring.moe.math import MoEShape, dequantize_act_fp8, dequantize_weight_fp8_block, quantize_act_fp8
+from streamring.moe.routers import select_experts
 
 
 def batch_forward(x, fw: FastWeights, shape: MoEShape, prod: Producer, bc: BlockConsumer, scratch: dict,

@@ -471,7 +471,7 @@ def test_routing_given_by_the_caller(setup):
     """``routing=(idx, w)`` is published as it is: the router's own routing gives the router's output,
     bitwise; a masked route (-1) contributes nothing."""
     from streamring.device import moe_triton as K
-    from streamring.moe.math import select_experts
+    from streamring.moe.routers import select_experts
 
     shape, fw, buf = setup
     w = buf.prepare_weights(fw)

@@ -14,7 +14,8 @@ from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ds
 
 from streamring.moe import moe_shape_from_config, replace_moe_experts, weights_from_float, weights_from_fp8
 from streamring.moe.hf import layer_weights_from_module
-from streamring.moe.math import FP8_DTYPE, dequantize_weight_fp8_block, quantize_weight_fp8_block, route
+from streamring.moe.math import FP8_DTYPE, dequantize_weight_fp8_block, quantize_weight_fp8_block
+from streamring.moe.routers import route
 
 H, I, E = 256, 128, 8
 HF_QUANT = SimpleNamespace(quantization_config=SimpleNamespace(weight_block_size=(128, 128), scale_fmt="float"))
@@ -247,6 +248,8 @@ def test_every_expert_layout_gives_the_same_weights():
 class FakeBuffer:
     """Stands in for a buffer where only the checks before any forward are exercised (no ranks)."""
 
+    deadline_s, max_tokens_per_rank, last_routing = 30.0, 64, None
+
     def __init__(self, shape, local=None):
         self.shape, self.local_experts = shape, local or range(shape.num_experts)
 
@@ -255,6 +258,15 @@ class FakeBuffer:
 
     def forward(self, x, w, **kw):
         raise AssertionError("not called here")
+
+    def status(self):
+        return {}
+
+    def check(self):
+        pass
+
+    def close(self):
+        pass
 
 
 def test_replace_refuses_a_buffer_of_another_shape_and_a_model_without_deepseek_moe():

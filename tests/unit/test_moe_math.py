@@ -18,9 +18,8 @@ from streamring.moe.math import (
     expert_pool_forward,
     quantize_act_fp8,
     quantize_weight_fp8_block,
-    route,
-    route_f64,
 )
+from streamring.moe.routers import route, route_f64
 from streamring.moe.reference import batch_forward_single, compare_to_reference, reference_forward_f64, reference_tolerance
 
 H, I, E = 256, 128, 8
