@@ -184,12 +184,11 @@ def run_layer(heap: SymmetricHeap, cfg: Config, progress=None) -> dict:
         return run_layer_gpu(heap, cfg, progress)
     import torch
 
-    from .moe.bitwise import same_bits
     from .moe import debug as moe_debug
     from .moe.layer import MoEBuffer
     from .moe.math import MoEWeights
+    from .moe.reference import reference_tolerance
     from .moe.tuning import MoETuning
-    from .moe.reference import compare_to_reference, reference_forward_f64, reference_tolerance
 
     R, me = heap.num_ranks, heap.rank
     check_run_job(cfg, R)
@@ -215,38 +214,54 @@ def run_layer(heap: SymmetricHeap, cfg: Config, progress=None) -> dict:
     for ep in range(cfg.run.epochs):
         x = make_tokens(cfg, me, ep, tokens[me]).to(device)
         routing = None if routing_fn is None else tuple(t.to(device) for t in routing_fn(x, torch.arange(len(x))))
-        outs = {}
-        for mode in ("batch", "stream"):
-            if cfg.run.mode not in ("both", mode):
-                continue
-            progress.what = (f"epoch {ep + 1} of {cfg.run.epochs}: the {'streamed' if mode == 'stream' else 'batch'} "
-                             f"forward, {tokens[me]} tokens on rank {me}")
-            t0 = time.monotonic()
-            outs[mode] = buf.forward(x, weights, streaming=(mode == "stream"), routing=routing)
-            row[f"{mode}_wall_s"] += time.monotonic() - t0
-            if mode == "stream":
-                row["chunks"] = buf.last_stats.num_chunks
-            row["experts_hit"] = max(row["experts_hit"], buf.last_stats.experts_hit)
-            idx32 = buf.last_routing[0]
-        if "batch" in outs and "stream" in outs:
-            diff = (outs["stream"] - outs["batch"]).abs().max().item() if x.shape[0] else 0.0
-            row["max_abs_stream_minus_batch"] = max(row["max_abs_stream_minus_batch"], diff)
-            row["bitwise_equal"] &= same_bits(outs["stream"], outs["batch"])  # bytes: -0.0 != +0.0
+        outs = _epoch_forwards(buf, cfg, x, weights, routing, row, progress, ep)
         # Independent float64 reference of the same math.
         progress.what = f"epoch {ep + 1} of {cfg.run.epochs}: the float64 reference of rank {me}'s {tokens[me]} tokens"
-        if routing is None:
-            y_ref, idx64, _ = reference_forward_f64(x, weights, shape, return_routing=True)
-        else:
-            y_ref, idx64 = reference_forward_f64(x, weights, shape, routing=routing), routing[0]
-            idx32 = routing[0]
-        for y in outs.values():
-            cmp = compare_to_reference(y, y_ref, idx32, idx64, shape=shape)
-            row["ref_ok"] &= bool(cmp.ok)
-            row["ref_max_abs_err"] = max(row["ref_max_abs_err"], float(cmp.max_abs_err))
-            row["ref_max_err_ratio"] = max(row["ref_max_err_ratio"], float(cmp.max_err_ratio))
-            row["ref_excluded"] = max(row["ref_excluded"], int(cmp.num_excluded))
+        _epoch_reference(row, outs, x, weights, shape, routing, buf.last_routing[0])
     buf.close()
     return row
+
+
+def _epoch_forwards(buf, cfg: Config, x, weights, routing, row: dict, progress, ep: int) -> dict:
+    """One epoch's forwards of ``run.mode`` on the CPU buffer (``{"batch": y, "stream": y}``), their wall times,
+    chunks and experts hit in ``row``, and whether the two are bitwise equal."""
+    from .moe.bitwise import same_bits
+
+    outs = {}
+    for mode in ("batch", "stream"):
+        if cfg.run.mode not in ("both", mode):
+            continue
+        progress.what = (f"epoch {ep + 1} of {cfg.run.epochs}: the {'streamed' if mode == 'stream' else 'batch'} "
+                         f"forward, {x.shape[0]} tokens on rank {row['rank']}")
+        t0 = time.monotonic()
+        outs[mode] = buf.forward(x, weights, streaming=(mode == "stream"), routing=routing)
+        row[f"{mode}_wall_s"] += time.monotonic() - t0
+        if mode == "stream":
+            row["chunks"] = buf.last_stats.num_chunks
+        row["experts_hit"] = max(row["experts_hit"], buf.last_stats.experts_hit)
+    if "batch" in outs and "stream" in outs:
+        diff = (outs["stream"] - outs["batch"]).abs().max().item() if x.shape[0] else 0.0
+        row["max_abs_stream_minus_batch"] = max(row["max_abs_stream_minus_batch"], diff)
+        row["bitwise_equal"] &= same_bits(outs["stream"], outs["batch"])  # bytes: -0.0 != +0.0
+    return outs
+
+
+def _epoch_reference(row: dict, outs: dict, x, weights, shape, routing, idx32) -> None:
+    """Every output of one epoch against the float64 reference of the same math (``routing``: the given one, else
+    the reference's own, a flipped near-tie excluded), the worst errors kept in ``row``."""
+    from .moe.reference import compare_to_reference, reference_forward_f64
+
+    if routing is None:
+        y_ref, idx64, _ = reference_forward_f64(x, weights, shape, return_routing=True)
+    else:
+        y_ref, idx64 = reference_forward_f64(x, weights, shape, routing=routing), routing[0]
+        idx32 = routing[0]
+    for y in outs.values():
+        cmp = compare_to_reference(y, y_ref, idx32, idx64, shape=shape)
+        row["ref_ok"] &= bool(cmp.ok)
+        row["ref_max_abs_err"] = max(row["ref_max_abs_err"], float(cmp.max_abs_err))
+        row["ref_max_err_ratio"] = max(row["ref_max_err_ratio"], float(cmp.max_err_ratio))
+        row["ref_excluded"] = max(row["ref_excluded"], int(cmp.num_excluded))
 
 
 class _Quiet:
@@ -256,16 +271,11 @@ class _Quiet:
 
 
 def run_layer_gpu(heap, cfg: Config, progress=None) -> dict:
-    """``run`` on the expert-parallel FP8 GPU layer (:class:`streamring.moe.ep_buffer.EPBuffer`).
-
-    Every rank builds the same random FP8 layer and keeps its own experts in ONE buffer; its tokens go
-    through the batch-ready path and the streamed path of that buffer (``ring.*``, ``run.block_m``,
-    ``nvshmem.progress``, ``nvshmem.transport``, ``run.straggler``), so both run the same expert GEMMs
-    (``run.gemm``, resolved once; the row names it). Each path is captured once as a CUDA graph and
-    replayed for every epoch with new tokens. Checked: streamed == batch bitwise, no ring violation,
-    timeout or corrupt route, and the batch output against a float64 reference of sampled tokens
-    (relative error below ``blocks.FAST_PATH_REL_TOL``).
-    """
+    """``run`` on the expert-parallel FP8 GPU layer (:class:`streamring.moe.ep_buffer.EPBuffer`): every rank's experts
+    of one random FP8 layer in ONE buffer, whose batch-ready and streamed paths run the same expert GEMMs (``run.gemm``,
+    resolved once), each captured once as a CUDA graph and replayed every epoch with new tokens. Checked: streamed ==
+    batch bitwise, no ring violation, timeout or corrupt route, sampled tokens against a float64 reference
+    (relative error below ``blocks.FAST_PATH_REL_TOL``)."""
     import torch
 
     from .moe import blocks as B
@@ -282,30 +292,14 @@ def run_layer_gpu(heap, cfg: Config, progress=None) -> dict:
     T = tokens[me]
     x_buf = torch.zeros(T, shape.hidden, dtype=torch.bfloat16, device=dev)
     outs = {m: torch.zeros_like(x_buf) for m in ("batch", "stream")}
-    row = dict(rank=me, tokens=T, chunks=buf.paths["stream"].num_chunks, experts_hit=0, bitwise_equal=True,
-               max_abs_stream_minus_batch=0.0, ref_ok=True, ref_max_abs_err=0.0, ref_max_err_ratio=0.0,
-               ref_excluded=0, batch_wall_s=0.0, stream_wall_s=0.0, epochs=cfg.run.epochs, scheduler="blocks",
-               rtol=B.FAST_PATH_REL_TOL, atol=0.0, path="fast", transport=buf.transport,
-               policy=cfg.nvshmem.progress, gemm=buf.gemm, gemm_batch=buf.gemm, gemm_stream=buf.gemm,
-               launch_ahead=cfg.run.launch_ahead, ring_errors={})
+    row = _gpu_row(buf, cfg, me, T)
     # Every host barrier has a deadline, so a dead or stopped peer ends this rank's run with an error. It
     # outlasts a peer's slowest forward (every device wait ends within wait_timeout_s; the host gives a
     # forward 2 x wait_timeout_s + 5 s): a peer whose forward ran into a deadline is late, not dead.
     barrier = lambda: heap.barrier(time.monotonic() + 2 * cfg.wait_timeout_s + 10)  # noqa: E731
-    graphs = {}
-    failed = None
     routed: set = set()  # the experts this rank's tokens were routed to, over every epoch
     x_buf.copy_(make_tokens(cfg, me, 0, T).to(dev, torch.bfloat16))
-    for m in ("batch", "stream"):
-        try:
-            buf.forward(x_buf, layer, streaming=(m == "stream"), out=outs[m])  # the first (eager) forward of the path
-        except RuntimeError as exc:  # a ring error (a mutated ring: expected there); reported below
-            failed = failed or str(exc)
-            break
-        barrier()
-        graphs[m] = buf.capture(x_buf, layer, outs[m], streaming=(m == "stream"),
-                                launch_ahead=cfg.run.launch_ahead and m == "stream")
-        barrier()
+    graphs, failed = _capture_paths(buf, layer, x_buf, outs, cfg.run.launch_ahead, barrier)
     if st is not None and st.rank == me:
         buf.instrument.set_delay(int(st.ms * 1e6))
     fault = cfg.run.fault if cfg.run.fault is not None and cfg.run.fault.rank == me else None
@@ -323,24 +317,74 @@ def run_layer_gpu(heap, cfg: Config, progress=None) -> dict:
             t0 = time.monotonic()
             replay_checked(buf, graphs[m])
             row[f"{m}_wall_s"] += time.monotonic() - t0
-        if cfg.run.mode == "both" and T:
-            a, b = outs["stream"], outs["batch"]
-            row["bitwise_equal"] &= bool(torch.equal(a.view(torch.int16), b.view(torch.int16)))
-            row["max_abs_stream_minus_batch"] = max(row["max_abs_stream_minus_batch"],
-                                                    float((a.float() - b.float()).abs().max()))
         if T:
-            y = outs["batch" if cfg.run.mode != "stream" else "stream"]
-            sample = torch.linspace(0, T - 1, min(T, 8), device=dev).round().long().unique()
-            ref = B.reference_tokens_f64(x, full, shape, sample)
-            rel = float((y[sample].double() - ref).norm() / ref.norm().clamp_min(1e-30))
-            row["ref_max_abs_err"] = max(row["ref_max_abs_err"], float((y[sample].double() - ref).abs().max()))
-            row["ref_max_err_ratio"] = max(row["ref_max_err_ratio"], rel / B.FAST_PATH_REL_TOL)
-            row["ref_ok"] &= rel < B.FAST_PATH_REL_TOL
+            _check_gpu_epoch(row, outs, x, full, shape, cfg.run.mode)
             routed.update(int(e) for e in buf.last_routing[0].unique().tolist() if e >= 0)
     # the experts of this rank that computed a row: those any rank's tokens were routed to (as on the CPU layer)
     everyone = set().union(*heap.allgather_obj(sorted(routed)))
     row["experts_hit"] = len(everyone & set(buf.local_experts))
-    status = buf.status()
+    _record_ring_errors(row, buf.status(), failed)
+    del graphs
+    torch.cuda.synchronize(dev)
+    barrier()
+    buf.close()
+    return row
+
+
+def _gpu_row(buf, cfg: Config, rank: int, tokens: int) -> dict:
+    """This rank's report row of the GPU layer, before its epochs."""
+    from .moe import blocks as B
+
+    return dict(rank=rank, tokens=tokens, chunks=buf.paths["stream"].num_chunks, experts_hit=0, bitwise_equal=True,
+                max_abs_stream_minus_batch=0.0, ref_ok=True, ref_max_abs_err=0.0, ref_max_err_ratio=0.0,
+                ref_excluded=0, batch_wall_s=0.0, stream_wall_s=0.0, epochs=cfg.run.epochs, scheduler="blocks",
+                rtol=B.FAST_PATH_REL_TOL, atol=0.0, path="fast", transport=buf.transport,
+                policy=cfg.nvshmem.progress, gemm=buf.gemm, gemm_batch=buf.gemm, gemm_stream=buf.gemm,
+                launch_ahead=cfg.run.launch_ahead, ring_errors={})
+
+
+def _capture_paths(buf, layer, x_buf, outs: dict, launch_ahead: bool, barrier) -> tuple:
+    """Each path's first (eager) forward, then its CUDA graph: ``(graphs by path, the first error or None)``. A ring
+    error in a first forward (a mutated ring: expected there) stops the captures; it is reported with the row."""
+    graphs, failed = {}, None
+    for m in ("batch", "stream"):
+        try:
+            buf.forward(x_buf, layer, streaming=(m == "stream"), out=outs[m])
+        except RuntimeError as exc:
+            failed = str(exc)
+            break
+        barrier()
+        graphs[m] = buf.capture(x_buf, layer, outs[m], streaming=(m == "stream"),
+                                launch_ahead=launch_ahead and m == "stream")
+        barrier()
+    return graphs, failed
+
+
+def _check_gpu_epoch(row: dict, outs: dict, x, full, shape, mode: str) -> None:
+    """One epoch's replays: streamed against batch bitwise (``mode`` both), and the output of sampled tokens against
+    the float64 reference within ``blocks.FAST_PATH_REL_TOL``; the worst in ``row``."""
+    import torch
+
+    from .moe import blocks as B
+
+    T = x.shape[0]
+    if mode == "both":
+        a, b = outs["stream"], outs["batch"]
+        row["bitwise_equal"] &= bool(torch.equal(a.view(torch.int16), b.view(torch.int16)))
+        row["max_abs_stream_minus_batch"] = max(row["max_abs_stream_minus_batch"],
+                                                float((a.float() - b.float()).abs().max()))
+    y = outs["batch" if mode != "stream" else "stream"]
+    sample = torch.linspace(0, T - 1, min(T, 8), device=x.device).round().long().unique()
+    ref = B.reference_tokens_f64(x, full, shape, sample)
+    rel = float((y[sample].double() - ref).norm() / ref.norm().clamp_min(1e-30))
+    row["ref_max_abs_err"] = max(row["ref_max_abs_err"], float((y[sample].double() - ref).abs().max()))
+    row["ref_max_err_ratio"] = max(row["ref_max_err_ratio"], rel / B.FAST_PATH_REL_TOL)
+    row["ref_ok"] &= rel < B.FAST_PATH_REL_TOL
+
+
+def _record_ring_errors(row: dict, status: dict, failed) -> None:
+    """What the buffer's status recorded (and a first forward's error) into ``row["ring_errors"]``; any makes the
+    row fail."""
     errors = {k: status[k] for k in ("violations", "timeouts", "bad_routes", "bad_counts") if status[k]}
     if status["first_error"]:
         errors["first_error"] = status["first_error"]
@@ -350,11 +394,6 @@ def run_layer_gpu(heap, cfg: Config, progress=None) -> dict:
     if errors:
         row["ring_errors"]["layer"] = errors
         row["ref_ok"] = False
-    del graphs
-    torch.cuda.synchronize(dev)
-    barrier()
-    buf.close()
-    return row
 
 
 def _fast_path_job(cfg: Config, R: int) -> tuple:

@@ -264,6 +264,36 @@ class SwappedMoE:
         self.close()
 
 
+def _register_layers(buffer, found, checkpoint, checkpoint_prefix: str) -> dict:
+    """Every found module's weights (from the module or ``checkpoint``) registered with ``buffer``, by module name;
+    the buffer's shape checked against the model's config first. A bad layer registers none (the model is left
+    untouched)."""
+    shape: MoEShape = buffer.shape
+    want = moe_shape_from_config(found[0][1].config, weight_dtype=shape.weight_dtype, block_m=shape.block_m)
+    bad = [f"{f}: buffer {getattr(shape, f)!r}, config {getattr(want, f)!r}" for f in _SHAPE_FIELDS
+           if getattr(shape, f) != getattr(want, f)]
+    if bad:
+        raise ValueError("buffer.shape does not match the model's config (build it with moe_shape_from_config): "
+                         + "; ".join(bad))
+    experts = buffer.local_experts
+    get = None
+    if checkpoint is not None:
+        get = checkpoint if callable(checkpoint) and not isinstance(checkpoint, Mapping) else checkpoint.__getitem__
+    layers: dict[str, MoELayer] = {}
+    try:
+        for name, moe in found:
+            if get is not None:
+                w = _layer_weights_from_checkpoint(get, checkpoint_prefix + name, shape, experts)
+            else:
+                w = layer_weights_from_module(moe, shape, experts)
+            layers[name] = register_layer(buffer, w)
+    except BaseException:
+        for layer in layers.values():
+            layer.close()
+        raise
+    return layers
+
+
 def replace_moe_experts(model: nn.Module, buffer: Any, *, checkpoint: Optional[Checkpoint] = None,
                         checkpoint_prefix: str = "", streaming: bool = False, launch_ahead: bool = False) -> SwappedMoE:
     """Replace the router + routed experts of every ``DeepseekV3MoE`` in ``model`` by this library's layer.
@@ -304,29 +334,7 @@ def replace_moe_experts(model: nn.Module, buffer: Any, *, checkpoint: Optional[C
     found = deepseek_v3_moe_modules(model)
     if not found:
         raise ValueError(f"model ({type(model).__name__}) has no transformers DeepseekV3MoE module to replace")
-    shape: MoEShape = buffer.shape
-    want = moe_shape_from_config(found[0][1].config, weight_dtype=shape.weight_dtype, block_m=shape.block_m)
-    bad = [f"{f}: buffer {getattr(shape, f)!r}, config {getattr(want, f)!r}" for f in _SHAPE_FIELDS
-           if getattr(shape, f) != getattr(want, f)]
-    if bad:
-        raise ValueError("buffer.shape does not match the model's config (build it with moe_shape_from_config): "
-                         + "; ".join(bad))
-    experts = buffer.local_experts
-    get = None
-    if checkpoint is not None:
-        get = checkpoint if callable(checkpoint) and not isinstance(checkpoint, Mapping) else checkpoint.__getitem__
-    layers: dict[str, MoELayer] = {}
-    try:  # every layer's weights first: a bad one leaves the model untouched
-        for name, moe in found:
-            if get is not None:
-                w = _layer_weights_from_checkpoint(get, checkpoint_prefix + name, shape, experts)
-            else:
-                w = layer_weights_from_module(moe, shape, experts)
-            layers[name] = register_layer(buffer, w)
-    except BaseException:
-        for layer in layers.values():
-            layer.close()
-        raise
+    layers = _register_layers(buffer, found, checkpoint, checkpoint_prefix)
     names = [name for name, _ in found]
     hooks = []
     for i, (name, moe) in enumerate(found):

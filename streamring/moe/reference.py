@@ -193,6 +193,15 @@ class ReferenceComparison:
                 f"at token {self.worst_token}, rtol={self.rtol:.3g}, atol={self.atol:.3g})")
 
 
+def _tolerances(shape: Optional[MoEShape], rtol: Optional[float], atol: Optional[float]) -> tuple:
+    """``(rtol, atol)``: the given ones, else :func:`reference_tolerance` of ``shape``, else 1e-4 each."""
+    d_rtol, d_atol = reference_tolerance(shape) if shape is not None else (1e-4, 1e-4)
+    rtol, atol = d_rtol if rtol is None else rtol, d_atol if atol is None else atol
+    if not (rtol >= 0 and atol >= 0):
+        raise ValueError(f"rtol and atol must be >= 0, got rtol={rtol}, atol={atol}")
+    return rtol, atol
+
+
 def compare_to_reference(y: torch.Tensor, y_ref: torch.Tensor, topk_idx_f32: torch.Tensor,
                          topk_idx_f64: torch.Tensor, *, shape: Optional[MoEShape] = None,
                          rtol: Optional[float] = None, atol: Optional[float] = None
@@ -220,15 +229,7 @@ def compare_to_reference(y: torch.Tensor, y_ref: torch.Tensor, topk_idx_f32: tor
         raise ValueError(f"topk_idx_f32 must have shape [{t}, k], got {list(topk_idx_f32.shape)}")
     _check_tensor("topk_idx_f64", topk_idx_f64, dtype=torch.int64,
                   shape=tuple(topk_idx_f32.shape))
-    if rtol is None or atol is None:
-        if shape is not None:
-            d_rtol, d_atol = reference_tolerance(shape)
-        else:
-            d_rtol, d_atol = 1e-4, 1e-4
-        rtol = d_rtol if rtol is None else rtol
-        atol = d_atol if atol is None else atol
-    if not (rtol >= 0 and atol >= 0):
-        raise ValueError(f"rtol and atol must be >= 0, got rtol={rtol}, atol={atol}")
+    rtol, atol = _tolerances(shape, rtol, atol)
     same = (topk_idx_f32.sort(dim=1).values == topk_idx_f64.to(topk_idx_f32.device)
             .sort(dim=1).values).all(dim=1)
     excluded = (~same).nonzero().flatten().tolist()
