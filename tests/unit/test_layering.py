@@ -158,3 +158,65 @@ def test_the_light_process_check_sees_torch():
     code = LIGHT_PROCESS.replace("print(", "import streamring.moe.layer\nprint(")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=PKG.parent)
     assert p.returncode == 0 and "'torch'" in p.stdout, (p.stdout, p.stderr)
+
+
+def import_graph(root: Path = PKG) -> dict:
+    """``module -> modules it imports`` (every import statement, at module level or inside a function), parsed from
+    the source; ``from pkg import name`` counts as an import of ``pkg.name`` where that is a module."""
+    top = root.name
+    modules = {".".join((top, *p.relative_to(root).with_suffix("").parts)).removesuffix(".__init__")
+               for p in root.rglob("*.py")}
+    graph: dict = {}
+    for path in root.rglob("*.py"):
+        for mod, target, _ in imports(path, root):
+            mod = mod.replace("streamring", top, 1).removesuffix(".__init__")
+            target = target.replace("streamring", top, 1)
+            while target and target not in modules:
+                target = target.rpartition(".")[0]
+            if target and target != mod:
+                graph.setdefault(mod, set()).add(target)
+    return graph
+
+
+def import_cycles(graph: dict) -> list:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_module_imports_one_that_imports_it_back():
+    """No import cycle in the package, direct or through others (a function-level import counts too)."""
+    assert import_cycles(import_graph()) == []
+
+
+def test_the_cycle_check_sees_a_cycle_through_a_function_level_import(tmp_path):
+    """Negative control: a -> b at module level, b -> a inside a function."""
+    (tmp_path / "a.py").write_text("from . import b\n")
+    (tmp_path / "b.py").write_text("def f():\n    from .a import x\n")
+    (tmp_path / "c.py").write_text("from .a import y\n")
+    assert import_cycles(import_graph(tmp_path)) == [[f"{tmp_path.name}.a", f"{tmp_path.name}.b"]]
