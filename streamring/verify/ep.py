@@ -55,31 +55,14 @@ take 2,421 states and 3,771 transitions (0.4 s); 3 ranks take 440,350 states (3.
 ``--source-order ready`` takes 553,532 states (3.6 minutes) at the default sizes (its look-ahead is
 coarse, as in the ring model).
 
-Its partial-order reduction
-===========================
-``--layer ep`` always uses the reduction, and its look-ahead knows more waits.
-A compute waits for its consumer's copy; a reduce for its producers' publish and
-for the adds that only the computes still owing rows of that chunk can make (each
-of them needed when the others' rows cannot complete the count); a rank's end of
-epoch, hence everything its processes do in later epochs, for its own roles, the
-producers that have still to publish to it, the consumers that have still to
-acknowledge its last chunk and the computes its reduce waits for. Past its end
-of epoch an outside process may touch anything except what belongs to an owner
-that the set keeps from ending the same or an earlier epoch (its slots,
-generation words, ack masks, combine area, counters, reduce): another rank
-reaches those in a later epoch only by acquiring that owner's chunk of that
-epoch. That needs an acquire that reads the generation word and classifies every
-word of an earlier epoch as OLDER; this is checked on the classify in use when a
-model is built (``skip-acquire``, ``ignore-epoch`` or a patched
-``classify_gen`` turn the step off). The graph stays acyclic (per rank: epoch,
-then program counters, compute progress and empty buffers). The tests compare
-the reduced and the full graph of the ep layer on small sizes, for the correct
-protocol and for every mutation.
+The look-ahead of its partial-order reduction (the layer's waits, and what a rank may touch once
+it crosses into its next epoch on its own) is :mod:`streamring.verify.ep_lookahead`.
 """
 
 from __future__ import annotations
 
 from ..ring.layout import GenState
+from . import ep_lookahead
 from .names import EPInject
 from .state import (EP_PROPERTIES, PROP_COMBINE_OVERWRITE, PROP_COMBINE_READ, PROP_COUNTER, PROP_DEADLOCK,
                     PROP_SERIAL, Trans, Violation, _cv, _cval)
@@ -276,46 +259,6 @@ class EPModel(RingModel):
             return f"rank {r}'s combine[slot {c % self.S}][k={k}]"
         return f"rank {r}'s combine[token {c}][k={k}]"
 
-    def _pending_adds(self, st, r: int, c: int, e: int) -> list[int]:
-        """Per consumer: the adds to owner ``r``'s ``arrived[c]`` (owner epoch ``e``) not made yet.
-
-        A consumer one epoch behind the owner may still owe adds of that older epoch (only when
-        the owner did not wait for them: skip-arrival-wait) and owes every add of epoch ``e``; a
-        consumer ahead of the owner has made every add of epoch ``e`` (its end of epoch waited for
-        its compute) and cannot add for a later one before the owner publishes it. (A consumer
-        that accepted a chunk of another epoch stopped there: a violation is terminal.)"""
-        out = []
-        for d in range(self.R):
-            ed = st[self.EP + d]
-            n = 0
-            if not st[self.END + d] and ed <= e:
-                owed = self.ent_mask[ed][d][r][c] & ~st[self.CMP + d]
-                cur = st[self.CCUR + d]
-                if cur >= 0 and st[self.CPH + d] == 2:
-                    owed &= ~(1 << cur)
-                n = owed.bit_count()
-                if ed < e:
-                    n += self.ent_mask[e][d][r][c].bit_count()
-            out.append(n)
-        return out
-
-    def _arrival_blockers(self, st, r: int, c: int, e: int) -> tuple[int, tuple]:
-        """The owner's wait ``arrived[c] == expected[c]``: ``(bl, nes)``: the compute processes each
-        of which must move before it passes (a pid mask), and a necessary enabling set."""
-        a = st[self.ARR + r * self.C + c]
-        need = self.expected[e][r][c] - a
-        if need == 0:
-            return 0, ()
-        pend = self._pending_adds(st, r, c, e)
-        tot = sum(pend)
-        if need < 0 or tot < need:  # adds only grow it: this wait never passes
-            return 0, ()
-        bl = 0
-        for d, n in enumerate(pend):
-            if n and tot - n < need:
-                bl |= 1 << self.CP[d]
-        return bl, ("all",) + tuple((self.CP[d],) for d, n in enumerate(pend) if n)
-
     # -- transitions -----------------------------------------------------------------------
     def _expand_ended(self, r: int, e: int, procs: list) -> None:
         super()._expand_ended(r, e, procs)
@@ -436,7 +379,7 @@ class EPModel(RingModel):
         ai = self.ARR + r * C + c
         a, x = st[ai], self.expected[e][r][c]
         if a != x and not self.skip_arrival_wait:
-            procs[rp] = ((), 0, 0, 0, self._arrival_blockers(st, r, c, e)[1])
+            procs[rp] = ((), 0, 0, 0, ep_lookahead.arrival_blockers(self, st, r, c, e)[1])
             return
         seen = tuple(st[self.CMB + self._cell(r, c, k)] for k in range(K))
         desc = ("reduce", r, c, e, a, x, seen)
@@ -522,26 +465,17 @@ class EPModel(RingModel):
         for c in range(C):
             lst[self.ARRO + r * C + c] = lst[self.ARR + r * C + c]
 
-    # -- look-ahead, for the partial-order reduction ---------------------------------------
+    # -- look-ahead, for the partial-order reduction (verify.ep_lookahead) ----------------
     def _future(self, st: tuple, pid: int):
-        if pid == self.BEGIN:  # never moves: the cut with every process as a blocker keeps it out of the sets
-            return ((self.ALLP, 0, 0, 0),)
-        if pid > self.BEGIN:
-            return self._future_ep(st, pid)
+        if pid >= self.BEGIN:
+            return ep_lookahead.future(self, st, pid)
         return super()._future(st, pid)
 
     def _drain_later(self, st: tuple, r: int, k: int) -> tuple[int, int]:
-        """Only the slots the producer still writes in this epoch."""
-        S = self.S
-        later_r = later_w = self.b_pend[r][k]
-        pc = st[self.PPC + 2 * r + k]
-        for c in range(pc // self.nsteps, self.C if pc < self.pdone else 0):
-            later_r |= self.b_pos_rs[r][c % S]
-            later_w |= self.b_pay[r][k][c % S]
-        return later_r, later_w
+        return ep_lookahead.drain_later(self, st, r, k)
 
     def _end_blockers(self, st: tuple, r: int) -> int:
-        return self._cross_blockers(st)[r]
+        return ep_lookahead.cross_blockers(self, st)[r]
 
     def _end_writes(self, r: int, e: int, reads: int) -> int:
         """... and it begins the next epoch (:meth:`_advance_epoch`)."""
@@ -549,132 +483,8 @@ class EPModel(RingModel):
             return self.b_red_r[r] | self.b_arr_r[r] | self.b_pos_r[r] | reads
         return 0
 
-    def _future_ep(self, st: tuple, pid: int):
-        """:meth:`_future` of the ep layer's processes: compute, combine drain, reduce."""
-        r = self.rank_of[pid]
-        if st[self.END + r]:
-            return ((0, 0, 0, 0),)
-        e = st[self.EP + r]
-        C = self.C
-        d = r
-        if pid == self.CP[d]:
-            mask, cur = st[self.CMP + d], st[self.CCUR + d]
-            aR = aW = aO = bR = bW = bO = 0  # now available / waiting for the consumer's copy
-            blocked = False
-            for j, (src, c, k) in enumerate(self.entries[e][d]):
-                if (mask >> j) & 1:
-                    continue
-                cR = self.b_cpend[d] | self.b_cell[src][c][k] | self.b_cell_red[self._cell(src, c, k)]
-                cW = self.b_cpend[d] | self.b_cell[src][c][k]
-                if j == cur or self._copied(st, d, src, c):
-                    aR, aW, aO = aR | cR, aW | cW, aO | self.b_arr[src][c]
-                else:
-                    blocked = True
-                    bR, bW, bO = bR | cR, bW | cW, bO | self.b_arr[src][c]
-            done = self.b_done[pid]
-            if blocked:
-                return ((1 << (6 * d + 2), aR, aW, aO), (0, aR | bR, aW | bW | done, aO | bO))
-            return ((0, aR, aW | done, aO),)
-        if pid == self.CDP[d]:
-            aR = aW = 0
-            if st[self.CPS + d] >= 0:
-                src, c, k = self.entries[e][d][st[self.CCUR + d]]
-                aR = aW = self.b_cpend[d] | self.b_cell[src][c][k]
-            later = self.b_cpend[d]
-            mask = st[self.CMP + d]
-            for j, (src, c, k) in enumerate(self.entries[e][d]):
-                if not (mask >> j) & 1:
-                    later |= self.b_cell[src][c][k]
-            # later drains need a later combine write of the compute first
-            return ((1 << self.CP[d], aR, aW, 0), (0, aR | later, aW | later, 0))
-        # the owner's reduce: per chunk, waits for its producers' publish and for arrived == expected
-        segs, aR, aW = [], 0, 0
-        for c in range(st[self.RED + r], C):
-            bl = 0
-            for k in (0, 1):
-                if st[self.PPC + 2 * r + k] < (c + 1) * self.nsteps:
-                    bl |= 1 << (6 * r + k)
-            if not self.skip_arrival_wait:
-                bl |= self._arrival_blockers(st, r, c, e)[0]
-            if bl:
-                segs.append((bl, aR, aW, 0))
-            aR |= self.b_arr[r][c] | self.b_cells_rc[r][c]
-            aW |= self.b_arr[r][c] | self.b_red[r][c]
-        segs.append((0, aR, aW | self.b_done[pid], 0))
-        return tuple(segs)
-
-    def _cross_blockers(self, st: tuple) -> list[int]:
-        """Per rank, processes each of which must move before that rank's end of epoch.
-
-        Its own unfinished roles; every producer that has still to publish a chunk of this epoch
-        to it, and every consumer that has still to acknowledge its last chunk of this epoch (its
-        ack mask holds only that chunk's acks once the producer collected the previous lap's; of
-        a rank behind it: all of them); every compute that must still add to one of its arrived
-        counters for its reduce to pass."""
-        if self._xb_cache[0] is st:
-            return self._xb_cache[1]
-        R, C, NPH = self.R, self.C, self.NPH
-        out = []
-        last_pub = self.last_pub
-        for r in range(R):
-            e = st[self.EP + r]
-            bl = 0
-            for p in self.roles_of[r]:
-                if not self.role_done(st, p):
-                    bl |= 1 << p
-            for r2 in range(R):
-                e2 = st[self.EP + r2]
-                # (skip-ack-wait: acks of an earlier chunk of the slot, of this or of the previous
-                # epoch, may still sit in the mask and fill it: no consumer is needed for certain)
-                consumer_needed = not self.skip_ack_wait
-                if e2 < e:
-                    bl |= (1 << (6 * r2)) | (1 << (6 * r2 + 1)) | (consumer_needed << (6 * r2 + 2))
-                elif e2 == e and r2 != r and not st[self.END + r2]:
-                    for k in (0, 1):
-                        # (skip-acquire: a consumer needs the payload, not the publish)
-                        if st[self.PPC + 2 * r2 + k] <= last_pub[r] and not self.skip_acquire:
-                            bl |= 1 << (6 * r2 + k)
-                    if not consumer_needed:
-                        continue
-                    pc = st[self.CPC + r2]
-                    if not self.ready_order:
-                        acked = pc >= ((C - 1) * R + r) * NPH + 2
-                    else:
-                        cur = pc // (R * NPH)
-                        acked = cur > C - 1 or (cur == C - 1 and (bool((st[self.DNM + r2] >> r) & 1)
-                                                                  or st[self.HLD + r2] == r))
-                    if not acked:
-                        bl |= 1 << (6 * r2 + 2)
-            # the computes whose adds its reduce waits for
-            if not self.skip_arrival_wait and not st[self.END + r]:
-                for c in range(st[self.RED + r], C):
-                    bl |= self._arrival_blockers(st, r, c, e)[0]
-            out.append(bl)
-        self._xb_cache = (st, out)
-        return out
-
     def _beyond_epoch(self, st: tuple):
-        """Each rank crosses into its next epoch on its own, once nothing of the set blocks its end of
-        epoch (:meth:`_cross_blockers`); in its later epochs it touches nothing of an owner that cannot
-        end this epoch (a process it needs is in the set) and is not ahead (module docstring)."""
-        cross_r = self._cross_blockers(st)
-        EP, R, ALL, b_owner = self.EP, self.R, self.ALL, self.b_owner
-        can_cross = [st[EP + r] < self.E for r in range(R)]
-        rank_of = self.rank_of
-        others = range(R if self.exact_acquire else 0)
-
-        def beyond(q: int, T: int) -> int:
-            rq = rank_of[q]
-            if not can_cross[rq] or cross_r[rq] & T:
-                return 0
-            nxt_ = ALL
-            eq = st[EP + rq]
-            for r2 in others:
-                if r2 != rq and cross_r[r2] & T and st[EP + r2] <= eq:
-                    nxt_ &= ~b_owner[r2]
-            return nxt_
-
-        return beyond
+        return ep_lookahead.beyond_epoch(self, st)
 
     # -- labels ----------------------------------------------------------------------------
     def label(self, t: Trans) -> str:
