@@ -69,6 +69,50 @@ from .state import (EP_PROPERTIES, PROP_COMBINE_OVERWRITE, PROP_COMBINE_READ, PR
 from .steps import RingModel
 
 
+def route_entries(plans: list, R: int, C: int, E: int, K: int) -> tuple:
+    """The abstract routing (module docstring), new every epoch (new inputs): entry ``k`` of owner
+    ``r``'s logical token ``t`` goes to rank ``(r + k * (t + e)) % R`` in epoch ``e``; ``plans[e]``
+    gives each chunk's tokens. A chunk without tokens (rule 7) has no entries (expected 0); a
+    consumer with no entry of a chunk contributes nothing to it.
+
+    Returns, each indexed by epoch (``[0]`` unused):
+
+    * ``entries[e][d]``: the ``(owner, chunk, k)`` that consumer ``d`` computes, in chunk order;
+    * ``expected[e][r][c]``: the entries of ``(r, c)``, known to the owner from its own routing;
+    * ``route[e]``: ``(r, c, k) -> d``;
+    * ``ent_mask[e][d][r][c]``: the bits (indices into ``entries[e][d]``) of the entries of ``(r, c)``;
+    * ``full_cmp[e][d]``: every entry of consumer ``d`` as a mask (its compute is done at that mask).
+    """
+    entries, expected, route = [None], [None], [None]
+    for e in range(1, E + 1):
+        plan = plans[e]
+        ents = [[] for _ in range(R)]
+        exp = [[0] * C for _ in range(R)]
+        rt = {}
+        for c in range(C):
+            for r in range(R):
+                base, valid = plan.chunk_tokens(r, c)
+                for t in range(base, base + valid):
+                    for k in range(K):
+                        d = (r + k * (t + e)) % R
+                        ents[d].append((r, c, k))
+                        exp[r][c] += 1
+                        rt[(r, c, k)] = d
+        entries.append(tuple(tuple(x) for x in ents))
+        expected.append(exp)
+        route.append(rt)
+    ent_mask = [None]
+    for e in range(1, E + 1):
+        em = [[[0] * C for _ in range(R)] for _ in range(R)]
+        for d in range(R):
+            for j, (r, c, _k) in enumerate(entries[e][d]):
+                em[d][r][c] |= 1 << j
+        ent_mask.append(em)
+    # (chunk c holds the logical token c: tokens_per_slot is 1)
+    full_cmp = [None] + [[(1 << len(entries[e][d])) - 1 for d in range(R)] for e in range(1, E + 1)]
+    return entries, expected, route, ent_mask, full_cmp
+
+
 class EPModel(RingModel):
     """The ring plus the expert-parallel layer's processes (module docstring).
 
@@ -85,54 +129,11 @@ class EPModel(RingModel):
         return {"topk": self.cfg.topk}
 
     def _init_layer(self) -> None:
-        """The layer's routing, fields and processes (module docstring)."""
+        """The layer's mutation, routing, fields and processes (module docstring)."""
         R, C, E, K = self.R, self.C, self.E, self.cfg.topk
         self.K = K
-        # the layer's mutation (verify.names.EPInject); the ring's (ring.policies.Inject) is the base's
-        self.ep_inject = self.cfg.inject if isinstance(self.cfg.inject, EPInject) else EPInject.NONE
-        # consumer steps per (chunk, src): acquire (+ the copy's reads), ack; with ack-before-copy:
-        # acquire, ack, then the copy's reads end (the slot is held until then)
-        self.ack_before_copy = self.ep_inject is EPInject.ACK_BEFORE_COPY
-        self.NPH = 3 if self.ack_before_copy else 2
-        self.cdone = C * R * self.NPH
-        self.sig_before_combine = self.ep_inject is EPInject.SIGNAL_BEFORE_COMBINE
-        self.skip_arrival_wait = self.ep_inject is EPInject.SKIP_ARRIVAL_WAIT
-        self.no_counter_reset = self.ep_inject is EPInject.NO_COUNTER_RESET
-        # Abstract routing, new every epoch (new inputs): entry k of owner r's logical token t
-        # goes to rank (r + k * (t + e)) % R. A chunk without tokens (rule 7) has no entries
-        # (expected 0); a consumer with no entry of a chunk contributes nothing to it.
-        # entries[e][d]: the (owner, chunk, k) that consumer d computes in epoch e;
-        # expected[e][r][c]: the entries of (r, c), known to the owner from its own routing.
-        self.entries = [None]
-        self.expected = [None]
-        self.route = [None]
-        for e in range(1, E + 1):
-            plan = self.plans[e]
-            ents = [[] for _ in range(R)]
-            exp = [[0] * C for _ in range(R)]
-            rt = {}
-            for c in range(C):
-                for r in range(R):
-                    base, valid = plan.chunk_tokens(r, c)
-                    for t in range(base, base + valid):
-                        for k in range(K):
-                            d = (r + k * (t + e)) % R
-                            ents[d].append((r, c, k))
-                            exp[r][c] += 1
-                            rt[(r, c, k)] = d
-            self.entries.append(tuple(tuple(x) for x in ents))
-            self.expected.append(exp)
-            self.route.append(rt)
-        # ent_mask[e][d][r][c]: the bits (indices into entries[e][d]) of the entries of (r, c)
-        self.ent_mask = [None]
-        for e in range(1, E + 1):
-            em = [[[0] * C for _ in range(R)] for _ in range(R)]
-            for d in range(R):
-                for j, (r, c, _k) in enumerate(self.entries[e][d]):
-                    em[d][r][c] |= 1 << j
-            self.ent_mask.append(em)
-        # (chunk c holds the logical token c: tokens_per_slot is 1)
-        self.full_cmp = [None] + [[(1 << len(self.entries[e][d])) - 1 for d in range(R)] for e in range(1, E + 1)]
+        self._init_mutation()
+        self.entries, self.expected, self.route, self.ent_mask, self.full_cmp = route_entries(self.plans, R, C, E, K)
         n = self.NFIELDS
         self.CCUR, self.CPH, self.CMP, self.CPS, self.CPV = n, n + R, n + 2 * R, n + 3 * R, n + 4 * R
         self.CMB = n + 5 * R  # + cell: combine[owner r][token c][k] (0 or _cval(epoch, chunk, writer))
@@ -142,7 +143,6 @@ class EPModel(RingModel):
         self.RED = self.LRE + R * C  # + r: the owner's next chunk to reduce
         self.NFIELDS = self.RED + R
         # combine entry (r, c, k) -> cell: by logical token (chunk c holds token c), or by slot
-        self.combine_by_slot = self.ep_inject is EPInject.COMBINE_BY_SLOT
         self.cell_of = {(r, c, k): (r * C + (c % self.S if self.combine_by_slot else c)) * K + k
                         for r in range(R) for c in range(C) for k in range(K)}
         # processes: per rank d the compute (GEMM stream), its pending-store drain, the owner's reduce
@@ -153,14 +153,33 @@ class EPModel(RingModel):
         # a finished role moves again after its own rank's end of epoch (ring_advance_epoch, no barrier)
         self.next_epoch_wait = [(6 * r + 5,) for r in range(R)]
         self._xb_cache = (None, None)
-        # The reduction assumes, for a rank's later epochs, that nothing of an owner is touched
-        # before that owner publishes a chunk of that epoch: true when the acquire looks at the
-        # generations and classifies every word of an earlier epoch (or 0) as OLDER. Checked here
-        # on the classify in use (a mutation or a patched function turns the assumption off).
+        self.exact_acquire = self._acquire_is_exact()
+
+    def _init_mutation(self) -> None:
+        """The layer's mutation (:class:`~streamring.verify.names.EPInject`; the ring's,
+        ``ring.policies.Inject``, is the base's) and the consumer's steps per (chunk, src) it sets."""
+        self.ep_inject = self.cfg.inject if isinstance(self.cfg.inject, EPInject) else EPInject.NONE
+        # consumer steps per (chunk, src): acquire (+ the copy's reads), ack; with ack-before-copy:
+        # acquire, ack, then the copy's reads end (the slot is held until then)
+        self.ack_before_copy = self.ep_inject is EPInject.ACK_BEFORE_COPY
+        self.NPH = 3 if self.ack_before_copy else 2
+        self.cdone = self.C * self.R * self.NPH
+        self.sig_before_combine = self.ep_inject is EPInject.SIGNAL_BEFORE_COMBINE
+        self.skip_arrival_wait = self.ep_inject is EPInject.SKIP_ARRIVAL_WAIT
+        self.no_counter_reset = self.ep_inject is EPInject.NO_COUNTER_RESET
+        self.combine_by_slot = self.ep_inject is EPInject.COMBINE_BY_SLOT
+
+    def _acquire_is_exact(self) -> bool:
+        """Does the acquire classify every generation word of an earlier epoch (or 0) as OLDER?
+
+        The reduction assumes, for a rank's later epochs, that nothing of an owner is touched
+        before that owner publishes a chunk of that epoch (:mod:`streamring.verify.ep_lookahead`):
+        true when the acquire looks at the generations and this holds. Checked on the classify in
+        use (a mutation or a patched function turns the assumption off)."""
         OLDER = GenState.OLDER
-        self.exact_acquire = not self.skip_acquire and all(
+        return not self.skip_acquire and all(
             self.classify(w, g) is OLDER
-            for e in range(2, E + 1) for g in self.gens[e]
+            for e in range(2, self.E + 1) for g in self.gens[e]
             for w in [0] + [w for e2 in range(1, e) for w in self.gens[e2]])
 
     def _init_bits(self) -> None:
@@ -274,77 +293,89 @@ class EPModel(RingModel):
         """The compute of consumer ``r`` (its GEMM stream): one combine entry (owner, token, k) at a
         time, in any order among the rows it has copied (blocks fill across chunks, complete in any
         order): write the result (pending), then release and add 1 to the owner's ``arrived[c]``."""
-        C = self.C
-        d = r
-        cp = self.CP[d]
-        ents = self.entries[e][d]
-        mask = st[self.CMP + d]
-        cur = st[self.CCUR + d]
-        full = self.full_cmp[e][d]
+        cur = st[self.CCUR + r]
         if cur >= 0:
-            src, c, k = ents[cur]
-            cell = self._cell(src, c, k)
-            ai = self.ARR + src * C + c
-            bit = 1 << cur
-            done_bit = self.b_done[cp] if (mask | bit) == full else 0
-            ph = st[self.CPH + d]
-            lst = list(st)
-            if ph == 1 and not self.sig_before_combine:
-                # release (the pending combine store becomes visible), then atomic add to arrived[c]
-                flushed = self._cflush(lst, d)
-                a0 = lst[ai]
-                lst[ai] = a0 + 1
-                if e < st[self.EP + src]:  # a late add of an older epoch (ghost)
-                    lst[self.ARRO + src * C + c] += 1
-                lst[self.CMP + d] = mask | bit
-                lst[self.CCUR + d] = -1
-                lst[self.CPH + d] = 0
-                desc = ("csignal", d, src, c, k, a0, flushed)
-                procs[cp] = ((Trans(cp, desc, tuple(lst)),), self.b_cpend[d],
-                             self.b_cpend[d] | self.b_cell[src][c][k] | done_bit, self.b_arr[src][c], ())
-            elif ph == 1:  # signal-before-combine: the add, with the combine store still pending
-                a0 = lst[ai]
-                lst[ai] = a0 + 1
-                if e < st[self.EP + src]:
-                    lst[self.ARRO + src * C + c] += 1
-                lst[self.CPH + d] = 2
-                desc = ("cadd", d, src, c, k, a0, lst[self.CPS + d] >= 0)
-                procs[cp] = ((Trans(cp, desc, tuple(lst)),), 0, 0, self.b_arr[src][c], ())
-            else:  # signal-before-combine: the release, after the add
-                flushed = self._cflush(lst, d)
-                lst[self.CMP + d] = mask | bit
-                lst[self.CCUR + d] = -1
-                lst[self.CPH + d] = 0
-                desc = ("cfence", d, src, c, k, flushed)
-                procs[cp] = ((Trans(cp, desc, tuple(lst)),), self.b_cpend[d],
-                             self.b_cpend[d] | self.b_cell[src][c][k] | done_bit, 0, ())
+            procs[self.CP[r]] = self._compute_finish(st, r, e, cur)
         else:
-            trans, acc_r = [], self.b_cpend[d]
-            for j, (src, c, k) in enumerate(ents):
-                if (mask >> j) & 1 or not self._copied(st, d, src, c):
-                    continue
-                cell = self._cell(src, c, k)
-                acc_r |= self.b_cell[src][c][k] | self.b_cell_red[cell]
-                desc = ("cwrite", d, src, c, k, e)
-                old = st[self.CMB + cell]
-                oe, oc = old >> 16, (old >> 8) & 0xFF
-                if old and (oe, oc) != (e, c) and st[self.LRE + src * C + oc] < oe:
-                    msg = (f"rank {d} (epoch {e}) writes its result for chunk {c} into {self._cname(src, c, k)} "
-                           f"while that entry still holds {_cv(old)}, which rank {src} has not reduced yet")
-                    trans.append(Trans(cp, desc, None, Violation((PROP_COMBINE_OVERWRITE,), msg)))
-                    continue
-                lst = list(st)
-                lst[self.CPS + d] = cell  # a plain store: pending until this thread's release
-                lst[self.CPV + d] = _cval(e, c, d)
-                lst[self.CCUR + d] = j
-                lst[self.CPH + d] = 1
-                trans.append(Trans(cp, desc, tuple(lst)))
-            if trans:
-                procs[cp] = (tuple(trans), acc_r, self.b_cpend[d], 0, ())
-            elif mask == full:
-                procs[cp] = ((), 0, 0, 0, nxt)
-            else:
-                procs[cp] = ((), 0, 0, 0, (6 * d + 2,))  # rows not copied yet: its consumer moves first
+            procs[self.CP[r]] = self._compute_start(st, r, e, nxt)
+
+    def _compute_finish(self, st: tuple, d: int, e: int, cur: int):
+        """Consumer ``d``'s compute after writing entry ``cur`` (pending): release (the store becomes
+        visible), then add 1 to the owner's ``arrived[c]``, in one step; ``signal-before-combine``
+        adds first (``cadd``) and releases in a later step (``cfence``). The entry is then done."""
+        C = self.C
+        cp = self.CP[d]
+        src, c, k = self.entries[e][d][cur]
+        mask = st[self.CMP + d]
+        ai = self.ARR + src * C + c
+        bit = 1 << cur
+        done_bit = self.b_done[cp] if (mask | bit) == self.full_cmp[e][d] else 0
+        ph = st[self.CPH + d]
+        lst = list(st)
+        if ph == 1 and not self.sig_before_combine:
+            # release (the pending combine store becomes visible), then atomic add to arrived[c]
+            flushed = self._cflush(lst, d)
+            a0 = lst[ai]
+            lst[ai] = a0 + 1
+            if e < st[self.EP + src]:  # a late add of an older epoch (ghost)
+                lst[self.ARRO + src * C + c] += 1
+            lst[self.CMP + d] = mask | bit
+            lst[self.CCUR + d] = -1
+            lst[self.CPH + d] = 0
+            desc = ("csignal", d, src, c, k, a0, flushed)
+            return ((Trans(cp, desc, tuple(lst)),), self.b_cpend[d],
+                    self.b_cpend[d] | self.b_cell[src][c][k] | done_bit, self.b_arr[src][c], ())
+        if ph == 1:  # signal-before-combine: the add, with the combine store still pending
+            a0 = lst[ai]
+            lst[ai] = a0 + 1
+            if e < st[self.EP + src]:
+                lst[self.ARRO + src * C + c] += 1
+            lst[self.CPH + d] = 2
+            desc = ("cadd", d, src, c, k, a0, lst[self.CPS + d] >= 0)
+            return ((Trans(cp, desc, tuple(lst)),), 0, 0, self.b_arr[src][c], ())
+        # signal-before-combine: the release, after the add
+        flushed = self._cflush(lst, d)
+        lst[self.CMP + d] = mask | bit
+        lst[self.CCUR + d] = -1
+        lst[self.CPH + d] = 0
+        desc = ("cfence", d, src, c, k, flushed)
+        return ((Trans(cp, desc, tuple(lst)),), self.b_cpend[d],
+                self.b_cpend[d] | self.b_cell[src][c][k] | done_bit, 0, ())
+
+    def _compute_start(self, st: tuple, d: int, e: int, nxt: tuple):
+        """Consumer ``d``'s compute between entries: one step per entry not computed yet whose chunk
+        its consumer has copied, each writing the entry's result into the owner's combine area (a
+        plain store, pending until the release), or its violation when that cell still holds a value
+        the owner has not reduced (d). None copied: it waits for its consumer, or, all done, for the
+        next epoch (``nxt``)."""
+        C = self.C
+        cp = self.CP[d]
+        mask = st[self.CMP + d]
+        trans, acc_r = [], self.b_cpend[d]
+        for j, (src, c, k) in enumerate(self.entries[e][d]):
+            if (mask >> j) & 1 or not self._copied(st, d, src, c):
+                continue
+            cell = self._cell(src, c, k)
+            acc_r |= self.b_cell[src][c][k] | self.b_cell_red[cell]
+            desc = ("cwrite", d, src, c, k, e)
+            old = st[self.CMB + cell]
+            oe, oc = old >> 16, (old >> 8) & 0xFF
+            if old and (oe, oc) != (e, c) and st[self.LRE + src * C + oc] < oe:
+                msg = (f"rank {d} (epoch {e}) writes its result for chunk {c} into {self._cname(src, c, k)} "
+                       f"while that entry still holds {_cv(old)}, which rank {src} has not reduced yet")
+                trans.append(Trans(cp, desc, None, Violation((PROP_COMBINE_OVERWRITE,), msg)))
+                continue
+            lst = list(st)
+            lst[self.CPS + d] = cell  # a plain store: pending until this thread's release
+            lst[self.CPV + d] = _cval(e, c, d)
+            lst[self.CCUR + d] = j
+            lst[self.CPH + d] = 1
+            trans.append(Trans(cp, desc, tuple(lst)))
+        if trans:
+            return (tuple(trans), acc_r, self.b_cpend[d], 0, ())
+        if mask == self.full_cmp[e][d]:
+            return ((), 0, 0, 0, nxt)
+        return ((), 0, 0, 0, (6 * d + 2,))  # rows not copied yet: its consumer moves first
 
     def _expand_combine_drain(self, st: tuple, r: int, e: int, procs: list) -> None:
         """The early drain of consumer ``r``'s pending combine store (legal)."""
