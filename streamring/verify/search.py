@@ -36,7 +36,8 @@ or ``0`` (or ``ModelConfig(por=...)``) forces the choice; the tests compare
 both graphs on small sizes (same verdict, same terminal states).
 
 The look-ahead of each process (what it may access until it must wait) is the model's
-(``_future``; :mod:`streamring.verify.ep` describes the ep layer's).
+(``_future``, ``_beyond_epoch``): :mod:`streamring.verify.lookahead` for the ring's processes,
+:mod:`streamring.verify.ep_lookahead` for the ep layer's.
 
 Counter-examples
 ================
