@@ -55,35 +55,62 @@ take 2,421 states and 3,771 transitions (0.4 s); 3 ranks take 440,350 states (3.
 ``--source-order ready`` takes 553,532 states (3.6 minutes) at the default sizes (its look-ahead is
 coarse, as in the ring model).
 
-Its partial-order reduction
-===========================
-``--layer ep`` always uses the reduction, and its look-ahead knows more waits.
-A compute waits for its consumer's copy; a reduce for its producers' publish and
-for the adds that only the computes still owing rows of that chunk can make (each
-of them needed when the others' rows cannot complete the count); a rank's end of
-epoch, hence everything its processes do in later epochs, for its own roles, the
-producers that have still to publish to it, the consumers that have still to
-acknowledge its last chunk and the computes its reduce waits for. Past its end
-of epoch an outside process may touch anything except what belongs to an owner
-that the set keeps from ending the same or an earlier epoch (its slots,
-generation words, ack masks, combine area, counters, reduce): another rank
-reaches those in a later epoch only by acquiring that owner's chunk of that
-epoch. That needs an acquire that reads the generation word and classifies every
-word of an earlier epoch as OLDER; this is checked on the classify in use when a
-model is built (``skip-acquire``, ``ignore-epoch`` or a patched
-``classify_gen`` turn the step off). The graph stays acyclic (per rank: epoch,
-then program counters, compute progress and empty buffers). The tests compare
-the reduced and the full graph of the ep layer on small sizes, for the correct
-protocol and for every mutation.
+The look-ahead of its partial-order reduction (the layer's waits, and what a rank may touch once
+it crosses into its next epoch on its own) is :mod:`streamring.verify.ep_lookahead`.
 """
 
 from __future__ import annotations
 
 from ..ring.layout import GenState
+from . import ep_lookahead
 from .names import EPInject
 from .state import (EP_PROPERTIES, PROP_COMBINE_OVERWRITE, PROP_COMBINE_READ, PROP_COUNTER, PROP_DEADLOCK,
                     PROP_SERIAL, Trans, Violation, _cv, _cval)
 from .steps import RingModel
+
+
+def route_entries(plans: list, R: int, C: int, E: int, K: int) -> tuple:
+    """The abstract routing (module docstring), new every epoch (new inputs): entry ``k`` of owner
+    ``r``'s logical token ``t`` goes to rank ``(r + k * (t + e)) % R`` in epoch ``e``; ``plans[e]``
+    gives each chunk's tokens. A chunk without tokens (rule 7) has no entries (expected 0); a
+    consumer with no entry of a chunk contributes nothing to it.
+
+    Returns, each indexed by epoch (``[0]`` unused):
+
+    * ``entries[e][d]``: the ``(owner, chunk, k)`` that consumer ``d`` computes, in chunk order;
+    * ``expected[e][r][c]``: the entries of ``(r, c)``, known to the owner from its own routing;
+    * ``route[e]``: ``(r, c, k) -> d``;
+    * ``ent_mask[e][d][r][c]``: the bits (indices into ``entries[e][d]``) of the entries of ``(r, c)``;
+    * ``full_cmp[e][d]``: every entry of consumer ``d`` as a mask (its compute is done at that mask).
+    """
+    entries, expected, route = [None], [None], [None]
+    for e in range(1, E + 1):
+        plan = plans[e]
+        ents = [[] for _ in range(R)]
+        exp = [[0] * C for _ in range(R)]
+        rt = {}
+        for c in range(C):
+            for r in range(R):
+                base, valid = plan.chunk_tokens(r, c)
+                for t in range(base, base + valid):
+                    for k in range(K):
+                        d = (r + k * (t + e)) % R
+                        ents[d].append((r, c, k))
+                        exp[r][c] += 1
+                        rt[(r, c, k)] = d
+        entries.append(tuple(tuple(x) for x in ents))
+        expected.append(exp)
+        route.append(rt)
+    ent_mask = [None]
+    for e in range(1, E + 1):
+        em = [[[0] * C for _ in range(R)] for _ in range(R)]
+        for d in range(R):
+            for j, (r, c, _k) in enumerate(entries[e][d]):
+                em[d][r][c] |= 1 << j
+        ent_mask.append(em)
+    # (chunk c holds the logical token c: tokens_per_slot is 1)
+    full_cmp = [None] + [[(1 << len(entries[e][d])) - 1 for d in range(R)] for e in range(1, E + 1)]
+    return entries, expected, route, ent_mask, full_cmp
 
 
 class EPModel(RingModel):
@@ -102,54 +129,11 @@ class EPModel(RingModel):
         return {"topk": self.cfg.topk}
 
     def _init_layer(self) -> None:
-        """The layer's routing, fields and processes (module docstring)."""
+        """The layer's mutation, routing, fields and processes (module docstring)."""
         R, C, E, K = self.R, self.C, self.E, self.cfg.topk
         self.K = K
-        # the layer's mutation (verify.names.EPInject); the ring's (ring.policies.Inject) is the base's
-        self.ep_inject = self.cfg.inject if isinstance(self.cfg.inject, EPInject) else EPInject.NONE
-        # consumer steps per (chunk, src): acquire (+ the copy's reads), ack; with ack-before-copy:
-        # acquire, ack, then the copy's reads end (the slot is held until then)
-        self.ack_before_copy = self.ep_inject is EPInject.ACK_BEFORE_COPY
-        self.NPH = 3 if self.ack_before_copy else 2
-        self.cdone = C * R * self.NPH
-        self.sig_before_combine = self.ep_inject is EPInject.SIGNAL_BEFORE_COMBINE
-        self.skip_arrival_wait = self.ep_inject is EPInject.SKIP_ARRIVAL_WAIT
-        self.no_counter_reset = self.ep_inject is EPInject.NO_COUNTER_RESET
-        # Abstract routing, new every epoch (new inputs): entry k of owner r's logical token t
-        # goes to rank (r + k * (t + e)) % R. A chunk without tokens (rule 7) has no entries
-        # (expected 0); a consumer with no entry of a chunk contributes nothing to it.
-        # entries[e][d]: the (owner, chunk, k) that consumer d computes in epoch e;
-        # expected[e][r][c]: the entries of (r, c), known to the owner from its own routing.
-        self.entries = [None]
-        self.expected = [None]
-        self.route = [None]
-        for e in range(1, E + 1):
-            plan = self.plans[e]
-            ents = [[] for _ in range(R)]
-            exp = [[0] * C for _ in range(R)]
-            rt = {}
-            for c in range(C):
-                for r in range(R):
-                    base, valid = plan.chunk_tokens(r, c)
-                    for t in range(base, base + valid):
-                        for k in range(K):
-                            d = (r + k * (t + e)) % R
-                            ents[d].append((r, c, k))
-                            exp[r][c] += 1
-                            rt[(r, c, k)] = d
-            self.entries.append(tuple(tuple(x) for x in ents))
-            self.expected.append(exp)
-            self.route.append(rt)
-        # ent_mask[e][d][r][c]: the bits (indices into entries[e][d]) of the entries of (r, c)
-        self.ent_mask = [None]
-        for e in range(1, E + 1):
-            em = [[[0] * C for _ in range(R)] for _ in range(R)]
-            for d in range(R):
-                for j, (r, c, _k) in enumerate(self.entries[e][d]):
-                    em[d][r][c] |= 1 << j
-            self.ent_mask.append(em)
-        # (chunk c holds the logical token c: tokens_per_slot is 1)
-        self.full_cmp = [None] + [[(1 << len(self.entries[e][d])) - 1 for d in range(R)] for e in range(1, E + 1)]
+        self._init_mutation()
+        self.entries, self.expected, self.route, self.ent_mask, self.full_cmp = route_entries(self.plans, R, C, E, K)
         n = self.NFIELDS
         self.CCUR, self.CPH, self.CMP, self.CPS, self.CPV = n, n + R, n + 2 * R, n + 3 * R, n + 4 * R
         self.CMB = n + 5 * R  # + cell: combine[owner r][token c][k] (0 or _cval(epoch, chunk, writer))
@@ -159,7 +143,6 @@ class EPModel(RingModel):
         self.RED = self.LRE + R * C  # + r: the owner's next chunk to reduce
         self.NFIELDS = self.RED + R
         # combine entry (r, c, k) -> cell: by logical token (chunk c holds token c), or by slot
-        self.combine_by_slot = self.ep_inject is EPInject.COMBINE_BY_SLOT
         self.cell_of = {(r, c, k): (r * C + (c % self.S if self.combine_by_slot else c)) * K + k
                         for r in range(R) for c in range(C) for k in range(K)}
         # processes: per rank d the compute (GEMM stream), its pending-store drain, the owner's reduce
@@ -170,14 +153,33 @@ class EPModel(RingModel):
         # a finished role moves again after its own rank's end of epoch (ring_advance_epoch, no barrier)
         self.next_epoch_wait = [(6 * r + 5,) for r in range(R)]
         self._xb_cache = (None, None)
-        # The reduction assumes, for a rank's later epochs, that nothing of an owner is touched
-        # before that owner publishes a chunk of that epoch: true when the acquire looks at the
-        # generations and classifies every word of an earlier epoch (or 0) as OLDER. Checked here
-        # on the classify in use (a mutation or a patched function turns the assumption off).
+        self.exact_acquire = self._acquire_is_exact()
+
+    def _init_mutation(self) -> None:
+        """The layer's mutation (:class:`~streamring.verify.names.EPInject`; the ring's,
+        ``ring.policies.Inject``, is the base's) and the consumer's steps per (chunk, src) it sets."""
+        self.ep_inject = self.cfg.inject if isinstance(self.cfg.inject, EPInject) else EPInject.NONE
+        # consumer steps per (chunk, src): acquire (+ the copy's reads), ack; with ack-before-copy:
+        # acquire, ack, then the copy's reads end (the slot is held until then)
+        self.ack_before_copy = self.ep_inject is EPInject.ACK_BEFORE_COPY
+        self.NPH = 3 if self.ack_before_copy else 2
+        self.cdone = self.C * self.R * self.NPH
+        self.sig_before_combine = self.ep_inject is EPInject.SIGNAL_BEFORE_COMBINE
+        self.skip_arrival_wait = self.ep_inject is EPInject.SKIP_ARRIVAL_WAIT
+        self.no_counter_reset = self.ep_inject is EPInject.NO_COUNTER_RESET
+        self.combine_by_slot = self.ep_inject is EPInject.COMBINE_BY_SLOT
+
+    def _acquire_is_exact(self) -> bool:
+        """Does the acquire classify every generation word of an earlier epoch (or 0) as OLDER?
+
+        The reduction assumes, for a rank's later epochs, that nothing of an owner is touched
+        before that owner publishes a chunk of that epoch (:mod:`streamring.verify.ep_lookahead`):
+        true when the acquire looks at the generations and this holds. Checked on the classify in
+        use (a mutation or a patched function turns the assumption off)."""
         OLDER = GenState.OLDER
-        self.exact_acquire = not self.skip_acquire and all(
+        return not self.skip_acquire and all(
             self.classify(w, g) is OLDER
-            for e in range(2, E + 1) for g in self.gens[e]
+            for e in range(2, self.E + 1) for g in self.gens[e]
             for w in [0] + [w for e2 in range(1, e) for w in self.gens[e2]])
 
     def _init_bits(self) -> None:
@@ -276,46 +278,6 @@ class EPModel(RingModel):
             return f"rank {r}'s combine[slot {c % self.S}][k={k}]"
         return f"rank {r}'s combine[token {c}][k={k}]"
 
-    def _pending_adds(self, st, r: int, c: int, e: int) -> list[int]:
-        """Per consumer: the adds to owner ``r``'s ``arrived[c]`` (owner epoch ``e``) not made yet.
-
-        A consumer one epoch behind the owner may still owe adds of that older epoch (only when
-        the owner did not wait for them: skip-arrival-wait) and owes every add of epoch ``e``; a
-        consumer ahead of the owner has made every add of epoch ``e`` (its end of epoch waited for
-        its compute) and cannot add for a later one before the owner publishes it. (A consumer
-        that accepted a chunk of another epoch stopped there: a violation is terminal.)"""
-        out = []
-        for d in range(self.R):
-            ed = st[self.EP + d]
-            n = 0
-            if not st[self.END + d] and ed <= e:
-                owed = self.ent_mask[ed][d][r][c] & ~st[self.CMP + d]
-                cur = st[self.CCUR + d]
-                if cur >= 0 and st[self.CPH + d] == 2:
-                    owed &= ~(1 << cur)
-                n = owed.bit_count()
-                if ed < e:
-                    n += self.ent_mask[e][d][r][c].bit_count()
-            out.append(n)
-        return out
-
-    def _arrival_blockers(self, st, r: int, c: int, e: int) -> tuple[int, tuple]:
-        """The owner's wait ``arrived[c] == expected[c]``: ``(bl, nes)``: the compute processes each
-        of which must move before it passes (a pid mask), and a necessary enabling set."""
-        a = st[self.ARR + r * self.C + c]
-        need = self.expected[e][r][c] - a
-        if need == 0:
-            return 0, ()
-        pend = self._pending_adds(st, r, c, e)
-        tot = sum(pend)
-        if need < 0 or tot < need:  # adds only grow it: this wait never passes
-            return 0, ()
-        bl = 0
-        for d, n in enumerate(pend):
-            if n and tot - n < need:
-                bl |= 1 << self.CP[d]
-        return bl, ("all",) + tuple((self.CP[d],) for d, n in enumerate(pend) if n)
-
     # -- transitions -----------------------------------------------------------------------
     def _expand_ended(self, r: int, e: int, procs: list) -> None:
         super()._expand_ended(r, e, procs)
@@ -331,77 +293,89 @@ class EPModel(RingModel):
         """The compute of consumer ``r`` (its GEMM stream): one combine entry (owner, token, k) at a
         time, in any order among the rows it has copied (blocks fill across chunks, complete in any
         order): write the result (pending), then release and add 1 to the owner's ``arrived[c]``."""
-        C = self.C
-        d = r
-        cp = self.CP[d]
-        ents = self.entries[e][d]
-        mask = st[self.CMP + d]
-        cur = st[self.CCUR + d]
-        full = self.full_cmp[e][d]
+        cur = st[self.CCUR + r]
         if cur >= 0:
-            src, c, k = ents[cur]
-            cell = self._cell(src, c, k)
-            ai = self.ARR + src * C + c
-            bit = 1 << cur
-            done_bit = self.b_done[cp] if (mask | bit) == full else 0
-            ph = st[self.CPH + d]
-            lst = list(st)
-            if ph == 1 and not self.sig_before_combine:
-                # release (the pending combine store becomes visible), then atomic add to arrived[c]
-                flushed = self._cflush(lst, d)
-                a0 = lst[ai]
-                lst[ai] = a0 + 1
-                if e < st[self.EP + src]:  # a late add of an older epoch (ghost)
-                    lst[self.ARRO + src * C + c] += 1
-                lst[self.CMP + d] = mask | bit
-                lst[self.CCUR + d] = -1
-                lst[self.CPH + d] = 0
-                desc = ("csignal", d, src, c, k, a0, flushed)
-                procs[cp] = ((Trans(cp, desc, tuple(lst)),), self.b_cpend[d],
-                             self.b_cpend[d] | self.b_cell[src][c][k] | done_bit, self.b_arr[src][c], ())
-            elif ph == 1:  # signal-before-combine: the add, with the combine store still pending
-                a0 = lst[ai]
-                lst[ai] = a0 + 1
-                if e < st[self.EP + src]:
-                    lst[self.ARRO + src * C + c] += 1
-                lst[self.CPH + d] = 2
-                desc = ("cadd", d, src, c, k, a0, lst[self.CPS + d] >= 0)
-                procs[cp] = ((Trans(cp, desc, tuple(lst)),), 0, 0, self.b_arr[src][c], ())
-            else:  # signal-before-combine: the release, after the add
-                flushed = self._cflush(lst, d)
-                lst[self.CMP + d] = mask | bit
-                lst[self.CCUR + d] = -1
-                lst[self.CPH + d] = 0
-                desc = ("cfence", d, src, c, k, flushed)
-                procs[cp] = ((Trans(cp, desc, tuple(lst)),), self.b_cpend[d],
-                             self.b_cpend[d] | self.b_cell[src][c][k] | done_bit, 0, ())
+            procs[self.CP[r]] = self._compute_finish(st, r, e, cur)
         else:
-            trans, acc_r = [], self.b_cpend[d]
-            for j, (src, c, k) in enumerate(ents):
-                if (mask >> j) & 1 or not self._copied(st, d, src, c):
-                    continue
-                cell = self._cell(src, c, k)
-                acc_r |= self.b_cell[src][c][k] | self.b_cell_red[cell]
-                desc = ("cwrite", d, src, c, k, e)
-                old = st[self.CMB + cell]
-                oe, oc = old >> 16, (old >> 8) & 0xFF
-                if old and (oe, oc) != (e, c) and st[self.LRE + src * C + oc] < oe:
-                    msg = (f"rank {d} (epoch {e}) writes its result for chunk {c} into {self._cname(src, c, k)} "
-                           f"while that entry still holds {_cv(old)}, which rank {src} has not reduced yet")
-                    trans.append(Trans(cp, desc, None, Violation((PROP_COMBINE_OVERWRITE,), msg)))
-                    continue
-                lst = list(st)
-                lst[self.CPS + d] = cell  # a plain store: pending until this thread's release
-                lst[self.CPV + d] = _cval(e, c, d)
-                lst[self.CCUR + d] = j
-                lst[self.CPH + d] = 1
-                trans.append(Trans(cp, desc, tuple(lst)))
-            if trans:
-                procs[cp] = (tuple(trans), acc_r, self.b_cpend[d], 0, ())
-            elif mask == full:
-                procs[cp] = ((), 0, 0, 0, nxt)
-            else:
-                procs[cp] = ((), 0, 0, 0, (6 * d + 2,))  # rows not copied yet: its consumer moves first
+            procs[self.CP[r]] = self._compute_start(st, r, e, nxt)
+
+    def _compute_finish(self, st: tuple, d: int, e: int, cur: int):
+        """Consumer ``d``'s compute after writing entry ``cur`` (pending): release (the store becomes
+        visible), then add 1 to the owner's ``arrived[c]``, in one step; ``signal-before-combine``
+        adds first (``cadd``) and releases in a later step (``cfence``). The entry is then done."""
+        C = self.C
+        cp = self.CP[d]
+        src, c, k = self.entries[e][d][cur]
+        mask = st[self.CMP + d]
+        ai = self.ARR + src * C + c
+        bit = 1 << cur
+        done_bit = self.b_done[cp] if (mask | bit) == self.full_cmp[e][d] else 0
+        ph = st[self.CPH + d]
+        lst = list(st)
+        if ph == 1 and not self.sig_before_combine:
+            # release (the pending combine store becomes visible), then atomic add to arrived[c]
+            flushed = self._cflush(lst, d)
+            a0 = lst[ai]
+            lst[ai] = a0 + 1
+            if e < st[self.EP + src]:  # a late add of an older epoch (ghost)
+                lst[self.ARRO + src * C + c] += 1
+            lst[self.CMP + d] = mask | bit
+            lst[self.CCUR + d] = -1
+            lst[self.CPH + d] = 0
+            desc = ("csignal", d, src, c, k, a0, flushed)
+            return ((Trans(cp, desc, tuple(lst)),), self.b_cpend[d],
+                    self.b_cpend[d] | self.b_cell[src][c][k] | done_bit, self.b_arr[src][c], ())
+        if ph == 1:  # signal-before-combine: the add, with the combine store still pending
+            a0 = lst[ai]
+            lst[ai] = a0 + 1
+            if e < st[self.EP + src]:
+                lst[self.ARRO + src * C + c] += 1
+            lst[self.CPH + d] = 2
+            desc = ("cadd", d, src, c, k, a0, lst[self.CPS + d] >= 0)
+            return ((Trans(cp, desc, tuple(lst)),), 0, 0, self.b_arr[src][c], ())
+        # signal-before-combine: the release, after the add
+        flushed = self._cflush(lst, d)
+        lst[self.CMP + d] = mask | bit
+        lst[self.CCUR + d] = -1
+        lst[self.CPH + d] = 0
+        desc = ("cfence", d, src, c, k, flushed)
+        return ((Trans(cp, desc, tuple(lst)),), self.b_cpend[d],
+                self.b_cpend[d] | self.b_cell[src][c][k] | done_bit, 0, ())
+
+    def _compute_start(self, st: tuple, d: int, e: int, nxt: tuple):
+        """Consumer ``d``'s compute between entries: one step per entry not computed yet whose chunk
+        its consumer has copied, each writing the entry's result into the owner's combine area (a
+        plain store, pending until the release), or its violation when that cell still holds a value
+        the owner has not reduced (d). None copied: it waits for its consumer, or, all done, for the
+        next epoch (``nxt``)."""
+        C = self.C
+        cp = self.CP[d]
+        mask = st[self.CMP + d]
+        trans, acc_r = [], self.b_cpend[d]
+        for j, (src, c, k) in enumerate(self.entries[e][d]):
+            if (mask >> j) & 1 or not self._copied(st, d, src, c):
+                continue
+            cell = self._cell(src, c, k)
+            acc_r |= self.b_cell[src][c][k] | self.b_cell_red[cell]
+            desc = ("cwrite", d, src, c, k, e)
+            old = st[self.CMB + cell]
+            oe, oc = old >> 16, (old >> 8) & 0xFF
+            if old and (oe, oc) != (e, c) and st[self.LRE + src * C + oc] < oe:
+                msg = (f"rank {d} (epoch {e}) writes its result for chunk {c} into {self._cname(src, c, k)} "
+                       f"while that entry still holds {_cv(old)}, which rank {src} has not reduced yet")
+                trans.append(Trans(cp, desc, None, Violation((PROP_COMBINE_OVERWRITE,), msg)))
+                continue
+            lst = list(st)
+            lst[self.CPS + d] = cell  # a plain store: pending until this thread's release
+            lst[self.CPV + d] = _cval(e, c, d)
+            lst[self.CCUR + d] = j
+            lst[self.CPH + d] = 1
+            trans.append(Trans(cp, desc, tuple(lst)))
+        if trans:
+            return (tuple(trans), acc_r, self.b_cpend[d], 0, ())
+        if mask == self.full_cmp[e][d]:
+            return ((), 0, 0, 0, nxt)
+        return ((), 0, 0, 0, (6 * d + 2,))  # rows not copied yet: its consumer moves first
 
     def _expand_combine_drain(self, st: tuple, r: int, e: int, procs: list) -> None:
         """The early drain of consumer ``r``'s pending combine store (legal)."""
@@ -436,7 +410,7 @@ class EPModel(RingModel):
         ai = self.ARR + r * C + c
         a, x = st[ai], self.expected[e][r][c]
         if a != x and not self.skip_arrival_wait:
-            procs[rp] = ((), 0, 0, 0, self._arrival_blockers(st, r, c, e)[1])
+            procs[rp] = ((), 0, 0, 0, ep_lookahead.arrival_blockers(self, st, r, c, e)[1])
             return
         seen = tuple(st[self.CMB + self._cell(r, c, k)] for k in range(K))
         desc = ("reduce", r, c, e, a, x, seen)
@@ -522,26 +496,17 @@ class EPModel(RingModel):
         for c in range(C):
             lst[self.ARRO + r * C + c] = lst[self.ARR + r * C + c]
 
-    # -- look-ahead, for the partial-order reduction ---------------------------------------
+    # -- look-ahead, for the partial-order reduction (verify.ep_lookahead) ----------------
     def _future(self, st: tuple, pid: int):
-        if pid == self.BEGIN:  # never moves: the cut with every process as a blocker keeps it out of the sets
-            return ((self.ALLP, 0, 0, 0),)
-        if pid > self.BEGIN:
-            return self._future_ep(st, pid)
+        if pid >= self.BEGIN:
+            return ep_lookahead.future(self, st, pid)
         return super()._future(st, pid)
 
     def _drain_later(self, st: tuple, r: int, k: int) -> tuple[int, int]:
-        """Only the slots the producer still writes in this epoch."""
-        S = self.S
-        later_r = later_w = self.b_pend[r][k]
-        pc = st[self.PPC + 2 * r + k]
-        for c in range(pc // self.nsteps, self.C if pc < self.pdone else 0):
-            later_r |= self.b_pos_rs[r][c % S]
-            later_w |= self.b_pay[r][k][c % S]
-        return later_r, later_w
+        return ep_lookahead.drain_later(self, st, r, k)
 
     def _end_blockers(self, st: tuple, r: int) -> int:
-        return self._cross_blockers(st)[r]
+        return ep_lookahead.cross_blockers(self, st)[r]
 
     def _end_writes(self, r: int, e: int, reads: int) -> int:
         """... and it begins the next epoch (:meth:`_advance_epoch`)."""
@@ -549,132 +514,8 @@ class EPModel(RingModel):
             return self.b_red_r[r] | self.b_arr_r[r] | self.b_pos_r[r] | reads
         return 0
 
-    def _future_ep(self, st: tuple, pid: int):
-        """:meth:`_future` of the ep layer's processes: compute, combine drain, reduce."""
-        r = self.rank_of[pid]
-        if st[self.END + r]:
-            return ((0, 0, 0, 0),)
-        e = st[self.EP + r]
-        C = self.C
-        d = r
-        if pid == self.CP[d]:
-            mask, cur = st[self.CMP + d], st[self.CCUR + d]
-            aR = aW = aO = bR = bW = bO = 0  # now available / waiting for the consumer's copy
-            blocked = False
-            for j, (src, c, k) in enumerate(self.entries[e][d]):
-                if (mask >> j) & 1:
-                    continue
-                cR = self.b_cpend[d] | self.b_cell[src][c][k] | self.b_cell_red[self._cell(src, c, k)]
-                cW = self.b_cpend[d] | self.b_cell[src][c][k]
-                if j == cur or self._copied(st, d, src, c):
-                    aR, aW, aO = aR | cR, aW | cW, aO | self.b_arr[src][c]
-                else:
-                    blocked = True
-                    bR, bW, bO = bR | cR, bW | cW, bO | self.b_arr[src][c]
-            done = self.b_done[pid]
-            if blocked:
-                return ((1 << (6 * d + 2), aR, aW, aO), (0, aR | bR, aW | bW | done, aO | bO))
-            return ((0, aR, aW | done, aO),)
-        if pid == self.CDP[d]:
-            aR = aW = 0
-            if st[self.CPS + d] >= 0:
-                src, c, k = self.entries[e][d][st[self.CCUR + d]]
-                aR = aW = self.b_cpend[d] | self.b_cell[src][c][k]
-            later = self.b_cpend[d]
-            mask = st[self.CMP + d]
-            for j, (src, c, k) in enumerate(self.entries[e][d]):
-                if not (mask >> j) & 1:
-                    later |= self.b_cell[src][c][k]
-            # later drains need a later combine write of the compute first
-            return ((1 << self.CP[d], aR, aW, 0), (0, aR | later, aW | later, 0))
-        # the owner's reduce: per chunk, waits for its producers' publish and for arrived == expected
-        segs, aR, aW = [], 0, 0
-        for c in range(st[self.RED + r], C):
-            bl = 0
-            for k in (0, 1):
-                if st[self.PPC + 2 * r + k] < (c + 1) * self.nsteps:
-                    bl |= 1 << (6 * r + k)
-            if not self.skip_arrival_wait:
-                bl |= self._arrival_blockers(st, r, c, e)[0]
-            if bl:
-                segs.append((bl, aR, aW, 0))
-            aR |= self.b_arr[r][c] | self.b_cells_rc[r][c]
-            aW |= self.b_arr[r][c] | self.b_red[r][c]
-        segs.append((0, aR, aW | self.b_done[pid], 0))
-        return tuple(segs)
-
-    def _cross_blockers(self, st: tuple) -> list[int]:
-        """Per rank, processes each of which must move before that rank's end of epoch.
-
-        Its own unfinished roles; every producer that has still to publish a chunk of this epoch
-        to it, and every consumer that has still to acknowledge its last chunk of this epoch (its
-        ack mask holds only that chunk's acks once the producer collected the previous lap's; of
-        a rank behind it: all of them); every compute that must still add to one of its arrived
-        counters for its reduce to pass."""
-        if self._xb_cache[0] is st:
-            return self._xb_cache[1]
-        R, C, NPH = self.R, self.C, self.NPH
-        out = []
-        last_pub = self.last_pub
-        for r in range(R):
-            e = st[self.EP + r]
-            bl = 0
-            for p in self.roles_of[r]:
-                if not self.role_done(st, p):
-                    bl |= 1 << p
-            for r2 in range(R):
-                e2 = st[self.EP + r2]
-                # (skip-ack-wait: acks of an earlier chunk of the slot, of this or of the previous
-                # epoch, may still sit in the mask and fill it: no consumer is needed for certain)
-                consumer_needed = not self.skip_ack_wait
-                if e2 < e:
-                    bl |= (1 << (6 * r2)) | (1 << (6 * r2 + 1)) | (consumer_needed << (6 * r2 + 2))
-                elif e2 == e and r2 != r and not st[self.END + r2]:
-                    for k in (0, 1):
-                        # (skip-acquire: a consumer needs the payload, not the publish)
-                        if st[self.PPC + 2 * r2 + k] <= last_pub[r] and not self.skip_acquire:
-                            bl |= 1 << (6 * r2 + k)
-                    if not consumer_needed:
-                        continue
-                    pc = st[self.CPC + r2]
-                    if not self.ready_order:
-                        acked = pc >= ((C - 1) * R + r) * NPH + 2
-                    else:
-                        cur = pc // (R * NPH)
-                        acked = cur > C - 1 or (cur == C - 1 and (bool((st[self.DNM + r2] >> r) & 1)
-                                                                  or st[self.HLD + r2] == r))
-                    if not acked:
-                        bl |= 1 << (6 * r2 + 2)
-            # the computes whose adds its reduce waits for
-            if not self.skip_arrival_wait and not st[self.END + r]:
-                for c in range(st[self.RED + r], C):
-                    bl |= self._arrival_blockers(st, r, c, e)[0]
-            out.append(bl)
-        self._xb_cache = (st, out)
-        return out
-
     def _beyond_epoch(self, st: tuple):
-        """Each rank crosses into its next epoch on its own, once nothing of the set blocks its end of
-        epoch (:meth:`_cross_blockers`); in its later epochs it touches nothing of an owner that cannot
-        end this epoch (a process it needs is in the set) and is not ahead (module docstring)."""
-        cross_r = self._cross_blockers(st)
-        EP, R, ALL, b_owner = self.EP, self.R, self.ALL, self.b_owner
-        can_cross = [st[EP + r] < self.E for r in range(R)]
-        rank_of = self.rank_of
-        others = range(R if self.exact_acquire else 0)
-
-        def beyond(q: int, T: int) -> int:
-            rq = rank_of[q]
-            if not can_cross[rq] or cross_r[rq] & T:
-                return 0
-            nxt_ = ALL
-            eq = st[EP + rq]
-            for r2 in others:
-                if r2 != rq and cross_r[r2] & T and st[EP + r2] <= eq:
-                    nxt_ &= ~b_owner[r2]
-            return nxt_
-
-        return beyond
+        return ep_lookahead.beyond_epoch(self, st)
 
     # -- labels ----------------------------------------------------------------------------
     def label(self, t: Trans) -> str:

@@ -43,7 +43,7 @@ the word is read once, an unready position is computed anyway), ``l2-before-l1``
 tile's store).
 
 The CLI's default sizes (2 CTAs, 3 blocks of 2 rows over 3 chunks, 2 N-tiles per layer, groups of
-2) take 9,646 states (0.4 s), every interleaving; 3 CTAs take 343,288 states (40 s). The
+2) take 9,646 states (0.4 s), every interleaving; 3 CTAs take 443,966 states (6 s). The
 counter-examples are shortest paths (BFS): 3 steps (claim-before-ready), 36 (l2-before-l1), 49
 (arrival-before-store). No partial-order reduction: none is needed at these sizes.
 """
@@ -199,66 +199,96 @@ class QueueModel:
         return [k for k in range(mask.bit_length()) if mask >> k & 1]
 
     def _cta(self, st, i):
+        """CTA ``i``'s next step in the kernel's loop, ``[(label, next state, Violation or None)]``;
+        ``[]`` while it waits or once it exited."""
         o = self.O_CTA + 3 * i
-        pc, t, aux = st[o], st[o + 1], st[o + 2]
+        pc = st[o]
         if pc == EXIT:
             return []
-        layer, pos, tile = self.item(t)
+        if pc <= WAIT:
+            return self._cta_claim(st, i, o, pc)
+        if pc <= L1_REL:
+            return self._cta_l1(st, i, o, pc)
+        return self._cta_l2(st, i, o, pc)
+
+    @staticmethod
+    def _move(n: list, o: int, pc: int, t: int, aux: int = 0) -> tuple:
+        """The state ``n`` with the CTA whose registers start at ``o`` set to ``(pc, t, aux)``."""
+        n[o], n[o + 1], n[o + 2] = pc, t, aux
+        return tuple(n)
+
+    def _cta_claim(self, st, i, o, pc):
+        """``claim`` (the claim counter's fetch-add; past ``total_items(cap)`` the CTA ends) and ``wait
+        ready`` (enabled once the claimed position is ready or the queue sealed; then the CTA ends past
+        the final count of items, skips a position past the final ready count, or runs the item)."""
+        t = st[o + 1]
         n = list(st)
-
-        def go(new_pc, new_t=t, new_aux=0):
-            n[o], n[o + 1], n[o + 2] = new_pc, new_t, new_aux
-            return tuple(n)
-
         if pc == CLAIM:
             t2 = st[1]
             n[1] = t2 + 1
             if t2 >= self.total_cap:
-                return [(("claim", i, t2, None), go(EXIT, t2), None)]
-            return [(("claim", i, t2, self.item(t2)), go(WAIT, t2), None)]
-        if pc == WAIT:
-            ready, sealed = st[2], st[3]
-            if not self.skip_ready and not (sealed or ready > pos):
-                return []
-            if sealed and t >= total_items(ready, self.NT, self.NT, self.cfg.group):
-                return [(("end", i, t), go(EXIT), None)]
-            if self.skip_ready:
-                work = pos < self.cap and not (sealed and pos >= ready)
-            else:
-                work = pos < ready
-            if not work:
-                return [(("noop", i, t), go(CLAIM), None)]
-            return [(("ready", i, t, ready, sealed), go(L1_STORE if layer == L1 else WAIT_L1), None)]
+                return [(("claim", i, t2, None), self._move(n, o, EXIT, t2), None)]
+            return [(("claim", i, t2, self.item(t2)), self._move(n, o, WAIT, t2), None)]
+        layer, pos, _tile = self.item(t)
+        ready, sealed = st[2], st[3]
+        if not self.skip_ready and not (sealed or ready > pos):
+            return []
+        if sealed and t >= total_items(ready, self.NT, self.NT, self.cfg.group):
+            return [(("end", i, t), self._move(n, o, EXIT, t), None)]
+        if self.skip_ready:
+            work = pos < self.cap and not (sealed and pos >= ready)
+        else:
+            work = pos < ready
+        if not work:
+            return [(("noop", i, t), self._move(n, o, CLAIM, t), None)]
+        nxt = self._move(n, o, L1_STORE if layer == L1 else WAIT_L1, t)
+        return [(("ready", i, t, ready, sealed), nxt, None)]
+
+    def _cta_l1(self, st, i, o, pc):
+        """An L1 item: ``L1 store`` (reads the block's rows: they must be copied; stores its h1 tile),
+        then ``L1 release`` (``l1_done += 1``)."""
+        t = st[o + 1]
+        _layer, pos, tile = self.item(t)
+        n = list(st)
         if pc == L1_STORE:
             v = None
             if st[0] <= 2 * self.last_chunk[pos]:
                 v = Violation((PROP_READY,), f"CTA {i} computes L1 tile {tile} of block {pos} before the dispatch "
                                              f"copied its rows of chunk {self.last_chunk[pos]}")
             n[self.O_H1 + pos] |= 1 << tile
-            return [(("l1", i, pos, tile), go(L1_REL), v)]
-        if pc == L1_REL:
-            n[self.O_L1 + pos] += 1
-            return [(("l1rel", i, pos, tile, n[self.O_L1 + pos]), go(CLAIM), None)]
+            return [(("l1", i, pos, tile), self._move(n, o, L1_REL, t), v)]
+        n[self.O_L1 + pos] += 1
+        return [(("l1rel", i, pos, tile, n[self.O_L1 + pos]), self._move(n, o, CLAIM, t), None)]
+
+    def _cta_l2(self, st, i, o, pc):
+        """An L2 item: ``wait L1`` (``l1_done == nt1``), ``L2 compute`` (reads the block's h1: every L1
+        tile must be stored), ``L2 store``, ``L2 done`` and, after the block's last tile, one ``signal``
+        per chunk with rows in the block (``aux``: which); ``arrival-before-store`` puts the store after
+        the done and the signals."""
+        t, aux = st[o + 1], st[o + 2]
+        _layer, pos, tile = self.item(t)
+        n = list(st)
+        move = self._move
         if pc == WAIT_L1:
             if not self.skip_l1 and st[self.O_L1 + pos] != self.NT:
                 return []
-            return [(("l1seen", i, pos, st[self.O_L1 + pos]), go(L2_COMP), None)]
+            return [(("l1seen", i, pos, st[self.O_L1 + pos]), move(n, o, L2_COMP, t), None)]
         if pc == L2_COMP:
             v = None
             if st[self.O_H1 + pos] != self.mask:
                 v = Violation((PROP_L1,), f"CTA {i} computes L2 tile {tile} of block {pos} from h1 whose L1 tiles "
                                           f"{self._tiles(self.mask & ~st[self.O_H1 + pos])} are not stored yet")
-            return [(("l2", i, pos, tile), go(L2_DONE if self.arrival_first else L2_STORE), v)]
+            return [(("l2", i, pos, tile), move(n, o, L2_DONE if self.arrival_first else L2_STORE, t), v)]
         if pc == L2_STORE:
             n[self.O_Y + pos] |= 1 << tile
-            return [(("l2store", i, pos, tile), go(CLAIM if self.arrival_first else L2_DONE), None)]
+            return [(("l2store", i, pos, tile), move(n, o, CLAIM if self.arrival_first else L2_DONE, t), None)]
         if pc == L2_DONE:
             old = st[self.O_L2 + pos]
             n[self.O_L2 + pos] = old + 1
             after = L2_STORE if self.arrival_first else CLAIM
             if old == self.NT - 1:
-                return [(("l2done", i, pos, tile, old, True), go(SIGNAL, t, 0), None)]
-            return [(("l2done", i, pos, tile, old, False), go(after), None)]
+                return [(("l2done", i, pos, tile, old, True), move(n, o, SIGNAL, t, 0), None)]
+            return [(("l2done", i, pos, tile, old, False), move(n, o, after, t), None)]
         if pc == SIGNAL:
             c, rows = self.runs[pos][aux]
             n[self.O_ARR + c] += rows
@@ -266,8 +296,8 @@ class QueueModel:
             if n[self.O_ARR + c] > self.expected[c]:
                 v = Violation((PROP_COUNT,), f"arrived[{c}] = {n[self.O_ARR + c]} after CTA {i}'s signal for block "
                                              f"{pos}, above the chunk's {self.expected[c]} routed rows")
-            nxt = go(SIGNAL, t, aux + 1) if aux + 1 < len(self.runs[pos]) else \
-                go(L2_STORE if self.arrival_first else CLAIM)
+            nxt = move(n, o, SIGNAL, t, aux + 1) if aux + 1 < len(self.runs[pos]) else \
+                move(n, o, L2_STORE if self.arrival_first else CLAIM, t)
             return [(("signal", i, pos, c, rows), nxt, v)]
         raise AssertionError(f"CTA pc {pc}")
 
@@ -320,14 +350,33 @@ class QueueModel:
         return repr(d)
 
 
-def check_queue(cfg: QueueConfig) -> CheckResult:
-    """Breadth-first over every interleaving of ``cfg``; stops at the first violation or deadlock."""
-    model = QueueModel(cfg)
-    res = CheckResult(config={"layer": "queue", "ctas": cfg.ctas, "blocks": cfg.blocks, "block_rows": cfg.block_rows,
-                              "chunks": cfg.chunks, "tiles": cfg.tiles, "group": cfg.group, "inject": cfg.inject,
-                              "por": False})
-    res.reduction = "none: every interleaving"
-    t0 = time.perf_counter()
+@dataclass
+class QueueExplored:
+    """What :func:`explore_queue` explored: states by id, each one's BFS parent and the step into it,
+    every edge, and where the search stopped."""
+
+    states: list
+    parent: array
+    plabel: list  # the label of the step from its parent into each state (None: the initial state)
+    esrc: array
+    edst: array
+    transitions: int = 0
+    terminals: int = 0
+    bad: tuple | None = None  # (state id, label or None at a final state, Violation): the violation found
+    deadlock: int | None = None  # a non-final state without a successor
+
+    def path(self, model: QueueModel, sid: int) -> list[str]:
+        """The labels of the steps from the initial state to state ``sid`` (BFS parents: a shortest path)."""
+        labs = []
+        while sid > 0:
+            labs.append(self.plabel[sid])
+            sid = self.parent[sid]
+        return [model.label(x) for x in reversed(labs)]
+
+
+def explore_queue(model: QueueModel) -> QueueExplored:
+    """Breadth-first over every interleaving from the initial state; stops at the first violation (of a
+    step, or of :meth:`QueueModel.final_violation` at a final state) or deadlock."""
     init = model.initial()
     ids, states, parent, plabel = {init: 0}, [init], array("l", [-1]), [None]
     esrc, edst = array("l"), array("l")
@@ -363,19 +412,24 @@ def check_queue(cfg: QueueConfig) -> CheckResult:
                 queue.append(nid)
             esrc.append(sid)
             edst.append(nid)
-    res.states, res.transitions, res.terminal_states = len(states), ntrans, nterm
+    return QueueExplored(states, parent, plabel, esrc, edst, ntrans, nterm, bad, deadlock)
+
+
+def check_queue(cfg: QueueConfig) -> CheckResult:
+    """Breadth-first over every interleaving of ``cfg``; stops at the first violation or deadlock. With
+    neither, every safety property holds and no-deadlock is reverse reachability of a final state."""
+    model = QueueModel(cfg)
+    res = CheckResult(config={"layer": "queue", "ctas": cfg.ctas, "blocks": cfg.blocks, "block_rows": cfg.block_rows,
+                              "chunks": cfg.chunks, "tiles": cfg.tiles, "group": cfg.group, "inject": cfg.inject,
+                              "por": False})
+    res.reduction = "none: every interleaving"
+    t0 = time.perf_counter()
+    g = explore_queue(model)
+    res.states, res.transitions, res.terminal_states = len(g.states), g.transitions, g.terminals
     props = {p: NOT_CHECKED for p in QUEUE_PROPERTIES}
-
-    def path(sid):
-        labs = []
-        while sid > 0:
-            labs.append(plabel[sid])
-            sid = parent[sid]
-        return [model.label(x) for x in reversed(labs)]
-
-    if bad is not None:
-        sid, lab, v = bad
-        trace = path(sid) + ([model.label(lab) + "   <-- VIOLATION"] if lab is not None else [])
+    if g.bad is not None:
+        sid, lab, v = g.bad
+        trace = g.path(model, sid) + ([model.label(lab) + "   <-- VIOLATION"] if lab is not None else [])
         if lab is None:
             trace.append("(final state)   <-- VIOLATION")
         props[v.properties[0]] = "FAIL"
@@ -383,20 +437,20 @@ def check_queue(cfg: QueueConfig) -> CheckResult:
                               "trace": trace}
         res.violations_found = 1
         res.exhaustive = False
-    elif deadlock is not None:
+    elif g.deadlock is not None:
         props[PROP_DEADLOCK] = "FAIL"
-        trace = path(deadlock)
+        trace = g.path(model, g.deadlock)
         res.counterexample = {"properties": [PROP_DEADLOCK], "steps": len(trace), "trace": trace,
                               "message": "deadlock: a reachable non-final state where no process can move"}
         res.exhaustive = False
     else:
         for p in QUEUE_PROPERTIES:
             props[p] = "PASS"
-        unreachable, nfinal = cannot_reach_final(model, states, esrc, edst)
+        unreachable, nfinal = cannot_reach_final(model, g.states, g.esrc, g.edst)
         res.final_reachable = nfinal > 0
         if unreachable is not None:
             props[PROP_DEADLOCK] = "FAIL"
-            trace = path(unreachable)
+            trace = g.path(model, unreachable)
             res.counterexample = {"properties": [PROP_DEADLOCK], "steps": len(trace), "trace": trace,
                                   "message": "from the last state of this trace no final state is reachable"}
     res.properties = props

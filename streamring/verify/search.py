@@ -36,7 +36,8 @@ or ``0`` (or ``ModelConfig(por=...)``) forces the choice; the tests compare
 both graphs on small sizes (same verdict, same terminal states).
 
 The look-ahead of each process (what it may access until it must wait) is the model's
-(``_future``; :mod:`streamring.verify.ep` describes the ep layer's).
+(``_future``, ``_beyond_epoch``): :mod:`streamring.verify.lookahead` for the ring's processes,
+:mod:`streamring.verify.ep_lookahead` for the ep layer's.
 
 Counter-examples
 ================
@@ -71,66 +72,73 @@ def make_model(cfg: ModelConfig) -> RingModel:
 
 
 def stubborn(model: RingModel, st: tuple, procs) -> list[Trans]:
-    """Enabled steps of a stubborn set of processes (module docstring)."""
-    NP = model.NP
-    enabled = [p for p in range(NP) if procs[p][0]]
+    """Enabled steps of a stubborn set of processes (module docstring): of the sets grown from each
+    enabled process, one with the fewest enabled members (the first found, stopping at one)."""
+    enabled = [p for p in range(model.NP) if procs[p][0]]
     if len(enabled) <= 1:
         return [t for p in enabled for t in procs[p][0]]
     # what an outside process may touch once it crosses into a later epoch (the model's rule)
     beyond = model._beyond_epoch(st)
-    futs = [None] * NP
-    best = None
+    futs = [None] * model.NP
+    best_n, best_T = model.NP + 1, 0
     for seed in enabled:
-        T = 1 << seed
-        work = [seed]
-        n_en = 1
-        while work:
-            p = work.pop()
-            trans, aR, aW, aO, nes = procs[p]
-            if trans:
-                for q in range(NP):
-                    if (T >> q) & 1:
-                        continue
-                    fu = futs[q]
-                    if fu is None:
-                        fu = futs[q] = model._future(st, q)
-                    fR = fW = fO = 0
-                    for bl, fR, fW, fO in fu:
-                        if bl & T:
-                            break
-                    else:
-                        later = beyond(q, T)
-                        fR, fW, fO = fR | later, fW | later, fO | later
-                    if (aW & (fR | fW | fO)) or (fW & (aR | aO)) or (aR & fO) or (aO & fR):
-                        T |= 1 << q
-                        work.append(q)
-                        if procs[q][0]:
-                            n_en += 1
-            else:
-                if not nes:
-                    continue
-                # ("all", g1, g2, ...): one process of EVERY group (a ready-order consumer
-                # waits for any of several sources); else one process of nes
-                groups = nes[1:] if nes[0] == "all" else (nes,)
-                for grp in groups:
-                    for q in grp:  # prefer an enabling process already in the set
-                        if (T >> q) & 1:
-                            break
-                    else:
-                        q = grp[0]
-                        T |= 1 << q
-                        work.append(q)
-                        if procs[q][0]:
-                            n_en += 1
-            if best is not None and n_en >= best[0]:
+        grown = _grow(model, st, procs, seed, beyond, futs, best_n)
+        if grown is not None:
+            best_n, best_T = grown
+            if best_n == 1:
                 break
-        else:
-            if best is None or n_en < best[0]:
-                best = (n_en, T)
-                if n_en == 1:
-                    break
-    T = best[1]
-    return [t for p in enabled if (T >> p) & 1 for t in procs[p][0]]
+    return [t for p in enabled if (best_T >> p) & 1 for t in procs[p][0]]
+
+
+def _grow(model: RingModel, st: tuple, procs, seed: int, beyond, futs: list, bound: int):
+    """The closure of ``{seed}`` under (D1) and (D2) (module docstring) in state ``st``.
+
+    Returns ``(enabled members, pid mask)``, or None as soon as the set holds ``bound`` enabled
+    processes (a set that small is known already). ``futs`` caches each process's look-ahead in
+    ``st`` across seeds; ``beyond`` is the model's :meth:`_beyond_epoch` of ``st``."""
+    NP = model.NP
+    T = 1 << seed
+    work = [seed]
+    n_en = 1
+    while work:
+        p = work.pop()
+        trans, aR, aW, aO, nes = procs[p]
+        if trans:
+            for q in range(NP):
+                if (T >> q) & 1:
+                    continue
+                fu = futs[q]
+                if fu is None:
+                    fu = futs[q] = model._future(st, q)
+                fR = fW = fO = 0
+                for bl, fR, fW, fO in fu:
+                    if bl & T:
+                        break
+                else:
+                    later = beyond(q, T)
+                    fR, fW, fO = fR | later, fW | later, fO | later
+                if (aW & (fR | fW | fO)) or (fW & (aR | aO)) or (aR & fO) or (aO & fR):
+                    T |= 1 << q
+                    work.append(q)
+                    if procs[q][0]:
+                        n_en += 1
+        elif nes:
+            # ("all", g1, g2, ...): one process of EVERY group (a ready-order consumer
+            # waits for any of several sources); else one process of nes
+            groups = nes[1:] if nes[0] == "all" else (nes,)
+            for grp in groups:
+                for q in grp:  # prefer an enabling process already in the set
+                    if (T >> q) & 1:
+                        break
+                else:
+                    q = grp[0]
+                    T |= 1 << q
+                    work.append(q)
+                    if procs[q][0]:
+                        n_en += 1
+        if n_en >= bound:
+            return None
+    return n_en, T
 
 
 def _path(model: RingModel, states: list, parent: array, sid: int) -> list[Trans]:

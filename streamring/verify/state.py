@@ -223,6 +223,17 @@ class RingState:
         self._classify = ring_layout.classify_gen
         self._ignore_epoch = inject is Inject.IGNORE_EPOCH
         self._cmemo: dict = {}
+        self._init_plan()
+        self._init_fields()
+        self._init_layer()
+        self._init_bits()
+        self._fut_cache: dict = {}
+
+    def _init_plan(self) -> None:
+        """Sizes and generations as the runtime derives them (module docstring, "Derived from the
+        runtime"): the full ack mask, each epoch's ``StreamPlan``, the chunk count, the generations,
+        each slot's last chunk."""
+        cfg, R, S, E = self.cfg, self.R, self.S, self.E
         layout = RingLayout(num_ranks=R, num_slots=S, tokens_per_slot=1, hidden=SF_BLOCK, topk=1,
                               num_experts=1)
         self.mask_words = layout.mask_words
@@ -236,8 +247,13 @@ class RingState:
         # one int object per generation, shared by every state that holds it
         self.gens = [None] + [tuple(self.plans[e].gen(c) for c in range(C)) for e in range(1, E + 1)]
         self.last_chunk = [max((c for c in range(C) if c % S == s), default=-1) for s in range(S)]
+
+    def _init_fields(self) -> None:
+        """The producer's and the consumer's steps per chunk, the flat layout of a state (module
+        docstring, "State layout") and the processes."""
+        R, S, C = self.R, self.S, self.C
         pubs = [("publish", t) for t in range(R)]
-        if inject is Inject.SIGNAL_BEFORE_PAYLOAD:
+        if self.inject is Inject.SIGNAL_BEFORE_PAYLOAD:
             self.steps = [("reserve", 0)] + pubs + [("write", 0), ("fence", 0)]
         else:
             self.steps = [("reserve", 0), ("write", 0)] + pubs
@@ -258,7 +274,7 @@ class RingState:
         self.HLD = self.COL + R * S
         self.DNM = self.HLD + R
         self.NFIELDS = self.DNM + R
-        self.ready_order = cfg.source_order == "ready"
+        self.ready_order = self.cfg.source_order == "ready"
         self.all_src = (1 << R) - 1
         self.NP = 6 * R + 1
         self.BEGIN = 6 * R
@@ -266,9 +282,6 @@ class RingState:
         self.next_epoch_wait = [(self.BEGIN,)] * R
         # a rank's own roles: its end of epoch waits for every one of them
         self.roles_of = [(6 * r, 6 * r + 1, 6 * r + 2) for r in range(R)]
-        self._init_layer()
-        self._init_bits()
-        self._fut_cache: dict = {}
 
     def _init_layer(self) -> None:
         """A layer's own fields and processes (appended after the ring's; the ring has none)."""

@@ -65,13 +65,15 @@ an observable outcome.
 
 For the partial-order reduction (:mod:`streamring.verify.search`) every process also says what its
 next step reads, writes and fetch-ors (:meth:`RingModel.expand`) and what it may access from now
-on until it must wait (:meth:`RingModel._future`).
+on until it must wait (:meth:`RingModel._future`; the ring's answers are in
+:mod:`streamring.verify.lookahead`).
 """
 
 from __future__ import annotations
 
 from ..ring.layout import GenState, gen_str
 from ..ring.policies import Inject
+from . import lookahead
 from .state import (KINDS, PROP_ABA, PROP_DEADLOCK, PROP_OVERWRITE, PROP_PROTOCOL, PROP_READ, PROP_SERIAL,
                     PROPERTIES, RingState, Trans, Violation, _g, _older_epoch)
 
@@ -423,125 +425,16 @@ class RingModel(RingState):
         else:
             procs[self.BEGIN] = ((), 0, 0, 0, tuple(6 * r + 5 for r in range(R) if not st[self.END + r]))
 
-    # -- look-ahead, for the partial-order reduction ---------------------------------------
+    # -- look-ahead, for the partial-order reduction (verify.lookahead) -------------------
     def _future(self, st: tuple, pid: int):
         """What ``pid`` may access from now on within this epoch, cut where it must wait.
 
         A list ``[(blockers, R, W, O), ...]``: the accesses of the steps before the i-th wait
         point, which cannot be passed while a process of ``blockers`` (a pid mask) stands
         still; the last entry (blockers 0) holds everything up to the end of the epoch.
+        The ring's processes: :func:`streamring.verify.lookahead.future`.
         """
-        if pid == self.BEGIN:
-            return ((0, 0, 0, 0),)
-        r, i = divmod(pid, 6)
-        if st[self.END + r]:
-            return ((0, 0, 0, 0),)
-        e = st[self.EP + r]
-        if i in (0, 1):
-            return self._future_producer(st, pid, r, i, e)
-        if i == 2 and self.ready_order:
-            return self._future_consumer_any(st, pid, r)
-        if i == 2:
-            return self._future_consumer(st, pid, r, e)
-        if i in (3, 4):
-            return self._future_drain(st, r, i - 3)
-        return self._future_end(st, r, e)
-
-    def _future_producer(self, st: tuple, pid: int, r: int, k: int, e: int):
-        S = self.S
-        gens = self.gens[e]
-        pc = st[self.PPC + 2 * r + k]
-        key = (pid, pc, e, st[self.ACK + r * S:self.ACK + r * S + S], st[self.COL + r * S:self.COL + r * S + S])
-        res = self._fut_cache.get(key)
-        if res is not None:
-            return res
-        segs, aR, aW = [], 0, 0
-        for j in range(pc, self.pdone):
-            c, jj = divmod(j, self.nsteps)
-            step, t = self.steps[jj]
-            s = c % S
-            if step == "reserve":
-                if c >= S and not self.skip_ack_wait:
-                    if st[self.COL + r * S + s] != gens[c - S]:
-                        bl = 0
-                        for b in self.missing_bits(st[self.ACK + r * S + s]):
-                            bl |= 1 << (6 * b + 2)
-                        if bl:
-                            segs.append((bl, aR, aW, 0))
-                    aR |= self.b_col[r][s] | self.b_ack[r][s]
-                    aW |= self.b_col[r][s] | self.b_ack[r][s]
-            elif step == "write":
-                aR |= self.b_pos_rs[r][s] | self.b_pend[r][k]
-                aW |= self.b_pend[r][k]
-            else:
-                aR |= self.b_pos_rs[r][s] | self.b_pend[r][k]
-                aW |= self.b_pend[r][k] | self.b_pay[r][k][s]
-                if step == "publish":
-                    aW |= self.b_rdy[t][k][r][s]
-        aW |= self.b_done[pid]
-        segs.append((0, aR, aW, 0))
-        res = tuple(segs)
-        self._fut_cache[key] = res
-        return res
-
-    def _future_consumer_any(self, st: tuple, pid: int, d: int):
-        """Ready order: any pending source in any order: over-approximated with every access of every
-        remaining (chunk, source) step, reachable without waiting (sound, less reduction)."""
-        R, S, NPH = self.R, self.S, self.NPH
-        pc = st[self.CPC + d]
-        aR = aW = aO = 0
-        for j in range(pc - (pc % (NPH * R)), self.cdone):
-            item, phase = divmod(j, NPH)
-            c, src = divmod(item, R)
-            s = c % S
-            aR |= self.b_rdy[d][0][src][s] | self.b_rdy[d][1][src][s] | self.b_pay[src][0][s] | self.b_pay[src][1][s]
-            aW |= self.b_pos[d][src][s]
-            aO |= self.b_ack[src][s]
-        return ((0, aR, aW | self.b_done[pid], aO),)
-
-    def _future_consumer(self, st: tuple, pid: int, d: int, e: int):
-        R, S, NPH = self.R, self.S, self.NPH
-        gens = self.gens[e]
-        pc = st[self.CPC + d]
-        key = (pid, pc, e, st[self.RDY + 2 * d * R * S:self.RDY + 2 * (d + 1) * R * S])
-        res = self._fut_cache.get(key)
-        if res is not None:
-            return res
-        segs, aR, aW, aO = [], 0, 0, 0
-        for j in range(pc, self.cdone):
-            item, phase = divmod(j, NPH)
-            c, src = divmod(item, R)
-            s = c % S
-            if phase == 0:
-                if not self.skip_acquire:
-                    bl = 0
-                    for k in (0, 1):
-                        w = st[self.RDY + ((2 * d + k) * R + src) * S + s]
-                        if self.classify(w, gens[c]) is GenState.OLDER:
-                            bl |= 1 << (6 * src + k)  # only that producer writes this word
-                    if bl:
-                        segs.append((bl, aR, aW, aO))
-                    aR |= self.b_rdy[d][0][src][s] | self.b_rdy[d][1][src][s]
-                aR |= self.b_pay[src][0][s] | self.b_pay[src][1][s]
-                aW |= self.b_pos[d][src][s]
-            else:
-                aO |= self.b_ack[src][s]
-                aW |= self.b_pos[d][src][s]
-        aW |= self.b_done[pid]
-        segs.append((0, aR, aW, aO))
-        res = tuple(segs)
-        self._fut_cache[key] = res
-        return res
-
-    def _future_drain(self, st: tuple, r: int, k: int):
-        ps = st[self.PSL + 2 * r + k]
-        aR = aW = 0
-        if ps >= 0:
-            aR = self.b_pend[r][k] | self.b_pos_rs[r][ps]
-            aW = self.b_pend[r][k] | self.b_pay[r][k][ps]
-        # later drains need a later write of the producer first
-        later_r, later_w = self._drain_later(st, r, k)
-        return ((1 << (6 * r + k), aR, aW, 0), (0, aR | later_r, aW | later_w, 0))
+        return lookahead.future(self, st, pid)
 
     def _drain_later(self, st: tuple, r: int, k: int) -> tuple[int, int]:
         """What the later drains of producer ``(r, k)`` may read and write: any slot of its own."""
@@ -555,39 +448,10 @@ class RingModel(RingState):
         """What a layer's end of epoch writes beyond the ring's (``reads``: its roles' done bits)."""
         return 0
 
-    def _future_end(self, st: tuple, r: int, e: int):
-        """End of epoch: waits for the rank's roles, and for the missing ack bits of its last chunks."""
-        S = self.S
-        gens = self.gens[e]
-        roles = self.roles_of[r]
-        bl = self._end_blockers(st, r)
-        for p in roles:
-            if not self.role_done(st, p):
-                bl |= 1 << p
-        for s in range(S):
-            lc = self.last_chunk[s]
-            if lc >= 0 and st[self.COL + r * S + s] != gens[lc]:
-                for b in self.missing_bits(st[self.ACK + r * S + s]):
-                    bl |= 1 << (6 * b + 2)
-        aR = 0
-        for p in roles:
-            aR |= self.b_done[p]
-        aW = self.b_ack_r[r] | self.b_col_r[r] | self.b_end[r] | self._end_writes(r, e, aR)
-        return ((bl, 0, 0, 0), (0, aR, aW, 0)) if bl else ((0, aR, aW, 0),)
-
     def _beyond_epoch(self, st: tuple):
-        """What an outside process may touch in later epochs, as ``f(q, T) -> variable mask`` (``T``: the
-        stubborn set, a pid mask). In the ring nothing crosses into the next epoch before every role is
-        done (the collective begin): while a process of ``T`` holds an unfinished role, nothing;
-        otherwise, outside the last epoch, anything."""
-        if st[self.EP] >= self.E:
-            return lambda q, T: 0
-        cross_bl = 0
-        for p in self.role_pids:
-            if not self.role_done(st, p):
-                cross_bl |= 1 << p
-        ALL = self.ALL
-        return lambda q, T: 0 if cross_bl & T else ALL
+        """What an outside process may touch in later epochs, as ``f(q, T) -> variable mask`` (``T``:
+        the stubborn set, a pid mask): :func:`streamring.verify.lookahead.beyond_epoch`."""
+        return lookahead.beyond_epoch(self, st)
 
     # -- labels ----------------------------------------------------------------------------
     def label(self, t: Trans) -> str:
