@@ -1,6 +1,6 @@
 """Build the CUTLASS FP8 blockwise grouped GEMM (``csrc/gemm/gemm_blockwise_fp8.cu``) into a shared library.
 
-The library has plain ``extern "C"`` entry points (``streamring.gemm.cutlass`` loads it with
+The library has plain ``extern "C"`` entry points (``streamring.gemm.cutlass_lib`` loads it with
 ctypes: no Python extension build). It is compiled for ``sm_90a`` only (``wgmma`` and ``setmaxnreg``
 need the arch-specific target) with the CUDA runtime linked statically, so at run time it needs
 nothing but the driver (``libcuda``, which the static runtime opens itself) - it can be built on a
@@ -29,7 +29,7 @@ package, or the wheel unpacked under ``.whl/cutlass/`` of the repository:
 The library is cached under ``$STREAMRING_CACHE/gemm/`` (default ``~/.cache/streamring/gemm``) keyed
 by the sha256 of the source, the flags, the ``nvcc --version`` text and CUTLASS's version header; a
 JSON file beside it records what it was built from. ``--out DIR`` also copies both into ``DIR`` (the
-repository's ``.gemm-build/`` is where :mod:`streamring.gemm.cutlass` looks first).
+repository's ``.gemm-build/`` is where :mod:`streamring.gemm.cutlass_lib` looks first).
 
 Run ``python -m streamring.gemm.build [--out .gemm-build]``: it prints what it builds and how long that
 takes (:data:`BUILD_TIME`), then a line per compile unit as it finishes (every 30 s a line while they run)
@@ -198,7 +198,7 @@ def needed_libraries(so: Path) -> list[str] | None:
 
 #: how long :func:`build` takes when nothing is cached (measured: the parts compile at once, one nvcc each)
 BUILD_TIME = "about 2 minutes on 16 cores, 3.5 minutes on 2"
-#: the command that builds the library ahead (where :mod:`streamring.gemm.cutlass` looks first)
+#: the command that builds the library ahead (where :mod:`streamring.gemm.cutlass_lib` looks first)
 BUILD_COMMAND = "python -m streamring.gemm.build --out .gemm-build"
 
 
