@@ -64,7 +64,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .moe_triton import INTERPRET, _gemm_cfg, _l1_tile, _l2_rows, _l2_store
+from .moe_triton import _gemm_cfg, _l1_tile, _l2_rows, _l2_store
+from .producer_triton import INTERPRET
 from .queue_order import COUNT_MASK, CTRL_CLAIM, CTRL_READY, CTRL_WORDS, L1, L2, SEALED, total_items
 from .ringdesc import ERRORS, RS_ABORT, RS_BAD_SEEN, RS_BAD_WANT, RS_FIRST_ERROR, RS_TIMEOUTS
 
