@@ -101,21 +101,14 @@ def _route_score(lg, mx, denom, SOFTMAX: tl.constexpr):
         return tl.sigmoid(lg)
 
 
-@triton.jit(do_not_specialize=["n_rows"])
-def _select_experts_kernel(logits_ptr, bias_ptr, idx_ptr, w_ptr, n_rows, routed_scale,
-                           E: tl.constexpr, EP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
-                           SOFTMAX: tl.constexpr, NORMALIZE: tl.constexpr, HAS_BIAS: tl.constexpr,
-                           G: tl.constexpr, GP: tl.constexpr, TOPK_GROUP: tl.constexpr, BR: tl.constexpr):
-    # The routing rule of moe.math.select_experts, one row block per program, every step row-local.
-    # Picks run largest first (the lowest column on a tie, as an iterative top-k picks), so the
-    # weights are summed in the rule's order j = 0..k-1.
-    rows = tl.program_id(0) * BR + tl.arange(0, BR)
-    cols = tl.arange(0, EP)
-    rmask = rows < n_rows
-    cvalid = (cols < E)[None, :]
-    r64 = rows.to(tl.int64)
-    row_ptr = logits_ptr + r64 * E
-    lg = tl.load(row_ptr[:, None] + cols[None, :], mask=rmask[:, None] & cvalid, other=0.0)
+@triton.jit
+def _choice_scores(lg, bias_ptr, cols, cvalid, E: tl.constexpr, SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr,
+                   BR: tl.constexpr):
+    # ``(sel, mx, denom)``: the scores the picks compare, from the logits ``lg [BR, EP]`` (columns past E:
+    # -inf), and the softmax's row max and sum of exponentials (zeros for the sigmoid rule, whose choice
+    # adds the bias). A NaN score (rows past a forward's device token count hold stale data) competes as
+    # -1e30: below every real score, still above the -inf of masked and already picked columns (a group
+    # score, the sum of two, stays finite), so every pick is a distinct valid expert and no reduction sees NaN.
     NEG = float("-inf")
     mx = tl.zeros((BR,), dtype=tl.float32)
     denom = tl.zeros((BR,), dtype=tl.float32)
@@ -128,49 +121,61 @@ def _select_experts_kernel(logits_ptr, bias_ptr, idx_ptr, w_ptr, n_rows, routed_
         if HAS_BIAS:
             sel = sel + tl.load(bias_ptr + cols, mask=cols < E, other=0.0)[None, :]
         sel = tl.where(cvalid, sel, NEG)
-    # A NaN score (rows past a forward's device token count hold stale data) competes as -1e30: below
-    # every real score, still above the -inf of masked and already picked columns (a group score, the
-    # sum of two, stays finite), so every pick is a distinct valid expert and no reduction sees NaN.
     sel = tl.where(sel != sel, -1.0e30, sel)
-    if not SOFTMAX:
-        if G > 1:
-            # group score: the sum of each group's two best ``sel``; keep the TOPK_GROUP best groups
-            EPG: tl.constexpr = E // G
-            if E == EP and G == GP:  # power-of-two sizes: all groups at once in a [BR, G, E/G] view
-                v3 = tl.reshape(sel, (BR, G, EPG))
-                top1 = tl.max(v3, axis=2)
-                if EPG > 1:
-                    first = tl.argmax(v3, axis=2, tie_break_left=True)
-                    rest = tl.where(tl.arange(0, EPG)[None, None, :] == first[:, :, None], NEG, v3)
-                    gscore = top1 + tl.max(rest, axis=2)
-                else:
-                    gscore = top1
-                gcols = tl.arange(0, G)
-                keep = tl.zeros((BR, G), dtype=tl.int32)
-                for _ in tl.static_range(TOPK_GROUP):
-                    best = tl.argmax(gscore, axis=1, tie_break_left=True)
-                    keep = tl.where(gcols[None, :] == best[:, None], 1, keep)
-                    gscore = tl.where(gcols[None, :] == best[:, None], NEG, gscore)
-                keep3 = tl.broadcast_to(keep[:, :, None], (BR, G, EPG))
-                sel = tl.where(tl.reshape(keep3, (BR, EP)) != 0, sel, NEG)
-            else:  # any sizes: one group at a time
-                grp = cols // EPG
-                gcols = tl.arange(0, GP)
-                gscore = tl.full((BR, GP), NEG, tl.float32)
-                for gi in tl.static_range(G):
-                    v = tl.where((grp == gi)[None, :], sel, NEG)
-                    top1 = tl.max(v, axis=1)
-                    if EPG > 1:
-                        first = tl.argmax(v, axis=1, tie_break_left=True)
-                        top1 = top1 + tl.max(tl.where(cols[None, :] == first[:, None], NEG, v), axis=1)
-                    gscore = tl.where(gcols[None, :] == gi, top1[:, None], gscore)
-                keep = tl.zeros((BR, EP), dtype=tl.int32)
-                for _ in tl.static_range(TOPK_GROUP):
-                    best = tl.argmax(gscore, axis=1, tie_break_left=True)
-                    keep = tl.where(grp[None, :] == best[:, None], 1, keep)
-                    gscore = tl.where(gcols[None, :] == best[:, None], NEG, gscore)
-                sel = tl.where(keep != 0, sel, NEG)
-    ks = tl.arange(0, KP)
+    return sel, mx, denom
+
+
+@triton.jit
+def _keep_best_groups(sel, cols, E: tl.constexpr, EP: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
+                      TOPK_GROUP: tl.constexpr, BR: tl.constexpr):
+    # The group limit of the deepseek_v3 rule: a group's score is the sum of its two best ``sel``; the
+    # TOPK_GROUP best groups (the lowest group on a tie) keep their scores, every other column becomes -inf.
+    NEG = float("-inf")
+    EPG: tl.constexpr = E // G
+    if E == EP and G == GP:  # power-of-two sizes: all groups at once in a [BR, G, E/G] view
+        v3 = tl.reshape(sel, (BR, G, EPG))
+        top1 = tl.max(v3, axis=2)
+        if EPG > 1:
+            first = tl.argmax(v3, axis=2, tie_break_left=True)
+            rest = tl.where(tl.arange(0, EPG)[None, None, :] == first[:, :, None], NEG, v3)
+            gscore = top1 + tl.max(rest, axis=2)
+        else:
+            gscore = top1
+        gcols = tl.arange(0, G)
+        keep = tl.zeros((BR, G), dtype=tl.int32)
+        for _ in tl.static_range(TOPK_GROUP):
+            best = tl.argmax(gscore, axis=1, tie_break_left=True)
+            keep = tl.where(gcols[None, :] == best[:, None], 1, keep)
+            gscore = tl.where(gcols[None, :] == best[:, None], NEG, gscore)
+        keep3 = tl.broadcast_to(keep[:, :, None], (BR, G, EPG))
+        sel = tl.where(tl.reshape(keep3, (BR, EP)) != 0, sel, NEG)
+    else:  # any sizes: one group at a time
+        grp = cols // EPG
+        gcols = tl.arange(0, GP)
+        gscore = tl.full((BR, GP), NEG, tl.float32)
+        for gi in tl.static_range(G):
+            v = tl.where((grp == gi)[None, :], sel, NEG)
+            top1 = tl.max(v, axis=1)
+            if EPG > 1:
+                first = tl.argmax(v, axis=1, tie_break_left=True)
+                top1 = top1 + tl.max(tl.where(cols[None, :] == first[:, None], NEG, v), axis=1)
+            gscore = tl.where(gcols[None, :] == gi, top1[:, None], gscore)
+        keep = tl.zeros((BR, EP), dtype=tl.int32)
+        for _ in tl.static_range(TOPK_GROUP):
+            best = tl.argmax(gscore, axis=1, tie_break_left=True)
+            keep = tl.where(grp[None, :] == best[:, None], 1, keep)
+            gscore = tl.where(gcols[None, :] == best[:, None], NEG, gscore)
+        sel = tl.where(keep != 0, sel, NEG)
+    return sel
+
+
+@triton.jit
+def _pick_experts(sel, cols, ks, row_ptr, rmask, mx, denom, routed_scale, K: tl.constexpr, KP: tl.constexpr,
+                  SOFTMAX: tl.constexpr, NORMALIZE: tl.constexpr, BR: tl.constexpr):
+    # ``(idx, w) [BR, KP]``: K picks, largest ``sel`` first (the lowest column on a tie, as an iterative top-k
+    # picks); each weight is recomputed from the picked logit (the same bits as the score the pick compared)
+    # and summed in pick order j = 0..K-1 for the rule's normalization, then the sigmoid rule's scaling.
+    NEG = float("-inf")
     idx = tl.zeros((BR, KP), dtype=tl.int64)
     w = tl.zeros((BR, KP), dtype=tl.float32)
     total = tl.zeros((BR,), dtype=tl.float32)
@@ -188,6 +193,29 @@ def _select_experts_kernel(logits_ptr, bias_ptr, idx_ptr, w_ptr, n_rows, routed_
         if NORMALIZE:
             w = w / (total + 1e-20)[:, None]
         w = w * routed_scale
+    return idx, w
+
+
+@triton.jit(do_not_specialize=["n_rows"])
+def _select_experts_kernel(logits_ptr, bias_ptr, idx_ptr, w_ptr, n_rows, routed_scale,
+                           E: tl.constexpr, EP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
+                           SOFTMAX: tl.constexpr, NORMALIZE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                           G: tl.constexpr, GP: tl.constexpr, TOPK_GROUP: tl.constexpr, BR: tl.constexpr):
+    # The routing rule of moe.math.select_experts, one row block per program, every step row-local:
+    # the scores, the deepseek_v3 rule's group limit, the picks and their weights.
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    cols = tl.arange(0, EP)
+    rmask = rows < n_rows
+    cvalid = (cols < E)[None, :]
+    r64 = rows.to(tl.int64)
+    row_ptr = logits_ptr + r64 * E
+    lg = tl.load(row_ptr[:, None] + cols[None, :], mask=rmask[:, None] & cvalid, other=0.0)
+    sel, mx, denom = _choice_scores(lg, bias_ptr, cols, cvalid, E, SOFTMAX, HAS_BIAS, BR)
+    if not SOFTMAX:
+        if G > 1:
+            sel = _keep_best_groups(sel, cols, E, EP, G, GP, TOPK_GROUP, BR)
+    ks = tl.arange(0, KP)
+    idx, w = _pick_experts(sel, cols, ks, row_ptr, rmask, mx, denom, routed_scale, K, KP, SOFTMAX, NORMALIZE, BR)
     omask = rmask[:, None] & (ks < K)[None, :]
     tl.store(idx_ptr + r64[:, None] * K + ks[None, :], idx, mask=omask)
     tl.store(w_ptr + r64[:, None] * K + ks[None, :], w, mask=omask)
