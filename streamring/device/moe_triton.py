@@ -50,6 +50,37 @@ from streamring.device.producer_triton import (  # noqa: F401
 # Integer arguments that change between launches of one forward (row counts, chunk indices,
 # offsets) are not specialized: a new value must never trigger a compile (a module load in the
 # middle of an enqueued stream can deadlock against a stream that waits on the ring).
+@triton.jit
+def _hand_out_blocks(expert_blocks_ptr, block_expert_ptr, e, em, nb_old, new, base, MAXB: tl.constexpr):
+    # Expert e's ``new[e]`` new blocks (its blocks nb_old[e].. in its own list) get the ids base[e]..: recorded
+    # in its block list and as their expert.
+    max_new = tl.max(new, 0)
+    t = 0
+    while t < max_new:  # (a while loop: Triton's interpreter cannot range() over a reduction)
+        m = em & (t < new)
+        tl.store(expert_blocks_ptr + e * MAXB + nb_old + t, base + t, mask=m)
+        tl.store(block_expert_ptr + base + t, e, mask=m)
+        t += 1
+
+
+@triton.jit
+def _publish_ready(expert_blocks_ptr, ready_list_ptr, block_rows_ptr, e, em, j0, nr, rbase, rows_ready, nb_old, base,
+                   MAXB: tl.constexpr):
+    # Expert e's blocks j0[e] .. j0[e] + nr[e] - 1 (of its own list) become ready: their ids go into the ready
+    # list from rbase[e] on, and their routed rows (rows_ready) into block_rows.
+    max_nr = tl.max(nr, 0)
+    t = 0
+    while t < max_nr:
+        j = j0 + t
+        m = em & (t < nr)
+        # ids allocated in this call are arithmetic (same program: no read-after-write through memory)
+        old_id = tl.load(expert_blocks_ptr + e * MAXB + j, mask=m & (j < nb_old), other=0)
+        bid = tl.where(j >= nb_old, base + (j - nb_old), old_id)
+        tl.store(ready_list_ptr + rbase + t, bid, mask=m)
+        tl.store(block_rows_ptr + bid, rows_ready, mask=m)
+        t += 1
+
+
 @triton.jit(do_not_specialize=["hi_index"])
 def _alloc_blocks_kernel(counts_ptr, state_ptr, expert_blocks_ptr, block_expert_ptr, ready_list_ptr, block_rows_ptr,
                          ready_hi_ptr, hi_index, pending_ptr, E: tl.constexpr, EP: tl.constexpr, BM: tl.constexpr,
@@ -76,13 +107,7 @@ def _alloc_blocks_kernel(counts_ptr, state_ptr, expert_blocks_ptr, block_expert_
     n_blocks = tl.load(state_ptr + E)
     n_ready = tl.load(state_ptr + E + 1)
     base = n_blocks + tl.cumsum(new, 0) - new  # block ids handed out expert by expert
-    max_new = tl.max(new, 0)
-    t = 0
-    while t < max_new:  # (a while loop: Triton's interpreter cannot range() over a reduction)
-        m = em & (t < new)
-        tl.store(expert_blocks_ptr + e * MAXB + nb_old + t, base + t, mask=m)
-        tl.store(block_expert_ptr + base + t, e, mask=m)
-        t += 1
+    _hand_out_blocks(expert_blocks_ptr, block_expert_ptr, e, em, nb_old, new, base, MAXB)
     if SEAL:
         # end of stream: every partially filled block becomes ready
         sealed = tl.load(state_ptr + E + 2)
@@ -99,17 +124,8 @@ def _alloc_blocks_kernel(counts_ptr, state_ptr, expert_blocks_ptr, block_expert_
         nr = fill_new // BM - fill_old // BM
         rows_ready = tl.full((EP,), BM, dtype=tl.int32)
     rbase = n_ready + tl.cumsum(nr, 0) - nr
-    max_nr = tl.max(nr, 0)
-    t = 0
-    while t < max_nr:
-        j = j0 + t
-        m = em & (t < nr)
-        # ids allocated in this call are arithmetic (same program: no read-after-write through memory)
-        old_id = tl.load(expert_blocks_ptr + e * MAXB + j, mask=m & (j < nb_old), other=0)
-        bid = tl.where(j >= nb_old, base + (j - nb_old), old_id)
-        tl.store(ready_list_ptr + rbase + t, bid, mask=m)
-        tl.store(block_rows_ptr + bid, rows_ready, mask=m)
-        t += 1
+    _publish_ready(expert_blocks_ptr, ready_list_ptr, block_rows_ptr, e, em, j0, nr, rbase, rows_ready, nb_old, base,
+                   MAXB)
     tl.store(state_ptr + e, fill_new, mask=em)
     tl.store(state_ptr + E, n_blocks + tl.sum(new, 0))
     tl.store(state_ptr + E + 1, n_ready + tl.sum(nr, 0))
