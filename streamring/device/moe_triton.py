@@ -47,9 +47,6 @@ from streamring.device.producer_triton import (  # noqa: F401
 # ----------------------------------------------------------------------------------------------
 # block bookkeeping (one program: sequential over experts via prefix sums, hence deterministic)
 # ----------------------------------------------------------------------------------------------
-# Integer arguments that change between launches of one forward (row counts, chunk indices,
-# offsets) are not specialized: a new value must never trigger a compile (a module load in the
-# middle of an enqueued stream can deadlock against a stream that waits on the ring).
 @triton.jit
 def _hand_out_blocks(expert_blocks_ptr, block_expert_ptr, e, em, nb_old, new, base, MAXB: tl.constexpr):
     # Expert e's ``new[e]`` new blocks (its blocks nb_old[e].. in its own list) get the ids base[e]..: recorded
@@ -81,6 +78,9 @@ def _publish_ready(expert_blocks_ptr, ready_list_ptr, block_rows_ptr, e, em, j0,
         t += 1
 
 
+# Integer arguments that change between launches of one forward (row counts, chunk indices,
+# offsets) are not specialized: a new value must never trigger a compile (a module load in the
+# middle of an enqueued stream can deadlock against a stream that waits on the ring).
 @triton.jit(do_not_specialize=["hi_index"])
 def _alloc_blocks_kernel(counts_ptr, state_ptr, expert_blocks_ptr, block_expert_ptr, ready_list_ptr, block_rows_ptr,
                          ready_hi_ptr, hi_index, pending_ptr, E: tl.constexpr, EP: tl.constexpr, BM: tl.constexpr,
