@@ -43,6 +43,20 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("stress", help="protocol stress with random delays; exit 0 iff no violation")
     _common(p)
     p.add_argument("--inject", choices=INJECT_MODES, help="deliberately break one protocol step")
+    _add_model_check(sub)
+    _add_gpu_check(sub)
+    sub.add_parser("check-env", help="print what streamring finds on this machine")
+    p = sub.add_parser("timeline", help="draw the device timeline of a streamed forward as a PNG")
+    p.add_argument("input", metavar="JSON", help="bench/ep_layer.py --timeline-json output, or one timeline")
+    p.add_argument("--out", metavar="PNG", default="timeline.png")
+    p.add_argument("--tokens", type=int, nargs="+", action="extend", metavar="N",
+                   help="only the timelines of these token counts (--tokens 1024 4096; repeatable)")
+    return ap
+
+
+def _add_model_check(sub) -> None:
+    """``streamring model-check``: the protocol model's size (ranks, slots, chunks, epochs), its layer and the
+    mutation it checks."""
     p = sub.add_parser("model-check", help="explore every interleaving of the protocol model")
     p.add_argument("--layer", choices=LAYERS + ("queue",), default="ring",
                    help="ring: the ring protocol as the stress harness runs it (default); ep: plus the "
@@ -81,6 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--source-order", choices=SOURCE_ORDERS, default="rank",
                    help="consumer order over the sources of a chunk (stress.source_order): rank (default) "
                         "or ready (any source whose chunk is ready first)")
+
+
+def _add_gpu_check(sub) -> None:
+    """``streamring gpu-check``: the GPU self-test's policies, replays, ring size and negative controls."""
     p = sub.add_parser("gpu-check", help="GPU self-test: the device ring under every progress policy, 10^4 CUDA-graph "
                                          "replays each, negative controls (needs a GPU and nvshmem4py)")
     p.add_argument("--policies", default="all", metavar="P,..|all", help=f"comma list of {list(PROGRESS_POLICIES)} or 'all'")
@@ -95,13 +113,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ranks", type=int, default=1, metavar="N",
                    help="PEs to start when no launcher is used (under mpirun/torchrun: the job's ranks)")
     p.add_argument("--json", metavar="PATH", help="write every check's result as JSON")
-    sub.add_parser("check-env", help="print what streamring finds on this machine")
-    p = sub.add_parser("timeline", help="draw the device timeline of a streamed forward as a PNG")
-    p.add_argument("input", metavar="JSON", help="bench/ep_layer.py --timeline-json output, or one timeline")
-    p.add_argument("--out", metavar="PNG", default="timeline.png")
-    p.add_argument("--tokens", type=int, nargs="+", action="extend", metavar="N",
-                   help="only the timelines of these token counts (--tokens 1024 4096; repeatable)")
-    return ap
 
 
 def _option_synopsis(a: argparse.Action) -> str:
@@ -141,43 +152,61 @@ def main(argv: list[str] | None = None) -> int:
 
         return check_env()
     if args.command == "timeline":
-        from .timeline import TimelineError, draw, load_timelines, overlap_summary
-
-        try:
-            tls = load_timelines(args.input)
-            if args.tokens:
-                tls = [t for t in tls if t["tokens"] in args.tokens]
-                if not tls:
-                    raise TimelineError(f"{args.input}: no timeline for tokens {args.tokens}")
-        except TimelineError as exc:
-            print(f"streamring timeline: {exc}", file=sys.stderr)
-            return EXIT_USAGE
-        out = draw(tls, args.out)
-        for t in tls:
-            s = overlap_summary(t)
-            print(f"{t['tokens']} tokens, {len(t['chunks'])} chunks, {t['policy']}: "
-                  f"{s['chunks_published_during_prev_blocks']} of {s['chunks_after_first']} later chunks published "
-                  f"while the previous chunk's blocks computed (lead us: "
-                  f"{', '.join(f'{v:+.0f}' for v in s['publish_lead_us'])}); first chunk dispatched at "
-                  f"{s['first_chunk_exposed_us']:.0f} us of {s['forward_us']:.0f} us")
-        print(f"wrote {out}")
-        return EXIT_OK
+        return _timeline(args)
     if args.command == "model-check":
-        from .host import report
-
-        if args.layer == "queue":
-            from .verify.queue import queue_check_main
-
-            return queue_check_main(args, report)
-        if args.inject in QUEUE_INJECT_MODES:
-            print(f"streamring model-check: --inject {args.inject} breaks a handoff of the work queue: it needs "
-                  f"--layer queue", file=sys.stderr)
-            return EXIT_USAGE
-        from .verify.search import model_check_main
-
-        return model_check_main(args, report)
+        return _model_check(args)
     if args.command == "gpu-check":
         return _gpu_check(args, argv)
+    return _run_job(args, argv)
+
+
+def _timeline(args) -> int:
+    """``streamring timeline``: draw the timelines (those of ``--tokens``) and print one overlap line per timeline;
+    an input without a matching timeline is a usage error."""
+    from .timeline import TimelineError, draw, load_timelines, overlap_summary
+
+    try:
+        tls = load_timelines(args.input)
+        if args.tokens:
+            tls = [t for t in tls if t["tokens"] in args.tokens]
+            if not tls:
+                raise TimelineError(f"{args.input}: no timeline for tokens {args.tokens}")
+    except TimelineError as exc:
+        print(f"streamring timeline: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    out = draw(tls, args.out)
+    for t in tls:
+        s = overlap_summary(t)
+        print(f"{t['tokens']} tokens, {len(t['chunks'])} chunks, {t['policy']}: "
+              f"{s['chunks_published_during_prev_blocks']} of {s['chunks_after_first']} later chunks published "
+              f"while the previous chunk's blocks computed (lead us: "
+              f"{', '.join(f'{v:+.0f}' for v in s['publish_lead_us'])}); first chunk dispatched at "
+              f"{s['first_chunk_exposed_us']:.0f} us of {s['forward_us']:.0f} us")
+    print(f"wrote {out}")
+    return EXIT_OK
+
+
+def _model_check(args) -> int:
+    """``streamring model-check``: the work queue's model (``--layer queue``) or the ring's (ring, ep); a queue
+    mutation asked of the ring's model is a usage error."""
+    from .host import report
+
+    if args.layer == "queue":
+        from .verify.queue import queue_check_main
+
+        return queue_check_main(args, report)
+    if args.inject in QUEUE_INJECT_MODES:
+        print(f"streamring model-check: --inject {args.inject} breaks a handoff of the work queue: it needs "
+              f"--layer queue", file=sys.stderr)
+        return EXIT_USAGE
+    from .verify.search import model_check_main
+
+    return model_check_main(args, report)
+
+
+def _run_job(args, argv: list[str]) -> int:
+    """``streamring run`` / ``stress``: load the config, then start the ranks here (no launcher) or run as
+    one rank of the job a launcher started (torchrun with the CPU backend: its heap is checked first)."""
     try:
         overrides = list(args.overrides)
         if getattr(args, "inject", None):
@@ -187,31 +216,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"streamring: {exc}", file=sys.stderr)
         return EXIT_USAGE
 
-    from .host.launch import LaunchError, Launcher, detect_launcher, spawn_local
+    from .host.launch import LaunchError, Launcher, detect_launcher
 
     launcher = detect_launcher()
     if launcher is Launcher.LOCAL:
-        from .host.prelaunch import job_problems
-
-        # Everything knowable now is reported once, here, before a rank starts (exit 2).
-        problems = job_problems(args.command, cfg, cfg.ranks, args.json, ranks_on_this_node=cfg.ranks)
-        for p in problems:
-            print(f"streamring: {p}", file=sys.stderr)
-        if problems:
-            return EXIT_USAGE
-        try:
-            preload = RANK_MODULES[args.command] if cfg.backend == "cpu" else ()
-            errors: dict = {}
-            rc = spawn_local(cfg.ranks, argv, preload=preload, errors=errors)
-        except LaunchError as exc:
-            print(f"streamring: {exc}", file=sys.stderr)
-            return EXIT_USAGE
-        if args.command == "stress" and cfg.stress.inject != "none" and errors:
-            # the ranks ended with errors, not with rank 0's report and its verdict: say it last, from them
-            from .verify.inject_verdict import stress_error_verdict
-
-            print(stress_error_verdict(cfg.stress.inject, [errors[r] for r in sorted(errors)]), file=sys.stderr)
-        return rc
+        return _spawn_job(args, argv, cfg)
     if launcher is Launcher.TORCHRUN and cfg.backend == "cpu":
         from .host.bootstrap import make_heap
 
@@ -223,6 +232,33 @@ def main(argv: list[str] | None = None) -> int:
     from .host.rank_main import rank_main
 
     return rank_main(args.command, cfg, json_path=args.json)
+
+
+def _spawn_job(args, argv: list[str], cfg) -> int:
+    """Start ``cfg.ranks`` local ranks of this command line and return the job's exit code. Everything knowable
+    before a rank starts is reported once, here (exit 2); a stress run with a mutation whose ranks ended with
+    errors gets its verdict from them, said last."""
+    from .host.launch import LaunchError, spawn_local
+    from .host.prelaunch import job_problems
+
+    problems = job_problems(args.command, cfg, cfg.ranks, args.json, ranks_on_this_node=cfg.ranks)
+    for p in problems:
+        print(f"streamring: {p}", file=sys.stderr)
+    if problems:
+        return EXIT_USAGE
+    try:
+        preload = RANK_MODULES[args.command] if cfg.backend == "cpu" else ()
+        errors: dict = {}
+        rc = spawn_local(cfg.ranks, argv, preload=preload, errors=errors)
+    except LaunchError as exc:
+        print(f"streamring: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    if args.command == "stress" and cfg.stress.inject != "none" and errors:
+        # the ranks ended with errors, not with rank 0's report and its verdict: say it last, from them
+        from .verify.inject_verdict import stress_error_verdict
+
+        print(stress_error_verdict(cfg.stress.inject, [errors[r] for r in sorted(errors)]), file=sys.stderr)
+    return rc
 
 
 def _gpu_check(args, argv: list[str]) -> int:

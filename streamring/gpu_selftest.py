@@ -171,6 +171,65 @@ def _judge(heap, ring, res: dict, st: dict, *, inject: str, replays: int, first_
     res["problems"] = problems
 
 
+def _eager_then_capture(heap, ring: DeviceRing, seq: StreamedSequence, origin, res: dict, capture: bool):
+    """One eager epoch of ``seq`` on ``origin`` (it validates the sequence before it is baked into a graph), then
+    its capture: the graph, or None where it is not asked, the eager epoch aborted the ring or the capture failed
+    on any PE (collective: every PE then replays the eager loop). Records ``eager_epoch_ms``, ``after_eager``
+    and ``mode`` in ``res``."""
+    import torch
+
+    t0 = time.perf_counter()
+    with torch.cuda.stream(origin):
+        seq.enqueue(origin)
+    origin.synchronize()
+    res["eager_epoch_ms"] = (time.perf_counter() - t0) * 1e3
+    st = ring.status()
+    res["after_eager"] = st
+    graph, mode = _capture(seq, origin) if capture and not st["aborted"] else (None, "eager loop")
+    if not _agree(heap, graph is not None):
+        if graph is not None:
+            mode = "eager loop (capture failed on another PE)"
+        graph = None
+    res["mode"] = mode
+    return graph
+
+
+def _replay(ring: DeviceRing, seq: StreamedSequence, origin, graph, replays: int, check_every: int) -> tuple:
+    """``(replays done, wall seconds)``: ``graph`` replayed (None: ``seq`` enqueued eagerly) ``replays`` times on
+    ``origin``, synchronising every ``check_every`` replays and stopping early once the ring is aborted."""
+    import torch
+
+    done = 0
+    t0 = time.perf_counter()
+    with torch.cuda.stream(origin):
+        while done < replays:
+            k = min(check_every, replays - done)
+            for _ in range(k):
+                if graph is not None:
+                    graph.replay()
+                else:
+                    seq.enqueue(origin)
+            done += k
+            origin.synchronize()
+            if ring.status()["aborted"]:
+                break
+    return done, time.perf_counter() - t0
+
+
+def _record_replays(res: dict, ring: DeviceRing, st: dict, done: int, wall: float, num_chunks: int, pes: int) -> None:
+    """Into ``res``: the ring's status ``st`` after ``done`` replays in ``wall`` seconds, the times per replay and
+    per chunk, the epoch reached and what every epoch (the eager one and the replays) should have consumed
+    (each of the ``pes`` sources' chunks) and published (a route and a layout per chunk)."""
+    epochs = 1 + done
+    res.update(st)
+    res["replays"] = done
+    res["us_per_replay"] = wall / max(done, 1) * 1e6
+    res["us_per_chunk"] = wall / max(done * num_chunks, 1) * 1e6
+    res["epoch_end"] = ring.epoch()
+    res["expected_consumed"] = epochs * num_chunks * pes
+    res["expected_published"] = epochs * num_chunks * 2
+
+
 def graph_check(heap, policy: str, *, replays: int = 10000, num_slots: int = 4, num_chunks: int = 6,
                 tokens_per_slot: int = 32, producer_sms: int = 16, inject: str = "none", delay_us: float = 0.0,
                 hold_us: float = 0.0, deadline_s: float = 10.0, check_every: int = 1000, capture: bool = True,
@@ -210,48 +269,12 @@ def graph_check(heap, policy: str, *, replays: int = 10000, num_slots: int = 4, 
         ring.set_epoch(first_epoch)
         origin = torch.cuda.Stream(device=heap.device)
         heap.barrier()
-        # 1) one eager epoch: validates the sequence before it is baked into a graph
-        t0 = time.perf_counter()
-        with torch.cuda.stream(origin):
-            seq.enqueue(origin)
-        origin.synchronize()
-        res["eager_epoch_ms"] = (time.perf_counter() - t0) * 1e3
-        st = ring.status()
-        res["after_eager"] = st
-        # 2) capture
-        graph, mode = _capture(seq, origin) if capture and not st["aborted"] else (None, "eager loop")
-        if not _agree(heap, graph is not None):
-            if graph is not None:
-                mode = "eager loop (capture failed on another PE)"
-            graph = None
-        res["mode"] = mode
+        graph = _eager_then_capture(heap, ring, seq, origin, res, capture)
         heap.barrier()
-        # 3) replays
-        done = 0
-        t0 = time.perf_counter()
-        with torch.cuda.stream(origin):
-            while done < replays:
-                k = min(check_every, replays - done)
-                for _ in range(k):
-                    if graph is not None:
-                        graph.replay()
-                    else:
-                        seq.enqueue(origin)
-                done += k
-                origin.synchronize()
-                if ring.status()["aborted"]:
-                    break
-        wall = time.perf_counter() - t0
+        done, wall = _replay(ring, seq, origin, graph, replays, check_every)
         torch.cuda.synchronize(heap.device)
         st = ring.status()
-        epochs = 1 + done
-        res.update(st)
-        res["replays"] = done
-        res["us_per_replay"] = wall / max(done, 1) * 1e6
-        res["us_per_chunk"] = wall / max(done * num_chunks, 1) * 1e6
-        res["epoch_end"] = ring.epoch()
-        res["expected_consumed"] = epochs * num_chunks * R
-        res["expected_published"] = epochs * num_chunks * 2
+        _record_replays(res, ring, st, done, wall, num_chunks, R)
         _judge(heap, ring, res, st, inject=inject, replays=replays, first_epoch=first_epoch)
         del graph
         return res

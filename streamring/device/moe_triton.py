@@ -1,4 +1,7 @@
-"""Triton kernels of the block-granular FP8 MoE consumer (and its producer's hot parts).
+"""Triton kernels of the block-granular FP8 MoE consumer: the block bookkeeping, the dispatch copy, the expert
+GEMMs over ready blocks, the combine and the CUTLASS path's SwiGLU kernel. The producer's kernels (router logits,
+the routing rule, the activations' FP8 quantization) are ``streamring.device.producer_triton``'s, importable
+from here too.
 
 Device code only: every function here launches one kernel on the current torch stream and
 returns at once (no host synchronisation), so a whole forward can be captured in one CUDA
@@ -27,260 +30,57 @@ L2 instead of re-reading it from HBM once per block.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from streamring.device.gemm_grid import GROUP_BLOCKS, TAIL_CTAS_PER_SM, grid_blocks  # absolute: tests/helpers/ptx_queue.py loads this file alone
-
-# Triton's CPU interpreter (the tests) mis-computes bf16 tl.dot; there the router runs in float32
-# (bf16 values are exact in float32, only the accumulation differs from the GPU path).
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-# ... and its float32 -> e4m3 cast loses the carry into the exponent (124.9 -> 64 instead of 128):
-# there the value is rounded to the e4m3 grid first (round half up; the GPU rounds half to even).
-_INTERP = tl.constexpr(INTERPRET)
-
-
-@triton.jit
-def _to_fp8(v):
-    if _INTERP:
-        ex = tl.maximum(tl.floor(tl.log2(tl.maximum(tl.abs(v), 1e-30))), -6.0)
-        step = tl.exp2(ex - 3.0)
-        v = tl.floor(v / step + 0.5) * step
-    return v.to(tl.float8e4nv)
-
-
-@triton.jit
-def _quant_fp8_rows(x):
-    # The activation rule of the ring (moe.math.quantize_act_fp8): one float32 scale per row of the
-    # 128-column group ``x [rows, 128]``, ``s = max(amax, AMAX_EPS 1e-12) / FP8_MAX 448``; returns the
-    # e4m3 values and the scales. The producer's layout, the L1 epilogue and the CUTLASS path's
-    # SwiGLU kernel all quantize through here, so their rows are bitwise alike.
-    amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12)
-    s = amax / 448.0
-    q = _to_fp8(tl.clamp(x / s[:, None], -448.0, 448.0))
-    return q, s
-
-
-# ----------------------------------------------------------------------------------------------
-# producer side
-# ----------------------------------------------------------------------------------------------
-# Integer arguments that change between launches of one forward (row counts, chunk indices,
-# offsets) are not specialized: a new value must never trigger a compile (a module load in the
-# middle of an enqueued stream can deadlock against a stream that waits on the ring).
-@triton.jit(do_not_specialize=["x_stride", "n_rows"])
-def _router_logits_kernel(x_ptr, x_stride, w_ptr, out_ptr, n_rows,
-                          H: tl.constexpr, E: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                          BK: tl.constexpr):
-    # Fixed BMxBN tiles: a token's logits never depend on how many tokens share the launch
-    # (a chunk and the whole batch give bitwise identical logits, hence identical top-k).
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    rows = pid_m * BM + tl.arange(0, BM)
-    cols = pid_n * BN + tl.arange(0, BN)
-    rmask = rows < n_rows
-    kk = tl.arange(0, BK)
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k0 in range(0, H, BK):
-        a = tl.load(x_ptr + rows.to(tl.int64)[:, None] * x_stride + k0 + kk[None, :], mask=rmask[:, None], other=0.0)
-        b = tl.load(w_ptr + cols.to(tl.int64)[:, None] * H + k0 + kk[None, :], mask=(cols < E)[:, None], other=0.0)
-        acc += tl.dot(a, tl.trans(b))
-    tl.store(out_ptr + rows.to(tl.int64)[:, None] * E + cols[None, :], acc, mask=rmask[:, None] & (cols < E)[None, :])
-
-
-#: the router GEMM's tile (rows x experts x K step), warps and pipeline stages. One tile for every token
-#: count: a token's logits must not depend on how many tokens share the launch (bench/routing.py
-#: measures the alternatives).
-ROUTER_LOGITS_LAUNCH = {"bm": 64, "bn": 128, "bk": 64, "num_warps": 4, "num_stages": 3}
-
-
-def router_logits(x, w_bf16, out, launch: dict | None = None) -> None:
-    """``out[T, E] (float32) = x[T, H] (bf16) @ w_bf16[E, H].T`` on fixed tiles (``launch``: default
-    :data:`ROUTER_LOGITS_LAUNCH`)."""
-    t, h = x.shape
-    e = w_bf16.shape[0]
-    if t == 0:
-        return
-    cfg = launch or ROUTER_LOGITS_LAUNCH
-    bn = min(cfg["bn"], triton.next_power_of_2(e))
-    if INTERPRET:
-        x, w_bf16 = x.float(), w_bf16.float()
-    grid = (triton.cdiv(t, cfg["bm"]), triton.cdiv(e, bn))
-    _router_logits_kernel[grid](x, x.stride(0), w_bf16, out, t, H=h, E=e, BM=cfg["bm"], BN=bn, BK=cfg["bk"],
-                                num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-
-
-@triton.jit
-def _route_score(lg, mx, denom, SOFTMAX: tl.constexpr):
-    # A routing score from its logit: the softmax probability (``mx``/``denom``: the row's max and sum of
-    # exponentials) or the sigmoid. The top-k weights recompute it from the picked logit with the same
-    # operations, hence the same bits as the score the pick compared.
-    if SOFTMAX:
-        return tl.exp(lg - mx) / denom
-    else:
-        return tl.sigmoid(lg)
-
-
-@triton.jit(do_not_specialize=["n_rows"])
-def _select_experts_kernel(logits_ptr, bias_ptr, idx_ptr, w_ptr, n_rows, routed_scale,
-                           E: tl.constexpr, EP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
-                           SOFTMAX: tl.constexpr, NORMALIZE: tl.constexpr, HAS_BIAS: tl.constexpr,
-                           G: tl.constexpr, GP: tl.constexpr, TOPK_GROUP: tl.constexpr, BR: tl.constexpr):
-    # The routing rule of moe.routers.select_experts, one row block per program, every step row-local.
-    # Picks run largest first (the lowest column on a tie, as an iterative top-k picks), so the
-    # weights are summed in the rule's order j = 0..k-1.
-    rows = tl.program_id(0) * BR + tl.arange(0, BR)
-    cols = tl.arange(0, EP)
-    rmask = rows < n_rows
-    cvalid = (cols < E)[None, :]
-    r64 = rows.to(tl.int64)
-    row_ptr = logits_ptr + r64 * E
-    lg = tl.load(row_ptr[:, None] + cols[None, :], mask=rmask[:, None] & cvalid, other=0.0)
-    NEG = float("-inf")
-    mx = tl.zeros((BR,), dtype=tl.float32)
-    denom = tl.zeros((BR,), dtype=tl.float32)
-    if SOFTMAX:
-        mx = tl.max(tl.where(cvalid, lg, NEG), axis=1)
-        denom = tl.sum(tl.where(cvalid, tl.exp(lg - mx[:, None]), 0.0), axis=1)
-        sel = tl.where(cvalid, _route_score(lg, mx[:, None], denom[:, None], SOFTMAX), NEG)
-    else:
-        sel = _route_score(lg, mx[:, None], denom[:, None], SOFTMAX)
-        if HAS_BIAS:
-            sel = sel + tl.load(bias_ptr + cols, mask=cols < E, other=0.0)[None, :]
-        sel = tl.where(cvalid, sel, NEG)
-    # A NaN score (rows past a forward's device token count hold stale data) competes as -1e30: below
-    # every real score, still above the -inf of masked and already picked columns (a group score, the
-    # sum of two, stays finite), so every pick is a distinct valid expert and no reduction sees NaN.
-    sel = tl.where(sel != sel, -1.0e30, sel)
-    if not SOFTMAX:
-        if G > 1:
-            # group score: the sum of each group's two best ``sel``; keep the TOPK_GROUP best groups
-            EPG: tl.constexpr = E // G
-            if E == EP and G == GP:  # power-of-two sizes: all groups at once in a [BR, G, E/G] view
-                v3 = tl.reshape(sel, (BR, G, EPG))
-                top1 = tl.max(v3, axis=2)
-                if EPG > 1:
-                    first = tl.argmax(v3, axis=2, tie_break_left=True)
-                    rest = tl.where(tl.arange(0, EPG)[None, None, :] == first[:, :, None], NEG, v3)
-                    gscore = top1 + tl.max(rest, axis=2)
-                else:
-                    gscore = top1
-                gcols = tl.arange(0, G)
-                keep = tl.zeros((BR, G), dtype=tl.int32)
-                for _ in tl.static_range(TOPK_GROUP):
-                    best = tl.argmax(gscore, axis=1, tie_break_left=True)
-                    keep = tl.where(gcols[None, :] == best[:, None], 1, keep)
-                    gscore = tl.where(gcols[None, :] == best[:, None], NEG, gscore)
-                keep3 = tl.broadcast_to(keep[:, :, None], (BR, G, EPG))
-                sel = tl.where(tl.reshape(keep3, (BR, EP)) != 0, sel, NEG)
-            else:  # any sizes: one group at a time
-                grp = cols // EPG
-                gcols = tl.arange(0, GP)
-                gscore = tl.full((BR, GP), NEG, tl.float32)
-                for gi in tl.static_range(G):
-                    v = tl.where((grp == gi)[None, :], sel, NEG)
-                    top1 = tl.max(v, axis=1)
-                    if EPG > 1:
-                        first = tl.argmax(v, axis=1, tie_break_left=True)
-                        top1 = top1 + tl.max(tl.where(cols[None, :] == first[:, None], NEG, v), axis=1)
-                    gscore = tl.where(gcols[None, :] == gi, top1[:, None], gscore)
-                keep = tl.zeros((BR, EP), dtype=tl.int32)
-                for _ in tl.static_range(TOPK_GROUP):
-                    best = tl.argmax(gscore, axis=1, tie_break_left=True)
-                    keep = tl.where(grp[None, :] == best[:, None], 1, keep)
-                    gscore = tl.where(gcols[None, :] == best[:, None], NEG, gscore)
-                sel = tl.where(keep != 0, sel, NEG)
-    ks = tl.arange(0, KP)
-    idx = tl.zeros((BR, KP), dtype=tl.int64)
-    w = tl.zeros((BR, KP), dtype=tl.float32)
-    total = tl.zeros((BR,), dtype=tl.float32)
-    for j in tl.static_range(K):
-        best = tl.argmax(sel, axis=1, tie_break_left=True)
-        sel = tl.where(cols[None, :] == best[:, None], NEG, sel)
-        wj = _route_score(tl.load(row_ptr + best, mask=rmask, other=0.0), mx, denom, SOFTMAX)
-        idx = tl.where(ks[None, :] == j, best.to(tl.int64)[:, None], idx)
-        w = tl.where(ks[None, :] == j, wj[:, None], w)
-        total = total + wj
-    if SOFTMAX:
-        if NORMALIZE:
-            w = w / total[:, None]
-    else:
-        if NORMALIZE:
-            w = w / (total + 1e-20)[:, None]
-        w = w * routed_scale
-    omask = rmask[:, None] & (ks < K)[None, :]
-    tl.store(idx_ptr + r64[:, None] * K + ks[None, :], idx, mask=omask)
-    tl.store(w_ptr + r64[:, None] * K + ks[None, :], w, mask=omask)
-
-
-#: rows per program and warps of the routing kernel (bench/routing.py measures the alternatives: 8 rows
-#: and 4 warps were the fastest at 8192 tokens on an H200, 0.024 ms)
-SELECT_EXPERTS_LAUNCH = {"rows": 8, "num_warps": 4}
-
-
-def select_experts(logits, bias, idx_out, w_out, *, topk: int, softmax: bool, normalize: bool, n_group: int = 1,
-                   topk_group: int = 1, routed_scaling_factor: float = 1.0, launch: dict | None = None) -> None:
-    """The routing rule of :func:`streamring.moe.routers.select_experts` in one kernel: from float32
-    ``logits [T, E]`` write ``idx_out [T, topk]`` (int64, contiguous) and ``w_out [T, topk]``
-    (float32, contiguous).
-
-    ``softmax``: the ``softmax_topk`` rule (``normalize`` = its ``renormalize``); otherwise the
-    ``deepseek_v3`` rule (sigmoid scores, ``bias`` float32 ``[E]`` or None added for the choice,
-    ``n_group``/``topk_group`` group limit, ``normalize`` = ``norm_topk_prob``, then
-    ``routed_scaling_factor``). Experts are picked largest first, the lowest index on a tie, and
-    the weight sum runs in that order, as the rule says. Each row's result depends on that row only.
-    ``launch``: rows per program and warps (default :data:`SELECT_EXPERTS_LAUNCH`).
-    """
-    launch = launch or SELECT_EXPERTS_LAUNCH
-    t, e = logits.shape
-    if t == 0:
-        return
-    if softmax and n_group != 1:
-        raise ValueError(f"select_experts: n_group applies to the deepseek_v3 rule only, got {n_group} with softmax")
-    if e % n_group or not 1 <= topk_group <= n_group or not 1 <= topk <= (e // n_group) * topk_group:
-        raise ValueError(f"select_experts: E={e}, n_group={n_group}, topk_group={topk_group}, topk={topk}: "
-                         f"need E % n_group == 0, 1 <= topk_group <= n_group, 1 <= topk <= "
-                         f"topk_group * E / n_group")
-    for name, tns, dtype in (("logits", logits, "float32"), ("idx_out", idx_out, "int64"), ("w_out", w_out, "float32")):
-        if not tns.is_contiguous() or str(tns.dtype) != f"torch.{dtype}":
-            raise ValueError(f"select_experts: {name} must be contiguous {dtype}, got "
-                             f"{tns.dtype} with strides {tns.stride()}")
-    br, warps = launch["rows"], launch["num_warps"]
-    _select_experts_kernel[(triton.cdiv(t, br),)](
-        logits, bias if bias is not None else logits, idx_out, w_out, t, float(routed_scaling_factor),
-        E=e, EP=triton.next_power_of_2(e), K=topk, KP=triton.next_power_of_2(topk), SOFTMAX=softmax,
-        NORMALIZE=normalize, HAS_BIAS=bias is not None, G=n_group, GP=triton.next_power_of_2(n_group),
-        TOPK_GROUP=topk_group, BR=br, num_warps=warps)
-
-
-@triton.jit(do_not_specialize=["x_stride", "n_rows"])
-def _quant_rows_kernel(x_ptr, x_stride, q_ptr, sf_ptr, n_rows, H: tl.constexpr, BR: tl.constexpr):
-    pid_r = tl.program_id(0)
-    g = tl.program_id(1)
-    rows = pid_r * BR + tl.arange(0, BR)
-    cols = g * 128 + tl.arange(0, 128)
-    rmask = rows < n_rows
-    r64 = rows.to(tl.int64)
-    x = tl.load(x_ptr + r64[:, None] * x_stride + cols[None, :], mask=rmask[:, None], other=0.0).to(tl.float32)
-    q, s = _quant_fp8_rows(x)
-    tl.store(q_ptr + r64[:, None] * H + cols[None, :], q, mask=rmask[:, None])
-    tl.store(sf_ptr + r64 * (H // 128) + g, s, mask=rmask)
-
-
-def quant_rows(x, q, sf) -> None:
-    """Quantize ``x[T, H]`` into ``q[T, H]`` (float8_e4m3fn, contiguous) and ``sf[T, H/128]``."""
-    t, h = x.shape
-    if t == 0:
-        return
-    grid = (triton.cdiv(t, 16), h // 128)
-    _quant_rows_kernel[grid](x, x.stride(0), q, sf, t, H=h, BR=16, num_warps=4)
+# (absolute imports: tests/helpers/ptx_queue.py loads this file alone)
+from streamring.device.gemm_grid import GROUP_BLOCKS, TAIL_CTAS_PER_SM, grid_blocks
+# the FP8 rule of the activations, which the L1 epilogue and the SwiGLU kernel below share with the producer;
+# the producer's kernels are reached through this module too (the MoE layer, bench/, the PTX check)
+from streamring.device.producer_triton import (  # noqa: F401
+    ROUTER_LOGITS_LAUNCH, SELECT_EXPERTS_LAUNCH, _quant_fp8_rows, _quant_rows_kernel, quant_rows, router_logits,
+    select_experts)
 
 
 # ----------------------------------------------------------------------------------------------
 # block bookkeeping (one program: sequential over experts via prefix sums, hence deterministic)
 # ----------------------------------------------------------------------------------------------
+@triton.jit
+def _hand_out_blocks(expert_blocks_ptr, block_expert_ptr, e, em, nb_old, new, base, MAXB: tl.constexpr):
+    # Expert e's ``new[e]`` new blocks (its blocks nb_old[e].. in its own list) get the ids base[e]..: recorded
+    # in its block list and as their expert.
+    max_new = tl.max(new, 0)
+    t = 0
+    while t < max_new:  # (a while loop: Triton's interpreter cannot range() over a reduction)
+        m = em & (t < new)
+        tl.store(expert_blocks_ptr + e * MAXB + nb_old + t, base + t, mask=m)
+        tl.store(block_expert_ptr + base + t, e, mask=m)
+        t += 1
+
+
+@triton.jit
+def _publish_ready(expert_blocks_ptr, ready_list_ptr, block_rows_ptr, e, em, j0, nr, rbase, rows_ready, nb_old, base,
+                   MAXB: tl.constexpr):
+    # Expert e's blocks j0[e] .. j0[e] + nr[e] - 1 (of its own list) become ready: their ids go into the ready
+    # list from rbase[e] on, and their routed rows (rows_ready) into block_rows.
+    max_nr = tl.max(nr, 0)
+    t = 0
+    while t < max_nr:
+        j = j0 + t
+        m = em & (t < nr)
+        # ids allocated in this call are arithmetic (same program: no read-after-write through memory)
+        old_id = tl.load(expert_blocks_ptr + e * MAXB + j, mask=m & (j < nb_old), other=0)
+        bid = tl.where(j >= nb_old, base + (j - nb_old), old_id)
+        tl.store(ready_list_ptr + rbase + t, bid, mask=m)
+        tl.store(block_rows_ptr + bid, rows_ready, mask=m)
+        t += 1
+
+
+# Integer arguments that change between launches of one forward (row counts, chunk indices,
+# offsets) are not specialized: a new value must never trigger a compile (a module load in the
+# middle of an enqueued stream can deadlock against a stream that waits on the ring).
 @triton.jit(do_not_specialize=["hi_index"])
 def _alloc_blocks_kernel(counts_ptr, state_ptr, expert_blocks_ptr, block_expert_ptr, ready_list_ptr, block_rows_ptr,
                          ready_hi_ptr, hi_index, pending_ptr, E: tl.constexpr, EP: tl.constexpr, BM: tl.constexpr,
@@ -307,13 +107,7 @@ def _alloc_blocks_kernel(counts_ptr, state_ptr, expert_blocks_ptr, block_expert_
     n_blocks = tl.load(state_ptr + E)
     n_ready = tl.load(state_ptr + E + 1)
     base = n_blocks + tl.cumsum(new, 0) - new  # block ids handed out expert by expert
-    max_new = tl.max(new, 0)
-    t = 0
-    while t < max_new:  # (a while loop: Triton's interpreter cannot range() over a reduction)
-        m = em & (t < new)
-        tl.store(expert_blocks_ptr + e * MAXB + nb_old + t, base + t, mask=m)
-        tl.store(block_expert_ptr + base + t, e, mask=m)
-        t += 1
+    _hand_out_blocks(expert_blocks_ptr, block_expert_ptr, e, em, nb_old, new, base, MAXB)
     if SEAL:
         # end of stream: every partially filled block becomes ready
         sealed = tl.load(state_ptr + E + 2)
@@ -330,17 +124,8 @@ def _alloc_blocks_kernel(counts_ptr, state_ptr, expert_blocks_ptr, block_expert_
         nr = fill_new // BM - fill_old // BM
         rows_ready = tl.full((EP,), BM, dtype=tl.int32)
     rbase = n_ready + tl.cumsum(nr, 0) - nr
-    max_nr = tl.max(nr, 0)
-    t = 0
-    while t < max_nr:
-        j = j0 + t
-        m = em & (t < nr)
-        # ids allocated in this call are arithmetic (same program: no read-after-write through memory)
-        old_id = tl.load(expert_blocks_ptr + e * MAXB + j, mask=m & (j < nb_old), other=0)
-        bid = tl.where(j >= nb_old, base + (j - nb_old), old_id)
-        tl.store(ready_list_ptr + rbase + t, bid, mask=m)
-        tl.store(block_rows_ptr + bid, rows_ready, mask=m)
-        t += 1
+    _publish_ready(expert_blocks_ptr, ready_list_ptr, block_rows_ptr, e, em, j0, nr, rbase, rows_ready, nb_old, base,
+                   MAXB)
     tl.store(state_ptr + e, fill_new, mask=em)
     tl.store(state_ptr + E, n_blocks + tl.sum(new, 0))
     tl.store(state_ptr + E + 1, n_ready + tl.sum(nr, 0))

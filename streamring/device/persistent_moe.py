@@ -64,7 +64,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .moe_triton import INTERPRET, _gemm_cfg, _l1_tile, _l2_rows, _l2_store
+from .moe_triton import _gemm_cfg, _l1_tile, _l2_rows, _l2_store
+from .producer_triton import INTERPRET
 from .queue_order import COUNT_MASK, CTRL_CLAIM, CTRL_READY, CTRL_WORDS, L1, L2, SEALED, total_items
 from .ringdesc import ERRORS, RS_ABORT, RS_BAD_SEEN, RS_BAD_WANT, RS_FIRST_ERROR, RS_TIMEOUTS
 
@@ -292,6 +293,81 @@ def _l2_done(pos, l2_done_ptr, ready_list_ptr, row_src_ptr, row_tok_ptr, row_chu
 
 
 # ----------------------------------------------------------------------------------------------
+# one claimed item
+# ----------------------------------------------------------------------------------------------
+@triton.jit
+def _ready_word(ctrl_ptr, status_ptr, pos, known, deadline_ns, NW: tl.constexpr, SKIP_READY: tl.constexpr):
+    # The ready word for position ``pos``: ``known`` (the last word this CTA acquired) where it already
+    # covers pos, else a new acquire (_wait_ready: -1 after a timeout or an abort). The claim-before-ready
+    # mutation (SKIP_READY) reads the word once, without waiting.
+    if SKIP_READY:
+        word = tl.atomic_add(ctrl_ptr + _READY, 0, sem="acquire", scope="gpu")
+    else:
+        if ((known & _COUNT_MASK) > pos) | ((known & _SEALED) != 0):
+            word = known
+        else:
+            word = _wait_ready(ctrl_ptr, status_ptr, pos, deadline_ns, NW)
+    return word
+
+
+@triton.jit
+def _trace_claim(trace_ptr, t, is_l2, pos, tile):
+    # tests (TRACE): claim t was computed by this CTA (+ 1), as an L2 item or not, at this position and tile
+    tl.store(trace_ptr + t * 4, tl.program_id(0) + 1)
+    tl.store(trace_ptr + t * 4 + 1, is_l2.to(tl.int32))
+    tl.store(trace_ptr + t * 4 + 2, pos)
+    tl.store(trace_ptr + t * 4 + 3, tile)
+
+
+@triton.jit
+def _l1_item(pos, tile, l1_done, ready_list_ptr, block_expert_ptr, a_ptr, asf_ptr, w1_ptr, w1sf_ptr, h1_ptr, h1sf_ptr,
+             H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, GROUP: tl.constexpr, STAGES: tl.constexpr,
+             NW: tl.constexpr, STALL_L1_US: tl.constexpr):
+    # L1 + SwiGLU + FP8 of one tile of position ``pos``'s block into h1, then the release of that h1
+    if _NATIVE and STALL_L1_US > 0:  # tests: the first group's L1 tiles run late (L2 items wait)
+        if pos < GROUP:
+            _pause_us(STALL_L1_US, NW)
+    _l1_tile(pos, tile, 0, ready_list_ptr, block_expert_ptr, a_ptr, asf_ptr, w1_ptr, w1sf_ptr, h1_ptr,
+             h1sf_ptr, H, I, BM, STAGES)
+    # release of this tile's h1: every thread fences its own stores, the barrier joins them,
+    # then one thread's release add (pairs with the acquire in the L2 item's _wait_count)
+    _fence_gpu()
+    tl.debug_barrier()
+    tl.atomic_add(l1_done + pos, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def _l2_item(pos, tile, l1_done, l2_done, ready_list_ptr, block_expert_ptr, h1_ptr, h1sf_ptr, w2_ptr, w2sf_ptr,
+             roww_ptr, comb_ptr, row_src_ptr, row_tok_ptr, row_chunk_ptr, comb_delta_ptr, arrived_ptr,
+             arrived_delta_ptr, status_ptr, witness_ptr, deadline_ns, NT1: tl.constexpr, NT2: tl.constexpr,
+             H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, STAGES: tl.constexpr, NW: tl.constexpr,
+             WITNESS: tl.constexpr, SKIP_L1_WAIT: tl.constexpr, ARRIVAL_FIRST: tl.constexpr):
+    # One L2 tile of position ``pos``'s block, once the block's L1 tiles are released (the l2-before-l1
+    # mutation, SKIP_L1_WAIT, does not wait), stored straight into the owners' combine rows, then its
+    # l2_done add (the block's last tile signals the owners; the arrival-before-store mutation,
+    # ARRIVAL_FIRST, adds and signals before the stores). Returns whether the block's h1 was there: False
+    # after a timeout or an abort of the wait (recorded), and nothing computed.
+    if SKIP_L1_WAIT:
+        ready_h1 = pos >= 0
+    else:
+        ready_h1 = _wait_count(l1_done + pos, NT1, status_ptr, pos, deadline_ns, NW)
+    if ready_h1:
+        y, rows, ncol = _l2_rows(pos, tile, 0, ready_list_ptr, block_expert_ptr, h1_ptr, h1sf_ptr, w2_ptr,
+                                 w2sf_ptr, roww_ptr, BM, H, I, BM, STAGES)
+        if ARRIVAL_FIRST:
+            _l2_done(pos, l2_done, ready_list_ptr, row_src_ptr, row_tok_ptr, row_chunk_ptr, comb_ptr,
+                     comb_delta_ptr, arrived_ptr, arrived_delta_ptr, witness_ptr, NT2, H, BM, WITNESS)
+            if _NATIVE:
+                _pause_us(200, NW)
+            _l2_store(y, rows, ncol, BM, comb_ptr, row_src_ptr, row_tok_ptr, comb_delta_ptr, H, BM, True)
+        else:
+            _l2_store(y, rows, ncol, BM, comb_ptr, row_src_ptr, row_tok_ptr, comb_delta_ptr, H, BM, True)
+            _l2_done(pos, l2_done, ready_list_ptr, row_src_ptr, row_tok_ptr, row_chunk_ptr, comb_ptr,
+                     comb_delta_ptr, arrived_ptr, arrived_delta_ptr, witness_ptr, NT2, H, BM, WITNESS)
+    return ready_h1
+
+
+# ----------------------------------------------------------------------------------------------
 # the kernel
 # ----------------------------------------------------------------------------------------------
 @triton.jit(do_not_specialize=["cap", "deadline_ns"])
@@ -317,13 +393,7 @@ def _persistent_moe_kernel(ctrl_ptr, ready_list_ptr, block_expert_ptr, a_ptr, as
     known = t * 0
     while t < end_cap:
         is_l2, pos, tile = _item_of(t, NT1, NT2, GROUP)
-        if SKIP_READY:
-            word = tl.atomic_add(ctrl_ptr + _READY, 0, sem="acquire", scope="gpu")
-        else:
-            if ((known & _COUNT_MASK) > pos) | ((known & _SEALED) != 0):
-                word = known
-            else:
-                word = _wait_ready(ctrl_ptr, status_ptr, pos, deadline_ns, NW)
+        word = _ready_word(ctrl_ptr, status_ptr, pos, known, deadline_ns, NW, SKIP_READY)
         known = tl.maximum(known, word)
         stop = word < 0
         n = word & _COUNT_MASK
@@ -342,40 +412,16 @@ def _persistent_moe_kernel(ctrl_ptr, ready_list_ptr, block_expert_ptr, a_ptr, as
             t_next = tl.atomic_add(ctrl_ptr + _CLAIM, 1, sem="relaxed", scope="gpu")
         if work:
             if TRACE:
-                tl.store(trace_ptr + t * 4, tl.program_id(0) + 1)
-                tl.store(trace_ptr + t * 4 + 1, is_l2.to(tl.int32))
-                tl.store(trace_ptr + t * 4 + 2, pos)
-                tl.store(trace_ptr + t * 4 + 3, tile)
+                _trace_claim(trace_ptr, t, is_l2, pos, tile)
             if is_l2:
-                if SKIP_L1_WAIT:
-                    ready_h1 = pos >= 0
-                else:
-                    ready_h1 = _wait_count(l1_done + pos, NT1, status_ptr, pos, deadline_ns, NW)
-                if ready_h1:
-                    y, rows, ncol = _l2_rows(pos, tile, 0, ready_list_ptr, block_expert_ptr, h1_ptr, h1sf_ptr, w2_ptr,
-                                             w2sf_ptr, roww_ptr, BM, H, I, BM, STAGES)
-                    if ARRIVAL_FIRST:
-                        _l2_done(pos, l2_done, ready_list_ptr, row_src_ptr, row_tok_ptr, row_chunk_ptr, comb_ptr,
-                                 comb_delta_ptr, arrived_ptr, arrived_delta_ptr, witness_ptr, NT2, H, BM, WITNESS)
-                        if _NATIVE:
-                            _pause_us(200, NW)
-                        _l2_store(y, rows, ncol, BM, comb_ptr, row_src_ptr, row_tok_ptr, comb_delta_ptr, H, BM, True)
-                    else:
-                        _l2_store(y, rows, ncol, BM, comb_ptr, row_src_ptr, row_tok_ptr, comb_delta_ptr, H, BM, True)
-                        _l2_done(pos, l2_done, ready_list_ptr, row_src_ptr, row_tok_ptr, row_chunk_ptr, comb_ptr,
-                                 comb_delta_ptr, arrived_ptr, arrived_delta_ptr, witness_ptr, NT2, H, BM, WITNESS)
+                ready_h1 = _l2_item(pos, tile, l1_done, l2_done, ready_list_ptr, block_expert_ptr, h1_ptr, h1sf_ptr,
+                                    w2_ptr, w2sf_ptr, roww_ptr, comb_ptr, row_src_ptr, row_tok_ptr, row_chunk_ptr,
+                                    comb_delta_ptr, arrived_ptr, arrived_delta_ptr, status_ptr, witness_ptr,
+                                    deadline_ns, NT1, NT2, H, I, BM, STAGES, NW, WITNESS, SKIP_L1_WAIT, ARRIVAL_FIRST)
                 stop = stop | ~ready_h1
             else:
-                if _NATIVE and STALL_L1_US > 0:  # tests: the first group's L1 tiles run late (L2 items wait)
-                    if pos < GROUP:
-                        _pause_us(STALL_L1_US, NW)
-                _l1_tile(pos, tile, 0, ready_list_ptr, block_expert_ptr, a_ptr, asf_ptr, w1_ptr, w1sf_ptr, h1_ptr,
-                         h1sf_ptr, H, I, BM, STAGES)
-                # release of this tile's h1: every thread fences its own stores, the barrier joins them,
-                # then one thread's release add (pairs with the acquire in the L2 item's _wait_count)
-                _fence_gpu()
-                tl.debug_barrier()
-                tl.atomic_add(l1_done + pos, 1, sem="release", scope="gpu")
+                _l1_item(pos, tile, l1_done, ready_list_ptr, block_expert_ptr, a_ptr, asf_ptr, w1_ptr, w1sf_ptr, h1_ptr,
+                         h1sf_ptr, H, I, BM, GROUP, STAGES, NW, STALL_L1_US)
         t = tl.where(stop, end_cap, t_next)
 
 

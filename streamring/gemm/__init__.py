@@ -10,7 +10,8 @@ choice and their builds.
                         ``streamring.device.moe_triton`` (there because the persistent consumer kernel,
                         ``device/persistent_moe.py``, is built from their tile functions, and device may
                         not import gemm)
-* ``cutlass``           the CUTLASS FP8 blockwise grouped GEMM (ctypes launcher) and ``CutlassExperts``
+* ``cutlass``           ``CutlassExperts``: the block consumer's L1/L2 through ``cutlass_lib``, the CUTLASS
+                        FP8 blockwise grouped GEMM (ctypes launcher, variant table, argument checks, plans)
 * ``deep_gemm``         DeepGEMM's grouped FP8 GEMM (availability, layouts) and ``DeepGemmExperts``;
                         ``deep_gemm_triton`` its one Triton kernel (kept apart: ``deep_gemm`` imports
                         without Triton)

@@ -1,6 +1,6 @@
 """Build the CUTLASS FP8 blockwise grouped GEMM (``csrc/gemm/gemm_blockwise_fp8.cu``) into a shared library.
 
-The library has plain ``extern "C"`` entry points (``streamring.gemm.cutlass`` loads it with
+The library has plain ``extern "C"`` entry points (``streamring.gemm.cutlass_lib`` loads it with
 ctypes: no Python extension build). It is compiled for ``sm_90a`` only (``wgmma`` and ``setmaxnreg``
 need the arch-specific target) with the CUDA runtime linked statically, so at run time it needs
 nothing but the driver (``libcuda``, which the static runtime opens itself) - it can be built on a
@@ -29,7 +29,7 @@ package, or the wheel unpacked under ``.whl/cutlass/`` of the repository:
 The library is cached under ``$STREAMRING_CACHE/gemm/`` (default ``~/.cache/streamring/gemm``) keyed
 by the sha256 of the source, the flags, the ``nvcc --version`` text and CUTLASS's version header; a
 JSON file beside it records what it was built from. ``--out DIR`` also copies both into ``DIR`` (the
-repository's ``.gemm-build/`` is where :mod:`streamring.gemm.cutlass` looks first).
+repository's ``.gemm-build/`` is where :mod:`streamring.gemm.cutlass_lib` looks first).
 
 Run ``python -m streamring.gemm.build [--out .gemm-build]``: it prints what it builds and how long that
 takes (:data:`BUILD_TIME`), then a line per compile unit as it finishes (every 30 s a line while they run)
@@ -198,7 +198,7 @@ def needed_libraries(so: Path) -> list[str] | None:
 
 #: how long :func:`build` takes when nothing is cached (measured: the parts compile at once, one nvcc each)
 BUILD_TIME = "about 2 minutes on 16 cores, 3.5 minutes on 2"
-#: the command that builds the library ahead (where :mod:`streamring.gemm.cutlass` looks first)
+#: the command that builds the library ahead (where :mod:`streamring.gemm.cutlass_lib` looks first)
 BUILD_COMMAND = "python -m streamring.gemm.build --out .gemm-build"
 
 
@@ -261,38 +261,15 @@ def build(out_dir: str | os.PathLike | None = None, force: bool = False, verbose
     lib = cdir / library_name(key)
     meta = lib.with_suffix(".json")
     if force or not lib.is_file() or not meta.is_file():
-        with tempfile.TemporaryDirectory(dir=cdir) as tmp:
-            tmp_lib = Path(tmp) / lib.name
-            patch_dir = patch_cutlass(root, Path(tmp) / "cutlass-patch")
-            compiles, link = part_commands(nvcc, root, tmp_lib, src_hash, Path(tmp), patch_dir=patch_dir)
-            if verbose:
-                for cmd in compiles:
-                    print(" ".join(cmd), flush=True)
-            if progress:
-                progress(f"building {lib.name} from {SOURCE.name}: {len(compiles)} compile units at once with "
-                         f"{nvcc} (CUTLASS {cut_ver}), then a link; {BUILD_TIME}")
-            t0 = run_parts(compiles, progress)
-            if verbose:
-                print(" ".join(link), flush=True)
-            res = subprocess.run(link, capture_output=True, text=True)
-            if res.returncode != 0:
-                raise BuildError(f"nvcc failed ({res.returncode}) linking {tmp_lib.name}:\n{' '.join(link)}\n"
-                                 f"{res.stderr[-8000:]}")
-            seconds = time.monotonic() - t0
-            if progress:
-                progress(f"linked {lib.name} after {seconds:.0f} s")
-            needed = needed_libraries(tmp_lib)
-            if needed is not None and any("cudart" in n for n in needed):
-                raise BuildError(f"{tmp_lib.name} links the CUDA runtime dynamically ({needed}); it must be static")
-            os.replace(tmp_lib, lib)
+        built = _compile_library(lib, nvcc, root, src_hash, cut_ver, verbose, progress)
         meta.write_text(json.dumps({
             "library": lib.name, "source": SOURCE.name, "source_sha256": src_hash, "cache_key": key,
             "nvcc_version": nv_ver.splitlines()[-1] if nv_ver else "", "cutlass_version": cut_ver,
             "commands": [*part_commands("nvcc", Path("$CUTLASS"), Path(lib.name), src_hash, Path("$TMP"),
-                                        patch_dir=Path("$TMP/cutlass-patch") if patch_dir else None)[0],
-                         link[:1] + ["..."] + link[-2:]],
-            "cutlass_patch": PATCH_ID if patch_dir else None, "parts": NUM_PARTS,
-            "build_seconds": round(seconds, 1), "size_bytes": lib.stat().st_size, "needed": needed,
+                                        patch_dir=Path("$TMP/cutlass-patch") if built["patched"] else None)[0],
+                         built["link"][:1] + ["..."] + built["link"][-2:]],
+            "cutlass_patch": PATCH_ID if built["patched"] else None, "parts": NUM_PARTS,
+            "build_seconds": round(built["seconds"], 1), "size_bytes": lib.stat().st_size, "needed": built["needed"],
             "built_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }, indent=1) + "\n")
     elif progress:
@@ -306,6 +283,40 @@ def build(out_dir: str | os.PathLike | None = None, force: bool = False, verbose
         shutil.copy2(lib, dst)
     shutil.copy2(meta, od / meta.name)
     return dst
+
+
+def _compile_library(lib: Path, nvcc: str, root: Path, src_hash: str, cut_ver: str, verbose: bool,
+                     progress) -> dict:
+    """Compile the parts at once and link them into ``lib``, through a temporary folder beside it (a failed build
+    leaves no library there). Returns what the metadata records: ``seconds`` (compile and link), ``link`` (the
+    link command), ``needed`` (the library's DT_NEEDED entries) and ``patched`` (CUTLASS's headers were patched
+    for the build). Raises :class:`BuildError` where nvcc fails or the library links the CUDA runtime
+    dynamically."""
+    with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
+        tmp_lib = Path(tmp) / lib.name
+        patch_dir = patch_cutlass(root, Path(tmp) / "cutlass-patch")
+        compiles, link = part_commands(nvcc, root, tmp_lib, src_hash, Path(tmp), patch_dir=patch_dir)
+        if verbose:
+            for cmd in compiles:
+                print(" ".join(cmd), flush=True)
+        if progress:
+            progress(f"building {lib.name} from {SOURCE.name}: {len(compiles)} compile units at once with "
+                     f"{nvcc} (CUTLASS {cut_ver}), then a link; {BUILD_TIME}")
+        t0 = run_parts(compiles, progress)
+        if verbose:
+            print(" ".join(link), flush=True)
+        res = subprocess.run(link, capture_output=True, text=True)
+        if res.returncode != 0:
+            raise BuildError(f"nvcc failed ({res.returncode}) linking {tmp_lib.name}:\n{' '.join(link)}\n"
+                             f"{res.stderr[-8000:]}")
+        seconds = time.monotonic() - t0
+        if progress:
+            progress(f"linked {lib.name} after {seconds:.0f} s")
+        needed = needed_libraries(tmp_lib)
+        if needed is not None and any("cudart" in n for n in needed):
+            raise BuildError(f"{tmp_lib.name} links the CUDA runtime dynamically ({needed}); it must be static")
+        os.replace(tmp_lib, lib)
+    return {"seconds": seconds, "link": link, "needed": needed, "patched": bool(patch_dir)}
 
 
 def main(argv=None) -> int:

@@ -176,44 +176,18 @@ def summarize(d: Path, num_ranks: int, first_down=None, interrupted: str = "") -
     stopped. Ranks that never reported and that neither names were ended by
     the job's abort.
     """
-    out, named = [], set()
-    lost_hosts = set()  # hosts whose connection was reset: every rank there may be gone
     statuses = {}
     for r in range(num_ranks):
         st = d / f"rank-{r}.status"
         statuses[r] = st.read_text() if st.exists() else None
     if interrupted:
-        running = [r for r in range(num_ranks) if statuses[r] is None]
-        failed = [r for r in range(num_ranks) if statuses[r] not in (None, "ok")]
-        out.append(f"interrupted ({interrupted}): the launcher stopped the job" +
-                   (f"; ranks {running} were still running and were ended with it" if running else "") +
-                   ("" if failed else "; no rank had failed"))
-        for r in failed:
-            out.append(f"rank {r} had already stopped with: {(statuses[r].splitlines() or ['(no message)'])[0]}")
-        return out
-    for r in range(num_ranks):
-        for line in (statuses[r] or "").splitlines():
-            line = line.strip()
-            if line.startswith("rank ") and "(pid " in line and "):" in line:
-                named.add(int(line.split()[1]))
-            for r_reset, host_reset, r_stuck, _ in _NAMED_PEER.findall(line):
-                named.add(int(r_reset or r_stuck))
-                if r_reset:
-                    lost_hosts.add(host_reset)
+        return _interrupted_summary(statuses, interrupted)
+    named, lost_hosts = _named_in_reports(statuses)
     first_down = list(first_down or [])
-    if len(first_down) == 1:
-        r0, pid0, state0 = first_down[0]
-        named.add(r0)
-        out.append(f"rank {r0} (pid {pid0}) was the first rank to stop running ({state0}): the failed rank")
-    elif first_down:
-        named.update(r for r, _, _ in first_down)
-        out.append(f"ranks {[r for r, _, _ in first_down]} stopped running at the same moment (mpiexec tore the job "
-                   f"down): the failed rank is among them")
+    out = _first_down_lines(first_down)
+    named.update(r for r, _, _ in first_down)
     first_ranks = {r for r, _, _ in first_down} if len(first_down) == 1 else set()
     reported_error = any(t not in (None, "ok") for t in statuses.values())
-    # The first error report in full (watchdog slot dump): a rank's own stderr can be
-    # lost when mpiexec tears the job down right after its abort.
-    full = next(((r, t) for r, t in statuses.items() if t not in (None, "ok")), None)
     silent = [r for r in range(num_ranks) if statuses[r] is None]
     if not named and not reported_error and len(silent) > 1:
         # Nobody reported and the launcher never saw one go first: mpiexec ended them all at once.
@@ -229,10 +203,62 @@ def summarize(d: Path, num_ranks: int, first_down=None, interrupted: str = "") -
             out.append(f"ranks {on_host} on host {host} became unreachable together (the process manager ends a "
                        f"host's ranks when one of them is killed): the failed rank is among them")
     named |= lost
-    for r in range(num_ranks):
+    return out + _rank_lines(d, statuses, named, first_ranks, reported_error)
+
+
+def _interrupted_summary(statuses: dict, interrupted: str) -> list[str]:
+    """The summary of a job the launcher ended itself (``interrupted`` says how): which ranks were still running,
+    and the errors that ranks had reported before; no rank is blamed."""
+    running = [r for r, text in statuses.items() if text is None]
+    failed = [r for r, text in statuses.items() if text not in (None, "ok")]
+    out = [f"interrupted ({interrupted}): the launcher stopped the job" +
+           (f"; ranks {running} were still running and were ended with it" if running else "") +
+           ("" if failed else "; no rank had failed")]
+    for r in failed:
+        out.append(f"rank {r} had already stopped with: {(statuses[r].splitlines() or ['(no message)'])[0]}")
+    return out
+
+
+def _named_in_reports(statuses: dict) -> tuple[set, set]:
+    """``(ranks, hosts)`` that the ranks' reports name: the peers a watchdog found not running (``rank R (pid
+    P): ...`` lines) and those the transport or a blocked-call watchdog named (:data:`_NAMED_PEER`); the hosts
+    are those of the peers whose connection was reset (every rank there may be gone)."""
+    named, lost_hosts = set(), set()
+    for text in statuses.values():
+        for line in (text or "").splitlines():
+            line = line.strip()
+            if line.startswith("rank ") and "(pid " in line and "):" in line:
+                named.add(int(line.split()[1]))
+            for r_reset, host_reset, r_stuck, _ in _NAMED_PEER.findall(line):
+                named.add(int(r_reset or r_stuck))
+                if r_reset:
+                    lost_hosts.add(host_reset)
+    return named, lost_hosts
+
+
+def _first_down_lines(first_down: list) -> list[str]:
+    """What the launcher's polls saw first: the one rank that stopped running first (the failed rank), or the
+    ranks that stopped within one poll (the failed rank among them); nothing when it saw none."""
+    if len(first_down) == 1:
+        r0, pid0, state0 = first_down[0]
+        return [f"rank {r0} (pid {pid0}) was the first rank to stop running ({state0}): the failed rank"]
+    if first_down:
+        return [f"ranks {[r for r, _, _ in first_down]} stopped running at the same moment (mpiexec tore the job "
+                f"down): the failed rank is among them"]
+    return []
+
+
+def _rank_lines(d: Path, statuses: dict, named: set, first_ranks: set, reported_error: bool) -> list[str]:
+    """One line per rank that did not end well, in rank order: its error (the first error report in full), or,
+    for a rank that never reported, whether it is the failed rank (``named``, or every silent rank when nothing
+    was named or reported) or was ended by the job's abort; the rank of ``first_ranks`` is said already."""
+    out = []
+    # The first error report in full (watchdog slot dump): a rank's own stderr can be
+    # lost when mpiexec tears the job down right after its abort.
+    full = next(((r, t) for r, t in statuses.items() if t not in (None, "ok")), None)
+    for r, text in statuses.items():
         entry = _read_pid_file(d / f"rank-{r}.pid")
         pid = "?" if entry is None else (f"{entry[0]}" if _on_this_host(entry[1]) else f"{entry[0]} on {entry[1]}")
-        text = statuses[r]
         if text is not None:
             if text != "ok":
                 if full is not None and r == full[0] and len(text.splitlines()) > 1:

@@ -133,73 +133,107 @@ def spawn_local(num_ranks: int, argv: list[str], extra_env: dict | None = None, 
         cmd += [sys.executable, str(PRELOAD_STUB), *argv]
     else:
         cmd += [sys.executable, "-m", "streamring", *argv]
-    started_at = time.time()  # (wall clock: compared with the ctime of the job's segments)
-    try:
-        proc = subprocess.Popen(cmd, env=env, start_new_session=True)
-    except OSError as exc:
-        if server is not None:
-            server.stop()
-        shutil.rmtree(jdir, ignore_errors=True)
-        raise LaunchError(f"cannot start {mpiexec}: {exc}") from exc
-    files = JobFiles(proc.pid, *([server.proc.pid] if server is not None else []))
+    job = _LocalJob.start(cmd, env, server, jdir, num_ranks, mpiexec)
     rc = 1
     interrupted = ""
-
-    def _terminated(signum, frame):  # SIGTERM to the launcher: take the MPI job down with us
-        raise KeyboardInterrupt("SIGTERM")
-
-    previous = signal.signal(signal.SIGTERM, _terminated)
-    first_down: list = []  # [(rank, pid, state)] first seen not running normally (one poll)
+    previous = signal.signal(signal.SIGTERM, _sigterm_interrupts)
     try:
-        end = None if timeout_s is None else time.monotonic() + timeout_s
-        next_scan = 0.0
-        while True:
-            try:
-                rc = proc.wait(timeout=0.05)
-                break
-            except subprocess.TimeoutExpired:
-                if end is not None and time.monotonic() > end:
-                    raise
-                if not first_down:
-                    first_down = ranks_down(jdir, num_ranks)
-                if time.monotonic() >= next_scan:
-                    files.scan()
-                    next_scan = time.monotonic() + FILE_SCAN_PERIOD_S
+        rc = job.wait(timeout_s)
         if rc == 0:
-            # Every rank reports how it ended; an mpiexec may exit 0 although a rank failed (Open MPI's
-            # with orte_enable_recovery after an MPI_Abort): the ranks' reports decide, not its code.
-            failed = ranks_not_ok(jdir, num_ranks)
-            if failed:
-                print(f"streamring launcher: {Path(mpiexec).name} exited 0, but ranks {sorted(failed)} did not report "
-                      f"success ({'; '.join(f'rank {r}: {w}' for r, w in sorted(failed.items()))}): the job failed",
-                      file=sys.stderr)
-                rc = 1
+            rc = job.exit_code_from_reports()
         return rc
     except (KeyboardInterrupt, subprocess.TimeoutExpired) as exc:
         interrupted = ("SIGTERM" if str(exc) == "SIGTERM" else "Ctrl-C") if isinstance(exc, KeyboardInterrupt) \
             else f"the launcher's timeout ({timeout_s}s)"
-        files.scan()
-        _kill_group(proc)
+        job.files.scan()
+        _kill_group(job.proc)
         rc = 130 if timeout_s is None else 124
         return rc
     finally:
         signal.signal(signal.SIGTERM, previous)
-        if proc.poll() is None:
+        job.end(rc, interrupted, errors)
+
+
+def _sigterm_interrupts(signum, frame):
+    """SIGTERM to the launcher: take the MPI job down with us (as Ctrl-C does)."""
+    raise KeyboardInterrupt("SIGTERM")
+
+
+class _LocalJob:
+    """A started job of local ranks: ``mpiexec`` in a session of its own, the preload server whose forks the ranks
+    are (or None), the files the job's processes hold and the job folder the ranks report into."""
+
+    def __init__(self, proc: subprocess.Popen, server, jdir: Path, num_ranks: int, mpiexec: str, started_at: float):
+        self.proc, self.server, self.jdir, self.num_ranks, self.mpiexec = proc, server, jdir, num_ranks, mpiexec
+        self.started_at = started_at
+        self.files = JobFiles(proc.pid, *([server.proc.pid] if server is not None else []))
+        self.first_down: list = []  # [(rank, pid, state)] first seen not running normally (one poll)
+
+    @classmethod
+    def start(cls, cmd: list[str], env: dict, server, jdir: Path, num_ranks: int, mpiexec: str) -> "_LocalJob":
+        """Start ``cmd``; where it cannot start, stop the server, remove the job folder and raise LaunchError."""
+        started_at = time.time()  # (wall clock: compared with the ctime of the job's segments)
+        try:
+            proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+        except OSError as exc:
+            if server is not None:
+                server.stop()
+            shutil.rmtree(jdir, ignore_errors=True)
+            raise LaunchError(f"cannot start {mpiexec}: {exc}") from exc
+        return cls(proc, server, jdir, num_ranks, mpiexec, started_at)
+
+    def wait(self, timeout_s: float | None) -> int:
+        """``mpiexec``'s exit code once it exits. Meanwhile every poll records the ranks first seen down without
+        having reported (once: :attr:`first_down`) and the files the job holds (every
+        :data:`FILE_SCAN_PERIOD_S`). Raises ``subprocess.TimeoutExpired`` past ``timeout_s``."""
+        end = None if timeout_s is None else time.monotonic() + timeout_s
+        next_scan = 0.0
+        while True:
+            try:
+                return self.proc.wait(timeout=0.05)
+            except subprocess.TimeoutExpired:
+                if end is not None and time.monotonic() > end:
+                    raise
+                if not self.first_down:
+                    self.first_down = ranks_down(self.jdir, self.num_ranks)
+                if time.monotonic() >= next_scan:
+                    self.files.scan()
+                    next_scan = time.monotonic() + FILE_SCAN_PERIOD_S
+
+    def exit_code_from_reports(self) -> int:
+        """The exit code of a job whose ``mpiexec`` exited 0: every rank reports how it ended, and an mpiexec may
+        exit 0 although a rank failed (Open MPI's with orte_enable_recovery after an MPI_Abort), so the ranks'
+        reports decide, not its code (1 and a line naming the ranks that did not report success)."""
+        failed = ranks_not_ok(self.jdir, self.num_ranks)
+        if failed:
+            print(f"streamring launcher: {Path(self.mpiexec).name} exited 0, but ranks {sorted(failed)} did not "
+                  f"report success ({'; '.join(f'rank {r}: {w}' for r, w in sorted(failed.items()))}): the job "
+                  f"failed", file=sys.stderr)
+            return 1
+        return 0
+
+    def end(self, rc: int, interrupted: str, errors: dict | None) -> None:
+        """However the job ended (exit code ``rc``; ``interrupted``: how the launcher ended it, or ''): stop what
+        still runs (mpiexec's group, the server, then the job's stragglers), summarize a failed job on stderr,
+        hand the ranks' error reports to ``errors`` (when given), and remove the job folder and what the job's
+        processes held (with a failed job's orphaned MPI files too), nothing else."""
+        files = self.files
+        if self.proc.poll() is None:
             files.scan()
-            _kill_group(proc)
-        if server is not None:
+            _kill_group(self.proc)
+        if self.server is not None:
             files.scan()
-            server.stop()
+            self.server.stop()
         _reap_tree(files)
         if rc != 0:
-            for line in summarize(jdir, num_ranks, first_down, interrupted=interrupted):
+            for line in summarize(self.jdir, self.num_ranks, self.first_down, interrupted=interrupted):
                 print(f"streamring launcher: {line}", file=sys.stderr)
-        files.seen |= {f for f in recorded_job_files(jdir) if is_mpi_job_file(f)}
+        files.seen |= {f for f in recorded_job_files(self.jdir) if is_mpi_job_file(f)}
         if rc != 0:
-            files.seen |= set(orphaned_files(started_at))
+            files.seen |= set(orphaned_files(self.started_at))
         if errors is not None:
-            errors.update(rank_errors(jdir, num_ranks))
-        shutil.rmtree(jdir, ignore_errors=True)
+            errors.update(rank_errors(self.jdir, self.num_ranks))
+        shutil.rmtree(self.jdir, ignore_errors=True)
         files.remove_leftovers()
 
 

@@ -123,50 +123,11 @@ def rank_main(command: str, cfg: Config, json_path: str | None = None) -> int:
     them already, before starting the ranks.
     """
     try:
-        if job_dir() is not None:  # our launcher: record the pid first, so a failure can name it
-            from mpi4py import MPI
-
-            register_rank(MPI.COMM_WORLD.Get_rank())
-        if detect_launcher() is Launcher.MPI and not os.environ.get(SPAWNED_ENV):
-            problems = _early_problems(command, cfg, json_path)
-            if problems:
-                from mpi4py import MPI
-
-                if MPI.COMM_WORLD.Get_rank() == 0:
-                    for p in problems:
-                        print(f"streamring: {p}", file=sys.stderr)
-                return 2
-        heap = make_heap(cfg)
-        register_rank(heap.rank)
-        if hasattr(heap, "after_alloc"):
-            heap.after_alloc.append(lambda region, r=heap.rank: record_job_files(r))
-        DIAGNOSTIC_HOOKS.append(lambda n=heap.num_ranks: peer_report(n))
-        watching = watch_blocked_calls(heap, cfg.wait_timeout_s, DIAGNOSTIC_HOOKS)
-        heap.barrier()
-        t0 = time.monotonic()
-        # rank 0 says what the job does at least every progress_s seconds (a long run is not silent)
-        heartbeat = Heartbeat(f"streamring {command}", cfg.progress_s if heap.rank == 0 else 0)
-        if command == "stress":
-            from ..verify.stress import result_dict, run_stress
-
-            with heartbeat:
-                res = result_dict(run_stress(heap, cfg, heartbeat)) | process_facts()
-                heartbeat.what = "collecting every rank's results"
-                results = heap.allgather_obj(res)
-            wall = time.monotonic() - t0
-            code = report_stress(results, cfg, wall, json_path) if heap.rank == 0 else 0
-        elif command == "run":
-            from ..runner import run_layer
-
-            with heartbeat:
-                res = run_layer(heap, cfg, heartbeat) | process_facts()
-                heartbeat.what = "collecting every rank's results"
-                results = heap.allgather_obj(res)
-            wall = time.monotonic() - t0
-            code = report_run(results, cfg, wall, json_path) if heap.rank == 0 else 0
-        else:
-            raise ValueError(f"unknown command {command!r}")
-        codes = heap.allgather_int(code)
+        code = _check_before_the_heap(command, cfg, json_path)
+        if code is not None:
+            return code
+        heap, watching = _start_heap(cfg)
+        codes = heap.allgather_int(_run_command(heap, command, cfg, json_path))
         report_status(heap.rank, "ok")
         heap.close()
         watching.stop()
@@ -175,19 +136,86 @@ def rank_main(command: str, cfg: Config, json_path: str | None = None) -> int:
     except BaseException as exc:  # noqa: BLE001 - any failure must end the whole job
         if isinstance(exc, SystemExit) and exc.code == 0:
             raise
-        if job_dir() is not None:  # our launcher (MPI ranks): it names the failed rank from this
-            try:
-                from mpi4py import MPI
-
-                report_status(MPI.COMM_WORLD.Get_rank(), f"{type(exc).__name__}: {exc}")
-            except Exception:  # noqa: BLE001
-                pass
-        elif command == "stress" and stress_error_caught(cfg.stress.inject, f"{type(exc).__name__}: {exc}"):
-            # (under our launcher the launcher says it last, from every rank's status)
-            print(stress_error_verdict(cfg.stress.inject, [f"{type(exc).__name__}: {exc}"]), file=sys.stderr,
-                  flush=True)
+        _report_failure(command, cfg, exc)
         abort_job(exc, 2 if isinstance(exc, (ConfigError, HeapSizeError)) else 1)
         return 1
+
+
+def _check_before_the_heap(command: str, cfg: Config, json_path: str | None) -> int | None:
+    """What a rank does before its heap exists: under our launcher, record its pid first (so a failure can name
+    it); under another launcher (mpirun, srun), the pre-launch check agreed on by every rank, whose problems
+    rank 0 prints: exit code 2 on every rank. None: go on."""
+    if job_dir() is not None:
+        from mpi4py import MPI
+
+        register_rank(MPI.COMM_WORLD.Get_rank())
+    if detect_launcher() is Launcher.MPI and not os.environ.get(SPAWNED_ENV):
+        problems = _early_problems(command, cfg, json_path)
+        if problems:
+            from mpi4py import MPI
+
+            if MPI.COMM_WORLD.Get_rank() == 0:
+                for p in problems:
+                    print(f"streamring: {p}", file=sys.stderr)
+            return 2
+    return None
+
+
+def _start_heap(cfg: Config) -> tuple:
+    """``(heap, watchdog)``: this rank's symmetric heap, with its pid and the job files each allocation maps
+    recorded for the launcher, the peers' states among the diagnostics of a blocked call, and the watchdog of
+    blocked calls started; returns after a barrier of every rank."""
+    heap = make_heap(cfg)
+    register_rank(heap.rank)
+    if hasattr(heap, "after_alloc"):
+        heap.after_alloc.append(lambda region, r=heap.rank: record_job_files(r))
+    DIAGNOSTIC_HOOKS.append(lambda n=heap.num_ranks: peer_report(n))
+    watching = watch_blocked_calls(heap, cfg.wait_timeout_s, DIAGNOSTIC_HOOKS)
+    heap.barrier()
+    return heap, watching
+
+
+def _run_command(heap, command: str, cfg: Config, json_path: str | None) -> int:
+    """Run ``stress`` or ``run`` on this rank, gather every rank's results and report them on rank 0 (its exit
+    code; 0 on the other ranks). Rank 0 says what the job does at least every ``progress_s`` seconds (a long
+    run is not silent)."""
+    t0 = time.monotonic()
+    heartbeat = Heartbeat(f"streamring {command}", cfg.progress_s if heap.rank == 0 else 0)
+    if command == "stress":
+        from ..verify.stress import result_dict, run_stress
+
+        with heartbeat:
+            res = result_dict(run_stress(heap, cfg, heartbeat)) | process_facts()
+            heartbeat.what = "collecting every rank's results"
+            results = heap.allgather_obj(res)
+        wall = time.monotonic() - t0
+        return report_stress(results, cfg, wall, json_path) if heap.rank == 0 else 0
+    if command == "run":
+        from ..runner import run_layer
+
+        with heartbeat:
+            res = run_layer(heap, cfg, heartbeat) | process_facts()
+            heartbeat.what = "collecting every rank's results"
+            results = heap.allgather_obj(res)
+        wall = time.monotonic() - t0
+        return report_run(results, cfg, wall, json_path) if heap.rank == 0 else 0
+    raise ValueError(f"unknown command {command!r}")
+
+
+def _report_failure(command: str, cfg: Config, exc: BaseException) -> None:
+    """Say how this rank failed before the job is aborted: under our launcher in its status file (the launcher
+    names the failed rank from it, and says a stress mutation's verdict last, from every rank's status);
+    otherwise, for a stress run whose mutation this error shows caught, the verdict on stderr."""
+    if job_dir() is not None:
+        try:
+            from mpi4py import MPI
+
+            report_status(MPI.COMM_WORLD.Get_rank(), f"{type(exc).__name__}: {exc}")
+        except Exception:  # noqa: BLE001
+            pass
+    elif command == "stress" and stress_error_caught(cfg.stress.inject, f"{type(exc).__name__}: {exc}"):
+        print(stress_error_verdict(cfg.stress.inject, [f"{type(exc).__name__}: {exc}"]), file=sys.stderr,
+              flush=True)
 
 
 RUN_COLUMNS = [
@@ -221,7 +249,32 @@ def report_run(results: list[dict], cfg: Config, wall_s: float, json_path: str |
     out = out or Report()
     L, mode = cfg.layer, cfg.run.mode
     both = mode == "both"
-    per = L.num_experts // len(results)  # each rank's local experts
+    rows = _run_rows(results, mode, L.num_experts // len(results))
+    fast = results[0].get("path") == "fast"
+    out.table(_run_title(results, cfg, fast), RUN_COLUMNS, rows)
+    out.line(run_legend(len(results), L.num_experts, mode, cfg.run.epochs, fast))
+    failed = {
+        "differ": [r["rank"] for r in results if both and not r["bitwise_equal"]],
+        "outside": [r["rank"] for r in results if not r["ref_ok"]],
+        "ring_errors": {r["rank"]: r["ring_errors"] for r in results if r.get("ring_errors")},
+        # streamed against batch is a test of the protocol only when both ran the same GEMMs
+        "gemm_differ": {r["rank"]: (r["gemm_batch"], r["gemm_stream"]) for r in results
+                        if r.get("gemm_batch", r.get("gemm")) != r.get("gemm_stream", r.get("gemm"))},
+    }
+    ok = not failed["differ"] and not failed["outside"] and not failed["gemm_differ"]
+    out.line(_run_verdict(results, mode, fast, wall_s, **failed))
+    if cfg.run.inject != "none":
+        out.line(run_verdict(cfg.run.inject, ok and not failed["ring_errors"]))
+    if json_path:
+        Path(json_path).write_text(json.dumps({"command": "run", "config": cfg.model_dump(), "ranks": results,
+                                               "ok": ok, "wall_s": wall_s}, indent=2, default=str))
+    return 0 if ok else 1
+
+
+def _run_rows(results: list[dict], mode: str, per: int) -> list[list]:
+    """The ``run`` table's rows, one per rank (:data:`RUN_COLUMNS`; ``per``: each rank's local experts); '-' in
+    the columns of a path that did not run."""
+    both = mode == "both"
     rows = []
     for r in results:
         same = (Text("bitwise ==") if r["bitwise_equal"] else Text("differ", style="red")) if both else "-"
@@ -232,11 +285,17 @@ def report_run(results: list[dict], cfg: Config, wall_s: float, json_path: str |
                      Text(f"{r['ref_max_err_ratio']:.3f} FAIL", style="red"),
                      f"{r['batch_wall_s']:.3f}" if mode != "stream" else "-",
                      f"{r['stream_wall_s']:.3f}" if mode != "batch" else "-"])
+    return rows
+
+
+def _run_title(results: list[dict], cfg: Config, fast: bool) -> str:
+    """The ``run`` table's title: the layer, the ring and the run's settings; for the expert-parallel GPU layer
+    (``fast``: runner.run_layer_gpu) its transport, policy and the GEMMs of each path; a straggler last."""
+    L, mode = cfg.layer, cfg.run.mode
     title = (f"streamring run: {len(results)} ranks, {L.num_experts} experts top-{L.topk} ({L.router}, "
              f"{L.weight_dtype}), hidden {L.hidden}, ring {cfg.ring.num_slots}x{cfg.ring.tokens_per_slot}, "
              f"scheduler {cfg.run.scheduler}, {cfg.run.epochs} epochs, routing {cfg.run.routing}, mode {mode}")
-    fast = results[0].get("path") == "fast"
-    if fast:  # the expert-parallel GPU layer (runner.run_layer_gpu)
+    if fast:
         r0 = results[0]
         pairs = sorted({(r.get("gemm_batch", r["gemm"]), r.get("gemm_stream", r["gemm"])) for r in results})
         same = len(pairs) == 1 and pairs[0][0] == pairs[0][1]
@@ -247,44 +306,36 @@ def report_run(results: list[dict], cfg: Config, wall_s: float, json_path: str |
                  f"{cfg.run.epochs} epochs, mode {mode}")
     if cfg.run.straggler is not None:
         title += f", straggler: rank {cfg.run.straggler.rank}'s producers {cfg.run.straggler.ms:g} ms late"
-    out.table(title, RUN_COLUMNS, rows)
-    out.line(run_legend(len(results), L.num_experts, mode, cfg.run.epochs, fast))
-    differ = [r["rank"] for r in results if both and not r["bitwise_equal"]]
-    outside = [r["rank"] for r in results if not r["ref_ok"]]
-    ring_errors = {r["rank"]: r["ring_errors"] for r in results if r.get("ring_errors")}
-    # streamed against batch is a test of the protocol only when both ran the same GEMMs
-    gemm_differ = {r["rank"]: (r["gemm_batch"], r["gemm_stream"]) for r in results
-                   if r.get("gemm_batch", r.get("gemm")) != r.get("gemm_stream", r.get("gemm"))}
-    ok = not differ and not outside and not gemm_differ
+    return title
+
+
+def _run_verdict(results: list[dict], mode: str, fast: bool, wall_s: float, *, differ: list, outside: list,
+                 ring_errors: dict, gemm_differ: dict) -> Text:
+    """PASS naming what was compared and within which bound, or FAIL naming each failure: the ranks whose
+    streamed output differs from the batch output, those outside the float64 reference bound, the device ring
+    errors, the ranks whose two paths ran different GEMMs (device ring errors alone do not fail the run)."""
+    both = mode == "both"
     tol = (f"float64 reference bound (relative error < {results[0]['rtol']:.0%}: FP8 re-quantized intermediate)"
            if fast else f"float64 reference tolerance (rtol=atol={results[0]['rtol']:.2e})")
     paths = {"both": "the streamed and the batch outputs", "batch": "the batch output",
              "stream": "the streamed output"}[mode]
     not_run = {"both": "", "batch": "; the streamed path was not run (run.mode=batch)",
                "stream": "; the batch path was not run (run.mode=stream)"}[mode]
-    if ok:
+    if not differ and not outside and not gemm_differ:
         what = (f"streamed == batch bitwise on all {len(results)} ranks, and both within the {tol}" if both else
                 f"{paths} within the {tol} on all {len(results)} ranks{not_run}")
-        verdict = Text.assemble(("PASS", "green"), f": {what}; wall {wall_s:.2f}s")
-    else:
-        parts = []
-        if differ:
-            parts.append(f"streamed != batch on ranks {differ}")
-        if outside:
-            parts.append(f"{paths} outside the {tol} on ranks {outside}")
-        if ring_errors:
-            parts.append(f"device ring errors {ring_errors}")
-        if gemm_differ:
-            parts.append(f"batch and streamed ran different GEMMs (batch, streamed) {gemm_differ}: their "
-                         f"comparison measures the GEMMs' rounding, not the protocol")
-        verdict = Text.assemble(("FAIL", "red"), f": {'; '.join(parts)}{not_run}; wall {wall_s:.2f}s")
-    out.line(verdict)
-    if cfg.run.inject != "none":
-        out.line(run_verdict(cfg.run.inject, ok and not ring_errors))
-    if json_path:
-        Path(json_path).write_text(json.dumps({"command": "run", "config": cfg.model_dump(), "ranks": results,
-                                               "ok": ok, "wall_s": wall_s}, indent=2, default=str))
-    return 0 if ok else 1
+        return Text.assemble(("PASS", "green"), f": {what}; wall {wall_s:.2f}s")
+    parts = []
+    if differ:
+        parts.append(f"streamed != batch on ranks {differ}")
+    if outside:
+        parts.append(f"{paths} outside the {tol} on ranks {outside}")
+    if ring_errors:
+        parts.append(f"device ring errors {ring_errors}")
+    if gemm_differ:
+        parts.append(f"batch and streamed ran different GEMMs (batch, streamed) {gemm_differ}: their "
+                     f"comparison measures the GEMMs' rounding, not the protocol")
+    return Text.assemble(("FAIL", "red"), f": {'; '.join(parts)}{not_run}; wall {wall_s:.2f}s")
 
 
 def gpu_check_main(launcher, **checks) -> int:

@@ -1,5 +1,5 @@
 """The CUTLASS FP8 blockwise grouped GEMM over ready blocks (device/csrc/gemm/gemm_blockwise_fp8.cu,
-gemm/cutlass.py, gemm/build.py) and the CUTLASS path of the block consumer.
+gemm/cutlass_lib.py, gemm/build.py) and the CUTLASS path of the block consumer (gemm/cutlass.py).
 
 Runs anywhere (CPU):
 * the build command line and cache key; CUTLASS discovery says what it tried;

@@ -278,12 +278,13 @@ def _no_cutlass_library(monkeypatch, tmp_path):
     no .gemm-build/, no $STREAMRING_GEMM_LIB, nothing loaded or noticed yet."""
     from streamring.gemm import build as BG
     from streamring.gemm import cutlass as CG
+    from streamring.gemm import cutlass_lib as CL
 
     monkeypatch.setenv("STREAMRING_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv("STREAMRING_GEMM_LIB", raising=False)
     monkeypatch.setattr(BG, "REPO_BUILD_DIR", tmp_path / "no-gemm-build")
-    monkeypatch.setattr(CG, "_lib", None)
-    monkeypatch.setattr(CG, "_noticed", set())
+    monkeypatch.setattr(CL, "_lib", None)
+    monkeypatch.setattr(CL, "_noticed", set())
     return CG
 
 
