@@ -376,6 +376,27 @@ class _StopFlag:
         self.heap.free(self.region)
 
 
+def _my_tokens(cfg: Config, chunks: int, tokens_per_chunk: int) -> int:
+    """This rank's tokens: full chunks of ``tokens_per_chunk`` tokens (0 tokens -> zero-token chunks) and a partial
+    last one. The ring packs tokens densely, so a rank with fewer tokens per chunk than ``tokens_per_slot`` simply has
+    fewer chunks of tokens; to keep ``chunks_per_rank`` meaning what it says it gets ``chunks`` full slots (then the
+    trimmed last one)."""
+    last = cfg.stress.partial_last if cfg.stress.partial_last >= 0 else cfg.ring.tokens_per_slot
+    if chunks == 0 or tokens_per_chunk == 0:
+        return 0
+    return (chunks - 1) * cfg.ring.tokens_per_slot + min(last, tokens_per_chunk)
+
+
+def _record_waits(res: RankResult, roles) -> None:
+    """The acquire, reuse and publish-to-acquire waits the roles measured, as medians and maxima."""
+    res.acquire_wait_median_s = _med(roles.acquire_waits)
+    res.acquire_wait_max_s = max(roles.acquire_waits, default=0.0)
+    res.reuse_wait_median_s = _med(roles.reuse_waits)
+    res.reuse_wait_max_s = max(roles.reuse_waits, default=0.0)
+    res.publish_to_acquire_median_s = _med(roles.publish_to_acquire)
+    res.publish_to_acquire_max_s = max(roles.publish_to_acquire, default=0.0)
+
+
 def run_stress(heap: SymmetricHeap, cfg: Config, progress=None) -> RankResult:
     """Run the stress configuration on this rank; collective over all ranks.
 
@@ -396,12 +417,8 @@ def run_stress(heap: SymmetricHeap, cfg: Config, progress=None) -> RankResult:
     chunks = per_rank(st.chunks_per_rank, R, "stress.chunks_per_rank")
     tpc = per_rank(st.tokens_per_chunk if st.tokens_per_chunk is not None else cfg.ring.tokens_per_slot, R,
                    "stress.tokens_per_chunk")
-    # A rank's tokens: full chunks of tpc tokens (0 tokens -> zero-token chunks) and a partial last one.
-    # The ring packs tokens densely, so a rank with tpc < tokens_per_slot simply has fewer chunks of
-    # tokens; to keep "chunks_per_rank" meaning what it says we give it chunks*C tokens (then trim).
     n = chunks[me]
-    last = st.partial_last if st.partial_last >= 0 else cfg.ring.tokens_per_slot
-    my_tokens = 0 if n == 0 or tpc[me] == 0 else (n - 1) * cfg.ring.tokens_per_slot + min(last, tpc[me])
+    my_tokens = _my_tokens(cfg, n, tpc[me])
     res = RankResult(rank=me, heap=heap.memory_kind)
     rng = random.Random(st.seed * 1000003 + me)
     roles = _Roles(ring, cfg, res, rng, stop)
@@ -429,12 +446,7 @@ def run_stress(heap: SymmetricHeap, cfg: Config, progress=None) -> RankResult:
             break
     res.wall_s = time.monotonic() - t0
     res.bytes_read = ring.stats.bytes_read
-    res.acquire_wait_median_s = _med(roles.acquire_waits)
-    res.acquire_wait_max_s = max(roles.acquire_waits, default=0.0)
-    res.reuse_wait_median_s = _med(roles.reuse_waits)
-    res.reuse_wait_max_s = max(roles.reuse_waits, default=0.0)
-    res.publish_to_acquire_median_s = _med(roles.publish_to_acquire)
-    res.publish_to_acquire_max_s = max(roles.publish_to_acquire, default=0.0)
+    _record_waits(res, roles)
     stop.close()
     ring.close()
     return res
