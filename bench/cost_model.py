@@ -27,7 +27,8 @@ from bench.cost_model_core import (CALL_US, E_TOTAL_DSV3, FALLBACK_RATES, FLOP_R
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 RESULTS = os.path.join(ROOT, "docs", "results")
-DEFAULT_FILES = sorted(glob.glob(os.path.join(RESULTS, "ep-layer-*.json")))
+# the model's rates are the H200 machine's: the runs on an H100 (files named ``-h100-``) are another card's
+DEFAULT_FILES = sorted(p for p in glob.glob(os.path.join(RESULTS, "ep-layer-*.json")) if "-h100-" not in os.path.basename(p))
 DEFAULT_TIMELINES = [os.path.join(RESULTS, "ep-timelines-2h200-triton-2026-11-30.json"),
                      os.path.join(RESULTS, "ep-timelines-mps2-32experts-one-chunk-late-ranks-2026-12-03.json")]
 

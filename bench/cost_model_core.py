@@ -127,7 +127,7 @@ from streamring.device.gemm_grid import EXPECT_HEADROOM, GEMM_GRID, TAIL_CTAS_PE
 from streamring.moe.adaptive import AdaptiveChoice
 from streamring.moe.grid_bounds import (consumer_max_blocks, grouped_step_bound, grouped_step_expect, seal_bound, step_bound,
                           step_expect)
-from streamring.moe.tuning import EPTuning
+from streamring.moe.tuning import GROUP_MAX_TOKENS, EPTuning
 
 _TUNING_DEFAULTS = EPTuning.model_fields
 
@@ -207,7 +207,7 @@ class Config:
     # ready order: the grouping window (None: one source per step) and the largest forward that groups (the
     # buffer's defaults, streamring.moe.tuning.EPTuning)
     ready_window_us: float | None = _TUNING_DEFAULTS["ready_window_us"].default
-    group_max_tokens: int = _TUNING_DEFAULTS["group_max_tokens"].default
+    group_max_tokens: int = GROUP_MAX_TOKENS
 
 
 _RATES_CACHE: dict = {}

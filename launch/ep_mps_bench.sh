@@ -20,6 +20,8 @@
 #    expert GEMM grid runs: eager and graph, stream and node priorities, a CTA per tile or one per SM), once
 #    without MPS, once as an MPS client at 50 % (-> $OUT/sm_sharing.log, $OUT/sm-sharing.json), then as two
 #    MPS clients at once (-> $OUT/sm_sharing_pair{0,1}.log); EPM_BENCH=0 skips step 2;
+# EPM_DEEP_GEMM=1: DeepGEMM built from the carried .deepgemm/ before step 2 (or the one an earlier step of
+# the same call built under .dg-site), for EPM_GEMMS=deep_gemm (with --block-m 128 in EPM_ARGS);
 # What two PEs on one GPU cannot show: NVLink transfers (every pull is GPU-local), and each PE's GEMMs run
 # on half the SMs; what it shows is the schedule: whether a late source delays only its own rows.
 set -uo pipefail
@@ -87,6 +89,14 @@ if [ "${EPM_RUN:-1}" = 1 ]; then
     rc=$?; [ $rc = 0 ] || RC=$rc; say "run $ORDER rc=$rc"
     tail -6 "$OUT/run_$ORDER.log" | tee -a "$LOG"
   done
+fi
+if [ "${EPM_DEEP_GEMM:-0}" = 1 ]; then
+  # DeepGEMM for --gemms deep_gemm: the package an earlier step of the same call built, else built here
+  if [ -f "$DG_PREFIX/deep_gemm_env.sh" ] && (. "$DG_PREFIX/deep_gemm_env.sh"; python3 -c "import deep_gemm") 2>/dev/null; then
+    . "$DG_PREFIX/deep_gemm_env.sh"; say "DeepGEMM: built earlier in this call, imports"
+  else
+    dg_start "$(limit 240 200)"; dg_wait "$(limit 240 200)"
+  fi
 fi
 if [ "${EPM_BENCH:-1}" = 1 ]; then
 say "=== 2. EP layer, $PES PEs under MPS ($(( $(date +%s) - T0 )) s)"

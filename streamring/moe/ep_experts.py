@@ -66,15 +66,19 @@ class EPExperts:
         self._computed = [torch.cuda.Event() for _ in range(max_steps + 2)] if on_gpu else []
 
     # -- grids ----------------------------------------------------------------------------------------
-    def grid_ctas(self, path, sealing: bool) -> Optional[int]:
+    def grid_ctas(self, path, final: bool) -> Optional[int]:
         """The ``max_ctas`` of a streamed GEMM call (None: the backend's own grid). ``tuning.chunk_gemm_ctas`` caps
-        the calls while a later source may still be produced; a backend whose grid is persistent
+        the calls while a later source may still be produced (every call but the forward's ``final`` one, after
+        whose step no source is pending: a grouped step that may seal is capped too, since whether it seals is
+        known only on the device). A backend with a persistent grid needs the cap most: the dispatch's ready
+        wait for the next source spins on an SM, and a CTA of a statically scheduled grid that finds no free SM
+        starts its whole share of the tiles only when that wait ends. A backend whose grid is persistent
         (``Capabilities.waves``) runs every streamed call on ``tuning.streamed_grid_waves`` CTAs per SM, so its CTAs
         retire during the call and higher-priority kernels get SMs between them. The batch path keeps the
         backend's own grid."""
         if path.name != "stream":
             return None
-        if self.tuning.chunk_gemm_ctas is not None and not sealing:
+        if self.tuning.chunk_gemm_ctas is not None and not final:
             return self.tuning.chunk_gemm_ctas
         waves = self.tuning.streamed_grid_waves
         return waves * self.sm_count if CAPABILITIES[self.gemm].waves and waves > 1 else None
@@ -130,10 +134,8 @@ class EPExperts:
         if last and not plan.grouped:
             return
         with nvtx_range(f"streamring block GEMMs chunk {c} step {j}", color="green"):
-            # grouped: every step of the last chunk may seal (its call then has the partial blocks)
-            sealing = last or (plan.grouped and c == path.num_chunks - 1)
             self.compute(path, layer, i, i + 1, self.bound(path, plan.grouped, j),
-                         self.expect(path, plan.rows, plan.grouped, c, j), self.grid_ctas(path, sealing), combine,
+                         self.expect(path, plan.rows, plan.grouped, c, j), self.grid_ctas(path, last), combine,
                          stream, puts_stream)
             if j == path.steps - 1:
                 instrument.stamp(c, 4)

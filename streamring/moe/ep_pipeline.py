@@ -54,6 +54,7 @@ from dataclasses import dataclass
 import torch
 
 from ..device.ranges import annotate as nvtx_range
+from ..gemm.backends import CAPABILITIES
 from .instrument import NO_INSTRUMENT
 
 
@@ -87,7 +88,8 @@ class Pipeline:
     def groups_sources(self, path, rows: int) -> bool:
         """Whether a forward of ``rows`` rows per PE on ``path`` groups the sources that are ready together
         (:meth:`EPTuning.groups_sources`; the batch path never does)."""
-        return path.name == "stream" and self.tuning.groups_sources(self.heap.num_ranks, rows)
+        return path.name == "stream" and self.tuning.groups_sources(self.heap.num_ranks, rows,
+                                                                      CAPABILITIES[self.experts.gemm].waves)
 
     def current_stream(self):
         # None off the GPU: the library's kernels then run where the heap runs them (the CPU emulation of the

@@ -20,6 +20,11 @@ EP_POLICIES = PROGRESS_POLICIES
 BLOCK_MS = (16, 32, 64, 128)
 
 
+#: the largest forward (rows per PE) whose streamed steps group the sources ready together, with GEMMs that
+#: launch a CTA per tile (``EPTuning.group_max_tokens``)
+GROUP_MAX_TOKENS = 1024
+
+
 class EPTuning(BaseModel):
     """The scheduling switches of an :class:`~streamring.moe.ep_buffer.EPBuffer` (frozen; errors name the field
     and its allowed values).
@@ -49,7 +54,13 @@ class EPTuning(BaseModel):
         group_max_tokens: ``ready`` order on several PEs (per-chunk consumer): forwards of at most this many rows
             per PE (``x.shape[0]``; a captured graph's capture size) group the sources that are ready together
             into one dispatch step and one GEMM call (one weight pass, as the batch path); larger ones take a
-            step per source, whose dispatch overlaps the previous step's GEMMs. 0: never group. A chunk still
+            step per source, whose dispatch overlaps the previous step's GEMMs. 0: never group. ``None`` (the
+            default): :data:`GROUP_MAX_TOKENS` (1024) with a GEMM backend that launches a CTA per tile (Triton),
+            every size with one whose own grid is persistent (CUTLASS, ``gemm.backends.Capabilities.waves``):
+            that grid holds every SM until its call ends, so a step per source queues the next source's
+            dispatch behind the previous call and splits the weight pass in two (measured at 4096 and 8192
+            tokens, 2 PEs under MPS: on time 1.30-1.41x the batch path a step per source, 1.01-1.02x grouped,
+            docs/performance.md). A chunk still
             has a step per PE: with Triton GEMMs the steps after the one that took every source are calls over
             an empty range, each launching CTAs for one late source's blocks (``grid_bounds.grouped_step_expect``),
             a cost that grows with the PEs (docs/performance.md).
@@ -57,9 +68,9 @@ class EPTuning(BaseModel):
             taking the chunk's other sources as they become ready (0: only those ready at once). Sources that
             publish within it share the step; a source later than it gets a step of its own. The window costs at
             most its length once per chunk when a source is late.
-        chunk_gemm_ctas: the persistent grid size of the streamed GEMM calls before the seal's (while a later
-            source or chunk may still be being produced; ``None``: one CTA per tile); fewer CTAs than the GPU
-            holds leave room for the producer and the dispatch.
+        chunk_gemm_ctas: the persistent grid size of every streamed GEMM call but the forward's last (while a
+            later source or chunk may still be being produced; ``None``: the backend's own grid); fewer CTAs than
+            the GPU holds leave room for the producer and the dispatch's ready wait.
         streamed_grid_waves: CTAs per SM of every streamed GEMM call with a GEMM backend whose own grid is
             persistent (CUTLASS: ``gemm.backends.Capabilities.waves``). Its one-CTA-per-SM grid holds every SM
             until the call ends, so the next source's dispatch, a late PE's producer and the result puts would
@@ -78,19 +89,23 @@ class EPTuning(BaseModel):
     consumer: Literal["per_chunk", "persistent"] = "per_chunk"
     reserved_sms: int = Field(16, ge=1)
     producer_sms: int = Field(16, ge=8)
-    group_max_tokens: int = Field(1024, ge=0)
+    group_max_tokens: Optional[int] = Field(None, ge=0)
     ready_window_us: float = Field(50.0, ge=0, le=1000)
     chunk_gemm_ctas: Optional[int] = Field(None, ge=1)
     streamed_grid_waves: int = Field(1, ge=1, le=16)
 
-    def groups_sources(self, ranks: int, rows: int) -> bool:
+    def groups_sources(self, ranks: int, rows: int, persistent_grid: bool = False) -> bool:
         """Whether a streamed forward of ``rows`` rows per PE on ``ranks`` PEs groups the sources that are ready
         together into one dispatch step and one GEMM call: the ready order on several PEs with the per-chunk
-        consumer, up to ``group_max_tokens`` rows. Larger forwards take a step per source: there a step's
-        dispatch overlaps the previous step's GEMMs, and grouping there measured slower on time than a step per
-        source (docs/performance.md)."""
+        consumer, up to ``group_max_tokens`` rows (``None``: up to :data:`GROUP_MAX_TOKENS`, or every size
+        with GEMMs whose own grid is persistent, ``persistent_grid``). Larger forwards take a step per source:
+        there, with Triton GEMMs, a step's dispatch overlaps the previous step's GEMMs, and grouping measured
+        slower on time than a step per source (docs/performance.md)."""
+        limit = self.group_max_tokens
+        if limit is None:
+            limit = rows if persistent_grid else GROUP_MAX_TOKENS
         return (self.source_order == "ready" and ranks > 1 and self.consumer == "per_chunk"
-                and rows <= self.group_max_tokens)
+                and rows <= limit)
 
     @field_validator("policy", mode="before")
     @classmethod

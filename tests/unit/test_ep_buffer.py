@@ -33,7 +33,7 @@ from ep_case import bits, single_batch  # noqa: E402
 from streamring.moe import blocks as B  # noqa: E402
 from streamring.moe.ep_buffer import EPBuffer, memory_report  # noqa: E402
 from streamring.moe.math import MoEShape, MoEWeights  # noqa: E402
-from streamring.moe.tuning import EPTuning  # noqa: E402
+from streamring.moe.tuning import GROUP_MAX_TOKENS, EPTuning  # noqa: E402
 
 SERIAL = EPTuning(policy="serialized")
 
@@ -395,6 +395,17 @@ def test_only_the_ready_order_on_several_pes_with_the_per_chunk_consumer_groups_
     assert not EPTuning(source_order="arrival").groups_sources(2, 16)
     assert not EPTuning(consumer="persistent").groups_sources(2, 16)
     assert not EPTuning(group_max_tokens=0).groups_sources(2, 1)
+
+
+def test_by_default_a_persistent_grid_groups_ready_sources_at_every_size_and_a_grid_per_tile_up_to_1024():
+    from streamring.gemm.backends import CAPABILITIES
+
+    tu = EPTuning()
+    assert tu.groups_sources(2, GROUP_MAX_TOKENS) and not tu.groups_sources(2, GROUP_MAX_TOKENS + 1)
+    assert tu.groups_sources(2, 8192, persistent_grid=True)
+    assert not tu.groups_sources(1, 8192, persistent_grid=True)  # one PE: nothing to group
+    assert not EPTuning(group_max_tokens=1024).groups_sources(2, 8192, persistent_grid=True)  # a set limit holds
+    assert CAPABILITIES["cutlass"].waves and not CAPABILITIES["triton"].waves and not CAPABILITIES["deep_gemm"].waves
 
 
 def test_explicit_stream_epochs_must_grow(setup):
