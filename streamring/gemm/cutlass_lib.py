@@ -471,6 +471,7 @@ class GroupedGemm:
                 raise ValueError(f"this plan lives on {self.device}, the tensors are on {device}")
             return
         lib = load_library()
+        destroy_dropped()
         idx = device.index if device.index is not None else torch.cuda.current_device()
         with torch.cuda.device(idx):
             plan = ctypes.c_void_p()
@@ -540,12 +541,31 @@ class GroupedGemm:
             raise GemmLibraryError(f"{self!r}: status {s:#x}: {status_text(s)}")
 
     def close(self) -> None:
+        """Destroy the plan (its device memory freed); not while this thread captures a CUDA graph."""
         if self._plan is not None:
             self._lib.sr_gemm_destroy(self._plan)
             self._plan = None
+        destroy_dropped()
 
     def __del__(self):
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001 - interpreter shutdown
-            pass
+        # never a destroy here: the collector runs wherever an allocation triggers it, inside a caller's CUDA graph
+        # capture too, where the destroy's cudaFree would invalidate that capture (destroy_dropped)
+        if getattr(self, "_plan", None) is not None:
+            _DROPPED.append((self._lib, self._plan))
+            self._plan = None
+
+
+#: plans the garbage collector dropped, each ``(library, handle)``, destroyed by :func:`destroy_dropped`
+_DROPPED: list = []
+
+
+def destroy_dropped() -> None:
+    """Destroy the plans the garbage collector dropped; nothing while this thread's current stream captures a CUDA
+    graph. A destroy frees device memory (``cudaFree``), which a capture in the same thread does not allow: the
+    capture is invalidated and fails at its end (``cudaErrorStreamCaptureInvalidated``), so :meth:`GroupedGemm.__del__`
+    only queues its plan, and the next plan made or closed outside a capture destroys the queue."""
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return
+    while _DROPPED:
+        lib, plan = _DROPPED.pop()
+        lib.sr_gemm_destroy(plan)
