@@ -536,6 +536,20 @@ def batch_reference(heap, buf, layer, x, routing, full, shape, args, common, cfg
     return ref_out, row, rows
 
 
+def end_job_after_failure(save, exc: BaseException) -> None:
+    """End every PE's process after a failure on this PE that the others may not share (a CUDA error, a deadline):
+    they may be waiting in the plan's collectives for this PE, which would never come, so the job ends here (the
+    launcher ends the other PEs) instead of waiting until its time limit; the file keeps the rows up to the last
+    finished token count, and PE 0's rows so far (``save``). A ``ValueError`` (a plan refused
+    before any collective work, alike on every PE) does not end it: the next plan runs."""
+    save()
+    log(f"ending the job after a failure on this PE that the other PEs may be waiting on "
+        f"({type(exc).__name__}); the rows so far are written")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(3)
+
+
 def bench_tokens(heap, T, shape, full, base, args, rows, timelines, budget, save=lambda: None):
     R, me, dev = heap.num_ranks, heap.rank, heap.device
     g = torch.Generator(device=dev)
@@ -653,6 +667,8 @@ def bench_tokens(heap, T, shape, full, base, args, rows, timelines, budget, save
                     rows.append({**common_r, **cfg, "path": "streamed" if plan else "batch", "gemm": gemm,
                                  "error": f"{type(exc).__name__}: {exc}"[:400]})
                     log(f"T={T} {routing_name} {gemm}: {cfg} FAILED: {type(exc).__name__}: {exc}")
+                    if not isinstance(exc, ValueError):
+                        end_job_after_failure(save, exc)
                     if plan is None:
                         break  # no reference for this GEMM: its streamed plans cannot be checked
                 finally:
