@@ -310,9 +310,12 @@ class _Schedule:
         self.order = cfg.source_order if streamed else "rank"
         self.steps = C * R if self.order in ("ready", "arrival") else C
         # ready order with a window: a step takes every source ready within the window of the first one, by
-        # the buffer's own rule (the modelled consumer is per_chunk); no window: the code before the grouping
+        # the buffer's own rule (the modelled consumer is per_chunk); no window: the code before the grouping.
+        # Every modelled file grouped up to group_max_tokens whatever the GEMMs (persistent_grid=False): the
+        # grouping of a persistent grid at every size came after them and is not modelled
         self.grouped = cfg.ready_window_us is not None and EPTuning(
-            source_order=self.order, group_max_tokens=cfg.group_max_tokens).groups_sources(R, T)
+            source_order=self.order, group_max_tokens=cfg.group_max_tokens).groups_sources(
+                R, T, persistent_grid=False)
         self.window = (cfg.ready_window_us or 0.0) * 1e-3
         self.rows = T * TOPK * E / E_tot * R                     # = T*K
         self.f_pull = 1.0 - (1.0 - E / E_tot) ** TOPK

@@ -537,11 +537,12 @@ def batch_reference(heap, buf, layer, x, routing, full, shape, args, common, cfg
 
 
 def end_job_after_failure(save, exc: BaseException) -> None:
-    """End every PE's process after a failure on this PE that the others may not share (a CUDA error, a deadline):
+    """End every PE's process after a failure on this PE inside a plan's collective work (its buffer made):
     they may be waiting in the plan's collectives for this PE, which would never come, so the job ends here (the
     launcher ends the other PEs) instead of waiting until its time limit; the file keeps the rows up to the last
-    finished token count, and PE 0's rows so far (``save``). A ``ValueError`` (a plan refused
-    before any collective work, alike on every PE) does not end it: the next plan runs."""
+    finished token count, and PE 0's rows so far (``save``; a failed PE's own error row is in its log only). A
+    failure before the plan's buffer exists (a backend or plan refused, alike on every PE) does not end it: the
+    next plan runs."""
     save()
     log(f"ending the job after a failure on this PE that the other PEs may be waiting on "
         f"({type(exc).__name__}); the rows so far are written")
@@ -663,11 +664,11 @@ def bench_tokens(heap, T, shape, full, base, args, rows, timelines, budget, save
                     if r["ok"] and (best is None or worst < best[0]):
                         best = (worst, stamped_timelines(heap, buf, layer, x, routing, True, late_max,
                                                          {**info, "batch_ms": b0, "streamed_ms": st["median_ms"]}))
-                except Exception as exc:  # noqa: BLE001 - one plan's failure must not hide the others
+                except Exception as exc:  # noqa: BLE001 - a plan refused alike everywhere must not hide the others
                     rows.append({**common_r, **cfg, "path": "streamed" if plan else "batch", "gemm": gemm,
                                  "error": f"{type(exc).__name__}: {exc}"[:400]})
                     log(f"T={T} {routing_name} {gemm}: {cfg} FAILED: {type(exc).__name__}: {exc}")
-                    if not isinstance(exc, ValueError):
+                    if buf is not None:  # from here on the plan's work is collective
                         end_job_after_failure(save, exc)
                     if plan is None:
                         break  # no reference for this GEMM: its streamed plans cannot be checked

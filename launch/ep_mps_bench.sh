@@ -93,9 +93,13 @@ fi
 if [ "${EPM_DEEP_GEMM:-0}" = 1 ]; then
   # DeepGEMM for --gemms deep_gemm: the package an earlier step of the same call built, else built here
   if [ -f "$DG_PREFIX/deep_gemm_env.sh" ] && (. "$DG_PREFIX/deep_gemm_env.sh"; python3 -c "import deep_gemm") 2>/dev/null; then
-    . "$DG_PREFIX/deep_gemm_env.sh"; say "DeepGEMM: built earlier in this call, imports"
+    . "$DG_PREFIX/deep_gemm_env.sh"; say "DeepGEMM: found under $DG_PREFIX, imports"
   else
     dg_start "$(limit 240 200)"; dg_wait "$(limit 240 200)"
+    if [ "$DG_RC" != 0 ]; then
+      RC=$DG_RC
+      say "DeepGEMM is not available (build rc=$DG_RC): bench.ep_layer records its plans as refused"
+    fi
   fi
 fi
 if [ "${EPM_BENCH:-1}" = 1 ]; then

@@ -40,7 +40,9 @@ from typing import Optional
 class Capabilities:
     """What a backend's ``compute`` can do beside the GEMMs themselves.
 
-    ``max_ctas``: a capped (persistent) grid, leaving SMs to other streams; ``owner_rows``: L2 writes each
+    ``max_ctas``: a capped (persistent) grid, leaving SMs to other streams; ``persistent_grid``: its own grid is a
+    CTA per SM, each CTA with a fixed share of the tiles, which holds every SM until the call ends (streamed
+    forwards group the sources ready together at every size, ``EPTuning.group_max_tokens``); ``owner_rows``: L2 writes each
     row straight into its owner PE's combine row (``direct=``), no local ``y`` and no puts; ``persistent``:
     its tile functions make the persistent consumer kernel (``device/persistent_moe.py``); ``waves``: its own
     grid is persistent (a CTA per SM, which holds every SM until the call ends, so no other stream's kernel
@@ -51,6 +53,7 @@ class Capabilities:
     consumer block sizes (``block_m``) it runs, None for every one the consumer takes."""
 
     max_ctas: bool = False
+    persistent_grid: bool = False
     owner_rows: bool = False
     persistent: bool = False
     waves: bool = False

@@ -548,24 +548,36 @@ class GroupedGemm:
         destroy_dropped()
 
     def __del__(self):
-        # never a destroy here: the collector runs wherever an allocation triggers it, inside a caller's CUDA graph
-        # capture too, where the destroy's cudaFree would invalidate that capture (destroy_dropped)
-        if getattr(self, "_plan", None) is not None:
-            _DROPPED.append((self._lib, self._plan))
-            self._plan = None
+        # the collector runs wherever an allocation triggers it, inside a caller's CUDA graph capture too, where a
+        # destroy's cudaFree would invalidate that capture: the plan is queued, and destroyed at once only outside
+        # a capture (destroy_dropped)
+        try:
+            if self._plan is not None:
+                _DROPPED.append((self._lib, self._plan))
+                self._plan = None
+                destroy_dropped()
+        except Exception:  # noqa: BLE001 - interpreter shutdown: the module's globals may be gone
+            pass
 
 
-#: plans the garbage collector dropped, each ``(library, handle)``, destroyed by :func:`destroy_dropped`
+#: plans dropped while a capture may be underway, each ``(library, handle)``, destroyed by :func:`destroy_dropped`
 _DROPPED: list = []
 
 
 def destroy_dropped() -> None:
-    """Destroy the plans the garbage collector dropped; nothing while this thread's current stream captures a CUDA
-    graph. A destroy frees device memory (``cudaFree``), which a capture in the same thread does not allow: the
-    capture is invalidated and fails at its end (``cudaErrorStreamCaptureInvalidated``), so :meth:`GroupedGemm.__del__`
-    only queues its plan, and the next plan made or closed outside a capture destroys the queue."""
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+    """Destroy the queued plans, unless this thread's current stream is capturing a CUDA graph.
+
+    A destroy frees device memory (``cudaFree``), which a capture does not allow: the capture is invalidated and
+    fails at its end (``cudaErrorStreamCaptureInvalidated``). :meth:`GroupedGemm.__del__` queues its plan and calls
+    this; a plan queued during a capture is destroyed by the next plan made, closed or dropped outside one. What it
+    cannot see: a capture on another thread in torch's default ``global`` mode, which a free from this thread also
+    invalidates (``EPBuffer.capture`` captures in ``thread_local`` mode). Safe from several threads (each pop is
+    atomic)."""
+    if not _DROPPED or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
         return
-    while _DROPPED:
-        lib, plan = _DROPPED.pop()
+    while True:
+        try:
+            lib, plan = _DROPPED.pop()
+        except IndexError:
+            return
         lib.sr_gemm_destroy(plan)

@@ -318,7 +318,7 @@ class DeepGemmExperts(GemmBackend):
 
     name = "deep_gemm"
     # DeepGEMM's SM90 FP8 GEMM kernels (JIT-compiled: sm90_fp8_gemm_1d2d_impl and its kin)
-    capabilities = Capabilities(kernel_names=("fp8_gemm",), block_sizes=(BLOCK_M,))
+    capabilities = Capabilities(persistent_grid=True, kernel_names=("fp8_gemm",), block_sizes=(BLOCK_M,))
     title = "DeepGEMM"
 
     def __init__(self, bc, *, keep_rows_outside_range: bool = True, psum: bool = True):

@@ -67,15 +67,14 @@ class EPExperts:
 
     # -- grids ----------------------------------------------------------------------------------------
     def grid_ctas(self, path, final: bool) -> Optional[int]:
-        """The ``max_ctas`` of a streamed GEMM call (None: the backend's own grid). ``tuning.chunk_gemm_ctas`` caps
-        the calls while a later source may still be produced (every call but the forward's ``final`` one, after
-        whose step no source is pending: a grouped step that may seal is capped too, since whether it seals is
-        known only on the device). A backend with a persistent grid needs the cap most: the dispatch's ready
-        wait for the next source spins on an SM, and a CTA of a statically scheduled grid that finds no free SM
-        starts its whole share of the tiles only when that wait ends. A backend whose grid is persistent
+        """The ``max_ctas`` of a streamed GEMM call (None: the backend's own grid); the batch path keeps the
+        backend's own grid. ``tuning.chunk_gemm_ctas`` caps every call but the forward's ``final`` one (after whose
+        step no source is pending; a grouped step that may seal is capped too, as whether it seals is known only on
+        the device): while a later source may still come, the dispatch's ready wait holds an SM, and a CTA of a
+        statically scheduled persistent grid (``Capabilities.persistent_grid``) that finds no free SM starts its
+        share of the tiles only when that wait ends. A backend that can run its grid in waves
         (``Capabilities.waves``) runs every streamed call on ``tuning.streamed_grid_waves`` CTAs per SM, so its CTAs
-        retire during the call and higher-priority kernels get SMs between them. The batch path keeps the
-        backend's own grid."""
+        retire during the call and higher-priority kernels get SMs between them."""
         if path.name != "stream":
             return None
         if self.tuning.chunk_gemm_ctas is not None and not final:
@@ -135,7 +134,7 @@ class EPExperts:
             return
         with nvtx_range(f"streamring block GEMMs chunk {c} step {j}", color="green"):
             self.compute(path, layer, i, i + 1, self.bound(path, plan.grouped, j),
-                         self.expect(path, plan.rows, plan.grouped, c, j), self.grid_ctas(path, last), combine,
+                         self.expect(path, plan.rows, plan.grouped, c, j), self.grid_ctas(path, final=last), combine,
                          stream, puts_stream)
             if j == path.steps - 1:
                 instrument.stamp(c, 4)
@@ -153,7 +152,7 @@ class EPExperts:
             bound = seal_bound(self.bound(path, False), self.E_loc, self.bc.max_blocks)
             c, j = path.order[-1]
             expect = seal_bound(self.expect(path, plan.rows, False, c, j), self.E_loc, self.bc.max_blocks)
-            self.compute(path, layer, n - 1, n + 1, bound, expect, self.grid_ctas(path, True), combine, stream,
+            self.compute(path, layer, n - 1, n + 1, bound, expect, self.grid_ctas(path, final=True), combine, stream,
                          puts_stream)
             instrument.stamp(path.order[-1][0], 4)
             instrument.stamp(path.num_chunks, 2)

@@ -88,8 +88,8 @@ class Pipeline:
     def groups_sources(self, path, rows: int) -> bool:
         """Whether a forward of ``rows`` rows per PE on ``path`` groups the sources that are ready together
         (:meth:`EPTuning.groups_sources`; the batch path never does)."""
-        return path.name == "stream" and self.tuning.groups_sources(self.heap.num_ranks, rows,
-                                                                      CAPABILITIES[self.experts.gemm].waves)
+        return path.name == "stream" and self.tuning.groups_sources(
+            self.heap.num_ranks, rows, persistent_grid=CAPABILITIES[self.experts.gemm].persistent_grid)
 
     def current_stream(self):
         # None off the GPU: the library's kernels then run where the heap runs them (the CPU emulation of the

@@ -56,7 +56,7 @@ class EPTuning(BaseModel):
             into one dispatch step and one GEMM call (one weight pass, as the batch path); larger ones take a
             step per source, whose dispatch overlaps the previous step's GEMMs. 0: never group. ``None`` (the
             default): :data:`GROUP_MAX_TOKENS` (1024) with a GEMM backend that launches a CTA per tile (Triton),
-            every size with one whose own grid is persistent (CUTLASS, ``gemm.backends.Capabilities.waves``):
+            every size with one whose own grid is persistent (CUTLASS, DeepGEMM: ``gemm.backends.Capabilities.persistent_grid``):
             that grid holds every SM until its call ends, so a step per source queues the next source's
             dispatch behind the previous call and splits the weight pass in two (measured at 4096 and 8192
             tokens, 2 PEs under MPS: on time 1.30-1.41x the batch path a step per source, 1.01-1.02x grouped,
@@ -94,7 +94,7 @@ class EPTuning(BaseModel):
     chunk_gemm_ctas: Optional[int] = Field(None, ge=1)
     streamed_grid_waves: int = Field(1, ge=1, le=16)
 
-    def groups_sources(self, ranks: int, rows: int, persistent_grid: bool = False) -> bool:
+    def groups_sources(self, ranks: int, rows: int, *, persistent_grid: bool) -> bool:
         """Whether a streamed forward of ``rows`` rows per PE on ``ranks`` PEs groups the sources that are ready
         together into one dispatch step and one GEMM call: the ready order on several PEs with the per-chunk
         consumer, up to ``group_max_tokens`` rows (``None``: up to :data:`GROUP_MAX_TOKENS`, or every size

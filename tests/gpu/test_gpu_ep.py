@@ -306,6 +306,7 @@ plan = L.GroupedGemm(512, 256, capacity=64)
 plan._ensure(torch.device("cuda", 0))  # the C plan: device memory of its own
 cycle = [plan]
 cycle.append(cycle)  # freed only by the cyclic collector
+holder = [cycle]  # alive until inside the capture (a torch that collects as its graph context opens finds no garbage)
 del plan, cycle
 x = torch.ones(64, device="cuda")
 g = torch.cuda.CUDAGraph()
@@ -314,6 +315,7 @@ s.wait_stream(torch.cuda.current_stream())
 try:
     with torch.cuda.graph(g, stream=s, capture_error_mode="thread_local"):
         y = x * 2
+        holder.clear()
         gc.collect()  # the plan's finalizer runs inside the capture
         y += 1
     g.replay()
@@ -330,9 +332,10 @@ def test_a_gemm_plan_collected_inside_a_capture_leaves_the_capture_valid():
     """The garbage collector can finalize a CUTLASS plan inside a caller's CUDA graph capture (a buffer of an
     earlier layer or test dropped in a cycle). Its destroy frees device memory, which invalidates a capture in the
     same thread: the finalizer only queues the plan, destroyed at the next plan made or closed outside a capture.
-    Negative control: with the destroy in the finalizer (the code before), the same capture fails."""
+    Negative control: a finalizer that destroys the plan where it runs makes the same capture fail."""
     import subprocess
     import sys
+    from pathlib import Path
 
     from streamring.moe.ep_buffer import cutlass_unavailable_reason
     why = cutlass_unavailable_reason()
@@ -341,7 +344,7 @@ def test_a_gemm_plan_collected_inside_a_capture_leaves_the_capture_valid():
     runs = {}
     for variant in ("queued", "destroy-in-del"):
         r = subprocess.run([sys.executable, "-c", _PLAN_DROPPED_IN_A_CAPTURE, variant], capture_output=True, text=True,
-                           timeout=120)
+                           timeout=120, cwd=Path(__file__).resolve().parents[2])
         runs[variant] = r.stdout + r.stderr[-2000:]
     assert "CAPTURE OK 192.0 1" in runs["queued"] and "DROPPED LEFT 0" in runs["queued"], runs["queued"]
     assert "CAPTURE FAILED" in runs["destroy-in-del"], runs["destroy-in-del"]

@@ -390,22 +390,24 @@ def test_a_grouped_ready_row_decides_only_for_grouped_ready_buffers():
 
 def test_only_the_ready_order_on_several_pes_with_the_per_chunk_consumer_groups_small_forwards():
     tu = EPTuning(group_max_tokens=1024)
-    assert tu.groups_sources(2, 1024) and not tu.groups_sources(2, 1025)
-    assert not tu.groups_sources(1, 16)  # one PE: one source, nothing to group
-    assert not EPTuning(source_order="arrival").groups_sources(2, 16)
-    assert not EPTuning(consumer="persistent").groups_sources(2, 16)
-    assert not EPTuning(group_max_tokens=0).groups_sources(2, 1)
+    assert tu.groups_sources(2, 1024, persistent_grid=False) and not tu.groups_sources(2, 1025, persistent_grid=False)
+    assert not tu.groups_sources(1, 16, persistent_grid=False)  # one PE: one source, nothing to group
+    assert not EPTuning(source_order="arrival").groups_sources(2, 16, persistent_grid=False)
+    assert not EPTuning(consumer="persistent").groups_sources(2, 16, persistent_grid=False)
+    assert not EPTuning(group_max_tokens=0).groups_sources(2, 1, persistent_grid=False)
 
 
 def test_by_default_a_persistent_grid_groups_ready_sources_at_every_size_and_a_grid_per_tile_up_to_1024():
     from streamring.gemm.backends import CAPABILITIES
 
     tu = EPTuning()
-    assert tu.groups_sources(2, GROUP_MAX_TOKENS) and not tu.groups_sources(2, GROUP_MAX_TOKENS + 1)
+    assert tu.groups_sources(2, GROUP_MAX_TOKENS, persistent_grid=False)
+    assert not tu.groups_sources(2, GROUP_MAX_TOKENS + 1, persistent_grid=False)
     assert tu.groups_sources(2, 8192, persistent_grid=True)
     assert not tu.groups_sources(1, 8192, persistent_grid=True)  # one PE: nothing to group
     assert not EPTuning(group_max_tokens=1024).groups_sources(2, 8192, persistent_grid=True)  # a set limit holds
-    assert CAPABILITIES["cutlass"].waves and not CAPABILITIES["triton"].waves and not CAPABILITIES["deep_gemm"].waves
+    assert CAPABILITIES["cutlass"].persistent_grid and CAPABILITIES["deep_gemm"].persistent_grid
+    assert not CAPABILITIES["triton"].persistent_grid
 
 
 def test_explicit_stream_epochs_must_grow(setup):
@@ -627,3 +629,40 @@ def test_the_torch_op_launches_the_next_layer_ahead(setup):
         with pytest.raises(KeyError, match="layer id 999999 is not registered"):
             moe_forward(x, l0, streaming=True, launch_next=999999)
         assert buf.launches.pending is None
+
+
+def test_the_pipeline_groups_by_the_gemm_backends_declared_grid():
+    """Pipeline.groups_sources asks the tuning with the resolved backend's ``persistent_grid`` capability: at 2 PEs
+    and 4096 rows CUTLASS and DeepGEMM group the ready sources, Triton does not; the batch path never groups."""
+    from types import SimpleNamespace
+
+    from streamring.moe.ep_pipeline import Pipeline
+
+    stream, batch = SimpleNamespace(name="stream", num_chunks=1), SimpleNamespace(name="batch", num_chunks=1)
+
+    def pipeline(gemm):
+        return Pipeline(heap=SimpleNamespace(num_ranks=2, device="cpu"), paths={"stream": stream, "batch": batch},
+                        progress=SimpleNamespace(concurrent=False), producer=None, dispatch=None,
+                        experts=SimpleNamespace(gemm=gemm), combine=None, tuning=EPTuning(), deadline_s=1.0)
+
+    assert pipeline("cutlass").groups_sources(stream, 4096) and pipeline("deep_gemm").groups_sources(stream, 4096)
+    assert not pipeline("triton").groups_sources(stream, 4096) and pipeline("triton").groups_sources(stream, 1024)
+    assert not pipeline("cutlass").groups_sources(batch, 4096)
+
+
+def test_chunk_gemm_ctas_caps_every_streamed_call_but_the_last():
+    """tuning.chunk_gemm_ctas caps every streamed GEMM call while a source may still come (a grouped step that may
+    seal included), never the forward's final call nor the batch path; waves apply to a backend that can run them."""
+    from types import SimpleNamespace
+
+    from streamring.moe.ep_experts import EPExperts
+
+    stream, batch = SimpleNamespace(name="stream"), SimpleNamespace(name="batch")
+    capped = SimpleNamespace(tuning=EPTuning(chunk_gemm_ctas=60), gemm="cutlass", sm_count=66)
+    assert EPExperts.grid_ctas(capped, stream, final=False) == 60
+    assert EPExperts.grid_ctas(capped, stream, final=True) is None
+    assert EPExperts.grid_ctas(capped, batch, final=False) is None
+    waves = SimpleNamespace(tuning=EPTuning(streamed_grid_waves=4), gemm="cutlass", sm_count=66)
+    assert EPExperts.grid_ctas(waves, stream, final=True) == 4 * 66
+    assert EPExperts.grid_ctas(SimpleNamespace(tuning=EPTuning(streamed_grid_waves=4), gemm="triton", sm_count=66),
+                               stream, final=True) is None

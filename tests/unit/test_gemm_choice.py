@@ -358,3 +358,38 @@ def test_every_backend_is_one_class_with_the_registry_capabilities():
     with pytest.raises(ValueError, match=r"gemm implementation must be one of .*got 'cublas'"):
         GB.backend("cublas")
     assert "cublas" not in GB.CAPABILITIES and GB.CAPABILITIES.get("cublas") is None
+
+
+def test_a_dropped_gemm_plan_is_destroyed_outside_a_capture_and_queued_inside_one(monkeypatch):
+    """GroupedGemm's finalizer never frees device memory inside a CUDA graph capture of this thread (it would
+    invalidate the capture): it queues the plan, destroyed at once outside a capture, or by the next plan made,
+    closed or dropped outside one (a fake library records the destroys; the capture state is the test's)."""
+    from streamring.gemm import cutlass_lib as L
+
+    destroyed, capturing = [], [False]
+
+    class FakeLib:
+        def sr_gemm_destroy(self, plan):
+            destroyed.append(plan)
+
+    monkeypatch.setattr(L.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(L.torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    monkeypatch.setattr(L, "_DROPPED", [])
+
+    def dropped_plan(handle):
+        g = L.GroupedGemm(128, 128, capacity=4)
+        g._lib, g._plan = FakeLib(), handle
+        return g
+
+    p = dropped_plan("outside")
+    del p
+    assert destroyed == ["outside"] and L._DROPPED == []
+    capturing[0] = True
+    p = dropped_plan("inside")
+    del p
+    assert destroyed == ["outside"] and [h for _, h in L._DROPPED] == ["inside"]
+    L.destroy_dropped()  # still capturing: nothing
+    assert destroyed == ["outside"]
+    capturing[0] = False
+    L.destroy_dropped()
+    assert destroyed == ["outside", "inside"] and L._DROPPED == []
