@@ -42,7 +42,8 @@ def _fastest(streamed: list) -> dict | None:
     return min(streamed, key=lambda s: s["streamed_over_batch"]) if streamed else None
 
 
-PLAN_KEYS = ("chunks", "num_slots", "policy", "source_order", "consumer", "chunk_gemm_ctas", "ready_window_us")
+PLAN_KEYS = ("chunks", "num_slots", "policy", "source_order", "consumer", "chunk_gemm_ctas", "ready_window_us",
+             "streamed_grid_waves", "grouped_steps")
 
 
 def _case(r: dict) -> tuple:
