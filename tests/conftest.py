@@ -6,9 +6,11 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -253,9 +255,27 @@ def mpiexec_path() -> str:
     return str(here) if here.exists() else "mpiexec"
 
 
+#: The ``mpirun`` scripts whose ranks import torch (about 2 CPU-seconds per fresh interpreter), and what a
+#: preload server imports for them once per job; ``python -m streamring`` jobs (the user's `mpirun` path
+#: of test_stress.py and test_prelaunch_checks.py) and the scripts not named here start fresh interpreters.
+_TORCH_RANK = ("torch", "numpy", "streamring.device.cpu", "streamring.moe", "streamring.moe.layer",
+               "streamring.moe.reference")
+MPIRUN_PRELOAD = {
+    "mp_scenarios.py": _TORCH_RANK,
+    "mp_moe_ops.py": _TORCH_RANK,
+    "mp_doc_examples.py": _TORCH_RANK,
+    "contract_cases.py": _TORCH_RANK,
+    "mp_hf.py": _TORCH_RANK + ("transformers", "transformers.models.deepseek_v3.modeling_deepseek_v3",
+                               "streamring.moe.hf"),
+}
+
+
 @pytest.fixture
 def mpirun(suite_leaves_no_mpi_files):
-    """Run ``mpiexec -n N python SCRIPT ARGS`` (the user's `mpirun` path).
+    """Run ``mpiexec -n N python SCRIPT ARGS`` (the user's `mpirun` path). A script of
+    :data:`MPIRUN_PRELOAD` runs on preloaded ranks: ``mpiexec`` starts a stub per rank, each rank is a fork of
+    a server that imported its modules once (the start ``streamring run`` uses; ``STREAMRING_PRELOAD=0``
+    in ``env`` starts fresh interpreters).
 
     A job that fails by ``MPI_Abort`` (a test script's failed check) leaves MPICH's shared-memory
     segment behind: plain ``mpiexec`` has no launcher of streamring's to remove it. The files the
@@ -268,13 +288,36 @@ def mpirun(suite_leaves_no_mpi_files):
 
     def run(n, *args, timeout=240, env=None):
         from streamring.host.jobfiles import orphaned_files
+        from streamring.host.preload import STUB, PreloadServer, preload_enabled
+        from streamring.host.preload_stub import SCRIPT_ARG
 
-        cmd = [mpiexec_path(), "-n", str(n), sys.executable, *map(str, args)]
+        args = [str(a) for a in args]
+        cmd = [mpiexec_path(), "-n", str(n), sys.executable, *args]
+        modules = MPIRUN_PRELOAD.get(Path(args[0]).name) if args else None
+        server = None
+        if modules and preload_enabled(_env(env)):
+            # the script's ranks start as forks of a server that imported torch (streamring.host.preload):
+            # still one process and one MPI rank each, as `streamring run` starts its own
+            job_dir = Path(tempfile.mkdtemp(prefix="streamring-test-job-"))
+            server = PreloadServer(job_dir, modules, _env(env), n, args)
+            # (-disable-auto-cleanup, as the launcher's preloaded jobs: Hydra's cleanup otherwise kills the other
+            # ranks when a stub exits, before its fork's MPI_Finalize reached it; a failed script still ends the
+            # job by MPI_Abort, and the timeout below takes down any other)
+            cmd = [mpiexec_path(), "-disable-auto-cleanup", "-n", str(n), sys.executable, str(STUB), SCRIPT_ARG, *args]
+            env = {**(env or {}), **server.rank_env()}
         started: list[int] = []
         started_at = time.time()
-        proc = _run(cmd, timeout, env, started=started)
-        # (popped whatever the outcome: a later job that reuses the process id starts with no files)
+        try:
+            proc = _run(cmd, timeout, env, started=started)
+        finally:
+            if server is not None:
+                server.stop()
+                shutil.rmtree(job_dir, ignore_errors=True)
+        # (popped whatever the outcome: a later job that reuses the process id starts with no files; the
+        # preloaded ranks descend from their server, not from mpiexec)
         held = suite_leaves_no_mpi_files.files_by_child.pop(started[0], set()) if started else set()
+        if server is not None:
+            held |= suite_leaves_no_mpi_files.files_by_child.pop(server.proc.pid, set())
         if proc.returncode != 0:
             left = sorted({f for f in held if os.path.exists(f)} | set(orphaned_files(started_at)))
             for f in left:

@@ -10,8 +10,8 @@ listens on a Unix socket in the job directory.
 (:mod:`streamring.host.preload_stub`), which sends the server its command line, environment, working
 directory, CPU affinity and open file descriptors (stdio and Hydra's PMI socket). The server forks;
 the fork takes all of that over (the descriptors at the same numbers) and runs ``python -m
-streamring`` as the stub would have. So every rank is still its own process with its own MPI rank;
-after the fork it shares nothing with the others but copy-on-write pages of the imported modules.
+streamring`` (or the script of ``--script PATH``) as the stub would have. So every rank is still its own
+process with its own MPI rank; after the fork it shares nothing with the others but copy-on-write pages of the imported modules.
 
 The stub exits as its fork does and forwards its signals to it; the fork kills itself when its stub
 is gone (Hydra's cleanup kills the stubs); the server exits when the launcher does. The launcher
@@ -151,27 +151,55 @@ def _become_rank(conn: socket.socket, request: dict, fds: list[int], close: list
             os.kill(os.getpid(), signal.SIGKILL)
 
         threading.Thread(target=watch_stub, name="preload-stub-watch", daemon=True).start()
-        import runpy
-
-        try:
-            runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
-            code = 0
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-            if exc.code is not None and not isinstance(exc.code, int):
-                print(exc.code, file=sys.stderr)
+        code = _run_main(request)
     except BaseException:  # noqa: BLE001 - reported like an uncaught exception of a plain interpreter
         import traceback
 
         traceback.print_exc()
         code = 1
     finally:
+        if "path" in request:
+            _end_as_an_interpreter()
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()
             except Exception:  # noqa: BLE001
                 pass
         os._exit(code)
+
+
+def _run_main(request: dict) -> int:
+    """Run the rank's ``__main__`` (``python -m MODULE`` or ``python PATH``); its exit code."""
+    import runpy
+
+    try:
+        if "path" in request:  # ``python PATH``: the script's directory first on the path, as there
+            sys.path[0] = os.path.dirname(os.path.realpath(request["path"]))
+            runpy.run_path(request["path"], run_name="__main__")
+        else:
+            runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+        return 0
+    except SystemExit as exc:
+        if exc.code is not None and not isinstance(exc.code, int):
+            print(exc.code, file=sys.stderr)
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+
+
+def _end_as_an_interpreter() -> None:
+    """What a plain interpreter does at its end and ``os._exit`` skips, for a script's rank: the ``atexit``
+    functions, then mpi4py's ``MPI_Finalize`` (registered with ``Py_AtExit``). Without it a plain ``mpiexec``
+    (no ``-disable-auto-cleanup``) takes a rank that ends while others still run for a failed one and kills them."""
+    try:
+        import atexit
+
+        atexit._run_exitfuncs()
+        mpi = sys.modules.get("mpi4py.MPI")
+        if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+            mpi.Finalize()
+    except BaseException:  # noqa: BLE001 - as an interpreter reports an error at its exit
+        import traceback
+
+        traceback.print_exc()
 
 
 def serve(listen_fd: int, modules: list[str]) -> None:

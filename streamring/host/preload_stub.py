@@ -8,8 +8,11 @@ that fork and exits as the fork did (the same exit code, or killed by the same s
 ``mpiexec`` sees what it would have seen of a plain rank. The fork watches this process: if it is
 killed (``SIGKILL`` from Hydra's cleanup), the fork kills itself.
 
+``preload_stub.py --script PATH ARGS`` stands for ``python PATH ARGS`` instead (the test suite's
+``mpiexec -n N python SCRIPT`` jobs, tests/conftest.py): the fork runs the script as ``__main__``.
+
 With no server to talk to (it could not start, or is gone) it becomes a plain rank: it executes
-``python -m streamring ARGS`` itself, after saying so on stderr.
+``python -m streamring ARGS`` (or ``python PATH ARGS``) itself, after saying so on stderr.
 """
 
 import json
@@ -26,6 +29,14 @@ PARENT_ENV = "STREAMRING_RANK_PARENT_PID"
 #: of the job when one exits, and MPICH's handler in a rank takes it only until ``MPI_Finalize``; forwarded
 #: late (this stub outlives its rank by a poll), it would kill a rank that is past its finalize.
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGCONT)
+#: First argument: the rank runs the script named next (``python PATH ARGS``), not ``python -m streamring``.
+SCRIPT_ARG = "--script"
+
+
+def _rank_argv() -> list[str]:
+    """The rank's command line as a plain interpreter would run it, after ``python``."""
+    args = sys.argv[1:]
+    return args[1:] if args[:1] == [SCRIPT_ARG] else ["-m", "streamring", *args]
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
@@ -57,7 +68,7 @@ def _open_fds(skip: int) -> list[int]:
 
 def _plain_rank(why: str) -> None:
     print(f"streamring preload: {why}; starting this rank without it", file=sys.stderr, flush=True)
-    os.execv(sys.executable, [sys.executable, "-m", "streamring", *sys.argv[1:]])
+    os.execv(sys.executable, [sys.executable, *_rank_argv()])
 
 
 def main() -> None:
@@ -70,7 +81,10 @@ def main() -> None:
     except OSError as exc:
         _plain_rank(f"cannot reach the preload server at {path} ({exc})")
     fds = _open_fds(sock.fileno())
-    request = json.dumps({"module": "streamring", "argv": ["streamring", *sys.argv[1:]], "env": dict(os.environ),
+    argv = _rank_argv()
+    what = {"module": "streamring", "argv": ["streamring", *argv[2:]]} if argv[0] == "-m" else \
+        {"path": argv[0], "argv": argv}
+    request = json.dumps({**what, "env": dict(os.environ),
                           "cwd": os.getcwd(), "fds": fds, "parent": os.getppid(), "affinity": sorted(os.sched_getaffinity(0))}).encode()
     socket.send_fds(sock, [struct.pack("!I", len(request)) + request], fds)
     got = _recv_exact(sock, 8)
