@@ -40,14 +40,14 @@ from typing import Optional
 class Capabilities:
     """What a backend's ``compute`` can do beside the GEMMs themselves.
 
-    ``max_ctas``: a capped (persistent) grid, leaving SMs to other streams; ``persistent_grid``: its own grid is a
-    CTA per SM, each CTA with a fixed share of the tiles, which holds every SM until the call ends (streamed
-    forwards group the sources ready together at every size, ``EPTuning.group_max_tokens``); ``owner_rows``: L2 writes each
-    row straight into its owner PE's combine row (``direct=``), no local ``y`` and no puts; ``persistent``:
-    its tile functions make the persistent consumer kernel (``device/persistent_moe.py``); ``waves``: its own
-    grid is persistent (a CTA per SM, which holds every SM until the call ends, so no other stream's kernel
-    runs beside it) and ``max_ctas`` above the SM count runs it in waves instead (each CTA a share of the
-    tiles: CTAs retire during a call and other streams' CTAs get SMs between them); ``kernel_names``: parts of
+    ``max_ctas``: a capped (persistent) grid, leaving SMs to other streams; ``persistent_grid``: its own grid is
+    a CTA per SM, each CTA with a fixed share of the tiles, which holds every SM until the call ends, so no other
+    stream's kernel runs beside it (streamed forwards group the sources ready together at every size,
+    ``EPTuning.group_max_tokens``); ``owner_rows``: L2 writes each row straight into its owner PE's combine row
+    (``direct=``), no local ``y`` and no puts; ``persistent``: its tile functions make the persistent consumer
+    kernel (``device/persistent_moe.py``); ``waves``: with a persistent grid, ``max_ctas`` above the SM count
+    runs it in waves instead (each CTA a share of the tiles: CTAs retire during a call and other streams' CTAs
+    get SMs between them); ``kernel_names``: parts of
     the (mangled) names of its GEMM kernels that a library launches (Python sees no handle of them), so that a
     captured graph's node priorities leave them at the default (``EPBuffer.prioritize``); ``block_sizes``: the
     consumer block sizes (``block_m``) it runs, None for every one the consumer takes."""

@@ -65,7 +65,8 @@ class CutlassExperts(GemmBackend):
 
     name = "cutlass"
     # cutlass::device_kernel<...GemmUniversal...>: the grouped and the one-block-tile kernels
-    capabilities = Capabilities(max_ctas=True, persistent_grid=True, waves=True, kernel_names=("cutlass13device_kernel",))
+    capabilities = Capabilities(max_ctas=True, persistent_grid=True, waves=True,
+                                kernel_names=("cutlass13device_kernel",))
     title = "CUTLASS"
     fallback_rank = 0  # the rule where nothing is measured prefers it (measured faster before the table)
 

@@ -56,11 +56,10 @@ class EPTuning(BaseModel):
             into one dispatch step and one GEMM call (one weight pass, as the batch path); larger ones take a
             step per source, whose dispatch overlaps the previous step's GEMMs. 0: never group. ``None`` (the
             default): :data:`GROUP_MAX_TOKENS` (1024) with a GEMM backend that launches a CTA per tile (Triton),
-            every size with one whose own grid is persistent (CUTLASS, DeepGEMM: ``gemm.backends.Capabilities.persistent_grid``):
-            that grid holds every SM until its call ends, so a step per source queues the next source's
-            dispatch behind the previous call and splits the weight pass in two (measured at 4096 and 8192
-            tokens, 2 PEs under MPS: on time 1.30-1.41x the batch path a step per source, 1.01-1.02x grouped,
-            docs/performance.md). A chunk still
+            every size with one whose own grid is persistent (CUTLASS, DeepGEMM:
+            ``gemm.backends.Capabilities.persistent_grid``): that grid holds every SM until its call ends, so a
+            step per source queues the next source's dispatch behind the previous call and splits the weight
+            pass in two (docs/performance.md measures both schedules). A chunk still
             has a step per PE: with Triton GEMMs the steps after the one that took every source are calls over
             an empty range, each launching CTAs for one late source's blocks (``grid_bounds.grouped_step_expect``),
             a cost that grows with the PEs (docs/performance.md).
@@ -71,11 +70,11 @@ class EPTuning(BaseModel):
         chunk_gemm_ctas: the persistent grid size of every streamed GEMM call but the forward's last (while a
             later source or chunk may still be being produced; ``None``: the backend's own grid); fewer CTAs than
             the GPU holds leave room for the producer and the dispatch's ready wait.
-        streamed_grid_waves: CTAs per SM of every streamed GEMM call with a GEMM backend whose own grid is
-            persistent (CUTLASS: ``gemm.backends.Capabilities.waves``). Its one-CTA-per-SM grid holds every SM
-            until the call ends, so the next source's dispatch, a late PE's producer and the result puts would
-            wait for the whole call; a grid of this many CTAs per SM runs in waves, each CTA taking a share of the
-            tiles, and those higher-priority kernels get SMs as CTAs retire. 1 (the default): the backend's own
+        streamed_grid_waves: CTAs per SM of every streamed GEMM call with a GEMM backend that can run its
+            persistent grid in waves (CUTLASS: ``gemm.backends.Capabilities.waves``). Its one-CTA-per-SM grid
+            holds every SM until the call ends, so the next source's dispatch, a late PE's producer and the result
+            puts would wait for the whole call; a grid of this many CTAs per SM runs in waves, each CTA taking a
+            share of the tiles, and those higher-priority kernels get SMs as CTAs retire. 1 (the default): the backend's own
             grid; 2 and 4 measured no faster (CUTLASS at 4096 tokens, 2 PEs under MPS: streamed 1.35x and 1.34x the
             batch path against 1.30x, docs/performance.md). The batch path always runs the backend's own grid.
     """
