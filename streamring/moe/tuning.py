@@ -75,8 +75,8 @@ class EPTuning(BaseModel):
             holds every SM until the call ends, so the next source's dispatch, a late PE's producer and the result
             puts would wait for the whole call; a grid of this many CTAs per SM runs in waves, each CTA taking a
             share of the tiles, and those higher-priority kernels get SMs as CTAs retire. 1 (the default): the
-            backend's own grid; 2 and 4 measured no faster (CUTLASS at 4096 tokens, 2 PEs under MPS: streamed 1.35x and 1.34x the
-            batch path against 1.30x, docs/performance.md). The batch path always runs the backend's own grid.
+            backend's own grid; 2 and 4 measured no faster (docs/performance.md). The batch path always runs the
+            backend's own grid.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
