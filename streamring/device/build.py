@@ -23,8 +23,13 @@ wheel's ``nvidia/nvshmem/include``), and ``LIB`` is ``INC/../lib`` (it must hold
 
 The cubin is cached under ``$STREAMRING_CACHE`` (default ``~/.cache/streamring``),
 keyed by the sha256 of every source in ``csrc/``, the arch, the ``nvcc --version``
-text and NVSHMEM's version header, so editing a source or switching compilers
-rebuilds and nothing else does.
+text, NVSHMEM's version header and ``$STREAMRING_NVCC_DEFINES``, so editing a source or switching
+compilers rebuilds and nothing else does.
+
+``STREAMRING_NVCC_DEFINES`` (space-separated ``NAME=VALUE`` words, each passed as ``-DNAME=VALUE``) builds a
+variant of the library for a measurement against the default in one device call, e.g.
+``STREAMRING_NVCC_DEFINES="SR_ONE_WARP="`` lifts the one-warp kernels' register cap
+(``csrc/ring_protocol.cuh``).
 
 Run ``python -m streamring.device.build`` to build and print the cubin's path (a line per compile
 unit); the CUTLASS GEMM library is built by ``python -m streamring.gemm.build --out .gemm-build``
@@ -158,8 +163,15 @@ def cache_dir() -> Path:
     return Path(os.environ.get("STREAMRING_CACHE") or Path.home() / ".cache" / "streamring")
 
 
+def nvcc_defines() -> list[str]:
+    """The ``-D`` flags of ``$STREAMRING_NVCC_DEFINES`` (module doc); none by default."""
+    return [f"-D{w}" for w in os.environ.get("STREAMRING_NVCC_DEFINES", "").split()]
+
+
 def source_digest(arch: str, nvcc_ver: str, inc: Path | None) -> str:
     h = hashlib.sha256()
+    for flag in nvcc_defines():
+        h.update(flag.encode() + b"\0")
     for name in sorted(p.name for p in CSRC.iterdir() if p.suffix in (".cu", ".cuh", ".h")):
         h.update(name.encode())
         h.update(b"\0")
@@ -233,8 +245,8 @@ def build_cubin(arch: str | None = None, force: bool = False, verbose: bool = Fa
         objs = []
         for i, src in enumerate(srcs):
             obj = Path(tmp) / (src.stem + ".o")
-            cc = [nvcc, f"-arch={arch}", "-rdc=true", "-O3", "-std=c++17", f"-I{inc}", f"-I{gen}", f"-I{CSRC}",
-                  "-c", str(src), "-o", str(obj)]
+            cc = [nvcc, f"-arch={arch}", "-rdc=true", "-O3", "-std=c++17", *nvcc_defines(), f"-I{inc}", f"-I{gen}",
+                  f"-I{CSRC}", "-c", str(src), "-o", str(obj)]
             if verbose:
                 print("streamring build: " + " ".join(cc), file=sys.stderr)
             _run(cc, f"nvcc compile of {src.name}", timeout)

@@ -38,7 +38,7 @@ def parse_kernel_signatures(paths) -> dict[str, tuple[tuple[str, str], ...]]:
     for path in paths:
         text = re.sub(r"//[^\n]*", "", Path(path).read_text())
         text = re.sub(r"/\*.*?\*/", "", text, flags=re.S)
-        for m in re.finditer(r'extern\s+"C"\s+__global__\s+void\s+(\w+)\s*\(([^)]*)\)', text):
+        for m in re.finditer(r'extern\s+"C"\s+__global__\s+void\s+(?:SR_ONE_WARP\s+)?(\w+)\s*\(([^)]*)\)', text):
             params = []
             for decl in (p.strip() for p in m.group(2).split(",")):
                 if not decl:

@@ -287,10 +287,52 @@ def test_every_kernel_source_compiles_against_the_nvshmem_declarations(tmp_path)
     decls = Path(__file__).parents[1] / "helpers" / "nvshmem_decls"
     sources = sorted(csrc.glob("*.cu"))
     assert sources
+    registers = {}
     for cu in sources:
-        res = subprocess.run([nvcc, "-arch=sm_90", "-rdc=true", f"-I{decls}", f"-I{gen}", f"-I{csrc}", "-c", str(cu),
-                              "-o", str(tmp_path / (cu.stem + ".o"))], capture_output=True, text=True, timeout=300)
+        res = subprocess.run([nvcc, "-arch=sm_90", "-rdc=true", "-O3", "-Xptxas", "-v", f"-I{decls}", f"-I{gen}",
+                              f"-I{csrc}", "-c", str(cu), "-o", str(tmp_path / (cu.stem + ".o"))],
+                             capture_output=True, text=True, timeout=300)
         assert res.returncode == 0, f"{cu.name}:\n{res.stderr[-3000:]}"
+        registers.update(_registers_per_kernel(res.stderr))
+    _check_one_warp_kernels_fit_beside_a_gemm_cta(csrc, registers)
+
+
+#: kernels launched as one warp that nothing runs beside: the latency probes of bench.signal_latency
+LATENCY_PROBES = {"ring_pingpong", "flag_pingpong"}
+
+
+def _registers_per_kernel(ptxas_log: str) -> dict:
+    """``{kernel: registers}`` from ``nvcc -Xptxas -v`` output."""
+    import re
+
+    out, name = {}, None
+    for line in ptxas_log.splitlines():
+        m = re.search(r"Compiling entry function '(\w+)'", line)
+        if m:
+            name = m.group(1)
+        m = re.search(r"Used (\d+) registers", line)
+        if m and name:
+            out[name], name = int(m.group(1)), None
+    return out
+
+
+def _check_one_warp_kernels_fit_beside_a_gemm_cta(csrc, registers: dict) -> None:
+    """Every kernel of ring_kernels.cu / ep_kernels.cu that streamring/device/kernels.py launches as one warp
+    per block (block size 1 or 32), but the latency probes, is marked ``SR_ONE_WARP`` and compiles to at most 32
+    registers: it fits on an SM beside an expert GEMM's CTA (csrc/ring_protocol.cuh says why)."""
+    import re
+
+    launches = dict(re.findall(r'lib\.launch\(stream, "(\w+)", \w+, (\w+)',
+                               (csrc.parent / "kernels.py").read_text()))
+    ours = {n for f in ("ring_kernels.cu", "ep_kernels.cu")
+            for n in re.findall(r'__global__ void (?:SR_ONE_WARP )?(\w+)\(', (csrc / f).read_text())}
+    marked = {n for f in ("ring_kernels.cu", "ep_kernels.cu")
+              for n in re.findall(r'__global__ void SR_ONE_WARP (\w+)\(', (csrc / f).read_text())}
+    one_warp = {n for n in ours if launches.get(n) in ("1", "32")} - LATENCY_PROBES
+    assert one_warp and one_warp == marked, (f"launched as one warp but not SR_ONE_WARP: {sorted(one_warp - marked)}; "
+                                             f"SR_ONE_WARP but not launched as one warp: {sorted(marked - one_warp)}")
+    over = {n: registers.get(n) for n in marked if registers.get(n) is None or registers[n] > 32}
+    assert not over, f"one-warp kernels over 32 registers (or not compiled): {over}"
 
 
 # --------------------------------------------------------------------------------------------

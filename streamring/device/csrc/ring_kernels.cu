@@ -8,14 +8,14 @@
 #include "ring_protocol.cuh"
 
 // Owner reuse wait before writing chunk `chunk` (no-op for chunk < num_slots).
-extern "C" __global__ void ring_reuse_wait(const RingDesc* d, uint8_t* buf, int me, int64_t chunk, int inject) {
+extern "C" __global__ void SR_ONE_WARP ring_reuse_wait(const RingDesc* d, uint8_t* buf, int me, int64_t chunk, int inject) {
     if (threadIdx.x != 0 || d->num_chunks <= 0 || chunk < d->num_slots) return;
     uint64_t e = cur_epoch(d);
     owner_collect(d, buf, me, chunk % d->num_slots, chunk - d->num_slots, e, inject, RE_REUSE_TIMEOUT);
 }
 
 // End of stream: collect the acks of the last chunk of every slot, leaving every mask zero.
-extern "C" __global__ void ring_drain(const RingDesc* d, uint8_t* buf, int me) {
+extern "C" __global__ void SR_ONE_WARP ring_drain(const RingDesc* d, uint8_t* buf, int me) {
     if (threadIdx.x != 0 || d->num_chunks <= 0) return;
     uint64_t e = cur_epoch(d);
     const int64_t n = d->num_chunks, S = d->num_slots;
@@ -27,7 +27,7 @@ extern "C" __global__ void ring_drain(const RingDesc* d, uint8_t* buf, int me) {
 
 // One thread increments the device epoch word. Put last in a captured graph (after every
 // stream joined) so the next replay runs the next epoch.
-extern "C" __global__ void ring_advance_epoch(const RingDesc* d) {
+extern "C" __global__ void SR_ONE_WARP ring_advance_epoch(const RingDesc* d) {
     if (threadIdx.x == 0 && blockIdx.x == 0) {
         d->epoch[0] = d->epoch[0] + 1;
         __threadfence_system();
@@ -37,7 +37,7 @@ extern "C" __global__ void ring_advance_epoch(const RingDesc* d) {
 // Progress policy spin_kernel (and the exact generation check of every policy): one thread per
 // block spins (acquire, with deadline) until the route and layout generations of (src, chunk)
 // are ready. Grid = #sources: block b waits for source src0 + b.
-extern "C" __global__ void ring_spin_wait(const RingDesc* d, uint8_t* buf, int64_t src0, int64_t chunk, int inject) {
+extern "C" __global__ void SR_ONE_WARP ring_spin_wait(const RingDesc* d, uint8_t* buf, int64_t src0, int64_t chunk, int inject) {
     if (threadIdx.x != 0 || d->num_chunks <= 0 || (inject & INJ_SKIP_ACQUIRE)) return;
     uint64_t g = ring_make_gen(cur_epoch(d), chunk);
     acquire_wait(d, buf, src0 + blockIdx.x, chunk, g, inject);
@@ -51,7 +51,7 @@ extern "C" __global__ void ring_spin_wait(const RingDesc* d, uint8_t* buf, int64
 // generation. The valid count is `*valid_ptr` when given (a device word: the count of a forward
 // whose token count lives on the device, e.g. a CUDA graph replayed with varying counts), else
 // `valid`.
-extern "C" __global__ void ring_publish(const RingDesc* d, uint8_t* buf, const uint64_t* peers, int me,
+extern "C" __global__ void SR_ONE_WARP ring_publish(const RingDesc* d, uint8_t* buf, const uint64_t* peers, int me,
                                         int64_t chunk, int kind, int64_t valid, const int64_t* valid_ptr) {
     if (d->num_chunks <= 0 || threadIdx.x != 0) return;
     const uint64_t g = ring_make_gen(cur_epoch(d), chunk);
@@ -72,7 +72,7 @@ extern "C" __global__ void ring_publish(const RingDesc* d, uint8_t* buf, const u
 // Consumer: acquire both generations of (src0 + blockIdx.x, chunk), then check the source's
 // metadata words and record its valid count in valid_tab (check_meta). Grid = #sources, one
 // thread works.
-extern "C" __global__ void ring_acquire_checked(const RingDesc* d, uint8_t* buf, const uint64_t* peers, int me,
+extern "C" __global__ void SR_ONE_WARP ring_acquire_checked(const RingDesc* d, uint8_t* buf, const uint64_t* peers, int me,
                                                 int64_t src0, int64_t chunk, int* valid_tab, int inject) {
     if (threadIdx.x != 0 || d->num_chunks <= 0) return;
     const int64_t src = src0 + blockIdx.x;
@@ -87,7 +87,7 @@ extern "C" __global__ void ring_acquire_checked(const RingDesc* d, uint8_t* buf,
 // Acknowledge (src0 + blockIdx.x, chunk): the caller's earlier kernels on this stream acquired
 // (ring_spin_wait) and copied what they need out of the slot; stream order puts their reads
 // before this kernel, whose release precedes the fetch_or. Grid = #sources.
-extern "C" __global__ void ring_ack(const RingDesc* d, uint8_t* buf, const uint64_t* peers, int me, int64_t src0,
+extern "C" __global__ void SR_ONE_WARP ring_ack(const RingDesc* d, uint8_t* buf, const uint64_t* peers, int me, int64_t src0,
                                     int64_t chunk) {
     if (d->num_chunks <= 0 || threadIdx.x != 0) return;
     __threadfence_system();
@@ -133,7 +133,7 @@ static __device__ __forceinline__ int probe_source(const RingDesc* d, uint8_t* b
 // taken with no rows (the forward then fails its checks; nothing waits forever); a violation seen
 // while gathering more ends the gathering and leaves that source pending for a later step.
 // num_ranks <= 64.
-extern "C" __global__ void ring_wait_any(const RingDesc* d, uint8_t* buf, const uint64_t* peers, int me, int64_t chunk,
+extern "C" __global__ void SR_ONE_WARP ring_wait_any(const RingDesc* d, uint8_t* buf, const uint64_t* peers, int me, int64_t chunk,
                                          int* valid_tab, uint64_t* pending, int first, int* chosen, int max_take,
                                          int64_t window_ns, int inject) {
     if (threadIdx.x != 0 || blockIdx.x != 0 || d->num_chunks <= 0) return;
@@ -219,7 +219,7 @@ extern "C" __global__ void ring_wait_any(const RingDesc* d, uint8_t* buf, const 
 // Acknowledge chunk `chunk` of the sources chosen[0..count) that are not -1: the ready-order form of
 // ring_ack (the sources were taken on the device by ring_wait_any; the reads of their slots are
 // earlier kernels of this stream, and the release below precedes every fetch_or).
-extern "C" __global__ void ring_ack_chosen(const RingDesc* d, uint8_t* buf, const uint64_t* peers, int me,
+extern "C" __global__ void SR_ONE_WARP ring_ack_chosen(const RingDesc* d, uint8_t* buf, const uint64_t* peers, int me,
                                            const int* chosen, int count, int64_t chunk) {
     if (d->num_chunks <= 0 || threadIdx.x != 0 || blockIdx.x != 0) return;
     __threadfence_system();

@@ -14,6 +14,19 @@
 #include "ring_desc.cuh"
 #include "transport.cuh"
 
+// Kernels launched as one warp per block (the ring's waits, acknowledgements and publications, the
+// owner's arrival wait, the arrival counts, the benchmark's delay) are capped at 32 registers, so one
+// fits on an SM beside a CTA of an expert GEMM: a CUTLASS or DeepGEMM SM90 FP8 CTA of 384 threads at
+// 168 registers holds 64,512 of the SM's 65,536 and leaves 1,024, one warp's worth at 32 (it leaves
+// shared memory too: 217,600 B of the 233,472). Without the cap (ring_wait_any compiles to 66), a wait
+// that spins while a persistent, statically scheduled GEMM grid is launched keeps one of that grid's
+// CTAs off every SM until the wait ends, and that CTA's share of the tiles starts only then; the
+// spills the cap costs are a few local loads per probe of a loop that polls memory anyway.
+// tests/unit/test_gpu.py compiles every such kernel and checks its registers.
+#ifndef SR_ONE_WARP
+#define SR_ONE_WARP __maxnreg__(32)
+#endif
+
 static __device__ __forceinline__ uint64_t* word_at(uint8_t* buf, int64_t off) { return (uint64_t*)(buf + off); }
 static __device__ __forceinline__ uint64_t* route_gen_word(const RingDesc* d, uint8_t* buf, int64_t src,
                                                            int64_t slot) {
