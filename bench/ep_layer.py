@@ -418,7 +418,8 @@ def timeline_line(t: dict) -> str:
     dispatch and GEMMs, the tail, the replay call and end stamps around the graph and the event time."""
     c, tl = t["chunks"][0], t["tail"]
     ev = [("writable", c), ("routed", c), ("own_routes", c), ("route_published", c), ("quantized", c),
-          ("layout_published", c), ("acquired", c), ("dispatched_acked", c), ("blocks_done", c),
+          ("layout_published", c), ("acquired", c), ("first_blocks_done", c), ("dispatched_acked", c),
+          ("blocks_done", c),
           ("seal_blocks_done", tl), ("combine_done", tl), ("replay_called", tl), ("replay_end", tl)]
     return (f"PE {t['rank']} {t['path']} late {t.get('straggler_ms')}: "
             + " ".join(f"{k} {d[k]:.0f}" for k, d in ev if k in d) + f" | event {t.get('event_ms', 0):.3f} ms")

@@ -26,6 +26,9 @@ from ..gemm.backends import CAPABILITIES
 from .blocks import BlockConsumer
 from .grid_bounds import grouped_step_bound, grouped_step_expect, seal_bound, step_bound, step_expect
 from .math import MoEShape
+from .timeline_events import CHUNK_EVENTS
+
+FIRST_BLOCKS_DONE = CHUNK_EVENTS.index("first_blocks_done")
 
 
 class EPExperts:
@@ -138,6 +141,8 @@ class EPExperts:
                          stream, puts_stream)
             if j == path.steps - 1:
                 instrument.stamp(c, 4)
+            elif j == 0:
+                instrument.stamp(c, FIRST_BLOCKS_DONE)
 
     def seal(self, path, layer, plan, combine, stream, puts_stream, instrument) -> None:
         """The end of the stream: every partial block ready, computed in one call with the last step's blocks

@@ -17,7 +17,7 @@ import torch
 from ..device import kernels as DK
 from ..device import moe_triton as K
 from ..device.ringdesc import INJECT_BITS
-from .timeline_events import CHUNK_EVENTS, STAMP_STRIDE, TAIL_EVENTS
+from .timeline_events import CHUNK_EVENTS, FIRST_STEP_EVENTS, STAMP_STRIDE, TAIL_EVENTS
 
 
 class Instrument:
@@ -71,15 +71,17 @@ class Instrument:
 
     def timeline(self) -> dict:
         """Per-chunk device timestamps of the last stamped forward, in us. A chunk's ``acquired`` is its first
-        dispatch step's, ``dispatched_acked`` and ``blocks_done`` its last step's; ``blocks_ready`` counts the
-        blocks all its steps made ready; ``t0_ns`` is the forward's first stamp (``%globaltimer``, ns), the
-        zero of the rest."""
+        dispatch step's, ``dispatched_acked`` and ``blocks_done`` its last step's, ``first_blocks_done`` (a chunk of
+        several steps) the end of its first step's GEMM call; ``blocks_ready`` counts the blocks all its steps made
+        ready; ``t0_ns`` is the forward's first stamp (``%globaltimer``, ns), the zero of the rest."""
         if self.stamps is None or self.stamp_path is None:
             raise ValueError("no timeline: call streamring.moe.debug.record_timeline(buffer) and run a forward")
         buf, p = self._buf, self.stamp_path
         st = self.stamps.view(-1, STAMP_STRIDE).cpu().numpy().astype(np.int64)
         t0 = int(st[p.num_chunks, 0])
-        chunks = [{ev: (int(st[c, j]) - t0) / 1e3 for j, ev in enumerate(CHUNK_EVENTS)} for c in range(p.num_chunks)]
+        # first_blocks_done is written only where a chunk has several dispatch steps
+        events = [ev for ev in CHUNK_EVENTS if p.steps > 1 or ev not in FIRST_STEP_EVENTS]
+        chunks = [{ev: (int(st[c, CHUNK_EVENTS.index(ev)]) - t0) / 1e3 for ev in events} for c in range(p.num_chunks)]
         tail = {ev: (int(st[p.num_chunks, j]) - t0) / 1e3 for j, ev in enumerate(TAIL_EVENTS)}
         n = len(p.order)
         ready = buf.pipeline.experts.bc.ready_hi.cpu().tolist()[: n + 2]
