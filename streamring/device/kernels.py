@@ -292,12 +292,14 @@ def ep_signal_arrivals(lib, stream, *, d: int, comb: int, comb_peers: int, me: i
                    hi_index=hi_index, row_src=row_src, row_chunk=row_chunk, block_m=block_m)
 
 
-def ep_put_rows(lib, stream, *, d: int, comb: int, me: int, off_arrived: int, off_rows: int, y_stage: int,
-                hidden: int, ready_list: int, ready_hi: int, lo_index: int, hi_index: int, row_src: int,
+def ep_put_rows(lib, stream, *, d: int, comb: int, comb_peers: int, me: int, off_arrived: int, off_rows: int,
+                y_stage: int, hidden: int, ready_list: int, ready_hi: int, lo_index: int, hi_index: int, row_src: int,
                 row_tok: int, row_chunk: int, block_m: int, max_items: int, block: int = 256) -> None:
-    """NVSHMEM path: put the ready blocks' rows into their owners' combine rows, then add the counts."""
+    """Copy the ready blocks' rows from the staging rows into their owners' combine rows, then add the counts:
+    through the peer pointers ``comb_peers`` (P2P), or NVSHMEM puts where it is 0."""
     if max_items > 0:
-        lib.launch(stream, "ep_put_rows", max_items, block, d=d, comb=comb, me=me, off_arrived=off_arrived,
+        lib.launch(stream, "ep_put_rows", max_items, block, d=d, comb=comb, comb_peers=comb_peers, me=me,
+                   off_arrived=off_arrived,
                    off_rows=off_rows, y_stage=y_stage, hidden=hidden, ready_list=ready_list, ready_hi=ready_hi,
                    lo_index=lo_index, hi_index=hi_index, row_src=row_src, row_tok=row_tok, row_chunk=row_chunk,
                    block_m=block_m)

@@ -190,7 +190,7 @@ class NvshmemHeap(SymmetricHeap):
         z = sp + 8 * (64 + self._npes)  # zero words after the peer table
         K.ep_signal_arrivals(lib, st, d=d, comb=b, comb_peers=0, me=me, off_arrived=0, ready_list=z, ready_hi=z,
                              lo_index=0, hi_index=1, row_src=z, row_chunk=z, block_m=16, max_items=1)
-        K.ep_put_rows(lib, st, d=d, comb=b, me=me, off_arrived=0, off_rows=0, y_stage=z, hidden=128, ready_list=z,
+        K.ep_put_rows(lib, st, d=d, comb=b, comb_peers=0, me=me, off_arrived=0, off_rows=0, y_stage=z, hidden=128, ready_list=z,
                       ready_hi=z, lo_index=0, hi_index=1, row_src=z, row_tok=z, row_chunk=z, block_m=16, max_items=1)
         K.ep_pull_slots(lib, st, d=d, buf=b, mirror=z, mirror_stride=0, src_list=z, chunk=0, sources=1)
         K.ep_wait_arrivals(lib, st, d=d, comb=b, off_arrived=0, expected=z, first_chunk=0, num_chunks=0)

@@ -5,7 +5,8 @@ result rows to their owners' combine rows with the arrival counts.
 
 Delivery (``csrc/ep_kernels.cu``): with a backend that stores L2 straight into its owner (``owner_rows``, P2P) the
 rows are stored before the release ADD of their count (``ep_signal_arrivals``); otherwise L2 writes a local ``y``
-and ``ep_put_rows`` puts the range's rows, then ADDs the counts (release). The owner acquires the full count before
+and ``ep_put_rows`` copies the range's rows to their owners (through the peer pointers over P2P, NVSHMEM puts
+otherwise), then ADDs the counts (release). The owner acquires the full count before
 reading. With a stream of their own (``u``), the puts of one range run beside the next range's GEMMs: they read
 only their range's rows of ``y``, which no later call writes (``y`` is a staging buffer of whole rows).
 
@@ -120,7 +121,8 @@ class EPExperts:
             puts_stream.wait_event(self._computed[lo])
             stream = puts_stream
         with torch.cuda.stream(stream) if puts_stream is not None else contextlib.nullcontext():
-            DK.ep_put_rows(self.heap.lib, r.stream_ref(stream), d=r.desc, comb=combine.base, me=self.me,
+            DK.ep_put_rows(self.heap.lib, r.stream_ref(stream), d=r.desc, comb=combine.base,
+                           comb_peers=combine.peers, me=self.me,
                            off_arrived=combine.layout.off_arrived, off_rows=combine.layout.off_rows,
                            y_stage=int(bc.y.data_ptr()), hidden=bc.shape.hidden,
                            ready_list=int(bc.ready_list.data_ptr()), ready_hi=int(bc.ready_hi.data_ptr()),

@@ -279,7 +279,7 @@ class EmulatedLibrary:
                 assert src == me, "one PE: every row belongs to this PE"
                 words(comb + off_arrived + chunk * 8, 1, np.uint64)[0] += np.uint64(n)
 
-    def ep_put_rows(self, grid, *, d, comb, me, off_arrived, off_rows, y_stage, hidden, ready_list, ready_hi,
+    def ep_put_rows(self, grid, *, d, comb, comb_peers, me, off_arrived, off_rows, y_stage, hidden, ready_list, ready_hi,
                     lo_index, hi_index, row_src, row_tok, row_chunk, block_m):
         row_bytes = hidden * 2
         for bid in self._ready_blocks(grid, ready_list, ready_hi, lo_index, hi_index):

@@ -60,33 +60,58 @@ extern "C" __global__ void SR_ONE_WARP ep_signal_arrivals(const RingDesc* d, uin
                                                          }));
 }
 
-// Consumer, NVSHMEM path (the owner has no load/store pointer, or the transport is forced to
-// 'nv'): the L2 wrote its rows into the local staging rows y[row][hidden] (bf16); put each valid
-// row into its owner's combine rows[token*topk + k] (row_tok), complete the puts (quiet), then add
-// the runs' counts to the owners' arrived words. Grid = max_items, one block per ready block.
-extern "C" __global__ void ep_put_rows(const RingDesc* d, uint8_t* comb, int me, int64_t off_arrived,
-                                       int64_t off_rows, const uint8_t* y_stage, int64_t hidden,
-                                       const int* ready_list, const int* ready_hi, int64_t lo_index,
-                                       int64_t hi_index, const int* row_src, const int64_t* row_tok,
-                                       const int* row_chunk, int block_m) {
+// Consumer, after the L2 kernel of the ready range wrote its rows into the local staging rows
+// y[row][hidden] (bf16): copy each valid row into its owner's combine rows[token*topk + k] (row_tok),
+// then add the runs' counts to the owners' arrived words. Grid = max_items, one block per ready block.
+// P2P (comb_peers given: every owner's combine area is load/store reachable): each warp copies whole
+// rows with 16-byte stores through the peer pointer; every thread fences (system scope) after its
+// stores, the block barrier follows, and thread 0's release ADD (P2pX::signal_add) publishes the
+// count, so an owner that acquires the full count (ep_wait_arrivals) reads complete rows. NVSHMEM (no
+// pointer, or the transport forced to 'nv'): nvshmemx_putmem_block per row, nvshmem_quiet (every
+// put complete at its owner), the barrier, then the ADD. Rows are whole multiples of 16 bytes
+// (hidden % 128 == 0) and every base is 16-byte aligned. SR_P2P_ROW_COPY=0 (a build define) takes the
+// NVSHMEM path on P2P too, to measure one against the other.
+#ifndef SR_P2P_ROW_COPY
+#define SR_P2P_ROW_COPY 1
+#endif
+extern "C" __global__ void ep_put_rows(const RingDesc* d, uint8_t* comb, const uint64_t* comb_peers, int me,
+                                       int64_t off_arrived, int64_t off_rows, const uint8_t* y_stage,
+                                       int64_t hidden, const int* ready_list, const int* ready_hi,
+                                       int64_t lo_index, int64_t hi_index, const int* row_src,
+                                       const int64_t* row_tok, const int* row_chunk, int block_m) {
     const int lo = ready_hi[lo_index], hi = ready_hi[hi_index];
     if ((int)blockIdx.x >= hi - lo) return;
     const int64_t bid = ready_list[lo + blockIdx.x];
     const int64_t row_bytes = hidden * 2;
-    for (int i = 0; i < block_m; ++i) {
-        const int64_t row = bid * block_m + i;
-        const int src = row_src[row];
-        if (src < 0) continue;  // padding row of a sealed partial block
-        nvshmemx_putmem_block(comb + off_rows + row_tok[row] * row_bytes, y_stage + row * row_bytes, row_bytes,
-                              src);
+    if (SR_P2P_ROW_COPY && comb_peers) {
+        const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+        const int64_t vecs = row_bytes / 16;
+        for (int i = warp; i < block_m; i += warps) {
+            const int64_t row = bid * block_m + i;
+            const int src = row_src[row];
+            if (src < 0) continue;  // padding row of a sealed partial block
+            const uint4* from = (const uint4*)(y_stage + row * row_bytes);
+            uint4* to = (uint4*)((uint8_t*)comb_peers[src] + off_rows + row_tok[row] * row_bytes);
+            for (int64_t v = lane; v < vecs; v += 32) to[v] = from[v];
+        }
+        __threadfence_system();  // this thread's row stores before the barrier and the release ADD
+    } else {
+        for (int i = 0; i < block_m; ++i) {
+            const int64_t row = bid * block_m + i;
+            const int src = row_src[row];
+            if (src < 0) continue;  // padding row of a sealed partial block
+            nvshmemx_putmem_block(comb + off_rows + row_tok[row] * row_bytes, y_stage + row * row_bytes,
+                                  row_bytes, src);
+        }
+        nvshmem_quiet();  // every thread: its part of the puts is complete at the owners
     }
-    nvshmem_quiet();  // every thread: its part of the puts is complete at the owners
     __syncthreads();
     if (threadIdx.x != 0) return;
     uint64_t* arrived = (uint64_t*)(comb + off_arrived);
-    NvX x{comb, me};
-    for_each_run(row_src, row_chunk, bid * block_m, block_m,
-                 [&](int src, int chunk, uint64_t n) { x.signal_add(arrived + chunk, n, src); });
+    SR_WITH_TRANSPORT(comb, me, comb_peers, for_each_run(row_src, row_chunk, bid * block_m, block_m,
+                                                         [&](int src, int chunk, uint64_t n) {
+                                                             x.signal_add(arrived + chunk, n, src);
+                                                         }));
 }
 
 // Consumer, NVSHMEM path of the dispatch: copy the slot of `chunk` of the sources src_list[grid]
