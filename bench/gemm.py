@@ -76,6 +76,7 @@ import torch
 from streamring.gemm import cutlass as CG
 from streamring.gemm import deep_gemm as DG
 from streamring.moe import blocks as B
+from streamring.moe.weights import MoEWeights
 from streamring.gemm import choice as GC
 from bench.common import (FP8, HBM_GBS, PEAK_FP8_TFLOPS, T0, capture, dsv3_shape, log, poison,
                           time_interleaved)
@@ -587,7 +588,7 @@ def main(argv=None) -> int:
     tokens = [int(v) for v in args.tokens.split(",") if v]
     layer_tokens = [int(v) for v in args.layer_tokens.split(",") if v]
     log(f"device {torch.cuda.get_device_name()}; torch {torch.__version__}; weights (256 experts, FP8) ...")
-    fw = B.FastWeights.random(shape, 7, dev)
+    fw = MoEWeights.random_fp8(shape, 7, dev).fp8_blocks()
     torch.cuda.synchronize()
     log("weights ready")
     max_blocks = max(-(-t * shape.topk // args.block_m) + shape.num_experts for t in tokens)  # = bc.max_blocks

@@ -29,6 +29,7 @@ from streamring.device import moe_triton as K
 from streamring.moe import blocks as B
 from streamring.gemm import choice as GC
 from streamring.moe.math import MoEShape
+from streamring.moe.weight_views import FP8BlocksView
 
 # ----------------------------------------------------------------------------------------------
 # one token count
@@ -37,7 +38,7 @@ class Case:
     """Buffers and input sets of one token count (a consumer of ``--block-m`` rows per block for Triton
     and CUTLASS; with DeepGEMM a second one of 128-row blocks, same routing and activations)."""
 
-    def __init__(self, T: int, shape: MoEShape, fw: B.FastWeights, args, dev, dg=None):
+    def __init__(self, T: int, shape: MoEShape, fw: FP8BlocksView, args, dev, dg=None):
         self.T, self.shape, self.fw, self.dev, self.dg = T, shape, fw, dev, dg
         E, Kk, H, I = shape.num_experts, shape.topk, shape.hidden, shape.intermediate
         self.bc = B.BlockConsumer(shape, T, 1, args.block_m, dev)

@@ -31,7 +31,8 @@ import torch
 
 from bench.common import dsv3_shape, log, uniform_inputs
 from streamring.device import moe_triton as K
-from streamring.moe.blocks import BlockConsumer, FastWeights, Producer, select_experts_into
+from streamring.moe.blocks import BlockConsumer, Producer, select_experts_into
+from streamring.moe.weights import MoEWeights
 from streamring.device.graph_priority import prioritize_nodes as _prioritize_nodes
 
 FP8 = torch.float8_e4m3fn
@@ -47,7 +48,7 @@ class Probe:
         self.args, self.dev = args, dev
         shape = dsv3_shape(64, num_experts=args.experts)
         self.shape = shape
-        self.fw = FastWeights.random(shape, 0, dev)
+        self.fw = MoEWeights.random_fp8(shape, 0, dev).fp8_blocks()
         gen = torch.Generator(device=dev)
         gen.manual_seed(1)
         idx, w, q, sf = uniform_inputs(args.tokens, shape, gen, dev)

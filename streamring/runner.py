@@ -186,7 +186,7 @@ def run_layer(heap: SymmetricHeap, cfg: Config, progress=None) -> dict:
 
     from .moe import debug as moe_debug
     from .moe.layer import MoEBuffer
-    from .moe.math import MoEWeights
+    from .moe.weights import MoEWeights
     from .moe.reference import reference_tolerance
     from .moe.tuning import MoETuning
 
@@ -278,14 +278,14 @@ def run_layer_gpu(heap, cfg: Config, progress=None) -> dict:
     (relative error below ``blocks.FAST_PATH_REL_TOL``)."""
     import torch
 
-    from .moe import blocks as B
+    from .moe.weights import MoEWeights
 
     progress = progress if progress is not None else _Quiet()
     R, me = heap.num_ranks, heap.rank
     shape, tokens = _fast_path_job(cfg, R)
     dev = heap.device
     progress.what = "building the buffer and capturing the first forward of each path"
-    full = B.FastWeights.random(shape, cfg.layer.seed, dev)  # every expert, for this rank's reference
+    full = MoEWeights.random_fp8(shape, cfg.layer.seed, dev)  # every expert, for this rank's reference
     st = cfg.run.straggler
     buf = _ep_buffer_of(heap, cfg, shape, max(max(tokens), 1))
     layer = buf.prepare_weights(full)
@@ -375,7 +375,7 @@ def _check_gpu_epoch(row: dict, outs: dict, x, full, shape, mode: str) -> None:
                                                 float((a.float() - b.float()).abs().max()))
     y = outs["batch" if mode != "stream" else "stream"]
     sample = torch.linspace(0, T - 1, min(T, 8), device=x.device).round().long().unique()
-    ref = B.reference_tokens_f64(x, full, shape, sample)
+    ref = B.reference_tokens_f64(x, full.fp8_blocks(), shape, sample)
     rel = float((y[sample].double() - ref).norm() / ref.norm().clamp_min(1e-30))
     row["ref_max_abs_err"] = max(row["ref_max_abs_err"], float((y[sample].double() - ref).abs().max()))
     row["ref_max_err_ratio"] = max(row["ref_max_err_ratio"], rel / B.FAST_PATH_REL_TOL)

@@ -25,8 +25,6 @@ Runs wherever Triton runs: on a GPU, or on the CPU under ``TRITON_INTERPRET=1`` 
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -35,77 +33,13 @@ from ..device import ep_triton as EK
 from ..device import moe_triton as K
 from ..gemm.backends import make_experts, refuse_unsupported
 from .grid_bounds import consumer_max_blocks, step_bound
-from .math import MoEShape, MoEWeights
+from .math import MoEShape
 from .routers import select_experts
 from .routing import router_of
+from .weight_views import FP8BlocksView
 
 FP8 = torch.float8_e4m3fn
 PULLS = ("route", "token")  # BlockConsumer.dispatch_ep: one slot read per route, or per needed token
-
-
-@dataclass
-class FastWeights:
-    """Weights laid out for the block GEMMs.
-
-    ``w1`` is gate and up stacked: ``[E, 2I, H]`` fp8 with ``w1_sf [E, 2I/128, H/128]``;
-    ``w2`` ``[E, H, I]`` fp8 with ``w2_sf [E, H/128, I/128]``; ``router`` bf16 ``[E, H]``;
-    ``bias`` float32 ``[E]`` or None (deepseek_v3 selection bias).
-    """
-
-    w1: torch.Tensor
-    w1_sf: torch.Tensor
-    w2: torch.Tensor
-    w2_sf: torch.Tensor
-    router: torch.Tensor
-    bias: Optional[torch.Tensor]
-
-    @classmethod
-    def from_moe_weights(cls, w: MoEWeights) -> "FastWeights":
-        """Stack an fp8 :class:`MoEWeights` (raises for bf16 weights: the fast path is FP8 only)."""
-        if not w.is_fp8:
-            raise ValueError("the block-granular FP8 consumer needs weight_dtype 'fp8' weights, got bf16")
-        return cls(w1=torch.cat([w.w1, w.w3], dim=1).contiguous(),
-                   w1_sf=torch.cat([w.w1_scale, w.w3_scale], dim=1).contiguous(),
-                   w2=w.w2.contiguous(), w2_sf=w.w2_scale.contiguous(),
-                   router=w.router_weight.to(torch.bfloat16).contiguous(),
-                   bias=None if w.correction_bias is None else w.correction_bias.float().contiguous())
-
-    def local(self, rank: int, num_ranks: int) -> "FastWeights":
-        """This PE's experts of a full set (rank ``r`` holds experts ``[r * E/R, (r+1) * E/R)``);
-        the router and bias stay global (every PE routes its own tokens over all experts)."""
-        e = self.w1.shape[0]
-        if e % num_ranks or not 0 <= rank < num_ranks:
-            raise ValueError(f"cannot split {e} experts over {num_ranks} ranks for rank {rank}")
-        lo, hi = rank * e // num_ranks, (rank + 1) * e // num_ranks
-        return FastWeights(w1=self.w1[lo:hi], w1_sf=self.w1_sf[lo:hi], w2=self.w2[lo:hi], w2_sf=self.w2_sf[lo:hi],
-                           router=self.router, bias=self.bias)
-
-    @classmethod
-    def random(cls, shape: MoEShape, seed: int, device) -> "FastWeights":
-        """Random FP8 weights generated *on* ``device`` (the full DeepSeek-V3 shape in seconds).
-
-        Same distribution as :meth:`MoEWeights.random` (N(0, 1/fan_in), 128x128 block scales)
-        but a different stream of numbers; use it for benchmarks, not for cross-device checks.
-        """
-        from .math import quantize_weight_fp8_block
-
-        e, h, i = shape.num_experts, shape.hidden, shape.intermediate
-        g = torch.Generator(device=device)
-        g.manual_seed(seed)
-        w1 = torch.empty(e, 2 * i, h, dtype=FP8, device=device)
-        w1_sf = torch.empty(e, 2 * i // 128, h // 128, dtype=torch.float32, device=device)
-        w2 = torch.empty(e, h, i, dtype=FP8, device=device)
-        w2_sf = torch.empty(e, h // 128, i // 128, dtype=torch.float32, device=device)
-        for ex in range(e):
-            q, s = quantize_weight_fp8_block(torch.randn(2 * i, h, generator=g, device=device) / math.sqrt(h))
-            w1[ex].copy_(q)
-            w1_sf[ex].copy_(s)
-            q, s = quantize_weight_fp8_block(torch.randn(h, i, generator=g, device=device) / math.sqrt(i))
-            w2[ex].copy_(q)
-            w2_sf[ex].copy_(s)
-        router = (torch.randn(e, h, generator=g, device=device) / math.sqrt(h)).to(torch.bfloat16)
-        bias = torch.randn(e, generator=g, device=device) * 0.1 if router_of(shape.router).uses_bias else None
-        return cls(w1, w1_sf, w2, w2_sf, router, bias)
 
 
 def select_experts_into(logits: torch.Tensor, bias: Optional[torch.Tensor], shape: MoEShape, idx_out: torch.Tensor,
@@ -140,7 +74,7 @@ def deepseek_v3_into(logits, bias, shape: MoEShape, idx_out, w_out, launch: Opti
 class Producer:
     """Router/top-k and FP8 layout producers for up to ``max_tokens`` tokens per call."""
 
-    def __init__(self, shape: MoEShape, fw: FastWeights, max_tokens: int, device):
+    def __init__(self, shape: MoEShape, fw: FP8BlocksView, max_tokens: int, device):
         self.shape, self.fw = shape, fw
         self.logits = torch.zeros(max_tokens, shape.num_experts, dtype=torch.float32, device=device)
 
@@ -349,7 +283,7 @@ class BlockConsumer:
         """The expert GEMMs of ``impl`` if :meth:`experts` made them already, else None (makes nothing)."""
         return self._experts.get(impl)
 
-    def compute(self, lo_index: int, hi_index: int, max_items: int, fw: FastWeights, *, impl: str = "triton",
+    def compute(self, lo_index: int, hi_index: int, max_items: int, fw: FP8BlocksView, *, impl: str = "triton",
                 max_ctas: int | None = None, expect_items: int | None = None, out=None,
                 direct=None) -> None:
         """L1+SwiGLU and L2 of the blocks ``ready_list[ready_hi[lo_index] : ready_hi[hi_index]]`` by the
@@ -366,7 +300,7 @@ class BlockConsumer:
         K.combine(self.tok_row, self.y, out, topk=self.shape.topk)
 
 
-def moe_forward(idx, w, q, sf, fw: FastWeights, bc: BlockConsumer, out: torch.Tensor,
+def moe_forward(idx, w, q, sf, fw: FP8BlocksView, bc: BlockConsumer, out: torch.Tensor,
                 max_ctas: int | None = None, gemm_impl: str = "triton") -> None:
     """The MoE alone on already produced routing/layout (batch structure): the expert GEMMs of
     ``gemm_impl`` (``max_ctas`` as :meth:`BlockConsumer.compute` takes it)."""
@@ -385,7 +319,7 @@ def scratch_buffers(shape: MoEShape, tokens: int, device) -> dict:
             "sf": torch.zeros(tokens, shape.hidden // 128, dtype=torch.float32, device=device)}
 
 
-def reference_tokens_f64(x, fw: FastWeights, shape: MoEShape, tokens) -> torch.Tensor:
+def reference_tokens_f64(x, fw: FP8BlocksView, shape: MoEShape, tokens) -> torch.Tensor:
     """Float64 reference of the layer for the tokens ``tokens`` of ``x`` (all experts in ``fw``):
     router from the same bf16 weights (float64 logits), activations quantized as the ring carries
     them, expert weights dequantized, the intermediate kept in float64 (no FP8 re-quantization).
@@ -417,7 +351,7 @@ def reference_tokens_f64(x, fw: FastWeights, shape: MoEShape, tokens) -> torch.T
 FAST_PATH_REL_TOL = 0.03
 
 
-def streamed_forward_serial(x, fw: FastWeights, shape: MoEShape, prod: Producer, bc: BlockConsumer,
+def streamed_forward_serial(x, fw: FP8BlocksView, shape: MoEShape, prod: Producer, bc: BlockConsumer,
                             scratch: dict, chunk_tokens: int, out: torch.Tensor, gemm_impl: str = "triton") -> None:
     """Chunk by chunk on one stream, without a ring (the block logic alone; tests and the
     ``serialized`` reference): produce chunk c, dispatch it, run the blocks it made ready with

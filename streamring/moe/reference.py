@@ -11,8 +11,9 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from .math import QUANT_BLOCK, MoEShape, MoEWeights, _check_tensor, combine, expert_pool_forward, quantize_act_fp8
+from .math import QUANT_BLOCK, MoEShape, _check_tensor, combine, expert_pool_forward, quantize_act_fp8
 from .routers import _check_x, route
+from .weights import MoEWeights
 
 __all__ = ["batch_forward_single", "reference_forward_f64", "reference_tolerance", "ReferenceComparison",
            "compare_to_reference"]

@@ -846,11 +846,12 @@ def test_pair_tile_refuses_a_block_twice_with_two_partners():
 # ----------------------------------------------------------------------------------------------
 def _moe_setup(dev="cuda"):
     from streamring.moe import blocks as B
+    from streamring.moe.weights import MoEWeights
     from streamring.moe.math import MoEShape
 
     shape = MoEShape(hidden=256, intermediate=256, num_experts=8, topk=2, router="deepseek_v3", n_group=4,
                      topk_group=2, routed_scaling_factor=2.5, weight_dtype="fp8")
-    fw = B.FastWeights.random(shape, 3, dev)
+    fw = MoEWeights.random_fp8(shape, 3, dev).fp8_blocks()
     g = torch.Generator(device="cpu").manual_seed(5)
     x = torch.randn(97, shape.hidden, generator=g).to(torch.bfloat16).to(dev)
     return B, shape, fw, x

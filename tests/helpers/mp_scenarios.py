@@ -14,7 +14,8 @@ from streamring.device.cpu import MpiHeap
 from streamring.moe.bitwise import bit_difference
 from streamring.moe import debug as moe_debug
 from streamring.moe.layer import MoEBuffer
-from streamring.moe.math import MoEShape, MoEWeights
+from streamring.moe.math import MoEShape
+from streamring.moe.weights import MoEWeights
 from streamring.moe.reference import batch_forward_single
 from streamring.moe.tuning import MoETuning
 from streamring.ring.protocol import ProtocolViolation, WatchdogError

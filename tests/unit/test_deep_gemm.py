@@ -401,11 +401,12 @@ def test_deep_gemm_rows_do_not_depend_on_the_ready_range_bitwise():
 
 def _moe_setup(dev="cuda"):
     from streamring.moe import blocks as B
+    from streamring.moe.weights import MoEWeights
     from streamring.moe.math import MoEShape
 
     shape = MoEShape(hidden=256, intermediate=256, num_experts=8, topk=2, router="deepseek_v3", n_group=4,
                      topk_group=2, routed_scaling_factor=2.5, weight_dtype="fp8")
-    fw = B.FastWeights.random(shape, 3, dev)
+    fw = MoEWeights.random_fp8(shape, 3, dev).fp8_blocks()
     g = torch.Generator(device="cpu").manual_seed(5)
     x = torch.randn(640, shape.hidden, generator=g).to(torch.bfloat16).to(dev)  # ~160 rows per expert: full blocks too
     return B, shape, fw, x

@@ -33,6 +33,7 @@ from conftest import quick_subset  # noqa: E402
 from streamring.device import ep_triton as K  # noqa: E402
 from streamring.device import moe_triton as MT  # noqa: E402
 from streamring.moe import blocks as B  # noqa: E402
+from streamring.moe.weights import MoEWeights  # noqa: E402
 from streamring.moe.math import MoEShape  # noqa: E402
 from streamring.ring.layout import RingLayout, StreamPlan  # noqa: E402
 
@@ -150,7 +151,7 @@ def single_batch(shape, fw, x):
 @pytest.fixture(scope="module")
 def setup():
     shape = shape_()
-    fw = B.FastWeights.random(shape, 11, DEV)
+    fw = MoEWeights.random_fp8(shape, 11, DEV).fp8_blocks()
     g = torch.Generator().manual_seed(3)
     xs = [torch.randn(t, shape.hidden, generator=g).to(torch.bfloat16).to(DEV) for t in (9, 5)]
     refs = [single_batch(shape, fw, x) for x in xs]
