@@ -78,10 +78,10 @@ from streamring.gemm.backends import CAPABILITIES
 from streamring.device import kernels as DK
 from streamring.device.gemm_grid import GEMM_GRID
 from streamring.device.moe_triton import stamp
-from streamring.moe import blocks as B
 from streamring.moe import debug as moe_debug
 from streamring.moe.ep_buffer import EPBuffer
 from streamring.moe.math import MoEShape
+from streamring.moe.reference import reference_forward_f64
 from streamring.moe.routers import select_experts
 from streamring.moe.tuning import EPTuning
 from streamring.moe.weight_views import FP8BlocksView
@@ -520,7 +520,7 @@ def batch_reference(heap, buf, layer, x, routing, full, shape, args, common, cfg
     rel = None
     if routing is None:
         samp = torch.linspace(0, T - 1, min(T, args.ref_tokens), device=dev).round().long().unique()
-        ref = B.reference_tokens_f64(x, full.fp8_blocks(), shape, samp)
+        ref = reference_forward_f64(x, full, shape, tokens=samp)
         rel = max(heap.allgather_obj(float((ref_out[samp].double() - ref).norm() / ref.norm().clamp_min(1e-30))))
     ok = buf.status()
     row = {**common, **cfg, "path": "batch", "gemm": buf.gemm, **case_fields(ON_TIME), **st,

@@ -34,7 +34,6 @@ from ..device import moe_triton as K
 from ..gemm.backends import make_experts, refuse_unsupported
 from .grid_bounds import consumer_max_blocks, step_bound
 from .math import MoEShape
-from .routers import select_experts
 from .routing import router_of
 from .weight_views import FP8BlocksView
 
@@ -317,38 +316,6 @@ def scratch_buffers(shape: MoEShape, tokens: int, device) -> dict:
             "w": torch.zeros(tokens, shape.topk, dtype=torch.float32, device=device),
             "q": torch.zeros(tokens, shape.hidden, dtype=FP8, device=device),
             "sf": torch.zeros(tokens, shape.hidden // 128, dtype=torch.float32, device=device)}
-
-
-def reference_tokens_f64(x, fw: FP8BlocksView, shape: MoEShape, tokens) -> torch.Tensor:
-    """Float64 reference of the layer for the tokens ``tokens`` of ``x`` (all experts in ``fw``):
-    router from the same bf16 weights (float64 logits), activations quantized as the ring carries
-    them, expert weights dequantized, the intermediate kept in float64 (no FP8 re-quantization).
-    The kernels' distance to it is the FP8 re-quantization of the intermediate and the bf16
-    outputs (a few per cent, relative): see :data:`FAST_PATH_REL_TOL`."""
-    from .math import dequantize_act_fp8, quantize_act_fp8
-
-    xs = x[tokens]
-    logits = (xs.double() @ fw.router.double().t()).float()
-    idx, w = select_experts(logits, fw.bias, shape)
-    q, sf = quantize_act_fp8(xs.float())
-    xd = dequantize_act_fp8(q, sf).double()
-    I = shape.intermediate
-    out = torch.zeros(len(tokens), shape.hidden, dtype=torch.float64, device=x.device)
-    for r in range(len(tokens)):
-        for j in range(shape.topk):
-            e = int(idx[r, j])
-            w1 = (fw.w1[e].double().view(2 * I // 128, 128, -1, 128) * fw.w1_sf[e].double()[:, None, :, None]).view(2 * I, -1)
-            w2 = (fw.w2[e].double().view(-1, 128, I // 128, 128) * fw.w2_sf[e].double()[:, None, :, None]).view(-1, I)
-            gu = w1 @ xd[r]
-            h = torch.nn.functional.silu(gu[:I]) * gu[I:]
-            out[r] += (w2 @ h) * float(w[r, j])
-    return out
-
-
-#: relative Frobenius error of the FP8 fast path against :func:`reference_tokens_f64` that a run
-#: accepts: the intermediate is re-quantized to FP8 e4m3 (3 mantissa bits: up to 2^-4 relative per
-#: element, about 1.4 % measured over a layer) and every output row is rounded to bf16.
-FAST_PATH_REL_TOL = 0.03
 
 
 def streamed_forward_serial(x, fw: FP8BlocksView, shape: MoEShape, prod: Producer, bc: BlockConsumer,

@@ -30,10 +30,10 @@ from ep_case import bits  # noqa: E402
 
 from streamring.gemm.backends import (GemmBackend, backend, names, refuse_unsupported, register_backend,  # noqa: E402
                                       unregister_backend)
-from streamring.moe import blocks as B  # noqa: E402
 from streamring.moe.ep_buffer import EPBuffer  # noqa: E402
 from streamring.moe.math import (MoEShape, dequantize_act_fp8, dequantize_weight_fp8_block,  # noqa: E402
                                  quantize_act_fp8)
+from streamring.moe.reference import reference_forward_f64, reference_tolerance  # noqa: E402
 from streamring.moe.routing import register_router, router_names, unregister_router  # noqa: E402
 from streamring.moe.tuning import EPTuning  # noqa: E402
 from streamring.moe.weights import MoEWeights  # noqa: E402
@@ -109,9 +109,9 @@ def test_a_backend_and_a_router_from_a_test_file_run_through_the_buffer(register
     assert CALLS["gemm"] - before["gemm"] == 1 + 3, CALLS
     assert CALLS["router"] - before["router"] == 1 + 3, CALLS  # the producer routes each chunk it publishes
     assert torch.equal(bits(ys), bits(yb))
-    ref = B.reference_tokens_f64(x, mw.fp8_blocks(), shape, list(range(37)))
+    ref = reference_forward_f64(x, mw, shape)
     rel = float((yb.double() - ref).norm() / ref.norm())
-    assert rel < B.FAST_PATH_REL_TOL, rel
+    assert rel < reference_tolerance(shape, fp8_blocks=True)[0], rel
 
 
 def test_registrations_are_checked_and_capabilities_refuse_by_name(registered):

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from conftest import quick_subset
+from single_process import batch_forward_single
 from streamring.moe.math import (
     FP8_DTYPE,
     MoEShape,
@@ -20,7 +21,7 @@ from streamring.moe.math import (
 )
 from streamring.moe.routers import route, route_f64
 from streamring.moe.weights import MoEWeights
-from streamring.moe.reference import batch_forward_single, compare_to_reference, reference_forward_f64, reference_tolerance
+from streamring.moe.reference import compare_to_reference, reference_forward_f64, reference_tolerance
 
 H, I, E = 256, 128, 8
 
