@@ -529,7 +529,7 @@ def streamed_equals_batch(T, shape, fw, args, dev, impl, choice, bm, x, batch_ou
     """The single-GPU streamed path (2 chunks, ``streamed_forward_serial``) against the batch output,
     bitwise (None when it cannot run)."""
     try:
-        prod = B.Producer(shape, fw, T, dev)
+        prod = B.Producer(T, shape.num_experts, dev)
         chunk = max(1, T // 2)
         bc = B.BlockConsumer(shape, T, -(-T // chunk) + 1, bm, dev)
         GC.setup_consumer(bc, choice, staging_y=False)  # y must keep every range's rows until the combine

@@ -278,7 +278,7 @@ def layer_forward(impl: str, choice, block_m: int, x, shape, fw, dev):
     own producer, block consumer and buffers: ``(fwd, out, bc)``; ``fwd()`` writes ``out`` (what
     ``layer_rows`` captures, and ``bench.layer_replay`` runs alone)."""
     T = x.shape[0]
-    prod = B.Producer(shape, fw, T, dev)
+    prod = B.Producer(T, shape.num_experts, dev)
     bc = B.BlockConsumer(shape, T, 1, block_m, dev)
     # batch: one call over every block, so DeepGEMM may write y directly (see gemm.deep_gemm.DeepGemmExperts)
     GC.setup_consumer(bc, choice, staging_y=True)
@@ -286,7 +286,7 @@ def layer_forward(impl: str, choice, block_m: int, x, shape, fw, dev):
     out = torch.zeros(T, shape.hidden, dtype=torch.bfloat16, device=dev)
 
     def fwd():
-        prod.route(x, sc["idx"][:T], sc["w"][:T])
+        prod.route(x, fw, shape, sc["idx"][:T], sc["w"][:T])
         prod.layout(x, sc["q"][:T], sc["sf"][:T])
         B.moe_forward(sc["idx"][:T], sc["w"][:T], sc["q"][:T], sc["sf"][:T], fw, bc, out, gemm_impl=impl)
 

@@ -56,7 +56,7 @@ class Probe:
         self.bc.begin()
         self.bc.dispatch(0, idx, w, q, sf, 0)
         self.bc.seal(1)
-        self.prod = Producer(shape, self.fw, args.chain_tokens, dev)
+        self.prod = Producer(args.chain_tokens, shape.num_experts, dev)
         n = args.chain_tokens
         self.x = torch.randn(n, shape.hidden, generator=gen, device=dev).to(torch.bfloat16)
         self.idx = torch.zeros(n, shape.topk, dtype=torch.int64, device=dev)

@@ -71,18 +71,23 @@ def deepseek_v3_into(logits, bias, shape: MoEShape, idx_out, w_out, launch: Opti
 
 
 class Producer:
-    """Router/top-k and FP8 layout producers for up to ``max_tokens`` tokens per call."""
+    """The producer's step, the one of every path: a layer's router and top-k (:meth:`route`) and the FP8 layout of
+    the rows (:meth:`layout`), for up to ``max_tokens`` rows per call, of layers of ``num_experts`` experts. The
+    block path calls it directly; the expert-parallel layer's producer
+    (:class:`~streamring.moe.ep_producer.EPProducer`) calls it per chunk, into the chunk's ring slot, and publishes
+    what it wrote."""
 
-    def __init__(self, shape: MoEShape, fw: FP8BlocksView, max_tokens: int, device):
-        self.shape, self.fw = shape, fw
-        self.logits = torch.zeros(max_tokens, shape.num_experts, dtype=torch.float32, device=device)
+    def __init__(self, max_tokens: int, num_experts: int, device):
+        self.logits = torch.zeros(max_tokens, num_experts, dtype=torch.float32, device=device)
 
-    def route(self, x: torch.Tensor, idx_out: torch.Tensor, w_out: torch.Tensor) -> None:
-        """Router + top-k of ``x [n, H]`` into ``idx_out [n, K]`` (int64), ``w_out [n, K]`` (f32)."""
+    def route(self, x: torch.Tensor, fw: FP8BlocksView, shape: MoEShape, idx_out: torch.Tensor,
+              w_out: torch.Tensor) -> None:
+        """Router + top-k of ``x [n, H]`` by ``fw``'s router and bias and ``shape``'s rule (a layer's routing)
+        into ``idx_out [n, K]`` (int64), ``w_out [n, K]`` (f32)."""
         n = x.shape[0]
         lg = self.logits[:n]
-        K.router_logits(x, self.fw.router, lg)
-        select_experts_into(lg, self.fw.bias, self.shape, idx_out, w_out)
+        K.router_logits(x, fw.router, lg)
+        select_experts_into(lg, fw.bias, shape, idx_out, w_out)
 
     @staticmethod
     def layout(x: torch.Tensor, q_out: torch.Tensor, sf_out: torch.Tensor) -> None:
@@ -330,7 +335,7 @@ def streamed_forward_serial(x, fw: FP8BlocksView, shape: MoEShape, prod: Produce
         a, b = c * chunk_tokens, min(t, (c + 1) * chunk_tokens)
         idx, w = scratch["idx"][a:b], scratch["w"][a:b]
         q, sf = scratch["q"][a:b], scratch["sf"][a:b]
-        prod.route(x[a:b], idx, w)
+        prod.route(x[a:b], fw, shape, idx, w)
         prod.layout(x[a:b], q, sf)
         bc.dispatch(c, idx, w, q, sf, a)
         bc.compute(c, c + 1, bc.max_ready(b - a), fw, impl=gemm_impl)

@@ -864,9 +864,9 @@ def test_consumer_cutlass_matches_triton(l1_dtype):
     T = x.shape[0]
     outs, h1s = {}, {}
     for impl in ("triton", "cutlass"):
-        prod = B.Producer(shape, fw, T, "cuda")
+        prod = B.Producer(T, shape.num_experts, "cuda")
         sc = B.scratch_buffers(shape, T, "cuda")
-        prod.route(x, sc["idx"], sc["w"])
+        prod.route(x, fw, shape, sc["idx"], sc["w"])
         prod.layout(x, sc["q"], sc["sf"])
         bc = B.BlockConsumer(shape, T, 1, 64, "cuda")
         if impl == "cutlass":
@@ -900,7 +900,7 @@ def test_consumer_cutlass_streamed_equals_batch_bitwise(chunk, tiles, bm):
     T = x.shape[0]
     ys = []
     for streamed in (False, True):
-        prod = B.Producer(shape, fw, T, "cuda")
+        prod = B.Producer(T, shape.num_experts, "cuda")
         sc = B.scratch_buffers(shape, T, "cuda")
         bc = B.BlockConsumer(shape, T, -(-T // chunk) + 1, bm, "cuda")
         l1_dtype = torch.float32 if tiles[0] == "coop128" else torch.bfloat16
@@ -909,7 +909,7 @@ def test_consumer_cutlass_streamed_equals_batch_bitwise(chunk, tiles, bm):
         if streamed:
             B.streamed_forward_serial(x, fw, shape, prod, bc, sc, chunk, y, gemm_impl="cutlass")
         else:  # the batch path: produce everything, one dispatch + seal, one GEMM pass
-            prod.route(x, sc["idx"], sc["w"])
+            prod.route(x, fw, shape, sc["idx"], sc["w"])
             prod.layout(x, sc["q"], sc["sf"])
             B.moe_forward(sc["idx"], sc["w"], sc["q"], sc["sf"], fw, bc, y, gemm_impl="cutlass")
         bc.experts("cutlass").check()

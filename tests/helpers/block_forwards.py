@@ -18,7 +18,7 @@ def batch_forward(x, fw: FP8BlocksView, shape: MoEShape, prod: Producer, bc: Blo
     t = x.shape[0]
     idx, w = scratch["idx"][:t], scratch["w"][:t]
     q, sf = scratch["q"][:t], scratch["sf"][:t]
-    prod.route(x, idx, w)
+    prod.route(x, fw, shape, idx, w)
     prod.layout(x, q, sf)
     moe_forward(idx, w, q, sf, fw, bc, out)
 

@@ -44,6 +44,6 @@ def single_batch(shape, mw, x: torch.Tensor) -> torch.Tensor:
     T = x.shape[0]
     y = torch.zeros_like(x)
     fw = mw.fp8_blocks()
-    batch_forward(x, fw, shape, B.Producer(shape, fw, T, x.device), B.BlockConsumer(shape, T, 2, 16, x.device),
+    batch_forward(x, fw, shape, B.Producer(T, shape.num_experts, x.device), B.BlockConsumer(shape, T, 2, 16, x.device),
                   B.scratch_buffers(shape, T, x.device), y)
     return y

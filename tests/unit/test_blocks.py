@@ -56,7 +56,7 @@ def setup():
 
 def run_batch(shape, fw, x, block_m):
     T = x.shape[0]
-    prod = B.Producer(shape, fw, T, DEV)
+    prod = B.Producer(T, shape.num_experts, DEV)
     bc = B.BlockConsumer(shape, T, T + 1, block_m, DEV)
     sc = B.scratch_buffers(shape, T, DEV)
     y = torch.zeros_like(x)
@@ -67,17 +67,17 @@ def run_batch(shape, fw, x, block_m):
 def fresh(shape, fw, x, max_chunks):
     """Producer, block consumer, scratch and an output buffer for ``x``; routing and layout produced."""
     T = x.shape[0]
-    prod = B.Producer(shape, fw, T, DEV)
+    prod = B.Producer(T, shape.num_experts, DEV)
     bc = B.BlockConsumer(shape, T, max_chunks, 16, DEV)
     sc = B.scratch_buffers(shape, T, DEV)
-    prod.route(x, sc["idx"], sc["w"])
+    prod.route(x, fw, shape, sc["idx"], sc["w"])
     prod.layout(x, sc["q"], sc["sf"])
     return prod, bc, sc, torch.zeros_like(x)
 
 
 def run_streamed(shape, fw, x, block_m, chunk):
     T = x.shape[0]
-    prod = B.Producer(shape, fw, T, DEV)
+    prod = B.Producer(T, shape.num_experts, DEV)
     bc = B.BlockConsumer(shape, T, T + 1, block_m, DEV)
     sc = B.scratch_buffers(shape, T, DEV)
     y = torch.zeros_like(x)
@@ -191,14 +191,14 @@ def test_negative_control_missing_seal_is_caught(setup):
     shape, fw, x = setup
     yb, _, _ = run_batch(shape, fw, x, 16)
     T = x.shape[0]
-    prod = B.Producer(shape, fw, T, DEV)
+    prod = B.Producer(T, shape.num_experts, DEV)
     bc = B.BlockConsumer(shape, T, T + 1, 16, DEV)
     sc = B.scratch_buffers(shape, T, DEV)
     y = torch.zeros_like(x)
     bc.begin()
     for c, a in enumerate(range(0, T, 8)):
         b = min(T, a + 8)
-        prod.route(x[a:b], sc["idx"][a:b], sc["w"][a:b])
+        prod.route(x[a:b], fw, shape, sc["idx"][a:b], sc["w"][a:b])
         prod.layout(x[a:b], sc["q"][a:b], sc["sf"][a:b])
         bc.dispatch(c, sc["idx"][a:b], sc["w"][a:b], sc["q"][a:b], sc["sf"][a:b], a)
         bc.compute(c, c + 1, bc.max_ready(b - a), fw)
@@ -232,9 +232,9 @@ def test_per_chunk_calls_compute_what_one_call_computes(setup):
 
     shape, fw, x = setup
     T = x.shape[0]
-    prod = B.Producer(shape, fw, T, DEV)
+    prod = B.Producer(T, shape.num_experts, DEV)
     sc = B.scratch_buffers(shape, T, DEV)
-    prod.route(x, sc["idx"], sc["w"])
+    prod.route(x, fw, shape, sc["idx"], sc["w"])
     prod.layout(x, sc["q"], sc["sf"])
     inputs = (sc["idx"][:T], sc["w"][:T], sc["q"][:T], sc["sf"][:T])
     streamed, batch = GL.Forward(T, 3, shape, 16, "triton", None, DEV), GL.Forward(T, 1, shape, 16, "triton", None, DEV)

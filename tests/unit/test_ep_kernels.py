@@ -85,8 +85,8 @@ def run_ep(shape, fw, xs, chunk, corrupt=None, per_source=False, grouped=None, p
             base, n = plan.chunk_tokens(r, c)
             if n:
                 idx, w, q, sf = p.views(c, n)
-                prod = B.Producer(shape, fw, n, DEV)
-                prod.route(xs[r][base:base + n], idx, w)
+                prod = B.Producer(n, shape.num_experts, DEV)
+                prod.route(xs[r][base:base + n], fw, shape, idx, w)
                 prod.layout(xs[r][base:base + n], q, sf)
                 p.idx[base:base + n].copy_(idx)
                 if corrupt is not None and r == 1:
@@ -144,7 +144,7 @@ def single_batch(shape, fw, x):
     T = x.shape[0]
     bc = B.BlockConsumer(shape, T, 2, 16, DEV)
     y = torch.zeros_like(x)
-    batch_forward(x, fw, shape, B.Producer(shape, fw, T, DEV), bc, B.scratch_buffers(shape, T, DEV), y)
+    batch_forward(x, fw, shape, B.Producer(T, shape.num_experts, DEV), bc, B.scratch_buffers(shape, T, DEV), y)
     return y
 
 
