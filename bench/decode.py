@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 
 from bench.common import dsv3_shape, log, stats, timed
-from streamring.moe import blocks as B
 from streamring.moe.ep_buffer import EPBuffer
 from streamring.moe.tuning import EPTuning
+from streamring.moe.weights import MoEWeights
 
 
 def main(argv=None) -> int:
@@ -45,7 +45,7 @@ def main(argv=None) -> int:
     heap = NvshmemHeap.bootstrap(launcher=detect_launcher().value)
     R, me, dev = heap.num_ranks, heap.rank, heap.device
     shape = dsv3_shape(args.block_m)
-    full = B.FastWeights.random(shape, 5, dev)
+    full = MoEWeights.random_fp8(shape, 5, dev)
     buf = EPBuffer(heap, shape, max_tokens_per_rank=args.max_tokens, num_slots=2,
                    tokens_per_slot=args.tokens_per_slot, gemm=args.gemm, tuning=EPTuning(block_m=args.block_m),
                    name="decode")

@@ -41,6 +41,7 @@ import torch
 
 from bench.common import capture, dsv3_shape, log, time_interleaved, uniform_inputs
 from streamring.moe import blocks as B
+from streamring.moe.weights import MoEWeights
 from streamring.moe.grid_bounds import grouped_step_bound, grouped_step_expect, seal_bound, step_bound, step_expect
 
 
@@ -54,7 +55,7 @@ def measure(ranks: int, tokens: int, epp: int, args, dev) -> dict:
     # the rows a PE gets: tokens * topk / R routes from each of R sources, as many as `tokens` tokens routed
     # over its `epp` experts; the consumer is sized for R sources (its block bound, as the pipeline's)
     bc = B.BlockConsumer(shape, ranks * tokens, 1, args.block_m, dev)
-    fw = B.FastWeights.random(shape, 7, dev)
+    fw = MoEWeights.random_fp8(shape, 7, dev).fp8_blocks()
     gen = torch.Generator(device=dev)
     gen.manual_seed(args.seed + 97 * ranks + tokens)
     idx, w, q, sf = uniform_inputs(tokens, shape, gen, dev)

@@ -78,12 +78,14 @@ from streamring.gemm.backends import CAPABILITIES
 from streamring.device import kernels as DK
 from streamring.device.gemm_grid import GEMM_GRID
 from streamring.device.moe_triton import stamp
-from streamring.moe import blocks as B
 from streamring.moe import debug as moe_debug
 from streamring.moe.ep_buffer import EPBuffer
 from streamring.moe.math import MoEShape
+from streamring.moe.reference import reference_forward_f64
 from streamring.moe.routers import select_experts
 from streamring.moe.tuning import EPTuning
+from streamring.moe.weight_views import FP8BlocksView
+from streamring.moe.weights import MoEWeights
 
 def megamoe_shape(block_m: int, num_experts: int = 256) -> MoEShape:
     # DeepGEMM's SM90 Mega MoE benchmark shape (hidden 4096, 256 experts, top-6); intermediate 2048
@@ -154,7 +156,7 @@ def quant_rowwise(x):
 class TorchNcclBaseline:
     """The expert-parallel layer as a user writes it with torch + NCCL (see the module doc)."""
 
-    def __init__(self, shape: MoEShape, fw_local: B.FastWeights, rank: int, world: int, group):
+    def __init__(self, shape: MoEShape, fw_local: FP8BlocksView, rank: int, world: int, group):
         self.shape, self.rank, self.R, self.group = shape, rank, world, group
         self.E_loc = shape.num_experts // world
         self.router = fw_local.router
@@ -519,7 +521,7 @@ def batch_reference(heap, buf, layer, x, routing, full, shape, args, common, cfg
     rel = None
     if routing is None:
         samp = torch.linspace(0, T - 1, min(T, args.ref_tokens), device=dev).round().long().unique()
-        ref = B.reference_tokens_f64(x, full, shape, samp)
+        ref = reference_forward_f64(x, full, shape, tokens=samp)
         rel = max(heap.allgather_obj(float((ref_out[samp].double() - ref).norm() / ref.norm().clamp_min(1e-30))))
     ok = buf.status()
     row = {**common, **cfg, "path": "batch", "gemm": buf.gemm, **case_fields(ON_TIME), **st,
@@ -946,8 +948,8 @@ def main(argv=None) -> int:
     rows, timelines = [], []
     for epp in args.experts_per_pe:
         shape = (dsv3_shape if args.shape == "dsv3" else megamoe_shape)(args.block_m, epp * R)
-        full = B.FastWeights.random(shape, 5, dev)
-        base = TorchNcclBaseline(shape, full.local(me, R), me, R, None) if nccl else None
+        full = MoEWeights.random_fp8(shape, 5, dev)
+        base = TorchNcclBaseline(shape, full.fp8_blocks().local(me, R), me, R, None) if nccl else None
         def save():
             if me == 0 and args.json:
                 Path(args.json).write_text(json.dumps({"rows": rows, "pub_acq": pub, "args": _json_args(args)}, indent=1))

@@ -50,6 +50,7 @@ from bench.gemm_lib import deep_gemm_first_call
 from streamring.gemm import cutlass as CG
 from streamring.gemm import deep_gemm as DG
 from streamring.moe import blocks as B
+from streamring.moe.weights import MoEWeights
 from streamring.moe.bitwise import same_bits
 from streamring.moe.grid_bounds import seal_bound
 from streamring.gemm import choice as GC
@@ -221,7 +222,7 @@ def main(argv=None) -> int:
         return 2
     dev = torch.device("cuda")
     shape = dsv3_shape(args.block_m)
-    fw = B.FastWeights.random(shape, 7, dev)
+    fw = MoEWeights.random_fp8(shape, 7, dev).fp8_blocks()
     t0 = time.monotonic()
     rows: list[dict] = []
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "args": vars(args),

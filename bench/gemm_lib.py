@@ -29,6 +29,7 @@ from streamring.device import moe_triton as K
 from streamring.moe import blocks as B
 from streamring.gemm import choice as GC
 from streamring.moe.math import MoEShape
+from streamring.moe.weight_views import FP8BlocksView
 
 # ----------------------------------------------------------------------------------------------
 # one token count
@@ -37,7 +38,7 @@ class Case:
     """Buffers and input sets of one token count (a consumer of ``--block-m`` rows per block for Triton
     and CUTLASS; with DeepGEMM a second one of 128-row blocks, same routing and activations)."""
 
-    def __init__(self, T: int, shape: MoEShape, fw: B.FastWeights, args, dev, dg=None):
+    def __init__(self, T: int, shape: MoEShape, fw: FP8BlocksView, args, dev, dg=None):
         self.T, self.shape, self.fw, self.dev, self.dg = T, shape, fw, dev, dg
         E, Kk, H, I = shape.num_experts, shape.topk, shape.hidden, shape.intermediate
         self.bc = B.BlockConsumer(shape, T, 1, args.block_m, dev)
@@ -277,7 +278,7 @@ def layer_forward(impl: str, choice, block_m: int, x, shape, fw, dev):
     own producer, block consumer and buffers: ``(fwd, out, bc)``; ``fwd()`` writes ``out`` (what
     ``layer_rows`` captures, and ``bench.layer_replay`` runs alone)."""
     T = x.shape[0]
-    prod = B.Producer(shape, fw, T, dev)
+    prod = B.Producer(T, shape.num_experts, dev)
     bc = B.BlockConsumer(shape, T, 1, block_m, dev)
     # batch: one call over every block, so DeepGEMM may write y directly (see gemm.deep_gemm.DeepGemmExperts)
     GC.setup_consumer(bc, choice, staging_y=True)
@@ -285,7 +286,7 @@ def layer_forward(impl: str, choice, block_m: int, x, shape, fw, dev):
     out = torch.zeros(T, shape.hidden, dtype=torch.bfloat16, device=dev)
 
     def fwd():
-        prod.route(x, sc["idx"][:T], sc["w"][:T])
+        prod.route(x, fw, shape, sc["idx"][:T], sc["w"][:T])
         prod.layout(x, sc["q"][:T], sc["sf"][:T])
         B.moe_forward(sc["idx"][:T], sc["w"][:T], sc["q"][:T], sc["sf"][:T], fw, bc, out, gemm_impl=impl)
 

@@ -25,7 +25,7 @@ from bench.common import dsv3_shape, event_times
 from bench.gemm_lib import Case, parse_variants
 from streamring.gemm import cutlass as CG
 from streamring.gemm import deep_gemm as DG
-from streamring.moe import blocks as B
+from streamring.moe.weights import MoEWeights
 
 T = int(sys.argv[1]) if len(sys.argv) > 1 else 8192
 L1 = sys.argv[2] if len(sys.argv) > 2 else "coop128:bf16:n"
@@ -33,7 +33,7 @@ L2 = sys.argv[3] if len(sys.argv) > 3 else "pingpong64"
 dev = torch.device("cuda")
 shape = dsv3_shape(64)
 H, I = shape.hidden, shape.intermediate
-fw = B.FastWeights.random(shape, 7, dev)
+fw = MoEWeights.random_fp8(shape, 7, dev).fp8_blocks()
 dg = DG.load() if DG.deep_gemm_available() else None
 (n1, (t1, d1, r1, s1)), = parse_variants(L1, "l1").items()
 (n2, (t2, _, r2, s2)), = parse_variants(L2, "l2").items()

@@ -27,14 +27,14 @@ import torch
 from bench.common import dsv3_shape, event_times
 from bench.gemm_lib import layer_forward
 from streamring.gemm import deep_gemm as DG
-from streamring.moe import blocks as B
+from streamring.moe.weights import MoEWeights
 from streamring.gemm import choice as GC
 
 impls, T = sys.argv[1].split(","), int(sys.argv[2])
 REPLAYS = int(sys.argv[3]) if len(sys.argv) > 3 else 20
 dev = torch.device("cuda")
 shape = dsv3_shape(64)
-fw = B.FastWeights.random(shape, 7, dev)
+fw = MoEWeights.random_fp8(shape, 7, dev).fp8_blocks()
 x = torch.randn(T, shape.hidden, device=dev).to(torch.bfloat16)
 
 

@@ -31,7 +31,8 @@ import torch
 
 from bench.common import dsv3_shape, log, uniform_inputs
 from streamring.device import moe_triton as K
-from streamring.moe.blocks import BlockConsumer, FastWeights, Producer, select_experts_into
+from streamring.moe.blocks import BlockConsumer, Producer, select_experts_into
+from streamring.moe.weights import MoEWeights
 from streamring.device.graph_priority import prioritize_nodes as _prioritize_nodes
 
 FP8 = torch.float8_e4m3fn
@@ -47,7 +48,7 @@ class Probe:
         self.args, self.dev = args, dev
         shape = dsv3_shape(64, num_experts=args.experts)
         self.shape = shape
-        self.fw = FastWeights.random(shape, 0, dev)
+        self.fw = MoEWeights.random_fp8(shape, 0, dev).fp8_blocks()
         gen = torch.Generator(device=dev)
         gen.manual_seed(1)
         idx, w, q, sf = uniform_inputs(args.tokens, shape, gen, dev)
@@ -55,7 +56,7 @@ class Probe:
         self.bc.begin()
         self.bc.dispatch(0, idx, w, q, sf, 0)
         self.bc.seal(1)
-        self.prod = Producer(shape, self.fw, args.chain_tokens, dev)
+        self.prod = Producer(args.chain_tokens, shape.num_experts, dev)
         n = args.chain_tokens
         self.x = torch.randn(n, shape.hidden, generator=gen, device=dev).to(torch.bfloat16)
         self.idx = torch.zeros(n, shape.topk, dtype=torch.int64, device=dev)

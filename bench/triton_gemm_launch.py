@@ -25,6 +25,7 @@ import torch
 from bench.common import FP8, HBM_GBS, dsv3_shape, event_times, log, poison, uniform_inputs
 from streamring.device import moe_triton as K
 from streamring.moe import blocks as B
+from streamring.moe.weights import MoEWeights
 from streamring.moe.bitwise import same_bits
 
 
@@ -77,7 +78,7 @@ def main(argv=None) -> int:
     dev = torch.device("cuda")
     shape = dsv3_shape(64)  # each consumer takes its own block_m (the sweep's)
     H, I = shape.hidden, shape.intermediate
-    fw = B.FastWeights.random(shape, 7, dev)
+    fw = MoEWeights.random_fp8(shape, 7, dev).fp8_blocks()
     rows = []
     for T in (int(t) for t in args.tokens.split(",")):
         routed = routed_set(T, shape, dev, args.seed)

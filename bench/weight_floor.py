@@ -2,7 +2,7 @@
 
 At decode sizes the layer's time is bound by reading each local expert's FP8 weights once (L1 ``[2I, H]``, L2
 ``[H, I]``, and their 128x128 block scales). :func:`floor_graph` captures one read of every byte of this PE's
-``w1``, ``w1_sf``, ``w2``, ``w2_sf`` (``FastWeights``) into a graph: a Triton kernel per tensor, each program
+``w1``, ``w1_sf``, ``w2``, ``w2_sf`` (``FP8BlocksView``, :meth:`MoEWeights.fp8_blocks`) into a graph: a Triton kernel per tensor, each program
 reading a contiguous run of 32-bit words with wide loads and folding them (xor) into one row of words it stores
 (so nothing is optimised away). Timed on every PE at once, as the layer is (``bench.common.timed``: the slowest PE), it is
 the floor on the same PEs and SM share: ``floor_ms``; a row's ``over_floor`` is its time over it.

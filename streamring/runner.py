@@ -186,7 +186,7 @@ def run_layer(heap: SymmetricHeap, cfg: Config, progress=None) -> dict:
 
     from .moe import debug as moe_debug
     from .moe.layer import MoEBuffer
-    from .moe.math import MoEWeights
+    from .moe.weights import MoEWeights
     from .moe.reference import reference_tolerance
     from .moe.tuning import MoETuning
 
@@ -275,17 +275,17 @@ def run_layer_gpu(heap, cfg: Config, progress=None) -> dict:
     of one random FP8 layer in ONE buffer, whose batch-ready and streamed paths run the same expert GEMMs (``run.gemm``,
     resolved once), each captured once as a CUDA graph and replayed every epoch with new tokens. Checked: streamed ==
     batch bitwise, no ring violation, timeout or corrupt route, sampled tokens against a float64 reference
-    (relative error below ``blocks.FAST_PATH_REL_TOL``)."""
+    (relative error within ``reference_tolerance(shape, fp8_blocks=True)``)."""
     import torch
 
-    from .moe import blocks as B
+    from .moe.weights import MoEWeights
 
     progress = progress if progress is not None else _Quiet()
     R, me = heap.num_ranks, heap.rank
     shape, tokens = _fast_path_job(cfg, R)
     dev = heap.device
     progress.what = "building the buffer and capturing the first forward of each path"
-    full = B.FastWeights.random(shape, cfg.layer.seed, dev)  # every expert, for this rank's reference
+    full = MoEWeights.random_fp8(shape, cfg.layer.seed, dev)  # every expert, for this rank's reference
     st = cfg.run.straggler
     buf = _ep_buffer_of(heap, cfg, shape, max(max(tokens), 1))
     layer = buf.prepare_weights(full)
@@ -333,12 +333,13 @@ def run_layer_gpu(heap, cfg: Config, progress=None) -> dict:
 
 def _gpu_row(buf, cfg: Config, rank: int, tokens: int) -> dict:
     """This rank's report row of the GPU layer, before its epochs."""
-    from .moe import blocks as B
+    from .moe.reference import reference_tolerance
 
+    rtol, atol = reference_tolerance(buf.shape, fp8_blocks=True)
     return dict(rank=rank, tokens=tokens, chunks=buf.paths["stream"].num_chunks, experts_hit=0, bitwise_equal=True,
                 max_abs_stream_minus_batch=0.0, ref_ok=True, ref_max_abs_err=0.0, ref_max_err_ratio=0.0,
                 ref_excluded=0, batch_wall_s=0.0, stream_wall_s=0.0, epochs=cfg.run.epochs, scheduler="blocks",
-                rtol=B.FAST_PATH_REL_TOL, atol=0.0, path="fast", transport=buf.transport,
+                rtol=rtol, atol=atol, path="fast", transport=buf.transport,
                 policy=cfg.nvshmem.progress, gemm=buf.gemm, gemm_batch=buf.gemm, gemm_stream=buf.gemm,
                 launch_ahead=cfg.run.launch_ahead, ring_errors={})
 
@@ -362,10 +363,11 @@ def _capture_paths(buf, layer, x_buf, outs: dict, launch_ahead: bool, barrier) -
 
 def _check_gpu_epoch(row: dict, outs: dict, x, full, shape, mode: str) -> None:
     """One epoch's replays: streamed against batch bitwise (``mode`` both), and the output of sampled tokens against
-    the float64 reference within ``blocks.FAST_PATH_REL_TOL``; the worst in ``row``."""
+    the float64 reference within ``reference_tolerance(shape, fp8_blocks=True)`` (relative, by norm); the worst in
+    ``row``."""
     import torch
 
-    from .moe import blocks as B
+    from .moe.reference import reference_forward_f64, reference_tolerance
 
     T = x.shape[0]
     if mode == "both":
@@ -375,11 +377,12 @@ def _check_gpu_epoch(row: dict, outs: dict, x, full, shape, mode: str) -> None:
                                                 float((a.float() - b.float()).abs().max()))
     y = outs["batch" if mode != "stream" else "stream"]
     sample = torch.linspace(0, T - 1, min(T, 8), device=x.device).round().long().unique()
-    ref = B.reference_tokens_f64(x, full, shape, sample)
+    ref = reference_forward_f64(x, full, shape, tokens=sample)
+    rtol = reference_tolerance(shape, fp8_blocks=True)[0]
     rel = float((y[sample].double() - ref).norm() / ref.norm().clamp_min(1e-30))
     row["ref_max_abs_err"] = max(row["ref_max_abs_err"], float((y[sample].double() - ref).abs().max()))
-    row["ref_max_err_ratio"] = max(row["ref_max_err_ratio"], rel / B.FAST_PATH_REL_TOL)
-    row["ref_ok"] &= rel < B.FAST_PATH_REL_TOL
+    row["ref_max_err_ratio"] = max(row["ref_max_err_ratio"], rel / rtol)
+    row["ref_ok"] &= rel < rtol
 
 
 def _record_ring_errors(row: dict, status: dict, failed) -> None:

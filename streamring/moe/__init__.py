@@ -9,8 +9,9 @@
   through the host verbs), bf16 or FP8; batch-ready path by default, ``forward(..., streaming=True)``
   for the streamed path; :class:`MoETuning`: its consumer's switches. Both buffers implement one contract,
   :class:`streamring.moe.contract.MoELayerBuffer`.
-* :class:`MoEShape` (``moe.shape``), :class:`MoEWeights` (``moe.math``): the layer's sizes, router and
-  weights; :func:`weights_from_float`, :func:`weights_from_fp8` (``moe.weights``): one layer's weights
+* :class:`MoEShape` (``moe.shape``), :class:`MoEWeights` (``moe.weights``): the layer's sizes, router and
+  weights, the one weights type (the FP8 layer reads its views: ``fp8_blocks()``, ``pe_slice()``);
+  :func:`weights_from_float`, :func:`weights_from_fp8` (``moe.weights``): one layer's weights
   from bf16/float tensors (quantised to FP8 128x128 blocks) or FP8 checkpoint tensors with
   ``weight_scale_inv``, taken as they are.
 * :func:`register_layer` (``moe.ops``): the layer as the torch op ``torch.ops.streamring.moe_forward``
@@ -26,7 +27,7 @@ you touch loads its module. Everything else is reached through its module.
 
 _EXPORTS = {
     "EPBuffer": ".ep_buffer", "EPTuning": ".tuning", "MoEBuffer": ".layer", "MoETuning": ".tuning",
-    "MoEShape": ".shape", "MoEWeights": ".math",
+    "MoEShape": ".shape", "MoEWeights": ".weights",
     "weights_from_float": ".weights", "weights_from_fp8": ".weights",
     "register_layer": ".ops", "replace_moe_experts": ".hf", "moe_shape_from_config": ".hf",
     "NvshmemHeap": "streamring.device.nvshmem", "MpiHeap": "streamring.device.cpu",

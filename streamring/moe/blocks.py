@@ -25,8 +25,6 @@ Runs wherever Triton runs: on a GPU, or on the CPU under ``TRITON_INTERPRET=1`` 
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -35,77 +33,12 @@ from ..device import ep_triton as EK
 from ..device import moe_triton as K
 from ..gemm.backends import make_experts, refuse_unsupported
 from .grid_bounds import consumer_max_blocks, step_bound
-from .math import MoEShape, MoEWeights
-from .routers import select_experts
+from .math import MoEShape
 from .routing import router_of
+from .weight_views import FP8BlocksView
 
 FP8 = torch.float8_e4m3fn
 PULLS = ("route", "token")  # BlockConsumer.dispatch_ep: one slot read per route, or per needed token
-
-
-@dataclass
-class FastWeights:
-    """Weights laid out for the block GEMMs.
-
-    ``w1`` is gate and up stacked: ``[E, 2I, H]`` fp8 with ``w1_sf [E, 2I/128, H/128]``;
-    ``w2`` ``[E, H, I]`` fp8 with ``w2_sf [E, H/128, I/128]``; ``router`` bf16 ``[E, H]``;
-    ``bias`` float32 ``[E]`` or None (deepseek_v3 selection bias).
-    """
-
-    w1: torch.Tensor
-    w1_sf: torch.Tensor
-    w2: torch.Tensor
-    w2_sf: torch.Tensor
-    router: torch.Tensor
-    bias: Optional[torch.Tensor]
-
-    @classmethod
-    def from_moe_weights(cls, w: MoEWeights) -> "FastWeights":
-        """Stack an fp8 :class:`MoEWeights` (raises for bf16 weights: the fast path is FP8 only)."""
-        if not w.is_fp8:
-            raise ValueError("the block-granular FP8 consumer needs weight_dtype 'fp8' weights, got bf16")
-        return cls(w1=torch.cat([w.w1, w.w3], dim=1).contiguous(),
-                   w1_sf=torch.cat([w.w1_scale, w.w3_scale], dim=1).contiguous(),
-                   w2=w.w2.contiguous(), w2_sf=w.w2_scale.contiguous(),
-                   router=w.router_weight.to(torch.bfloat16).contiguous(),
-                   bias=None if w.correction_bias is None else w.correction_bias.float().contiguous())
-
-    def local(self, rank: int, num_ranks: int) -> "FastWeights":
-        """This PE's experts of a full set (rank ``r`` holds experts ``[r * E/R, (r+1) * E/R)``);
-        the router and bias stay global (every PE routes its own tokens over all experts)."""
-        e = self.w1.shape[0]
-        if e % num_ranks or not 0 <= rank < num_ranks:
-            raise ValueError(f"cannot split {e} experts over {num_ranks} ranks for rank {rank}")
-        lo, hi = rank * e // num_ranks, (rank + 1) * e // num_ranks
-        return FastWeights(w1=self.w1[lo:hi], w1_sf=self.w1_sf[lo:hi], w2=self.w2[lo:hi], w2_sf=self.w2_sf[lo:hi],
-                           router=self.router, bias=self.bias)
-
-    @classmethod
-    def random(cls, shape: MoEShape, seed: int, device) -> "FastWeights":
-        """Random FP8 weights generated *on* ``device`` (the full DeepSeek-V3 shape in seconds).
-
-        Same distribution as :meth:`MoEWeights.random` (N(0, 1/fan_in), 128x128 block scales)
-        but a different stream of numbers; use it for benchmarks, not for cross-device checks.
-        """
-        from .math import quantize_weight_fp8_block
-
-        e, h, i = shape.num_experts, shape.hidden, shape.intermediate
-        g = torch.Generator(device=device)
-        g.manual_seed(seed)
-        w1 = torch.empty(e, 2 * i, h, dtype=FP8, device=device)
-        w1_sf = torch.empty(e, 2 * i // 128, h // 128, dtype=torch.float32, device=device)
-        w2 = torch.empty(e, h, i, dtype=FP8, device=device)
-        w2_sf = torch.empty(e, h // 128, i // 128, dtype=torch.float32, device=device)
-        for ex in range(e):
-            q, s = quantize_weight_fp8_block(torch.randn(2 * i, h, generator=g, device=device) / math.sqrt(h))
-            w1[ex].copy_(q)
-            w1_sf[ex].copy_(s)
-            q, s = quantize_weight_fp8_block(torch.randn(h, i, generator=g, device=device) / math.sqrt(i))
-            w2[ex].copy_(q)
-            w2_sf[ex].copy_(s)
-        router = (torch.randn(e, h, generator=g, device=device) / math.sqrt(h)).to(torch.bfloat16)
-        bias = torch.randn(e, generator=g, device=device) * 0.1 if router_of(shape.router).uses_bias else None
-        return cls(w1, w1_sf, w2, w2_sf, router, bias)
 
 
 def select_experts_into(logits: torch.Tensor, bias: Optional[torch.Tensor], shape: MoEShape, idx_out: torch.Tensor,
@@ -138,18 +71,23 @@ def deepseek_v3_into(logits, bias, shape: MoEShape, idx_out, w_out, launch: Opti
 
 
 class Producer:
-    """Router/top-k and FP8 layout producers for up to ``max_tokens`` tokens per call."""
+    """The producer's step, the one of every path: a layer's router and top-k (:meth:`route`) and the FP8 layout of
+    the rows (:meth:`layout`), for up to ``max_tokens`` rows per call, of layers of ``num_experts`` experts. The
+    block path calls it directly; the expert-parallel layer's producer
+    (:class:`~streamring.moe.ep_producer.EPProducer`) calls it per chunk, into the chunk's ring slot, and publishes
+    what it wrote."""
 
-    def __init__(self, shape: MoEShape, fw: FastWeights, max_tokens: int, device):
-        self.shape, self.fw = shape, fw
-        self.logits = torch.zeros(max_tokens, shape.num_experts, dtype=torch.float32, device=device)
+    def __init__(self, max_tokens: int, num_experts: int, device):
+        self.logits = torch.zeros(max_tokens, num_experts, dtype=torch.float32, device=device)
 
-    def route(self, x: torch.Tensor, idx_out: torch.Tensor, w_out: torch.Tensor) -> None:
-        """Router + top-k of ``x [n, H]`` into ``idx_out [n, K]`` (int64), ``w_out [n, K]`` (f32)."""
+    def route(self, x: torch.Tensor, fw: FP8BlocksView, shape: MoEShape, idx_out: torch.Tensor,
+              w_out: torch.Tensor) -> None:
+        """Router + top-k of ``x [n, H]`` by ``fw``'s router and bias and ``shape``'s rule (a layer's routing)
+        into ``idx_out [n, K]`` (int64), ``w_out [n, K]`` (f32)."""
         n = x.shape[0]
         lg = self.logits[:n]
-        K.router_logits(x, self.fw.router, lg)
-        select_experts_into(lg, self.fw.bias, self.shape, idx_out, w_out)
+        K.router_logits(x, fw.router, lg)
+        select_experts_into(lg, fw.bias, shape, idx_out, w_out)
 
     @staticmethod
     def layout(x: torch.Tensor, q_out: torch.Tensor, sf_out: torch.Tensor) -> None:
@@ -349,7 +287,7 @@ class BlockConsumer:
         """The expert GEMMs of ``impl`` if :meth:`experts` made them already, else None (makes nothing)."""
         return self._experts.get(impl)
 
-    def compute(self, lo_index: int, hi_index: int, max_items: int, fw: FastWeights, *, impl: str = "triton",
+    def compute(self, lo_index: int, hi_index: int, max_items: int, fw: FP8BlocksView, *, impl: str = "triton",
                 max_ctas: int | None = None, expect_items: int | None = None, out=None,
                 direct=None) -> None:
         """L1+SwiGLU and L2 of the blocks ``ready_list[ready_hi[lo_index] : ready_hi[hi_index]]`` by the
@@ -366,7 +304,7 @@ class BlockConsumer:
         K.combine(self.tok_row, self.y, out, topk=self.shape.topk)
 
 
-def moe_forward(idx, w, q, sf, fw: FastWeights, bc: BlockConsumer, out: torch.Tensor,
+def moe_forward(idx, w, q, sf, fw: FP8BlocksView, bc: BlockConsumer, out: torch.Tensor,
                 max_ctas: int | None = None, gemm_impl: str = "triton") -> None:
     """The MoE alone on already produced routing/layout (batch structure): the expert GEMMs of
     ``gemm_impl`` (``max_ctas`` as :meth:`BlockConsumer.compute` takes it)."""
@@ -385,39 +323,7 @@ def scratch_buffers(shape: MoEShape, tokens: int, device) -> dict:
             "sf": torch.zeros(tokens, shape.hidden // 128, dtype=torch.float32, device=device)}
 
 
-def reference_tokens_f64(x, fw: FastWeights, shape: MoEShape, tokens) -> torch.Tensor:
-    """Float64 reference of the layer for the tokens ``tokens`` of ``x`` (all experts in ``fw``):
-    router from the same bf16 weights (float64 logits), activations quantized as the ring carries
-    them, expert weights dequantized, the intermediate kept in float64 (no FP8 re-quantization).
-    The kernels' distance to it is the FP8 re-quantization of the intermediate and the bf16
-    outputs (a few per cent, relative): see :data:`FAST_PATH_REL_TOL`."""
-    from .math import dequantize_act_fp8, quantize_act_fp8
-
-    xs = x[tokens]
-    logits = (xs.double() @ fw.router.double().t()).float()
-    idx, w = select_experts(logits, fw.bias, shape)
-    q, sf = quantize_act_fp8(xs.float())
-    xd = dequantize_act_fp8(q, sf).double()
-    I = shape.intermediate
-    out = torch.zeros(len(tokens), shape.hidden, dtype=torch.float64, device=x.device)
-    for r in range(len(tokens)):
-        for j in range(shape.topk):
-            e = int(idx[r, j])
-            w1 = (fw.w1[e].double().view(2 * I // 128, 128, -1, 128) * fw.w1_sf[e].double()[:, None, :, None]).view(2 * I, -1)
-            w2 = (fw.w2[e].double().view(-1, 128, I // 128, 128) * fw.w2_sf[e].double()[:, None, :, None]).view(-1, I)
-            gu = w1 @ xd[r]
-            h = torch.nn.functional.silu(gu[:I]) * gu[I:]
-            out[r] += (w2 @ h) * float(w[r, j])
-    return out
-
-
-#: relative Frobenius error of the FP8 fast path against :func:`reference_tokens_f64` that a run
-#: accepts: the intermediate is re-quantized to FP8 e4m3 (3 mantissa bits: up to 2^-4 relative per
-#: element, about 1.4 % measured over a layer) and every output row is rounded to bf16.
-FAST_PATH_REL_TOL = 0.03
-
-
-def streamed_forward_serial(x, fw: FastWeights, shape: MoEShape, prod: Producer, bc: BlockConsumer,
+def streamed_forward_serial(x, fw: FP8BlocksView, shape: MoEShape, prod: Producer, bc: BlockConsumer,
                             scratch: dict, chunk_tokens: int, out: torch.Tensor, gemm_impl: str = "triton") -> None:
     """Chunk by chunk on one stream, without a ring (the block logic alone; tests and the
     ``serialized`` reference): produce chunk c, dispatch it, run the blocks it made ready with
@@ -429,7 +335,7 @@ def streamed_forward_serial(x, fw: FastWeights, shape: MoEShape, prod: Producer,
         a, b = c * chunk_tokens, min(t, (c + 1) * chunk_tokens)
         idx, w = scratch["idx"][a:b], scratch["w"][a:b]
         q, sf = scratch["q"][a:b], scratch["sf"][a:b]
-        prod.route(x[a:b], idx, w)
+        prod.route(x[a:b], fw, shape, idx, w)
         prod.layout(x[a:b], q, sf)
         bc.dispatch(c, idx, w, q, sf, a)
         bc.compute(c, c + 1, bc.max_ready(b - a), fw, impl=gemm_impl)

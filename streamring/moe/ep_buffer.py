@@ -9,7 +9,7 @@ tensors are taken as they are) and :meth:`EPBuffer.forward` runs one layer on th
 collectively on every PE::
 
     buf = EPBuffer(heap, shape, num_slots=2, tokens_per_slot=4096, max_tokens_per_rank=8192)
-    w = buf.prepare_weights(weights)                    # once per layer (MoEWeights or FastWeights)
+    w = buf.prepare_weights(weights)                    # once per layer (a MoEWeights)
     y = buf.forward(x, w)                       # batch-ready path (default)
     y = buf.forward(x, w, streaming=True)       # streamed through the ring
     y = buf.forward(x_max, w, num_tokens=n)     # n: a device int64: the valid rows of x_max
@@ -53,10 +53,11 @@ from .ep_launch import LaunchAhead
 from .ep_pipeline import Pipeline
 from .ep_producer import EPProducer
 from .ep_rings import make_path
-from .ep_weights import LayerWeights, prepare_layer_weights
 from .instrument import NO_INSTRUMENT
 from .math import MoEShape
 from .tuning import EPTuning
+from .weight_views import PESliceView
+from .weights import MoEWeights
 
 # re-exported: the buffer's GEMM resolution, its sizes' check and memory report (ep_config)
 resolve_gemm = CFG.resolve_gemm
@@ -229,22 +230,25 @@ class EPBuffer:
         self.pipeline.instrument = NO_INSTRUMENT if inst is None else inst
 
     # -- layers -----------------------------------------------------------------------------------
-    def prepare_weights(self, weights, routing: Optional[MoEShape] = None) -> LayerWeights:
+    def prepare_weights(self, weights: MoEWeights, routing: Optional[MoEShape] = None) -> PESliceView:
         """One layer's weights for this buffer (call once per layer; keep the result).
 
         Args:
-            weights: a :class:`~streamring.moe.math.MoEWeights` (bf16 weights are quantized to FP8
-                with 128x128 block scales here; FP8 weights with their scales, e.g. a checkpoint's
-                ``weight_scale_inv``, are taken as they are; all experts or only this PE's) or a
-                :class:`~streamring.moe.blocks.FastWeights` (all experts or this PE's).
+            weights: the layer's :class:`~streamring.moe.weights.MoEWeights`, all experts or only this PE's
+                (bf16 weights are quantized to FP8 with 128x128 block scales here; FP8 weights with their
+                scales, e.g. a checkpoint's ``weight_scale_inv``, are taken as they are).
             routing: the layer's router (kind, groups, scaling); default the buffer's ``shape``.
                 Its sizes must equal the buffer's.
 
         Returns:
-            :class:`LayerWeights` holding this PE's experts and the global router.
+            :class:`~streamring.moe.weight_views.PESliceView` (:meth:`MoEWeights.pe_slice`): this PE's experts in
+            the FP8 block layout and the global router.
         """
-        return prepare_layer_weights(weights, self.shape if routing is None else routing, self.shape, self.me,
-                                     self.R, self.dev)
+        sh = self.shape if routing is None else routing
+        CFG.check_layer_routing(sh, self.shape)
+        if not isinstance(weights, MoEWeights):
+            raise ValueError(f"weights must be a MoEWeights, got {type(weights).__name__}")
+        return weights.pe_slice(sh, self.me, self.R, self.dev)
 
     # -- the forward --------------------------------------------------------------------------------
     def adaptive_streaming(self, tokens: int) -> bool:
@@ -276,7 +280,7 @@ class EPBuffer:
         self.last_adaptive = choice
         return choice.path == "streamed"
 
-    def forward(self, x: torch.Tensor, weights: LayerWeights, *, streaming: bool | str = False,
+    def forward(self, x: torch.Tensor, weights: PESliceView, *, streaming: bool | str = False,
                 stream_epoch: Optional[int] = None, num_tokens=None, out: Optional[torch.Tensor] = None,
                 routing: Optional[tuple] = None, stamps: bool = True) -> torch.Tensor:
         """One layer on this PE's ``x [T, hidden]`` (collective: every PE calls it, each replay of a captured
@@ -331,8 +335,8 @@ class EPBuffer:
         one raises naming it and leaves the buffer usable; values are read on the host only outside a CUDA graph
         capture); returns ``(x in bf16, the bf16 output, num_tokens, routing made contiguous)`` (a count read on the
         host comes back as an int)."""
-        if not isinstance(weights, LayerWeights):
-            raise ValueError(f"weights must come from EPBuffer.prepare_weights (a LayerWeights), got "
+        if not isinstance(weights, PESliceView):
+            raise ValueError(f"weights must come from EPBuffer.prepare_weights (a PESliceView), got "
                              f"{type(weights).__name__}")
         check_x(x, self.shape.hidden, device=self.dev, max_rows=self.max_tokens)
         T = x.shape[0]
@@ -365,7 +369,7 @@ class EPBuffer:
             torch.cuda.synchronize(self.dev)
 
     # -- a consumer launched ahead --------------------------------------------------------------------
-    def launch_consumer(self, weights: LayerWeights, rows: int, *, stamps: bool = True) -> None:
+    def launch_consumer(self, weights: PESliceView, rows: int, *, stamps: bool = True) -> None:
         """Enqueue the consumer side of this layer's next streamed forward now, ahead of its input (the RFC's
         question 4: a consumer launched before all chunks are ready).
 
@@ -404,8 +408,8 @@ class EPBuffer:
                 ``tuning.consumer='persistent'`` (its kernel would hold the SMs the caller's own work needs).
         """
         self._refuse_if_broken()
-        if not isinstance(weights, LayerWeights):
-            raise ValueError(f"weights must come from EPBuffer.prepare_weights (a LayerWeights), got "
+        if not isinstance(weights, PESliceView):
+            raise ValueError(f"weights must come from EPBuffer.prepare_weights (a PESliceView), got "
                              f"{type(weights).__name__}")
         if isinstance(rows, bool) or not isinstance(rows, int) or not 0 <= rows <= self.max_tokens:
             raise ValueError(f"rows must be an int in [0, max_tokens_per_rank={self.max_tokens}] (x.shape[0] of the "
@@ -422,7 +426,7 @@ class EPBuffer:
         return self.launches.cancel(None)
 
     # -- graphs -------------------------------------------------------------------------------------
-    def capture(self, x: torch.Tensor, weights: LayerWeights, out: torch.Tensor, *, streaming: bool = False,
+    def capture(self, x: torch.Tensor, weights: PESliceView, out: torch.Tensor, *, streaming: bool = False,
                 num_tokens=None, routing: Optional[tuple] = None, node_priority: bool = True, stamps: bool = True,
                 launch_ahead: bool = False, before: Optional[Callable[[], None]] = None):
         """Capture one :meth:`forward` into a CUDA graph and return it (run one eager forward of the

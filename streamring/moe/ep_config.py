@@ -6,12 +6,10 @@ from __future__ import annotations
 
 from typing import Optional
 
-import torch
-
 from ..gemm import choice as GC
 from ..gemm.backends import CAPABILITIES
 from ..ring.layout import CombineLayout, RingLayout
-from .math import MoEShape, MoEWeights, quantize_weight_fp8_block
+from .shape import MoEShape
 from .tuning import BLOCK_MS, EPTuning
 
 def cutlass_unavailable_reason() -> Optional[str]:
@@ -82,19 +80,12 @@ def check_sizes(shape: MoEShape, R: int, max_tokens_per_rank, num_slots, tokens_
     return max_tokens_per_rank, C, num_slots, bm
 
 
-def fp8_weights(w: MoEWeights, shape: MoEShape, device) -> MoEWeights:
-    """``w`` with FP8 expert weights: bf16/float weights are quantized with 128x128 block scales;
-    FP8 weights (with their scales) are kept as they are."""
-    if w.is_fp8:
-        return w
-    q = {}
-    for name in ("w1", "w3", "w2"):
-        t = getattr(w, name).to(device)
-        qs = [quantize_weight_fp8_block(t[e].float()) for e in range(t.shape[0])]
-        q[name] = torch.stack([a for a, _ in qs])
-        q[f"{name}_scale"] = torch.stack([s for _, s in qs])
-    return MoEWeights(router_weight=w.router_weight.to(device), correction_bias=None if w.correction_bias is None
-                      else w.correction_bias.to(device), **q)
+def check_layer_routing(routing: MoEShape, shape: MoEShape) -> None:
+    """A layer's ``routing`` serves a buffer of ``shape`` only with its sizes; errors name the field."""
+    for f in ("hidden", "intermediate", "num_experts", "topk"):
+        if getattr(routing, f) != getattr(shape, f):
+            raise ValueError(f"routing.{f}={getattr(routing, f)} differs from the buffer's shape.{f}="
+                             f"{getattr(shape, f)}: a buffer serves layers of one size")
 
 
 def memory_report(shape: MoEShape, num_ranks: int, *, max_tokens_per_rank: int, num_slots: int = 2,

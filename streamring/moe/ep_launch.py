@@ -20,7 +20,7 @@ import torch
 class Launched:
     """One launch: what its forward must be, and where it was enqueued."""
 
-    layer: Any  # the LayerWeights the forward must pass
+    layer: Any  # the PESliceView the forward must pass
     rows: int
     stamps: bool
     enqueued: bool  # False: nothing was enqueued (serialized policy, or the streamed path's first forward)

@@ -1,5 +1,6 @@
-"""The producer side of the expert-parallel layer: per chunk, the router and top-k (or the caller's routing), this
-PE's own view of its routes, the FP8 layout, and the two publications of the chunk in its ring slot.
+"""The producer side of the expert-parallel layer: per chunk, the one producer step
+(:class:`~streamring.moe.blocks.Producer`: the router and top-k, or the caller's routing, and the FP8 layout) written
+into the chunk's ring slot, this PE's own view of its routes, and the two publications of the chunk in its slot.
 
 Ordering (the RFC's release/acquire): the payload kernels run before ``ring_publish`` in stream order, and its
 release precedes the generation SET; the slot's valid count is a metadata word written before that release, so
@@ -13,15 +14,15 @@ from __future__ import annotations
 import torch
 
 from ..device import ep_triton as EK
-from ..device import moe_triton as K
 from ..device.ranges import annotate as nvtx_range
 from ..device.ringdesc import RING_LAYOUT, RING_ROUTE
-from .blocks import select_experts_into
+from .blocks import Producer
 
 
 class EPProducer:
-    """This PE's producer state: the forward's valid count, its own routes (the owner's reduce reads them), the
-    expected row count per chunk (what the owner waits for) and the router's scratch."""
+    """This PE's producer state around the one :class:`~streamring.moe.blocks.Producer` (its router scratch): the
+    forward's valid count, its own routes (the owner's reduce reads them) and the expected row count per chunk (what
+    the owner waits for)."""
 
     def __init__(self, heap, *, capacity: int, max_chunk: int, max_chunks: int, topk: int, num_experts: int):
         dev = heap.device
@@ -32,7 +33,7 @@ class EPProducer:
         self.my_w = torch.zeros(capacity, topk, dtype=torch.float32, device=dev)
         #: the routed rows the owner expects per chunk (zeroed at every forward's start)
         self.expected = torch.zeros(max_chunks, dtype=torch.int64, device=dev)
-        self.logits = torch.zeros(max_chunk, num_experts, dtype=torch.float32, device=dev)
+        self.step = Producer(max_chunk, num_experts, dev)
         #: device counts outside [0, T] that were clamped (forwards since the buffer was built)
         self.bad_counts = torch.zeros(1, dtype=torch.int32, device=dev)
 
@@ -82,10 +83,8 @@ class EPProducer:
             copy = {}
             if n:
                 if routing is None:
-                    lg = self.logits[:n]
-                    K.router_logits(x[a:a + n], layer.fw.router, lg)
-                    select_experts_into(lg, layer.fw.bias, layer.routing, slot["topk_idx"][:n],
-                                        slot["topk_weights"][:n])
+                    self.step.route(x[a:a + n], layer.fw, layer.routing, slot["topk_idx"][:n],
+                                    slot["topk_weights"][:n])
                     idx, w = slot["topk_idx"][:n], slot["topk_weights"][:n]
                 else:
                     idx, w = routing[0][a:a + n], routing[1][a:a + n]
@@ -107,7 +106,7 @@ class EPProducer:
                 r.publish(stream, c, RING_LAYOUT, valid=valid)
             instrument.stamp(c, 1)
 
-    @staticmethod
-    def layout(x_rows, slot: dict, n: int) -> None:
-        """The layout producer of one chunk: FP8 rows with 1x128 scales into my slot."""
-        K.quant_rows(x_rows, slot["x"][:n], slot["x_sf"][:n])
+    def layout(self, x_rows, slot: dict, n: int) -> None:
+        """The layout of one chunk (:meth:`Producer.layout`: FP8 rows with 1x128 scales) into my slot (a test
+        hooks here to act between the two publications)."""
+        self.step.layout(x_rows, slot["x"][:n], slot["x_sf"][:n])

@@ -37,9 +37,9 @@ from typing import Any, Callable, Mapping, Optional, Union
 import torch
 from torch import nn
 
-from .math import FP8_DTYPE, QUANT_BLOCK, MoEShape, MoEWeights
+from .math import FP8_DTYPE, QUANT_BLOCK, MoEShape
 from .ops import MoELayer, register_layer
-from .weights import weights_from_float, weights_from_fp8
+from .weights import MoEWeights, weights_from_float, weights_from_fp8
 
 __all__ = ["moe_shape_from_config", "replace_moe_experts", "StreamringDeepseekV3MoE", "SwappedMoE",
            "deepseek_v3_moe_modules", "layer_weights_from_module"]

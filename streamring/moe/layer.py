@@ -65,13 +65,13 @@ from .contract import DEFAULT_DEADLINE_S
 from .math import (
     FP8_DTYPE,
     MoEShape,
-    MoEWeights,
     combine,
     expert_pool_forward,
     quantize_act_fp8,
 )
 from .routers import route
 from .tuning import MoETuning
+from .weights import MoEWeights
 
 #: The valid row count of ``forward``'s ``x``: an int, or a 0-d / 1-element integer tensor.
 NumTokens = Union[int, torch.Tensor]
@@ -151,7 +151,7 @@ class MoEBuffer:
         self._prepared: "weakref.WeakKeyDictionary[MoEWeights, tuple[MoEWeights, int]]" = weakref.WeakKeyDictionary()
 
     def prepare_weights(self, weights: MoEWeights) -> MoEWeights:
-        """Check one layer's weights once (:class:`~streamring.moe.math.MoEWeights`, all experts or this rank's
+        """Check one layer's weights once (:class:`~streamring.moe.weights.MoEWeights`, all experts or this rank's
         local ones; ``streamring.moe.weights`` builds them from checkpoint tensors); returns ``weights`` itself,
         which :meth:`forward` then takes without scanning every expert weight again. Do not modify them afterwards.
         Raises ValueError naming the bad field, as :meth:`forward` would."""

@@ -38,7 +38,8 @@ Data formats
   token per 128 hidden columns (:func:`quantize_act_fp8`).
 * Expert weights are either bf16 or FP8 with 128x128 block scales
   (:func:`quantize_weight_fp8_block`).  They are dequantized to float32 once and
-  cached (:meth:`MoEWeights.dequantized_expert`).
+  cached (:meth:`~streamring.moe.weights.MoEWeights.dequantized_expert`; the weights' home is
+  :mod:`streamring.moe.weights`, which builds on this module).
 * Routing is computed in float32 from the *unquantized* activations (:mod:`streamring.moe.routers`).
 
 Every invalid input raises :class:`ValueError` whose message names the offending
@@ -47,18 +48,15 @@ argument and the allowed values or shape.
 
 from __future__ import annotations
 
-import math as _math
-from dataclasses import dataclass, field
-from typing import Dict, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 
-# (the shape and the router names need no torch: the launcher's pre-launch check validates a shape without it)
-from .routing import router_of
+# (the shape needs no torch: the launcher's pre-launch check validates a shape without it)
 from .shape import QUANT_BLOCK, WEIGHT_DTYPES, MoEShape, _is_int
 
 __all__ = ["FP8_DTYPE", "FP8_MAX", "QUANT_BLOCK", "ROUTER_BLOCK_ROWS", "CPU_GEMM_ROW_QUANTUM", "WEIGHT_DTYPES",
-           "MoEShape", "MoEWeights", "quantize_weight_fp8_block", "dequantize_weight_fp8_block", "quantize_act_fp8",
+           "MoEShape", "quantize_weight_fp8_block", "dequantize_weight_fp8_block", "quantize_act_fp8",
            "dequantize_act_fp8", "expert_block_forward", "expert_pool_forward", "combine"]
 
 #: FP8 storage dtype used for activations on the ring and for fp8 weights.
@@ -253,234 +251,12 @@ def dequantize_act_fp8(x_fp8: torch.Tensor, x_sf: torch.Tensor) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------- #
-# weights
-# --------------------------------------------------------------------------- #
-@dataclass(eq=False)
-class MoEWeights:
-    """Weights of one MoE layer (all experts), on a single device.
-
-    Attributes:
-        router_weight: float32 ``[E, H]``; logits = x @ router_weight.T.
-        correction_bias: float32 ``[E]`` or None, for a router that reads it
-            (``uses_bias``: deepseek_v3 adds it to the scores for *selection
-            only*; the returned weights do not include it).
-        w1, w3: ``[E, I, H]`` (gate and up projections).
-        w2: ``[E, H, I]`` (down projection).
-            bf16, or float8_e4m3fn together with the block scales below.
-        w1_scale, w3_scale: float32 ``[E, I/128, H/128]`` (fp8 only, else None).
-        w2_scale: float32 ``[E, H/128, I/128]`` (fp8 only, else None).
-
-    Dequantized float32 expert weights are cached per object by
-    :meth:`dequantized_expert`; call :meth:`clear_cache` after mutating weights.
-    """
-
-    router_weight: torch.Tensor
-    correction_bias: Optional[torch.Tensor]
-    w1: torch.Tensor
-    w3: torch.Tensor
-    w2: torch.Tensor
-    w1_scale: Optional[torch.Tensor] = None
-    w3_scale: Optional[torch.Tensor] = None
-    w2_scale: Optional[torch.Tensor] = None
-    _cache: Dict[Tuple[int, torch.dtype], Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(
-        default_factory=dict, init=False, repr=False, compare=False)
-
-    # -- properties ---------------------------------------------------------
-    @property
-    def num_experts(self) -> int:
-        """E, from ``router_weight.shape[0]``."""
-        return int(self.router_weight.shape[0])
-
-    @property
-    def hidden(self) -> int:
-        """H, from ``w1.shape[2]``."""
-        return int(self.w1.shape[2])
-
-    @property
-    def intermediate(self) -> int:
-        """I, from ``w1.shape[1]``."""
-        return int(self.w1.shape[1])
-
-    @property
-    def device(self) -> torch.device:
-        """Device of the weights."""
-        return self.w1.device
-
-    @property
-    def is_fp8(self) -> bool:
-        """True when expert weights are stored as float8_e4m3fn + block scales."""
-        return self.w1.dtype == FP8_DTYPE
-
-    # -- validation ---------------------------------------------------------
-    def validate(self, shape: MoEShape) -> "MoEWeights":
-        """Check shapes, dtypes, device consistency and finiteness against ``shape``.
-
-        Also validates ``shape`` itself.  Raises ValueError naming the field.
-        Returns ``self``.
-        """
-        if not isinstance(shape, MoEShape):
-            raise ValueError(f"shape must be a MoEShape, got {type(shape).__name__}")
-        shape.validate()
-        e, h, i = shape.num_experts, shape.hidden, shape.intermediate
-        _check_tensor("router_weight", self.router_weight, dtype=torch.float32, shape=(e, h))
-        _check_finite("router_weight", self.router_weight)
-        if self.correction_bias is not None:
-            _check_tensor("correction_bias", self.correction_bias, dtype=torch.float32,
-                          shape=(e,))
-            _check_finite("correction_bias", self.correction_bias)
-        wdt = torch.bfloat16 if shape.weight_dtype == "bf16" else FP8_DTYPE
-        for name, shp in (("w1", (e, i, h)), ("w3", (e, i, h)), ("w2", (e, h, i))):
-            t = getattr(self, name)
-            _check_tensor(name, t, shape=shp)
-            if t.dtype != wdt:
-                raise ValueError(
-                    f"{name} must have dtype {wdt} for weight_dtype={shape.weight_dtype!r}, "
-                    f"got {t.dtype}")
-        scale_shapes = (("w1_scale", (e, i // QUANT_BLOCK, h // QUANT_BLOCK)),
-                        ("w3_scale", (e, i // QUANT_BLOCK, h // QUANT_BLOCK)),
-                        ("w2_scale", (e, h // QUANT_BLOCK, i // QUANT_BLOCK)))
-        for name, shp in scale_shapes:
-            s = getattr(self, name)
-            if shape.weight_dtype == "bf16":
-                if s is not None:
-                    raise ValueError(f"{name} must be None for weight_dtype='bf16'")
-            else:
-                if s is None:
-                    raise ValueError(
-                        f"{name} must be a float32 tensor of shape {list(shp)} for "
-                        f"weight_dtype='fp8', got None")
-                _check_tensor(name, s, dtype=torch.float32, shape=shp)
-                _check_finite(name, s)
-                if not bool((s > 0).all()):
-                    raise ValueError(f"{name} must be > 0 everywhere")
-        dev = self.router_weight.device
-        for name in ("correction_bias", "w1", "w3", "w2", "w1_scale", "w3_scale", "w2_scale"):
-            t = getattr(self, name)
-            if t is not None and t.device != dev:
-                raise ValueError(
-                    f"{name} must be on the same device as router_weight ({dev}), got {t.device}")
-        for name in ("w1", "w3", "w2"):
-            _check_finite(name, getattr(self, name))
-        return self
-
-    # -- construction -------------------------------------------------------
-    @classmethod
-    def random(cls, shape: MoEShape, seed: int, device="cpu",
-               with_bias: Optional[bool] = None, bias_std: float = 0.1) -> "MoEWeights":
-        """Deterministic random weights with O(1) outputs for O(1) inputs.
-
-        Every tensor is drawn from ``N(0, 1/fan_in)`` (router and w1/w3:
-        fan_in = H; w2: fan_in = I) by a CPU ``torch.Generator`` seeded with
-        ``seed``, expert by expert, then cast (bf16) or block-quantized (fp8)
-        and moved to ``device``; the result is therefore identical on every
-        device.
-
-        Args:
-            shape: validated layer shape.
-            seed: int seed.
-            device: target device.
-            with_bias: create ``correction_bias`` (``N(0, bias_std)``); default:
-                whether the shape's router reads one (``uses_bias``).
-            bias_std: std of the correction bias.
-        """
-        if not isinstance(shape, MoEShape):
-            raise ValueError(f"shape must be a MoEShape, got {type(shape).__name__}")
-        shape.validate()
-        if not _is_int(seed):
-            raise ValueError(f"seed must be an int, got {seed!r}")
-        if with_bias is None:
-            with_bias = router_of(shape.router).uses_bias
-        e, h, i = shape.num_experts, shape.hidden, shape.intermediate
-        g = torch.Generator(device="cpu")
-        g.manual_seed(seed)
-        f32 = torch.float32
-        router_weight = torch.randn(e, h, generator=g, dtype=f32) / _math.sqrt(h)
-        bias = torch.randn(e, generator=g, dtype=f32) * bias_std if with_bias else None
-        fp8 = shape.weight_dtype == "fp8"
-        wdt = FP8_DTYPE if fp8 else torch.bfloat16
-        w1 = torch.empty(e, i, h, dtype=wdt, device=device)
-        w3 = torch.empty(e, i, h, dtype=wdt, device=device)
-        w2 = torch.empty(e, h, i, dtype=wdt, device=device)
-        if fp8:
-            hb, ib = h // QUANT_BLOCK, i // QUANT_BLOCK
-            s1 = torch.empty(e, ib, hb, dtype=f32, device=device)
-            s3 = torch.empty(e, ib, hb, dtype=f32, device=device)
-            s2 = torch.empty(e, hb, ib, dtype=f32, device=device)
-        else:
-            s1 = s3 = s2 = None
-        for ex in range(e):
-            for dst, sdst, rows, cols in ((w1, s1, i, h), (w3, s3, i, h), (w2, s2, h, i)):
-                w = torch.randn(rows, cols, generator=g, dtype=f32) / _math.sqrt(cols)
-                if fp8:
-                    q, s = quantize_weight_fp8_block(w)
-                    dst[ex].copy_(q.to(device))
-                    sdst[ex].copy_(s.to(device))
-                else:
-                    dst[ex].copy_(w.to(torch.bfloat16).to(device))
-        return cls(router_weight=router_weight.to(device),
-                   correction_bias=None if bias is None else bias.to(device),
-                   w1=w1, w3=w3, w2=w2, w1_scale=s1, w3_scale=s3, w2_scale=s2)
-
-    # -- placement ----------------------------------------------------------
-    def local_experts(self, rank: int, num_ranks: int) -> range:
-        """Experts owned by ``rank`` under contiguous placement (E/num_ranks each).
-
-        Rank ``r`` owns ``range(r * E/num_ranks, (r + 1) * E/num_ranks)``.
-        """
-        if not _is_int(num_ranks) or num_ranks < 1:
-            raise ValueError(f"num_ranks must be an int >= 1, got {num_ranks!r}")
-        if self.num_experts % num_ranks != 0:
-            raise ValueError(
-                f"num_ranks must divide num_experts={self.num_experts}, got {num_ranks}")
-        if not _is_int(rank) or not 0 <= rank < num_ranks:
-            raise ValueError(f"rank must be an int in [0, {num_ranks}), got {rank!r}")
-        per = self.num_experts // num_ranks
-        return range(rank * per, (rank + 1) * per)
-
-    # -- dequantization -----------------------------------------------------
-    def dequantized_expert(self, e: int, dtype: torch.dtype = torch.float32
-                           ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Dequantized ``(w1 [I, H], w3 [I, H], w2 [H, I])`` of expert ``e``, cached.
-
-        bf16 weights are cast; fp8 weights are multiplied by their 128x128 block
-        scales in ``dtype``.  Results are cached per ``(e, dtype)`` on this object.
-
-        Args:
-            e: expert index in ``[0, E)``.
-            dtype: torch.float32 (default) or torch.float64.
-        """
-        if not _is_int(e) or not 0 <= e < self.num_experts:
-            raise ValueError(f"e must be an int in [0, {self.num_experts}), got {e!r}")
-        if dtype not in (torch.float32, torch.float64):
-            raise ValueError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
-        key = (e, dtype)
-        hit = self._cache.get(key)
-        if hit is not None:
-            return hit
-        out = []
-        for name in ("w1", "w3", "w2"):
-            w = getattr(self, name)[e]
-            if w.dtype == FP8_DTYPE:
-                s = getattr(self, name + "_scale")
-                if s is None:
-                    raise ValueError(f"{name}_scale must be set for fp8 {name}, got None")
-                out.append(dequantize_weight_fp8_block(w, s[e], dtype).contiguous())
-            else:
-                out.append(w.to(dtype).contiguous())
-        res = (out[0], out[1], out[2])
-        self._cache[key] = res
-        return res
-
-    def clear_cache(self) -> None:
-        """Drop all cached dequantized expert weights."""
-        self._cache.clear()
-
-
-# --------------------------------------------------------------------------- #
 # expert compute
 # --------------------------------------------------------------------------- #
-def _check_expert_inputs(x_fp8, x_sf, e, weights: MoEWeights, rows_name: str) -> None:
-    if not isinstance(weights, MoEWeights):
+def _check_expert_inputs(x_fp8, x_sf, e, weights, rows_name: str) -> None:
+    # ``weights`` is a :class:`~streamring.moe.weights.MoEWeights`, recognised by what these functions read of it
+    # (that module builds on this one, so the class is not imported here)
+    if not all(hasattr(weights, a) for a in ("dequantized_expert", "hidden", "num_experts")):
         raise ValueError(f"weights must be a MoEWeights, got {type(weights).__name__}")
     h = weights.hidden
     _check_tensor("x_fp8" + rows_name, x_fp8, dtype=FP8_DTYPE, ndim=2)
@@ -494,7 +270,7 @@ def _check_expert_inputs(x_fp8, x_sf, e, weights: MoEWeights, rows_name: str) ->
 
 
 def expert_block_forward(x_fp8_block: torch.Tensor, x_sf_block: torch.Tensor, e: int,
-                         weights: MoEWeights) -> torch.Tensor:
+                         weights) -> torch.Tensor:
     """SwiGLU expert ``e`` on one fixed-shape block of rows.
 
     ``out = (silu(x @ w1.T) * (x @ w3.T)) @ w2.T`` with ``x`` dequantized to
@@ -509,7 +285,7 @@ def expert_block_forward(x_fp8_block: torch.Tensor, x_sf_block: torch.Tensor, e:
         x_fp8_block: float8_e4m3fn ``[block_m, H]``.
         x_sf_block: float32 ``[block_m, H/128]``.
         e: expert index in ``[0, E)``.
-        weights: layer weights.
+        weights: the layer's :class:`~streamring.moe.weights.MoEWeights`.
     Returns:
         float32 ``[block_m, H]``.
     """
@@ -528,7 +304,7 @@ def expert_block_forward(x_fp8_block: torch.Tensor, x_sf_block: torch.Tensor, e:
 
 
 def expert_pool_forward(x_fp8: torch.Tensor, x_sf: torch.Tensor, e: int,
-                        weights: MoEWeights, block_m: int) -> torch.Tensor:
+                        weights, block_m: int) -> torch.Tensor:
     """Run expert ``e`` on all ``n`` rows routed to it, ``block_m`` rows at a time.
 
     Rows are split into consecutive blocks of ``block_m``; the last block is
@@ -539,7 +315,7 @@ def expert_pool_forward(x_fp8: torch.Tensor, x_sf: torch.Tensor, e: int,
         x_fp8: float8_e4m3fn ``[n, H]`` (n may be 0).
         x_sf: float32 ``[n, H/128]``.
         e: expert index.
-        weights: layer weights.
+        weights: the layer's :class:`~streamring.moe.weights.MoEWeights`.
         block_m: rows per block (>= 1).
     Returns:
         float32 ``[n, H]``.

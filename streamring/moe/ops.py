@@ -104,7 +104,7 @@ def register_layer(buffer: Any, weights: Any) -> MoELayer:
 
     Args:
         buffer: the buffer every layer shares (:class:`~streamring.moe.contract.MoELayerBuffer`).
-        weights: the layer's :class:`~streamring.moe.math.MoEWeights` (all experts or this rank's).
+        weights: the layer's :class:`~streamring.moe.weights.MoEWeights` (all experts or this rank's).
     Returns:
         the :class:`MoELayer` handle; keep it while a model calls the op with its id, then ``close()``.
     Raises:

@@ -8,9 +8,10 @@ from typing import Optional, Tuple
 
 import torch
 
-from .math import _ACT_DTYPES, ROUTER_BLOCK_ROWS, MoEWeights, _check_tensor, _first_nonfinite_row, _fixed_rows_matmul, _rowwise
+from .math import _ACT_DTYPES, ROUTER_BLOCK_ROWS, _check_tensor, _first_nonfinite_row, _fixed_rows_matmul, _rowwise
 from .routing import router_of
 from .shape import MoEShape
+from .weights import MoEWeights
 
 __all__ = ["select_experts", "softmax_topk", "deepseek_v3", "route", "route_f64"]
 

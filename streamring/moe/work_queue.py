@@ -31,7 +31,8 @@ import torch
 
 from ..device import persistent_moe as PM
 from ..device.queue_order import COUNT_MASK, CTRL_CLAIM, CTRL_READY, CTRL_WORDS, SEALED, total_items
-from .blocks import FP8, BlockConsumer, FastWeights
+from .blocks import FP8, BlockConsumer
+from .weight_views import FP8BlocksView
 
 QUEUE_INJECT_MODES = tuple(m for m in PM.QUEUE_INJECT_BITS if m != "none")
 
@@ -78,7 +79,7 @@ class WorkQueue:
         """Claim indices of a forward with ``n`` ready blocks (``queue_order.total_items``)."""
         return total_items(n, self.nt1, self.nt2, self.group)
 
-    def launch(self, fw: FastWeights, *, ctas: int, comb_rows: torch.Tensor, comb_delta: torch.Tensor,
+    def launch(self, fw: FP8BlocksView, *, ctas: int, comb_rows: torch.Tensor, comb_delta: torch.Tensor,
                arrived: torch.Tensor, arrived_delta: torch.Tensor, status: torch.Tensor, deadline_ns: int,
                inject: str = "none", trace: torch.Tensor | None = None, witness: torch.Tensor | None = None,
                stall_l1_us: int = 0):

@@ -846,11 +846,12 @@ def test_pair_tile_refuses_a_block_twice_with_two_partners():
 # ----------------------------------------------------------------------------------------------
 def _moe_setup(dev="cuda"):
     from streamring.moe import blocks as B
+    from streamring.moe.weights import MoEWeights
     from streamring.moe.math import MoEShape
 
     shape = MoEShape(hidden=256, intermediate=256, num_experts=8, topk=2, router="deepseek_v3", n_group=4,
                      topk_group=2, routed_scaling_factor=2.5, weight_dtype="fp8")
-    fw = B.FastWeights.random(shape, 3, dev)
+    fw = MoEWeights.random_fp8(shape, 3, dev).fp8_blocks()
     g = torch.Generator(device="cpu").manual_seed(5)
     x = torch.randn(97, shape.hidden, generator=g).to(torch.bfloat16).to(dev)
     return B, shape, fw, x
@@ -863,9 +864,9 @@ def test_consumer_cutlass_matches_triton(l1_dtype):
     T = x.shape[0]
     outs, h1s = {}, {}
     for impl in ("triton", "cutlass"):
-        prod = B.Producer(shape, fw, T, "cuda")
+        prod = B.Producer(T, shape.num_experts, "cuda")
         sc = B.scratch_buffers(shape, T, "cuda")
-        prod.route(x, sc["idx"], sc["w"])
+        prod.route(x, fw, shape, sc["idx"], sc["w"])
         prod.layout(x, sc["q"], sc["sf"])
         bc = B.BlockConsumer(shape, T, 1, 64, "cuda")
         if impl == "cutlass":
@@ -899,7 +900,7 @@ def test_consumer_cutlass_streamed_equals_batch_bitwise(chunk, tiles, bm):
     T = x.shape[0]
     ys = []
     for streamed in (False, True):
-        prod = B.Producer(shape, fw, T, "cuda")
+        prod = B.Producer(T, shape.num_experts, "cuda")
         sc = B.scratch_buffers(shape, T, "cuda")
         bc = B.BlockConsumer(shape, T, -(-T // chunk) + 1, bm, "cuda")
         l1_dtype = torch.float32 if tiles[0] == "coop128" else torch.bfloat16
@@ -908,7 +909,7 @@ def test_consumer_cutlass_streamed_equals_batch_bitwise(chunk, tiles, bm):
         if streamed:
             B.streamed_forward_serial(x, fw, shape, prod, bc, sc, chunk, y, gemm_impl="cutlass")
         else:  # the batch path: produce everything, one dispatch + seal, one GEMM pass
-            prod.route(x, sc["idx"], sc["w"])
+            prod.route(x, fw, shape, sc["idx"], sc["w"])
             prod.layout(x, sc["q"], sc["sf"])
             B.moe_forward(sc["idx"], sc["w"], sc["q"], sc["sf"], fw, bc, y, gemm_impl="cutlass")
         bc.experts("cutlass").check()

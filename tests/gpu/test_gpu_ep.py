@@ -43,14 +43,14 @@ def _buffer(heap, shape, *, policy="spin_kernel", transport="p2p", order="rank",
     ("spin_kernel", "p2p", "ready"), ("spin_kernel", "nv", "ready"), ("spin_kernel", "p2p", "arrival"),
     ("serialized", "p2p", "arrival"), ("spin_kernel", "nv", "arrival")])
 def test_streamed_equals_batch_equals_single_process(env, policy, transport, order):
-    heap, shape, fw = env
+    heap, shape, mw = env
     T = 157
     x0 = random_x(shape, T, 1, heap.device)
-    ref = single_batch(shape, fw, x0)
+    ref = single_batch(shape, mw, x0)
     # the Triton GEMMs: the single-process block path runs them too (bitwise comparable)
     buf = _buffer(heap, shape, policy=policy, transport=transport, order=order)
     try:
-        w = buf.prepare_weights(fw)
+        w = buf.prepare_weights(mw)
         for streaming in (False, True):
             x = x0.clone()  # the graph's input buffer (its replays below overwrite it)
             y = torch.full_like(x, float("nan"))
@@ -64,7 +64,7 @@ def test_streamed_equals_batch_equals_single_process(env, policy, transport, ord
                 y.fill_(float("nan"))
                 g.replay()
                 torch.cuda.synchronize()
-                assert torch.equal(bits(y), bits(single_batch(shape, fw, x2))), \
+                assert torch.equal(bits(y), bits(single_batch(shape, mw, x2))), \
                     f"streaming={streaming} replay, seed {seed}; status {buf.status()}"
         st = buf.status()
         assert not (st["violations"] or st["timeouts"] or st["bad_routes"]), f"{st}"
@@ -76,11 +76,11 @@ def test_streamed_equals_batch_equals_single_process(env, policy, transport, ord
 def test_one_capture_serves_every_token_count(env):
     """One captured forward per path, replayed with counts 0, 1, 77 and the maximum from a device word:
     each equals the single-process batch of just those rows, bitwise, and the rows past the count are 0."""
-    heap, shape, fw = env
+    heap, shape, mw = env
     T = 157
     buf = _buffer(heap, shape)
     try:
-        w = buf.prepare_weights(fw)
+        w = buf.prepare_weights(mw)
         x = random_x(shape, T, 6, heap.device)
         n_dev = torch.tensor([T], dtype=torch.int64, device=heap.device)
         for streaming in (False, True):
@@ -93,7 +93,7 @@ def test_one_capture_serves_every_token_count(env):
                 g.replay()
                 torch.cuda.synchronize()
                 if n:
-                    assert torch.equal(bits(y[:n]), bits(single_batch(shape, fw, x[:n]))), (streaming, n)
+                    assert torch.equal(bits(y[:n]), bits(single_batch(shape, mw, x[:n]))), (streaming, n)
                 assert not y[n:].any(), (streaming, n)
         st = buf.status()
         assert not (st["violations"] or st["timeouts"] or st["bad_routes"] or st["bad_counts"]), f"{st}"
@@ -105,12 +105,12 @@ def test_a_missing_arrival_is_reported_not_hung(env):
     """Negative control: an owner expecting one row more than can arrive times out with
     RE_COMBINE_TIMEOUT in the status instead of hanging or reading a partial chunk silently, and
     the buffer then refuses to run until rebuilt."""
-    heap, shape, fw = env
+    heap, shape, mw = env
     T = 33
     x = random_x(shape, T, 4, heap.device)
     buf = _buffer(heap, shape, deadline_s=0.5)
     try:
-        w = buf.prepare_weights(fw)
+        w = buf.prepare_weights(mw)
         buf.forward(x, w)
         producer = buf.pipeline.producer
         real = producer.produce  # the test breaks the owner's expectation on purpose
@@ -141,14 +141,14 @@ def test_cutlass_gemms_keep_streamed_equal_to_batch(env, policy, order):
     why = cutlass_unavailable_reason()
     if why:
         pytest.skip(f"the CUTLASS library is not available here: {why}")
-    heap, shape, fw = env
+    heap, shape, mw = env
     T = 157
     x = random_x(shape, T, 5, heap.device)
-    ref = single_batch(shape, fw, x)
+    ref = single_batch(shape, mw, x)
     outs = {}
     buf = _buffer(heap, shape, policy=policy, order=order, gemm="cutlass")
     try:
-        w = buf.prepare_weights(fw)
+        w = buf.prepare_weights(mw)
         for streaming in (False, True):
             xb = x.clone()
             y = torch.full_like(x, float("nan"))
@@ -173,23 +173,23 @@ def test_persistent_consumer_equals_single_process(env, policy, order):
     """consumer='persistent': ONE persistent expert kernel per forward, launched before any block is ready
     (streamed, multi-stream policies) with SMs left to the producer and dispatch, fed by the ready queue;
     captured, replayed with new inputs: bitwise the single-process block path, no ring error."""
-    heap, shape, fw = env
+    heap, shape, mw = env
     T = 157
     buf = _buffer(heap, shape, policy=policy, order=order, consumer="persistent", reserved_sms=16)
     try:
-        w = buf.prepare_weights(fw)
+        w = buf.prepare_weights(mw)
         for streaming in (False, True):
             x = random_x(shape, T, 1, heap.device)
             y = torch.full_like(x, float("nan"))
             buf.forward(x, w, streaming=streaming, out=y)
-            assert torch.equal(bits(y), bits(single_batch(shape, fw, x))), (streaming, buf.status())
+            assert torch.equal(bits(y), bits(single_batch(shape, mw, x))), (streaming, buf.status())
             g = buf.capture(x, w, y, streaming=streaming)
             for seed in (2, 3):
                 x2 = random_x(shape, T, seed, heap.device)
                 x.copy_(x2)
                 y.fill_(float("nan"))
                 buf.replay(g)
-                assert torch.equal(bits(y), bits(single_batch(shape, fw, x2))), (streaming, seed, buf.status())
+                assert torch.equal(bits(y), bits(single_batch(shape, mw, x2))), (streaming, seed, buf.status())
     finally:
         buf.close()
 
@@ -207,19 +207,19 @@ def test_a_consumer_launched_ahead_keeps_every_output(env, gemm, order):
     inputs; also through the torch op (``launch_next``), and a launch cancelled by another layer's forward.
     Every output equals the buffer's batch path bitwise (Triton: also the single-process block path); the ring
     reports no error."""
-    from streamring.moe import blocks as B
+    from streamring.moe.weights import MoEWeights
     from streamring.moe import register_layer
     from streamring.moe.ep_buffer import cutlass_unavailable_reason
     from streamring.moe.ops import moe_forward
 
     if gemm == "cutlass" and cutlass_unavailable_reason():
         pytest.skip(f"the CUTLASS library is not available here: {cutlass_unavailable_reason()}")
-    heap, shape, fw = env
-    fw2 = B.FastWeights.random(shape, 19, heap.device)
+    heap, shape, mw = env
+    mw2 = MoEWeights.random_fp8(shape, 19, heap.device)
     T = 157
     buf = _buffer(heap, shape, order=order, gemm=gemm)
     try:
-        w0, w1 = buf.prepare_weights(fw), buf.prepare_weights(fw2)
+        w0, w1 = buf.prepare_weights(mw), buf.prepare_weights(mw2)
 
         def reference(x):  # the batch path of the same buffer (its GEMMs), layer after layer
             y0 = buf.forward(x, w0)
@@ -243,8 +243,8 @@ def test_a_consumer_launched_ahead_keeps_every_output(env, gemm, order):
         r0, r1 = reference(x)
         assert torch.equal(bits(y0), bits(r0)) and torch.equal(bits(y1), bits(r1)), f"eager; {buf.status()}"
         if gemm == "triton":
-            assert torch.equal(bits(r0), bits(single_batch(shape, fw, x)))
-            assert torch.equal(bits(r1), bits(single_batch(shape, fw2, _next_input(r0))))
+            assert torch.equal(bits(r0), bits(single_batch(shape, mw, x)))
+            assert torch.equal(bits(r1), bits(single_batch(shape, mw2, _next_input(r0))))
         g = torch.cuda.CUDAGraph(keep_graph=True)
         side = torch.cuda.Stream(device=heap.device)
         side.wait_stream(torch.cuda.current_stream())
@@ -264,7 +264,7 @@ def test_a_consumer_launched_ahead_keeps_every_output(env, gemm, order):
             r0, r1 = reference(x)
             assert torch.equal(bits(y0), bits(r0)) and torch.equal(bits(y1), bits(r1)), f"replay {seed}"
         del g
-        with register_layer(buf, fw) as l0, register_layer(buf, fw2) as l1:
+        with register_layer(buf, mw) as l0, register_layer(buf, mw2) as l1:
             a = moe_forward(x, l0, streaming=True, launch_next=l1)
             b = moe_forward(_next_input(a), l1, streaming=True)
             r0, r1 = reference(x)
@@ -283,7 +283,7 @@ def test_the_buffers_streams_are_never_the_callers(env):
     """torch hands out its streams from a pool, round robin: however many streams the caller makes, none is one
     of the buffer's side streams (its GEMM stream as a capture stream would put the producer behind GEMMs that
     wait for it)."""
-    heap, shape, fw = env
+    heap, shape, mw = env
     buf = _buffer(heap, shape)
     try:
         own = {int(s.cuda_stream) for s in buf.pipeline.progress.streams()}

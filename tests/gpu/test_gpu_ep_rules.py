@@ -38,12 +38,12 @@ def _buffer(heap, shape, T, policy, name, deadline_s):
                     deadline_s=deadline_s, tuning=EPTuning(block_m=16, policy=policy), name=name)
 
 
-def _batch_out(heap, shape, fw, x):
+def _batch_out(heap, shape, mw, x):
     """The batch-ready path's output of ``x`` (Triton GEMMs, a buffer of its own), the reference of the
     streamed ones."""
     buf = _buffer(heap, shape, x.shape[0], "serialized", "rules-batch", 10.0)
     try:
-        return buf.forward(x.clone(), buf.prepare_weights(fw)).clone()
+        return buf.forward(x.clone(), buf.prepare_weights(mw)).clone()
     finally:
         buf.close()
 
@@ -57,7 +57,7 @@ def test_slow_copy_keeps_its_slot(env):
 
     from streamring.device import kernels as DK
 
-    heap, shape, fw = env
+    heap, shape, mw = env
     T = 157
     buf = _buffer(heap, shape, T, "spin_kernel", "rules-slow-copy", 5.0)
     hold = torch.full((1,), 2_000_000, dtype=torch.int64, device=heap.device)
@@ -70,7 +70,7 @@ def test_slow_copy_keeps_its_slot(env):
 
     buf.pipeline.experts.bc.dispatch_ep = slow_copy
     try:
-        w = buf.prepare_weights(fw)
+        w = buf.prepare_weights(mw)
         x = random_x(shape, T, 21, heap.device)
         y = torch.zeros_like(x)
         buf.forward(x, w, streaming=True, out=y)
@@ -80,7 +80,7 @@ def test_slow_copy_keeps_its_slot(env):
             x.copy_(x2)
             y.fill_(float("nan"))
             st = buf.replay(g)
-            want = _batch_out(heap, shape, fw, x2)
+            want = _batch_out(heap, shape, mw, x2)
             assert torch.equal(bits(y), bits(want)), f"seed {seed}: a slowly copied chunk got other rows; {st}"
     finally:
         buf.close()
@@ -93,11 +93,11 @@ def test_arrival_counters_start_from_zero_every_forward(env, policy):
     over passes the wait at once with stale rows, then counts past the expectation: RE_COMBINE_COUNT)."""
     import torch
 
-    heap, shape, fw = env
+    heap, shape, mw = env
     T = 101
     buf = _buffer(heap, shape, T, policy, "rules-counters", 2.0)
     try:
-        w = buf.prepare_weights(fw)
+        w = buf.prepare_weights(mw)
         x = random_x(shape, T, 31, heap.device)
         y = torch.zeros_like(x)
         buf.forward(x, w, streaming=True, out=y)
@@ -107,7 +107,7 @@ def test_arrival_counters_start_from_zero_every_forward(env, policy):
             x.copy_(x2)
             y.fill_(float("nan"))
             st = buf.replay(g)  # raises on RE_COMBINE_COUNT / RE_COMBINE_TIMEOUT
-            assert torch.equal(bits(y), bits(_batch_out(heap, shape, fw, x2))), f"seed {seed}; {st}"
+            assert torch.equal(bits(y), bits(_batch_out(heap, shape, mw, x2))), f"seed {seed}; {st}"
             assert int(buf.pipeline.combine.arrived.abs().sum().item()) == 0, f"arrived counters left {buf.pipeline.combine.arrived.tolist()}"
     finally:
         buf.close()

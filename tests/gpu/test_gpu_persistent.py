@@ -45,6 +45,7 @@ import triton.language as tl  # noqa: E402
 from queue_case import EPCase, R  # noqa: E402
 from streamring.device.ringdesc import RS_WORDS, decode_status  # noqa: E402
 from streamring.moe import blocks as B  # noqa: E402
+from streamring.moe.weights import MoEWeights  # noqa: E402
 from streamring.moe.bitwise import bit_difference, same_bits  # noqa: E402
 from streamring.moe.math import MoEShape  # noqa: E402
 
@@ -83,7 +84,7 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _case(shape, tokens, chunk, block_m, seed=3, fw=None):
-    fw = B.FastWeights.random(shape, 7, DEV) if fw is None else fw
+    fw = MoEWeights.random_fp8(shape, 7, DEV).fp8_blocks() if fw is None else fw
     g = torch.Generator(device=DEV)
     g.manual_seed(seed)
     xs = [torch.randn(tokens, shape.hidden, generator=g, device=DEV).to(torch.bfloat16) for _ in range(R)]
@@ -115,7 +116,7 @@ def deepseek():
     from bench.common import dsv3_shape
 
     shape = dsv3_shape(64)
-    return shape, B.FastWeights.random(shape, 7, DEV)
+    return shape, MoEWeights.random_fp8(shape, 7, DEV).fp8_blocks()
 
 
 @pytest.mark.parametrize("chunks", [1, 4])

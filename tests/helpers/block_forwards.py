@@ -6,23 +6,24 @@ from __future__ import annotations
 
 import torch
 
-from streamring.moe.blocks import BlockConsumer, FastWeights, Producer, moe_forward
+from streamring.moe.blocks import BlockConsumer, Producer, moe_forward
 from streamring.moe.math import MoEShape, dequantize_act_fp8, dequantize_weight_fp8_block, quantize_act_fp8
 from streamring.moe.routers import select_experts
+from streamring.moe.weight_views import FP8BlocksView
 
 
-def batch_forward(x, fw: FastWeights, shape: MoEShape, prod: Producer, bc: BlockConsumer, scratch: dict,
+def batch_forward(x, fw: FP8BlocksView, shape: MoEShape, prod: Producer, bc: BlockConsumer, scratch: dict,
                   out: torch.Tensor) -> None:
     """The batch-ready path: produce the whole batch, then one dispatch, seal and GEMM pass."""
     t = x.shape[0]
     idx, w = scratch["idx"][:t], scratch["w"][:t]
     q, sf = scratch["q"][:t], scratch["sf"][:t]
-    prod.route(x, idx, w)
+    prod.route(x, fw, shape, idx, w)
     prod.layout(x, q, sf)
     moe_forward(idx, w, q, sf, fw, bc, out)
 
 
-def emulate_forward(x, fw: FastWeights, shape: MoEShape) -> torch.Tensor:
+def emulate_forward(x, fw: FP8BlocksView, shape: MoEShape) -> torch.Tensor:
     """Float32 torch emulation of exactly what the kernels compute: same routing,
     same activation and ``h`` quantization rules, per-(token, k) bf16 rows, k-ordered combine."""
     t, H = x.shape

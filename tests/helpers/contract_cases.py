@@ -166,7 +166,7 @@ def build(backend: str):
 
 
 def main(backend: str) -> int:
-    from streamring.moe.math import MoEWeights
+    from streamring.moe.weights import MoEWeights
 
     heap, buf = build(backend)
     gather = getattr(heap, "allgather_obj", lambda v: [v])

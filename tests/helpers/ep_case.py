@@ -10,16 +10,16 @@ import torch
 
 @pytest.fixture(scope="module", name="env")
 def ep_env():
-    """``(heap, shape, fw)``: a 1-PE NVSHMEM heap, the shape and its random FP8 weights (closed at the end)."""
+    """``(heap, shape, mw)``: a 1-PE NVSHMEM heap, the shape and its random FP8 weights (closed at the end)."""
     from streamring.device.nvshmem import NvshmemHeap
-    from streamring.moe import blocks as B
     from streamring.moe.math import MoEShape
+    from streamring.moe.weights import MoEWeights
 
     heap = NvshmemHeap.bootstrap(launcher="local")
     shape = MoEShape(hidden=512, intermediate=256, num_experts=16, topk=4, router="deepseek_v3", n_group=4,
                      topk_group=2, routed_scaling_factor=2.5, weight_dtype="fp8", block_m=16)
-    fw = B.FastWeights.random(shape, 7, heap.device)
-    yield heap, shape, fw
+    mw = MoEWeights.random_fp8(shape, 7, heap.device)
+    yield heap, shape, mw
     heap.close()
 
 
@@ -35,13 +35,15 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.int16)
 
 
-def single_batch(shape, fw, x: torch.Tensor) -> torch.Tensor:
-    """The single-process block path (no ring): the reference a buffer's output must equal bitwise."""
+def single_batch(shape, mw, x: torch.Tensor) -> torch.Tensor:
+    """The single-process block path (no ring) on ``mw`` (a :class:`MoEWeights`, all experts): the reference a
+    buffer's output must equal bitwise."""
     from block_forwards import batch_forward
     from streamring.moe import blocks as B
 
     T = x.shape[0]
     y = torch.zeros_like(x)
-    batch_forward(x, fw, shape, B.Producer(shape, fw, T, x.device), B.BlockConsumer(shape, T, 2, 16, x.device),
-                    B.scratch_buffers(shape, T, x.device), y)
+    fw = mw.fp8_blocks()
+    batch_forward(x, fw, shape, B.Producer(T, shape.num_experts, x.device), B.BlockConsumer(shape, T, 2, 16, x.device),
+                  B.scratch_buffers(shape, T, x.device), y)
     return y

@@ -33,15 +33,15 @@ def main(argv=None) -> int:
     import torch
 
     from streamring.device.nvshmem import NvshmemHeap
-    from streamring.moe import blocks as B
     from streamring.moe.ep_buffer import EPBuffer
     from streamring.moe.tuning import EPTuning
     from streamring.moe.math import MoEShape
+    from streamring.moe.weights import MoEWeights
 
     heap = NvshmemHeap.bootstrap(launcher="local")
     shape = MoEShape(hidden=512, intermediate=256, num_experts=16, topk=4, router="deepseek_v3", n_group=4,
                      topk_group=2, routed_scaling_factor=2.5, weight_dtype="fp8", block_m=16)
-    fw = B.FastWeights.random(shape, 7, heap.device)
+    mw = MoEWeights.random_fp8(shape, 7, heap.device)
     T = args.tokens
     g = torch.Generator(device=heap.device)
     g.manual_seed(5)
@@ -50,7 +50,7 @@ def main(argv=None) -> int:
     buf = EPBuffer(heap, shape, max_tokens_per_rank=T, num_slots=2, tokens_per_slot=40, gemm="triton",
                    deadline_s=args.deadline_s, name="once",
                    tuning=EPTuning(block_m=16, policy=args.policy, transport=args.transport))
-    w = buf.prepare_weights(fw)
+    w = buf.prepare_weights(mw)
     for name in ("batch", "stream"):
         streaming = name == "stream"
         try:

@@ -296,17 +296,17 @@ def layer_broken(heap) -> list[str]:
     import torch
 
     from streamring.device.ringdesc import META_VALID
-    from streamring.moe import blocks as B
     from streamring.moe.ep_buffer import EPBuffer
     from streamring.moe.tuning import EPTuning
     from streamring.moe.math import MoEShape
+    from streamring.moe.weights import MoEWeights
 
     R, me = heap.num_ranks, heap.rank
     evil = R - 1
     dev = heap.device
     shape = MoEShape(hidden=512, intermediate=256, num_experts=16, topk=4, router="deepseek_v3", n_group=4,
                      topk_group=2, routed_scaling_factor=2.5, weight_dtype="fp8", block_m=16)
-    fw = B.FastWeights.random(shape, 7, dev)
+    mw = MoEWeights.random_fp8(shape, 7, dev)
     T = 97
     g = torch.Generator(device=dev)
     g.manual_seed(11 + me)
@@ -316,7 +316,7 @@ def layer_broken(heap) -> list[str]:
     def make():
         buf = EPBuffer(heap, shape, max_tokens_per_rank=T, num_slots=2, tokens_per_slot=40, deadline_s=0.5,
                        gemm="triton", tuning=EPTuning(block_m=16, policy="spin_kernel"), name="hostile-layer")
-        return buf, buf.prepare_weights(fw)
+        return buf, buf.prepare_weights(mw)
 
     def corrupt_once(buf, what):
         """On the hostile PE: between its route and layout publications of chunk 0 (so every consumer

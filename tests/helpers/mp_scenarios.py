@@ -10,12 +10,13 @@ import sys
 import torch
 
 from mp_main import run_scenarios
+from single_process import batch_forward_single
 from streamring.device.cpu import MpiHeap
 from streamring.moe.bitwise import bit_difference
 from streamring.moe import debug as moe_debug
 from streamring.moe.layer import MoEBuffer
-from streamring.moe.math import MoEShape, MoEWeights
-from streamring.moe.reference import batch_forward_single
+from streamring.moe.math import MoEShape
+from streamring.moe.weights import MoEWeights
 from streamring.moe.tuning import MoETuning
 from streamring.ring.protocol import ProtocolViolation, WatchdogError
 
@@ -269,7 +270,7 @@ def alloc_size_check(heap):
 
 def bitwise_oracle(heap):
     """Fixed inputs, top-k >= 3: the batch path, the streamed path with each scheduler and the
-    single-process batch (moe.reference.batch_forward_single) give the same bytes on every rank.
+    single-process batch (single_process.batch_forward_single) give the same bytes on every rank.
 
     With three or more terms the combine's order shows in the bits ((a + b) + c is not (c + b) + a),
     so this catches a combiner that sums the top-k contributions in another order than the reference;

@@ -74,8 +74,8 @@ class EPCase:
                 base, n = self.plan.chunk_tokens(r, c)
                 if n:
                     idx, w, q, sf = p.views(c, n)
-                    prod = B.Producer(shape, fw, n, dev)
-                    prod.route(xs[r][base:base + n], idx, w)
+                    prod = B.Producer(n, shape.num_experts, dev)
+                    prod.route(xs[r][base:base + n], fw, shape, idx, w)
                     prod.layout(xs[r][base:base + n], q, sf)
                     p.idx[base:base + n].copy_(idx)
         # the dispatch steps of each PE: (chunk, step, sources); per source: the PE's own source last on

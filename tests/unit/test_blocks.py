@@ -17,6 +17,7 @@ What is checked:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 
@@ -30,6 +31,7 @@ import triton  # noqa: E402,F401 - a declared test dependency: missing means fai
 from block_forwards import batch_forward, emulate_forward  # noqa: E402
 from conftest import quick_subset  # noqa: E402
 from streamring.moe import blocks as B  # noqa: E402
+from streamring.moe.weights import MoEWeights  # noqa: E402
 from streamring.moe.bitwise import bit_difference, same_bits  # noqa: E402
 from streamring.moe.math import MoEShape  # noqa: E402
 
@@ -46,7 +48,7 @@ def small_shape(**kw) -> MoEShape:
 @pytest.fixture(scope="module")
 def setup():
     shape = small_shape()
-    fw = B.FastWeights.random(shape, 3, DEV)
+    fw = MoEWeights.random_fp8(shape, 3, DEV).fp8_blocks()
     g = torch.Generator(device="cpu").manual_seed(5)
     x = torch.randn(37, shape.hidden, generator=g).to(torch.bfloat16).to(DEV)
     return shape, fw, x
@@ -54,7 +56,7 @@ def setup():
 
 def run_batch(shape, fw, x, block_m):
     T = x.shape[0]
-    prod = B.Producer(shape, fw, T, DEV)
+    prod = B.Producer(T, shape.num_experts, DEV)
     bc = B.BlockConsumer(shape, T, T + 1, block_m, DEV)
     sc = B.scratch_buffers(shape, T, DEV)
     y = torch.zeros_like(x)
@@ -65,17 +67,17 @@ def run_batch(shape, fw, x, block_m):
 def fresh(shape, fw, x, max_chunks):
     """Producer, block consumer, scratch and an output buffer for ``x``; routing and layout produced."""
     T = x.shape[0]
-    prod = B.Producer(shape, fw, T, DEV)
+    prod = B.Producer(T, shape.num_experts, DEV)
     bc = B.BlockConsumer(shape, T, max_chunks, 16, DEV)
     sc = B.scratch_buffers(shape, T, DEV)
-    prod.route(x, sc["idx"], sc["w"])
+    prod.route(x, fw, shape, sc["idx"], sc["w"])
     prod.layout(x, sc["q"], sc["sf"])
     return prod, bc, sc, torch.zeros_like(x)
 
 
 def run_streamed(shape, fw, x, block_m, chunk):
     T = x.shape[0]
-    prod = B.Producer(shape, fw, T, DEV)
+    prod = B.Producer(T, shape.num_experts, DEV)
     bc = B.BlockConsumer(shape, T, T + 1, block_m, DEV)
     sc = B.scratch_buffers(shape, T, DEV)
     y = torch.zeros_like(x)
@@ -115,8 +117,8 @@ def test_batch_matches_float32_emulation(setup):
 
 
 def _cpu(fw):
-    return B.FastWeights(*(None if t is None else t.cpu() for t in (fw.w1, fw.w1_sf, fw.w2, fw.w2_sf, fw.router,
-                                                                     fw.bias)))
+    return dataclasses.replace(fw, **{f: None if getattr(fw, f) is None else getattr(fw, f).cpu()
+                                      for f in ("w1", "w1_sf", "w2", "w2_sf", "router", "bias")})
 
 
 def test_block_bookkeeping(setup):
@@ -172,7 +174,7 @@ def test_l2_stores_only_the_rows_that_hold_a_route(setup):
 @pytest.mark.slow(reason=TRITON_ON_CPU)
 def test_hot_expert_many_blocks_and_empty_experts():
     shape = small_shape()
-    fw = B.FastWeights.random(shape, 4, DEV)
+    fw = MoEWeights.random_fp8(shape, 4, DEV).fp8_blocks()
     fw.bias = torch.zeros(shape.num_experts, device=DEV)
     fw.bias[:2] = 100.0  # every token picks experts 0 and 1; the others get no row at all
     x = torch.randn(40, shape.hidden, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16).to(DEV)
@@ -189,14 +191,14 @@ def test_negative_control_missing_seal_is_caught(setup):
     shape, fw, x = setup
     yb, _, _ = run_batch(shape, fw, x, 16)
     T = x.shape[0]
-    prod = B.Producer(shape, fw, T, DEV)
+    prod = B.Producer(T, shape.num_experts, DEV)
     bc = B.BlockConsumer(shape, T, T + 1, 16, DEV)
     sc = B.scratch_buffers(shape, T, DEV)
     y = torch.zeros_like(x)
     bc.begin()
     for c, a in enumerate(range(0, T, 8)):
         b = min(T, a + 8)
-        prod.route(x[a:b], sc["idx"][a:b], sc["w"][a:b])
+        prod.route(x[a:b], fw, shape, sc["idx"][a:b], sc["w"][a:b])
         prod.layout(x[a:b], sc["q"][a:b], sc["sf"][a:b])
         bc.dispatch(c, sc["idx"][a:b], sc["w"][a:b], sc["q"][a:b], sc["sf"][a:b], a)
         bc.compute(c, c + 1, bc.max_ready(b - a), fw)
@@ -230,9 +232,9 @@ def test_per_chunk_calls_compute_what_one_call_computes(setup):
 
     shape, fw, x = setup
     T = x.shape[0]
-    prod = B.Producer(shape, fw, T, DEV)
+    prod = B.Producer(T, shape.num_experts, DEV)
     sc = B.scratch_buffers(shape, T, DEV)
-    prod.route(x, sc["idx"], sc["w"])
+    prod.route(x, fw, shape, sc["idx"], sc["w"])
     prod.layout(x, sc["q"], sc["sf"])
     inputs = (sc["idx"][:T], sc["w"][:T], sc["q"][:T], sc["sf"][:T])
     streamed, batch = GL.Forward(T, 3, shape, 16, "triton", None, DEV), GL.Forward(T, 1, shape, 16, "triton", None, DEV)
@@ -260,15 +262,24 @@ def test_block_m_is_validated():
         B.BlockConsumer(small_shape(), 8, 2, 24, DEV)
 
 
-def test_fast_weights_need_fp8():
-    from streamring.moe.math import MoEWeights
+def test_the_fp8_blocks_view():
+    """``MoEWeights.fp8_blocks``: gate and up stacked (FP8 weights as they are, bf16 ones quantized with 128x128
+    block scales), the router in bf16; the halves of one tensor (``random_fp8``'s) are taken without a copy."""
+    from streamring.moe.math import quantize_weight_fp8_block
 
-    w = MoEWeights.random(small_shape(weight_dtype="bf16"), 1)
-    with pytest.raises(ValueError, match="needs weight_dtype 'fp8'"):
-        B.FastWeights.from_moe_weights(w)
     w8 = MoEWeights.random(small_shape(), 1)
-    fw = B.FastWeights.from_moe_weights(w8)
-    assert fw.w1.shape == (8, 512, 256) and fw.w1_sf.shape == (8, 4, 2)
+    fw = w8.fp8_blocks()
+    assert fw.w1.shape == (8, 512, 256) and fw.w1_sf.shape == (8, 4, 2) and fw.router.dtype == torch.bfloat16
+    assert same_bits(fw.w1, torch.cat([w8.w1, w8.w3], 1)) and same_bits(fw.w2_sf, w8.w2_scale)
+    w = MoEWeights.random(small_shape(weight_dtype="bf16"), 1)
+    fb = w.fp8_blocks()
+    q1, s1 = quantize_weight_fp8_block(w.w1[2].float())
+    assert same_bits(fb.w1[2, :256], q1) and same_bits(fb.w1_sf[2, :2], s1) and fb.w1.dtype == torch.float8_e4m3fn
+    r = MoEWeights.random_fp8(small_shape(), 2, DEV)
+    fr = r.fp8_blocks()
+    assert fr.w1.data_ptr() == r.w1.data_ptr() and fr.w1_sf.data_ptr() == r.w1_scale.data_ptr()
+    assert same_bits(fr.w1, torch.cat([r.w1, r.w3], 1)) and same_bits(fr.w1_sf, torch.cat([r.w1_scale, r.w3_scale], 1))
+    assert fr.local(1, 2).w1.shape == (4, 512, 256)
 
 
 @pytest.mark.slow(reason=TRITON_ON_CPU)

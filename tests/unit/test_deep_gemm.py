@@ -401,11 +401,12 @@ def test_deep_gemm_rows_do_not_depend_on_the_ready_range_bitwise():
 
 def _moe_setup(dev="cuda"):
     from streamring.moe import blocks as B
+    from streamring.moe.weights import MoEWeights
     from streamring.moe.math import MoEShape
 
     shape = MoEShape(hidden=256, intermediate=256, num_experts=8, topk=2, router="deepseek_v3", n_group=4,
                      topk_group=2, routed_scaling_factor=2.5, weight_dtype="fp8")
-    fw = B.FastWeights.random(shape, 3, dev)
+    fw = MoEWeights.random_fp8(shape, 3, dev).fp8_blocks()
     g = torch.Generator(device="cpu").manual_seed(5)
     x = torch.randn(640, shape.hidden, generator=g).to(torch.bfloat16).to(dev)  # ~160 rows per expert: full blocks too
     return B, shape, fw, x
@@ -417,9 +418,9 @@ def test_consumer_deep_gemm_matches_triton():
     T = x.shape[0]
     outs = {}
     for impl in ("triton", "deep_gemm"):
-        prod = B.Producer(shape, fw, T, "cuda")
+        prod = B.Producer(T, shape.num_experts, "cuda")
         sc = B.scratch_buffers(shape, T, "cuda")
-        prod.route(x, sc["idx"], sc["w"])
+        prod.route(x, fw, shape, sc["idx"], sc["w"])
         prod.layout(x, sc["q"], sc["sf"])
         bc = B.BlockConsumer(shape, T, 1, 128, "cuda")
         out = torch.zeros_like(x)
@@ -442,7 +443,7 @@ def test_consumer_deep_gemm_streamed_equals_batch_bitwise(chunk, keep):
     T = x.shape[0]
     ys = []
     for streamed in (False, True):
-        prod = B.Producer(shape, fw, T, "cuda")
+        prod = B.Producer(T, shape.num_experts, "cuda")
         sc = B.scratch_buffers(shape, T, "cuda")
         bc = B.BlockConsumer(shape, T, -(-T // chunk) + 1, 128, "cuda")
         # one chunk (chunk == T) may write y directly: a single range, plus the seal's
@@ -451,7 +452,7 @@ def test_consumer_deep_gemm_streamed_equals_batch_bitwise(chunk, keep):
         if streamed:
             B.streamed_forward_serial(x, fw, shape, prod, bc, sc, chunk, y, gemm_impl="deep_gemm")
         else:
-            prod.route(x, sc["idx"], sc["w"])
+            prod.route(x, fw, shape, sc["idx"], sc["w"])
             prod.layout(x, sc["q"], sc["sf"])
             B.moe_forward(sc["idx"], sc["w"], sc["q"], sc["sf"], fw, bc, y, gemm_impl="deep_gemm")
         bc.experts("deep_gemm").check()

@@ -30,10 +30,10 @@ from conftest import quick_subset  # noqa: E402
 from emulated_device import EmulatedHeap  # noqa: E402
 from ep_case import bits, single_batch  # noqa: E402
 
-from streamring.moe import blocks as B  # noqa: E402
 from streamring.moe.ep_buffer import EPBuffer, memory_report  # noqa: E402
-from streamring.moe.math import MoEShape, MoEWeights  # noqa: E402
+from streamring.moe.math import MoEShape  # noqa: E402
 from streamring.moe.tuning import GROUP_MAX_TOKENS, EPTuning  # noqa: E402
+from streamring.moe.weights import MoEWeights  # noqa: E402
 
 SERIAL = EPTuning(policy="serialized")
 
@@ -57,18 +57,18 @@ def tokens(n, seed, hidden=128):
 @pytest.fixture(scope="module")
 def setup():
     shape = shape_()
-    fw = B.FastWeights.random(shape, 3, "cpu")
+    mw = MoEWeights.random_fp8(shape, 3, "cpu")
     buf = EPBuffer(EmulatedHeap(), shape, max_tokens_per_rank=40, num_slots=2, tokens_per_slot=16,
                    gemm="triton", tuning=SERIAL)
-    yield shape, fw, buf
+    yield shape, mw, buf
     buf.close()
 
 
 def test_streamed_equals_batch_equals_single_process(setup):
-    shape, fw, buf = setup
-    w = buf.prepare_weights(fw)
+    shape, mw, buf = setup
+    w = buf.prepare_weights(mw)
     x = tokens(37, 1)
-    ref = single_batch(shape, fw, x)
+    ref = single_batch(shape, mw, x)
     # the shared buffer may have served other tests first (pytest-xdist hands the slow ones out first):
     # the counts below are this test's forwards
     before = buf.status()
@@ -91,7 +91,7 @@ def test_every_source_order_computes_the_last_step_in_the_seal_call_and_keeps_th
     bitwise equal."""
     import streamring.moe.ep_experts as EX
 
-    shape, fw, _ = setup  # buffers of its own: the shared one's status counts are asserted elsewhere
+    shape, mw, _ = setup  # buffers of its own: the shared one's status counts are asserted elsewhere
     ranges = []
     real = EX.EPExperts.compute
 
@@ -105,7 +105,7 @@ def test_every_source_order_computes_the_last_step_in_the_seal_call_and_keeps_th
         b = EPBuffer(EmulatedHeap(), shape, max_tokens_per_rank=40, num_slots=3, tokens_per_slot=16, gemm="triton",
                      tuning=EPTuning(policy="serialized", source_order=order))
         try:
-            w = b.prepare_weights(fw)
+            w = b.prepare_weights(mw)
             for streaming in (False, True):
                 ranges.clear()
                 got[order, streaming] = (b.forward(x, w, streaming=streaming).clone(), list(ranges))
@@ -131,7 +131,7 @@ def test_arrival_order_needs_a_slot_per_chunk(setup):
 def test_a_gemm_status_makes_the_buffer_refuse(setup):
     """A bad ready range met by the expert GEMMs (DeepGEMM's status word: e.g. its psum layout refused on
     the device, so nothing was computed) is not silent: status() names it and the buffer is broken."""
-    shape, fw, _ = setup
+    shape, mw, _ = setup
     buf = EPBuffer(EmulatedHeap(), shape, max_tokens_per_rank=40, num_slots=2, tokens_per_slot=16,
                    gemm="triton", tuning=SERIAL)
     try:
@@ -146,18 +146,18 @@ def test_a_gemm_status_makes_the_buffer_refuse(setup):
         assert st["gemm_status"] == 32
         assert "psum layout" in buf.broken and "rank 0" in buf.broken
         with pytest.raises(RuntimeError, match="unusable"):
-            buf.forward(tokens(4, 1), buf.prepare_weights(fw))
+            buf.forward(tokens(4, 1), buf.prepare_weights(mw))
     finally:
         buf.close()
 
 
 @pytest.mark.slow(reason=EMULATED)
 def test_one_buffer_serves_two_layers(setup):
-    shape, fw, buf = setup
-    fw2 = B.FastWeights.random(shape, 11, "cpu")
-    w1, w2 = buf.prepare_weights(fw), buf.prepare_weights(fw2)
+    shape, mw, buf = setup
+    mw2 = MoEWeights.random_fp8(shape, 11, "cpu")
+    w1, w2 = buf.prepare_weights(mw), buf.prepare_weights(mw2)
     x = tokens(40, 2)
-    want1, want2 = single_batch(shape, fw, x), single_batch(shape, fw2, x)
+    want1, want2 = single_batch(shape, mw, x), single_batch(shape, mw2, x)
     for streaming in (False, True):  # alternate layers and paths on the one buffer
         assert torch.equal(bits(buf.forward(x, w1, streaming=streaming)), bits(want1))
         assert torch.equal(bits(buf.forward(x, w2, streaming=streaming)), bits(want2))
@@ -166,10 +166,10 @@ def test_one_buffer_serves_two_layers(setup):
 @pytest.mark.filterwarnings("ignore:All-NaN slice")  # the poisoned rows past the count are quantized, then ignored
 @pytest.mark.parametrize("n", quick_subset([0, 1, 33, 40], quick=[0, 1], reason=EMULATED))
 def test_any_token_count_through_a_device_count(setup, n):
-    shape, fw, buf = setup
-    w = buf.prepare_weights(fw)
+    shape, mw, buf = setup
+    w = buf.prepare_weights(mw)
     x = tokens(40, 3)
-    want = single_batch(shape, fw, x[:n]) if n else torch.zeros(0, shape.hidden, dtype=torch.bfloat16)
+    want = single_batch(shape, mw, x[:n]) if n else torch.zeros(0, shape.hidden, dtype=torch.bfloat16)
     for streaming in (False, True):
         x_poisoned = x.clone()
         x_poisoned[n:] = float("nan")  # rows past the count are never read into any result
@@ -187,10 +187,10 @@ def test_count_outside_the_rows_is_clamped_then_refused(monkeypatch):
     from streamring.moe import ep_buffer
 
     shape = shape_()
-    fw = B.FastWeights.random(shape, 3, "cpu")
+    mw = MoEWeights.random_fp8(shape, 3, "cpu")
     buf = EPBuffer(EmulatedHeap(), shape, max_tokens_per_rank=40, num_slots=2, tokens_per_slot=16,
                    gemm="triton", tuning=SERIAL)
-    w = buf.prepare_weights(fw)
+    w = buf.prepare_weights(mw)
     x = tokens(20, 4)
     with pytest.raises(ValueError, match=r"num_tokens must be in \[0, 20\]"):
         buf.forward(x, w, num_tokens=21)
@@ -214,10 +214,10 @@ def test_bad_arguments_leave_the_buffer_usable(monkeypatch):
     from streamring.moe import ep_buffer
 
     shape = shape_()
-    fw = B.FastWeights.random(shape, 3, "cpu")
+    mw = MoEWeights.random_fp8(shape, 3, "cpu")
     buf = EPBuffer(EmulatedHeap(), shape, max_tokens_per_rank=40, num_slots=2, tokens_per_slot=16,
                    gemm="triton", tuning=SERIAL)
-    w = buf.prepare_weights(fw)
+    w = buf.prepare_weights(mw)
     x = tokens(24, 9)
     E, K = shape.num_experts, shape.topk
     idx = (torch.arange(24 * K).view(24, K) % E).contiguous()
@@ -248,7 +248,7 @@ def test_bad_arguments_leave_the_buffer_usable(monkeypatch):
             buf.forward(kw.pop("x"), w, **kw)
         assert needle in str(ei.value), (needle, str(ei.value))
         assert not buf.broken, (needle, buf.broken)
-    want = single_batch(shape, fw, x)
+    want = single_batch(shape, mw, x)
     assert torch.equal(bits(buf.forward(x, w, streaming=True)), bits(want))
     assert torch.equal(bits(buf.forward(x, w)), bits(want))
     # where the values cannot be read on the host the device-side count stays the mechanism
@@ -267,10 +267,10 @@ def test_bf16_weights_are_prepared_into_fp8():
     w = buf.prepare_weights(mw)
     assert w.fw.w1.dtype == torch.float8_e4m3fn and tuple(w.fw.w1.shape) == (4, 256, 128)
     x = tokens(24, 6)
-    fp8 = B.FastWeights.from_moe_weights(MoEWeights(
+    fp8 = MoEWeights(
         router_weight=mw.router_weight, correction_bias=mw.correction_bias,
         **{k: v for k, v in zip(("w1", "w1_scale", "w3", "w3_scale", "w2", "w2_scale"),
-                                 [t for name in ("w1", "w3", "w2") for t in _q(getattr(mw, name))])}))
+                                 [t for name in ("w1", "w3", "w2") for t in _q(getattr(mw, name))])})
     assert torch.equal(bits(buf.forward(x, w, streaming=True)), bits(single_batch(shape_(), fp8, x)))
     buf.close()
 
@@ -282,18 +282,18 @@ def _q(t):
 
 
 def test_bad_arguments_name_the_field(setup):
-    shape, fw, buf = setup
-    w = buf.prepare_weights(fw)
+    shape, mw, buf = setup
+    w = buf.prepare_weights(mw)
     with pytest.raises(ValueError, match="more than max_tokens_per_rank=40"):
         buf.forward(tokens(41, 1), w)
     with pytest.raises(ValueError, match="x must be a bfloat16"):
         buf.forward(tokens(4, 1).to(torch.int32), w)
     with pytest.raises(ValueError, match="weights must come from EPBuffer.prepare_weights"):
-        buf.forward(tokens(4, 1), fw)
+        buf.forward(tokens(4, 1), mw)
     with pytest.raises(ValueError, match="stream_epoch is for streaming=True"):
         buf.forward(tokens(4, 1), w, stream_epoch=9)
     with pytest.raises(ValueError, match="routing.hidden=256 differs"):
-        buf.prepare_weights(fw, shape_(hidden=256))
+        buf.prepare_weights(mw, shape_(hidden=256))
     # the tuning's errors name the field and its allowed values
     with pytest.raises(ValueError, match=r"block_m\n  Input should be 16, 32, 64 or 128"):
         EPTuning(block_m=48)
@@ -319,10 +319,10 @@ def test_auto_streams_only_where_the_table_measured_a_win(setup, monkeypatch):
     and says why; no model is consulted; either way the output is the batch output."""
     from streamring.moe import adaptive
 
-    shape, fw, buf = setup
-    w = buf.prepare_weights(fw)
+    shape, mw, buf = setup
+    w = buf.prepare_weights(mw)
     x = tokens(37, 4)
-    want = single_batch(shape, fw, x)
+    want = single_batch(shape, mw, x)
     win = {"rows": [{"tokens": 32, "ranks": 1, "experts_per_pe": 4, "gemm": "triton", "block_m": 16,
                      "path": "streamed", "chunks": 3, "num_slots": 2, "policy": "serialized", "source_order": "ready",
                      "streamed_over_batch": 0.9}]}
@@ -411,14 +411,14 @@ def test_by_default_a_persistent_grid_groups_ready_sources_at_every_size_and_a_g
 
 
 def test_explicit_stream_epochs_must_grow(setup):
-    shape, fw, buf = setup
-    w = buf.prepare_weights(fw)
+    shape, mw, buf = setup
+    w = buf.prepare_weights(mw)
     x = tokens(10, 7)
     buf.forward(x, w, streaming=True)  # the stream path has run (no first-run special case below)
     now = buf.paths["stream"].ring.epoch()
     y = buf.forward(x, w, streaming=True, stream_epoch=now + 5).clone()
     assert buf.paths["stream"].ring.epoch() == now + 6
-    assert torch.equal(bits(y), bits(single_batch(shape, fw, x)))
+    assert torch.equal(bits(y), bits(single_batch(shape, mw, x)))
     with pytest.raises(ValueError, match="stream_epoch must grow"):
         buf.forward(x, w, streaming=True, stream_epoch=now)
 
@@ -448,12 +448,12 @@ def test_blocks_past_the_grids_expectation_are_counted_and_computed_on_the_tail(
     from streamring.device.gemm_grid import GROUP_BLOCKS
     from streamring.moe import debug
 
-    shape, fw, _ = setup
+    shape, mw, _ = setup
     x = tokens(192, 4)  # 2 chunks of 96 tokens: 192 routes, more than a group of full 16-row blocks per call
     b = EPBuffer(EmulatedHeap(), shape, max_tokens_per_rank=192, num_slots=2, tokens_per_slot=96, gemm="triton",
                  tuning=SERIAL)
     try:
-        w = b.prepare_weights(fw)
+        w = b.prepare_weights(mw)
         # streamed first: a block the tail skipped would keep the fresh buffer's zeros, not an earlier
         # forward's rows of the same tokens
         monkeypatch.setattr(EX.EPExperts, "expect", lambda self, path, rows, grouped, c, j=0: 1)
@@ -486,10 +486,11 @@ def test_routing_given_by_the_caller(setup):
     from streamring.device import moe_triton as K
     from streamring.moe.routers import select_experts
 
-    shape, fw, buf = setup
-    w = buf.prepare_weights(fw)
+    shape, mw, buf = setup
+    w = buf.prepare_weights(mw)
     x = tokens(21, 8)
     lg = torch.zeros(21, shape.num_experts)
+    fw = mw.fp8_blocks()
     K.router_logits(x, fw.router, lg)
     idx, wt = select_experts(lg, fw.bias, shape)
     want = buf.forward(x, w).clone()
@@ -511,23 +512,21 @@ def test_routing_given_by_the_caller(setup):
 def test_the_torch_op_runs_the_gpu_buffer(setup):
     """``torch.ops.streamring.moe_forward`` over this buffer: the same output as ``forward``, bitwise, a
     device count passed through, and ``torch.compile`` sees the layer as one node (no graph break)."""
-    from streamring.moe import MoEWeights, register_layer
-    from streamring.moe.math import dequantize_weight_fp8_block
+    from streamring.moe import register_layer
 
-    shape, fw, buf = setup
-    I = shape.intermediate
-    w1, w3 = fw.w1[:, :I], fw.w1[:, I:]
-    s1, s3 = fw.w1_sf[:, : I // 128], fw.w1_sf[:, I // 128:]
-    mw = MoEWeights(router_weight=fw.router.float(), correction_bias=fw.bias, w1=w1.contiguous(),
-                    w3=w3.contiguous(), w2=fw.w2, w1_scale=s1.contiguous(), w3_scale=s3.contiguous(),
-                    w2_scale=fw.w2_sf)
-    assert torch.equal(dequantize_weight_fp8_block(mw.w1, mw.w1_scale), dequantize_weight_fp8_block(w1, s1))
+    shape, mw, buf = setup
+    # gate and up as tensors of their own (fp8_blocks concatenates them) against the halves of one tensor
+    # (random_fp8's, which fp8_blocks takes as they are): the same bits
+    sep = MoEWeights(router_weight=mw.router_weight, correction_bias=mw.correction_bias, w1=mw.w1.contiguous(),
+                     w3=mw.w3.contiguous(), w2=mw.w2, w1_scale=mw.w1_scale.contiguous(),
+                     w3_scale=mw.w3_scale.contiguous(), w2_scale=mw.w2_scale)
+    assert sep.w1.data_ptr() != mw.w1.data_ptr()
     x = tokens(19, 9)
-    want = single_batch(shape, fw, x)
-    with register_layer(buf, mw) as layer:
+    want = single_batch(shape, mw, x)
+    with register_layer(buf, sep) as layer:
         assert torch.equal(bits(layer(x)), bits(want))
         assert torch.equal(bits(layer(x, streaming=True, num_tokens=torch.tensor(7))[:7]),
-                           bits(single_batch(shape, fw, x[:7])))
+                           bits(single_batch(shape, mw, x[:7])))
 
         def model(t):
             return torch.relu(layer(t * 1.0)) + 1.0
@@ -543,13 +542,13 @@ def test_persistent_consumer_keeps_the_output():
     queue) gives the per-chunk consumer's output, bitwise; the pull counters say what the dispatch read from
     peers' slots (none here: one PE reads only its own)."""
     shape = shape_()
-    fw = B.FastWeights.random(shape, 3, "cpu")
+    mw = MoEWeights.random_fp8(shape, 3, "cpu")
     x = tokens(29, 12)
-    want = single_batch(shape, fw, x)
+    want = single_batch(shape, mw, x)
     buf = EPBuffer(EmulatedHeap(), shape, max_tokens_per_rank=32, num_slots=2, tokens_per_slot=16,
                    gemm="triton", tuning=EPTuning(policy="serialized", consumer="persistent"))
     try:
-        w = buf.prepare_weights(fw)
+        w = buf.prepare_weights(mw)
         for streaming in (False, True):
             assert torch.equal(bits(buf.forward(x, w, streaming=streaming)), bits(want)), streaming
         st = buf.status()
@@ -567,12 +566,12 @@ def test_a_consumer_launched_ahead_is_consumed_or_cancelled(setup):
     """launch_consumer then the launched layer's streamed forward: the batch output, bitwise (one stream here:
     the forward runs whole); any other call cancels it with a warning naming why, and the buffer goes on
     (the next forwards are right); bad arguments raise naming the argument and change nothing."""
-    shape, fw, buf = setup
-    fw2 = B.FastWeights.random(shape, 11, "cpu")
-    w, w2 = buf.prepare_weights(fw), buf.prepare_weights(fw2)
+    shape, mw, buf = setup
+    mw2 = MoEWeights.random_fp8(shape, 11, "cpu")
+    w, w2 = buf.prepare_weights(mw), buf.prepare_weights(mw2)
     x = tokens(37, 21)
     buf.launch_consumer(w2, 37)
-    assert torch.equal(bits(buf.forward(x, w2, streaming=True)), bits(single_batch(shape, fw2, x)))
+    assert torch.equal(bits(buf.forward(x, w2, streaming=True)), bits(single_batch(shape, mw2, x)))
     assert buf.launches.pending is None
     for why, call in (("a forward of another layer", lambda: buf.forward(x, w, streaming=True)),
                       ("a batch forward", lambda: buf.forward(x, w2)),
@@ -582,28 +581,28 @@ def test_a_consumer_launched_ahead_is_consumed_or_cancelled(setup):
         with pytest.warns(UserWarning, match=f"cancelled by {why}"):
             y = call()
         if y is not None:
-            want = single_batch(shape, fw if why.endswith("another layer") else fw2, x[:y.shape[0]])
+            want = single_batch(shape, mw if why.endswith("another layer") else mw2, x[:y.shape[0]])
             assert torch.equal(bits(y), bits(want)), why
     assert buf.cancel_launch() and not buf.cancel_launch()
-    for bad, match in (((fw, 37), "weights must come from EPBuffer.prepare_weights"),
+    for bad, match in (((mw, 37), "weights must come from EPBuffer.prepare_weights"),
                        ((w, 41), r"rows must be an int in \[0, max_tokens_per_rank=40\]"),
                        ((w, True), "rows must be an int")):
         with pytest.raises(ValueError, match=match):
             buf.launch_consumer(*bad)
         assert buf.launches.pending is None
-    assert torch.equal(bits(buf.forward(x, w, streaming=True)), bits(single_batch(shape, fw, x)))
+    assert torch.equal(bits(buf.forward(x, w, streaming=True)), bits(single_batch(shape, mw, x)))
     st = buf.status()
     assert not (st["violations"] or st["timeouts"]), st
 
 
 def test_launch_ahead_refuses_the_persistent_consumer_and_the_batch_only_buffers():
     shape = shape_()
-    fw = B.FastWeights.random(shape, 3, "cpu")
+    mw = MoEWeights.random_fp8(shape, 3, "cpu")
     buf = EPBuffer(EmulatedHeap(), shape, max_tokens_per_rank=40, num_slots=2, tokens_per_slot=16, gemm="triton",
                    tuning=EPTuning(policy="serialized", consumer="persistent"))
     try:
         with pytest.raises(ValueError, match="launch_consumer needs tuning.consumer 'per_chunk'"):
-            buf.launch_consumer(buf.prepare_weights(fw), 8)
+            buf.launch_consumer(buf.prepare_weights(mw), 8)
     finally:
         buf.close()
 
@@ -616,16 +615,16 @@ def test_the_torch_op_launches_the_next_layer_ahead(setup):
     from streamring.moe import register_layer
     from streamring.moe.ops import moe_forward
 
-    shape, fw, buf = setup
-    fw2 = B.FastWeights.random(shape, 13, "cpu")
+    shape, mw, buf = setup
+    mw2 = MoEWeights.random_fp8(shape, 13, "cpu")
     x = tokens(23, 5)
-    with register_layer(buf, fw) as l0, register_layer(buf, fw2) as l1:
+    with register_layer(buf, mw) as l0, register_layer(buf, mw2) as l1:
         y0 = moe_forward(x, l0, streaming=True, launch_next=l1)
         assert buf.launches.pending is not None and buf.launches.pending.layer is l1.weights
         y1 = moe_forward(y0, l1, streaming=True)
         assert buf.launches.pending is None
-        assert torch.equal(bits(y0), bits(single_batch(shape, fw, x)))
-        assert torch.equal(bits(y1), bits(single_batch(shape, fw2, y0)))
+        assert torch.equal(bits(y0), bits(single_batch(shape, mw, x)))
+        assert torch.equal(bits(y1), bits(single_batch(shape, mw2, y0)))
         with pytest.raises(KeyError, match="layer id 999999 is not registered"):
             moe_forward(x, l0, streaming=True, launch_next=999999)
         assert buf.launches.pending is None

@@ -33,6 +33,7 @@ from conftest import quick_subset  # noqa: E402
 from streamring.device import ep_triton as K  # noqa: E402
 from streamring.device import moe_triton as MT  # noqa: E402
 from streamring.moe import blocks as B  # noqa: E402
+from streamring.moe.weights import MoEWeights  # noqa: E402
 from streamring.moe.math import MoEShape  # noqa: E402
 from streamring.ring.layout import RingLayout, StreamPlan  # noqa: E402
 
@@ -84,8 +85,8 @@ def run_ep(shape, fw, xs, chunk, corrupt=None, per_source=False, grouped=None, p
             base, n = plan.chunk_tokens(r, c)
             if n:
                 idx, w, q, sf = p.views(c, n)
-                prod = B.Producer(shape, fw, n, DEV)
-                prod.route(xs[r][base:base + n], idx, w)
+                prod = B.Producer(n, shape.num_experts, DEV)
+                prod.route(xs[r][base:base + n], fw, shape, idx, w)
                 prod.layout(xs[r][base:base + n], q, sf)
                 p.idx[base:base + n].copy_(idx)
                 if corrupt is not None and r == 1:
@@ -143,14 +144,14 @@ def single_batch(shape, fw, x):
     T = x.shape[0]
     bc = B.BlockConsumer(shape, T, 2, 16, DEV)
     y = torch.zeros_like(x)
-    batch_forward(x, fw, shape, B.Producer(shape, fw, T, DEV), bc, B.scratch_buffers(shape, T, DEV), y)
+    batch_forward(x, fw, shape, B.Producer(T, shape.num_experts, DEV), bc, B.scratch_buffers(shape, T, DEV), y)
     return y
 
 
 @pytest.fixture(scope="module")
 def setup():
     shape = shape_()
-    fw = B.FastWeights.random(shape, 11, DEV)
+    fw = MoEWeights.random_fp8(shape, 11, DEV).fp8_blocks()
     g = torch.Generator().manual_seed(3)
     xs = [torch.randn(t, shape.hidden, generator=g).to(torch.bfloat16).to(DEV) for t in (9, 5)]
     refs = [single_batch(shape, fw, x) for x in xs]

@@ -30,12 +30,13 @@ from ep_case import bits  # noqa: E402
 
 from streamring.gemm.backends import (GemmBackend, backend, names, refuse_unsupported, register_backend,  # noqa: E402
                                       unregister_backend)
-from streamring.moe import blocks as B  # noqa: E402
 from streamring.moe.ep_buffer import EPBuffer  # noqa: E402
 from streamring.moe.math import (MoEShape, dequantize_act_fp8, dequantize_weight_fp8_block,  # noqa: E402
                                  quantize_act_fp8)
+from streamring.moe.reference import reference_forward_f64, reference_tolerance  # noqa: E402
 from streamring.moe.routing import register_router, router_names, unregister_router  # noqa: E402
 from streamring.moe.tuning import EPTuning  # noqa: E402
+from streamring.moe.weights import MoEWeights  # noqa: E402
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU emulation of one PE")
 
@@ -52,7 +53,7 @@ class TorchReferenceExperts(GemmBackend):
     def __init__(self, bc):
         self.bc = bc
 
-    def compute(self, lo_index, hi_index, max_items, fw, *, max_ctas=None, expect_items=None, out=None,
+    def compute(self, lo_index, hi_index, max_items, mw, *, max_ctas=None, expect_items=None, out=None,
                 direct=None) -> None:
         refuse_unsupported(self.name, max_ctas=max_ctas, out=out, direct=direct)
         CALLS["gemm"] += 1
@@ -62,10 +63,10 @@ class TorchReferenceExperts(GemmBackend):
             e, n = int(bc.block_expert[b]), int(bc.block_rows[b])
             rows = slice(b * bm, b * bm + n)
             a = dequantize_act_fp8(bc.a[rows].view(FP8), bc.a_sf[rows])
-            gu = a @ dequantize_weight_fp8_block(fw.w1[e], fw.w1_sf[e]).t()
+            gu = a @ dequantize_weight_fp8_block(mw.w1[e], mw.w1_sf[e]).t()
             h = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
             h = dequantize_act_fp8(*quantize_act_fp8(h))
-            y = (h @ dequantize_weight_fp8_block(fw.w2[e], fw.w2_sf[e]).t()) * bc.row_weight[rows, None]
+            y = (h @ dequantize_weight_fp8_block(mw.w2[e], mw.w2_sf[e]).t()) * bc.row_weight[rows, None]
             bc.y[rows] = y.to(torch.bfloat16)
 
 
@@ -89,13 +90,13 @@ def test_a_backend_and_a_router_from_a_test_file_run_through_the_buffer(register
     assert "torch_reference" in names() and "test_softmax_topk" in router_names()
     shape = MoEShape(hidden=128, intermediate=128, num_experts=4, topk=2, router="test_softmax_topk",
                      weight_dtype="fp8", block_m=16).validate()
-    fw = B.FastWeights.random(shape, 5, "cpu")
-    assert fw.bias is None  # the router reads no correction bias, so random weights carry none
+    mw = MoEWeights.random_fp8(shape, 5, "cpu")
+    assert mw.correction_bias is None  # the router reads no correction bias, so random weights carry none
     buf = EPBuffer(EmulatedHeap(), shape, max_tokens_per_rank=40, num_slots=2, tokens_per_slot=16,
                    gemm="torch_reference", tuning=EPTuning(policy="serialized"))
     try:
         assert buf.gemm == "torch_reference" and buf.gemm_choice.source.startswith("asked for explicitly")
-        w = buf.prepare_weights(fw)
+        w = buf.prepare_weights(mw)
         x = torch.randn(37, 128, generator=torch.Generator().manual_seed(11)).to(torch.bfloat16)
         before = dict(CALLS)
         yb = buf.forward(x, w).clone()
@@ -108,9 +109,9 @@ def test_a_backend_and_a_router_from_a_test_file_run_through_the_buffer(register
     assert CALLS["gemm"] - before["gemm"] == 1 + 3, CALLS
     assert CALLS["router"] - before["router"] == 1 + 3, CALLS  # the producer routes each chunk it publishes
     assert torch.equal(bits(ys), bits(yb))
-    ref = B.reference_tokens_f64(x, fw, shape, list(range(37)))
+    ref = reference_forward_f64(x, mw, shape)
     rel = float((yb.double() - ref).norm() / ref.norm())
-    assert rel < B.FAST_PATH_REL_TOL, rel
+    assert rel < reference_tolerance(shape, fp8_blocks=True)[0], rel
 
 
 def test_registrations_are_checked_and_capabilities_refuse_by_name(registered):

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from conftest import quick_subset
+from single_process import batch_forward_single
 from streamring.moe.math import (
     FP8_DTYPE,
     MoEShape,
-    MoEWeights,
     combine,
     dequantize_act_fp8,
     dequantize_weight_fp8_block,
@@ -20,7 +20,8 @@ from streamring.moe.math import (
     quantize_weight_fp8_block,
 )
 from streamring.moe.routers import route, route_f64
-from streamring.moe.reference import batch_forward_single, compare_to_reference, reference_forward_f64, reference_tolerance
+from streamring.moe.weights import MoEWeights
+from streamring.moe.reference import compare_to_reference, reference_forward_f64, reference_tolerance
 
 H, I, E = 256, 128, 8
 

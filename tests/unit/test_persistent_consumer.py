@@ -42,6 +42,7 @@ from streamring.device.persistent_moe import QUEUE_INJECT_BITS  # noqa: E402
 from streamring.device.queue_order import CTRL_CLAIM, L1, L2, item_of, item_order, total_items  # noqa: E402
 from streamring.device.ringdesc import ERRORS, RS_WORDS, decode_status  # noqa: E402
 from streamring.moe import blocks as B  # noqa: E402
+from streamring.moe.weights import MoEWeights  # noqa: E402
 from streamring.moe.bitwise import bit_difference, same_bits  # noqa: E402
 from streamring.moe.math import MoEShape  # noqa: E402
 from streamring.moe.work_queue import WorkQueue  # noqa: E402
@@ -58,7 +59,7 @@ def shape_() -> MoEShape:
 @pytest.fixture(scope="module")
 def setup():
     shape = shape_()
-    fw = B.FastWeights.random(shape, 11, DEV)
+    fw = MoEWeights.random_fp8(shape, 11, DEV).fp8_blocks()
     # one hot expert on each PE (every token routes to both): their blocks fill and become ready chunk
     # by chunk, the other experts' partial blocks at the seal
     fw.bias[0] += 50.0
