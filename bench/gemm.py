@@ -78,6 +78,7 @@ from streamring.gemm import deep_gemm as DG
 from streamring.moe import blocks as B
 from streamring.moe.reference import reference_forward_f64, reference_tolerance
 from streamring.moe.weights import MoEWeights
+from bench import block_paths
 from streamring.gemm import choice as GC
 from bench.common import (FP8, HBM_GBS, PEAK_FP8_TFLOPS, T0, capture, dsv3_shape, log, poison,
                           time_interleaved)
@@ -533,9 +534,9 @@ def streamed_equals_batch(T, shape, fw, args, dev, impl, choice, bm, x, batch_ou
         chunk = max(1, T // 2)
         bc = B.BlockConsumer(shape, T, -(-T // chunk) + 1, bm, dev)
         GC.setup_consumer(bc, choice, staging_y=False)  # y must keep every range's rows until the combine
-        sc = B.scratch_buffers(shape, T, dev)
+        sc = block_paths.scratch_buffers(shape, T, dev)
         y = torch.zeros_like(batch_out)
-        B.streamed_forward_serial(x, fw, shape, prod, bc, sc, chunk, y, gemm_impl=impl)
+        block_paths.streamed_forward_serial(x, fw, shape, prod, bc, sc, chunk, y, gemm_impl=impl)
         torch.cuda.synchronize()
         return bool(torch.equal(y, batch_out))
     except Exception as exc:  # noqa: BLE001

@@ -30,6 +30,7 @@ from streamring.moe import blocks as B
 from streamring.gemm import choice as GC
 from streamring.moe.math import MoEShape
 from streamring.moe.weight_views import FP8BlocksView
+from bench import block_paths
 
 # ----------------------------------------------------------------------------------------------
 # one token count
@@ -282,7 +283,7 @@ def layer_forward(impl: str, choice, block_m: int, x, shape, fw, dev):
     bc = B.BlockConsumer(shape, T, 1, block_m, dev)
     # batch: one call over every block, so DeepGEMM may write y directly (see gemm.deep_gemm.DeepGemmExperts)
     GC.setup_consumer(bc, choice, staging_y=True)
-    sc = B.scratch_buffers(shape, T, dev)
+    sc = block_paths.scratch_buffers(shape, T, dev)
     out = torch.zeros(T, shape.hidden, dtype=torch.bfloat16, device=dev)
 
     def fwd():

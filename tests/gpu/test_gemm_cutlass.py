@@ -44,6 +44,7 @@ from streamring.gemm import build as BG  # noqa: E402
 from streamring.gemm import cutlass as CG  # noqa: E402
 import ready_range_reference as RR  # noqa: E402
 from streamring.device.build import BuildError, find_nvcc  # noqa: E402
+from bench import block_paths  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 SRC = Path(BG.SOURCE)
@@ -865,7 +866,7 @@ def test_consumer_cutlass_matches_triton(l1_dtype):
     outs, h1s = {}, {}
     for impl in ("triton", "cutlass"):
         prod = B.Producer(T, shape.num_experts, "cuda")
-        sc = B.scratch_buffers(shape, T, "cuda")
+        sc = block_paths.scratch_buffers(shape, T, "cuda")
         prod.route(x, fw, shape, sc["idx"], sc["w"])
         prod.layout(x, sc["q"], sc["sf"])
         bc = B.BlockConsumer(shape, T, 1, 64, "cuda")
@@ -901,13 +902,13 @@ def test_consumer_cutlass_streamed_equals_batch_bitwise(chunk, tiles, bm):
     ys = []
     for streamed in (False, True):
         prod = B.Producer(T, shape.num_experts, "cuda")
-        sc = B.scratch_buffers(shape, T, "cuda")
+        sc = block_paths.scratch_buffers(shape, T, "cuda")
         bc = B.BlockConsumer(shape, T, -(-T // chunk) + 1, bm, "cuda")
         l1_dtype = torch.float32 if tiles[0] == "coop128" else torch.bfloat16
         bc.experts("cutlass", trap_on_error=False, tile_l1=tiles[0], tile_l2=tiles[1], l1_out_dtype=l1_dtype)
         y = torch.zeros_like(x)
         if streamed:
-            B.streamed_forward_serial(x, fw, shape, prod, bc, sc, chunk, y, gemm_impl="cutlass")
+            block_paths.streamed_forward_serial(x, fw, shape, prod, bc, sc, chunk, y, gemm_impl="cutlass")
         else:  # the batch path: produce everything, one dispatch + seal, one GEMM pass
             prod.route(x, fw, shape, sc["idx"], sc["w"])
             prod.layout(x, sc["q"], sc["sf"])

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from bench import block_paths
 
 
 @pytest.fixture(scope="module", name="env")
@@ -45,5 +46,5 @@ def single_batch(shape, mw, x: torch.Tensor) -> torch.Tensor:
     y = torch.zeros_like(x)
     fw = mw.fp8_blocks()
     batch_forward(x, fw, shape, B.Producer(T, shape.num_experts, x.device), B.BlockConsumer(shape, T, 2, 16, x.device),
-                  B.scratch_buffers(shape, T, x.device), y)
+                  block_paths.scratch_buffers(shape, T, x.device), y)
     return y

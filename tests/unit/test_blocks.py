@@ -34,6 +34,7 @@ from streamring.moe import blocks as B  # noqa: E402
 from streamring.moe.weights import MoEWeights  # noqa: E402
 from streamring.moe.bitwise import bit_difference, same_bits  # noqa: E402
 from streamring.moe.math import MoEShape  # noqa: E402
+from bench import block_paths  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -58,7 +59,7 @@ def run_batch(shape, fw, x, block_m):
     T = x.shape[0]
     prod = B.Producer(T, shape.num_experts, DEV)
     bc = B.BlockConsumer(shape, T, T + 1, block_m, DEV)
-    sc = B.scratch_buffers(shape, T, DEV)
+    sc = block_paths.scratch_buffers(shape, T, DEV)
     y = torch.zeros_like(x)
     batch_forward(x, fw, shape, prod, bc, sc, y)
     return y, bc, sc
@@ -69,7 +70,7 @@ def fresh(shape, fw, x, max_chunks):
     T = x.shape[0]
     prod = B.Producer(T, shape.num_experts, DEV)
     bc = B.BlockConsumer(shape, T, max_chunks, 16, DEV)
-    sc = B.scratch_buffers(shape, T, DEV)
+    sc = block_paths.scratch_buffers(shape, T, DEV)
     prod.route(x, fw, shape, sc["idx"], sc["w"])
     prod.layout(x, sc["q"], sc["sf"])
     return prod, bc, sc, torch.zeros_like(x)
@@ -79,9 +80,9 @@ def run_streamed(shape, fw, x, block_m, chunk):
     T = x.shape[0]
     prod = B.Producer(T, shape.num_experts, DEV)
     bc = B.BlockConsumer(shape, T, T + 1, block_m, DEV)
-    sc = B.scratch_buffers(shape, T, DEV)
+    sc = block_paths.scratch_buffers(shape, T, DEV)
     y = torch.zeros_like(x)
-    B.streamed_forward_serial(x, fw, shape, prod, bc, sc, chunk, y)
+    block_paths.streamed_forward_serial(x, fw, shape, prod, bc, sc, chunk, y)
     return y, bc
 
 
@@ -193,7 +194,7 @@ def test_negative_control_missing_seal_is_caught(setup):
     T = x.shape[0]
     prod = B.Producer(T, shape.num_experts, DEV)
     bc = B.BlockConsumer(shape, T, T + 1, 16, DEV)
-    sc = B.scratch_buffers(shape, T, DEV)
+    sc = block_paths.scratch_buffers(shape, T, DEV)
     y = torch.zeros_like(x)
     bc.begin()
     for c, a in enumerate(range(0, T, 8)):
@@ -233,7 +234,7 @@ def test_per_chunk_calls_compute_what_one_call_computes(setup):
     shape, fw, x = setup
     T = x.shape[0]
     prod = B.Producer(T, shape.num_experts, DEV)
-    sc = B.scratch_buffers(shape, T, DEV)
+    sc = block_paths.scratch_buffers(shape, T, DEV)
     prod.route(x, fw, shape, sc["idx"], sc["w"])
     prod.layout(x, sc["q"], sc["sf"])
     inputs = (sc["idx"][:T], sc["w"][:T], sc["q"][:T], sc["sf"][:T])

@@ -32,6 +32,7 @@ if not torch.cuda.is_available():
 from streamring.gemm import build_deep_gemm as BDG  # noqa: E402
 from streamring.gemm import deep_gemm as DG  # noqa: E402
 import ready_range_reference as RR  # noqa: E402
+from bench import block_paths  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 REPO = Path(__file__).resolve().parents[2]
@@ -419,7 +420,7 @@ def test_consumer_deep_gemm_matches_triton():
     outs = {}
     for impl in ("triton", "deep_gemm"):
         prod = B.Producer(T, shape.num_experts, "cuda")
-        sc = B.scratch_buffers(shape, T, "cuda")
+        sc = block_paths.scratch_buffers(shape, T, "cuda")
         prod.route(x, fw, shape, sc["idx"], sc["w"])
         prod.layout(x, sc["q"], sc["sf"])
         bc = B.BlockConsumer(shape, T, 1, 128, "cuda")
@@ -444,13 +445,13 @@ def test_consumer_deep_gemm_streamed_equals_batch_bitwise(chunk, keep):
     ys = []
     for streamed in (False, True):
         prod = B.Producer(T, shape.num_experts, "cuda")
-        sc = B.scratch_buffers(shape, T, "cuda")
+        sc = block_paths.scratch_buffers(shape, T, "cuda")
         bc = B.BlockConsumer(shape, T, -(-T // chunk) + 1, 128, "cuda")
         # one chunk (chunk == T) may write y directly: a single range, plus the seal's
         bc.experts("deep_gemm", keep_rows_outside_range=keep)
         y = torch.zeros_like(x)
         if streamed:
-            B.streamed_forward_serial(x, fw, shape, prod, bc, sc, chunk, y, gemm_impl="deep_gemm")
+            block_paths.streamed_forward_serial(x, fw, shape, prod, bc, sc, chunk, y, gemm_impl="deep_gemm")
         else:
             prod.route(x, fw, shape, sc["idx"], sc["w"])
             prod.layout(x, sc["q"], sc["sf"])

@@ -36,6 +36,7 @@ from streamring.moe import blocks as B  # noqa: E402
 from streamring.moe.weights import MoEWeights  # noqa: E402
 from streamring.moe.math import MoEShape  # noqa: E402
 from streamring.ring.layout import RingLayout, StreamPlan  # noqa: E402
+from bench import block_paths  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 R = 2
@@ -144,7 +145,7 @@ def single_batch(shape, fw, x):
     T = x.shape[0]
     bc = B.BlockConsumer(shape, T, 2, 16, DEV)
     y = torch.zeros_like(x)
-    batch_forward(x, fw, shape, B.Producer(T, shape.num_experts, DEV), bc, B.scratch_buffers(shape, T, DEV), y)
+    batch_forward(x, fw, shape, B.Producer(T, shape.num_experts, DEV), bc, block_paths.scratch_buffers(shape, T, DEV), y)
     return y
 
 
