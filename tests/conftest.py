@@ -66,6 +66,13 @@ def pytest_configure(config):
     if missing:
         raise pytest.UsageError("declared test dependencies are missing: " + ", ".join(missing)
                                 + " (pip install -e '.[test]')")
+    # the emulated device's kernels without the interpreter's redundant re-patching of triton.language
+    # (tests/helpers/triton_interp_patch.py); in the processes that run tests (not pytest-xdist's controller)
+    if os.environ.get("TRITON_INTERPRET") == "1" and (
+            hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None)):
+        from triton_interp_patch import install
+
+        install()
 
 
 # ----------------------------------------------------------------------------------------
