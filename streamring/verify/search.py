@@ -275,7 +275,7 @@ def explore(model: RingModel, cfg: ModelConfig, progress=None) -> Explored:
     g = Explored(states=[init], parent=array("l", [-1]))
     states, parent, esrc, edst = g.states, g.parent, g.esrc, g.edst
     queue = deque([0])
-    is_final = model.is_final
+    is_final, known = model.is_final, ids.setdefault
     ntrans = 0
     por = cfg.por
     while queue:
@@ -299,10 +299,9 @@ def explore(model: RingModel, cfg: ModelConfig, progress=None) -> Explored:
                 g.violations.append((sid, t))
                 continue
             ns = t.state
-            nid = ids.get(ns)
-            if nid is None:
-                nid = len(states)
-                ids[ns] = nid
+            n = len(states)
+            nid = known(ns, n)  # (one hash of the state: its id, or n for a new one)
+            if nid == n:
                 states.append(ns)
                 parent.append(sid)
                 queue.append(nid)

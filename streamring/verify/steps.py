@@ -154,25 +154,24 @@ class RingModel(RingState):
         elif step == "write":
             procs[pid] = self._write_step(st, r, k, pid, pc, c, s, e, g, done_bit)
         else:  # publish to t, or fence: both release (flush) first
-            R, PSL = self.R, self.PSL
             lst = list(st)
-            ps = lst[PSL + i]
+            ps = lst[self.PSL + i]
             acc_r, acc_w = self.b_pend[r][k], done_bit
-            if ps >= 0:
+            fl = None
+            if ps >= 0:  # (nothing pending: the flush has nothing to do)
                 acc_r |= self.b_pos_rs[r][ps]
                 acc_w |= self.b_pend[r][k] | self.b_pay[r][k][ps]
-            fl = self._flush(lst, r, k)
+                fl = self._flush(lst, r, k)
+            rd = None if fl is None else fl[1]
             if step == "publish":
-                lst[self.RDY + ((2 * t + k) * R + r) * S + s] = g
+                lst[self.RDY + ((2 * t + k) * self.R + r) * S + s] = g
                 acc_w |= self.b_rdy[t][k][r][s]
-                desc = ("publish", r, k, c, s, g, t, ps >= 0)
+                desc = ("publish", r, k, c, s, g, t, ps >= 0, rd)
             else:
-                desc = ("fence", r, k, c, s, g, ps >= 0)
+                desc = ("fence", r, k, c, s, g, ps >= 0, rd)
             lst[self.PPC + i] = pc + 1
-            if fl is not None:
-                procs[pid] = ((Trans(pid, desc + (fl[1],), None, fl[0]),), acc_r, acc_w, 0, ())
-            else:
-                procs[pid] = ((Trans(pid, desc + (None,), tuple(lst)),), acc_r, acc_w, 0, ())
+            tr = Trans(pid, desc, tuple(lst)) if fl is None else Trans(pid, desc, None, fl[0])
+            procs[pid] = ((tr,), acc_r, acc_w, 0, ())
 
     def _reserve_step(self, st: tuple, r: int, k: int, pid: int, pc: int, c: int, s: int, e: int):
         """``reserve c``: the acks of chunk ``c - S`` collected (already, or now from a full mask)."""
@@ -318,7 +317,8 @@ class RingModel(RingState):
             acc_r |= self.b_rdy[d][0][src][s] | self.b_rdy[d][1][src][s]
             vr = st[self.RDY + ((2 * d + 0) * R + src) * S + s]
             vl = st[self.RDY + ((2 * d + 1) * R + src) * S + s]
-            cr, cl = self.classify(vr, g), self.classify(vl, g)
+            memo = self._cmemo  # (self.classify, inlined on its hot path)
+            cr, cl = memo.get((vr, g)) or self.classify(vr, g), memo.get((vl, g)) or self.classify(vl, g)
             V, RD = GenState.VIOLATION, GenState.READY
             ready = cr is RD and cl is RD
         desc = ("acquire", d, src, c, s, g, vr, vl)

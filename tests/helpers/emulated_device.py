@@ -16,6 +16,7 @@ in call order; there is no concurrency to get wrong here.
 from __future__ import annotations
 
 import ctypes
+import os
 
 import numpy as np
 import torch
@@ -43,6 +44,11 @@ from streamring.device.ringdesc import (
 )
 from streamring.device.verbs import Region
 from streamring.ring.layout import make_gen
+
+if os.environ.get("TRITON_INTERPRET") == "1":  # (a rank script's process: pytest's conftest installs it in its own)
+    from triton_interp_patch import install as _install_interp_patch
+
+    _install_interp_patch()
 
 CODE = {name: code for name, (code, _) in ERRORS.items()}
 TIMEOUT_CODES = {CODE[n] for n in ("RE_ACQUIRE_TIMEOUT", "RE_REUSE_TIMEOUT", "RE_DRAIN_TIMEOUT", "RE_COMBINE_TIMEOUT")}

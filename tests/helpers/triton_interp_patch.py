@@ -1,0 +1,82 @@
+"""Triton's interpreter (``TRITON_INTERPRET=1``, the emulated device) without its redundant re-patching.
+
+Every launch of a kernel patches ``triton.language`` for the interpreter (``interpreter._patch_lang``:
+``inspect.getmembers`` over ``tl``, ``tl.core``, ``tl.math``, ``tl.tensor``... replacing each builtin by a
+wrapper) and restores it when the launch ends. Every call of a ``@triton.jit`` device function inside
+that kernel patches again (and never restores): the builtins are wrappers already, so that pass only
+walks every member again and replaces the few unconditional patches (``tl.range``...) by equivalent
+new closures. Profiled on the emulated-device tests that re-walk was about a fifth of their time.
+
+:func:`install` skips that pass where it cannot change anything: a device function called while a
+launch is in progress whose ``triton.language`` modules (the ones ``_patch_lang`` would patch) are
+among those patched since the launch began (by the launch, or left patched by an earlier device call
+of it). Everything else (the launch's own patch and its restore, the first call of a device function
+that sees a module not patched yet, a call outside a launch) goes to Triton's own code unchanged. Where Triton's internals are not the ones this was written against, nothing is
+installed and the interpreter runs as shipped.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+_INSTALLED = "_streamring_tests_patch_lang_memo"
+
+
+class _NoRestore:
+    """The scope of a skipped pass: nothing was patched, so nothing to restore."""
+
+    def restore(self) -> None:
+        pass
+
+
+def install() -> bool:
+    """Wrap ``triton.runtime.interpreter._patch_lang`` (module docstring); True if installed (or already)."""
+    try:
+        from triton.runtime import interpreter as interp
+    except Exception:  # no Triton, or one that fails to import here: nothing to speed up
+        return False
+    if getattr(interp, _INSTALLED, False):
+        return True
+    original = getattr(interp, "_patch_lang", None)
+    grid = getattr(interp, "GridExecutor", None)
+    tl = getattr(interp, "tl", None)
+    if (original is None or grid is None or tl is None or not hasattr(tl, "core")
+            or list(inspect.signature(original).parameters) != ["fn"]
+            or not callable(getattr(grid, "__call__", None))):
+        return False
+    langs_of = [tl, tl.core]
+    state = {"launching": False, "patched": None}  # a launch in progress; the modules its patch covers
+
+    def _langs(fn) -> frozenset:
+        # the modules _patch_lang patches for fn (its own test: a module of fn's globals equal to tl or tl.core)
+        return frozenset(id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in langs_of)
+
+    def _patch_lang(fn):
+        patched, langs = state["patched"], _langs(fn)
+        if patched is not None and langs and langs <= patched:
+            return _NoRestore()
+        scope = original(fn)  # (asserts that fn sees triton.language)
+        if state["launching"]:
+            # the launch's own patch (GridExecutor.__call__), or a device function that sees a module the
+            # launch did not patch (triton.language.standard's tl.sum, tl.zeros... see tl.core): Triton
+            # leaves that patch in place (a device call's scope is never restored), so it covers the
+            # launch's later calls too
+            state["patched"] = langs if patched is None else patched | langs
+        return scope
+
+    grid_call = grid.__call__
+
+    def __call__(self, *args, **kwargs):
+        if state["launching"]:  # (a launch inside a launch: Triton's own path, nothing assumed)
+            return grid_call(self, *args, **kwargs)
+        state["launching"] = True
+        try:
+            return grid_call(self, *args, **kwargs)
+        finally:  # (after grid_call restored its patch)
+            state["launching"] = False
+            state["patched"] = None
+
+    interp._patch_lang = _patch_lang
+    grid.__call__ = __call__
+    setattr(interp, _INSTALLED, True)
+    return True
