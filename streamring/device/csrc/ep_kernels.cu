@@ -44,10 +44,11 @@ __device__ void for_each_run(const int* row_src, const int* row_chunk, int64_t r
 // Consumer, after the L2 kernel of the ready range ready_list[ready_hi[lo_index] : ready_hi[hi_index]]
 // stored its rows straight into the owners' combine rows (P2P): add each run's row count to the
 // owner's arrived[chunk]. Grid = max_items (blocks beyond the range return), one thread works.
-extern "C" __global__ void SR_ONE_WARP ep_signal_arrivals(const RingDesc* d, uint8_t* comb, const uint64_t* comb_peers, int me,
-                                              int64_t off_arrived, const int* ready_list, const int* ready_hi,
-                                              int64_t lo_index, int64_t hi_index, const int* row_src,
-                                              const int* row_chunk, int block_m) {
+extern "C" __global__ void SR_ONE_WARP ep_signal_arrivals(const RingDesc* d, uint8_t* comb,
+                                                          const uint64_t* comb_peers, int me, int64_t off_arrived,
+                                                          const int* ready_list, const int* ready_hi,
+                                                          int64_t lo_index, int64_t hi_index, const int* row_src,
+                                                          const int* row_chunk, int block_m) {
     if (threadIdx.x != 0) return;
     const int lo = ready_hi[lo_index], hi = ready_hi[hi_index];
     if ((int)blockIdx.x >= hi - lo) return;
@@ -139,7 +140,8 @@ extern "C" __global__ void ep_pull_slots(const RingDesc* d, uint8_t* buf, uint8_
 // the expectation is a violation (RE_COMBINE_COUNT); the deadline records RE_COMBINE_TIMEOUT, both
 // with the chunk. One thread.
 extern "C" __global__ void SR_ONE_WARP ep_wait_arrivals(const RingDesc* d, const uint8_t* comb, int64_t off_arrived,
-                                            const int64_t* expected, int64_t first_chunk, int64_t num_chunks) {
+                                                        const int64_t* expected, int64_t first_chunk,
+                                                        int64_t num_chunks) {
     if (threadIdx.x != 0 || blockIdx.x != 0 || d->num_chunks <= 0) return;
     const uint64_t* arrived = (const uint64_t*)(comb + off_arrived);
     const long long start = clock64();

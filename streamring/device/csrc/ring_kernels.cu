@@ -8,7 +8,8 @@
 #include "ring_protocol.cuh"
 
 // Owner reuse wait before writing chunk `chunk` (no-op for chunk < num_slots).
-extern "C" __global__ void SR_ONE_WARP ring_reuse_wait(const RingDesc* d, uint8_t* buf, int me, int64_t chunk, int inject) {
+extern "C" __global__ void SR_ONE_WARP ring_reuse_wait(const RingDesc* d, uint8_t* buf, int me, int64_t chunk,
+                                                       int inject) {
     if (threadIdx.x != 0 || d->num_chunks <= 0 || chunk < d->num_slots) return;
     uint64_t e = cur_epoch(d);
     owner_collect(d, buf, me, chunk % d->num_slots, chunk - d->num_slots, e, inject, RE_REUSE_TIMEOUT);
@@ -37,7 +38,8 @@ extern "C" __global__ void SR_ONE_WARP ring_advance_epoch(const RingDesc* d) {
 // Progress policy spin_kernel (and the exact generation check of every policy): one thread per
 // block spins (acquire, with deadline) until the route and layout generations of (src, chunk)
 // are ready. Grid = #sources: block b waits for source src0 + b.
-extern "C" __global__ void SR_ONE_WARP ring_spin_wait(const RingDesc* d, uint8_t* buf, int64_t src0, int64_t chunk, int inject) {
+extern "C" __global__ void SR_ONE_WARP ring_spin_wait(const RingDesc* d, uint8_t* buf, int64_t src0, int64_t chunk,
+                                                      int inject) {
     if (threadIdx.x != 0 || d->num_chunks <= 0 || (inject & INJ_SKIP_ACQUIRE)) return;
     uint64_t g = ring_make_gen(cur_epoch(d), chunk);
     acquire_wait(d, buf, src0 + blockIdx.x, chunk, g, inject);
@@ -52,7 +54,7 @@ extern "C" __global__ void SR_ONE_WARP ring_spin_wait(const RingDesc* d, uint8_t
 // whose token count lives on the device, e.g. a CUDA graph replayed with varying counts), else
 // `valid`.
 extern "C" __global__ void SR_ONE_WARP ring_publish(const RingDesc* d, uint8_t* buf, const uint64_t* peers, int me,
-                                        int64_t chunk, int kind, int64_t valid, const int64_t* valid_ptr) {
+                                                    int64_t chunk, int kind, int64_t valid, const int64_t* valid_ptr) {
     if (d->num_chunks <= 0 || threadIdx.x != 0) return;
     const uint64_t g = ring_make_gen(cur_epoch(d), chunk);
     uint64_t* m = meta_words(d, buf, chunk % d->num_slots);
@@ -72,8 +74,9 @@ extern "C" __global__ void SR_ONE_WARP ring_publish(const RingDesc* d, uint8_t* 
 // Consumer: acquire both generations of (src0 + blockIdx.x, chunk), then check the source's
 // metadata words and record its valid count in valid_tab (check_meta). Grid = #sources, one
 // thread works.
-extern "C" __global__ void SR_ONE_WARP ring_acquire_checked(const RingDesc* d, uint8_t* buf, const uint64_t* peers, int me,
-                                                int64_t src0, int64_t chunk, int* valid_tab, int inject) {
+extern "C" __global__ void SR_ONE_WARP ring_acquire_checked(const RingDesc* d, uint8_t* buf, const uint64_t* peers,
+                                                            int me, int64_t src0, int64_t chunk, int* valid_tab,
+                                                            int inject) {
     if (threadIdx.x != 0 || d->num_chunks <= 0) return;
     const int64_t src = src0 + blockIdx.x;
     const uint64_t g = ring_make_gen(cur_epoch(d), chunk);
@@ -87,8 +90,8 @@ extern "C" __global__ void SR_ONE_WARP ring_acquire_checked(const RingDesc* d, u
 // Acknowledge (src0 + blockIdx.x, chunk): the caller's earlier kernels on this stream acquired
 // (ring_spin_wait) and copied what they need out of the slot; stream order puts their reads
 // before this kernel, whose release precedes the fetch_or. Grid = #sources.
-extern "C" __global__ void SR_ONE_WARP ring_ack(const RingDesc* d, uint8_t* buf, const uint64_t* peers, int me, int64_t src0,
-                                    int64_t chunk) {
+extern "C" __global__ void SR_ONE_WARP ring_ack(const RingDesc* d, uint8_t* buf, const uint64_t* peers, int me,
+                                                int64_t src0, int64_t chunk) {
     if (d->num_chunks <= 0 || threadIdx.x != 0) return;
     __threadfence_system();
     const uint64_t g = ring_make_gen(cur_epoch(d), chunk);
@@ -133,9 +136,9 @@ static __device__ __forceinline__ int probe_source(const RingDesc* d, uint8_t* b
 // taken with no rows (the forward then fails its checks; nothing waits forever); a violation seen
 // while gathering more ends the gathering and leaves that source pending for a later step.
 // num_ranks <= 64.
-extern "C" __global__ void SR_ONE_WARP ring_wait_any(const RingDesc* d, uint8_t* buf, const uint64_t* peers, int me, int64_t chunk,
-                                         int* valid_tab, uint64_t* pending, int first, int* chosen, int max_take,
-                                         int64_t window_ns, int inject) {
+extern "C" __global__ void SR_ONE_WARP ring_wait_any(const RingDesc* d, uint8_t* buf, const uint64_t* peers, int me,
+                                                     int64_t chunk, int* valid_tab, uint64_t* pending, int first,
+                                                     int* chosen, int max_take, int64_t window_ns, int inject) {
     if (threadIdx.x != 0 || blockIdx.x != 0 || d->num_chunks <= 0) return;
     const uint64_t all = full_mask(d, 0);
     if (first) *pending = all;
@@ -220,7 +223,7 @@ extern "C" __global__ void SR_ONE_WARP ring_wait_any(const RingDesc* d, uint8_t*
 // ring_ack (the sources were taken on the device by ring_wait_any; the reads of their slots are
 // earlier kernels of this stream, and the release below precedes every fetch_or).
 extern "C" __global__ void SR_ONE_WARP ring_ack_chosen(const RingDesc* d, uint8_t* buf, const uint64_t* peers, int me,
-                                           const int* chosen, int count, int64_t chunk) {
+                                                       const int* chosen, int count, int64_t chunk) {
     if (d->num_chunks <= 0 || threadIdx.x != 0 || blockIdx.x != 0) return;
     __threadfence_system();
     const uint64_t g = ring_make_gen(cur_epoch(d), chunk);
