@@ -246,6 +246,17 @@ def test_cache_key_depends_on_arch_and_compiler():
     assert a != build.source_digest("sm_90", "nvcc 12.9", None)
 
 
+def test_a_variant_build_has_its_own_flags_and_cache_key(monkeypatch):
+    """``STREAMRING_NVCC_DEFINES`` (a variant build for an A/B, launch/ab_nvcc_defines.sh) passes each word as a
+    ``-D`` flag and changes the cubin's cache key, so a variant never reuses the default's cubin."""
+    monkeypatch.delenv("STREAMRING_NVCC_DEFINES", raising=False)
+    assert build.nvcc_defines() == []
+    default = build.source_digest("sm_90", "nvcc 13.0", None)
+    monkeypatch.setenv("STREAMRING_NVCC_DEFINES", "SR_ONE_WARP= SR_P2P_ROW_COPY=0")
+    assert build.nvcc_defines() == ["-DSR_ONE_WARP=", "-DSR_P2P_ROW_COPY=0"]
+    assert build.source_digest("sm_90", "nvcc 13.0", None) != default
+
+
 def _toolchain_or_skip():
     try:
         build.find_nvcc()
