@@ -38,7 +38,7 @@ Roles in a SwiGLU expert: ``gate`` (``w1``, ``[I, H]``), ``up`` (``w3``, ``[I, H
 from __future__ import annotations
 
 import math as _math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
 import torch
@@ -334,8 +334,17 @@ class MoEWeights:
     def pe_slice(self, routing: MoEShape, pe: int, num_pes: int, device) -> PESliceView:
         """PE ``pe``'s share of these weights (all experts, or that PE's already) for the expert-parallel layer on
         ``device``, routed by ``routing`` (:class:`PESliceView`: its experts of :meth:`fp8_blocks`, the global
-        router and bias). Errors name the field (a shape, the device, the dtype, a bias the router needs)."""
-        return PESliceView.of(self.fp8_blocks(device), routing, pe, num_pes, device)
+        router and bias). Errors name the field (a shape, the device, the dtype, a bias the router needs). Given all
+        experts, only that PE's are laid out (and, bf16 ones, quantized): the same values as slicing the whole layout."""
+        E = routing.num_experts
+        w = self
+        if self.w1.shape[0] == E and _is_int(num_pes) and num_pes > 1 and E % num_pes == 0 and _is_int(pe) \
+                and 0 <= pe < num_pes:
+            lo, hi = pe * E // num_pes, (pe + 1) * E // num_pes
+            w = replace(self, **{n: getattr(self, n)[lo:hi] for n in ("w1", "w3", "w2")},
+                        **{n: None if getattr(self, n) is None else getattr(self, n)[lo:hi]
+                           for n in ("w1_scale", "w3_scale", "w2_scale")})
+        return PESliceView.of(w.fp8_blocks(device), routing, pe, num_pes, device)
 
 
 def _stacked(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

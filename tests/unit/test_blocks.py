@@ -283,6 +283,24 @@ def test_the_fp8_blocks_view():
     assert fr.local(1, 2).w1.shape == (4, 512, 256)
 
 
+@pytest.mark.parametrize("weight_dtype", ["fp8", "bf16"])
+def test_a_pe_slice_of_all_experts_lays_out_only_its_own(weight_dtype, monkeypatch):
+    """``MoEWeights.pe_slice`` given every expert: the same bits as slicing the whole FP8 layout, and only the PE's
+    experts are quantized (bf16 weights) on the way."""
+    import streamring.moe.weights as W
+
+    shape = small_shape(weight_dtype=weight_dtype)
+    w = MoEWeights.random(shape, 5)
+    whole = w.fp8_blocks().local(1, 2)
+    calls = []
+    real = W.quantize_weight_fp8_block
+    monkeypatch.setattr(W, "quantize_weight_fp8_block", lambda t: calls.append(1) or real(t))
+    s = w.pe_slice(shape, 1, 2, torch.device("cpu"))
+    for f in ("w1", "w1_sf", "w2", "w2_sf", "router"):
+        assert same_bits(getattr(s.fw, f), getattr(whole, f)), f
+    assert len(calls) == (3 * 4 if weight_dtype == "bf16" else 0)  # 3 tensors of the PE's 4 of 8 experts
+
+
 @pytest.mark.slow(reason=TRITON_ON_CPU)
 @pytest.mark.parametrize("max_ctas", [1, 5])
 def test_persistent_gemm_grid_equals_one_cta_per_tile(setup, max_ctas):
