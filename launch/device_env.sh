@@ -88,13 +88,38 @@ mps_start() {
   local pipe logs
   pipe="$(mktemp -d)" && logs="$(mktemp -d)" || { say "mps_start: mktemp -d failed (is TMPDIR writable?)"; return 1; }
   export CUDA_MPS_PIPE_DIRECTORY="$pipe" CUDA_MPS_LOG_DIRECTORY="$logs"
-  if ! CUDA_VISIBLE_DEVICES=$MPS_GPU nvidia-cuda-mps-control -d >>"$LOG" 2>&1; then
+  # MPS_STATIC=1: static SM partitioning mode (-S), for mps_partitions below
+  local static=(); [ "${MPS_STATIC:-0}" = 1 ] && static=(-S)
+  if ! CUDA_VISIBLE_DEVICES=$MPS_GPU nvidia-cuda-mps-control -d "${static[@]}" >>"$LOG" 2>&1; then
     rm -rf "$pipe" "$logs"
     return 1
   fi
   MPS_STARTED=1
   sleep 1
   say "MPS daemon started on GPU $MPS_GPU (pipe dir $CUDA_MPS_PIPE_DIRECTORY)"
+}
+# mps_partitions N: under a daemon started with MPS_STATIC=1, N static SM partitions of equal size (disjoint
+# SM sets: each PE on SMs of its own, as on GPUs of its own, where CUDA_MPS_ACTIVE_THREAD_PERCENTAGE only caps
+# how many SMs a client holds at once); exports MPS_SM_PARTITIONS (their ids, comma-separated) for
+# launch/mps_rank_env.sh, which gives rank i the i-th. Status 1 (the daemon's answers in $LOG) when it cannot.
+mps_partitions() {
+  local n=$1 uuid free chunks id ids=()
+  uuid=$(nvidia-smi -i "$MPS_GPU" --query-gpu=uuid --format=csv,noheader 2>/dev/null | head -1)
+  { echo "--- lspart"; echo lspart | nvidia-cuda-mps-control; } >>"$LOG" 2>&1
+  # the free chunks of the GPU: the lspart line of its UUID, the last number on it
+  free=$(echo lspart | nvidia-cuda-mps-control 2>/dev/null | grep -i "$uuid" | grep -o '[0-9]\+' | tail -1)
+  chunks=$(( ${free:-0} / n ))
+  say "mps_partitions: GPU $uuid, free chunks '${free:-?}', $chunks per partition"
+  [ "$chunks" -ge 1 ] || return 1
+  for _ in $(seq "$n"); do
+    id=$(echo "sm_partition add $uuid $chunks" | nvidia-cuda-mps-control 2>>"$LOG" | tail -1 | awk '{print $NF}')
+    say "mps_partitions: add -> '$id'"
+    [ -n "$id" ] || return 1
+    ids+=("$id")
+  done
+  { echo "--- lspart after"; echo lspart | nvidia-cuda-mps-control; } >>"$LOG" 2>&1
+  MPS_SM_PARTITIONS=$(IFS=,; echo "${ids[*]}")
+  export MPS_SM_PARTITIONS
 }
 mps_stop() {
   [ "$MPS_STARTED" = 1 ] || return 0

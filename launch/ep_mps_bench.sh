@@ -20,6 +20,7 @@
 #    expert GEMM grid runs: eager and graph, stream and node priorities, a CTA per tile or one per SM), once
 #    without MPS, once as an MPS client at 50 % (-> $OUT/sm_sharing.log, $OUT/sm-sharing.json), then as two
 #    MPS clients at once (-> $OUT/sm_sharing_pair{0,1}.log); EPM_BENCH=0 skips step 2;
+# EPM_MPS_STATIC=1: the PEs on static SM partitions of the MPS daemon (launch/device_env.sh mps_partitions);
 # EPM_DEEP_GEMM=1: DeepGEMM built from the carried .deepgemm/ before step 2 (or the one an earlier step of
 # the same call built under .dg-site), for EPM_GEMMS=deep_gemm (with --block-m 128 in EPM_ARGS);
 # What two PEs on one GPU cannot show: NVLink transfers (every pull is GPU-local), and each PE's GEMMs run
@@ -37,7 +38,12 @@ if [ "${EPM_SHARING:-0}" = 1 ]; then
   say "sm_sharing rc=$?"
 fi
 trap mps_stop EXIT
-mps_start || { say "could not start the MPS daemon"; exit 3; }
+# EPM_MPS_STATIC=1: each PE on a static SM partition of its own (disjoint SMs, as on GPUs of their own)
+export MPS_SM_PARTITIONS=""
+MPS_STATIC="${EPM_MPS_STATIC:-0}" mps_start || { say "could not start the MPS daemon"; exit 3; }
+if [ "${EPM_MPS_STATIC:-0}" = 1 ]; then
+  mps_partitions "${EPM_PES:-2}" || { say "could not make static SM partitions"; exit 3; }
+fi
 if [ "${EPM_SHARING:-0}" = 1 ]; then
   say "=== 0b. SM sharing probe, 1 process as an MPS client at 50 % ($(( $(date +%s) - T0 )) s)"
   CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50 timeout "$(limit 120 300)" "${SHARING[@]}" --label "MPS 50%" \
@@ -62,7 +68,7 @@ CONNS=32; [ "$PES" -gt 2 ] && CONNS=$(( 32 / PES )); [ "$CONNS" -lt 4 ] && CONNS
 MPI2=(env CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$(( 100 / PES )) CUDA_DEVICE_MAX_CONNECTIONS=$CONNS
       mpiexec --allow-run-as-root --bind-to none -n "$PES" -x CUDA_DEVICE_MAX_CONNECTIONS
       -x CUDA_MPS_ACTIVE_THREAD_PERCENTAGE -x CUDA_MPS_PIPE_DIRECTORY -x CUDA_MPS_LOG_DIRECTORY -x PYTHONPATH
-      -x STREAMRING_CACHE -x NVSHMEM_DISABLE_NVLS)
+      -x STREAMRING_CACHE -x NVSHMEM_DISABLE_NVLS -x MPS_SM_PARTITIONS launch/mps_rank_env.sh)
 RC=0
 TESTS_S=$(limit 180 330)
 if [ "${EPM_TESTS:-1}" = 1 ] && [ "$TESTS_S" -lt 60 ]; then

@@ -1,0 +1,61 @@
+"""Which SMs this process's kernels run on: one CTA per reported SM (and twice as many), each spinning for a
+while and writing its ``%smid``; prints one line (``label``, SMs reported, distinct SM ids used, the ids).
+
+Run as two MPS clients at once (launch/mps_partition_probe.sh): their id sets overlap under
+``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` (a cap on how many SMs a client holds at once, not which) and are
+disjoint under static SM partitions (``CUDA_MPS_SM_PARTITION``), which is what two GPUs would give.
+
+    python -m bench.sm_ids --label client0 [--spin-us 200000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _smid_kernel(out_ptr, spin_ns):
+    pid = tl.program_id(0)
+    smid = tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+    t0 = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+    t = t0
+    while t - t0 < spin_ns:
+        t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False,
+                                      pack=1)
+    tl.store(out_ptr + pid, smid)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--label", default="")
+    ap.add_argument("--spin-us", type=int, default=200_000, help="each CTA's spin (long enough to overlap)")
+    ap.add_argument("--start-at", type=float, default=0.0, help="time.time() to launch at (two clients at once)")
+    a = ap.parse_args(argv)
+    dev = torch.device("cuda")
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    rows = {}
+    for ctas in (sms, 2 * sms):
+        out = torch.full((ctas,), -1, dtype=torch.int32, device=dev)
+        _smid_kernel[(1,)](out, 1000)  # compile and load first
+        torch.cuda.synchronize()
+        if a.start_at:
+            time.sleep(max(0.0, a.start_at - time.time()))
+        t = time.perf_counter()
+        _smid_kernel[(ctas,)](out, a.spin_us * 1000)
+        torch.cuda.synchronize()
+        ms = (time.perf_counter() - t) * 1e3
+        ids = sorted(set(out.tolist()))
+        rows[ctas] = {"ms": round(ms, 1), "distinct_sms": len(ids), "ids": ids}
+        a.start_at = a.start_at + a.spin_us * 3e-6 + 1.0 if a.start_at else 0.0
+    print(json.dumps({"label": a.label, "sms_reported": sms, "grids": rows}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
