@@ -78,7 +78,8 @@ def test_device_scripts_parse_and_name_only_what_exists():
         assert p.returncode == 0, (sh.name, p.stderr)
         text = sh.read_text()
         user_or_cpu_side = ("mpirun.sh", "torchrun.sh", "slurm.sbatch", "fetch_wheels.sh", "build_deep_gemm.sh",
-                            "pack_deep_gemm.sh", "preflight.sh")
+                            "pack_deep_gemm.sh", "preflight.sh",
+                            "mps_rank_env.sh")  # (a rank's wrapper: device_env.sh's mps_partitions set it up)
         assert sh.name in user_or_cpu_side or re.search(r"\. launch/device_env\.sh", text), \
             f"{sh.name} does not source launch/device_env.sh"
         named = set(re.findall(r"\b((?:launch|tests)(?:/[\w.-]+)+\.(?:sh|py|c))\b", text))
