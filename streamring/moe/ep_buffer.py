@@ -82,7 +82,8 @@ class EPBuffer:
             step (forwards of up to ``tuning.group_max_tokens`` rows), else one source at a time (the measured
             best at the EP8 per-GPU load, ``docs/performance.md``: more chunks cost another weight pass each).
         gemm: ``"triton"``, ``"cutlass"``, ``"deep_gemm"`` (``block_m`` 128, when ``import deep_gemm``
-            works) or ``"auto"`` (:func:`resolve_gemm`: the fastest available one of the measured table);
+            works) or ``"auto"`` (:func:`resolve_gemm`: the fastest available one of a measured layer row, else of
+            the measured GEMM table);
             :attr:`gemm` is the resolved implementation, :attr:`gemm_choice` its variants and why. Every
             path of this buffer runs the same GEMMs, so a streamed-vs-batch comparison never measures two
             GEMMs' rounding.

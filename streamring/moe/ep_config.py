@@ -4,11 +4,13 @@ measured plan and a buffer must share for the measurement to decide for the buff
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Optional
 
 from ..gemm import choice as GC
 from ..gemm.backends import CAPABILITIES
 from ..ring.layout import CombineLayout, RingLayout
+from . import layer_choice
 from .shape import MoEShape
 from .tuning import BLOCK_MS, EPTuning
 
@@ -27,6 +29,15 @@ def resolve_gemm(gemm: str, shape: MoEShape, num_ranks: int, max_tokens_per_rank
     streamed-vs-batch comparison never measures two GEMMs' rounding."""
     if gemm != "auto" and gemm not in CAPABILITIES:
         raise ValueError(f"gemm must be one of {('auto',) + tuple(CAPABILITIES)}, got {gemm!r}")
+    if gemm == "auto":
+        # a whole-layer measurement of several backends decides first (streamring/moe/layer_choice.py: what each
+        # backend's path costs around its GEMMs decides at decode sizes); the GEMM table where none applies
+        setting = dict(ranks=num_ranks, experts_per_pe=shape.num_experts // num_ranks, hidden=shape.hidden,
+                       intermediate=shape.intermediate, topk=shape.topk, block_m=block_m)
+        row = layer_choice.choose(setting, max_tokens_per_rank, GC.available_impls(block_m))
+        if row is not None:
+            choice = GC.resolve_layer(row.impl, block_m, shape, [max_tokens_per_rank] * num_ranks)
+            return replace(choice, source=f"{row.source}; its GEMMs: {choice.source}")
     return GC.resolve_layer(gemm, block_m, shape, [max_tokens_per_rank] * num_ranks)
 
 

@@ -1,0 +1,87 @@
+"""gemm="auto" from whole-layer rows (streamring/moe/layer_choice.py, bench/make_layer_table.py)."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench.common import dsv3_shape
+from bench.make_layer_table import layer_rows
+from streamring.gemm import choice as GC
+from streamring.moe import layer_choice
+from streamring.moe.ep_config import resolve_gemm
+
+ROOT = Path(__file__).resolve().parents[2]
+BOTH = {"triton": "", "cutlass": ""}
+SETTING = dict(ranks=2, experts_per_pe=32, hidden=7168, intermediate=2048, topk=8, block_m=64)
+
+
+def row(tokens, ms, run="r", **setting):
+    return {**SETTING, **setting, "tokens_per_rank": tokens, "batch_ms": ms, "run": run}
+
+
+ROWS = [row(1024, {"cutlass": 3.95, "triton": 3.37}), row(4096, {"cutlass": 8.61, "triton": 10.28})]
+
+
+def test_the_faster_layer_wins_not_the_faster_gemms():
+    c = layer_choice.choose(SETTING, 1024, BOTH, ROWS)
+    assert c.impl == "triton" and "triton 3.370 ms, cutlass 3.950 ms" in c.source
+    assert layer_choice.choose(SETTING, 4096, BOTH, ROWS).impl == "cutlass"
+    # the nearest row in tokens per PE, within a factor of 2
+    assert layer_choice.choose(SETTING, 700, BOTH, ROWS).impl == "triton"
+    assert layer_choice.choose(SETTING, 3000, BOTH, ROWS).impl == "cutlass"
+    assert layer_choice.choose(SETTING, 256, BOTH, ROWS) is None
+    assert layer_choice.choose(SETTING, 16384, BOTH, ROWS) is None
+
+
+def test_a_row_decides_only_between_available_backends_of_the_same_setting():
+    # one available backend measured: nothing to compare, the GEMM table decides
+    assert layer_choice.choose(SETTING, 1024, {"triton": "", "cutlass": "not built"}, ROWS) is None
+    for other in (dict(ranks=1), dict(block_m=16), dict(experts_per_pe=64), dict(hidden=4096)):
+        assert layer_choice.choose({**SETTING, **other}, 1024, BOTH, ROWS) is None, other
+
+
+def test_resolve_gemm_takes_the_layer_row_and_the_backends_own_variants(monkeypatch, tmp_path):
+    path = tmp_path / "layer_table.json"
+    path.write_text(json.dumps({"rows": [row(1024, {"cutlass": 3.37, "triton": 3.95})]}))
+    monkeypatch.setattr(layer_choice, "TABLE_PATH", path)
+    shape = dsv3_shape(64, 64)
+    monkeypatch.setattr(GC, "available_impls", lambda bm: dict(BOTH))
+    monkeypatch.setattr(GC.backend("cutlass"), "require", lambda bm: None)
+    c = resolve_gemm("auto", shape, 2, 1024, 64)
+    assert c.impl == "cutlass" and c.source.startswith("measured layer: cutlass 3.370 ms, triton 3.950 ms")
+    assert c.l1.impl == c.l2.impl == "cutlass"
+    # no row of the setting: the GEMM table, as before
+    assert not resolve_gemm("auto", shape, 2, 8192 * 4, 64).source.startswith("measured layer")
+    assert resolve_gemm("triton", shape, 2, 1024, 64).impl == "triton"  # an explicit choice is never overridden
+
+
+def test_the_table_maker_compares_backends_only_within_one_run():
+    base = dict(path="batch", lateness="none", straggler_ms=0.0, skew_ms=0.0, chunk_gemm_ctas=None,
+                reserved_sms=None, ranks=2, experts_per_pe=32, block_m=64, tokens_per_rank=1024, shape="dsv3")
+    rows = [{**base, "run": "a", "gemm": "cutlass", "median_ms": 4.0},
+            {**base, "run": "a", "gemm": "cutlass", "median_ms": 3.9},  # twice in one run: the smaller
+            {**base, "run": "a", "gemm": "triton", "median_ms": 3.4},
+            {**base, "run": "a", "gemm": "triton", "median_ms": 2.0, "path": "streamed"},
+            {**base, "run": "a", "gemm": "triton", "median_ms": 1.0, "straggler_ms": 3.0},
+            {**base, "run": "b", "gemm": "cutlass", "median_ms": 1.0}]  # alone in its run: no row
+    out = layer_rows(rows)
+    assert len(out) == 1 and out[0]["batch_ms"] == {"cutlass": 3.9, "triton": 3.4} and out[0]["run"] == "a"
+    assert {k: out[0][k] for k in SETTING} == SETTING
+
+
+def test_the_committed_table_is_what_its_sources_make(tmp_path):
+    from bench.make_layer_table import main
+
+    committed = json.loads(layer_choice.TABLE_PATH.read_text())
+    sources = [str(ROOT / p) for p in committed["produced_by"].split()[3:]]
+    assert sources and main([*sources, "--out", str(tmp_path / "t.json")]) == 0
+    assert json.loads((tmp_path / "t.json").read_text())["rows"] == committed["rows"]
+    assert all(len(r["batch_ms"]) >= 2 for r in layer_choice.load_table())
+
+
+def test_a_malformed_row_names_its_field(tmp_path):
+    p = tmp_path / "t.json"
+    p.write_text(json.dumps({"rows": [{"ranks": 2}]}))
+    with pytest.raises(ValueError, match=r"rows\[0\] has no .*'batch_ms'"):
+        layer_choice.load_table(p)
