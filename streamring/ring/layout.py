@@ -12,6 +12,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass
+from functools import cached_property
 
 from ..device.ringdesc import LAYOUT_FIELDS as DESC_LAYOUT_FIELDS
 from ..device.ringdesc import (  # noqa: F401  (one definition, shared with the CUDA side)
@@ -169,8 +170,10 @@ class RingLayout:
         sizes.append(("wake", 2 * R * S * 8))
         return sizes
 
-    @property
+    @cached_property
     def offsets(self) -> dict[str, int]:
+        """Byte offset of every region (and ``_end``), computed once per layout: the protocol reads an offset
+        on every verb (a frozen layout never changes them). Callers must not modify the dict."""
         off, out = 0, {}
         for name, size in self._sizes():
             out[name] = off
