@@ -243,8 +243,31 @@ class Result:
         return f"rc={self.rc}\n--- stdout\n{self.out[-4000:]}\n--- stderr\n{self.err[-4000:]}"
 
 
+#: The rank counts of most :func:`cli` jobs: each gets a shared preload server per worker
+SHARED_PRELOAD_RANKS = (2, 3, 4)
+
+
+@pytest.fixture(scope="session")
+def shared_preload(tmp_path_factory):
+    """Shared preload servers per worker (:meth:`streamring.host.preload.PreloadServer.shared`), one per rank
+    count of :data:`SHARED_PRELOAD_RANKS`, that imported what the ranks of ``streamring run`` and ``stress``
+    import: the :func:`cli` jobs of the default environment fork their ranks from the one of their rank count
+    (one job at a time, as a worker runs its tests) instead of a server of their own importing torch again,
+    about 2.5 CPU-seconds a job. Jobs given an ``env`` start their own (the servers' modules were imported in
+    the suite's environment, not theirs)."""
+    from streamring.cli import RANK_MODULES
+    from streamring.host.preload import SHARED_ENV, PreloadServer
+
+    modules = tuple(dict.fromkeys(RANK_MODULES["run"] + RANK_MODULES["stress"]))
+    servers = [PreloadServer.shared(tmp_path_factory.mktemp(f"preload{n}"), modules, _env(), n)
+               for n in SHARED_PRELOAD_RANKS]
+    yield {SHARED_ENV: ",".join(s.export_env()[SHARED_ENV] for s in servers)}
+    for s in servers:
+        s.stop()
+
+
 @pytest.fixture
-def cli(tmp_path):
+def cli(tmp_path, shared_preload):
     """Run ``python -m streamring ARGS`` (it starts its own ranks); returns a :class:`Result`."""
 
     def run(*args, timeout=240, env=None, json_out=True):
@@ -252,7 +275,7 @@ def cli(tmp_path):
         cmd = [sys.executable, "-m", "streamring", *map(str, args)]
         if json_out and args and args[0] in ("run", "stress", "model-check"):
             cmd += ["--json", str(jp)]
-        return Result(_run(cmd, timeout, env), jp if json_out else None)
+        return Result(_run(cmd, timeout, shared_preload if env is None else env), jp if json_out else None)
 
     return run
 

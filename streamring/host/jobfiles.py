@@ -101,14 +101,20 @@ class JobFiles:
     """Records the MPI job files held by process trees (the launcher's ``mpiexec``, and its preload server if
     any) and removes the leftovers."""
 
-    def __init__(self, *root_pids: int):
-        self.root_pids = root_pids
+    def __init__(self, *root_pids: int, more_roots=None):
+        """The trees of ``root_pids`` and of the pids ``more_roots()`` returns at each scan (the job's ranks that
+        are no descendants of the roots: forks of a shared preload server, which outlives the job)."""
+        self.root_pids, self.more_roots = root_pids, more_roots
         self.seen: set[str] = set()
         self.procs: dict[int, str] = {}  # every process of the tree seen, pid -> start time (its identity)
 
+    def _pids(self) -> list[int]:
+        roots = [*self.root_pids, *(self.more_roots() if self.more_roots is not None else ())]
+        return list(dict.fromkeys(p for root in roots for p in process_tree(root)))
+
     def scan(self) -> None:
         """Record the tree and what it holds now (call it while the job runs; a few /proc reads per process)."""
-        for pid in (p for root in self.root_pids for p in process_tree(root)):
+        for pid in self._pids():
             start = start_time(pid)
             if start is not None:
                 self.procs.setdefault(pid, start)

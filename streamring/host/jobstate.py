@@ -72,6 +72,12 @@ def _read_pid_file(p: Path) -> tuple[int, str] | None:
         return None
 
 
+def rank_pids(d: Path, num_ranks: int) -> list[int]:
+    """The pids the ranks of the job folder ``d`` recorded (:func:`register_rank`), those on this host."""
+    entries = (_read_pid_file(d / f"rank-{r}.pid") for r in range(num_ranks))
+    return [e[0] for e in entries if e is not None and _on_this_host(e[1])]
+
+
 def _on_this_host(host: str) -> bool:
     return host in ("", _HOST)
 

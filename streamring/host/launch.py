@@ -25,8 +25,9 @@ from pathlib import Path
 
 from .jobfiles import JobFiles, is_mpi_job_file, orphaned_files
 from .preload import STUB as PRELOAD_STUB
-from .preload import PreloadServer, preload_enabled
-from .jobstate import JOB_DIR_ENV, rank_errors, ranks_down, ranks_not_ok, recorded_job_files, summarize
+from .preload import PreloadServer, SharedServer, preload_enabled
+from .jobstate import (JOB_DIR_ENV, rank_errors, rank_pids, ranks_down, ranks_not_ok, recorded_job_files,
+                       summarize)
 from .report import TERMINAL_COLUMNS_ENV, terminal_columns
 
 SPAWNED_ENV = "STREAMRING_SPAWNED"
@@ -128,7 +129,7 @@ def spawn_local(num_ranks: int, argv: list[str], extra_env: dict | None = None, 
     # (not with extra mpiexec arguments: they may put ranks on other hosts, where a fork of this host's
     # server would be the wrong process on the wrong host)
     if preload and preload_enabled(env) and not openmpi and not os.environ.get(MPIEXEC_ARGS_ENV):
-        server = PreloadServer(jdir, preload, env, num_ranks, argv)
+        server = SharedServer.from_env(env, num_ranks) or PreloadServer(jdir, preload, env, num_ranks, argv)
         env.update(server.rank_env())
         cmd += [sys.executable, str(PRELOAD_STUB), *argv]
     else:
@@ -166,7 +167,12 @@ class _LocalJob:
     def __init__(self, proc: subprocess.Popen, server, jdir: Path, num_ranks: int, mpiexec: str, started_at: float):
         self.proc, self.server, self.jdir, self.num_ranks, self.mpiexec = proc, server, jdir, num_ranks, mpiexec
         self.started_at = started_at
-        self.files = JobFiles(proc.pid, *([server.proc.pid] if server is not None else []))
+        # the job's processes: mpiexec's tree, and its preload server's (its own server and the forks; of a
+        # shared server, which serves other jobs before and after, only the ranks this job's folder names)
+        if isinstance(server, SharedServer):
+            self.files = JobFiles(proc.pid, more_roots=lambda: rank_pids(jdir, num_ranks))
+        else:
+            self.files = JobFiles(proc.pid, *([server.proc.pid] if server is not None else []))
         self.first_down: list = []  # [(rank, pid, state)] first seen not running normally (one poll)
 
     @classmethod

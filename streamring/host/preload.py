@@ -14,7 +14,16 @@ streamring`` (or the script of ``--script PATH``) as the stub would have. So eve
 process with its own MPI rank; after the fork it shares nothing with the others but copy-on-write pages of the imported modules.
 
 The stub exits as its fork does and forwards its signals to it; the fork kills itself when its stub
-is gone (Hydra's cleanup kills the stubs); the server exits when the launcher does. The launcher
+is gone (Hydra's cleanup kills the stubs); the server exits when the launcher does.
+
+A *shared* server (:meth:`PreloadServer.shared`) serves job after job of one rank count: a harness that runs
+many short local jobs one after another (a sweep, a test suite) starts one per rank count it uses and exports
+them in ``STREAMRING_PRELOAD_SERVER`` (:meth:`PreloadServer.export_env`, entries joined by commas); every local
+job of that environment and rank count then forks its ranks from it instead of importing the modules again
+(the rank count is the server's: libraries fix defaults from it when they load, see ``MPI_LOCALNRANKS`` below). It serves one job at a time: a stub of another job while ranks of one are
+alive is refused (its rank starts as a plain interpreter), so the launcher's account of the files its job
+holds (the server's forks while it runs) is never another job's. Its modules were imported in its own
+environment: export it only to jobs that would import them the same way. The launcher
 counts the server's process tree as part of the job (its files are recorded and removed, its
 processes reaped). ``STREAMRING_PRELOAD=0`` turns it off: every rank is then a fresh interpreter.
 """
@@ -36,6 +45,7 @@ import threading
 import warnings
 from pathlib import Path
 
+from .jobstate import JOB_DIR_ENV
 from .preload_stub import PARENT_ENV, SOCKET_ENV
 
 #: ``STREAMRING_PRELOAD=0`` starts every rank as a fresh interpreter.
@@ -44,6 +54,10 @@ PRELOAD_ENV = "STREAMRING_PRELOAD"
 STUB = Path(__file__).with_name("preload_stub.py")
 #: Set in a preloaded rank (the launcher's summary and the tests read it).
 PRELOADED_ENV = "STREAMRING_PRELOADED"
+#: Shared servers, ``PID:RANKS:SOCKET`` each, comma-separated (:meth:`PreloadServer.export_env`): the local
+#: launcher forks a job's ranks from the one of its rank count.
+SHARED_ENV = "STREAMRING_PRELOAD_SERVER"
+
 _HIGH_FD = 1024  # where a fork parks its descriptors while it moves the stub's into place
 _PR_SET_PDEATHSIG = 1
 
@@ -75,6 +89,18 @@ class PreloadServer:
         finally:
             listener.close()
 
+    @classmethod
+    def shared(cls, directory: Path, modules: tuple[str, ...], env: dict, num_ranks: int) -> "PreloadServer":
+        """A server for job after job of ``num_ranks`` local ranks (module doc), listening in ``directory``;
+        ended by :meth:`stop` or with the process that started it."""
+        server = cls(directory, modules, env, num_ranks, [f"(shared, {num_ranks} ranks)"])
+        server.num_ranks = num_ranks
+        return server
+
+    def export_env(self) -> dict:
+        """What a job's environment holds to fork from this (shared) server."""
+        return {SHARED_ENV: f"{self.proc.pid}:{self.num_ranks}:{self.path}"}
+
     def rank_env(self) -> dict:
         """What the stubs need in their environment."""
         return {SOCKET_ENV: self.path}
@@ -90,6 +116,35 @@ class PreloadServer:
                 return
             except subprocess.TimeoutExpired:
                 continue
+
+
+class SharedServer:
+    """A job's handle on a shared server found in its environment (:data:`SHARED_ENV`): the server is not the
+    job's to stop; its forks are the job's ranks while the job runs (it serves one job at a time)."""
+
+    def __init__(self, pid: int, path: str):
+        self.pid, self.path = pid, path
+
+    @classmethod
+    def from_env(cls, env, num_ranks: int) -> "SharedServer | None":
+        """The running shared server of ``num_ranks`` ranks that ``env`` names; else None (the job starts a server
+        of its own)."""
+        for entry in filter(None, env.get(SHARED_ENV, "").split(",")):
+            pid, ranks, path = (entry.split(":", 2) + ["", ""])[:3]
+            if not (pid.isdigit() and ranks == str(num_ranks) and os.path.exists(path)):
+                continue
+            try:
+                os.kill(int(pid), 0)
+            except OSError:
+                continue
+            return cls(int(pid), path)
+        return None
+
+    def rank_env(self) -> dict:
+        return {SOCKET_ENV: self.path}
+
+    def stop(self) -> None:
+        """Nothing: the server serves the next job (the job's forks end with their stubs)."""
 
 
 def _send_all(conn: socket.socket, data: bytes) -> None:
@@ -215,6 +270,7 @@ def serve(listen_fd: int, modules: list[str]) -> None:
     if "mpi4py.MPI" in sys.modules:  # MPI must be initialised in each rank, after its fork
         raise RuntimeError("a preloaded module imported mpi4py.MPI; the ranks cannot share an MPI_Init")
     ranks: dict[int, socket.socket] = {}  # fork pid -> its stub's connection
+    job = None  # the job (its folder, JOB_DIR_ENV) the live forks belong to
     while os.getppid() == launcher:
         readable, _, _ = select.select([listener], [], [], 0.05)
         if readable:
@@ -225,6 +281,13 @@ def serve(listen_fd: int, modules: list[str]) -> None:
                 print(f"streamring preload: a bad request ({exc}); its stub starts the rank itself", file=sys.stderr)
                 conn.close()
                 continue
+            asker = request["env"].get(JOB_DIR_ENV)
+            if ranks and asker != job:  # one job at a time (module doc): the stub starts its rank itself
+                for fd in fds:
+                    os.close(fd)
+                conn.close()
+                continue
+            job = asker
             close = [listener.fileno(), *(c.fileno() for c in ranks.values())]
             with warnings.catch_warnings():
                 # (Python >= 3.12 warns on fork with threads running: ours are the BLAS pool's, idle,

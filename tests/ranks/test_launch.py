@@ -63,6 +63,50 @@ def test_preloaded_ranks_run_as_fresh_ones_do(cli):
         assert a["ref_max_abs_err"] == b["ref_max_abs_err"], (a, b)  # the same output against the same reference
 
 
+@pytest.mark.slow(reason="a fresh 2-rank job, two on the shared server, and two stress jobs at once, the first "
+                        "long enough that the second starts while it runs")
+def test_a_shared_preload_server_serves_job_after_job_one_at_a_time(cli, shared_preload, tmp_path):
+    """The suite's shared servers (tests/conftest.py: one per rank count, streamring.host.preload): a job of the
+    default environment forks its ranks from the one of its rank count and runs as a fresh job does; the
+    server outlives it and serves the next; a job started while another's ranks live gets plain ranks, and
+    both keep their bits and leave nothing behind (the suite's watcher checks the files)."""
+    import json
+    import os
+    import threading
+
+    from conftest import descendants, wait_until
+    from streamring.host.preload import SHARED_ENV
+
+    pid = next(int(e.split(":")[0]) for e in shared_preload[SHARED_ENV].split(",") if e.split(":")[1] == "2")
+    fresh = _run_rows(cli, "0")
+    for _ in range(2):
+        r = cli("run", "--ranks", 2, "--set", "layer.num_experts=8")
+        assert r.rc == 0, r
+        rows = r.json["ranks"]
+        assert [x["preloaded"] for x in rows] == [True, True], rows
+        assert [x["torch_threads"] for x in rows] == [x["torch_threads"] for x in fresh]
+        assert [x["ref_max_abs_err"] for x in rows] == [x["ref_max_abs_err"] for x in fresh]
+        os.kill(pid, 0)  # still serving
+    # two jobs at once: the second, started while the first's ranks run, gets plain ranks
+    results = {}
+
+    def stress(i, chunks):
+        out = tmp_path / f"concurrent-{i}.json"
+        r = cli("stress", "--ranks", 2, "--set", f"stress.chunks_per_rank={chunks}", "--json", out, json_out=False)
+        results[i] = (r, json.loads(out.read_text()) if out.exists() else None)
+
+    first = threading.Thread(target=stress, args=(0, 1500))
+    first.start()
+    assert wait_until(lambda: len(descendants(pid)) >= 2, 60.0), "the first job's ranks did not start"
+    stress(1, 50)
+    first.join()
+    (r0, j0), (r1, j1) = results[0], results[1]
+    assert r0.rc == 0 and r1.rc == 0 and j0["violations"] == j1["violations"] == 0, (r0, r1)
+    assert [x["preloaded"] for x in j0["ranks"]] == [True, True], j0["ranks"]
+    assert [x["preloaded"] for x in j1["ranks"]] == [False, False], j1["ranks"]
+    assert "starting this rank without it" in r1.err, r1
+
+
 # --------------------------------------------------------------------------------------
 # launch/: the device scripts (run on the GPU machine; here only read)
 # --------------------------------------------------------------------------------------
