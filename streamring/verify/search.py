@@ -54,10 +54,10 @@ import os
 import sys
 import time
 from array import array
-from collections import deque
 from dataclasses import dataclass, field
 
 from .ep import EPModel
+from .memo import ExpansionMemo
 from .report import NOT_CHECKED, CheckResult, finish, print_result
 from .state import PROP_DEADLOCK, PROP_SERIAL, ModelConfig, Trans, parse_inject
 from .steps import RingModel
@@ -268,43 +268,48 @@ class Explored:
 
 def explore(model: RingModel, cfg: ModelConfig, progress=None) -> Explored:
     """Breadth-first search from the initial state (stops at the first violation or deadlock unless
-    ``cfg.stop_at_first`` is False; violations are terminal)."""
+    ``cfg.stop_at_first`` is False; violations are terminal). The steps come from the model's
+    expansion memoised per process (:class:`streamring.verify.memo.ExpansionMemo`)."""
     t0 = time.perf_counter()
     init = model.initial()
     ids = {init: 0}
     g = Explored(states=[init], parent=array("l", [-1]))
     states, parent, esrc, edst = g.states, g.parent, g.esrc, g.edst
-    queue = deque([0])
+    expand = ExpansionMemo(model).expand
     is_final, known = model.is_final, ids.setdefault
     ntrans = 0
     por = cfg.por
-    while queue:
-        sid = queue.popleft()
+    sid = -1
+    # (ids are given in the order states are found, so the BFS queue is the ids in order)
+    while sid + 1 < len(states):
+        sid += 1
         st = states[sid]
-        procs = model.expand(st)
-        ts = stubborn(model, st, procs) if por else [t for p in procs for t in p[0]]
-        if not ts:
+        procs = expand(st)
+        steps = stubborn(model, st, procs) if por else [t for p in procs for t in p[0]]
+        if not steps:
             g.terminals.append(sid)
             if not is_final(st):
                 g.deadlocks.append(sid)
                 if cfg.stop_at_first:
                     break
             continue
-        for t in ts:
+        for t in steps:
             ntrans += 1
             if t.violation is not None:
                 if cfg.stop_at_first:
-                    g.violation = (sid, t)
+                    g.violation = (sid, t.trans(st))
                     break
-                g.violations.append((sid, t))
+                g.violations.append((sid, t.trans(st)))
                 continue
-            ns = t.state
+            ns = list(st)
+            for f, v in t.writes:  # (Step.apply, inlined on the hot path)
+                ns[f] = v
+            ns = tuple(ns)
             n = len(states)
             nid = known(ns, n)  # (one hash of the state: its id, or n for a new one)
             if nid == n:
                 states.append(ns)
                 parent.append(sid)
-                queue.append(nid)
             esrc.append(sid)
             edst.append(nid)
         if g.violation:

@@ -1,0 +1,135 @@
+"""The model's expansion, memoised per process on the fields it reads (its footprint).
+
+A process's entry of ``model.expand(st)`` (its enabled steps, what its next step reads and
+writes, its necessary enabling set) is a function of the fields of ``model.footprint(pid)``
+(:mod:`streamring.verify.footprints`), and at the default sizes the explored states hold only
+about 47,000 distinct footprint values over their 5.3 million (state, process) pairs. The memo
+computes each entry once per distinct value and keeps each step as :class:`Step`: the fields it
+writes and their new values, which hold for every state of that footprint value; a successor is
+the state with those fields replaced (:meth:`Step.apply`).
+
+Checked, not assumed: each entry is computed on a copy of the state whose fields outside the
+footprint are :class:`_Unread` placeholders. Any use of such a value (comparison, arithmetic,
+hashing, truth, indexing, formatting) raises :class:`FootprintError`, and so does a placeholder
+that ends up in a step's description, a successor's other field or the entry. So a footprint that
+leaves out a field the process uses fails on the first state where it matters instead of giving
+other successors; a placeholder still in a successor is a field the step did not write.
+"""
+
+from __future__ import annotations
+
+from operator import itemgetter
+
+from .state import Trans
+
+
+class FootprintError(RuntimeError):
+    """A process's expansion used a field outside its declared footprint (a model bug)."""
+
+
+class _Unread:
+    """A field outside the footprint of the process being expanded: every use of it raises."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int):
+        self.index = index
+
+    def __repr__(self) -> str:
+        return f"<field {self.index}: outside the footprint>"
+
+
+def _refuse(self, *args):
+    raise FootprintError(f"the expansion used field {self.index}, which is outside the process's footprint")
+
+
+for _name in ("eq ne lt le gt ge hash bool index int float format str len iter contains getitem "
+              "add radd sub rsub mul rmul floordiv rfloordiv truediv rtruediv mod rmod divmod rdivmod "
+              "pow rpow lshift rlshift rshift rrshift and rand or ror xor rxor neg pos abs invert "
+              "round trunc floor ceil").split():
+    setattr(_Unread, f"__{_name}__", _refuse)
+
+
+class Step:
+    """One enabled step of a process, for every state with the same footprint value: its
+    description, its violation (None: a successor), and the ``(field, value)`` pairs it writes."""
+
+    __slots__ = ("pid", "desc", "violation", "writes")
+
+    def __init__(self, pid: int, desc: tuple, violation, writes: tuple):
+        self.pid, self.desc, self.violation, self.writes = pid, desc, violation, writes
+
+    def apply(self, st: tuple) -> tuple:
+        """The successor of ``st`` (a step without a violation)."""
+        lst = list(st)
+        for field, value in self.writes:
+            lst[field] = value
+        return tuple(lst)
+
+    def trans(self, st: tuple) -> Trans:
+        """This step from ``st``, as :meth:`RingModel.expand <streamring.verify.steps.RingModel.expand>`
+        gives it."""
+        return Trans(self.pid, self.desc, None if self.violation is not None else self.apply(st), self.violation)
+
+
+def _getter(fields: tuple):
+    """``st -> tuple of st's fields``, for any number of fields."""
+    if len(fields) > 1:
+        return itemgetter(*fields)
+    if fields:
+        f, = fields
+        return lambda st: (st[f],)
+    return lambda st: ()
+
+
+def _check_clean(value, pid: int, what: str) -> None:
+    """Raise if ``value`` (nested tuples) holds a placeholder: a field outside ``pid``'s footprint."""
+    if isinstance(value, _Unread):
+        raise FootprintError(f"process {pid}: its {what} holds field {value.index}, outside its footprint")
+    if isinstance(value, tuple):
+        for v in value:
+            _check_clean(v, pid, what)
+
+
+class ExpansionMemo:
+    """``model.expand(st)`` with each process's entry memoised on its footprint's values; the
+    entries hold :class:`Step` objects where the model's hold :class:`~streamring.verify.state.Trans`."""
+
+    def __init__(self, model):
+        self.model = model
+        self._blank = tuple(_Unread(i) for i in range(len(model.initial())))
+        # per process: its footprint, the footprint's values of a state, its entries by those values
+        self._procs = [(pid, model.footprint(pid)) for pid in range(model.NP)]
+        self._keys = [(pid, _getter(fields), {}) for pid, fields in self._procs]
+
+    def expand(self, st: tuple) -> list:
+        """Per process ``(steps, accR, accW, accO, nes)``, as ``model.expand(st)`` with steps as
+        :class:`Step`."""
+        out = []
+        for pid, key_of, entries in self._keys:
+            key = key_of(st)
+            entry = entries.get(key)
+            if entry is None:
+                entry = entries[key] = self._compute(st, pid)
+            out.append(entry)
+        return out
+
+    def _compute(self, st: tuple, pid: int):
+        """Process ``pid``'s entry for the footprint value of ``st``, computed on ``st`` with every
+        other field a placeholder (module docstring)."""
+        fields = self._procs[pid][1]
+        masked = list(self._blank)
+        for f in fields:
+            masked[f] = st[f]
+        masked = tuple(masked)
+        trans, acc_r, acc_w, acc_o, nes = self.model.expand_process(masked, pid)
+        _check_clean((acc_r, acc_w, acc_o, nes), pid, "read and write sets or enabling set")
+        steps = []
+        for t in trans:
+            _check_clean(t.desc, pid, "step's description")
+            writes = ()
+            if t.violation is None:
+                writes = tuple((f, v) for f, v in enumerate(t.state) if v is not masked[f])
+                _check_clean(tuple(v for _, v in writes), pid, "successor")
+            steps.append(Step(t.pid, t.desc, t.violation, writes))
+        return (tuple(steps), acc_r, acc_w, acc_o, nes)

@@ -1,0 +1,62 @@
+"""The model checker's memoised expansion (streamring.verify.memo) against the model's own expansion."""
+
+import pytest
+
+from streamring.ring.policies import INJECT_MODES
+from streamring.verify.memo import ExpansionMemo, FootprintError, _Unread
+from streamring.verify.names import EP_INJECT_MODES
+from streamring.verify.search import make_model
+from streamring.verify.state import ModelConfig, parse_inject
+from streamring.verify.steps import RingModel
+
+CONFIGS = ([dict(inject=m) for m in ("none",) + INJECT_MODES]
+           + [dict(inject=m, source_order="ready", slots=1) for m in ("none", "skip-ack-wait")]
+           + [dict(layer="ep", chunks=2, epochs=2, slots=1, inject=m) for m in ("none",) + EP_INJECT_MODES]
+           + [dict(layer="ep", chunks=1, source_order="ready", inject="skip-ack-wait")])
+
+
+def _states(model, limit: int):
+    """Up to ``limit`` states reachable by the model's own expansion, breadth-first."""
+    seen, order = {model.initial()}, [model.initial()]
+    for st in order:
+        for t in model.successors(st):
+            if t.state is not None and t.state not in seen and len(order) < limit:
+                seen.add(t.state)
+                order.append(t.state)
+    return order
+
+
+@pytest.mark.parametrize("kw", CONFIGS, ids=lambda kw: "-".join(str(v) for v in kw.values()))
+def test_memo_gives_the_models_expansion(kw):
+    cfg = ModelConfig(**{**kw, "inject": parse_inject(kw["inject"])})
+    model = make_model(cfg)
+    memo = ExpansionMemo(model)
+    for st in _states(model, 3000):
+        for want, got in zip(model.expand(st), memo.expand(st), strict=True):
+            assert got[1:] == want[1:]
+            assert [(s.pid, s.desc, s.violation is None) for s in got[0]] == [
+                (t.pid, t.desc, t.violation is None) for t in want[0]]
+            for s, t in zip(got[0], want[0]):
+                if t.violation is None:
+                    assert s.apply(st) == t.state
+                else:
+                    assert s.trans(st).violation.message == t.violation.message
+
+
+def test_a_footprint_without_a_field_the_process_reads_fails_loudly():
+    class Forgetful(RingModel):
+        def footprint(self, pid):  # the consumers forget their generation words
+            fp = super().footprint(pid)
+            return tuple(f for f in fp if not self.RDY <= f < self.ACK) if pid % 6 == 2 else fp
+
+    model = Forgetful(ModelConfig())
+    with pytest.raises(FootprintError, match="outside"):
+        ExpansionMemo(model).expand(model.initial())
+
+
+@pytest.mark.parametrize("use", [lambda v: v + 1, lambda v: 1 + v, lambda v: v == 0, lambda v: v < 0,
+                                 lambda v: bool(v), lambda v: hash(v), lambda v: [0][v], lambda v: f"{v}",
+                                 lambda v: v & 1, lambda v: 1 >> v, lambda v: divmod(v, 2)])
+def test_a_placeholder_refuses_every_use(use):
+    with pytest.raises(FootprintError):
+        use(_Unread(3))
