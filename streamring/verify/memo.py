@@ -4,22 +4,22 @@ A process's entry of ``model.expand(st)`` (its enabled steps, what its next step
 writes, its necessary enabling set) is a function of the fields of ``model.footprint(pid)``
 (:mod:`streamring.verify.footprints`), and at the default sizes the explored states hold only
 about 47,000 distinct footprint values over their 5.3 million (state, process) pairs. The memo
-computes each entry once per distinct value and keeps each step as :class:`Step`: the fields it
-writes and their new values, which hold for every state of that footprint value; a successor is
-the state with those fields replaced (:meth:`Step.apply`).
+works on the search's encoded states (:mod:`streamring.verify.codec`): it computes each entry once
+per distinct footprint value (the state's bits under the footprint's mask) and keeps each step as
+:class:`Step`, the fields it writes and their new values, which hold for every state of that
+footprint value; a successor is the state with those fields replaced (:meth:`Step.apply`).
 
-Checked, not assumed: each entry is computed on a copy of the state whose fields outside the
-footprint are :class:`_Unread` placeholders. Any use of such a value (comparison, arithmetic,
-hashing, truth, indexing, formatting) raises :class:`FootprintError`, and so does a placeholder
-that ends up in a step's description, a successor's other field or the entry. So a footprint that
-leaves out a field the process uses fails on the first state where it matters instead of giving
-other successors; a placeholder still in a successor is a field the step did not write.
+Checked, not assumed: each entry is computed on a tuple whose fields outside the footprint are
+:class:`_Unread` placeholders. Any use of such a value (comparison, arithmetic, hashing, truth,
+indexing, formatting) raises :class:`FootprintError`, and so does a placeholder that ends up in a
+step's description, a successor's other field or the entry. So a footprint that leaves out a
+field the process uses fails on the first state where it matters instead of giving other
+successors; a placeholder still in a successor is a field the step did not write.
 """
 
 from __future__ import annotations
 
-from operator import itemgetter
-
+from .codec import StateCodec
 from .state import Trans
 
 
@@ -52,34 +52,22 @@ for _name in ("eq ne lt le gt ge hash bool index int float format str len iter c
 
 class Step:
     """One enabled step of a process, for every state with the same footprint value: its
-    description, its violation (None: a successor), and the ``(field, value)`` pairs it writes."""
+    description, its violation (None: a successor), and what it writes: the successor of an
+    encoded state ``x`` is ``(x & keep) | put``."""
 
-    __slots__ = ("pid", "desc", "violation", "writes")
+    __slots__ = ("pid", "desc", "violation", "keep", "put")
 
-    def __init__(self, pid: int, desc: tuple, violation, writes: tuple):
-        self.pid, self.desc, self.violation, self.writes = pid, desc, violation, writes
+    def __init__(self, pid: int, desc: tuple, violation, keep: int, put: int):
+        self.pid, self.desc, self.violation, self.keep, self.put = pid, desc, violation, keep, put
 
-    def apply(self, st: tuple) -> tuple:
-        """The successor of ``st`` (a step without a violation)."""
-        lst = list(st)
-        for field, value in self.writes:
-            lst[field] = value
-        return tuple(lst)
+    def apply(self, x: int) -> int:
+        """The successor of the encoded state ``x`` (a step without a violation)."""
+        return (x & self.keep) | self.put
 
-    def trans(self, st: tuple) -> Trans:
-        """This step from ``st``, as :meth:`RingModel.expand <streamring.verify.steps.RingModel.expand>`
+    def trans(self) -> Trans:
+        """A violating step as :meth:`RingModel.expand <streamring.verify.steps.RingModel.expand>`
         gives it."""
-        return Trans(self.pid, self.desc, None if self.violation is not None else self.apply(st), self.violation)
-
-
-def _getter(fields: tuple):
-    """``st -> tuple of st's fields``, for any number of fields."""
-    if len(fields) > 1:
-        return itemgetter(*fields)
-    if fields:
-        f, = fields
-        return lambda st: (st[f],)
-    return lambda st: ()
+        return Trans(self.pid, self.desc, None, self.violation)
 
 
 def _check_clean(value, pid: int, what: str) -> None:
@@ -92,44 +80,49 @@ def _check_clean(value, pid: int, what: str) -> None:
 
 
 class ExpansionMemo:
-    """``model.expand(st)`` with each process's entry memoised on its footprint's values; the
-    entries hold :class:`Step` objects where the model's hold :class:`~streamring.verify.state.Trans`."""
+    """``model.expand`` of encoded states (``codec``, a :class:`~streamring.verify.codec.StateCodec`),
+    each process's entry memoised on its footprint's values; the entries hold :class:`Step` objects
+    where the model's hold :class:`~streamring.verify.state.Trans`."""
 
     def __init__(self, model):
         self.model = model
-        self._blank = tuple(_Unread(i) for i in range(len(model.initial())))
-        # per process: its footprint, the footprint's values of a state, its entries by those values
-        self._procs = [(pid, model.footprint(pid)) for pid in range(model.NP)]
-        self._keys = [(pid, _getter(fields), {}) for pid, fields in self._procs]
+        blank = model.initial()
+        self.codec = StateCodec(len(blank))
+        self._blank = tuple(_Unread(i) for i in range(len(blank)))
+        self._footprints = [model.footprint(pid) for pid in range(model.NP)]
+        # per process: the bits of its footprint, its entries by those bits of a state
+        self._keys = [(pid, self.codec.mask(fields), {}) for pid, fields in enumerate(self._footprints)]
 
-    def expand(self, st: tuple) -> list:
-        """Per process ``(steps, accR, accW, accO, nes)``, as ``model.expand(st)`` with steps as
-        :class:`Step`."""
+    def expand(self, x: int) -> list:
+        """Per process ``(steps, accR, accW, accO, nes)`` of the encoded state ``x``, as
+        ``model.expand`` with steps as :class:`Step`."""
         out = []
-        for pid, key_of, entries in self._keys:
-            key = key_of(st)
+        for pid, mask, entries in self._keys:
+            key = x & mask
             entry = entries.get(key)
             if entry is None:
-                entry = entries[key] = self._compute(st, pid)
+                entry = entries[key] = self._compute(x, pid)
             out.append(entry)
         return out
 
-    def _compute(self, st: tuple, pid: int):
-        """Process ``pid``'s entry for the footprint value of ``st``, computed on ``st`` with every
-        other field a placeholder (module docstring)."""
-        fields = self._procs[pid][1]
+    def _compute(self, x: int, pid: int):
+        """Process ``pid``'s entry for the footprint value of ``x``, computed on a tuple of the
+        footprint's values and placeholders elsewhere (module docstring)."""
+        codec = self.codec
         masked = list(self._blank)
-        for f in fields:
-            masked[f] = st[f]
+        for f in self._footprints[pid]:
+            masked[f] = codec.value(x, f)
         masked = tuple(masked)
         trans, acc_r, acc_w, acc_o, nes = self.model.expand_process(masked, pid)
         _check_clean((acc_r, acc_w, acc_o, nes), pid, "read and write sets or enabling set")
         steps = []
         for t in trans:
             _check_clean(t.desc, pid, "step's description")
-            writes = ()
+            written, put = [], 0
             if t.violation is None:
-                writes = tuple((f, v) for f, v in enumerate(t.state) if v is not masked[f])
-                _check_clean(tuple(v for _, v in writes), pid, "successor")
-            steps.append(Step(t.pid, t.desc, t.violation, writes))
+                written = [f for f, v in enumerate(t.state) if v is not masked[f]]
+                _check_clean(tuple(t.state[f] for f in written), pid, "successor")
+                for f in written:
+                    put |= codec.code(f, t.state[f])
+            steps.append(Step(t.pid, t.desc, t.violation, ~codec.mask(written), put))
         return (tuple(steps), acc_r, acc_w, acc_o, nes)

@@ -57,6 +57,7 @@ from array import array
 from dataclasses import dataclass, field
 
 from .ep import EPModel
+from .codec import DecodedStates, StateCodec
 from .memo import ExpansionMemo
 from .report import NOT_CHECKED, CheckResult, finish, print_result
 from .state import PROP_DEADLOCK, PROP_SERIAL, ModelConfig, Trans, parse_inject
@@ -252,9 +253,11 @@ def run_serialised(model: RingModel) -> dict:
 
 @dataclass
 class Explored:
-    """What a breadth-first search explored: states by id, their BFS parents, every edge."""
+    """What a breadth-first search explored: states by id (encoded by ``codec``; :attr:`states`
+    reads them as the model's tuples), their BFS parents, every edge."""
 
-    states: list
+    codes: list
+    codec: StateCodec
     parent: array
     esrc: array = field(default_factory=lambda: array("l"))
     edst: array = field(default_factory=lambda: array("l"))
@@ -265,30 +268,36 @@ class Explored:
     violations: list = field(default_factory=list)  # every violating step (stop_at_first=False)
     bounded: bool = False  # stopped at cfg.max_states
 
+    @property
+    def states(self) -> DecodedStates:
+        return DecodedStates(self.codec, self.codes)
+
 
 def explore(model: RingModel, cfg: ModelConfig, progress=None) -> Explored:
     """Breadth-first search from the initial state (stops at the first violation or deadlock unless
-    ``cfg.stop_at_first`` is False; violations are terminal). The steps come from the model's
-    expansion memoised per process (:class:`streamring.verify.memo.ExpansionMemo`)."""
+    ``cfg.stop_at_first`` is False; violations are terminal). The states are encoded
+    (:mod:`streamring.verify.codec`) and their steps come from the model's expansion memoised per
+    process (:class:`streamring.verify.memo.ExpansionMemo`)."""
     t0 = time.perf_counter()
-    init = model.initial()
+    memo = ExpansionMemo(model)
+    codec, expand = memo.codec, memo.expand
+    init = codec.encode(model.initial())
     ids = {init: 0}
-    g = Explored(states=[init], parent=array("l", [-1]))
-    states, parent, esrc, edst = g.states, g.parent, g.esrc, g.edst
-    expand = ExpansionMemo(model).expand
+    g = Explored(codes=[init], codec=codec, parent=array("l", [-1]))
+    codes, parent, esrc, edst = g.codes, g.parent, g.esrc, g.edst
     is_final, known = model.is_final, ids.setdefault
     ntrans = 0
     por = cfg.por
     sid = -1
     # (ids are given in the order states are found, so the BFS queue is the ids in order)
-    while sid + 1 < len(states):
+    while sid + 1 < len(codes):
         sid += 1
-        st = states[sid]
-        procs = expand(st)
-        steps = stubborn(model, st, procs) if por else [t for p in procs for t in p[0]]
+        x = codes[sid]
+        procs = expand(x)
+        steps = stubborn(model, codec.decode(x), procs) if por else [t for p in procs for t in p[0]]
         if not steps:
             g.terminals.append(sid)
-            if not is_final(st):
+            if not is_final(codec.decode(x)):
                 g.deadlocks.append(sid)
                 if cfg.stop_at_first:
                     break
@@ -297,28 +306,25 @@ def explore(model: RingModel, cfg: ModelConfig, progress=None) -> Explored:
             ntrans += 1
             if t.violation is not None:
                 if cfg.stop_at_first:
-                    g.violation = (sid, t.trans(st))
+                    g.violation = (sid, t.trans())
                     break
-                g.violations.append((sid, t.trans(st)))
+                g.violations.append((sid, t.trans()))
                 continue
-            ns = list(st)
-            for f, v in t.writes:  # (Step.apply, inlined on the hot path)
-                ns[f] = v
-            ns = tuple(ns)
-            n = len(states)
+            ns = (x & t.keep) | t.put  # (Step.apply, inlined on the hot path)
+            n = len(codes)
             nid = known(ns, n)  # (one hash of the state: its id, or n for a new one)
             if nid == n:
-                states.append(ns)
+                codes.append(ns)
                 parent.append(sid)
             esrc.append(sid)
             edst.append(nid)
         if g.violation:
             break
-        if cfg.max_states is not None and len(states) >= cfg.max_states:
+        if cfg.max_states is not None and len(codes) >= cfg.max_states:
             g.bounded = True
             break
         if progress is not None and sid and sid % 50000 == 0:
-            progress(len(states), ntrans, time.perf_counter() - t0)
+            progress(len(codes), ntrans, time.perf_counter() - t0)
     g.transitions = ntrans
     if g.violation is None and g.violations:
         g.violation = g.violations[0]

@@ -31,16 +31,19 @@ def test_memo_gives_the_models_expansion(kw):
     cfg = ModelConfig(**{**kw, "inject": parse_inject(kw["inject"])})
     model = make_model(cfg)
     memo = ExpansionMemo(model)
+    codec = memo.codec
     for st in _states(model, 3000):
-        for want, got in zip(model.expand(st), memo.expand(st), strict=True):
+        x = codec.encode(st)
+        assert codec.decode(x) == st
+        for want, got in zip(model.expand(st), memo.expand(x), strict=True):
             assert got[1:] == want[1:]
             assert [(s.pid, s.desc, s.violation is None) for s in got[0]] == [
                 (t.pid, t.desc, t.violation is None) for t in want[0]]
             for s, t in zip(got[0], want[0]):
                 if t.violation is None:
-                    assert s.apply(st) == t.state
+                    assert codec.decode(s.apply(x)) == t.state
                 else:
-                    assert s.trans(st).violation.message == t.violation.message
+                    assert s.trans().violation.message == t.violation.message
 
 
 def test_a_footprint_without_a_field_the_process_reads_fails_loudly():
@@ -51,7 +54,8 @@ def test_a_footprint_without_a_field_the_process_reads_fails_loudly():
 
     model = Forgetful(ModelConfig())
     with pytest.raises(FootprintError, match="outside"):
-        ExpansionMemo(model).expand(model.initial())
+        memo = ExpansionMemo(model)
+        memo.expand(memo.codec.encode(model.initial()))
 
 
 @pytest.mark.parametrize("use", [lambda v: v + 1, lambda v: 1 + v, lambda v: v == 0, lambda v: v < 0,
