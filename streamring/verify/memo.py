@@ -19,6 +19,9 @@ successors; a placeholder still in a successor is a field the step did not write
 
 from __future__ import annotations
 
+from itertools import compress
+from operator import is_not, itemgetter
+
 from .codec import StateCodec
 from .state import Trans
 
@@ -70,13 +73,17 @@ class Step:
         return Trans(self.pid, self.desc, None, self.violation)
 
 
+def _holds_placeholder(value) -> bool:
+    """Does ``value`` (nested tuples) hold a placeholder?"""
+    if type(value) is tuple:
+        return any(map(_holds_placeholder, value))
+    return type(value) is _Unread
+
+
 def _check_clean(value, pid: int, what: str) -> None:
-    """Raise if ``value`` (nested tuples) holds a placeholder: a field outside ``pid``'s footprint."""
-    if isinstance(value, _Unread):
-        raise FootprintError(f"process {pid}: its {what} holds field {value.index}, outside its footprint")
-    if isinstance(value, tuple):
-        for v in value:
-            _check_clean(v, pid, what)
+    """Raise if ``value`` holds a placeholder: a field outside ``pid``'s footprint."""
+    if _holds_placeholder(value):
+        raise FootprintError(f"process {pid}: its {what} holds a field outside its footprint: {value!r}")
 
 
 class ExpansionMemo:
@@ -86,43 +93,46 @@ class ExpansionMemo:
 
     def __init__(self, model):
         self.model = model
-        blank = model.initial()
-        self.codec = StateCodec(len(blank))
-        self._blank = tuple(_Unread(i) for i in range(len(blank)))
-        self._footprints = [model.footprint(pid) for pid in range(model.NP)]
-        # per process: the bits of its footprint, its entries by those bits of a state
-        self._keys = [(pid, self.codec.mask(fields), {}) for pid, fields in enumerate(self._footprints)]
+        n = len(model.initial())
+        self.codec = StateCodec(n)
+        self._blank = tuple(_Unread(i) for i in range(n))
+        self._fields = range(n)
+        footprints = [model.footprint(pid) for pid in range(model.NP)]
+        # per process: its entries by the bits of its footprint in a state
+        self._entries = [{} for _ in footprints]
+        self._keys = [(self.codec.mask(fields), entries.get) for fields, entries in zip(footprints, self._entries)]
+        # per process: (a state's values + the placeholders) -> the state seen through its footprint
+        self._masked = [itemgetter(*(f if f in fields else n + f for f in range(n))) for fields in footprints]
 
     def expand(self, x: int) -> list:
         """Per process ``(steps, accR, accW, accO, nes)`` of the encoded state ``x``, as
         ``model.expand`` with steps as :class:`Step`."""
-        out = []
-        for pid, mask, entries in self._keys:
-            key = x & mask
-            entry = entries.get(key)
-            if entry is None:
-                entry = entries[key] = self._compute(x, pid)
-            out.append(entry)
+        out = [entry(x & mask) for mask, entry in self._keys]
+        if None in out:  # (an entry is a non-empty tuple)
+            for pid, got in enumerate(out):
+                if got is None:
+                    mask = self._keys[pid][0]
+                    out[pid] = self._entries[pid][x & mask] = self._compute(x, pid)
         return out
 
     def _compute(self, x: int, pid: int):
         """Process ``pid``'s entry for the footprint value of ``x``, computed on a tuple of the
         footprint's values and placeholders elsewhere (module docstring)."""
         codec = self.codec
-        masked = list(self._blank)
-        for f in self._footprints[pid]:
-            masked[f] = codec.value(x, f)
-        masked = tuple(masked)
+        masked = self._masked[pid](codec.decode(x) + self._blank)
         trans, acc_r, acc_w, acc_o, nes = self.model.expand_process(masked, pid)
         _check_clean((acc_r, acc_w, acc_o, nes), pid, "read and write sets or enabling set")
         steps = []
         for t in trans:
             _check_clean(t.desc, pid, "step's description")
-            written, put = [], 0
+            keep, put = -1, 0
             if t.violation is None:
-                written = [f for f, v in enumerate(t.state) if v is not masked[f]]
-                _check_clean(tuple(t.state[f] for f in written), pid, "successor")
+                new = t.state
+                # (a field the step did not write still holds the very object it was given)
+                written = list(compress(self._fields, map(is_not, new, masked)))
+                _check_clean(tuple(new[f] for f in written), pid, "successor")
+                keep = ~codec.mask(written)
                 for f in written:
-                    put |= codec.code(f, t.state[f])
-            steps.append(Step(t.pid, t.desc, t.violation, ~codec.mask(written), put))
+                    put |= codec.code(f, new[f])
+            steps.append(Step(t.pid, t.desc, t.violation, keep, put))
         return (tuple(steps), acc_r, acc_w, acc_o, nes)

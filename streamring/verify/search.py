@@ -55,6 +55,7 @@ import sys
 import time
 from array import array
 from dataclasses import dataclass, field
+from itertools import repeat
 
 from .ep import EPModel
 from .codec import DecodedStates, StateCodec
@@ -288,9 +289,9 @@ def explore(model: RingModel, cfg: ModelConfig, progress=None) -> Explored:
     is_final, known = model.is_final, ids.setdefault
     ntrans = 0
     por = cfg.por
-    sid = -1
+    sid, n = -1, 1  # the state being expanded; the number of states found
     # (ids are given in the order states are found, so the BFS queue is the ids in order)
-    while sid + 1 < len(codes):
+    while sid + 1 < n:
         sid += 1
         x = codes[sid]
         procs = expand(x)
@@ -302,29 +303,31 @@ def explore(model: RingModel, cfg: ModelConfig, progress=None) -> Explored:
                 if cfg.stop_at_first:
                     break
             continue
+        ntrans += len(steps)
+        edges = len(edst)
         for t in steps:
-            ntrans += 1
             if t.violation is not None:
                 if cfg.stop_at_first:
                     g.violation = (sid, t.trans())
+                    ntrans -= len(steps) - 1 - steps.index(t)  # (the steps after it are not taken)
                     break
                 g.violations.append((sid, t.trans()))
                 continue
             ns = (x & t.keep) | t.put  # (Step.apply, inlined on the hot path)
-            n = len(codes)
             nid = known(ns, n)  # (one hash of the state: its id, or n for a new one)
             if nid == n:
                 codes.append(ns)
                 parent.append(sid)
-            esrc.append(sid)
+                n += 1
             edst.append(nid)
+        esrc.extend(repeat(sid, len(edst) - edges))
         if g.violation:
             break
-        if cfg.max_states is not None and len(codes) >= cfg.max_states:
+        if cfg.max_states is not None and n >= cfg.max_states:
             g.bounded = True
             break
         if progress is not None and sid and sid % 50000 == 0:
-            progress(len(codes), ntrans, time.perf_counter() - t0)
+            progress(n, ntrans, time.perf_counter() - t0)
     g.transitions = ntrans
     if g.violation is None and g.violations:
         g.violation = g.violations[0]
