@@ -73,18 +73,16 @@ def make_model(cfg: ModelConfig) -> RingModel:
     return MODELS[cfg.layer](cfg)
 
 
-def stubborn(model: RingModel, st: tuple, procs) -> list[Trans]:
+def stubborn(model: RingModel, st: tuple, procs) -> list:
     """Enabled steps of a stubborn set of processes (module docstring): of the sets grown from each
     enabled process, one with the fewest enabled members (the first found, stopping at one)."""
     enabled = [p for p in range(model.NP) if procs[p][0]]
     if len(enabled) <= 1:
         return [t for p in enabled for t in procs[p][0]]
-    # what an outside process may touch once it crosses into a later epoch (the model's rule)
-    beyond = model._beyond_epoch(st)
-    futs = [None] * model.NP
+    look = _Lookahead(model, st, procs)
     best_n, best_T = model.NP + 1, 0
     for seed in enabled:
-        grown = _grow(model, st, procs, seed, beyond, futs, best_n)
+        grown = _grow(look, seed, best_n)
         if grown is not None:
             best_n, best_T = grown
             if best_n == 1:
@@ -92,39 +90,79 @@ def stubborn(model: RingModel, st: tuple, procs) -> list[Trans]:
     return [t for p in enabled if (best_T >> p) & 1 for t in procs[p][0]]
 
 
-def _grow(model: RingModel, st: tuple, procs, seed: int, beyond, futs: list, bound: int):
-    """The closure of ``{seed}`` under (D1) and (D2) (module docstring) in state ``st``.
+class _Lookahead:
+    """What the growth of stubborn sets asks about one state, each computed once across its seeds:
+    each process's look-ahead (``model._future``), what an outside process may touch in later
+    epochs (``beyond``, the model's ``_beyond_epoch``; None: nothing crosses), and per process
+    ``p`` the processes whose whole look-ahead within the epoch its next step conflicts with
+    (:meth:`reach`: a process outside it conflicts with ``p`` only through ``beyond``, since each
+    look-ahead entry holds every access before its cut, so the last one holds them all)."""
+
+    def __init__(self, model: RingModel, st: tuple, procs):
+        self.model, self.st, self.procs = model, st, procs
+        self.beyond = model._beyond_epoch(st)
+        self.futs = [None] * model.NP
+        self._reach = [None] * model.NP
+
+    def future(self, q: int) -> tuple:
+        """``model._future`` of process ``q`` in this state."""
+        fu = self.futs[q]
+        if fu is None:
+            fu = self.futs[q] = self.model._future(self.st, q)
+        return fu
+
+    def reach(self, p: int) -> int:
+        """The pid mask of the processes ``q`` whose last look-ahead entry conflicts with ``p``'s
+        next step."""
+        got = self._reach[p]
+        if got is None:
+            _, aR, aW, aO, _ = self.procs[p]
+            aRO, got = aR | aO, 0
+            for q in range(len(self.futs)):
+                _, fR, fW, fO = self.future(q)[-1]
+                if (aW & (fR | fW | fO)) or (fW & aRO) or (aR & fO) or (aO & fR):
+                    got |= 1 << q
+            self._reach[p] = got
+        return got
+
+
+def _grow(look: _Lookahead, seed: int, bound: int):
+    """The closure of ``{seed}`` under (D1) and (D2) (module docstring) in the state of ``look``.
 
     Returns ``(enabled members, pid mask)``, or None as soon as the set holds ``bound`` enabled
-    processes (a set that small is known already). ``futs`` caches each process's look-ahead in
-    ``st`` across seeds; ``beyond`` is the model's :meth:`_beyond_epoch` of ``st``."""
-    NP = model.NP
+    processes (a set that small is known already). The processes outside the set are checked in
+    pid order, each against the set as it stands (a larger set cuts its look-ahead earlier)."""
+    procs, futs, beyond = look.procs, look.futs, look.beyond
+    every = (1 << len(procs)) - 1
     T = 1 << seed
     work = [seed]
     n_en = 1
     while work:
         p = work.pop()
         trans, aR, aW, aO, nes = procs[p]
-        if trans:
-            for q in range(NP):
-                if (T >> q) & 1:
-                    continue
+        if trans and (aR | aW | aO):  # (a step that accesses nothing conflicts with nothing)
+            aRO = aR | aO
+            scan = (every if beyond is not None else look.reach(p)) & ~T
+            while scan:
+                low = scan & -scan
+                scan ^= low
+                q = low.bit_length() - 1
                 fu = futs[q]
                 if fu is None:
-                    fu = futs[q] = model._future(st, q)
-                fR = fW = fO = 0
+                    fu = look.future(q)
                 for bl, fR, fW, fO in fu:
                     if bl & T:
                         break
                 else:
-                    later = beyond(q, T)
-                    fR, fW, fO = fR | later, fW | later, fO | later
-                if (aW & (fR | fW | fO)) or (fW & (aR | aO)) or (aR & fO) or (aO & fR):
-                    T |= 1 << q
+                    later = beyond(q, T) if beyond is not None else 0
+                    if later:
+                        fR, fW, fO = fR | later, fW | later, fO | later
+                if (aW & (fR | fW | fO)) or (fW & aRO) or (aR & fO) or (aO & fR):
+                    T |= low
                     work.append(q)
                     if procs[q][0]:
                         n_en += 1
-        elif nes:
+        elif not trans and nes:
             # ("all", g1, g2, ...): one process of EVERY group (a ready-order consumer
             # waits for any of several sources); else one process of nes
             groups = nes[1:] if nes[0] == "all" else (nes,)
@@ -182,7 +220,7 @@ def _replay(model: RingModel, moves: list, st: tuple | None = None):
     """
     st, steps = (model.initial() if st is None else st), []
     for i, (pid, choice) in enumerate(moves):
-        t = next((t for t in model.expand(st)[pid][0] if _choice(t) == choice), None)
+        t = next((t for t in model.expand_process(st, pid)[0] if _choice(t) == choice), None)
         if t is None:
             return None
         steps.append(t)
@@ -229,7 +267,7 @@ def run_serialised(model: RingModel) -> dict:
 
     def step(pid) -> str | None:
         nonlocal st
-        for t in model.expand(st)[pid][0]:
+        for t in model.expand_process(st, pid)[0]:
             trace.append(model.label(t))
             if t.violation is not None:
                 return f"{', '.join(t.violation.properties)}: {t.violation.message}"

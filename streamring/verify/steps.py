@@ -453,7 +453,8 @@ class RingModel(RingState):
 
     def _beyond_epoch(self, st: tuple):
         """What an outside process may touch in later epochs, as ``f(q, T) -> variable mask`` (``T``:
-        the stubborn set, a pid mask): :func:`streamring.verify.lookahead.beyond_epoch`."""
+        the stubborn set, a pid mask), or None when no process can cross into a later epoch in
+        ``st``: :func:`streamring.verify.lookahead.beyond_epoch`."""
         return lookahead.beyond_epoch(self, st)
 
     # -- labels ----------------------------------------------------------------------------
