@@ -1,10 +1,10 @@
 """The search's form of a state: the model's flat tuple packed into one int.
 
 Field ``i`` of the tuple becomes its value's *code* (the value's index in that field's table, in
-the order the values were first seen) in bits ``[16 i, 16 i + 16)``. Equal tuples give equal ints
-and different tuples different ints, so the visited set keeps its meaning; an int of a few hundred
-bits hashes and compares several times faster than a tuple of tens of ints and takes a third of
-its memory. What a process reads is then a mask (:meth:`StateCodec.mask`), and a step that writes
+the order the values were first seen) in bits ``[b i, b i + b)``, ``b`` 8 or 16 bits a field.
+Equal tuples give equal ints and different tuples different ints, so the visited set keeps its
+meaning; an int of a few hundred bits hashes and compares several times faster than a tuple of
+tens of ints and takes a fraction of its memory. What a process reads is then a mask (:meth:`StateCodec.mask`), and a step that writes
 a few fields is ``(x & keep) | put`` (:class:`streamring.verify.memo.Step`).
 
 The models, their look-ahead and the results keep the tuple (:meth:`StateCodec.decode`,
@@ -16,16 +16,21 @@ from __future__ import annotations
 import sys
 from array import array
 
-BITS = 16  # per field: up to 65,536 distinct values of one field
-CODE_MASK = (1 << BITS) - 1
+class FieldOverflow(ValueError):
+    """A field of the state took more distinct values than its code has room for."""
 
 
 class StateCodec:
     """Tuples of ``nfields`` values to ints and back (module docstring); the tables grow as new
-    values are seen."""
+    values are seen. ``bits`` per field: 8 (up to 256 distinct values of each field; smaller ints,
+    faster) or 16 (65,536)."""
 
-    def __init__(self, nfields: int):
-        self.nfields = nfields
+    TYPECODES = {8: "B", 16: "H"}  # an unsigned array item of each width
+
+    def __init__(self, nfields: int, bits: int = 8):
+        self.nfields, self.bits = nfields, bits
+        self.code_mask = (1 << bits) - 1
+        self._typecode = self.TYPECODES[bits]
         self._codes = [{} for _ in range(nfields)]  # per field: value -> code
         self._values = [[] for _ in range(nfields)]  # per field: code -> value
 
@@ -35,11 +40,11 @@ class StateCodec:
         c = codes.get(value)
         if c is None:
             c = len(codes)
-            if c > CODE_MASK:
-                raise ValueError(f"field {field} of the state takes more than {CODE_MASK + 1} distinct values")
+            if c > self.code_mask:
+                raise FieldOverflow(f"field {field} of the state takes more than {c} distinct values")
             codes[value] = c
             self._values[field].append(value)
-        return c << (BITS * field)
+        return c << (self.bits * field)
 
     def encode(self, st: tuple) -> int:
         x = 0
@@ -47,19 +52,15 @@ class StateCodec:
             x |= self.code(field, value)
         return x
 
-    def value(self, x: int, field: int):
-        return self._values[field][(x >> (BITS * field)) & CODE_MASK]
-
     def decode(self, x: int) -> tuple:
-        codes = array("H", x.to_bytes(2 * self.nfields, sys.byteorder))  # (BITS is 16: one "H" per field)
+        codes = array(self._typecode, x.to_bytes(self.bits // 8 * self.nfields, sys.byteorder))
         return tuple(map(list.__getitem__, self._values, codes))
 
-    @staticmethod
-    def mask(fields) -> int:
+    def mask(self, fields) -> int:
         """The bits of ``fields``."""
         m = 0
         for f in fields:
-            m |= CODE_MASK << (BITS * f)
+            m |= self.code_mask << (self.bits * f)
         return m
 
 

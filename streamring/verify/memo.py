@@ -12,9 +12,10 @@ footprint value; a successor is the state with those fields replaced (:meth:`Ste
 Checked, not assumed: each entry is computed on a tuple whose fields outside the footprint are
 :class:`_Unread` placeholders. Any use of such a value (comparison, arithmetic, hashing, truth,
 indexing, formatting) raises :class:`FootprintError`, and so does a placeholder that ends up in a
-step's description, a successor's other field or the entry. So a footprint that leaves out a
-field the process uses fails on the first state where it matters instead of giving other
-successors; a placeholder still in a successor is a field the step did not write.
+step's description, a successor's other field or the entry (the memo hashes each of them). So a
+footprint that leaves out a field the process uses fails on the first state where it matters
+instead of giving other successors; a placeholder still in a successor is a field the step did not
+write.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ class _Unread:
 
 
 def _refuse(self, *args):
-    raise FootprintError(f"the expansion used field {self.index}, which is outside the process's footprint")
+    raise FootprintError(f"the expansion used field {self.index} (read it, or copied it into a step, which "
+                         f"hashing the step finds), and the field is outside the process's footprint")
 
 
 for _name in ("eq ne lt le gt ge hash bool index int float format str len iter contains getitem "
@@ -73,28 +75,15 @@ class Step:
         return Trans(self.pid, self.desc, None, self.violation)
 
 
-def _holds_placeholder(value) -> bool:
-    """Does ``value`` (nested tuples) hold a placeholder?"""
-    if type(value) is tuple:
-        return any(map(_holds_placeholder, value))
-    return type(value) is _Unread
-
-
-def _check_clean(value, pid: int, what: str) -> None:
-    """Raise if ``value`` holds a placeholder: a field outside ``pid``'s footprint."""
-    if _holds_placeholder(value):
-        raise FootprintError(f"process {pid}: its {what} holds a field outside its footprint: {value!r}")
-
-
 class ExpansionMemo:
-    """``model.expand`` of encoded states (``codec``, a :class:`~streamring.verify.codec.StateCodec`),
-    each process's entry memoised on its footprint's values; the entries hold :class:`Step` objects
-    where the model's hold :class:`~streamring.verify.state.Trans`."""
+    """``model.expand`` of encoded states (``codec``, a :class:`~streamring.verify.codec.StateCodec`
+    of ``bits`` a field), each process's entry memoised on its footprint's values; the entries hold
+    :class:`Step` objects where the model's hold :class:`~streamring.verify.state.Trans`."""
 
-    def __init__(self, model):
+    def __init__(self, model, bits: int = 8):
         self.model = model
         n = len(model.initial())
-        self.codec = StateCodec(n)
+        self.codec = StateCodec(n, bits)
         self._blank = tuple(_Unread(i) for i in range(n))
         self._fields = range(n)
         footprints = [model.footprint(pid) for pid in range(model.NP)]
@@ -120,17 +109,18 @@ class ExpansionMemo:
         footprint's values and placeholders elsewhere (module docstring)."""
         codec = self.codec
         masked = self._masked[pid](codec.decode(x) + self._blank)
-        trans, acc_r, acc_w, acc_o, nes = self.model.expand_process(masked, pid)
-        _check_clean((acc_r, acc_w, acc_o, nes), pid, "read and write sets or enabling set")
+        entry = self.model.expand_process(masked, pid)
+        trans, acc_r, acc_w, acc_o, nes = entry
+        hash(entry[1:])  # (a placeholder in the entry refuses its hash: FootprintError)
         steps = []
         for t in trans:
-            _check_clean(t.desc, pid, "step's description")
+            hash(t.desc)
             keep, put = -1, 0
             if t.violation is None:
                 new = t.state
-                # (a field the step did not write still holds the very object it was given)
+                # (a field the step did not write still holds the very object it was given; a
+                # placeholder copied into another field refuses the hash of its code)
                 written = list(compress(self._fields, map(is_not, new, masked)))
-                _check_clean(tuple(new[f] for f in written), pid, "successor")
                 keep = ~codec.mask(written)
                 for f in written:
                     put |= codec.code(f, new[f])

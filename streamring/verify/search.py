@@ -58,7 +58,7 @@ from dataclasses import dataclass, field
 from itertools import repeat
 
 from .ep import EPModel
-from .codec import DecodedStates, StateCodec
+from .codec import DecodedStates, FieldOverflow, StateCodec
 from .memo import ExpansionMemo
 from .report import NOT_CHECKED, CheckResult, finish, print_result
 from .state import PROP_DEADLOCK, PROP_SERIAL, ModelConfig, Trans, parse_inject
@@ -316,9 +316,17 @@ def explore(model: RingModel, cfg: ModelConfig, progress=None) -> Explored:
     """Breadth-first search from the initial state (stops at the first violation or deadlock unless
     ``cfg.stop_at_first`` is False; violations are terminal). The states are encoded
     (:mod:`streamring.verify.codec`) and their steps come from the model's expansion memoised per
-    process (:class:`streamring.verify.memo.ExpansionMemo`)."""
+    process (:class:`streamring.verify.memo.ExpansionMemo`): 8 bits a field, or, once a field takes
+    more than 256 values, the search starts over with 16."""
+    try:
+        return _explore(model, cfg, progress, ExpansionMemo(model, bits=8))
+    except FieldOverflow:
+        return _explore(model, cfg, progress, ExpansionMemo(model, bits=16))
+
+
+def _explore(model: RingModel, cfg: ModelConfig, progress, memo: ExpansionMemo) -> Explored:
+    """:func:`explore` with the states encoded by ``memo.codec``."""
     t0 = time.perf_counter()
-    memo = ExpansionMemo(model)
     codec, expand = memo.codec, memo.expand
     init = codec.encode(model.initial())
     ids = {init: 0}
@@ -389,7 +397,8 @@ def check(cfg: ModelConfig, progress=None) -> CheckResult:
     states, violations = g.states, g.violations
     res.states, res.transitions, res.terminal_states = len(states), g.transitions, len(g.terminals)
     res.violations_found = len(violations) if violations else (1 if g.violation else 0)
-    res._violation_set = {(states[s], t.desc) for s, t in violations}  # for cross-checks
+    sources = {s: states[s] for s in {s for s, _ in violations}}  # (decoded once per state)
+    res._violation_set = {(sources[s], t.desc) for s, t in violations}  # for cross-checks
     stopped = cfg.stop_at_first and (g.violation is not None or g.deadlocks)
     res.exhaustive = not g.bounded and not stopped
     props = {p: NOT_CHECKED for p in model.properties}

@@ -3,6 +3,8 @@
 import pytest
 
 from streamring.ring.policies import INJECT_MODES
+from streamring.verify import search
+from streamring.verify.codec import FieldOverflow, StateCodec
 from streamring.verify.memo import ExpansionMemo, FootprintError, _Unread
 from streamring.verify.names import EP_INJECT_MODES
 from streamring.verify.search import make_model
@@ -64,3 +66,46 @@ def test_a_footprint_without_a_field_the_process_reads_fails_loudly():
 def test_a_placeholder_refuses_every_use(use):
     with pytest.raises(FootprintError):
         use(_Unread(3))
+
+
+def test_a_field_copied_into_a_step_without_being_read_fails_loudly():
+    class Copier(RingModel):
+        def _expand_drain(self, st, r, k):  # a description that carries a field outside the footprint
+            trans, *rest = super()._expand_drain(st, r, k)
+            return (tuple(type(t)(t.pid, t.desc + (st[self.ACK],), t.state, t.violation) for t in trans), *rest)
+
+    model = Copier(ModelConfig())
+    memo = ExpansionMemo(model)
+    x = memo.codec.encode(model.initial())
+    with pytest.raises(FootprintError, match="outside"):
+        for _ in range(20):  # until a producer's store is pending and its drain can move
+            x = [s for entry in memo.expand(x) for s in entry[0]][0].apply(x)
+
+
+def test_codec_round_trip_and_overflow():
+    narrow, wide = StateCodec(3, bits=8), StateCodec(3, bits=16)
+    for v in range(256):
+        for codec in (narrow, wide):
+            assert codec.decode(codec.encode((v, -v, 1 << 40))) == (v, -v, 1 << 40)
+    with pytest.raises(FieldOverflow, match="field 0"):
+        narrow.encode((256, 0, 1 << 40))
+    assert wide.decode(wide.encode((256, 0, 1 << 40))) == (256, 0, 1 << 40)
+
+
+def test_the_search_starts_over_with_wider_fields_when_a_field_overflows(monkeypatch):
+    cfg = ModelConfig(chunks=1, epochs=1)
+    want = search.explore(make_model(cfg), cfg)
+    widths = []
+
+    class Overflowing(ExpansionMemo):  # its 8-bit codes hold only 2 values a field
+        def __init__(self, model, bits=8):
+            super().__init__(model, bits)
+            widths.append(bits)
+            if bits == 8:
+                self.codec.code_mask = 1
+
+    monkeypatch.setattr(search, "ExpansionMemo", Overflowing)
+    got = search.explore(make_model(cfg), cfg)
+    assert widths == [8, 16]
+    assert (len(got.codes), got.transitions) == (len(want.codes), want.transitions)
+    assert list(got.states) == list(want.states)
