@@ -98,17 +98,19 @@ class ExpansionMemo:
         ``model.expand`` with steps as :class:`Step`."""
         out = [entry(x & mask) for mask, entry in self._keys]
         if None in out:  # (an entry is a non-empty tuple)
+            seen = self.codec.decode(x) + self._blank
             for pid, got in enumerate(out):
                 if got is None:
                     mask = self._keys[pid][0]
-                    out[pid] = self._entries[pid][x & mask] = self._compute(x, pid)
+                    out[pid] = self._entries[pid][x & mask] = self._compute(seen, pid)
         return out
 
-    def _compute(self, x: int, pid: int):
-        """Process ``pid``'s entry for the footprint value of ``x``, computed on a tuple of the
-        footprint's values and placeholders elsewhere (module docstring)."""
+    def _compute(self, seen: tuple, pid: int):
+        """Process ``pid``'s entry for the footprint value of a state, computed on a tuple of the
+        footprint's values and placeholders elsewhere (module docstring); ``seen``: the state's
+        values followed by the placeholders."""
         codec = self.codec
-        masked = self._masked[pid](codec.decode(x) + self._blank)
+        masked = self._masked[pid](seen)
         entry = self.model.expand_process(masked, pid)
         trans, acc_r, acc_w, acc_o, nes = entry
         hash(entry[1:])  # (a placeholder in the entry refuses its hash: FootprintError)

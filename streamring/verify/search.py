@@ -57,8 +57,8 @@ from array import array
 from dataclasses import dataclass, field
 from itertools import repeat
 
-from .ep import EPModel
 from .codec import DecodedStates, FieldOverflow, StateCodec
+from .ep import EPModel
 from .memo import ExpansionMemo
 from .report import NOT_CHECKED, CheckResult, finish, print_result
 from .state import PROP_DEADLOCK, PROP_SERIAL, ModelConfig, Trans, parse_inject
@@ -92,16 +92,19 @@ def stubborn(model: RingModel, st: tuple, procs) -> list:
 
 class _Lookahead:
     """What the growth of stubborn sets asks about one state, each computed once across its seeds:
-    each process's look-ahead (``model._future``), what an outside process may touch in later
-    epochs (``beyond``, the model's ``_beyond_epoch``; None: nothing crosses), and per process
-    ``p`` the processes whose whole look-ahead within the epoch its next step conflicts with
-    (:meth:`reach`: a process outside it conflicts with ``p`` only through ``beyond``, since each
-    look-ahead entry holds every access before its cut, so the last one holds them all)."""
+    each process's look-ahead (``model._future``) and the union of its cuts' blockers, what an
+    outside process may touch in later epochs (``beyond``, the model's ``_beyond_epoch``; None:
+    nothing crosses), and per process ``p`` the processes whose whole look-ahead within the epoch
+    its next step conflicts with (:meth:`reach`). Each look-ahead entry holds every access before
+    its cut, so the last one holds them all: a process outside the reach of ``p`` conflicts with it
+    only through what it may touch in a later epoch, which it reaches only past every cut."""
 
     def __init__(self, model: RingModel, st: tuple, procs):
         self.model, self.st, self.procs = model, st, procs
         self.beyond = model._beyond_epoch(st)
         self.futs = [None] * model.NP
+        self.blockers = [0] * model.NP  # per process: the union of its cuts' blockers
+        self._lasts = None  # per process: its last look-ahead entry
         self._reach = [None] * model.NP
 
     def future(self, q: int) -> tuple:
@@ -109,19 +112,23 @@ class _Lookahead:
         fu = self.futs[q]
         if fu is None:
             fu = self.futs[q] = self.model._future(self.st, q)
+            for bl, _, _, _ in fu:
+                self.blockers[q] |= bl
         return fu
 
     def reach(self, p: int) -> int:
         """The pid mask of the processes ``q`` whose last look-ahead entry conflicts with ``p``'s
-        next step."""
+        next step (every process's look-ahead is known from then on)."""
         got = self._reach[p]
         if got is None:
+            if self._lasts is None:
+                self._lasts = [self.future(q)[-1] for q in range(len(self.futs))]
             _, aR, aW, aO, _ = self.procs[p]
-            aRO, got = aR | aO, 0
-            for q in range(len(self.futs)):
-                _, fR, fW, fO = self.future(q)[-1]
+            aRO, got, bit = aR | aO, 0, 1
+            for _, fR, fW, fO in self._lasts:
                 if (aW & (fR | fW | fO)) or (fW & aRO) or (aR & fO) or (aO & fR):
-                    got |= 1 << q
+                    got |= bit
+                bit <<= 1
             self._reach[p] = got
         return got
 
@@ -132,7 +139,7 @@ def _grow(look: _Lookahead, seed: int, bound: int):
     Returns ``(enabled members, pid mask)``, or None as soon as the set holds ``bound`` enabled
     processes (a set that small is known already). The processes outside the set are checked in
     pid order, each against the set as it stands (a larger set cuts its look-ahead earlier)."""
-    procs, futs, beyond = look.procs, look.futs, look.beyond
+    procs, futs, blockers, beyond = look.procs, look.futs, look.blockers, look.beyond
     every = (1 << len(procs)) - 1
     T = 1 << seed
     work = [seed]
@@ -141,44 +148,54 @@ def _grow(look: _Lookahead, seed: int, bound: int):
         p = work.pop()
         trans, aR, aW, aO, nes = procs[p]
         if trans and (aR | aW | aO):  # (a step that accesses nothing conflicts with nothing)
-            aRO = aR | aO
-            scan = (every if beyond is not None else look.reach(p)) & ~T
+            aRO, reach = aR | aO, look.reach(p)
+            scan = (every if beyond is not None else reach) & ~T
             while scan:
                 low = scan & -scan
                 scan ^= low
                 q = low.bit_length() - 1
                 fu = futs[q]
-                if fu is None:
-                    fu = look.future(q)
-                for bl, fR, fW, fO in fu:
-                    if bl & T:
-                        break
+                if not low & reach:  # only what q may touch once past every cut, in a later epoch
+                    later = 0 if blockers[q] & T else beyond(q, T)
+                    if not later:
+                        continue
+                    _, fR, fW, fO = fu[-1]
+                    fR, fW, fO = fR | later, fW | later, fO | later
                 else:
-                    later = beyond(q, T) if beyond is not None else 0
-                    if later:
-                        fR, fW, fO = fR | later, fW | later, fO | later
+                    for bl, fR, fW, fO in fu:
+                        if bl & T:
+                            break
+                    else:
+                        later = beyond(q, T) if beyond is not None else 0
+                        if later:
+                            fR, fW, fO = fR | later, fW | later, fO | later
                 if (aW & (fR | fW | fO)) or (fW & aRO) or (aR & fO) or (aO & fR):
                     T |= low
                     work.append(q)
                     if procs[q][0]:
                         n_en += 1
         elif not trans and nes:
-            # ("all", g1, g2, ...): one process of EVERY group (a ready-order consumer
-            # waits for any of several sources); else one process of nes
-            groups = nes[1:] if nes[0] == "all" else (nes,)
-            for grp in groups:
-                for q in grp:  # prefer an enabling process already in the set
-                    if (T >> q) & 1:
-                        break
-                else:
-                    q = grp[0]
-                    T |= 1 << q
-                    work.append(q)
-                    if procs[q][0]:
-                        n_en += 1
+            T, added = _add_enablers(procs, nes, T, work)
+            n_en += added
         if n_en >= bound:
             return None
     return n_en, T
+
+
+def _add_enablers(procs, nes: tuple, T: int, work: list) -> tuple[int, int]:
+    """(D2) for a disabled process with necessary enabling set ``nes``: ``("all", g1, g2, ...)``,
+    one process of EVERY group (a ready-order consumer waits for any of several sources); else one
+    process of ``nes``; each time one already in the set ``T`` if any, else the group's first.
+    Returns the grown set and how many enabled processes joined it (they are pushed on ``work``)."""
+    added = 0
+    for grp in (nes[1:] if nes[0] == "all" else (nes,)):
+        if not any((T >> q) & 1 for q in grp):
+            q = grp[0]
+            T |= 1 << q
+            work.append(q)
+            if procs[q][0]:
+                added += 1
+    return T, added
 
 
 def _path(model: RingModel, states: list, parent: array, sid: int) -> list[Trans]:
