@@ -8,6 +8,8 @@
   :class:`~streamring.verify.steps.RingModel`), ``verify.ep`` (the expert-parallel layer's steps:
   :class:`~streamring.verify.ep.EPModel`, a subclass), ``verify.lookahead`` and
   ``verify.ep_lookahead`` (what each process may access until it must wait, for the reduction),
+  ``verify.footprints`` and ``verify.memo`` (the fields each process's steps depend on, and the
+  expansion memoised on them, which the search uses),
   ``verify.search`` (breadth-first search, the partial-order reduction, counter-examples, the
   serialised schedule, the CLI entry point) and ``verify.report`` (the result and how it is printed).
 * ``verify.queue``: ``streamring model-check --layer queue``, the persistent consumer's work queue.

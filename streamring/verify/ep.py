@@ -62,7 +62,7 @@ it crosses into its next epoch on its own) is :mod:`streamring.verify.ep_lookahe
 from __future__ import annotations
 
 from ..ring.layout import GenState
-from . import ep_lookahead
+from . import ep_lookahead, footprints
 from .names import EPInject
 from .state import (EP_PROPERTIES, PROP_COMBINE_OVERWRITE, PROP_COMBINE_READ, PROP_COUNTER, PROP_DEADLOCK,
                     PROP_SERIAL, Trans, Violation, _cv, _cval)
@@ -279,25 +279,32 @@ class EPModel(RingModel):
         return f"rank {r}'s combine[token {c}][k={k}]"
 
     # -- transitions -----------------------------------------------------------------------
-    def _expand_ended(self, r: int, e: int, procs: list) -> None:
-        super()._expand_ended(r, e, procs)
-        procs[self.CP[r]] = procs[self.CDP[r]] = procs[self.RP[r]] = ((), 0, 0, 0, ())
+    def _ended_entry(self, pid: int, e: int):
+        if pid > self.BEGIN:  # the layer's processes: a rank begins its next epoch at its end of epoch
+            return ((), 0, 0, 0, ())
+        return super()._ended_entry(pid, e)
 
-    def _expand_layer(self, st: tuple, r: int, e: int, nxt: tuple, procs: list) -> None:
+    def footprint(self, pid: int) -> tuple[int, ...]:
+        return footprints.ep_footprint(self, pid)
+
+    def _expand_role(self, st: tuple, pid: int, r: int, e: int, nxt: tuple):
         """The layer's processes of rank ``r`` (epoch ``e``): compute, combine drain, reduce."""
-        self._expand_compute(st, r, e, nxt, procs)
-        self._expand_combine_drain(st, r, e, procs)
-        self._expand_reduce(st, r, e, nxt, procs)
+        if pid < self.BEGIN:
+            return super()._expand_role(st, pid, r, e, nxt)
+        if pid == self.CP[r]:
+            return self._expand_compute(st, r, e, nxt)
+        if pid == self.CDP[r]:
+            return self._expand_combine_drain(st, r, e)
+        return self._expand_reduce(st, r, e, nxt)
 
-    def _expand_compute(self, st: tuple, r: int, e: int, nxt: tuple, procs: list) -> None:
+    def _expand_compute(self, st: tuple, r: int, e: int, nxt: tuple):
         """The compute of consumer ``r`` (its GEMM stream): one combine entry (owner, token, k) at a
         time, in any order among the rows it has copied (blocks fill across chunks, complete in any
         order): write the result (pending), then release and add 1 to the owner's ``arrived[c]``."""
         cur = st[self.CCUR + r]
         if cur >= 0:
-            procs[self.CP[r]] = self._compute_finish(st, r, e, cur)
-        else:
-            procs[self.CP[r]] = self._compute_start(st, r, e, nxt)
+            return self._compute_finish(st, r, e, cur)
+        return self._compute_start(st, r, e, nxt)
 
     def _compute_finish(self, st: tuple, d: int, e: int, cur: int):
         """Consumer ``d``'s compute after writing entry ``cur`` (pending): release (the store becomes
@@ -377,7 +384,7 @@ class EPModel(RingModel):
             return ((), 0, 0, 0, nxt)
         return ((), 0, 0, 0, (6 * d + 2,))  # rows not copied yet: its consumer moves first
 
-    def _expand_combine_drain(self, st: tuple, r: int, e: int, procs: list) -> None:
+    def _expand_combine_drain(self, st: tuple, r: int, e: int):
         """The early drain of consumer ``r``'s pending combine store (legal)."""
         d = r
         cp, cdp = self.CP[d], self.CDP[d]
@@ -388,30 +395,27 @@ class EPModel(RingModel):
             v = lst[self.CPV + d]
             self._cflush(lst, d)
             src, c, k = ents[st[self.CCUR + d]]  # (the store belongs to the entry in progress)
-            procs[cdp] = ((Trans(cdp, ("cdrain", d, src, c, k, v), tuple(lst)),), self.b_cpend[d],
-                          self.b_cpend[d] | self.b_cell[src][c][k], 0, ())
+            return ((Trans(cdp, ("cdrain", d, src, c, k, v), tuple(lst)),), self.b_cpend[d],
+                    self.b_cpend[d] | self.b_cell[src][c][k], 0, ())
         else:
-            procs[cdp] = ((), 0, 0, 0, (cp,))
+            return ((), 0, 0, 0, (cp,))
 
-    def _expand_reduce(self, st: tuple, r: int, e: int, nxt: tuple, procs: list) -> None:
+    def _expand_reduce(self, st: tuple, r: int, e: int, nxt: tuple):
         """The owner's reduce of its chunks, in chunk order: once it published chunk ``c``, wait
         ``arrived[c] == expected[c]``, read every entry of the chunk, reset the counter."""
         C, K = self.C, self.K
         rp = self.RP[r]
         red = st[self.RED + r]
         if red >= C:
-            procs[rp] = ((), 0, 0, 0, nxt)
-            return
+            return ((), 0, 0, 0, nxt)
         c = red
         need = tuple(6 * r + k for k in (0, 1) if st[self.PPC + 2 * r + k] < (c + 1) * self.nsteps)
         if need:  # only after it published chunk c
-            procs[rp] = ((), 0, 0, 0, need)
-            return
+            return ((), 0, 0, 0, need)
         ai = self.ARR + r * C + c
         a, x = st[ai], self.expected[e][r][c]
         if a != x and not self.skip_arrival_wait:
-            procs[rp] = ((), 0, 0, 0, ep_lookahead.arrival_blockers(self, st, r, c, e)[1])
-            return
+            return ((), 0, 0, 0, ep_lookahead.arrival_blockers(self, st, r, c, e)[1])
         seen = tuple(st[self.CMB + self._cell(r, c, k)] for k in range(K))
         desc = ("reduce", r, c, e, a, x, seen)
         acc_r = self.b_arr[r][c] | self.b_cells_rc[r][c]
@@ -437,16 +441,15 @@ class EPModel(RingModel):
                             + (f" (rank {want_d}'s store of it is still pending: not released)" if pend else ""))
                 break
         if props:
-            procs[rp] = ((Trans(rp, desc, None, Violation(tuple(dict.fromkeys(props)), "; ".join(msgs))),),
-                         acc_r, acc_w, 0, ())
-            return
+            return ((Trans(rp, desc, None, Violation(tuple(dict.fromkeys(props)), "; ".join(msgs))),),
+                    acc_r, acc_w, 0, ())
         lst = list(st)
         if not self.no_counter_reset:
             lst[ai] = 0  # (visible before any add of the next epoch: see the module docstring)
             lst[self.ARRO + r * C + c] = 0
         lst[self.RED + r] = c + 1
         lst[self.LRE + r * C + c] = e
-        procs[rp] = ((Trans(rp, desc, tuple(lst)),), acc_r, acc_w, 0, ())
+        return ((Trans(rp, desc, tuple(lst)),), acc_r, acc_w, 0, ())
 
     def _release_step(self, st: tuple, d: int, pid: int, src: int, c: int, s: int, cpc: int, phase: int,
                       done_bit: int):
@@ -474,8 +477,8 @@ class EPModel(RingModel):
         return (b_done[self.CP[r]] | b_done[self.RP[r]],
                 self.b_red_r[r] | self.b_arr_r[r] | self.b_pos_r[r] | sum(b_done[p] for p in self.roles_of[r]))
 
-    def _expand_begin(self, st: tuple, all_ended: bool, procs: list) -> None:
-        procs[self.BEGIN] = ((), 0, 0, 0, ())  # each rank begins its next epoch at its end of epoch
+    def _expand_begin(self, st: tuple):
+        return ((), 0, 0, 0, ())  # each rank begins its next epoch at its end of epoch
 
     def _advance_epoch(self, lst: list, r: int) -> None:
         """Rank ``r`` begins its next epoch on its own (``ring_advance_epoch``, no barrier).

@@ -208,10 +208,13 @@ def cross_blockers(model, st: tuple) -> list[int]:
 def beyond_epoch(model, st: tuple):
     """Each rank crosses into its next epoch on its own, once nothing of the set blocks its end of
     epoch (:func:`cross_blockers`); in its later epochs it touches nothing of an owner that cannot
-    end this epoch (a process it needs is in the set) and is not ahead (module docstring)."""
-    cross_r = cross_blockers(model, st)
+    end this epoch (a process it needs is in the set) and is not ahead (module docstring). None
+    when every rank is in the last epoch."""
     EP, R, ALL, b_owner = model.EP, model.R, model.ALL, model.b_owner
     can_cross = [st[EP + r] < model.E for r in range(R)]
+    if not any(can_cross):  # every rank is in the last epoch
+        return None
+    cross_r = cross_blockers(model, st)
     rank_of = model.rank_of
     others = range(R if model.exact_acquire else 0)
 

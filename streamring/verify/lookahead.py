@@ -174,11 +174,11 @@ def future_end(model, st: tuple, r: int, e: int):
 
 def beyond_epoch(model, st: tuple):
     """What an outside process may touch in later epochs, as ``f(q, T) -> variable mask`` (``T``: the
-    stubborn set, a pid mask). In the ring nothing crosses into the next epoch before every role is
-    done (the collective begin): while a process of ``T`` holds an unfinished role, nothing;
-    otherwise, outside the last epoch, anything."""
+    stubborn set, a pid mask), or None when nothing can cross (the last epoch). In the ring nothing
+    crosses into the next epoch before every role is done (the collective begin): while a process
+    of ``T`` holds an unfinished role, nothing; otherwise, outside the last epoch, anything."""
     if st[model.EP] >= model.E:
-        return lambda q, T: 0
+        return None
     cross_bl = 0
     for p in model.role_pids:
         if not model.role_done(st, p):

@@ -54,10 +54,12 @@ import os
 import sys
 import time
 from array import array
-from collections import deque
 from dataclasses import dataclass, field
+from itertools import repeat
 
+from .codec import DecodedStates, FieldOverflow, StateCodec
 from .ep import EPModel
+from .memo import ExpansionMemo
 from .report import NOT_CHECKED, CheckResult, finish, print_result
 from .state import PROP_DEADLOCK, PROP_SERIAL, ModelConfig, Trans, parse_inject
 from .steps import RingModel
@@ -71,18 +73,16 @@ def make_model(cfg: ModelConfig) -> RingModel:
     return MODELS[cfg.layer](cfg)
 
 
-def stubborn(model: RingModel, st: tuple, procs) -> list[Trans]:
+def stubborn(model: RingModel, st: tuple, procs) -> list:
     """Enabled steps of a stubborn set of processes (module docstring): of the sets grown from each
     enabled process, one with the fewest enabled members (the first found, stopping at one)."""
     enabled = [p for p in range(model.NP) if procs[p][0]]
     if len(enabled) <= 1:
         return [t for p in enabled for t in procs[p][0]]
-    # what an outside process may touch once it crosses into a later epoch (the model's rule)
-    beyond = model._beyond_epoch(st)
-    futs = [None] * model.NP
+    look = _Lookahead(model, st, procs)
     best_n, best_T = model.NP + 1, 0
     for seed in enabled:
-        grown = _grow(model, st, procs, seed, beyond, futs, best_n)
+        grown = _grow(look, seed, best_n)
         if grown is not None:
             best_n, best_T = grown
             if best_n == 1:
@@ -90,55 +90,112 @@ def stubborn(model: RingModel, st: tuple, procs) -> list[Trans]:
     return [t for p in enabled if (best_T >> p) & 1 for t in procs[p][0]]
 
 
-def _grow(model: RingModel, st: tuple, procs, seed: int, beyond, futs: list, bound: int):
-    """The closure of ``{seed}`` under (D1) and (D2) (module docstring) in state ``st``.
+class _Lookahead:
+    """What the growth of stubborn sets asks about one state, each computed once across its seeds:
+    each process's look-ahead (``model._future``) and the union of its cuts' blockers, what an
+    outside process may touch in later epochs (``beyond``, the model's ``_beyond_epoch``; None:
+    nothing crosses), and per process ``p`` the processes whose whole look-ahead within the epoch
+    its next step conflicts with (:meth:`reach`). Each look-ahead entry holds every access before
+    its cut, so the last one holds them all: a process outside the reach of ``p`` conflicts with it
+    only through what it may touch in a later epoch, which it reaches only past every cut."""
+
+    def __init__(self, model: RingModel, st: tuple, procs):
+        self.model, self.st, self.procs = model, st, procs
+        self.beyond = model._beyond_epoch(st)
+        self.futs = [None] * model.NP
+        self.blockers = [0] * model.NP  # per process: the union of its cuts' blockers
+        self._lasts = None  # per process: its last look-ahead entry
+        self._reach = [None] * model.NP
+
+    def future(self, q: int) -> tuple:
+        """``model._future`` of process ``q`` in this state."""
+        fu = self.futs[q]
+        if fu is None:
+            fu = self.futs[q] = self.model._future(self.st, q)
+            for bl, _, _, _ in fu:
+                self.blockers[q] |= bl
+        return fu
+
+    def reach(self, p: int) -> int:
+        """The pid mask of the processes ``q`` whose last look-ahead entry conflicts with ``p``'s
+        next step (every process's look-ahead is known from then on)."""
+        got = self._reach[p]
+        if got is None:
+            if self._lasts is None:
+                self._lasts = [self.future(q)[-1] for q in range(len(self.futs))]
+            _, aR, aW, aO, _ = self.procs[p]
+            aRO, got, bit = aR | aO, 0, 1
+            for _, fR, fW, fO in self._lasts:
+                if (aW & (fR | fW | fO)) or (fW & aRO) or (aR & fO) or (aO & fR):
+                    got |= bit
+                bit <<= 1
+            self._reach[p] = got
+        return got
+
+
+def _grow(look: _Lookahead, seed: int, bound: int):
+    """The closure of ``{seed}`` under (D1) and (D2) (module docstring) in the state of ``look``.
 
     Returns ``(enabled members, pid mask)``, or None as soon as the set holds ``bound`` enabled
-    processes (a set that small is known already). ``futs`` caches each process's look-ahead in
-    ``st`` across seeds; ``beyond`` is the model's :meth:`_beyond_epoch` of ``st``."""
-    NP = model.NP
+    processes (a set that small is known already). The processes outside the set are checked in
+    pid order, each against the set as it stands (a larger set cuts its look-ahead earlier)."""
+    procs, futs, blockers, beyond = look.procs, look.futs, look.blockers, look.beyond
+    every = (1 << len(procs)) - 1
     T = 1 << seed
     work = [seed]
     n_en = 1
     while work:
         p = work.pop()
         trans, aR, aW, aO, nes = procs[p]
-        if trans:
-            for q in range(NP):
-                if (T >> q) & 1:
-                    continue
+        if trans and (aR | aW | aO):  # (a step that accesses nothing conflicts with nothing)
+            aRO, reach = aR | aO, look.reach(p)
+            scan = (every if beyond is not None else reach) & ~T
+            while scan:
+                low = scan & -scan
+                scan ^= low
+                q = low.bit_length() - 1
                 fu = futs[q]
-                if fu is None:
-                    fu = futs[q] = model._future(st, q)
-                fR = fW = fO = 0
-                for bl, fR, fW, fO in fu:
-                    if bl & T:
-                        break
-                else:
-                    later = beyond(q, T)
+                if not low & reach:  # only what q may touch once past every cut, in a later epoch
+                    later = 0 if blockers[q] & T else beyond(q, T)
+                    if not later:
+                        continue
+                    _, fR, fW, fO = fu[-1]
                     fR, fW, fO = fR | later, fW | later, fO | later
-                if (aW & (fR | fW | fO)) or (fW & (aR | aO)) or (aR & fO) or (aO & fR):
-                    T |= 1 << q
-                    work.append(q)
-                    if procs[q][0]:
-                        n_en += 1
-        elif nes:
-            # ("all", g1, g2, ...): one process of EVERY group (a ready-order consumer
-            # waits for any of several sources); else one process of nes
-            groups = nes[1:] if nes[0] == "all" else (nes,)
-            for grp in groups:
-                for q in grp:  # prefer an enabling process already in the set
-                    if (T >> q) & 1:
-                        break
                 else:
-                    q = grp[0]
-                    T |= 1 << q
+                    for bl, fR, fW, fO in fu:
+                        if bl & T:
+                            break
+                    else:
+                        later = beyond(q, T) if beyond is not None else 0
+                        if later:
+                            fR, fW, fO = fR | later, fW | later, fO | later
+                if (aW & (fR | fW | fO)) or (fW & aRO) or (aR & fO) or (aO & fR):
+                    T |= low
                     work.append(q)
                     if procs[q][0]:
                         n_en += 1
+        elif not trans and nes:
+            T, added = _add_enablers(procs, nes, T, work)
+            n_en += added
         if n_en >= bound:
             return None
     return n_en, T
+
+
+def _add_enablers(procs, nes: tuple, T: int, work: list) -> tuple[int, int]:
+    """(D2) for a disabled process with necessary enabling set ``nes``: ``("all", g1, g2, ...)``,
+    one process of EVERY group (a ready-order consumer waits for any of several sources); else one
+    process of ``nes``; each time one already in the set ``T`` if any, else the group's first.
+    Returns the grown set and how many enabled processes joined it (they are pushed on ``work``)."""
+    added = 0
+    for grp in (nes[1:] if nes[0] == "all" else (nes,)):
+        if not any((T >> q) & 1 for q in grp):
+            q = grp[0]
+            T |= 1 << q
+            work.append(q)
+            if procs[q][0]:
+                added += 1
+    return T, added
 
 
 def _path(model: RingModel, states: list, parent: array, sid: int) -> list[Trans]:
@@ -180,7 +237,7 @@ def _replay(model: RingModel, moves: list, st: tuple | None = None):
     """
     st, steps = (model.initial() if st is None else st), []
     for i, (pid, choice) in enumerate(moves):
-        t = next((t for t in model.expand(st)[pid][0] if _choice(t) == choice), None)
+        t = next((t for t in model.expand_process(st, pid)[0] if _choice(t) == choice), None)
         if t is None:
             return None
         steps.append(t)
@@ -227,7 +284,7 @@ def run_serialised(model: RingModel) -> dict:
 
     def step(pid) -> str | None:
         nonlocal st
-        for t in model.expand(st)[pid][0]:
+        for t in model.expand_process(st, pid)[0]:
             trace.append(model.label(t))
             if t.violation is not None:
                 return f"{', '.join(t.violation.properties)}: {t.violation.message}"
@@ -252,9 +309,11 @@ def run_serialised(model: RingModel) -> dict:
 
 @dataclass
 class Explored:
-    """What a breadth-first search explored: states by id, their BFS parents, every edge."""
+    """What a breadth-first search explored: states by id (encoded by ``codec``; :attr:`states`
+    reads them as the model's tuples), their BFS parents, every edge."""
 
-    states: list
+    codes: list
+    codec: StateCodec
     parent: array
     esrc: array = field(default_factory=lambda: array("l"))
     edst: array = field(default_factory=lambda: array("l"))
@@ -265,55 +324,73 @@ class Explored:
     violations: list = field(default_factory=list)  # every violating step (stop_at_first=False)
     bounded: bool = False  # stopped at cfg.max_states
 
+    @property
+    def states(self) -> DecodedStates:
+        return DecodedStates(self.codec, self.codes)
+
 
 def explore(model: RingModel, cfg: ModelConfig, progress=None) -> Explored:
     """Breadth-first search from the initial state (stops at the first violation or deadlock unless
-    ``cfg.stop_at_first`` is False; violations are terminal)."""
+    ``cfg.stop_at_first`` is False; violations are terminal). The states are encoded
+    (:mod:`streamring.verify.codec`) and their steps come from the model's expansion memoised per
+    process (:class:`streamring.verify.memo.ExpansionMemo`): 8 bits a field, or, once a field takes
+    more than 256 values, the search starts over with 16."""
+    try:
+        return _explore(model, cfg, progress, ExpansionMemo(model, bits=8))
+    except FieldOverflow:
+        return _explore(model, cfg, progress, ExpansionMemo(model, bits=16))
+
+
+def _explore(model: RingModel, cfg: ModelConfig, progress, memo: ExpansionMemo) -> Explored:
+    """:func:`explore` with the states encoded by ``memo.codec``."""
     t0 = time.perf_counter()
-    init = model.initial()
+    codec, expand = memo.codec, memo.expand
+    init = codec.encode(model.initial())
     ids = {init: 0}
-    g = Explored(states=[init], parent=array("l", [-1]))
-    states, parent, esrc, edst = g.states, g.parent, g.esrc, g.edst
-    queue = deque([0])
+    g = Explored(codes=[init], codec=codec, parent=array("l", [-1]))
+    codes, parent, esrc, edst = g.codes, g.parent, g.esrc, g.edst
     is_final, known = model.is_final, ids.setdefault
     ntrans = 0
     por = cfg.por
-    while queue:
-        sid = queue.popleft()
-        st = states[sid]
-        procs = model.expand(st)
-        ts = stubborn(model, st, procs) if por else [t for p in procs for t in p[0]]
-        if not ts:
+    sid, n = -1, 1  # the state being expanded; the number of states found
+    # (ids are given in the order states are found, so the BFS queue is the ids in order)
+    while sid + 1 < n:
+        sid += 1
+        x = codes[sid]
+        procs = expand(x)
+        steps = stubborn(model, codec.decode(x), procs) if por else [t for p in procs for t in p[0]]
+        if not steps:
             g.terminals.append(sid)
-            if not is_final(st):
+            if not is_final(codec.decode(x)):
                 g.deadlocks.append(sid)
                 if cfg.stop_at_first:
                     break
             continue
-        for t in ts:
-            ntrans += 1
+        ntrans += len(steps)
+        edges = len(edst)
+        for t in steps:
             if t.violation is not None:
                 if cfg.stop_at_first:
-                    g.violation = (sid, t)
+                    g.violation = (sid, t.trans())
+                    ntrans -= len(steps) - 1 - steps.index(t)  # (the steps after it are not taken)
                     break
-                g.violations.append((sid, t))
+                g.violations.append((sid, t.trans()))
                 continue
-            ns = t.state
-            n = len(states)
+            ns = (x & t.keep) | t.put  # (Step.apply, inlined on the hot path)
             nid = known(ns, n)  # (one hash of the state: its id, or n for a new one)
             if nid == n:
-                states.append(ns)
+                codes.append(ns)
                 parent.append(sid)
-                queue.append(nid)
-            esrc.append(sid)
+                n += 1
             edst.append(nid)
+        esrc.extend(repeat(sid, len(edst) - edges))
         if g.violation:
             break
-        if cfg.max_states is not None and len(states) >= cfg.max_states:
+        if cfg.max_states is not None and n >= cfg.max_states:
             g.bounded = True
             break
         if progress is not None and sid and sid % 50000 == 0:
-            progress(len(states), ntrans, time.perf_counter() - t0)
+            progress(n, ntrans, time.perf_counter() - t0)
     g.transitions = ntrans
     if g.violation is None and g.violations:
         g.violation = g.violations[0]
@@ -337,7 +414,8 @@ def check(cfg: ModelConfig, progress=None) -> CheckResult:
     states, violations = g.states, g.violations
     res.states, res.transitions, res.terminal_states = len(states), g.transitions, len(g.terminals)
     res.violations_found = len(violations) if violations else (1 if g.violation else 0)
-    res._violation_set = {(states[s], t.desc) for s, t in violations}  # for cross-checks
+    sources = {s: states[s] for s in {s for s, _ in violations}}  # (decoded once per state)
+    res._violation_set = {(sources[s], t.desc) for s, t in violations}  # for cross-checks
     stopped = cfg.stop_at_first and (g.violation is not None or g.deadlocks)
     res.exhaustive = not g.bounded and not stopped
     props = {p: NOT_CHECKED for p in model.properties}

@@ -73,7 +73,7 @@ from __future__ import annotations
 
 from ..ring.layout import GenState, gen_str
 from ..ring.policies import Inject
-from . import lookahead
+from . import footprints, lookahead
 from .state import (KINDS, PROP_ABA, PROP_DEADLOCK, PROP_OVERWRITE, PROP_PROTOCOL, PROP_READ, PROP_SERIAL,
                     PROPERTIES, RingState, Trans, Violation, _g, _older_epoch)
 
@@ -82,8 +82,9 @@ class RingModel(RingState):
     """The ring protocol as a transition system over flat tuples (module docstring).
 
     :meth:`expand` gives, per process, its enabled steps and the accesses of its next step; a
-    layer (:class:`streamring.verify.ep.EPModel`) adds processes through the ``_expand_layer``,
-    ``_layer_unfinished`` and ``_end_step`` hooks and its own look-ahead through ``_future``.
+    layer (:class:`streamring.verify.ep.EPModel`) adds processes through the ``_expand_role``,
+    ``_ended_entry``, ``_layer_unfinished`` and ``_end_step`` hooks (and their footprints,
+    :meth:`footprint`) and its own look-ahead through ``_future``.
     """
 
     properties = PROPERTIES
@@ -102,57 +103,61 @@ class RingModel(RingState):
         writes / fetch-ors; ``nes`` the pids of which one must move before a disabled process can
         (a necessary enabling set; ``("all", g1, g2, ...)``: one of every group).
         """
-        procs = [None] * self.NP
-        all_ended = True
-        EP, END, E = self.EP, self.END, self.E
-        for r in range(self.R):
-            e = st[EP + r]
-            if st[END + r]:
-                self._expand_ended(r, e, procs)
-                continue
-            all_ended = False
-            # a finished role moves again in the next epoch (after next_epoch_wait)
-            nxt = () if e >= E else self.next_epoch_wait[r]
-            for k in (0, 1):
-                self._expand_producer(st, r, k, e, nxt, procs)
-                self._expand_drain(st, r, k, procs)
-            self._expand_consumer(st, r, e, nxt, procs)
-            self._expand_layer(st, r, e, nxt, procs)
-            self._expand_end(st, r, e, procs)
-        self._expand_begin(st, all_ended, procs)
-        return procs
+        return [self.expand_process(st, pid) for pid in range(self.NP)]
+
+    def expand_process(self, st: tuple, pid: int):
+        """``expand(st)[pid]``, reading only the fields of :meth:`footprint` ``(pid)`` (the memo of
+        :mod:`streamring.verify.memo` relies on it and checks it)."""
+        if pid == self.BEGIN:
+            return self._expand_begin(st)
+        r = self.rank_of[pid]
+        e = st[self.EP + r]
+        if st[self.END + r]:
+            return self._ended_entry(pid, e)
+        # a finished role moves again in the next epoch (after next_epoch_wait)
+        nxt = () if e >= self.E else self.next_epoch_wait[r]
+        return self._expand_role(st, pid, r, e, nxt)
+
+    def footprint(self, pid: int) -> tuple[int, ...]:
+        """The fields :meth:`expand_process` of ``pid`` reads or writes
+        (:func:`streamring.verify.footprints.ring_footprint`)."""
+        return footprints.ring_footprint(self, pid)
+
+    def _expand_role(self, st: tuple, pid: int, r: int, e: int, nxt: tuple):
+        """Process ``pid`` of rank ``r``, which has not ended epoch ``e``."""
+        i = pid - 6 * r
+        if i < 2:
+            return self._expand_producer(st, r, i, e, nxt)
+        if i == 2:
+            return self._expand_consumer(st, r, e, nxt)
+        if i < 5:
+            return self._expand_drain(st, r, i - 3)
+        return self._expand_end(st, r, e)
 
     def successors(self, st: tuple) -> list[Trans]:
         return [t for p in self.expand(st) for t in p[0]]
 
-    def _expand_ended(self, r: int, e: int, procs: list) -> None:
-        """Rank ``r`` ended epoch ``e``: its processes wait for the next epoch's begin (if any)."""
-        nxt = (self.BEGIN,) if e < self.E else ()
-        base = 6 * r
-        for i in range(6):
-            procs[base + i] = ((), 0, 0, 0, nxt)
+    def _ended_entry(self, pid: int, e: int):
+        """A process of a rank that ended epoch ``e``: it waits for the next epoch's begin (if any)."""
+        return ((), 0, 0, 0, (self.BEGIN,) if e < self.E else ())
 
-    def _expand_layer(self, st: tuple, r: int, e: int, nxt: tuple, procs: list) -> None:
-        """A layer's own processes of rank ``r`` (the ring has none)."""
-
-    def _expand_producer(self, st: tuple, r: int, k: int, e: int, nxt: tuple, procs: list) -> None:
+    def _expand_producer(self, st: tuple, r: int, k: int, e: int, nxt: tuple):
         """The ``KINDS[k]`` producer of rank ``r``: reserve, write (pending), publish to each rank."""
         S = self.S
         i = 2 * r + k
         pid = 6 * r + k
         pc = st[self.PPC + i]
         if pc >= self.pdone:
-            procs[pid] = ((), 0, 0, 0, nxt)
-            return
+            return ((), 0, 0, 0, nxt)
         c, j = divmod(pc, self.nsteps)
         step, t = self.steps[j]
         s = c % S
         g = self.gens[e][c]
         done_bit = self.b_done[pid] if pc + 1 == self.pdone else 0
         if step == "reserve":
-            procs[pid] = self._reserve_step(st, r, k, pid, pc, c, s, e)
+            return self._reserve_step(st, r, k, pid, pc, c, s, e)
         elif step == "write":
-            procs[pid] = self._write_step(st, r, k, pid, pc, c, s, e, g, done_bit)
+            return self._write_step(st, r, k, pid, pc, c, s, e, g, done_bit)
         else:  # publish to t, or fence: both release (flush) first
             lst = list(st)
             ps = lst[self.PSL + i]
@@ -171,7 +176,7 @@ class RingModel(RingState):
                 desc = ("fence", r, k, c, s, g, ps >= 0, rd)
             lst[self.PPC + i] = pc + 1
             tr = Trans(pid, desc, tuple(lst)) if fl is None else Trans(pid, desc, None, fl[0])
-            procs[pid] = ((tr,), acc_r, acc_w, 0, ())
+            return ((tr,), acc_r, acc_w, 0, ())
 
     def _reserve_step(self, st: tuple, r: int, k: int, pid: int, pc: int, c: int, s: int, e: int):
         """``reserve c``: the acks of chunk ``c - S`` collected (already, or now from a full mask)."""
@@ -219,7 +224,7 @@ class RingModel(RingState):
         lst[self.PPC + i] = pc + 1
         return ((Trans(pid, ("write", r, k, c, s, g), tuple(lst)),), acc_r, acc_w, 0, ())
 
-    def _expand_drain(self, st: tuple, r: int, k: int, procs: list) -> None:
+    def _expand_drain(self, st: tuple, r: int, k: int):
         """The early drain of producer ``(r, k)``'s pending store (a legal memory step of its own)."""
         i = 2 * r + k
         mpid = 6 * r + 3 + k
@@ -232,19 +237,18 @@ class RingModel(RingState):
             acc_w = self.b_pend[r][k] | self.b_pay[r][k][ps]
             desc = ("drain", r, k, ps, v, fl[1] if fl else None)
             tr = Trans(mpid, desc, None, fl[0]) if fl else Trans(mpid, desc, tuple(lst))
-            procs[mpid] = ((tr,), acc_r, acc_w, 0, ())
+            return ((tr,), acc_r, acc_w, 0, ())
         else:
-            procs[mpid] = ((), 0, 0, 0, (6 * r + k,))
+            return ((), 0, 0, 0, (6 * r + k,))
 
-    def _expand_consumer(self, st: tuple, r: int, e: int, nxt: tuple, procs: list) -> None:
+    def _expand_consumer(self, st: tuple, r: int, e: int, nxt: tuple):
         """The consumer of rank ``r``: per chunk and source, acquire (+ reads), then release it."""
         R, NPH = self.R, self.NPH
         d = r
         pid = 6 * r + 2
         cpc = st[self.CPC + d]
         if cpc >= self.cdone:
-            procs[pid] = ((), 0, 0, 0, nxt)
-            return
+            return ((), 0, 0, 0, nxt)
         item, phase = divmod(cpc, NPH)
         c, src = divmod(item, R)
         ready_order = self.ready_order
@@ -253,7 +257,7 @@ class RingModel(RingState):
         s = c % self.S
         done_bit = self.b_done[pid] if cpc + 1 == self.cdone else 0
         if phase == 0 and not ready_order:
-            procs[pid] = self._acquire_step(st, d, pid, src, c, e, cpc)
+            return self._acquire_step(st, d, pid, src, c, e, cpc)
         elif phase == 0:
             # any source of chunk c not acknowledged yet, whichever is ready (several steps)
             trans, acc_r, acc_w, groups = [], 0, 0, []
@@ -267,9 +271,9 @@ class RingModel(RingState):
                 if not tr:
                     groups.append(nes2)
             # disabled: for EVERY pending source one of its blocking producers must move
-            procs[pid] = (tuple(trans), acc_r, acc_w, 0, () if trans else ("all",) + tuple(groups))
+            return (tuple(trans), acc_r, acc_w, 0, () if trans else ("all",) + tuple(groups))
         else:
-            procs[pid] = self._release_step(st, d, pid, src, c, s, cpc, phase, done_bit)
+            return self._release_step(st, d, pid, src, c, s, cpc, phase, done_bit)
 
     def _release_step(self, st: tuple, d: int, pid: int, src: int, c: int, s: int, cpc: int, phase: int,
                       done_bit: int):
@@ -365,7 +369,7 @@ class RingModel(RingState):
         """A layer's roles of rank ``r`` that are not done yet (its end of epoch waits for them)."""
         return ()
 
-    def _expand_end(self, st: tuple, r: int, e: int, procs: list) -> None:
+    def _expand_end(self, st: tuple, r: int, e: int):
         """``end_stream`` of rank ``r``: once its roles are done, wait for the full masks of its last
         chunks (collect them, clear the masks), then end the epoch (:meth:`_end_step`)."""
         S, ACK, COL = self.S, self.ACK, self.COL
@@ -382,14 +386,12 @@ class RingModel(RingState):
             unfinished += (base + 2,)
         unfinished += self._layer_unfinished(st, r)
         if unfinished:
-            procs[pid] = ((), 0, 0, 0, unfinished)
-            return
+            return ((), 0, 0, 0, unfinished)
         for s in range(S):
             lc = self.last_chunk[s]
             m = st[ACK + r * S + s]
             if lc >= 0 and st[COL + r * S + s] != gens[lc] and not self.mask_full(m):
-                procs[pid] = ((), 0, 0, 0, tuple(6 * b + 2 for b in self.missing_bits(m)))
-                return
+                return ((), 0, 0, 0, tuple(6 * b + 2 for b in self.missing_bits(m)))
         lst = list(st)
         for s in range(S):
             lc = self.last_chunk[s]
@@ -399,17 +401,18 @@ class RingModel(RingState):
         acc_r = self.b_done[base] | self.b_done[base + 1] | self.b_done[base + 2]
         acc_w = self.b_ack_r[r] | self.b_col_r[r] | self.b_end[r]
         more_r, more_w = self._end_step(lst, r, e)
-        procs[pid] = ((Trans(pid, ("end", r, e), tuple(lst)),), acc_r | more_r, acc_w | more_w, 0, ())
+        return ((Trans(pid, ("end", r, e), tuple(lst)),), acc_r | more_r, acc_w | more_w, 0, ())
 
     def _end_step(self, lst: list, r: int, e: int) -> tuple[int, int]:
         """Rank ``r`` ends epoch ``e`` in ``lst``; returns the step's further reads and writes."""
         lst[self.END + r] = 1
         return 0, 0
 
-    def _expand_begin(self, st: tuple, all_ended: bool, procs: list) -> None:
+    def _expand_begin(self, st: tuple):
         """``begin_stream`` of the next epoch: collective, one step once every rank has ended."""
         R, EP = self.R, self.EP
         e = st[EP]
+        all_ended = all(st[self.END + r] for r in range(R))
         if all_ended and e < self.E:
             lst = list(st)
             for r in range(R):
@@ -419,11 +422,11 @@ class RingModel(RingState):
                 lst[self.CPC + r] = 0
                 lst[self.HLD + r] = -1
                 lst[self.DNM + r] = 0
-            procs[self.BEGIN] = ((Trans(self.BEGIN, ("begin", e + 1), tuple(lst)),), 0, self.ALL, 0, ())
+            return ((Trans(self.BEGIN, ("begin", e + 1), tuple(lst)),), 0, self.ALL, 0, ())
         elif all_ended:
-            procs[self.BEGIN] = ((), 0, 0, 0, ())
+            return ((), 0, 0, 0, ())
         else:
-            procs[self.BEGIN] = ((), 0, 0, 0, tuple(6 * r + 5 for r in range(R) if not st[self.END + r]))
+            return ((), 0, 0, 0, tuple(6 * r + 5 for r in range(R) if not st[self.END + r]))
 
     # -- look-ahead, for the partial-order reduction (verify.lookahead) -------------------
     def _future(self, st: tuple, pid: int):
@@ -450,7 +453,8 @@ class RingModel(RingState):
 
     def _beyond_epoch(self, st: tuple):
         """What an outside process may touch in later epochs, as ``f(q, T) -> variable mask`` (``T``:
-        the stubborn set, a pid mask): :func:`streamring.verify.lookahead.beyond_epoch`."""
+        the stubborn set, a pid mask), or None when no process can cross into a later epoch in
+        ``st``: :func:`streamring.verify.lookahead.beyond_epoch`."""
         return lookahead.beyond_epoch(self, st)
 
     # -- labels ----------------------------------------------------------------------------
