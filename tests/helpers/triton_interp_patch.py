@@ -1,4 +1,6 @@
-"""Triton's interpreter (``TRITON_INTERPRET=1``, the emulated device) without its redundant re-patching.
+"""Triton's interpreter (``TRITON_INTERPRET=1``, the emulated device) without work whose result it never uses:
+its redundant re-patching of ``triton.language`` and its integer overflow checks whose verdict it drops
+(:func:`_skip_discarded_overflow_checks`). Each computes exactly what Triton's own code computes.
 
 Every launch of a kernel patches ``triton.language`` for the interpreter (``interpreter._patch_lang``:
 ``inspect.getmembers`` over ``tl``, ``tl.core``, ``tl.math``, ``tl.tensor``... replacing each builtin by a
@@ -78,5 +80,34 @@ def install() -> bool:
 
     interp._patch_lang = _patch_lang
     grid.__call__ = __call__
+    _skip_discarded_overflow_checks(interp)
     setattr(interp, _INSTALLED, True)
     return True
+
+
+def _skip_discarded_overflow_checks(interp) -> None:
+    """The integer overflow check of every int32 ``+ - *`` without its work where its verdict is dropped.
+
+    ``TritonSemantic.binary_op_sanitize_overflow_impl`` recomputes the operation in int64, compares it with the
+    type's range and hands the result to ``device_assert``, which discards it unless the options ask for
+    ``debug`` (the interpreter's never do: ``InterpreterOptions()``): no error is raised, nothing is stored, and
+    the work was about a quarter of the emulated kernels' time. Here the check returns at once when ``debug``
+    is off and runs as shipped when it is on. Installed on the interpreter's own semantic object only (the
+    compiler's are other instances)."""
+    semantic = getattr(interp, "interpreter_semantic", None)
+    check = getattr(semantic, "binary_op_sanitize_overflow_impl", None)
+    if check is None or list(inspect.signature(check).parameters) != ["lhs", "rhs", "binary_op"]:
+        return
+    try:  # a device_assert that drops its verdict without debug never looks at the condition
+        dropped = not semantic.builder.options.debug and semantic.device_assert(None, "", None) is None
+    except Exception:
+        dropped = False
+    if not dropped:
+        return
+
+    def binary_op_sanitize_overflow_impl(lhs, rhs, binary_op):
+        if not semantic.builder.options.debug:
+            return None
+        return check(lhs, rhs, binary_op)
+
+    semantic.binary_op_sanitize_overflow_impl = binary_op_sanitize_overflow_impl
