@@ -1,6 +1,8 @@
 """Triton's interpreter (``TRITON_INTERPRET=1``, the emulated device) without work whose result it never uses:
 its redundant re-patching of ``triton.language`` and its integer overflow checks whose verdict it drops
-(:func:`_skip_discarded_overflow_checks`). Each computes exactly what Triton's own code computes.
+(:func:`_skip_discarded_overflow_checks`), and with answers it derives again and again kept once derived
+(:func:`_memoize_numpy_dtypes`, :func:`_convert_small_floats_by_table`). Each computes exactly what Triton's
+own code computes.
 
 Every launch of a kernel patches ``triton.language`` for the interpreter (``interpreter._patch_lang``:
 ``inspect.getmembers`` over ``tl``, ``tl.core``, ``tl.math``, ``tl.tensor``... replacing each builtin by a
@@ -81,6 +83,8 @@ def install() -> bool:
     interp._patch_lang = _patch_lang
     grid.__call__ = __call__
     _skip_discarded_overflow_checks(interp)
+    _memoize_numpy_dtypes(interp)
+    _convert_small_floats_by_table(interp)
     setattr(interp, _INSTALLED, True)
     return True
 
@@ -111,3 +115,55 @@ def _skip_discarded_overflow_checks(interp) -> None:
         return check(lhs, rhs, binary_op)
 
     semantic.binary_op_sanitize_overflow_impl = binary_op_sanitize_overflow_impl
+
+
+def _memoize_numpy_dtypes(interp) -> None:
+    """``_get_np_dtype`` (the numpy dtype that holds a Triton type, asked by nearly every interpreted op) builds
+    its table of every type on each call: here a scalar type's answer is kept after Triton's code first gives
+    it. A block type gets its element type's (as in Triton's lookup); a pointer goes to Triton's code."""
+    tl, original = interp.tl, getattr(interp, "_get_np_dtype", None)
+    if original is None or list(inspect.signature(original).parameters) != ["tt_dtype"]:
+        return
+    known = {}
+
+    def _get_np_dtype(tt_dtype):
+        if isinstance(tt_dtype, tl.block_type):
+            tt_dtype = tt_dtype.element_ty
+        if isinstance(tt_dtype, tl.pointer_type):
+            return original(tt_dtype)
+        np_dtype = known.get(tt_dtype)
+        if np_dtype is None:
+            np_dtype = known[tt_dtype] = original(tt_dtype)
+        return np_dtype
+
+    _get_np_dtype.__wrapped__ = original
+    interp._get_np_dtype = _get_np_dtype
+
+
+def _convert_small_floats_by_table(interp) -> None:
+    """``_convert_float`` (the interpreter's bit-exact float conversion: the FP8 operands of every ``tl.dot`` to
+    fp16, bf16 to fp32 and back...) derives sign, exponent and mantissa of every element in numpy. A conversion
+    from 8 or 16 bits has at most 65536 inputs: here Triton's own function converts all of them once per
+    (from, to, rounding) and each later input is looked up, the same bits element by element (the conversion
+    is elementwise). Wider inputs (fp32 down to bf16 or FP8) go to Triton's code."""
+    np, original = interp.np, getattr(interp, "_convert_float", None)
+    if original is None or list(inspect.signature(original).parameters) != [
+            "input", "input_dtype", "output_dtype", "rounding_mode"]:
+        return
+    tables = {}
+
+    def _convert_float(input, input_dtype, output_dtype, rounding_mode):
+        bits = input_dtype.primitive_bitwidth
+        if bits not in (8, 16) or input.dtype.itemsize * 8 != bits:
+            return original(input, input_dtype, output_dtype, rounding_mode)
+        code_dtype = np.uint8 if bits == 8 else np.uint16
+        key = (input_dtype.name, output_dtype.name, rounding_mode)
+        table = tables.get(key)
+        if table is None:
+            table = tables[key] = original(np.arange(1 << bits, dtype=code_dtype), input_dtype, output_dtype,
+                                           rounding_mode)
+        return table[np.ascontiguousarray(input).view(code_dtype)].reshape(input.shape)
+
+    _convert_float.__wrapped__ = original
+    interp._convert_float = _convert_float
+
