@@ -1,8 +1,8 @@
 """Triton's interpreter (``TRITON_INTERPRET=1``, the emulated device) without work whose result it never uses:
 its redundant re-patching of ``triton.language`` and its integer overflow checks whose verdict it drops
 (:func:`_skip_discarded_overflow_checks`), and with answers it derives again and again kept once derived
-(:func:`_memoize_numpy_dtypes`, :func:`_convert_small_floats_by_table`). Each computes exactly what Triton's
-own code computes.
+(:func:`_memoize_numpy_dtypes`, :func:`_convert_small_floats_by_table`, :func:`_memoize_block_shapes`). Each
+computes exactly what Triton's own code computes.
 
 Every launch of a kernel patches ``triton.language`` for the interpreter (``interpreter._patch_lang``:
 ``inspect.getmembers`` over ``tl``, ``tl.core``, ``tl.math``, ``tl.tensor``... replacing each builtin by a
@@ -85,6 +85,7 @@ def install() -> bool:
     _skip_discarded_overflow_checks(interp)
     _memoize_numpy_dtypes(interp)
     _convert_small_floats_by_table(interp)
+    _memoize_block_shapes(tl.core)
     setattr(interp, _INSTALLED, True)
     return True
 
@@ -167,3 +168,87 @@ def _convert_small_floats_by_table(interp) -> None:
     _convert_float.__wrapped__ = original
     interp._convert_float = _convert_float
 
+
+def _memoize_block_shapes(core) -> None:
+    """The shape of every ``tl.block_type`` and ``tl.tensor`` (made by nearly every interpreted op) without
+    re-deriving it: Triton's constructors unwrap and validate the dimensions, count the elements and build a
+    ``tl.tuple`` whose type lists every dimension, each time. Here a shape of Python ints is laid out once by
+    Triton's own ``block_type`` constructor (which raises for a bad one as it always does) and each later
+    block type or tensor of that shape gets equal attributes from it (its shape a fresh ``tl.tuple`` of shared
+    immutable parts). Other shapes, and scalar tensors, go to Triton's constructors. Installed only where the
+    results equal Triton's (:func:`_same_shapes`)."""
+    block_type, tensor, tl_tuple, constexpr = core.block_type, core.tensor, core.tuple, core.constexpr
+    triton_block_init, triton_tensor_init = block_type.__init__, tensor.__init__
+    shapes = {}  # dims (a tuple of ints) -> (element count, as constexpr, the dims as constexprs, tuple type, str)
+
+    def _laid_out(dims):
+        known = shapes.get(dims)
+        if known is None:
+            probe = block_type.__new__(block_type)
+            triton_block_init(probe, core.int32, list(dims))
+            known = shapes[dims] = (probe.numel, constexpr(probe.numel), [constexpr(d) for d in dims],
+                                    probe.shape.type, str(probe.shape))
+        return known
+
+    def block_type_init(self, element_ty, shape):
+        dims = _int_dims(shape, tl_tuple)
+        if not dims:
+            return triton_block_init(self, element_ty, shape)
+        numel, _, _, dims_type, text = _laid_out(dims)
+        self.element_ty = element_ty
+        self.shape = tl_tuple(list(dims), dims_type)
+        self.numel = numel
+        self.name = f"<{text}, {element_ty}>"
+
+    def tensor_init(self, handle, type):
+        dims = _int_dims(type.shape, tl_tuple) if type.is_block() else None
+        if not dims:
+            return triton_tensor_init(self, handle, type)
+        _, numel, dim_values, dims_type, _ = _laid_out(dims)
+        self.handle = handle
+        self.numel = numel
+        self.type = type
+        self.dtype = type.scalar
+        self.shape = tl_tuple(list(dim_values), dims_type)
+
+    block_type_init.__wrapped__, tensor_init.__wrapped__ = triton_block_init, triton_tensor_init
+    block_type.__init__, tensor.__init__ = block_type_init, tensor_init
+    if not _same_shapes(core, triton_block_init, triton_tensor_init):
+        block_type.__init__, tensor.__init__ = triton_block_init, triton_tensor_init
+
+
+def _int_dims(shape, tl_tuple):
+    """``shape`` (a list or a ``tl.tuple``, as Triton's constructors take it) as a tuple of Python ints, or None
+    if it is anything else or holds anything else."""
+    values = shape.values if type(shape) is tl_tuple else shape if type(shape) is list else None
+    if values is None or any(type(v) is not int for v in values):
+        return None
+    return tuple(values)
+
+
+def _same_shapes(core, triton_block_init, triton_tensor_init,
+                 shapes=([16], [16, 128], [1, 128], [4, 2, 8])) -> bool:
+    """Block types and tensors of ``shapes`` made by the installed constructors and by Triton's: the same
+    attributes (compared by value, and by their text), or the same error."""
+    def made(cls, init, *args):
+        try:
+            obj = cls.__new__(cls)
+            init(obj, *args)
+        except Exception as e:
+            return repr(e)
+        return {k: (type(v), str(v), getattr(v, "type", None), v) for k, v in vars(obj).items()}
+
+    try:
+        for dims in shapes:
+            for element in (core.int32, core.float8e4nv, core.pointer_type(core.bfloat16)):
+                ours = made(core.block_type, core.block_type.__init__, element, dims)
+                if ours != made(core.block_type, triton_block_init, element, dims):
+                    return False
+                if isinstance(ours, dict):
+                    ty = core.block_type(element, dims)
+                    if made(core.tensor, core.tensor.__init__, None, ty) != made(core.tensor, triton_tensor_init,
+                                                                                None, ty):
+                        return False
+    except Exception:  # (a comparison Triton's objects refuse)
+        return False
+    return True

@@ -39,3 +39,15 @@ def test_float_conversions_are_tritons_bit_for_bit():
             x = x.view(np.float16 if src == tl.float16 else np.float32 if bits == 32 else x.dtype)
             a, b = ours(x, src, dst, rounding), tritons(x, src, dst, rounding)
             assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes(), (src, dst, x.shape)
+
+
+def test_block_shapes_are_tritons():
+    """Block types and tensors of the kernels' shapes, and the errors of shapes Triton refuses (a dimension not
+    a power of two, a builtin tuple, no dimension), from the installed constructors and from Triton's."""
+    from triton_interp_patch import _same_shapes
+
+    core = tl.core
+    block_init, tensor_init = core.block_type.__init__, core.tensor.__init__
+    shapes = ([1], [16], [128], [16, 128], [128, 128], [64, 1], [2, 1, 4], [3], [16, 24], (16, 128), [])
+    assert _same_shapes(core, getattr(block_init, "__wrapped__", block_init),
+                        getattr(tensor_init, "__wrapped__", tensor_init), shapes)
