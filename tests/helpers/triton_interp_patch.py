@@ -175,11 +175,15 @@ def _memoize_block_shapes(core) -> None:
     ``tl.tuple`` whose type lists every dimension, each time. Here a shape of Python ints is laid out once by
     Triton's own ``block_type`` constructor (which raises for a bad one as it always does) and each later
     block type or tensor of that shape gets equal attributes from it (its shape a fresh ``tl.tuple`` of shared
-    immutable parts). Other shapes, and scalar tensors, go to Triton's constructors. Installed only where the
+    immutable parts), a scalar tensor those of the scalar Triton's constructor made. Other shapes go to Triton's
+    constructors. Installed only where the
     results equal Triton's (:func:`_same_shapes`)."""
     block_type, tensor, tl_tuple, constexpr = core.block_type, core.tensor, core.tuple, core.constexpr
     triton_block_init, triton_tensor_init = block_type.__init__, tensor.__init__
     shapes = {}  # dims (a tuple of ints) -> (element count, as constexpr, the dims as constexprs, tuple type, str)
+    scalar = tensor.__new__(tensor)
+    triton_tensor_init(scalar, None, core.int32)
+    scalar_shape = (scalar.numel, scalar.shape.values, scalar.shape.type)  # (a scalar's: no dims, one element)
 
     def _laid_out(dims):
         known = shapes.get(dims)
@@ -201,10 +205,13 @@ def _memoize_block_shapes(core) -> None:
         self.name = f"<{text}, {element_ty}>"
 
     def tensor_init(self, handle, type):
-        dims = _int_dims(type.shape, tl_tuple) if type.is_block() else None
-        if not dims:
-            return triton_tensor_init(self, handle, type)
-        _, numel, dim_values, dims_type, _ = _laid_out(dims)
+        if type.is_block():
+            dims = _int_dims(type.shape, tl_tuple)
+            if not dims:
+                return triton_tensor_init(self, handle, type)
+            _, numel, dim_values, dims_type, _ = _laid_out(dims)
+        else:
+            numel, dim_values, dims_type = scalar_shape
         self.handle = handle
         self.numel = numel
         self.type = type
@@ -221,8 +228,11 @@ def _int_dims(shape, tl_tuple):
     """``shape`` (a list or a ``tl.tuple``, as Triton's constructors take it) as a tuple of Python ints, or None
     if it is anything else or holds anything else."""
     values = shape.values if type(shape) is tl_tuple else shape if type(shape) is list else None
-    if values is None or any(type(v) is not int for v in values):
+    if values is None:
         return None
+    for v in values:
+        if type(v) is not int:
+            return None
     return tuple(values)
 
 
@@ -241,6 +251,9 @@ def _same_shapes(core, triton_block_init, triton_tensor_init,
     try:
         for dims in shapes:
             for element in (core.int32, core.float8e4nv, core.pointer_type(core.bfloat16)):
+                if made(core.tensor, core.tensor.__init__, None, element) != made(core.tensor, triton_tensor_init,
+                                                                                 None, element):
+                    return False
                 ours = made(core.block_type, core.block_type.__init__, element, dims)
                 if ours != made(core.block_type, triton_block_init, element, dims):
                     return False
