@@ -55,6 +55,24 @@ def setup():
     return shape, fw, x
 
 
+@pytest.fixture(scope="module")
+def batch_output(setup):
+    """``batch_output(block_m)``: the batch path's output for the module's input (:func:`run_batch`), computed once
+    per block_m in a module and handed to each test as its own copy. It is the reference the streamed, persistent
+    and tail grids and the negative controls compare with; the batch path itself is checked by
+    test_batch_matches_float32_emulation, test_block_bookkeeping and test_l2_stores_only_the_rows_that_hold_a_route
+    (the last two on runs of their own, whose consumers they read)."""
+    shape, fw, x = setup
+    outputs = {}
+
+    def output(block_m):
+        if block_m not in outputs:
+            outputs[block_m] = run_batch(shape, fw, x, block_m)[0]
+        return outputs[block_m].clone()
+
+    return output
+
+
 def run_batch(shape, fw, x, block_m):
     T = x.shape[0]
     prod = B.Producer(T, shape.num_experts, DEV)
@@ -92,9 +110,9 @@ TRITON_ON_CPU = "Triton's CPU interpreter runs the GPU kernels here, 1 to 4 s a 
 
 @pytest.mark.parametrize("block_m,chunk", quick_subset(BLOCK_CASES, quick=[(16, 7)], reason=TRITON_ON_CPU,
                                                       ids=[f"{b}-{c}" for b, c in BLOCK_CASES]))
-def test_streamed_equals_batch_bitwise(setup, block_m, chunk):
+def test_streamed_equals_batch_bitwise(setup, batch_output, block_m, chunk):
     shape, fw, x = setup
-    yb, _, _ = run_batch(shape, fw, x, block_m)
+    yb = batch_output(block_m)
     ys, bc = run_streamed(shape, fw, x, block_m, chunk)
     diff = bit_difference(ys, yb, f"streamed (chunk {chunk}, block_m {block_m})", "batch")
     assert diff is None, diff
@@ -106,9 +124,9 @@ def test_streamed_equals_batch_bitwise(setup, block_m, chunk):
 
 
 @pytest.mark.slow(reason=TRITON_ON_CPU)
-def test_batch_matches_float32_emulation(setup):
+def test_batch_matches_float32_emulation(setup, batch_output):
     shape, fw, x = setup
-    yb, _, _ = run_batch(shape, fw, x, 16)
+    yb = batch_output(16)
     ye = emulate_forward(x.cpu(), _cpu(fw), shape)
     rel = float((yb.cpu().float() - ye.float()).norm() / ye.float().norm())
     # Measured for this fixture: 1.37 % under the CPU interpreter, 0.50 % on an H200 (1.2-1.6 % and
@@ -187,10 +205,10 @@ def test_hot_expert_many_blocks_and_empty_experts():
 
 
 @pytest.mark.slow(reason=TRITON_ON_CPU)
-def test_negative_control_missing_seal_is_caught(setup):
+def test_negative_control_missing_seal_is_caught(setup, batch_output):
     """Without the seal, partial blocks never run: the comparison must fail."""
     shape, fw, x = setup
-    yb, _, _ = run_batch(shape, fw, x, 16)
+    yb = batch_output(16)
     T = x.shape[0]
     prod = B.Producer(T, shape.num_experts, DEV)
     bc = B.BlockConsumer(shape, T, T + 1, 16, DEV)
@@ -210,10 +228,10 @@ def test_negative_control_missing_seal_is_caught(setup):
     assert rel > 0.1, f"the unsealed forward went unnoticed (relative error {rel:.4f})"
 
 
-def test_negative_control_truncated_grid_is_caught(setup):
+def test_negative_control_truncated_grid_is_caught(setup, batch_output):
     """A GEMM launch bounded below the number of ready blocks (a wrong max_ready) must show."""
     shape, fw, x = setup
-    yb, _, _ = run_batch(shape, fw, x, 16)
+    yb = batch_output(16)
     _, bc, sc, y = fresh(shape, fw, x, 2)
     bc.begin()
     bc.dispatch(0, sc["idx"], sc["w"], sc["q"], sc["sf"], 0)
@@ -303,17 +321,27 @@ def test_a_pe_slice_of_all_experts_lays_out_only_its_own(weight_dtype, monkeypat
 
 @pytest.mark.slow(reason=TRITON_ON_CPU)
 @pytest.mark.parametrize("max_ctas", [1, 5])
-def test_persistent_gemm_grid_equals_one_cta_per_tile(setup, max_ctas):
+def test_persistent_gemm_grid_equals_one_cta_per_tile(setup, batch_output, max_ctas):
     """The persistent GEMM grid (a few CTAs looping over the tiles) gives the same bits."""
     shape, fw, x = setup
-    yb, _, _ = run_batch(shape, fw, x, 16)
+    yb = batch_output(16)
     _, bc, sc, y = fresh(shape, fw, x, 2)
     B.moe_forward(sc["idx"], sc["w"], sc["q"], sc["sf"], fw, bc, y, max_ctas=max_ctas)
     assert same_bits(yb, y), bit_difference(y, yb, f"persistent grid ({max_ctas} CTAs)", "one CTA per tile")
 
 
+@pytest.fixture(scope="module")
+def many_blocks(setup):
+    """``(x, y)``: 150 tokens of the module's shape (more blocks than a grid expecting 0 or 9 covers) and their
+    batch output (:func:`run_batch`, block_m 16), made once for the tail cases below."""
+    shape, fw, _ = setup
+    x = torch.randn(150, shape.hidden, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16).to(DEV)
+    return x, run_batch(shape, fw, x, 16)[0]
+
+
 @pytest.mark.parametrize("expect", [0, 9])
-def test_grid_for_the_expected_blocks_and_a_looping_tail_equals_one_cta_per_tile(setup, expect, monkeypatch):
+def test_grid_for_the_expected_blocks_and_a_looping_tail_equals_one_cta_per_tile(setup, many_blocks, expect,
+                                                                                   monkeypatch):
     """A grid sized for ``expect_items`` blocks (one CTA per tile of those, rounded up to the tile order's groups
     of 8 blocks) and a looping tail for the blocks past them gives the bits of one CTA per tile of the bound: the
     tail computes every block beyond the expectation (0: all of them; 9: 16 blocks one CTA per tile, the rest
@@ -321,8 +349,7 @@ def test_grid_for_the_expected_blocks_and_a_looping_tail_equals_one_cta_per_tile
     from streamring.device import moe_triton as K
 
     shape, fw, _ = setup
-    x = torch.randn(150, shape.hidden, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16).to(DEV)
-    yb, _, _ = run_batch(shape, fw, x, 16)
+    x, yb = many_blocks
     T = x.shape[0]
     _, _, sc, y = fresh(shape, fw, x, 2)
     # a tail of 3 CTAs whatever the SMs, so each loops over several tiles (on a GPU's own tail every CTA would
