@@ -18,7 +18,8 @@ from conftest import ROOT
 
 LAUNCH = ROOT / "launch"
 SOURCED = {"preflight.sh", "device_env.sh"}  # sourced by the others, not run
-SCRIPTS = sorted(p.name for p in LAUNCH.glob("*.sh") if p.name not in SOURCED) + ["slurm.sbatch"]
+WRAPPERS = {"mps_rank_env.sh"}  # a rank's command prefix inside a device script's mpiexec line, not run alone
+SCRIPTS = sorted(p.name for p in LAUNCH.glob("*.sh") if p.name not in SOURCED | WRAPPERS) + ["slurm.sbatch"]
 ARGS = {"mpirun.sh": ["2", "run"], "torchrun.sh": ["2", "run"]}
 DEVICE = sorted(p.name for p in LAUNCH.glob("*.sh") if re.search(r"^\. launch/device_env\.sh", p.read_text(), re.M))
 VENV_BIN = str(Path(sys.executable).parent)
