@@ -51,8 +51,8 @@ Mutations of this layer: :class:`EPInject` / ``EP_INJECT_MODES`` (``--layer ep``
 (2 ranks x 2 slots x 3 chunks x 2 epochs) always use the partial-order reduction: their full
 graph is far
 beyond reach (2 ranks x 1 slot x 2 chunks x 1 epoch alone has 669,240 states). Reduced, they
-take 2,421 states and 3,771 transitions (0.4 s); 3 ranks take 440,350 states (3.5 minutes);
-``--source-order ready`` takes 553,532 states (3.6 minutes) at the default sizes (its look-ahead is
+take 2,421 states and 3,771 transitions (0.4 s); 3 ranks take 440,350 states (2.8 minutes);
+``--source-order ready`` takes 553,532 states (2.8 minutes) at the default sizes (its look-ahead is
 coarse, as in the ring model).
 
 The look-ahead of its partial-order reduction (the layer's waits, and what a rank may touch once

@@ -1,5 +1,7 @@
 """The model checker's memoised expansion (streamring.verify.memo) against the model's own expansion."""
 
+import random
+
 import pytest
 
 from streamring.ring.policies import INJECT_MODES
@@ -17,14 +19,23 @@ CONFIGS = ([dict(inject=m) for m in ("none",) + INJECT_MODES]
            + [dict(layer="ep", chunks=1, source_order="ready", inject="skip-ack-wait")])
 
 
-def _states(model, limit: int):
-    """Up to ``limit`` states reachable by the model's own expansion, breadth-first."""
+def _states(model, near: int = 200, walks: int = 6):
+    """States of the model's own expansion: the first ``near`` breadth-first, and those along
+    ``walks`` random runs to a state without successors (every epoch, every phase)."""
     seen, order = {model.initial()}, [model.initial()]
     for st in order:
         for t in model.successors(st):
-            if t.state is not None and t.state not in seen and len(order) < limit:
+            if t.state is not None and t.state not in seen and len(order) < near:
                 seen.add(t.state)
                 order.append(t.state)
+    rng = random.Random(7)
+    for _ in range(walks):
+        st = model.initial()
+        while nxt := [t.state for t in model.successors(st) if t.state is not None]:
+            st = rng.choice(nxt)
+            if st not in seen:
+                seen.add(st)
+                order.append(st)
     return order
 
 
@@ -34,7 +45,7 @@ def test_memo_gives_the_models_expansion(kw):
     model = make_model(cfg)
     memo = ExpansionMemo(model)
     codec = memo.codec
-    for st in _states(model, 3000):
+    for st in _states(model):
         x = codec.encode(st)
         assert codec.decode(x) == st
         for want, got in zip(model.expand(st), memo.expand(x), strict=True):
