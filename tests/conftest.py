@@ -66,13 +66,30 @@ def pytest_configure(config):
     if missing:
         raise pytest.UsageError("declared test dependencies are missing: " + ", ".join(missing)
                                 + " (pip install -e '.[test]')")
-    # the emulated device's kernels without the interpreter's redundant re-patching of triton.language
+    # the emulated device's kernels without the interpreter's work whose result it never uses
     # (tests/helpers/triton_interp_patch.py); in the processes that run tests (not pytest-xdist's controller)
     if os.environ.get("TRITON_INTERPRET") == "1" and (
             hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None)):
         from triton_interp_patch import install
 
         install()
+    if hasattr(config, "workerinput"):
+        _share_the_cores(config.workerinput["workercount"])
+
+
+def _share_the_cores(workers: int) -> None:
+    """A pytest-xdist worker's torch threads: its share of the cores (tests/run.sh runs one worker per core),
+    unless OMP_NUM_THREADS sets them. Each worker's torch would otherwise start a thread per core, and every
+    op on a tensor above torch's grain (32k elements: a test's weights, a buffer's rows) waits for a
+    thread the other worker's process keeps off its core: measured on the 2-core machine, the four files of
+    the emulated device (test_blocks, test_ep_buffer, test_ep_kernels, test_persistent_consumer) took 130
+    CPU-s in 2 workers against 93 with one thread each."""
+    import torch
+
+    if "OMP_NUM_THREADS" in os.environ:
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    torch.set_num_threads(max(1, cores // max(1, workers)))
 
 
 # ----------------------------------------------------------------------------------------
