@@ -24,6 +24,7 @@ from __future__ import annotations
 import inspect
 
 _INSTALLED = "_streamring_tests_patch_lang_memo"
+KEPT_SCALARS = 1 << 16  # one-element float conversions kept (:func:`_convert_small_floats_by_table`)
 
 
 class _NoRestore:
@@ -143,20 +144,31 @@ def _memoize_numpy_dtypes(interp) -> None:
 
 def _convert_small_floats_by_table(interp) -> None:
     """``_convert_float`` (the interpreter's bit-exact float conversion: the FP8 operands of every ``tl.dot`` to
-    fp16, bf16 to fp32 and back...) derives sign, exponent and mantissa of every element in numpy. A conversion
-    from 8 or 16 bits has at most 65536 inputs: here Triton's own function converts all of them once per
-    (from, to, rounding) and each later input is looked up, the same bits element by element (the conversion
-    is elementwise). Wider inputs (fp32 down to bf16 or FP8) go to Triton's code."""
+    fp16, bf16 to fp32 and back, every float constant of a bf16 op...) derives sign, exponent and mantissa of
+    every element in numpy. A conversion from 8 or 16 bits has at most 65536 inputs: here Triton's own function
+    converts all of them once per (from, to, rounding) and each later input is looked up, the same bits element
+    by element (the conversion is elementwise). A one-element input of more bits (a constant: ``other=0.0`` of
+    a bf16 load...) is converted by Triton's function once per value and kept (up to ``KEPT_SCALARS`` values);
+    other wider inputs (fp32 rows down to bf16 or FP8) go to Triton's code."""
     np, original = interp.np, getattr(interp, "_convert_float", None)
     if original is None or list(inspect.signature(original).parameters) != [
             "input", "input_dtype", "output_dtype", "rounding_mode"]:
         return
-    tables = {}
+    tables, scalars = {}, {}
 
     def _convert_float(input, input_dtype, output_dtype, rounding_mode):
         bits = input_dtype.primitive_bitwidth
         if bits not in (8, 16) or input.dtype.itemsize * 8 != bits:
-            return original(input, input_dtype, output_dtype, rounding_mode)
+            if input.size != 1 or input.dtype.itemsize * 8 != bits:
+                return original(input, input_dtype, output_dtype, rounding_mode)
+            key = (input.tobytes(), input_dtype.name, output_dtype.name, rounding_mode)
+            out = scalars.get(key)
+            if out is None:
+                out = original(input, input_dtype, output_dtype, rounding_mode)
+                if len(scalars) < KEPT_SCALARS:
+                    scalars[key] = out.reshape(-1).copy()
+                return out
+            return out.reshape(input.shape).copy()
         code_dtype = np.uint8 if bits == 8 else np.uint16
         key = (input_dtype.name, output_dtype.name, rounding_mode)
         table = tables.get(key)

@@ -25,7 +25,8 @@ def test_numpy_dtypes_are_tritons():
 
 def test_float_conversions_are_tritons_bit_for_bit():
     """Every code of the 8- and 16-bit conversions the kernels make (FP8 dot operands to fp16, bf16 to fp32)
-    and a few others, in the shapes of the kernels' tiles, strided views and 0-d; fp32 inputs pass through."""
+    and a few others, in the shapes of the kernels' tiles, strided views and 0-d; one-element fp32 inputs
+    (kept once converted: each is converted twice) and fp32 tiles (Triton's code)."""
     ours, tritons = _with_tritons("_convert_float")
     rtne = interp._ir.ROUNDING_MODE.RTNE
     rng = np.random.default_rng(0)
@@ -35,10 +36,11 @@ def test_float_conversions_are_tritons_bit_for_bit():
         bits = src.primitive_bitwidth
         every = np.arange(1 << min(bits, 16), dtype=f"uint{bits}")
         tile = rng.integers(0, 1 << min(bits, 16), size=(16, 128)).astype(f"uint{bits}")
-        for x in (every, tile, tile.T, tile[3, 5]):
+        for x in (every, tile, tile.T, tile[3, 5], tile[3:4, 5], tile[3:4, 5:6]):
             x = x.view(np.float16 if src == tl.float16 else np.float32 if bits == 32 else x.dtype)
-            a, b = ours(x, src, dst, rounding), tritons(x, src, dst, rounding)
-            assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes(), (src, dst, x.shape)
+            b = tritons(x, src, dst, rounding)
+            for a in (ours(x, src, dst, rounding), ours(x, src, dst, rounding)):
+                assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes(), (src, dst, x.shape)
 
 
 def test_block_shapes_are_tritons():
