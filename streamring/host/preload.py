@@ -72,6 +72,7 @@ class PreloadServer:
 
     def __init__(self, job_dir: Path, modules: tuple[str, ...], env: dict, num_ranks: int, argv: list[str]):
         self.path = str(job_dir / "preload.sock")
+        self.num_ranks = num_ranks
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         # bound and listening before mpiexec starts: a stub's connect succeeds at once (the backlog
         # holds it) while the server is still importing
@@ -93,9 +94,7 @@ class PreloadServer:
     def shared(cls, directory: Path, modules: tuple[str, ...], env: dict, num_ranks: int) -> "PreloadServer":
         """A server for job after job of ``num_ranks`` local ranks (module doc), listening in ``directory``;
         ended by :meth:`stop` or with the process that started it."""
-        server = cls(directory, modules, env, num_ranks, [f"(shared, {num_ranks} ranks)"])
-        server.num_ranks = num_ranks
-        return server
+        return cls(directory, modules, env, num_ranks, [f"(shared, {num_ranks} ranks)"])
 
     def export_env(self) -> dict:
         """What a job's environment holds to fork from this (shared) server."""
