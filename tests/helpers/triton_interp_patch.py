@@ -1,8 +1,9 @@
 """Triton's interpreter (``TRITON_INTERPRET=1``, the emulated device) without work whose result it never uses:
 its redundant re-patching of ``triton.language`` and its integer overflow checks whose verdict it drops
 (:func:`_skip_discarded_overflow_checks`), and with answers it derives again and again kept once derived
-(:func:`_memoize_numpy_dtypes`, :func:`_convert_small_floats_by_table`, :func:`_memoize_block_shapes`). Each
-computes exactly what Triton's own code computes.
+(:func:`_memoize_numpy_dtypes`, :func:`_convert_small_floats_by_table`, :func:`_memoize_block_shapes`,
+:func:`_keep_builtin_lists`), and with a lighter wrapper of each builtin (:func:`_lighter_builtin_wrappers`).
+Each computes exactly what Triton's own code computes.
 
 Every launch of a kernel patches ``triton.language`` for the interpreter (``interpreter._patch_lang``:
 ``inspect.getmembers`` over ``tl``, ``tl.core``, ``tl.math``, ``tl.tensor``... replacing each builtin by a
@@ -87,6 +88,8 @@ def install() -> bool:
     _memoize_numpy_dtypes(interp)
     _convert_small_floats_by_table(interp)
     _memoize_block_shapes(tl.core)
+    _keep_builtin_lists(interp)
+    _lighter_builtin_wrappers(interp)
     setattr(interp, _INSTALLED, True)
     return True
 
@@ -277,3 +280,54 @@ def _same_shapes(core, triton_block_init, triton_tensor_init,
     except Exception:  # (a comparison Triton's objects refuse)
         return False
     return True
+
+
+def _keep_builtin_lists(interp) -> None:
+    """The builtins each launch wraps for the interpreter (``_patch_builtin`` of ``tl``, ``tl.core``, ``tl.math``,
+    ``tl.tensor``...: every member ``tl.core.is_builtin`` names) without walking the package each time
+    (``inspect.getmembers``: sorting and reading every attribute, most of a launch's own cost). A package's list
+    of (name, builtin), in Triton's order, is taken from its first walk (before anything wrapped one of its
+    builtins: every wrapping goes through here) and reused while every name on it still holds its builtin;
+    then each is wrapped by ``_patch_attr`` as Triton's own loop does. A package some of whose builtins are
+    wrapped already (a device function's scope, never restored, or the other name of one class: ``tl.tensor``
+    is ``tl.core.tensor``) goes to Triton's code, which wraps only what is a builtin at that moment."""
+    original, patch_attr = getattr(interp, "_patch_builtin", None), getattr(interp, "_patch_attr", None)
+    if (original is None or patch_attr is None or list(inspect.signature(original).parameters) != [
+            "pkg", "builder", "scope"] or not callable(getattr(interp.tl.core, "is_builtin", None))):
+        return
+    is_builtin, kept = interp.tl.core.is_builtin, {}
+
+    def _patch_builtin(pkg, builder, scope):
+        members = kept.get(pkg)
+        if members is None:
+            members = kept[pkg] = [(name, member) for name, member in inspect.getmembers(pkg) if is_builtin(member)]
+        elif any(getattr(pkg, name, None) is not member for name, member in members):
+            return original(pkg, builder, scope)
+        for name, member in members:
+            interp._patch_attr(pkg, name, member, builder, scope)
+
+    _patch_builtin.__wrapped__ = original
+    interp._patch_builtin = _patch_builtin
+
+
+def _lighter_builtin_wrappers(interp) -> None:
+    """The wrapper ``_patch_attr`` puts around each builtin for a launch (it hands the builtin the interpreter's
+    semantic object in place of any ``_semantic`` the caller passed), called for nearly every interpreted op,
+    without building a filtered copy of the keyword arguments on every call: the caller's ``_semantic`` is
+    dropped from the call's own keyword dict. (Triton's wrapper also takes a ``member`` keyword, its own
+    default argument, which no builtin has.)"""
+    original = getattr(interp, "_patch_attr", None)
+    semantic = getattr(interp, "interpreter_semantic", None)
+    if original is None or semantic is None or list(inspect.signature(original).parameters) != [
+            "obj", "name", "member", "builder", "scope"]:
+        return
+
+    def _patch_attr(obj, name, member, builder, scope):
+        def new_member(*args, **kwargs):
+            kwargs.pop("_semantic", None)
+            return member(*args, **kwargs, _semantic=semantic)
+
+        scope.set_attr(obj, name, new_member)
+
+    _patch_attr.__wrapped__ = original
+    interp._patch_attr = _patch_attr
