@@ -37,7 +37,10 @@ from streamring.moe.weights import MoEWeights  # noqa: E402
 
 SERIAL = EPTuning(policy="serialized")
 
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU emulation; GPUs run tests/gpu/test_gpu_ep.py")
+pytestmark = [
+    pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU emulation; GPUs run tests/gpu/test_gpu_ep.py"),
+    pytest.mark.usefixtures("one_torch_thread"),  # (tests/conftest.py says why)
+]
 EMULATED = "the emulated device runs the layer's GPU kernels in Triton's CPU interpreter: 2 to 7 s a case on 2 cores"
 
 

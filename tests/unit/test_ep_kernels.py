@@ -39,6 +39,7 @@ from streamring.ring.layout import RingLayout, StreamPlan  # noqa: E402
 from bench import block_paths  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # (tests/conftest.py says why)
 R = 2
 
 
