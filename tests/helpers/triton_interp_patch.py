@@ -52,10 +52,18 @@ def install() -> bool:
         return False
     langs_of = [tl, tl.core]
     state = {"launching": False, "patched": None}  # a launch in progress; the modules its patch covers
+    langs_of_globals = {}  # id of a globals dict -> (the dict, its length, the modules _langs found in it)
 
     def _langs(fn) -> frozenset:
-        # the modules _patch_lang patches for fn (its own test: a module of fn's globals equal to tl or tl.core)
-        return frozenset(id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in langs_of)
+        # the modules _patch_lang patches for fn (its own test: a module of fn's globals equal to tl or tl.core),
+        # found again when fn's globals dict gains or loses a name (a module binds its imports once; the
+        # interpreter adds its own names at a function's first rewrite)
+        g = fn.__globals__
+        seen = langs_of_globals.get(id(g))
+        if seen is None or seen[0] is not g or seen[1] != len(g):
+            langs = frozenset(id(v) for v in g.values() if inspect.ismodule(v) and v in langs_of)
+            seen = langs_of_globals[id(g)] = (g, len(g), langs)
+        return seen[2]
 
     def _patch_lang(fn):
         patched, langs = state["patched"], _langs(fn)
@@ -286,11 +294,12 @@ def _keep_builtin_lists(interp) -> None:
     """The builtins each launch wraps for the interpreter (``_patch_builtin`` of ``tl``, ``tl.core``, ``tl.math``,
     ``tl.tensor``...: every member ``tl.core.is_builtin`` names) without walking the package each time
     (``inspect.getmembers``: sorting and reading every attribute, most of a launch's own cost). A package's list
-    of (name, builtin), in Triton's order, is taken from its first walk (before anything wrapped one of its
-    builtins: every wrapping goes through here) and reused while every name on it still holds its builtin;
-    then each is wrapped by ``_patch_attr`` as Triton's own loop does. A package some of whose builtins are
-    wrapped already (a device function's scope, never restored, or the other name of one class: ``tl.tensor``
-    is ``tl.core.tensor``) goes to Triton's code, which wraps only what is a builtin at that moment."""
+    of (name, builtin), in Triton's order, is taken from its first walk, before anything wrapped one of its
+    builtins (every wrapping goes through here). After it a name on the list holds its builtin or a wrapper
+    (a launch's, restored when the launch ends; a device function's scope, which Triton never restores; the
+    other name of one class: ``tl.tensor`` is ``tl.core.tensor``), and no other name gets a builtin; so the
+    builtins a walk would find now are the names on the list that hold theirs, and each of those is wrapped by
+    ``_patch_attr`` as Triton's own loop does."""
     original, patch_attr = getattr(interp, "_patch_builtin", None), getattr(interp, "_patch_attr", None)
     if (original is None or patch_attr is None or list(inspect.signature(original).parameters) != [
             "pkg", "builder", "scope"] or not callable(getattr(interp.tl.core, "is_builtin", None))):
@@ -301,10 +310,9 @@ def _keep_builtin_lists(interp) -> None:
         members = kept.get(pkg)
         if members is None:
             members = kept[pkg] = [(name, member) for name, member in inspect.getmembers(pkg) if is_builtin(member)]
-        elif any(getattr(pkg, name, None) is not member for name, member in members):
-            return original(pkg, builder, scope)
         for name, member in members:
-            interp._patch_attr(pkg, name, member, builder, scope)
+            if getattr(pkg, name, None) is member:
+                interp._patch_attr(pkg, name, member, builder, scope)
 
     _patch_builtin.__wrapped__ = original
     interp._patch_builtin = _patch_builtin
