@@ -199,8 +199,7 @@ def _memoize_block_shapes(core) -> None:
     Triton's own ``block_type`` constructor (which raises for a bad one as it always does) and each later
     block type or tensor of that shape gets equal attributes from it (its shape a fresh ``tl.tuple`` of shared
     immutable parts), a scalar tensor those of the scalar Triton's constructor made. Other shapes go to Triton's
-    constructors. Installed only where the
-    results equal Triton's (:func:`_same_shapes`)."""
+    constructors. Installed only where the results equal Triton's (:func:`_same_shapes`)."""
     block_type, tensor, tl_tuple, constexpr = core.block_type, core.tensor, core.tuple, core.constexpr
     triton_block_init, triton_tensor_init = block_type.__init__, tensor.__init__
     shapes = {}  # dims (a tuple of ints) -> (element count, as constexpr, the dims as constexprs, tuple type, str)
@@ -300,9 +299,10 @@ def _keep_builtin_lists(interp) -> None:
     other name of one class: ``tl.tensor`` is ``tl.core.tensor``), and no other name gets a builtin; so the
     builtins a walk would find now are the names on the list that hold theirs, and each of those is wrapped by
     ``_patch_attr`` as Triton's own loop does."""
-    original, patch_attr = getattr(interp, "_patch_builtin", None), getattr(interp, "_patch_attr", None)
-    if (original is None or patch_attr is None or list(inspect.signature(original).parameters) != [
-            "pkg", "builder", "scope"] or not callable(getattr(interp.tl.core, "is_builtin", None))):
+    original = getattr(interp, "_patch_builtin", None)
+    if (original is None or not callable(getattr(interp, "_patch_attr", None))
+            or list(inspect.signature(original).parameters) != ["pkg", "builder", "scope"]
+            or not callable(getattr(interp.tl.core, "is_builtin", None))):
         return
     is_builtin, kept = interp.tl.core.is_builtin, {}
 
