@@ -103,6 +103,22 @@ QUICK_MUST_RUN = ("2-rank run", "stress config")
 SLOW_S = 30.0
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """torch on one thread while a module runs (then as before), for the modules of the emulated device
+    (``pytestmark = pytest.mark.usefixtures("one_torch_thread")``): Triton's interpreter runs their kernels
+    in numpy on one core, and their tensors are small (weights of a few experts, a buffer's rows), so a
+    second torch thread adds only its hand-offs: every op above torch's grain (32k elements) waits for it,
+    and on the 2-core machine with anything else running that wait is a spin of up to milliseconds
+    (MoEWeights.random of 8 experts: 0.14-0.95 s against 0.018 s on one thread)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def pytest_addoption(parser):
     parser.addoption("--quick", action="store_true", default=False,
                      help="the edit loop: the in-process tests not marked slow, plus the tests marked quick "

@@ -1,8 +1,9 @@
 """Triton's interpreter (``TRITON_INTERPRET=1``, the emulated device) without work whose result it never uses:
 its redundant re-patching of ``triton.language`` and its integer overflow checks whose verdict it drops
 (:func:`_skip_discarded_overflow_checks`), and with answers it derives again and again kept once derived
-(:func:`_memoize_numpy_dtypes`, :func:`_convert_small_floats_by_table`, :func:`_memoize_block_shapes`). Each
-computes exactly what Triton's own code computes.
+(:func:`_memoize_numpy_dtypes`, :func:`_convert_small_floats_by_table`, :func:`_memoize_block_shapes`,
+:func:`_keep_builtin_lists`), and with a lighter wrapper of each builtin (:func:`_lighter_builtin_wrappers`).
+Each computes exactly what Triton's own code computes.
 
 Every launch of a kernel patches ``triton.language`` for the interpreter (``interpreter._patch_lang``:
 ``inspect.getmembers`` over ``tl``, ``tl.core``, ``tl.math``, ``tl.tensor``... replacing each builtin by a
@@ -51,10 +52,18 @@ def install() -> bool:
         return False
     langs_of = [tl, tl.core]
     state = {"launching": False, "patched": None}  # a launch in progress; the modules its patch covers
+    langs_of_globals = {}  # id of a globals dict -> (the dict, its length, the modules _langs found in it)
 
     def _langs(fn) -> frozenset:
-        # the modules _patch_lang patches for fn (its own test: a module of fn's globals equal to tl or tl.core)
-        return frozenset(id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in langs_of)
+        # the modules _patch_lang patches for fn (its own test: a module of fn's globals equal to tl or tl.core),
+        # found again when fn's globals dict gains or loses a name (a module binds its imports once; the
+        # interpreter adds its own names at a function's first rewrite)
+        g = fn.__globals__
+        seen = langs_of_globals.get(id(g))
+        if seen is None or seen[0] is not g or seen[1] != len(g):
+            langs = frozenset(id(v) for v in g.values() if inspect.ismodule(v) and v in langs_of)
+            seen = langs_of_globals[id(g)] = (g, len(g), langs)
+        return seen[2]
 
     def _patch_lang(fn):
         patched, langs = state["patched"], _langs(fn)
@@ -87,6 +96,8 @@ def install() -> bool:
     _memoize_numpy_dtypes(interp)
     _convert_small_floats_by_table(interp)
     _memoize_block_shapes(tl.core)
+    _keep_builtin_lists(interp)
+    _lighter_builtin_wrappers(interp)
     setattr(interp, _INSTALLED, True)
     return True
 
@@ -188,8 +199,7 @@ def _memoize_block_shapes(core) -> None:
     Triton's own ``block_type`` constructor (which raises for a bad one as it always does) and each later
     block type or tensor of that shape gets equal attributes from it (its shape a fresh ``tl.tuple`` of shared
     immutable parts), a scalar tensor those of the scalar Triton's constructor made. Other shapes go to Triton's
-    constructors. Installed only where the
-    results equal Triton's (:func:`_same_shapes`)."""
+    constructors. Installed only where the results equal Triton's (:func:`_same_shapes`)."""
     block_type, tensor, tl_tuple, constexpr = core.block_type, core.tensor, core.tuple, core.constexpr
     triton_block_init, triton_tensor_init = block_type.__init__, tensor.__init__
     shapes = {}  # dims (a tuple of ints) -> (element count, as constexpr, the dims as constexprs, tuple type, str)
@@ -277,3 +287,55 @@ def _same_shapes(core, triton_block_init, triton_tensor_init,
     except Exception:  # (a comparison Triton's objects refuse)
         return False
     return True
+
+
+def _keep_builtin_lists(interp) -> None:
+    """The builtins each launch wraps for the interpreter (``_patch_builtin`` of ``tl``, ``tl.core``, ``tl.math``,
+    ``tl.tensor``...: every member ``tl.core.is_builtin`` names) without walking the package each time
+    (``inspect.getmembers``: sorting and reading every attribute, most of a launch's own cost). A package's list
+    of (name, builtin), in Triton's order, is taken from its first walk, before anything wrapped one of its
+    builtins (every wrapping goes through here). After it a name on the list holds its builtin or a wrapper
+    (a launch's, restored when the launch ends; a device function's scope, which Triton never restores; the
+    other name of one class: ``tl.tensor`` is ``tl.core.tensor``), and no other name gets a builtin; so the
+    builtins a walk would find now are the names on the list that hold theirs, and each of those is wrapped by
+    ``_patch_attr`` as Triton's own loop does."""
+    original = getattr(interp, "_patch_builtin", None)
+    if (original is None or not callable(getattr(interp, "_patch_attr", None))
+            or list(inspect.signature(original).parameters) != ["pkg", "builder", "scope"]
+            or not callable(getattr(interp.tl.core, "is_builtin", None))):
+        return
+    is_builtin, kept = interp.tl.core.is_builtin, {}
+
+    def _patch_builtin(pkg, builder, scope):
+        members = kept.get(pkg)
+        if members is None:
+            members = kept[pkg] = [(name, member) for name, member in inspect.getmembers(pkg) if is_builtin(member)]
+        for name, member in members:
+            if getattr(pkg, name, None) is member:
+                interp._patch_attr(pkg, name, member, builder, scope)
+
+    _patch_builtin.__wrapped__ = original
+    interp._patch_builtin = _patch_builtin
+
+
+def _lighter_builtin_wrappers(interp) -> None:
+    """The wrapper ``_patch_attr`` puts around each builtin for a launch (it hands the builtin the interpreter's
+    semantic object in place of any ``_semantic`` the caller passed), called for nearly every interpreted op,
+    without building a filtered copy of the keyword arguments on every call: the caller's ``_semantic`` is
+    dropped from the call's own keyword dict. (Triton's wrapper also takes a ``member`` keyword, its own
+    default argument, which no builtin has.)"""
+    original = getattr(interp, "_patch_attr", None)
+    semantic = getattr(interp, "interpreter_semantic", None)
+    if original is None or semantic is None or list(inspect.signature(original).parameters) != [
+            "obj", "name", "member", "builder", "scope"]:
+        return
+
+    def _patch_attr(obj, name, member, builder, scope):
+        def new_member(*args, **kwargs):
+            kwargs.pop("_semantic", None)
+            return member(*args, **kwargs, _semantic=semantic)
+
+        scope.set_attr(obj, name, new_member)
+
+    _patch_attr.__wrapped__ = original
+    interp._patch_attr = _patch_attr

@@ -37,6 +37,7 @@ from streamring.moe.math import MoEShape  # noqa: E402
 from bench import block_paths  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # (tests/conftest.py says why)
 
 
 def small_shape(**kw) -> MoEShape:

@@ -39,6 +39,7 @@ from streamring.ring.layout import RingLayout, StreamPlan  # noqa: E402
 from bench import block_paths  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # (tests/conftest.py says why)
 R = 2
 
 
@@ -159,6 +160,22 @@ def setup():
     return shape, fw, xs, refs
 
 
+@pytest.fixture(scope="module")
+def ep_runs(setup):
+    """``ep_runs(chunk, per_source)``: :func:`run_ep`'s ``(outs, pes)`` for the module's inputs in the plain
+    dispatch orders, run once per (chunk, order) in a module and shared by the tests that check them (they
+    only read the outputs, counters and block bookkeeping)."""
+    shape, fw, xs, _ = setup
+    runs = {}
+
+    def run(chunk, per_source=False):
+        if (chunk, per_source) not in runs:
+            runs[chunk, per_source] = run_ep(shape, fw, xs, chunk, per_source=per_source)
+        return runs[chunk, per_source]
+
+    return run
+
+
 def _bits(t):
     return t.contiguous().view(torch.int16)
 
@@ -169,9 +186,9 @@ EP_CASES = [(9, False), (4, False), (1, False), (4, True)]
 @pytest.mark.parametrize("chunk,per_source", quick_subset(
     EP_CASES, quick=[(4, True)], reason="Triton's CPU interpreter runs the GPU kernels here, 1 to 3 s a case on 2 cores",
     ids=[f"{c}-{p}" for c, p in EP_CASES]))
-def test_ep_data_path_equals_the_single_process_batch_bitwise(setup, chunk, per_source):
+def test_ep_data_path_equals_the_single_process_batch_bitwise(setup, ep_runs, chunk, per_source):
     shape, fw, xs, refs = setup
-    outs, pes = run_ep(shape, fw, xs, chunk, per_source=per_source)
+    outs, pes = ep_runs(chunk, per_source)
     for r in range(R):
         assert torch.equal(_bits(outs[r]), _bits(refs[r])), f"owner {r}, chunk {chunk}: differs from the batch path"
         assert int(pes[r].bad.item()) == 0
@@ -188,13 +205,13 @@ GROUPED_CASES = [(9, "all-in-one-step", "route"), (4, "one-per-step", "token"), 
 @pytest.mark.parametrize("chunk,grouping,pull", quick_subset(
     GROUPED_CASES, quick=[(4, "all-in-one-step", "token")],
     reason="Triton's CPU interpreter runs the GPU kernels here, 1 to 3 s a case on 2 cores"))
-def test_grouped_ready_steps_equal_the_single_process_batch_bitwise(setup, chunk, grouping, pull):
+def test_grouped_ready_steps_equal_the_single_process_batch_bitwise(setup, ep_runs, chunk, grouping, pull):
     """The ready order's grouped steps: -1 places of a step's source list dispatch nothing, the seal
     decided on the device (no source pending after the last chunk's step) puts the partial blocks into
     that step's GEMM call, and the closing seal adds nothing; every row is still stored once."""
     shape, fw, xs, refs = setup
     outs, pes = run_ep(shape, fw, xs, chunk, grouped=GROUPED[grouping], pull=pull)
-    ref_pes = run_ep(shape, fw, xs, chunk, per_source=True)[1]
+    ref_pes = ep_runs(chunk, per_source=True)[1]
     for r in range(R):
         assert torch.equal(_bits(outs[r]), _bits(refs[r])), f"owner {r}, chunk {chunk}: differs from the batch path"
         assert int(pes[r].bad.item()) == 0
@@ -244,9 +261,9 @@ def test_corrupt_routes_are_counted_and_never_indexed(setup):
 
 
 @pytest.mark.slow(reason="Triton's CPU interpreter runs the GPU kernels here, 1 to 3 s a case on 2 cores")
-def test_rows_past_valid_and_other_pes_routes_are_not_dispatched(setup):
+def test_rows_past_valid_and_other_pes_routes_are_not_dispatched(setup, ep_runs):
     shape, fw, xs, _ = setup
-    _, pes = run_ep(shape, fw, xs, 4)
+    _, pes = ep_runs(4)
     total_routes = sum(x.shape[0] for x in xs) * shape.topk  # every (token, k), each served by exactly one PE
     assert sum(int((p.bc.row_src >= 0).sum()) for p in pes) == total_routes
     for p in pes:  # every copied row is one of this PE's experts' and has a valid owner and combine row

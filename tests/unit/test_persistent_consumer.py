@@ -48,6 +48,7 @@ from streamring.moe.math import MoEShape  # noqa: E402
 from streamring.moe.work_queue import WorkQueue  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # (tests/conftest.py says why)
 SHORT_NS = 50_000  # a deadline that expires fast (50 spins under the interpreter)
 
 

@@ -4,7 +4,12 @@ installed, as on a GPU, each is compared with itself)."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
+import pytest
+import torch
+import triton
 import triton.language as tl
 from triton.runtime import interpreter as interp
 
@@ -53,3 +58,61 @@ def test_block_shapes_are_tritons():
     shapes = ([1], [16], [128], [16, 128], [128, 128], [64, 1], [2, 1, 4], [3], [16, 24], (16, 128), [])
     assert _same_shapes(core, getattr(block_init, "__wrapped__", block_init),
                         getattr(tensor_init, "__wrapped__", tensor_init), shapes)
+
+
+def test_builtin_wrappers_call_the_builtin_as_tritons_do():
+    """The wrapper ``_patch_attr`` installs passes the arguments on and the interpreter's semantic object in place
+    of a caller's ``_semantic``, as Triton's wrapper does."""
+    ours, tritons = _with_tritons("_patch_attr")
+    calls = []
+
+    class Holder:
+        pass
+
+    class Scope:
+        def set_attr(self, obj, name, value):
+            setattr(obj, name, value)
+
+    def builtin(*args, **kwargs):
+        calls.append((args, kwargs))
+        return len(calls)
+
+    for patch_attr in (ours, tritons):
+        patch_attr(Holder, "op", builtin, None, Scope())
+        assert Holder.op(1, 2, k=3, _semantic="the caller's") == len(calls)
+        assert Holder.op(4) == len(calls)
+    assert calls[:2] == calls[2:] == [((1, 2), {"k": 3, "_semantic": interp.interpreter_semantic}),
+                                      ((4,), {"_semantic": interp.interpreter_semantic})]
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the kernels are compiled here: no interpreter")
+def test_launches_wrap_the_builtins_tritons_walk_wraps(monkeypatch):
+    """Every attribute each launch wraps (and what it held), for a kernel whose device functions wrap more
+    (``tl.sum``, ``tl.cumsum``: triton.language.standard, whose wrapping of ``tl.core`` Triton never undoes, so
+    a first launch in a process wraps more than later ones: one comes first), launched twice: the same with
+    the kept builtin lists as with Triton's walk of every package at every launch."""
+    ours, tritons = _with_tritons("_patch_builtin")
+    sets = []
+    real_set_attr = interp._LangPatchScope.set_attr
+
+    def set_attr(self, obj, name, value):
+        sets[-1].append((getattr(obj, "__name__", repr(obj)), name, type(getattr(obj, name, None)).__name__))
+        return real_set_attr(self, obj, name, value)
+
+    monkeypatch.setattr(interp._LangPatchScope, "set_attr", set_attr)
+    x = torch.arange(64, dtype=torch.int32)
+    for patch_builtin in (tritons, tritons, ours, tritons):
+        monkeypatch.setattr(interp, "_patch_builtin", patch_builtin)
+        sets.append([])
+        for _ in range(2):
+            out = torch.zeros(2, dtype=torch.int32)
+            _sums[(1,)](x, out, N=64)
+            assert out.tolist() == [2016, 2016]
+    assert sets[1] and sets[1] == sets[2] == sets[3]
+
+
+@triton.jit
+def _sums(x_ptr, out_ptr, N: tl.constexpr):
+    v = tl.load(x_ptr + tl.arange(0, N))
+    tl.store(out_ptr, tl.sum(v, axis=0))
+    tl.store(out_ptr + 1, tl.max(tl.cumsum(v, axis=0), axis=0))
