@@ -1,14 +1,14 @@
 """Which SMs this process's kernels run on: one CTA per reported SM (and twice as many), each spinning for a
 while and writing its ``%smid``; prints one line (``label``, SMs reported, distinct SM ids used, the ids).
 
-Run as two MPS clients at once (launch/mps_partition_probe.sh): their id sets overlap under
-``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` (a cap on how many SMs a client holds at once, not which) and are
-disjoint under static SM partitions (``CUDA_MPS_SM_PARTITION``), which is what two GPUs would give.
+Run as two MPS clients at once (launch/mps_partition_probe.sh): under ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``
+both clients report the same ids (``%smid`` as MPS numbers a client's SMs, which does not say whether the SMs
+are the same); static SM partitions (``CUDA_MPS_SM_PARTITION``, MPS 13.1 and later) are meant to give disjoint
+ones.
 
-The ids of small CTAs cannot tell whether two clients' *heavy* grids share SMs (many small CTAs fit on one
-SM), so ``--matmul N`` instead times bf16 ``N x N`` matmuls (compute bound, every SM busy): a client alone and
-two clients at once under the same percentage take the same time when the clients hold SMs of their own, and
-about twice as long when they share them.
+The ids cannot tell whether two clients' grids share SMs, so ``--matmul N`` instead times bf16 ``N x N``
+matmuls (compute bound, every SM busy): a client alone and two clients at once under the same percentage take
+the same time when the clients hold SMs of their own, and about twice as long when they share them.
 
     python -m bench.sm_ids --label client0 [--spin-us 200000]
     python -m bench.sm_ids --label client0 --matmul 8192 [--iters 40] [--start-at T]
