@@ -11,7 +11,8 @@ listens on a Unix socket in the job directory.
 directory, CPU affinity and open file descriptors (stdio and Hydra's PMI socket). The server forks;
 the fork takes all of that over (the descriptors at the same numbers) and runs ``python -m
 streamring`` (or the script of ``--script PATH``) as the stub would have. So every rank is still its own
-process with its own MPI rank; after the fork it shares nothing with the others but copy-on-write pages of the imported modules.
+process with its own MPI rank; after the fork it shares nothing with the others but copy-on-write pages of
+the imported modules.
 
 The stub exits as its fork does and forwards its signals to it; the fork kills itself when its stub
 is gone (Hydra's cleanup kills the stubs); the server exits when the launcher does.
@@ -20,9 +21,10 @@ A *shared* server (:meth:`PreloadServer.shared`) serves job after job of one ran
 many short local jobs one after another (a sweep, a test suite) starts one per rank count it uses and exports
 them in ``STREAMRING_PRELOAD_SERVER`` (:meth:`PreloadServer.export_env`, entries joined by commas); every local
 job of that environment and rank count then forks its ranks from it instead of importing the modules again
-(the rank count is the server's: libraries fix defaults from it when they load, see ``MPI_LOCALNRANKS`` below). It serves one job at a time: a stub of another job while ranks of one are
-alive is refused (its rank starts as a plain interpreter), so the launcher's account of the files its job
-holds (the server's forks while it runs) is never another job's. Its modules were imported in its own
+(the rank count is the server's: libraries fix defaults from it when they load, see ``MPI_LOCALNRANKS``
+below). It serves one job at a time: a stub of another job while ranks of one are alive is refused (its rank
+starts as a plain interpreter), so the launcher's account of the files its job holds (the server's forks while
+it runs) is never another job's. Its modules were imported in its own
 environment: export it only to jobs that would import them the same way. The launcher
 counts the server's process tree as part of the job (its files are recorded and removed, its
 processes reaped). ``STREAMRING_PRELOAD=0`` turns it off: every rank is then a fresh interpreter.
