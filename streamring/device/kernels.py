@@ -16,6 +16,7 @@ Imports of cuda.core are lazy: this module imports without a GPU.
 from __future__ import annotations
 
 import functools
+import os
 import re
 from pathlib import Path
 
@@ -131,8 +132,9 @@ class DeviceLibrary:
         self._launch = launch
         self._configs: dict = {}
 
-    def launch(self, stream, name: str, grid: int, block: int, **params) -> None:
-        """Launch kernel ``name`` on ``stream`` with keyword ``params`` (checked against its C signature)."""
+    def launch(self, stream, name: str, grid: int | tuple, block: int, **params) -> None:
+        """Launch kernel ``name`` on ``stream`` with keyword ``params`` (checked against its C signature);
+        ``grid`` an int or an (x, y) tuple."""
         args = marshal(name, params)
         cfg = self._configs.get((grid, block))
         if cfg is None:
@@ -292,13 +294,34 @@ def ep_signal_arrivals(lib, stream, *, d: int, comb: int, comb_peers: int, me: i
                    hi_index=hi_index, row_src=row_src, row_chunk=row_chunk, block_m=block_m)
 
 
+#: ``ep_put_rows`` splits a block's rows over more CTAs while the grid has fewer than this many
+PUT_ROWS_TARGET_CTAS = 256
+#: the fewest rows one of its CTAs copies (two per warp of a 256-thread CTA)
+PUT_ROWS_MIN_ROWS = 16
+
+
+def put_rows_parts(block_m: int, max_items: int) -> int:
+    """CTAs per ready block of ``ep_put_rows``: 1 where ``max_items`` blocks already fill
+    :data:`PUT_ROWS_TARGET_CTAS` CTAs (prefill sizes: the grid is unchanged), more where a decode forward has
+    few blocks, at least :data:`PUT_ROWS_MIN_ROWS` rows each. ``STREAMRING_PUT_ROWS_PARTS`` (a positive int,
+    at most ``block_m``) fixes it, for an A/B in one run."""
+    forced = os.environ.get("STREAMRING_PUT_ROWS_PARTS")
+    if forced:
+        if not forced.isdigit() or not 1 <= int(forced) <= block_m:
+            raise ValueError(f"STREAMRING_PUT_ROWS_PARTS must be an int in [1, block_m={block_m}], got {forced!r}")
+        return int(forced)
+    return max(1, min(block_m // PUT_ROWS_MIN_ROWS, PUT_ROWS_TARGET_CTAS // max(1, max_items)))
+
+
 def ep_put_rows(lib, stream, *, d: int, comb: int, comb_peers: int, me: int, off_arrived: int, off_rows: int,
                 y_stage: int, hidden: int, ready_list: int, ready_hi: int, lo_index: int, hi_index: int, row_src: int,
                 row_tok: int, row_chunk: int, block_m: int, max_items: int, block: int = 256) -> None:
     """Copy the ready blocks' rows from the staging rows into their owners' combine rows, then add the counts:
-    through the peer pointers ``comb_peers`` (P2P), or NVSHMEM puts where it is 0."""
+    through the peer pointers ``comb_peers`` (P2P), or NVSHMEM puts where it is 0. Grid
+    ``(max_items, put_rows_parts(block_m, max_items))``: each CTA a part of one block's rows."""
     if max_items > 0:
-        lib.launch(stream, "ep_put_rows", max_items, block, d=d, comb=comb, comb_peers=comb_peers, me=me,
+        grid = (max_items, put_rows_parts(block_m, max_items))
+        lib.launch(stream, "ep_put_rows", grid, block, d=d, comb=comb, comb_peers=comb_peers, me=me,
                    off_arrived=off_arrived,
                    off_rows=off_rows, y_stage=y_stage, hidden=hidden, ready_list=ready_list, ready_hi=ready_hi,
                    lo_index=lo_index, hi_index=hi_index, row_src=row_src, row_tok=row_tok, row_chunk=row_chunk,

@@ -108,7 +108,7 @@ class EmulatedLibrary:
     def __init__(self):
         self.launches: list[str] = []
 
-    def launch(self, stream, name: str, grid: int, block: int, **params) -> None:
+    def launch(self, stream, name: str, grid: int | tuple, block: int, **params) -> None:
         DKN.marshal(name, params)  # the C signature, exactly as on the GPU
         self.launches.append(name)
         getattr(self, name)(grid, **params)
@@ -288,15 +288,19 @@ class EmulatedLibrary:
     def ep_put_rows(self, grid, *, d, comb, comb_peers, me, off_arrived, off_rows, y_stage, hidden, ready_list, ready_hi,
                     lo_index, hi_index, row_src, row_tok, row_chunk, block_m):
         row_bytes = hidden * 2
-        for bid in self._ready_blocks(grid, ready_list, ready_hi, lo_index, hi_index):
+        blocks, parts = grid  # CTA (b, p): part p of block b's rows, its own count ADDs (as the kernel)
+        per_part = -(-block_m // parts)
+        for bid in self._ready_blocks(blocks, ready_list, ready_hi, lo_index, hi_index):
             src = words(row_src + bid * block_m * 4, block_m, np.int32)
             tok = words(row_tok + bid * block_m * 8, block_m, np.int64)
-            for i in range(block_m):
-                if src[i] >= 0:
-                    ctypes.memmove(comb + off_rows + int(tok[i]) * row_bytes, y_stage + (bid * block_m + i) * row_bytes,
-                                   row_bytes)
-            for s, chunk, n in self._runs(row_src, row_chunk, bid * block_m, block_m):
-                words(comb + off_arrived + chunk * 8, 1, np.uint64)[0] += np.uint64(n)
+            for r0 in range(0, block_m, per_part):
+                r1 = min(block_m, r0 + per_part)
+                for i in range(r0, r1):
+                    if src[i] >= 0:
+                        ctypes.memmove(comb + off_rows + int(tok[i]) * row_bytes,
+                                       y_stage + (bid * block_m + i) * row_bytes, row_bytes)
+                for s, chunk, n in self._runs(row_src, row_chunk, bid * block_m + r0, r1 - r0):
+                    words(comb + off_arrived + chunk * 8, 1, np.uint64)[0] += np.uint64(n)
 
     def ep_pull_slots(self, grid, *, d, buf, mirror, mirror_stride, src_list, chunk):
         D = Desc(d)

@@ -63,7 +63,10 @@ extern "C" __global__ void SR_ONE_WARP ep_signal_arrivals(const RingDesc* d, uin
 
 // Consumer, after the L2 kernel of the ready range wrote its rows into the local staging rows
 // y[row][hidden] (bf16): copy each valid row into its owner's combine rows[token*topk + k] (row_tok),
-// then add the runs' counts to the owners' arrived words. Grid = max_items, one block per ready block.
+// then add the runs' counts to the owners' arrived words. Grid = (max_items, parts): CTA (b, p) copies part p
+// of ready block b's rows (block_m / parts rows, rounded up) and adds only its part's counts, after its own
+// stores are fenced, so each ADD still publishes rows that are complete; several parts per block put more
+// CTAs on the copy where a decode forward has few blocks (one CTA per block left most SMs idle).
 // P2P (comb_peers given: every owner's combine area is load/store reachable): each warp copies whole
 // rows with 16-byte stores through the peer pointer; every thread fences (system scope) after its
 // stores, the block barrier follows, and thread 0's release ADD (P2pX::signal_add) publishes the
@@ -82,12 +85,15 @@ extern "C" __global__ void ep_put_rows(const RingDesc* d, uint8_t* comb, const u
                                        const int64_t* row_tok, const int* row_chunk, int block_m) {
     const int lo = ready_hi[lo_index], hi = ready_hi[hi_index];
     if ((int)blockIdx.x >= hi - lo) return;
+    const int per_part = (block_m + (int)gridDim.y - 1) / (int)gridDim.y;
+    const int r0 = (int)blockIdx.y * per_part, r1 = min(block_m, r0 + per_part);
+    if (r0 >= r1) return;
     const int64_t bid = ready_list[lo + blockIdx.x];
     const int64_t row_bytes = hidden * 2;
     if (SR_P2P_ROW_COPY && comb_peers) {
         const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
         const int64_t vecs = row_bytes / 16;
-        for (int i = warp; i < block_m; i += warps) {
+        for (int i = r0 + warp; i < r1; i += warps) {
             const int64_t row = bid * block_m + i;
             const int src = row_src[row];
             if (src < 0) continue;  // padding row of a sealed partial block
@@ -97,7 +103,7 @@ extern "C" __global__ void ep_put_rows(const RingDesc* d, uint8_t* comb, const u
         }
         __threadfence_system();  // this thread's row stores before the barrier and the release ADD
     } else {
-        for (int i = 0; i < block_m; ++i) {
+        for (int i = r0; i < r1; ++i) {
             const int64_t row = bid * block_m + i;
             const int src = row_src[row];
             if (src < 0) continue;  // padding row of a sealed partial block
@@ -109,7 +115,7 @@ extern "C" __global__ void ep_put_rows(const RingDesc* d, uint8_t* comb, const u
     __syncthreads();
     if (threadIdx.x != 0) return;
     uint64_t* arrived = (uint64_t*)(comb + off_arrived);
-    SR_WITH_TRANSPORT(comb, me, comb_peers, for_each_run(row_src, row_chunk, bid * block_m, block_m,
+    SR_WITH_TRANSPORT(comb, me, comb_peers, for_each_run(row_src, row_chunk, bid * block_m + r0, r1 - r0,
                                                          [&](int src, int chunk, uint64_t n) {
                                                              x.signal_add(arrived + chunk, n, src);
                                                          }));
