@@ -93,8 +93,8 @@ def choose(tokens: int, table: dict | None = None, *, gemm: str | None = None, r
     for that setting). ``block_m`` (the buffer's block size): where a row of that block size lies within 2x of
     ``tokens``, only the rows of that block size decide (at decode sizes the block size decides which path
     wins); otherwise the rows of the other block sizes, nearest in tokens, of one token count the nearest
-    block size. A streamed row whose chunks would hold
-    fewer than ``min_chunk_tokens`` tokens at this count gives the batch path."""
+    block size. A streamed row whose chunks would hold fewer than ``min_chunk_tokens`` tokens at this count
+    gives the batch path."""
     if not isinstance(tokens, int) or tokens < 1:
         raise ValueError(f"tokens must be a positive int, got {tokens!r}")
     t = table if table is not None else load_table()
@@ -112,7 +112,7 @@ def choose(tokens: int, table: dict | None = None, *, gemm: str | None = None, r
                                    f"per PE: the batch path")
     # among rows of one token count, the block size nearest the buffer's is taken (the last in this order)
     rows = sorted(rows, key=lambda r: (r["tokens"], -abs(int(r["block_m"]) - (block_m or 0))))
-    row = rows[0]
+    row = [r for r in rows if r["tokens"] == rows[0]["tokens"]][-1]  # below every row: the smallest count's
     for r in rows:
         if r["tokens"] <= tokens:
             row = r

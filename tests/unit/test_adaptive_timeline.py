@@ -68,6 +68,9 @@ def test_the_rows_of_the_buffers_block_size_decide_near_their_token_counts():
     # no row of its own block size: the rows of every size, of one token count the nearest block size
     assert pick(256, 112).path == "streamed" and pick(256, 80).path == "batch"
     assert pick(256, None).block_m == 64  # no block size given: the smallest distance to 0
+    # below every row: the smallest token count's row of the nearest block size
+    table["rows"] = [row(1024, 128, "streamed"), row(1024, 64, "batch")]
+    assert pick(16, 112).path == "streamed" and pick(16, 80).path == "batch"
 
 
 def test_make_adaptive_table_reads_the_ep_layer_benchmark(tmp_path):
