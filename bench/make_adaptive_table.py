@@ -6,7 +6,7 @@
 
 Two input forms: the expert-parallel layer benchmark (``python -m bench.ep_layer``: one row per
 measured path) and the older single-layer benchmark (rows with ``batch`` and ``streamed`` lists).
-For every (token count per rank, GEMM, ranks, experts per PE): the fastest streamed configuration that
+For every (token count per rank, GEMM, ranks, experts per PE, block size): the fastest streamed configuration that
 passed its checks (bitwise equal to batch, no ring violation or timeout), with no late rank and uniform
 routing, if it beat the batch path of the same run (streamed/batch < 1 - margin), else the batch path
 (one chunk). Results older than the ``experts_per_pe`` key put DeepSeek-V3's 256 experts on their ranks. ``FILE:GEMM`` names the GEMM of rows that do not record a resolved one (results older
@@ -65,14 +65,16 @@ def _ep_rows(bench: dict, gemm_default: str | None, margin: float) -> list[dict]
         gemm = r.get("gemm")
         gemm = gemm_default if gemm in (None, "auto") and gemm_default else gemm
         ranks = int(r.get("ranks", 1))
-        key = (int(r["tokens_per_rank"]), gemm, ranks, int(r.get("experts_per_pe") or 256 // ranks))
+        key = (int(r["tokens_per_rank"]), gemm, ranks, int(r.get("experts_per_pe") or 256 // ranks),
+               int(r.get("block_m") or 0))
         plan = ("batch",) if r["path"] == "batch" else ("streamed",) + tuple(r.get(k) for k in PLAN_KEYS)
         on_time_streamed = r["path"] == "streamed" and _case(r) == (0.0, None, 0.0)
         if on_time_streamed and not (r.get("ok") and r.get("bitwise_equal_to_batch")):
             continue  # a plan that failed a check is no candidate (nor are its late rows, without this one)
         groups.setdefault(key, {}).setdefault(plan, {})[_case(r)] = r
     rows = []
-    for (tokens, gemm, ranks, epp), plans in sorted(groups.items(), key=lambda kv: (kv[0][0], str(kv[0][1]), kv[0][2:])):
+    for (tokens, gemm, ranks, epp, _bm), plans in sorted(groups.items(),
+                                                       key=lambda kv: (kv[0][0], str(kv[0][1]), kv[0][2:])):
         batch = plans.get(("batch",))
         if batch is None or (0.0, None, 0.0) not in batch:
             continue
@@ -145,12 +147,15 @@ def main(argv=None) -> int:
         if not Path(path).is_file():
             ap.error(f"bench_json: no such file {path!r}")
         tables.append(build(json.loads(Path(path).read_text()), spec, args.margin, gemm or None))
-    # a later file supersedes an earlier one's row for the same setting (tokens, GEMM, ranks, experts per PE)
-    latest = {(r["tokens"], r.get("gemm"), r.get("ranks"), r.get("experts_per_pe")): r for t in tables for r in t["rows"]}
+    # a later file supersedes an earlier one's row for the same setting (tokens, GEMM, ranks, experts per PE,
+    # block size)
+    latest = {(r["tokens"], r.get("gemm"), r.get("ranks"), r.get("experts_per_pe"), r.get("block_m")): r
+              for t in tables for r in t["rows"]}
     table = {"device": tables[0].get("device"), "source": " ".join(args.bench_json), "margin": args.margin,
              "produced_by": "python3 -m bench.make_adaptive_table " + " ".join(args.bench_json),
              "rows": sorted(latest.values(),
-                            key=lambda x: (x["tokens"], str(x.get("gemm")), x.get("ranks", 0), x.get("experts_per_pe", 0)))}
+                            key=lambda x: (x["tokens"], str(x.get("gemm")), x.get("ranks", 0), x.get("experts_per_pe", 0),
+                                           x.get("block_m", 0)))}
     Path(args.out).write_text(json.dumps(table, indent=1) + "\n")
     for r in table["rows"]:
         where = f" ({r['gemm']}, {r['ranks']} ranks, {r.get('experts_per_pe')} experts per PE)" if "gemm" in r else ""

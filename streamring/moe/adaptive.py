@@ -84,25 +84,35 @@ def load_table(path: str | Path = DEFAULT_TABLE) -> dict:
 
 
 def choose(tokens: int, table: dict | None = None, *, gemm: str | None = None, ranks: int | None = None,
-           experts_per_pe: int | None = None, min_chunk_tokens: int = 16) -> AdaptiveChoice:
+           experts_per_pe: int | None = None, block_m: int | None = None,
+           min_chunk_tokens: int = 16) -> AdaptiveChoice:
     """The batch path or a streamed plan for ``tokens`` tokens (per rank), from ``table`` (default: the
     repo's tuned table). ``gemm``, ``ranks`` and ``experts_per_pe`` keep the rows measured with that GEMM
     implementation, rank count and per-PE expert load (rows without ``experts_per_pe`` held 256 experts
     over their ranks); when none is left, the batch path (the correctness fallback: nothing was measured
-    for that setting). A streamed row whose chunks would hold fewer than
-    ``min_chunk_tokens`` tokens at this count gives the batch path."""
+    for that setting). ``block_m`` (the buffer's block size): where a row of that block size lies within 2x of
+    ``tokens``, only the rows of that block size decide (at decode sizes the block size decides which path
+    wins); otherwise the rows of the other block sizes, nearest in tokens, of one token count the nearest
+    block size. A streamed row whose chunks would hold fewer than ``min_chunk_tokens`` tokens at this count
+    gives the batch path."""
     if not isinstance(tokens, int) or tokens < 1:
         raise ValueError(f"tokens must be a positive int, got {tokens!r}")
     t = table if table is not None else load_table()
     rows = [r for r in t["rows"] if (gemm is None or r.get("gemm", gemm) == gemm)
             and (ranks is None or r.get("ranks", ranks) == ranks)
             and (experts_per_pe is None or r.get("experts_per_pe", 256 // r.get("ranks", 1)) == experts_per_pe)]
+    own = [r for r in rows if block_m is not None and int(r["block_m"]) == block_m]
+    if any(tokens / 2 <= r["tokens"] <= 2 * tokens for r in own):
+        rows = own
+    elif own:  # its own rows lie far from this count: they do not extrapolate, the other sizes' rows decide
+        rows = [r for r in rows if int(r["block_m"]) != block_m] or own
     if not rows:
         return AdaptiveChoice(tokens, "batch", 0, tokens, source="none",
                               note=f"no measured row for gemm={gemm!r} on {ranks} ranks with {experts_per_pe} experts "
                                    f"per PE: the batch path")
-    rows = sorted(rows, key=lambda r: r["tokens"])
-    row = rows[0]
+    # among rows of one token count, the block size nearest the buffer's is taken (the last in this order)
+    rows = sorted(rows, key=lambda r: (r["tokens"], -abs(int(r["block_m"]) - (block_m or 0))))
+    row = [r for r in rows if r["tokens"] == rows[0]["tokens"]][-1]  # below every row: the smallest count's
     for r in rows:
         if r["tokens"] <= tokens:
             row = r

@@ -270,7 +270,7 @@ class EPBuffer:
         window = self.tuning.ready_window_us if self.pipeline.groups_sources(st, int(tokens)) else None
         own = CFG.schedule(st.num_chunks, st.source_order, window, self.R)
         choice = adaptive.choose(int(tokens), gemm=self.gemm, ranks=self.R, experts_per_pe=self.E_loc,
-                                 min_chunk_tokens=1)
+                                 block_m=self.block_m, min_chunk_tokens=1)
         # a measured streamed win of another schedule says nothing of this buffer's own against batch
         if choice.path == "streamed" and CFG.schedule(choice.chunks, choice.source_order, choice.ready_window_us,
                                                       self.R) != own:

@@ -20,7 +20,7 @@ def test_repo_table_loads_and_choices_are_consistent():
     assert "produced_by" in t and t["rows"]
     for r in t["rows"]:
         c = adaptive.choose(r["tokens"], t, gemm=r.get("gemm"), ranks=r.get("ranks"),
-                            experts_per_pe=r.get("experts_per_pe"))
+                            experts_per_pe=r.get("experts_per_pe"), block_m=r["block_m"])
         assert c.path == r["path"]
         # a streamed row in the repo table must come with a measured win over batch: on time, or in regret
         # over the late-rank cases measured with it
@@ -47,6 +47,30 @@ def test_choice_keeps_the_rows_of_the_gemm_and_rank_count():
     assert adaptive.choose(2048, table, gemm="cutlass", ranks=2).path == "batch"
     none = adaptive.choose(2048, table, gemm="triton", ranks=8)
     assert none.path == "batch" and "no measured row" in none.note
+
+
+def test_the_rows_of_the_buffers_block_size_decide_near_their_token_counts():
+    def row(tokens, bm, path):
+        r = {"tokens": tokens, "gemm": "cutlass", "ranks": 2, "experts_per_pe": 32, "path": path, "block_m": bm}
+        if path == "streamed":
+            r.update(chunks=1, num_slots=1, policy="spin_kernel", source_order="ready", streamed_over_batch=0.9)
+        return r
+
+    table = {"rows": [row(128, 128, "streamed"), row(256, 128, "streamed"), row(128, 64, "batch"),
+                      row(256, 64, "batch"), row(4096, 64, "batch")]}
+    pick = lambda tokens, bm: adaptive.choose(tokens, table, gemm="cutlass", ranks=2, experts_per_pe=32,  # noqa: E731
+                                              block_m=bm, min_chunk_tokens=1)
+    assert [pick(t, 128).path for t in (64, 128, 256, 512)] == ["streamed"] * 4  # its own rows, within 2x
+    assert [pick(t, 64).path for t in (128, 256, 512)] == ["batch"] * 3
+    # its own rows far from the count do not extrapolate: the other sizes' rows decide
+    assert (pick(1024, 128).path, pick(1024, 128).block_m, pick(1024, 128).table_tokens) == ("batch", 64, 256)
+    assert pick(4096, 128).path == "batch" and pick(4096, 128).table_tokens == 4096
+    # no row of its own block size: the rows of every size, of one token count the nearest block size
+    assert pick(256, 112).path == "streamed" and pick(256, 80).path == "batch"
+    assert pick(256, None).block_m == 64  # no block size given: the smallest distance to 0
+    # below every row: the smallest token count's row of the nearest block size
+    table["rows"] = [row(1024, 128, "streamed"), row(1024, 64, "batch")]
+    assert pick(16, 112).path == "streamed" and pick(16, 80).path == "batch"
 
 
 def test_make_adaptive_table_reads_the_ep_layer_benchmark(tmp_path):

@@ -11,7 +11,7 @@ table, or of a rule on purpose, rewrites them with::
 What each answer holds: for ``gemm_auto`` (key: rows per expert, hidden x intermediate, the available
 implementations, the consumer's block size) the implementation, both GEMMs' table keys and what decided
 (``measured``, ``rule``: the fallback rule, ``asked``: the one implementation asked for, unmeasured); for
-``streaming_auto`` (key: GEMM, PEs, experts per PE, tokens, the smallest chunk) the path and every field of the
+``streaming_auto`` (key: GEMM, PEs, experts per PE, tokens, the smallest chunk, the buffer's block size) the path and every field of the
 plan, and what decided.
 """
 
@@ -54,9 +54,9 @@ def adaptive_decisions() -> dict:
     toks = sorted({1, 16, 100, 100000} | {r["tokens"] + d for r in rows for d in (-1, 0, 1)} |
                   {2 * r["tokens"] for r in rows})
     out = {}
-    for (g, r, e), n, m in itertools.product(settings, toks, (1, 16)):
-        c = adaptive.choose(n, t, gemm=g, ranks=r, experts_per_pe=e, min_chunk_tokens=m)
-        out[f"{g} R{r} E{e} T{n} min{m}"] = (f"{c.path} bm{c.block_m} chunk{c.chunk_tokens} slots{c.num_slots} "
+    for (g, r, e), n, m, bm in itertools.product(settings, toks, (1, 16), (None, 16, 64, 128)):
+        c = adaptive.choose(n, t, gemm=g, ranks=r, experts_per_pe=e, block_m=bm, min_chunk_tokens=m)
+        out[f"{g} R{r} E{e} T{n} min{m}" + (f" bm{bm}" if bm else "")] = (f"{c.path} bm{c.block_m} chunk{c.chunk_tokens} slots{c.num_slots} "
                                              f"{c.policy} tab{c.table_tokens} C{c.chunks} {c.source_order} "
                                              f"w{c.ready_window_us} {c.source}")
     return out
