@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# A/B of run-time switches in ONE device call: launch/ep_mps_bench.sh once per (PE count, variant, round), the
+# variants alternating so that drift of the card falls on both alike; each run under $OUT/pes<P>-<i>-<variant>,
+# its printed table appended to $OUT/ab.log.
+#
+#   AB_VARIANTS="STREAMRING_PUT_ROWS_PARTS=1 default" AB_PES="1 2" AB_ROUNDS=2 AB_RUN_S=70 EPM_TESTS=0 EPM_RUN=0 \
+#     EPM_TOKENS=128,256 EPM_GEMMS=cutlass EPM_CHUNKS=1 \
+#     EPM_ARGS="--orders ready --block-m 128 --floor --straggler-ms= --skew-ms= --replays 20" \
+#     bash launch/ab_env.sh               # carry .whl and .gemm-build
+#
+# AB_VARIANTS: space-separated words, each `default` (the environment as is) or NAME=VALUE (exported for that run
+# only; local MPI ranks inherit it). AB_RUN_S (70): each run's EPM_BUDGET_S; AB_BUDGET_S (560): the whole call.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+DEVICE_NEEDS_MPI=1  # (ep_mps_bench.sh starts ranks with mpiexec)
+. launch/device_env.sh ab.log "${AB_BUDGET_S:-560}"
+[ -n "${AB_VARIANTS:-}" ] || { say "ab_env.sh: AB_VARIANTS is empty: give words NAME=VALUE or default"; exit 2; }
+ROOT_OUT="$OUT"
+RUN_S="${AB_RUN_S:-70}"
+RC=0
+for pes in ${AB_PES:-2}; do
+  for round in $(seq 1 "${AB_ROUNDS:-1}"); do
+    for v in $AB_VARIANTS; do
+      if [ "$(left)" -lt $(( RUN_S + 10 )) ]; then say "budget spent: $v, $pes PEs, round $round not run"; RC=3; continue; fi
+      dir="$ROOT_OUT/pes$pes-$round-${v//[^A-Za-z0-9_]/_}"
+      mkdir -p "$dir"
+      say "=== $pes PEs, round $round, $v ($(( $(date +%s) - T0 )) s)"
+      if [ "$v" = default ]; then set -- ; else set -- "$v"; fi
+      env "$@" OUT="$dir" EPM_PES="$pes" EPM_BUDGET_S="$RUN_S" bash launch/ep_mps_bench.sh > "$dir/stdout.log" 2>&1
+      rc=$?; [ $rc = 0 ] || RC=$rc
+      say "rc=$rc"
+      tail -40 "$dir/ep_mps.log" >> "$LOG" 2>/dev/null
+    done
+  done
+done
+exit $RC
