@@ -294,22 +294,28 @@ def ep_signal_arrivals(lib, stream, *, d: int, comb: int, comb_peers: int, me: i
                    hi_index=hi_index, row_src=row_src, row_chunk=row_chunk, block_m=block_m)
 
 
-#: ``ep_put_rows`` splits a block's rows over more CTAs while the grid has fewer than this many
-PUT_ROWS_TARGET_CTAS = 256
-#: the fewest rows one of its CTAs copies (two per warp of a 256-thread CTA)
-PUT_ROWS_MIN_ROWS = 16
+#: ``ep_put_rows`` keeps one CTA per ready block where its grid has at least this many blocks (prefill sizes)
+PUT_ROWS_SPLIT_BELOW = 256
+#: below that, it splits each block over up to this many CTAs in all
+PUT_ROWS_TARGET_CTAS = 2048
+#: the fewest rows one of its CTAs copies (one per warp of a 256-thread CTA)
+PUT_ROWS_MIN_ROWS = 8
 
 
 def put_rows_parts(block_m: int, max_items: int) -> int:
-    """CTAs per ready block of ``ep_put_rows``: 1 where ``max_items`` blocks already fill
-    :data:`PUT_ROWS_TARGET_CTAS` CTAs (prefill sizes: the grid is unchanged), more where a decode forward has
-    few blocks, at least :data:`PUT_ROWS_MIN_ROWS` rows each. ``STREAMRING_PUT_ROWS_PARTS`` (a positive int,
-    at most ``block_m``) fixes it, for an A/B in one run."""
+    """CTAs per ready block of ``ep_put_rows``: 1 where ``max_items`` >= :data:`PUT_ROWS_SPLIT_BELOW` (prefill
+    sizes: the grid is unchanged); at decode sizes, where a forward has few blocks and one CTA per block leaves
+    most SMs idle while the result rows are copied, as many as keep :data:`PUT_ROWS_MIN_ROWS` rows a CTA and
+    :data:`PUT_ROWS_TARGET_CTAS` CTAs in all (16 per 128-row block at 48 blocks, the fastest split measured:
+    docs/performance.md). ``STREAMRING_PUT_ROWS_PARTS`` (a positive int, at most ``block_m``) fixes it, for an
+    A/B in one run."""
     forced = os.environ.get("STREAMRING_PUT_ROWS_PARTS")
     if forced:
         if not forced.isdigit() or not 1 <= int(forced) <= block_m:
             raise ValueError(f"STREAMRING_PUT_ROWS_PARTS must be an int in [1, block_m={block_m}], got {forced!r}")
         return int(forced)
+    if max_items >= PUT_ROWS_SPLIT_BELOW:
+        return 1
     return max(1, min(block_m // PUT_ROWS_MIN_ROWS, PUT_ROWS_TARGET_CTAS // max(1, max_items)))
 
 

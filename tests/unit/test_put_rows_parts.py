@@ -10,11 +10,13 @@ from streamring.device import kernels as DK
 
 
 @pytest.mark.parametrize("block_m,max_items,parts", [
-    (16, 160, 1),    # the default block size: one CTA per block, as before
-    (128, 288, 1),   # prefill (4096 tokens): max_items blocks already fill the grid
-    (128, 48, 5),    # decode (256 tokens, 32 experts): few blocks, five CTAs each
-    (64, 1, 4),      # never fewer than 16 rows a CTA
-    (32, 0, 2),
+    (16, 2080, 1),   # the default block size at prefill: one CTA per block, as before
+    (128, 288, 1),   # prefill (4096 tokens, 128-row blocks): max_items blocks already fill the grid
+    (128, 48, 16),   # decode (256 tokens, 32 experts): few blocks, sixteen CTAs each
+    (16, 94, 2),     # decode with 16-row blocks: never fewer than 8 rows a CTA
+    (64, 255, 8),    # just under the split's bound
+    (128, 200, 10),  # at most 2048 CTAs in all
+    (32, 0, 4),
 ])
 def test_parts_split_only_small_grids(block_m, max_items, parts):
     assert DK.put_rows_parts(block_m, max_items) == parts
