@@ -30,6 +30,12 @@ from .math import MoEShape
 from .timeline_events import CHUNK_EVENTS
 
 FIRST_BLOCKS_DONE = CHUNK_EVENTS.index("first_blocks_done")
+#: a streamed forward of at most this many rows per PE is at decode size (:meth:`EPExperts.grid_ctas`): the largest
+#: size at which the free SMs were measured to pay (128 and 256 rows per PE, 2 PEs under MPS)
+DECODE_MAX_TOKENS = 256
+#: the SMs a streamed decode forward's GEMM calls but the last leave free for the ring's kernels (60 of 66 CTAs
+#: measured; 64 did not pay)
+DECODE_FREE_SMS = 6
 
 
 class EPExperts:
@@ -70,7 +76,7 @@ class EPExperts:
         self._computed = [torch.cuda.Event() for _ in range(max_steps + 2)] if on_gpu else []
 
     # -- grids ----------------------------------------------------------------------------------------
-    def grid_ctas(self, path, final: bool) -> Optional[int]:
+    def grid_ctas(self, path, final: bool, rows: Optional[int] = None) -> Optional[int]:
         """The ``max_ctas`` of a streamed GEMM call (None: the backend's own grid); the batch path keeps the
         backend's own grid. ``tuning.chunk_gemm_ctas`` caps every call but the forward's ``final`` one (after whose
         step no source is pending; a grouped step that may seal is capped too, as whether it seals is known only on
@@ -78,11 +84,22 @@ class EPExperts:
         statically scheduled persistent grid (``Capabilities.persistent_grid``) that finds no free SM starts its
         share of the tiles only when that wait ends. A backend that can run its grid in waves
         (``Capabilities.waves``) runs every streamed call on ``tuning.streamed_grid_waves`` CTAs per SM, so its CTAs
-        retire during the call and higher-priority kernels get SMs between them."""
+        retire during the call and higher-priority kernels get SMs between them.
+
+        Decode sizes (``rows`` per PE at most :data:`DECODE_MAX_TOKENS`, a backend with a capped persistent grid):
+        every call but the final one leaves :data:`DECODE_FREE_SMS` SMs free without being asked. There the
+        GEMMs read weights (memory bound), so a few CTAs fewer cost little, while a grid on every SM queues the
+        next step's dispatch behind the whole call and keeps a CTA of its own static schedule off an SM
+        (measured with 2 PEs under MPS: docs/performance.md). At larger sizes the calls are compute bound and a
+        capped grid measured slower on time, so the backend's own grid stays."""
         if path.name != "stream":
             return None
         if self.tuning.chunk_gemm_ctas is not None and not final:
             return self.tuning.chunk_gemm_ctas
+        cap = CAPABILITIES[self.gemm]
+        if (not final and rows is not None and rows <= DECODE_MAX_TOKENS and cap.persistent_grid and cap.max_ctas
+                and self.sm_count > 2 * DECODE_FREE_SMS):
+            return self.sm_count - DECODE_FREE_SMS
         waves = self.tuning.streamed_grid_waves
         return waves * self.sm_count if CAPABILITIES[self.gemm].waves and waves > 1 else None
 
@@ -139,7 +156,7 @@ class EPExperts:
             return
         with nvtx_range(f"streamring block GEMMs chunk {c} step {j}", color="green"):
             self.compute(path, layer, i, i + 1, self.bound(path, plan.grouped, j),
-                         self.expect(path, plan.rows, plan.grouped, c, j), self.grid_ctas(path, final=last), combine,
+                         self.expect(path, plan.rows, plan.grouped, c, j), self.grid_ctas(path, last, plan.rows), combine,
                          stream, puts_stream)
             if j == path.steps - 1:
                 instrument.stamp(c, 4)

@@ -674,3 +674,23 @@ def test_chunk_gemm_ctas_caps_every_streamed_call_but_the_last():
     assert EPExperts.grid_ctas(waves, stream, final=True) == 4 * 66
     assert EPExperts.grid_ctas(SimpleNamespace(tuning=EPTuning(streamed_grid_waves=4), gemm="triton", sm_count=66),
                                stream, final=True) is None
+
+
+def test_a_decode_forward_leaves_sms_free_in_every_streamed_call_but_the_last():
+    """At decode sizes a CUTLASS streamed call but the final one runs on DECODE_FREE_SMS fewer CTAs than SMs without
+    being asked; not at larger sizes, not the final call, not the batch path, not a backend without a capped
+    persistent grid, and an explicit chunk_gemm_ctas still decides."""
+    from types import SimpleNamespace
+
+    from streamring.moe.ep_experts import DECODE_FREE_SMS, DECODE_MAX_TOKENS, EPExperts
+
+    stream, batch = SimpleNamespace(name="stream"), SimpleNamespace(name="batch")
+    own = SimpleNamespace(tuning=EPTuning(), gemm="cutlass", sm_count=66)
+    assert EPExperts.grid_ctas(own, stream, False, 256) == 66 - DECODE_FREE_SMS
+    assert EPExperts.grid_ctas(own, stream, False, DECODE_MAX_TOKENS + 1) is None
+    assert EPExperts.grid_ctas(own, stream, True, 128) is None
+    assert EPExperts.grid_ctas(own, batch, False, 128) is None
+    assert EPExperts.grid_ctas(own, stream, False) is None  # rows unknown: the backend's own grid
+    assert EPExperts.grid_ctas(SimpleNamespace(tuning=EPTuning(), gemm="triton", sm_count=66), stream, False, 128) is None
+    assert EPExperts.grid_ctas(SimpleNamespace(tuning=EPTuning(chunk_gemm_ctas=50), gemm="cutlass", sm_count=66),
+                               stream, False, 128) == 50
