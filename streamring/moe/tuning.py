@@ -68,8 +68,9 @@ class EPTuning(BaseModel):
             publish within it share the step; a source later than it gets a step of its own. The window costs at
             most its length once per chunk when a source is late.
         chunk_gemm_ctas: the persistent grid size of every streamed GEMM call but the forward's last (while a
-            later source or chunk may still be being produced; ``None``: the backend's own grid); fewer CTAs than
-            the GPU holds leave room for the producer and the dispatch's ready wait.
+            later source or chunk may still be being produced; ``None``: the backend's own grid, except at decode
+            sizes, where a capped persistent grid leaves a few SMs free: ``ep_experts.EPExperts.grid_ctas``);
+            fewer CTAs than the GPU holds leave room for the producer and the dispatch's ready wait.
         streamed_grid_waves: CTAs per SM of every streamed GEMM call with a GEMM backend that can run its
             persistent grid in waves (CUTLASS: ``gemm.backends.Capabilities.waves``). Its one-CTA-per-SM grid
             holds every SM until the call ends, so the next source's dispatch, a late PE's producer and the result
