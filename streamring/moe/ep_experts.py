@@ -101,7 +101,7 @@ class EPExperts:
                 and self.sm_count > 2 * DECODE_FREE_SMS):
             return self.sm_count - DECODE_FREE_SMS
         waves = self.tuning.streamed_grid_waves
-        return waves * self.sm_count if CAPABILITIES[self.gemm].waves and waves > 1 else None
+        return waves * self.sm_count if cap.waves and waves > 1 else None
 
     def bound(self, path, grouped: bool, j: int = 0) -> int:
         """Most blocks one dispatch step can make ready (the GEMM grid bound; grouped: :func:`grouped_step_bound`)."""
