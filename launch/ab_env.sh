@@ -8,8 +8,12 @@
 #     EPM_ARGS="--orders ready --block-m 128 --floor --straggler-ms= --skew-ms= --replays 20" \
 #     bash launch/ab_env.sh               # carry .whl and .gemm-build
 #
-# AB_VARIANTS: space-separated words, each `default` (the environment as is) or NAME=VALUE (exported for that run
-# only; local MPI ranks inherit it). AB_RUN_S (70): each run's EPM_BUDGET_S; AB_BUDGET_S (560): the whole call.
+# AB_VARIANTS: space-separated words, each `default` (the environment as is), NAME=VALUE (exported for that run
+# only; local MPI ranks inherit it) or tree=DIR: another tree's own launch/ep_mps_bench.sh and package (DIR inside
+# this one, e.g. an older commit's `git archive <rev> streamring bench launch pyproject.toml | tar -x -C DIR`;
+# it gets this tree's .whl and .gemm-build): the same bench before and after a change, paired in one call.
+# AB_RUN_S (70): each run's EPM_BUDGET_S; it must exceed the bench's own 90 s floor for the bench to time
+# anything. AB_BUDGET_S (560): the whole call.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 DEVICE_NEEDS_MPI=1  # (ep_mps_bench.sh starts ranks with mpiexec)
@@ -25,8 +29,14 @@ for pes in ${AB_PES:-2}; do
       dir="$ROOT_OUT/pes$pes-$round-${v//[^A-Za-z0-9_]/_}"
       mkdir -p "$dir"
       say "=== $pes PEs, round $round, $v ($(( $(date +%s) - T0 )) s)"
-      if [ "$v" = default ]; then set -- ; else set -- "$v"; fi
-      env "$@" OUT="$dir" EPM_PES="$pes" EPM_BUDGET_S="$RUN_S" bash launch/ep_mps_bench.sh > "$dir/stdout.log" 2>&1
+      tree=.
+      if [ "$v" = default ]; then set -- ; elif [ "${v#tree=}" != "$v" ]; then set -- ; tree="${v#tree=}"
+      else set -- "$v"; fi
+      if [ "$tree" != . ]; then
+        [ -f "$tree/launch/ep_mps_bench.sh" ] || { say "no $tree/launch/ep_mps_bench.sh: $v not run"; RC=2; continue; }
+        for d in .whl .gemm-build; do [ -e "$d" ] && ln -sfn "$PWD/$d" "$tree/$d"; done
+      fi
+      env "$@" OUT="$dir" EPM_PES="$pes" EPM_BUDGET_S="$RUN_S" bash "$tree/launch/ep_mps_bench.sh" > "$dir/stdout.log" 2>&1
       rc=$?; [ $rc = 0 ] || RC=$rc
       say "rc=$rc"
       tail -40 "$dir/ep_mps.log" >> "$LOG" 2>/dev/null
