@@ -1,13 +1,16 @@
 """Write streamring/moe/layer_table.json (``gemm="auto"``'s whole-layer rows, streamring/moe/layer_choice.py) from
 bench.ep_layer results: per run and setting, the batch path's on-time median of every backend the run measured,
-where it measured at least two.
+where it measured at least two, and beside it the on-time median of each backend's default streamed plan where the
+run measured it (what ``streaming="auto"`` runs where it streams).
 
     python -m bench.make_layer_table docs/results/A.json [B.json ...] [--out PATH]
 
 A results file is bench.ep_layer's JSON (a list of rows) or a merged one (``{"rows": [...]}``, each row tagged
 with its ``run``); rows without a ``run`` take the file's name. Only rows of the batch path, on time (no lateness,
 straggler or skew), on the default grid (no CTA cap, no reserved SMs) count; a backend measured twice in one run
-and setting keeps its smaller median.
+and setting keeps its smaller median. A streamed row counts where it is the plan a buffer with default tuning runs:
+one chunk, the ready order, the per-chunk consumer, ``spin_kernel``, the backend's own grid at every call (no
+``--ctas``, no waves), launched with the forward.
 """
 
 from __future__ import annotations
@@ -30,6 +33,14 @@ def on_time_batch(r: dict) -> bool:
             and r.get("median_ms") is not None)
 
 
+def on_time_default_streamed(r: dict) -> bool:
+    return (r.get("path") == "streamed" and r.get("lateness", "none") in (None, "none") and not r.get("straggler_ms")
+            and not r.get("skew_ms") and r.get("chunk_gemm_ctas") is None and r.get("reserved_sms") is None
+            and r.get("chunks") == 1 and r.get("source_order") == "ready" and r.get("consumer") == "per_chunk"
+            and r.get("policy") == "spin_kernel" and r.get("streamed_grid_waves") in (None, 1)
+            and not r.get("launch_ahead") and r.get("median_ms") is not None)
+
+
 def rows_of(path: Path) -> list[dict]:
     data = json.loads(path.read_text())
     rows = data["rows"] if isinstance(data, dict) else data
@@ -37,18 +48,24 @@ def rows_of(path: Path) -> list[dict]:
 
 
 def layer_rows(rows: list[dict]) -> list[dict]:
-    groups: dict[tuple, dict[str, float]] = defaultdict(dict)
-    for r in filter(on_time_batch, rows):
-        shape = SHAPES[r.get("shape", "dsv3")](r["block_m"], r["experts_per_pe"] * r["ranks"])
-        key = (r["run"], r["ranks"], r["experts_per_pe"], shape.hidden, shape.intermediate, shape.topk, r["block_m"],
-               r["tokens_per_rank"])
-        ms = groups[key]
-        ms[r["gemm"]] = round(min(ms.get(r["gemm"], float("inf")), r["median_ms"]), 4)
+    groups: dict[str, dict[tuple, dict[str, float]]] = {"batch_ms": defaultdict(dict), "streamed_ms": defaultdict(dict)}
+    for field, keep in (("batch_ms", on_time_batch), ("streamed_ms", on_time_default_streamed)):
+        for r in filter(keep, rows):
+            shape = SHAPES[r.get("shape", "dsv3")](r["block_m"], r["experts_per_pe"] * r["ranks"])
+            key = (r["run"], r["ranks"], r["experts_per_pe"], shape.hidden, shape.intermediate, shape.topk,
+                   r["block_m"], r["tokens_per_rank"])
+            ms = groups[field][key]
+            ms[r["gemm"]] = round(min(ms.get(r["gemm"], float("inf")), r["median_ms"]), 4)
     out = []
-    for (run, ranks, epp, h, i, k, bm, tokens), ms in sorted(groups.items(), key=lambda kv: kv[0][1:] + kv[0][:1]):
+    for key, ms in sorted(groups["batch_ms"].items(), key=lambda kv: kv[0][1:] + kv[0][:1]):
+        run, ranks, epp, h, i, k, bm, tokens = key
         if len(ms) >= 2:
-            out.append(dict(ranks=ranks, experts_per_pe=epp, hidden=h, intermediate=i, topk=k, block_m=bm,
-                            tokens_per_rank=tokens, batch_ms=ms, run=run))
+            row = dict(ranks=ranks, experts_per_pe=epp, hidden=h, intermediate=i, topk=k, block_m=bm,
+                       tokens_per_rank=tokens, batch_ms=ms, run=run)
+            streamed = {g: v for g, v in groups["streamed_ms"].get(key, {}).items() if g in ms}
+            if streamed:
+                row["streamed_ms"] = streamed
+            out.append(row)
     return out
 
 
@@ -64,7 +81,10 @@ def main(argv=None) -> int:
     print(f"{a.out}: {len(rows)} rows")
     for r in rows:
         print(f"  {r['ranks']} PE(s) x {r['experts_per_pe']} experts, block_m {r['block_m']}, {r['tokens_per_rank']} "
-              f"tokens: " + ", ".join(f"{g} {ms:.3f}" for g, ms in sorted(r["batch_ms"].items(), key=lambda kv: kv[1])))
+              f"tokens: batch " + ", ".join(f"{g} {ms:.3f}" for g, ms in sorted(r["batch_ms"].items(), key=lambda kv: kv[1]))
+              + ("; streamed " + ", ".join(f"{g} {ms:.3f}" for g, ms in sorted(r["streamed_ms"].items(),
+                                                                             key=lambda kv: kv[1]))
+                 if r.get("streamed_ms") else ""))
     return 0
 
 

@@ -5,12 +5,18 @@ backend's path costs around its GEMMs (the result rows' copy to their owners, on
 the L1 output), and where the GEMMs are short (decode sizes) that decides: the backend with the faster GEMMs can
 run the slower layer (docs/performance.md, "Decode"). A row of :data:`TABLE_PATH` (``python -m
 bench.make_layer_table``) holds the batch path's median of every backend that ONE device run measured for one
-setting (PEs, experts per PE, the expert shape, block size, tokens per PE); medians of different runs are
-never compared, so a row decides only between backends measured under the same conditions.
+setting (PEs, experts per PE, the expert shape, block size, tokens per PE), and where that run also measured a
+backend's default streamed plan on time, its median (``streamed_ms``); medians of different runs are never
+compared, so a row decides only between backends measured under the same conditions.
 
 :func:`choose` answers for a buffer: the row of the buffer's setting whose tokens per PE is nearest its maximum
-(within :data:`NEAREST_FACTOR`), and of the available backends that row measured, the fastest; ``None`` (the GEMM
-table decides) where no row applies or the row measured fewer than two available backends.
+(within :data:`NEAREST_FACTOR`), and of the available backends that row measured, the one whose faster path is
+fastest: each backend's batch median, or its streamed median where that is lower (the path ``streaming="auto"``
+takes where the tuned table measured the win; at decode sizes a backend's streamed plan can beat another's batch
+path while its own batch path is the slower one, docs/performance.md, "Decode"). A buffer driven only with
+``streaming=False`` may then run a batch path up to that difference slower than the other backend's: its
+``gemm_choice.source`` prints every time compared. ``None`` (the GEMM table decides) where no row applies or the
+row measured fewer than two available backends.
 """
 
 from __future__ import annotations
@@ -38,7 +44,8 @@ class LayerRowChoice:
 
 def load_table(path: str | Path | None = None) -> list[dict]:
     """The rows (an empty list where the file is missing). A row: the :data:`SETTING` fields, ``tokens_per_rank``,
-    ``batch_ms`` (backend -> median ms) and ``run`` (where it was measured)."""
+    ``batch_ms`` (backend -> median ms), ``run`` (where it was measured) and, optionally, ``streamed_ms``
+    (backend -> the default streamed plan's on-time median in the same run)."""
     p = Path(TABLE_PATH if path is None else path)
     if not p.is_file():
         return []
@@ -66,8 +73,14 @@ def choose(setting: Mapping, max_tokens_per_rank: int, available: Mapping[str, s
             best, best_d = r, d
     if best is None:
         return None
-    times = {k: v for k, v in best["batch_ms"].items() if k in usable}
+    streamed = best.get("streamed_ms", {})
+    times = {k: min(v, streamed.get(k, v)) for k, v in best["batch_ms"].items() if k in usable}
     impl = min(times, key=times.get)
-    compared = ", ".join(f"{k} {v:.3f} ms" for k, v in sorted(times.items(), key=lambda kv: kv[1]))
+
+    def said(k: str) -> str:
+        b = best["batch_ms"][k]
+        return f"{k} {b:.3f} ms" if times[k] == b else f"{k} {times[k]:.3f} ms streamed (batch {b:.3f})"
+
+    compared = ", ".join(said(k) for k in sorted(times, key=times.get))
     return LayerRowChoice(impl, f"measured layer: {compared} at {best['tokens_per_rank']} tokens per PE, "
                                 f"{best['ranks']} PE(s), block_m {best['block_m']} ({best['run']})")

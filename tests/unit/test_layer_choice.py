@@ -41,6 +41,19 @@ def test_a_row_decides_only_between_available_backends_of_the_same_setting():
         assert layer_choice.choose({**SETTING, **other}, 1024, BOTH, ROWS) is None, other
 
 
+def test_a_backends_streamed_plan_counts_where_it_is_its_faster_path():
+    # decode, 2 PEs, block_m 128: CUTLASS's batch path is the slower, its streamed plan the fastest of all
+    r = row(128, {"cutlass": 1.93, "triton": 1.83}, block_m=128, streamed_ms={"cutlass": 1.36, "triton": 1.84})
+    c = layer_choice.choose({**SETTING, "block_m": 128}, 128, BOTH, [r])
+    assert c.impl == "cutlass"
+    assert "cutlass 1.360 ms streamed (batch 1.930), triton 1.830 ms" in c.source
+    # a streamed plan slower than its batch path changes nothing; without streamed rows the batch medians decide
+    slow = row(128, {"cutlass": 1.93, "triton": 1.83}, block_m=128, streamed_ms={"cutlass": 2.5})
+    assert layer_choice.choose({**SETTING, "block_m": 128}, 128, BOTH, [slow]).impl == "triton"
+    # an unavailable backend's streamed time never decides
+    assert layer_choice.choose({**SETTING, "block_m": 128}, 128, {"triton": "", "cutlass": "not built"}, [r]) is None
+
+
 def test_resolve_gemm_takes_the_layer_row_and_the_backends_own_variants(monkeypatch, tmp_path):
     path = tmp_path / "layer_table.json"
     path.write_text(json.dumps({"rows": [row(1024, {"cutlass": 3.37, "triton": 3.95})]}))
@@ -68,6 +81,27 @@ def test_the_table_maker_compares_backends_only_within_one_run():
     out = layer_rows(rows)
     assert len(out) == 1 and out[0]["batch_ms"] == {"cutlass": 3.9, "triton": 3.4} and out[0]["run"] == "a"
     assert {k: out[0][k] for k in SETTING} == SETTING
+    assert "streamed_ms" not in out[0]  # the streamed row above is not the default plan (no chunks, order, ...)
+
+
+def test_the_table_maker_keeps_only_the_default_streamed_plan_on_time():
+    base = dict(lateness="none", straggler_ms=0.0, skew_ms=0.0, chunk_gemm_ctas=None, reserved_sms=None, ranks=2,
+                experts_per_pe=32, block_m=128, tokens_per_rank=128, shape="dsv3", run="a")
+    plan = dict(path="streamed", chunks=1, source_order="ready", consumer="per_chunk", policy="spin_kernel",
+                streamed_grid_waves=1, launch_ahead=False)
+    rows = [{**base, "path": "batch", "gemm": "cutlass", "median_ms": 1.93},
+            {**base, "path": "batch", "gemm": "triton", "median_ms": 1.83},
+            {**base, **plan, "gemm": "cutlass", "median_ms": 1.40},
+            {**base, **plan, "gemm": "cutlass", "median_ms": 1.36},  # twice: the smaller
+            {**base, **plan, "gemm": "triton", "median_ms": 1.84},
+            {**base, **plan, "gemm": "cutlass", "median_ms": 1.0, "chunk_gemm_ctas": 60},  # not the default grid
+            {**base, **plan, "gemm": "cutlass", "median_ms": 1.0, "chunks": 2},
+            {**base, **plan, "gemm": "cutlass", "median_ms": 1.0, "straggler_ms": 3.0},
+            {**base, **plan, "gemm": "cutlass", "median_ms": 1.0, "launch_ahead": True},
+            {**base, **plan, "gemm": "cutlass", "median_ms": 1.0, "streamed_grid_waves": 2}]
+    (out,) = layer_rows(rows)
+    assert out["batch_ms"] == {"cutlass": 1.93, "triton": 1.83}
+    assert out["streamed_ms"] == {"cutlass": 1.36, "triton": 1.84}
 
 
 def test_the_committed_table_is_what_its_sources_make(tmp_path):
