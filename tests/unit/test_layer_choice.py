@@ -119,3 +119,12 @@ def test_a_malformed_row_names_its_field(tmp_path):
     p.write_text(json.dumps({"rows": [{"ranks": 2}]}))
     with pytest.raises(ValueError, match=r"rows\[0\] has no .*'batch_ms'"):
         layer_choice.load_table(p)
+
+
+def test_the_committed_decode_rows_take_cutlass_for_its_streamed_path():
+    # 2 PEs, 32 experts, block_m 128, decode: CUTLASS's batch layer is the slower, its streamed one the fastest
+    setting = {**SETTING, "block_m": 128}
+    for tokens in (128, 256):
+        c = layer_choice.choose(setting, tokens, BOTH)
+        assert c is not None and c.impl == "cutlass", (tokens, c)
+        assert "streamed (batch" in c.source.split(",")[0], c.source
