@@ -27,18 +27,20 @@ from streamring.moe.layer_choice import TABLE_PATH
 SHAPES = {"dsv3": dsv3_shape, "megamoe": megamoe_shape}
 
 
+def on_time_on_default_grid(r: dict) -> bool:
+    return (r.get("lateness", "none") in (None, "none") and not r.get("straggler_ms") and not r.get("skew_ms")
+            and r.get("chunk_gemm_ctas") is None and r.get("reserved_sms") is None and r.get("median_ms") is not None)
+
+
 def on_time_batch(r: dict) -> bool:
-    return (r.get("path") == "batch" and r.get("lateness", "none") in (None, "none") and not r.get("straggler_ms")
-            and not r.get("skew_ms") and r.get("chunk_gemm_ctas") is None and r.get("reserved_sms") is None
-            and r.get("median_ms") is not None)
+    return r.get("path") == "batch" and on_time_on_default_grid(r)
 
 
 def on_time_default_streamed(r: dict) -> bool:
-    return (r.get("path") == "streamed" and r.get("lateness", "none") in (None, "none") and not r.get("straggler_ms")
-            and not r.get("skew_ms") and r.get("chunk_gemm_ctas") is None and r.get("reserved_sms") is None
-            and r.get("chunks") == 1 and r.get("source_order") == "ready" and r.get("consumer") == "per_chunk"
+    return (r.get("path") == "streamed" and on_time_on_default_grid(r) and r.get("chunks") == 1
+            and r.get("source_order") == "ready" and r.get("consumer") == "per_chunk"
             and r.get("policy") == "spin_kernel" and r.get("streamed_grid_waves") in (None, 1)
-            and not r.get("launch_ahead") and r.get("median_ms") is not None)
+            and not r.get("launch_ahead"))
 
 
 def rows_of(path: Path) -> list[dict]:
