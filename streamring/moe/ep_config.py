@@ -41,6 +41,36 @@ def resolve_gemm(gemm: str, shape: MoEShape, num_ranks: int, max_tokens_per_rank
     return GC.resolve_layer(gemm, block_m, shape, [max_tokens_per_rank] * num_ranks)
 
 
+#: the block size a buffer left at ``EPTuning.block_m=None`` takes where CUTLASS or DeepGEMM compute its experts
+WIDE_BLOCK_M = 128
+#: the backends that run a buffer of an open block size on :data:`WIDE_BLOCK_M`-row blocks
+WIDE_BLOCK_GEMMS = ("cutlass", "deep_gemm")
+
+
+def resolve_block_and_gemm(gemm: str, shape: MoEShape, num_ranks: int, max_tokens_per_rank: int,
+                           block_m: Optional[int]) -> tuple[int, "GC.LayerChoice"]:
+    """``(block_m, GEMMs)`` of a buffer. An explicit ``block_m`` is kept and the GEMMs resolved for it
+    (:func:`resolve_gemm`). ``None`` (the default): :data:`WIDE_BLOCK_M` where the GEMMs are CUTLASS or DeepGEMM -
+    asked for by name, or what ``"auto"`` resolves to at that block size - else the shape's ``block_m``.
+
+    Why 128 for CUTLASS: its one-block tiles (a tile is one 128-row block, no per-group tensormap update) measured
+    faster than its grouped tiles on 64-row blocks at every size tried, both paths, and its streamed decode path
+    reaches the weight-read floor only there (2 PEs under MPS on one H100, 32 experts per PE: batch 0.85x at 1024
+    tokens per PE, 0.96x at 4096, 0.98x at 8192; docs/performance.md, "The block size of CUTLASS buffers").
+    DeepGEMM's contiguous layout takes 128-row blocks only. Triton keeps the shape's block size (it measured
+    slower on 128-row blocks at 1024 and 4096 tokens).
+    """
+    if block_m is not None:
+        return block_m, resolve_gemm(gemm, shape, num_ranks, max_tokens_per_rank, block_m)
+    if gemm in WIDE_BLOCK_GEMMS:
+        return WIDE_BLOCK_M, resolve_gemm(gemm, shape, num_ranks, max_tokens_per_rank, WIDE_BLOCK_M)
+    if gemm == "auto":
+        wide = resolve_gemm(gemm, shape, num_ranks, max_tokens_per_rank, WIDE_BLOCK_M)
+        if wide.impl in WIDE_BLOCK_GEMMS:
+            return WIDE_BLOCK_M, wide
+    return shape.block_m, resolve_gemm(gemm, shape, num_ranks, max_tokens_per_rank, shape.block_m)
+
+
 
 def schedule(chunks: int, source_order: str, ready_window_us: Optional[float], R: int) -> tuple:
     """What a measured plan and a buffer must share for the measurement to decide for the buffer: the ready

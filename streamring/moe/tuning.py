@@ -30,8 +30,10 @@ class EPTuning(BaseModel):
     and its allowed values).
 
     Attributes:
-        block_m: rows per expert block, one of ``BLOCK_MS``; ``None``: the shape's ``block_m``. DeepGEMM and
-            the one-block CUTLASS tiles need 128; small blocks pad less at decode sizes.
+        block_m: rows per expert block, one of ``BLOCK_MS``; ``None``: 128 where CUTLASS or DeepGEMM compute
+            the experts (asked for, or what ``gemm="auto"`` resolves to at 128: CUTLASS's one-block tiles measured
+            fastest at every size, DeepGEMM takes 128 only), else the shape's ``block_m``
+            (``ep_config.resolve_block_and_gemm``).
         policy: progress policy of the streamed path (``EP_POLICIES``): ``spin_kernel`` (one-thread acquire
             kernels with a deadline; producer and dispatch streams at high priority), ``stream_wait``
             (``cuStreamWaitValue64`` on the ring's doorbells: no SM held while waiting), ``green_ctx``

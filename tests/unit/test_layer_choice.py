@@ -128,3 +128,30 @@ def test_the_committed_decode_rows_take_cutlass_for_its_streamed_path():
         c = layer_choice.choose(setting, tokens, BOTH)
         assert c is not None and c.impl == "cutlass", (tokens, c)
         assert "streamed (batch" in c.source.split(",")[0], c.source
+
+
+def test_an_open_block_size_is_128_where_cutlass_or_deep_gemm_compute(monkeypatch, tmp_path):
+    """EPTuning.block_m=None: 128-row blocks where the GEMMs are CUTLASS or DeepGEMM (asked for, or what "auto"
+    resolves to at 128), the shape's block size otherwise; an explicit block size is never changed."""
+    from streamring.moe import ep_config as CFG
+
+    path = tmp_path / "layer_table.json"
+    path.write_text(json.dumps({"rows": [
+        row(4096, {"cutlass": 8.20, "triton": 11.45}, block_m=128),
+        row(1024, {"cutlass": 4.30, "triton": 4.15}, block_m=128)]}))
+    monkeypatch.setattr(layer_choice, "TABLE_PATH", path)
+    monkeypatch.setattr(GC, "available_impls", lambda bm: dict(BOTH))
+    monkeypatch.setattr(GC.backend("cutlass"), "require", lambda bm: None)
+    shape = dsv3_shape(16, 64)
+    bm, c = CFG.resolve_block_and_gemm("auto", shape, 2, 4096, None)
+    assert (bm, c.impl) == (128, "cutlass")
+    # "auto" resolving to Triton at 128: the shape's block size, and the GEMMs resolved again there
+    bm, c = CFG.resolve_block_and_gemm("auto", shape, 2, 1024, None)
+    assert bm == shape.block_m == 16 and c == resolve_gemm("auto", shape, 2, 1024, 16)
+    assert CFG.resolve_block_and_gemm("cutlass", shape, 2, 1024, None)[0] == 128
+    assert CFG.resolve_block_and_gemm("triton", shape, 2, 4096, None)[0] == 16
+    assert CFG.resolve_block_and_gemm("auto", shape, 2, 4096, 64)[0] == 64
+    # CUTLASS not built: "auto" takes Triton, on the shape's block size
+    monkeypatch.setattr(GC, "available_impls", lambda bm: {"triton": "", "cutlass": "not built"})
+    bm, c = CFG.resolve_block_and_gemm("auto", shape, 2, 4096, None)
+    assert (bm, c.impl) == (16, "triton")
