@@ -54,11 +54,10 @@ def resolve_block_and_gemm(gemm: str, shape: MoEShape, num_ranks: int, max_token
     asked for by name, or what ``"auto"`` resolves to at that block size - else the shape's ``block_m``.
 
     Why 128 for CUTLASS: its one-block tiles (a tile is one 128-row block, no per-group tensormap update) measured
-    faster than its grouped tiles on 64-row blocks at every size tried, both paths, and its streamed decode path
-    reaches the weight-read floor only there (2 PEs under MPS on one H100, 32 experts per PE: batch 0.85x at 1024
-    tokens per PE, 0.96x at 4096, 0.98x at 8192; docs/performance.md, "The block size of CUTLASS buffers").
-    DeepGEMM's contiguous layout takes 128-row blocks only. Triton keeps the shape's block size (it measured
-    slower on 128-row blocks at 1024 and 4096 tokens).
+    faster than its grouped tiles at every size tried, from decode to 8192 tokens per PE, and at decode sizes a
+    block as large as the rows per expert reads each expert's weights once (docs/performance.md, "The block size
+    of CUTLASS buffers"). DeepGEMM's contiguous layout takes 128-row blocks only. Triton keeps the shape's block
+    size: it measured slower on 128-row blocks.
     """
     if block_m is not None:
         return block_m, resolve_gemm(gemm, shape, num_ranks, max_tokens_per_rank, block_m)
