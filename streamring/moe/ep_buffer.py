@@ -113,7 +113,7 @@ class EPBuffer:
         R = heap.num_ranks
         M, C, S, _ = CFG.check_sizes(shape, R, max_tokens_per_rank, num_slots, tokens_per_slot, tuning.block_m)
         CFG.check_tuning(tuning, R, -(-M // C), S)
-        block_m, choice = CFG.resolve_block_and_gemm(gemm, shape, R, M, tuning.block_m)
+        block_m, choice = CFG.resolve_block_and_gemm(CFG.consumer_gemm(gemm, tuning), shape, R, M, tuning.block_m)
         CFG.check_gemm(tuning, choice.impl, torch.device(heap.device).type == "cuda")
         #: the scheduling switches this buffer runs (frozen)
         self.tuning = tuning

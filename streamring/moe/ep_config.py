@@ -159,6 +159,18 @@ def memory_report(shape: MoEShape, num_ranks: int, *, max_tokens_per_rank: int, 
 
 
 
+def consumer_gemm(gemm: str, tuning: EPTuning) -> str:
+    """``gemm`` as the tuning's consumer can run it: ``"auto"`` under ``consumer="persistent"`` is the one backend
+    whose tile functions make the persistent kernel (``Capabilities.persistent``: Triton), so a machine with
+    faster GEMMs built does not turn a persistent consumer's open choice into an error; anything else is kept
+    (:func:`check_gemm` refuses an explicit backend the consumer cannot run, naming the field)."""
+    if gemm == "auto" and tuning.consumer == "persistent":
+        runs = [name for name, cap in CAPABILITIES.items() if cap.persistent]
+        if len(runs) == 1:
+            return runs[0]
+    return gemm
+
+
 def check_gemm(tuning: EPTuning, gemm: str, on_gpu: bool) -> None:
     """What ``tuning`` needs of the resolved GEMMs and of the device; errors name the field."""
     cap = CAPABILITIES[gemm]

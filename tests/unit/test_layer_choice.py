@@ -155,3 +155,28 @@ def test_an_open_block_size_is_128_where_cutlass_or_deep_gemm_compute(monkeypatc
     monkeypatch.setattr(GC, "available_impls", lambda bm: {"triton": "", "cutlass": "not built"})
     bm, c = CFG.resolve_block_and_gemm("auto", shape, 2, 4096, None)
     assert (bm, c.impl) == (16, "triton")
+
+
+def test_a_persistent_consumer_takes_the_gemms_it_runs_when_left_open(monkeypatch, tmp_path):
+    """EPTuning(consumer="persistent") with gemm="auto" where CUTLASS is built and faster: the buffer's GEMMs are the
+    backend the persistent kernel is made of (Triton), which check_gemm accepts; an explicit CUTLASS is still refused
+    with the field named, and the per-chunk consumer keeps auto's answer."""
+    from streamring.moe import ep_config as CFG
+    from streamring.moe.tuning import EPTuning
+
+    path = tmp_path / "layer_table.json"
+    path.write_text(json.dumps({"rows": [row(4096, {"cutlass": 8.20, "triton": 11.45}, block_m=128)]}))
+    monkeypatch.setattr(layer_choice, "TABLE_PATH", path)
+    monkeypatch.setattr(GC, "available_impls", lambda bm: dict(BOTH))
+    monkeypatch.setattr(GC.backend("cutlass"), "require", lambda bm: None)
+    shape = dsv3_shape(16, 64)
+    persistent = EPTuning(consumer="persistent")
+    assert CFG.consumer_gemm("auto", persistent) == "triton"
+    bm, c = CFG.resolve_block_and_gemm(CFG.consumer_gemm("auto", persistent), shape, 2, 4096, None)
+    assert (bm, c.impl) == (shape.block_m, "triton")
+    CFG.check_gemm(persistent, c.impl, on_gpu=True)
+    with pytest.raises(ValueError, match="tuning.consumer 'persistent'.*got 'cutlass'"):
+        CFG.check_gemm(persistent, CFG.consumer_gemm("cutlass", persistent), on_gpu=True)
+    per_chunk = EPTuning()
+    assert CFG.consumer_gemm("auto", per_chunk) == "auto"
+    assert CFG.resolve_block_and_gemm(CFG.consumer_gemm("auto", per_chunk), shape, 2, 4096, None)[1].impl == "cutlass"
