@@ -427,11 +427,14 @@ def timeline_line(t: dict) -> str:
             + " ".join(f"{k} {d[k]:.0f}" for k, d in ev if k in d) + f" | event {t.get('event_ms', 0):.3f} ms")
 
 
-def stamped_timelines(heap, buf, layer, x, routing, streaming, late_ms: float, info: dict, replays: int = 5) -> list:
+def stamped_timelines(heap, buf, layer, x, routing, streaming, late_ms: float, info: dict, replays: int = 5,
+                      trace: bool = False) -> list:
     """Stamped replays of the path (``replays`` on time, then as many with the last PE's producer ``late_ms``
     late): of each, the replay whose slowest PE's event time is the median, every PE's device timeline
     (for ``streamring timeline``) with the event time and the stamps written on the calling stream just
-    before and after the graph (``replay_called``, ``replay_end``: time outside the graph's kernels)."""
+    before and after the graph (``replay_called``, ``replay_end``: time outside the graph's kernels). ``trace``:
+    each also gets ``kernels``, every kernel of one more replay of the graph as the profiler saw it
+    (:func:`bench.kernel_trace.traced_replay`; its stamps are not those of the same replay)."""
     out = []
     y = torch.zeros_like(x)
     gt = buf.capture(x, layer, y, streaming=streaming, routing=routing, stamps=True)
@@ -457,6 +460,12 @@ def stamped_timelines(heap, buf, layer, x, routing, streaming, late_ms: float, i
                       event_ms=e0.elapsed_time(e1))
             runs.append(heap.allgather_obj(tl))
         runs.sort(key=lambda pes: max(t["event_ms"] for t in pes))
+        if trace:
+            from bench.kernel_trace import traced_replay
+
+            kernels = heap.allgather_obj(traced_replay(heap, gt.replay))
+            for pe, t in enumerate(runs[len(runs) // 2]):
+                t["kernels"] = kernels[pe]
         out += runs[len(runs) // 2]
         for t in runs[len(runs) // 2]:
             log(timeline_line(t))
@@ -608,7 +617,8 @@ def bench_tokens(heap, T, shape, full, base, args, rows, timelines, budget, save
                                                                   common_r, cfg, seed)
                         rows += brows
                         batch_tl = stamped_timelines(heap, buf, layer, x, routing, False, late_max,
-                                                     {**info, "batch_ms": ref_row["median_ms"]})
+                                                     {**info, "batch_ms": ref_row["median_ms"]},
+                                                     trace=args.kernel_trace)
                         continue
                     # what streaming="auto" makes of this buffer at T rows: this plan where its table or model
                     # picks this schedule, else the batch path (verdicts weigh it against the better of the two)
@@ -666,7 +676,8 @@ def bench_tokens(heap, T, shape, full, base, args, rows, timelines, budget, save
                     worst = max(row["over_batch_on_time"] for row in [r] + late_rows)
                     if r["ok"] and (best is None or worst < best[0]):
                         best = (worst, stamped_timelines(heap, buf, layer, x, routing, True, late_max,
-                                                         {**info, "batch_ms": b0, "streamed_ms": st["median_ms"]}))
+                                                         {**info, "batch_ms": b0, "streamed_ms": st["median_ms"]},
+                                                         trace=args.kernel_trace))
                 except Exception as exc:  # noqa: BLE001 - a plan refused alike everywhere must not hide the others
                     rows.append({**common_r, **cfg, "path": "streamed" if plan else "batch", "gemm": gemm,
                                  "error": f"{type(exc).__name__}: {exc}"[:400]})
@@ -910,6 +921,9 @@ def main(argv=None) -> int:
     ap.add_argument("--symmetric-size", default="24G", help="NVSHMEM_SYMMETRIC_SIZE")
     ap.add_argument("--json", default=None)
     ap.add_argument("--timeline-json", default=None)
+    ap.add_argument("--kernel-trace", action="store_true",
+                    help="the stamped timelines also get every kernel of one replay as the profiler saw it "
+                         "(bench.kernel_trace; python -m bench.kernel_trace TIMELINES.json prints them)")
     args = ap.parse_args(argv)
     bad = [r for r in args.routings if r not in ROUTINGS]
     if bad:
