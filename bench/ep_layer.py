@@ -483,6 +483,20 @@ def case_fields(case) -> dict:
 ON_TIME = (0.0, None, 0.0)
 
 
+#: the shape's block size under ``--block-m default`` (what a buffer of an open block size runs with Triton)
+SHAPE_BLOCK_M = 16
+
+
+def block_m_arg(text: str):
+    """``--block-m``: an int, or ``default`` (None: ``EPTuning.block_m=None``, the buffer's own rule)."""
+    if text == "default":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--block-m must be 16, 32, 64, 128 or 'default', got {text!r}") from None
+
+
 def plans_for(args, T: int, gemm: str) -> list[tuple]:
     """Every streamed plan ``(chunks, policy, ctas, order, consumer, reserved_sms, ready_window_us,
     streamed_grid_waves, group_max_tokens)`` measured at ``T``. One chunk streams only in the ready and arrival
@@ -602,6 +616,7 @@ def bench_tokens(heap, T, shape, full, base, args, rows, timelines, budget, save
                                       **({} if gmt is None else {"group_max_tokens": gmt}))
                     buf = EPBuffer(heap, shape, max_tokens_per_rank=T, num_slots=slots, tokens_per_slot=chunk,
                                    gemm=gemm, deadline_s=args.deadline_s, tuning=tuning, name="bench")
+                    cfg["block_m"] = buf.block_m  # what the buffer runs (with --block-m default: its own rule)
                     if plan and buf.pipeline.groups_sources(buf.paths["stream"], T):
                         # the rows ran grouped ready steps with this window (the cost model reads it)
                         cfg["ready_window_us"] = tuning.ready_window_us
@@ -868,7 +883,9 @@ def main(argv=None) -> int:
                          "orders only; the batch path always runs)")
     ap.add_argument("--policies", type=words, default=["spin_kernel"])
     ap.add_argument("--slots", type=int, default=4)
-    ap.add_argument("--block-m", type=int, default=64)
+    ap.add_argument("--block-m", type=block_m_arg, default=64,
+                    help="rows per expert block: 16, 32, 64 or 128, or 'default' (EPTuning.block_m=None: the buffer's "
+                         "own rule, 128 where CUTLASS or DeepGEMM compute; each row records the buffer's block_m)")
     ap.add_argument("--ctas", type=lambda s: [None if v == "none" else int(v) for v in s.split(",")],
                     default=[None], help="persistent grid sizes of the per-chunk GEMMs ('none': one CTA per tile)")
     ap.add_argument("--orders", type=words, default=["ready", "arrival"],
@@ -961,7 +978,7 @@ def main(argv=None) -> int:
         log(f"pub->acq across PEs: {pub}")
     rows, timelines = [], []
     for epp in args.experts_per_pe:
-        shape = (dsv3_shape if args.shape == "dsv3" else megamoe_shape)(args.block_m, epp * R)
+        shape = (dsv3_shape if args.shape == "dsv3" else megamoe_shape)(args.block_m or SHAPE_BLOCK_M, epp * R)
         full = MoEWeights.random_fp8(shape, 5, dev)
         base = TorchNcclBaseline(shape, full.fp8_blocks().local(me, R), me, R, None) if nccl else None
         def save():

@@ -130,3 +130,12 @@ def test_lateness_kinds_are_labelled_and_judged_by_their_own_rule():
     assert "worst late (r1+1) 1.000x on-time batch hidden" in v, v
     with pytest.raises(SystemExit):
         ep_layer.main(["--lateness", "producer,sleepy"])
+
+
+def test_block_m_default_is_the_buffers_own_rule_and_a_bad_value_is_named():
+    import argparse
+
+    assert ep_layer.block_m_arg("default") is None
+    assert ep_layer.block_m_arg("128") == 128
+    with pytest.raises(argparse.ArgumentTypeError, match="--block-m .*'default'.*'big'"):
+        ep_layer.block_m_arg("big")
