@@ -103,6 +103,14 @@ class EPExperts:
         waves = self.tuning.streamed_grid_waves
         return waves * self.sm_count if cap.waves and waves > 1 else None
 
+    def holds_every_sm(self, path, i: int, rows: int) -> bool:
+        """Whether the GEMM call of ready index ``i`` (``path.order[i]``) runs a grid that holds every SM of this
+        process until it ends: the backend's own persistent grid (``Capabilities.persistent_grid``), not capped by
+        :meth:`grid_ctas`. The last step of an ungrouped forward has no call of its own (the seal's)."""
+        if not CAPABILITIES[self.gemm].persistent_grid:
+            return False
+        return self.grid_ctas(path, i == len(path.order) - 1, rows) is None
+
     def bound(self, path, grouped: bool, j: int = 0) -> int:
         """Most blocks one dispatch step can make ready (the GEMM grid bound; grouped: :func:`grouped_step_bound`)."""
         R = self.heap.num_ranks

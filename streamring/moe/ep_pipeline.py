@@ -19,6 +19,8 @@ owner's reduce) and the progress policy's streams (``ring.progress``). This modu
                                              GEMM stream: wait event(step); L1+SwiGLU, L2 of the blocks the step
                                              made ready (the last step's: in the seal's call); rows delivered to
                                              their owners, then the owners' arrived[chunk] ADDed (release)
+    [EPTuning(dispatch_beside_grid=False): each dispatch step also waits for the previous step's GEMM call
+     where that call's grid holds every SM]
     after the last chunk: seal -> one GEMM call over the last step's blocks and the partial blocks; then (as
     owner) wait arrived == expected (acquire) -> k-ordered sum -> arrived := 0; after every stream joined: ring
     drain, advance_epoch.
@@ -84,6 +86,9 @@ class Pipeline:
         st = paths["stream"]
         self._dispatched = [torch.cuda.Event() for _ in range(st.num_chunks * st.steps)] \
             if progress.concurrent and progress.stream("g") is not progress.stream("d") else []
+        # per ready index: an event after its GEMM call, which the next dispatch step waits for where that call's
+        # grid holds every SM and the tuning keeps the dispatch from running beside it (dispatch_beside_grid)
+        self._called = [torch.cuda.Event() for _ in self._dispatched] if not tuning.dispatch_beside_grid else []
 
     def groups_sources(self, path, rows: int) -> bool:
         """Whether a forward of ``rows`` rows per PE on ``path`` groups the sources that are ready together
@@ -185,6 +190,9 @@ class Pipeline:
             with pr.side("g"):
                 ex.launch_persistent(path, layer, ex.sm_count - self.tuning.reserved_sms, self.combine,
                                      self.deadline_s)
+        if self._dispatched and self._called and ex.queue is None:
+            self._enqueue_consumer_behind_grids(path, layer, puts)
+            return
         with pr.side("d"):
             st = self.current_stream()
             for i, (c, j) in enumerate(path.order):
@@ -206,6 +214,26 @@ class Pipeline:
                     st.wait_event(self._dispatched[i])
                     ex.step_gemms(path, layer, self.plan, c, j, self.combine, st, puts, self.instrument)
             ex.seal(path, layer, self.plan, self.combine, st, puts, self.instrument)
+
+    def _enqueue_consumer_behind_grids(self, path, layer, puts) -> None:
+        """:meth:`_enqueue_consumer` with ``EPTuning(dispatch_beside_grid=False)``: step by step, each dispatch step
+        behind the previous step's GEMM call where that call's grid holds every SM (:meth:`EPExperts.holds_every_sm`),
+        so no ready wait spins beside such a grid. Only adds dependencies to the other order: a GEMM call waits on
+        its own dispatch step alone, never on a later one, so nothing here can wait on itself."""
+        ex, pr = self.experts, self.progress
+        for i, (c, j) in enumerate(path.order):
+            with pr.side("d"):
+                if i > 0 and ex.holds_every_sm(path, i - 1, self.plan.rows):
+                    self.current_stream().wait_event(self._called[i - 1])
+                self._dispatch_step(path, c, j, self.current_stream())
+                self._dispatched[i].record()
+            with pr.side("g"):
+                st = self.current_stream()
+                st.wait_event(self._dispatched[i])
+                ex.step_gemms(path, layer, self.plan, c, j, self.combine, st, puts, self.instrument)
+                self._called[i].record()
+        with pr.side("g"):
+            ex.seal(path, layer, self.plan, self.combine, self.current_stream(), puts, self.instrument)
 
     def _enqueue_producer(self, path, layer, x, out, routing, origin) -> None:
         """The producer side (behind the caller's stream), the owner's reduce behind it and the GEMMs, and every

@@ -694,3 +694,91 @@ def test_a_decode_forward_leaves_sms_free_in_every_streamed_call_but_the_last():
     assert EPExperts.grid_ctas(SimpleNamespace(tuning=EPTuning(), gemm="triton", sm_count=66), stream, False, 128) is None
     assert EPExperts.grid_ctas(SimpleNamespace(tuning=EPTuning(chunk_gemm_ctas=50), gemm="cutlass", sm_count=66),
                                stream, False, 128) == 50
+
+
+def test_a_full_persistent_grid_holds_every_sm_and_a_capped_or_triton_grid_does_not():
+    """EPExperts.holds_every_sm: a streamed call of CUTLASS / DeepGEMM on the backend's own grid holds every SM; a
+    capped call (chunk_gemm_ctas, the decode rule) and Triton's CTA-per-tile grids do not."""
+    from types import SimpleNamespace
+
+    from streamring.moe.ep_experts import EPExperts
+
+    stream = SimpleNamespace(name="stream", order=[(0, 0), (0, 1)])
+
+    def experts(gemm, **tu):
+        e = SimpleNamespace(tuning=EPTuning(**tu), gemm=gemm, sm_count=66)
+        e.grid_ctas = lambda path, final, rows=None: EPExperts.grid_ctas(e, path, final, rows)
+        return e
+
+    assert EPExperts.holds_every_sm(experts("cutlass"), stream, 0, 4096)
+    assert EPExperts.holds_every_sm(experts("deep_gemm"), stream, 0, 4096)
+    assert not EPExperts.holds_every_sm(experts("triton"), stream, 0, 4096)
+    assert not EPExperts.holds_every_sm(experts("cutlass", chunk_gemm_ctas=60), stream, 0, 4096)
+    assert not EPExperts.holds_every_sm(experts("cutlass"), stream, 0, 128)  # decode: SMs left free
+
+
+def test_dispatch_after_full_grid_orders_each_step_behind_the_previous_full_grid_call():
+    """EPTuning(dispatch_beside_grid=False): the consumer side is enqueued step by step; dispatch step i waits for
+    GEMM call i-1's event exactly where that call holds every SM, every GEMM call waits for its own dispatch step
+    only (so no call waits on a later step), and the seal's call comes last on the GEMM stream."""
+    from types import SimpleNamespace
+
+    from streamring.moe.ep_pipeline import Pipeline
+
+    log = []
+
+    class Ev:
+        def __init__(self, name):
+            self.name = name
+
+        def record(self):
+            log.append((side[0], "record", self.name))
+
+    class St:
+        def __init__(self, name):
+            self.name = name
+
+        def wait_event(self, ev):
+            log.append((self.name, "wait", ev.name))
+
+    side = ["caller"]
+
+    class Progress:
+        def side(self, role):
+            import contextlib
+
+            @contextlib.contextmanager
+            def cm():
+                prev, side[0] = side[0], role
+                try:
+                    yield
+                finally:
+                    side[0] = prev
+            return cm()
+
+    order = [(0, 0), (0, 1), (0, 2)]
+    path = SimpleNamespace(order=order)
+    full = {0: True, 1: False, 2: True}  # call 1 capped (e.g. chunk_gemm_ctas): its next step need not wait
+    ex = SimpleNamespace(
+        queue=None, holds_every_sm=lambda p, i, rows: full[i],
+        step_gemms=lambda p, layer, plan, c, j, comb, st, puts, ins: log.append((side[0], "gemm", j)),
+        seal=lambda p, layer, plan, comb, st, puts, ins: log.append((side[0], "seal")))
+    pl = object.__new__(Pipeline)
+    pl.experts, pl.progress, pl.combine, pl.instrument = ex, Progress(), None, None
+    pl.plan = SimpleNamespace(rows=4096)
+    pl._dispatched = [Ev(f"dispatched{i}") for i in range(3)]
+    pl._called = [Ev(f"called{i}") for i in range(3)]
+    pl.current_stream = lambda: St(side[0])
+    pl._dispatch_step = lambda p, c, j, st: log.append((side[0], "dispatch", j))
+    pl._enqueue_consumer_behind_grids(path, None, None)
+    assert log == [
+        ("d", "dispatch", 0), ("d", "record", "dispatched0"),
+        ("g", "wait", "dispatched0"), ("g", "gemm", 0), ("g", "record", "called0"),
+        ("d", "wait", "called0"), ("d", "dispatch", 1), ("d", "record", "dispatched1"),
+        ("g", "wait", "dispatched1"), ("g", "gemm", 1), ("g", "record", "called1"),
+        ("d", "dispatch", 2), ("d", "record", "dispatched2"),
+        ("g", "wait", "dispatched2"), ("g", "gemm", 2), ("g", "record", "called2"),
+        ("g", "seal")]
+    # every GEMM call waits on its own step's event only
+    assert [e for s, k, e in (x for x in log if len(x) == 3) if s == "g" and k == "wait"] == \
+        ["dispatched0", "dispatched1", "dispatched2"]
