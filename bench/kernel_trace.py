@@ -67,12 +67,17 @@ def print_trace(pes: list[list[dict]], min_us: float = 0.0) -> str:
     return "\n".join(out)
 
 
-if __name__ == "__main__":  # python -m bench.kernel_trace TIMELINES.json [MIN_US]: the traces a bench run wrote
+if __name__ == "__main__":
+    # python -m bench.kernel_trace TIMELINES.json [MIN_US]: the traces a bench run wrote (--timeline-json), or
+    # python -m bench.kernel_trace RESULTS.json RUN [MIN_US]: those kept in a results file's runs[RUN]["timelines"]
     import sys
 
-    rows = json.loads(Path(sys.argv[1]).read_text())
+    args = sys.argv[1:]
+    rows = json.loads(Path(args.pop(0)).read_text())
+    if isinstance(rows, dict) and "runs" in rows and args and args[0] in rows["runs"]:
+        rows = rows["runs"][args.pop(0)]["timelines"]
     rows = rows.get("timelines", rows) if isinstance(rows, dict) else rows
-    min_us = float(sys.argv[2]) if len(sys.argv) > 2 else 0.0
+    min_us = float(args[0]) if args else 0.0
     groups: dict = {}
     for t in rows:
         if "kernels" in t:
