@@ -631,6 +631,18 @@ def phase_sanitize(state: dict) -> None:
              env={"SANITIZE_BUDGET_S": str(int(max(left - 10, 20)))}, judge=judge)
 
 
+def resume_command(steps: list[dict]) -> str | None:
+    """The command that runs, in a new call, exactly the steps this check's budget skipped (``GPU_CHECK_ONLY``
+    matches ``"<name> pes=<PEs>"``); None when the budget skipped none."""
+    import shlex
+
+    skipped = [s for s in steps if s.get("verdict") == "SKIP" and "time budget" in s.get("note", "")]
+    if not skipped:
+        return None
+    rx = "^(" + "|".join(re.escape(f"{s['name']} pes={s['pes']}") for s in skipped) + ")$"
+    return f"GPU_CHECK_ONLY={shlex.quote(rx)} bash launch/gpu_check.sh"
+
+
 def report(state: dict) -> int:
     lines = ["", "GPU check summary (elapsed %.0fs)" % elapsed(),
              f"{'step':<66} {'PEs':>3} {'expect':<6} {'verdict':<7} {'wall s':>7}  note", "-" * 140]
@@ -657,6 +669,10 @@ def report(state: dict) -> int:
                                  f"{r['per_chunk_us']:.2f} us ({r['per_chunk_us'] / raw['p50_us']:.3f}x raw)")
     lines += [f"note: {n}" for n in state.get("notes", [])]
     fails = [s for s in state["steps"] if s["verdict"] != "PASS"]
+    resume = resume_command(state["steps"])
+    if resume:
+        lines.append(f"the budget skipped {sum(1 for s in state['steps'] if s['verdict'] == 'SKIP')} steps; "
+                     f"to run just those (a new call): {resume}")
     lines.append(f"RESULT: {'PASS' if not fails else 'FAIL'}: {len(state['steps']) - len(fails)} of "
                  f"{len(state['steps'])} steps met their expectation")
     log("\n".join(lines) + "\n")

@@ -437,3 +437,30 @@ def test_mutate_and_sanitize_judges_on_recorded_outputs(monkeypatch):
     ok, note = seen["judge"](0, out, None)
     assert ok and "memcheck ring: PASS" in note and "racecheck ep: NOT RUN" in note, note
     assert not seen["judge"](3, "sanitize: compute-sanitizer not found on this host", None)[0]
+
+
+def test_gpu_check_names_the_command_that_resumes_the_steps_its_budget_skipped():
+    """A check stopped by its budget prints a GPU_CHECK_ONLY command whose regex selects exactly the skipped steps
+    (as run_step matches "<name> pes=<PEs>"), special characters of the names escaped; none when nothing was skipped."""
+    import importlib.util
+    import re
+    import shlex
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("gpu_check_steps",
+                                                  Path(__file__).resolve().parents[2] / "launch/gpu_check_steps.py")
+    steps = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(steps)
+    ran = [{"name": "stress --inject skip-acquire (stress-basic.yaml)", "pes": 3, "verdict": "PASS", "note": ""},
+           {"name": "stress --inject signal-before-payload (stress-basic.yaml)", "pes": 3, "verdict": "SKIP",
+            "note": "time budget spent (483s of 500s)"},
+           {"name": "soak (soak-ci.yaml, 1000 chunks x 2 epochs)", "pes": 4, "verdict": "SKIP",
+            "note": "time budget spent (483s of 500s)"},
+           {"name": "EP layer run: policy green_ctx", "pes": 2, "verdict": "SKIP", "note": "n/a under MPS"}]
+    cmd = steps.resume_command(ran)
+    assert cmd and cmd.endswith(" bash launch/gpu_check.sh"), cmd
+    rx = shlex.split(cmd.split(" bash ")[0])[0].split("=", 1)[1]
+    chosen = [s["name"] for s in ran if re.search(rx, f"{s['name']} pes={s['pes']}")]
+    assert chosen == [ran[1]["name"], ran[2]["name"]], chosen
+    assert not re.search(rx, f"{ran[1]['name']} pes=4")  # the PE count is part of the match
+    assert steps.resume_command(ran[:1]) is None
