@@ -129,8 +129,11 @@ def check_layer_routing(routing: MoEShape, shape: MoEShape) -> None:
 
 
 def memory_report(shape: MoEShape, num_ranks: int, *, max_tokens_per_rank: int, num_slots: int = 2,
-                  tokens_per_slot: Optional[int] = None, block_m: int = 64, gemm: str = "triton") -> dict:
-    """Bytes per PE of an :class:`EPBuffer` of these sizes, without allocating anything.
+                  tokens_per_slot: Optional[int] = None, block_m: Optional[int] = None, gemm: str = "triton") -> dict:
+    """Bytes per PE of an :class:`EPBuffer` of these sizes, without allocating anything. ``gemm``: the backend that
+    computes the experts (a key of ``gemm.backends.CAPABILITIES``); ``block_m=None`` takes the block size a buffer
+    left at ``EPTuning.block_m=None`` takes with that backend (:data:`WIDE_BLOCK_M` for CUTLASS and DeepGEMM, else
+    the shape's).
 
     Returns a dict: ``symmetric`` (both rings + the combine area: what NVSHMEM's heap must hold),
     ``one_layer_ring_and_combine`` (the streamed ring + the combine area: what a buffer per layer would
@@ -138,6 +141,10 @@ def memory_report(shape: MoEShape, num_ranks: int, *, max_tokens_per_rank: int, 
     the producer's, on the GPU outside the symmetric heap) and each part.
     """
     R, H, Kk, E, I = num_ranks, shape.hidden, shape.topk, shape.num_experts, shape.intermediate
+    if gemm not in CAPABILITIES:
+        raise ValueError(f"gemm must be one of {tuple(CAPABILITIES)}, got {gemm!r}")
+    if block_m is None and gemm in WIDE_BLOCK_GEMMS:
+        block_m = WIDE_BLOCK_M
     M, C, S, bm = check_sizes(shape, R, max_tokens_per_rank, num_slots, tokens_per_slot, block_m)
     lay = dict(num_ranks=R, hidden=H, topk=Kk, num_experts=E)
     nch_s = -(-M // C)
@@ -149,7 +156,7 @@ def memory_report(shape: MoEShape, num_ranks: int, *, max_tokens_per_rank: int, 
     max_blocks = -(-(R * cap) * Kk // bm) + E_loc
     rows = max_blocks * bm
     local = rows * (H + H // 128 * 4 + I + I // 128 * 4 + 4 + 4 + 8 + 4)  # a, a_sf, h1, h1_sf, weight, src, tok, chunk
-    if gemm not in CAPABILITIES or not CAPABILITIES[gemm].owner_rows:
+    if not CAPABILITIES[gemm].owner_rows:
         local += rows * (2 * I * 2 + I // 128 * 4 + H * 2)  # bf16 L1 output, L2 scales, local y
     sym = batch_ring + stream_ring + combine
     one = stream_ring + combine

@@ -782,3 +782,19 @@ def test_dispatch_after_full_grid_orders_each_step_behind_the_previous_full_grid
     # every GEMM call waits on its own step's event only
     assert [e for s, k, e in (x for x in log if len(x) == 3) if s == "g" and k == "wait"] == \
         ["dispatched0", "dispatched1", "dispatched2"]
+
+
+def test_memory_report_takes_the_block_size_a_buffer_of_that_gemm_takes():
+    """memory_report(block_m=None) sizes the blocks as EPBuffer does with EPTuning.block_m=None: 128-row blocks for
+    CUTLASS and DeepGEMM, the shape's for Triton; an explicit block size is kept; an unknown gemm is named."""
+    from bench.common import dsv3_shape
+
+    shape = dsv3_shape(16, 64)
+    sizes = dict(max_tokens_per_rank=1024, num_slots=2, tokens_per_slot=512)
+    for gemm in ("cutlass", "deep_gemm"):
+        assert memory_report(shape, 2, gemm=gemm, **sizes) == memory_report(shape, 2, gemm=gemm, block_m=128, **sizes)
+        assert memory_report(shape, 2, gemm=gemm, **sizes) != memory_report(shape, 2, gemm=gemm, block_m=16, **sizes)
+    assert memory_report(shape, 2, gemm="triton", **sizes) == memory_report(shape, 2, gemm="triton", block_m=16,
+                                                                            **sizes)
+    with pytest.raises(ValueError, match="gemm must be one of .*'tensor_cores'"):
+        memory_report(shape, 2, gemm="tensor_cores", **sizes)
