@@ -359,13 +359,26 @@ def delay_setter(heap, buf, case, seed):
     return lambda i: buf.instrument.set_delay(ns)
 
 
+class Reported:
+    """A captured graph whose every replay reports its launch to the buffer's instrument, from which a host-held
+    producer delay (``--delay-by host``: :meth:`~streamring.moe.instrument.Instrument.hold_with_host`) runs."""
+
+    def __init__(self, buf, graph):
+        self.buf, self.graph = buf, graph
+
+    def replay(self) -> None:
+        self.buf.instrument.rearm()  # the previous replay has ended (the callers synchronise between replays)
+        self.graph.replay()
+        self.buf.instrument.launched()
+
+
 def measure_batch(heap, buf, layer, x, routing, args, seed):
     """The batch path (the reference of every streamed plan): eager first forward, capture, timed replays;
     then the same graph in each late-rank case. Returns ``(out, stats, {case: stats})``."""
     y = torch.zeros_like(x)
     buf.forward(x, layer, streaming=False, out=y, routing=routing)
     heap.barrier()
-    g = buf.capture(x, layer, y, streaming=False, routing=routing, stamps=False)
+    g = Reported(buf, buf.capture(x, layer, y, streaming=False, routing=routing, stamps=False))
     heap.barrier()
     st = stats(timed(heap, g.replay, args.replays))
     out = y.clone()
@@ -389,8 +402,8 @@ def measure_paired(heap, buf, layer, x, routing, args, seed):
     buf.forward(x, layer, streaming=True, out=ys, routing=routing)
     blocks = {k: v for k, v in moe_debug.blocks_past_expectation(buf).items() if k not in ("calls", "gemm")}
     heap.barrier()
-    gb = buf.capture(x, layer, yb, streaming=False, routing=routing, stamps=args.stamped_graphs)
-    gs = buf.capture(x, layer, ys, streaming=True, routing=routing, stamps=args.stamped_graphs)
+    gb = Reported(buf, buf.capture(x, layer, yb, streaming=False, routing=routing, stamps=args.stamped_graphs))
+    gs = Reported(buf, buf.capture(x, layer, ys, streaming=True, routing=routing, stamps=args.stamped_graphs))
     log(f"PE {heap.rank}: graph node priorities: {buf.node_priority_report}")
     heap.barrier()
 
@@ -437,7 +450,7 @@ def stamped_timelines(heap, buf, layer, x, routing, streaming, late_ms: float, i
     (:func:`bench.kernel_trace.traced_replay`; its stamps are not those of the same replay)."""
     out = []
     y = torch.zeros_like(x)
-    gt = buf.capture(x, layer, y, streaming=streaming, routing=routing, stamps=True)
+    gt = Reported(buf, buf.capture(x, layer, y, streaming=streaming, routing=routing, stamps=True))
     outer = torch.zeros(2, dtype=torch.int64, device=heap.device)
     e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for ms in (0.0, late_ms):
@@ -627,6 +640,9 @@ def bench_tokens(heap, T, shape, full, base, args, rows, timelines, budget, save
                         cfg["streamed_grid_waves"] = tuning.streamed_grid_waves if CAPABILITIES[buf.gemm].waves \
                             else None
                     moe_debug.record_timeline(buf)
+                    if args.delay_by == "host":  # before any capture: the graphs wait on the host word
+                        buf.instrument.hold_with_host()
+                        cfg["delay_by"] = "host"
                     layer = buf.prepare_weights(full)
                     info = dict(tokens=T, routing=routing_name, gemm=buf.gemm, experts_per_pe=epp)
                     if plan is None:  # the batch path, its GEMMs alone, its accuracy
@@ -940,6 +956,10 @@ def main(argv=None) -> int:
     ap.add_argument("--symmetric-size", default="24G", help="NVSHMEM_SYMMETRIC_SIZE")
     ap.add_argument("--json", default=None)
     ap.add_argument("--timeline-json", default=None)
+    ap.add_argument("--delay-by", choices=("spin", "host"), default="spin",
+                    help="how a late PE's producer delay (--straggler-ms, --skew-ms) is made: a one-warp kernel "
+                         "spinning on an SM (spin), or a stream wait on a host word a host timer releases after the "
+                         "graph's launch (host: no SM held, the late PE's GPU free; rows record delay_by)")
     ap.add_argument("--dispatch-after-full-grid", action="store_true",
                     help="every streamed plan with EPTuning(dispatch_beside_grid=False): a dispatch step waits for the "
                          "previous step's GEMM call where that call's grid holds every SM (rows record it)")

@@ -69,7 +69,7 @@ class EPProducer:
             n = path.rows_of_chunk(c, x.shape[0])
             instrument.stamp(c, 5)
             if c == 0:
-                instrument.delay(self.heap.lib, r.stream_ref(stream))
+                instrument.delay(self.heap.lib, r.stream_ref(stream), stream)
             if c >= path.num_slots:
                 r.reuse_wait(stream, c, inject=instrument.inject_bits)
             instrument.stamp(c, 6)
@@ -78,7 +78,7 @@ class EPProducer:
             if early:
                 r.publish(stream, c, RING_ROUTE, valid=valid)
                 r.publish(stream, c, RING_LAYOUT, valid=valid)
-                instrument.delay(self.heap.lib, r.stream_ref(stream))
+                instrument.delay(self.heap.lib, r.stream_ref(stream), stream)
             idx = w = None
             copy = {}
             if n:

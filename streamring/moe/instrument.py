@@ -1,6 +1,6 @@
 """Test and benchmark hooks of an :class:`~streamring.moe.ep_buffer.EPBuffer`, in one object a test or benchmark
-attaches explicitly (:func:`attach`): a device-side delay of this PE's producer (the late producer of the
-benchmarks and of ``run.straggler``), per-chunk ``%globaltimer`` stamps (the device timeline that ``streamring
+attaches explicitly (:func:`attach`): a delay of this PE's producer (the late producer of the benchmarks and of
+``run.straggler``: a one-warp kernel spinning on the device, or held by the host with no SM taken), per-chunk ``%globaltimer`` stamps (the device timeline that ``streamring
 timeline`` draws) and a deliberate protocol mutation (to show that the checks catch it). A buffer without one
 (``buf.instrument is None``, every engine's) enqueues none of their kernels.
 
@@ -20,6 +20,10 @@ from ..device.ringdesc import INJECT_BITS
 from .timeline_events import CHUNK_EVENTS, FIRST_STEP_EVENTS, STAMP_STRIDE, TAIL_EVENTS
 
 
+#: a host-held producer delay is released this long after its delay even if no launch was reported (never a hang)
+HOLD_FALLBACK_S = 2.0
+
+
 class Instrument:
     """The hooks of one buffer (made by :func:`attach`)."""
 
@@ -27,6 +31,10 @@ class Instrument:
         self._buf = buf
         #: the producer's delay in ns before its first chunk (device word, read when the forward runs)
         self.delay_ns = torch.zeros(1, dtype=torch.int64, device=buf.dev)
+        #: with :meth:`hold_with_host`: a pinned host word the producer's stream waits on (0: held, 1: released)
+        self.hold = None
+        self._held_ns = 0
+        self._generation = 0
         #: the protocol mutation of the streamed ring (``streamring.ring.policies.INJECT_MODES``; ``none``)
         self.inject = "none"
         self.inject_bits = 0
@@ -43,11 +51,65 @@ class Instrument:
 
     # -- the late producer -------------------------------------------------------------------------
     def set_delay(self, ns: int) -> None:
-        """Delay this PE's producer by ``ns`` nanoseconds (device side) in the next forwards (0: none)."""
+        """Delay this PE's producer by ``ns`` nanoseconds in the next forwards (0: none). Device side (a spinning
+        one-warp kernel), or with :meth:`hold_with_host` held by the host: the next forward's producer waits until
+        :meth:`launched` (called right after the forward or its graph is enqueued) has let ``ns`` pass."""
         self.delay_ns.fill_(int(ns))
+        if self.hold is not None:
+            self._held_ns = int(ns)
+            self._generation += 1
+            self.hold.fill_(1)
+            self.rearm()
 
-    def delay(self, lib, stream) -> None:
-        """Enqueue the delay on ``stream`` (a library stream ref): one thread spinning for :attr:`delay_ns`."""
+    def rearm(self) -> None:
+        """With a host-held delay pending: hold the next forward's producer again (the word back to 0), each forward
+        its own hold. Call when the previous forward has ended, before enqueueing the next (the benchmark's replays
+        do); released by :meth:`launched`, or :data:`HOLD_FALLBACK_S` after the delay if no launch is reported
+        (never a hang)."""
+        if self.hold is None or not self._held_ns:
+            return
+        self._generation += 1
+        self.hold.fill_(0)
+        self._release_after(self._held_ns / 1e9 + HOLD_FALLBACK_S)
+
+    def hold_with_host(self) -> None:
+        """Hold the producer's delay with no SM taken: its stream waits (``cuStreamWaitValue64``, GEQ 1) on a
+        pinned host word that a host timer sets ``delay_ns`` after the launch (:meth:`launched`), instead of a
+        one-warp kernel spinning on an SM (which a statically scheduled GEMM grid beside it may need). Allocates:
+        before the captures that should carry it."""
+        if torch.device(self._buf.dev).type != "cuda":
+            raise ValueError("hold_with_host needs a GPU buffer (a stream waits on the host word)")
+        if self.hold is None:
+            self.hold = torch.ones(1, dtype=torch.int64).pin_memory()
+
+    def launched(self) -> None:
+        """After enqueueing a forward (or replaying its graph) with a host-held delay pending: release the producer
+        that long from now (a timer thread)."""
+        if self.hold is not None and self._held_ns:
+            self._release_after(self._held_ns / 1e9)
+
+    def _release_after(self, seconds: float) -> None:
+        import threading
+
+        hold, gen = self.hold, self._generation
+
+        def release():
+            if self._generation == gen:  # a later set_delay owns the word now
+                hold.fill_(1)
+
+        t = threading.Timer(seconds, release)
+        t.daemon = True
+        t.start()
+
+    def delay(self, lib, stream, torch_stream=None) -> None:
+        """Enqueue the delay on ``stream`` (a library stream ref; ``torch_stream`` the same stream as torch's): one
+        thread spinning for :attr:`delay_ns`, or with :meth:`hold_with_host` a wait on the host word."""
+        if self.hold is not None:
+            from ..device.streams import stream_wait_geq
+
+            st = torch_stream if torch_stream is not None else torch.cuda.current_stream(self._buf.dev)
+            stream_wait_geq(st, int(self.hold.data_ptr()), 1)
+            return
         DK.ep_delay(lib, stream, ns=int(self.delay_ns.data_ptr()))
 
     # -- the protocol mutation ----------------------------------------------------------------------
@@ -112,7 +174,7 @@ class NoInstrument:
     def stamp(self, row: int, col: int) -> None:
         pass
 
-    def delay(self, lib, stream) -> None:
+    def delay(self, lib, stream, torch_stream=None) -> None:
         pass
 
 

@@ -798,3 +798,41 @@ def test_memory_report_takes_the_block_size_a_buffer_of_that_gemm_takes():
                                                                             **sizes)
     with pytest.raises(ValueError, match="gemm must be one of .*'tensor_cores'"):
         memory_report(shape, 2, gemm="tensor_cores", **sizes)
+
+
+def test_a_host_held_producer_delay_is_released_after_the_launch_and_never_left_held(monkeypatch):
+    """Instrument's host-held delay (bench.ep_layer --delay-by host): set_delay(ns > 0) holds the word (0), each
+    rearm holds it again, launched() releases it ns later; with no launch reported the fallback releases it
+    HOLD_FALLBACK_S after the delay; a stale fallback never releases a newer hold; set_delay(0) releases at once."""
+    import time
+    from types import SimpleNamespace
+
+    from streamring.moe import instrument as I
+
+    inst = I.Instrument(SimpleNamespace(dev="cpu"))
+    inst.hold = torch.ones(1, dtype=torch.int64)  # what hold_with_host allocates (pinned there)
+    monkeypatch.setattr(I, "HOLD_FALLBACK_S", 0.3)
+    inst.set_delay(50_000_000)  # 50 ms
+    assert int(inst.hold[0]) == 0
+    inst.rearm()
+    inst.launched()
+    time.sleep(0.02)
+    assert int(inst.hold[0]) == 0, "released before its delay"
+    time.sleep(0.1)
+    assert int(inst.hold[0]) == 1, "not released after its delay"
+    inst.rearm()  # the next replay, whose launch is never reported: the fallback releases it
+    time.sleep(0.2)
+    assert int(inst.hold[0]) == 0
+    time.sleep(0.3)
+    assert int(inst.hold[0]) == 1, "left held"
+    inst.rearm()  # a stale fallback (of an earlier hold) must not release a later one early
+    time.sleep(0.2)
+    inst.rearm()
+    time.sleep(0.2)  # the first hold's fallback (0.35 s after it) has fired by now
+    assert int(inst.hold[0]) == 0, "a stale fallback released a later hold"
+    time.sleep(0.25)
+    assert int(inst.hold[0]) == 1
+    inst.set_delay(0)
+    assert int(inst.hold[0]) == 1
+    inst.rearm()
+    assert int(inst.hold[0]) == 1, "no delay pending: nothing held"
