@@ -1,8 +1,9 @@
 """Test and benchmark hooks of an :class:`~streamring.moe.ep_buffer.EPBuffer`, in one object a test or benchmark
 attaches explicitly (:func:`attach`): a delay of this PE's producer (the late producer of the benchmarks and of
-``run.straggler``: a one-warp kernel spinning on the device, or held by the host with no SM taken), per-chunk ``%globaltimer`` stamps (the device timeline that ``streamring
-timeline`` draws) and a deliberate protocol mutation (to show that the checks catch it). A buffer without one
-(``buf.instrument is None``, every engine's) enqueues none of their kernels.
+``run.straggler``: a one-warp kernel spinning on the device, or held by the host with no SM taken), per-chunk
+``%globaltimer`` stamps (the device timeline that ``streamring timeline`` draws) and a deliberate protocol
+mutation (to show that the checks catch it). A buffer without one (``buf.instrument is None``, every engine's)
+enqueues none of their kernels.
 
 Collective like the buffer: attach on every PE, before the forwards (and captures) that should carry it.
 """
@@ -57,9 +58,11 @@ class Instrument:
         self.delay_ns.fill_(int(ns))
         if self.hold is not None:
             self._held_ns = int(ns)
-            self._generation += 1
-            self.hold.fill_(1)
-            self.rearm()
+            if ns > 0:
+                self.rearm()
+            else:  # released now; a pending timer of an earlier hold finds a newer generation
+                self._generation += 1
+                self.hold.fill_(1)
 
     def rearm(self) -> None:
         """With a host-held delay pending: hold the next forward's producer again (the word back to 0), each forward
@@ -84,7 +87,7 @@ class Instrument:
 
     def launched(self) -> None:
         """After enqueueing a forward (or replaying its graph) with a host-held delay pending: release the producer
-        that long from now (a timer thread)."""
+        the delay from now (a timer thread)."""
         if self.hold is not None and self._held_ns:
             self._release_after(self._held_ns / 1e9)
 
