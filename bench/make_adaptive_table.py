@@ -62,6 +62,8 @@ def _ep_rows(bench: dict, gemm_default: str | None, margin: float) -> list[dict]
     for r in bench.get("rows", []):
         if r.get("routing", "uniform") != "uniform" or "median_ms" not in r or r.get("path") not in ("batch", "streamed"):
             continue
+        if r.get("dispatch_beside_grid") is False or r.get("delay_by", "spin") != "spin":
+            continue  # experiment switches a buffer does not run by default, and another model of a late producer
         gemm = r.get("gemm")
         gemm = gemm_default if gemm in (None, "auto") and gemm_default else gemm
         ranks = int(r.get("ranks", 1))
