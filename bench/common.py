@@ -167,6 +167,20 @@ def time_interleaved(fns: dict, sets: int, load, replays: int) -> dict:
 # ----------------------------------------------------------------------------------------------
 # timing across PEs
 # ----------------------------------------------------------------------------------------------
+class Reported:
+    """A captured graph of an EPBuffer whose every replay reports its launch to the buffer's instrument, from which a
+    host-held delay (``bench.ep_layer --delay-by host``: :meth:`~streamring.moe.instrument.Instrument.hold_with_host`)
+    runs; without one it is the graph."""
+
+    def __init__(self, buf, graph):
+        self.buf, self.graph = buf, graph
+
+    def replay(self) -> None:
+        self.buf.instrument.rearm()  # the previous replay has ended (the callers synchronise between replays)
+        self.graph.replay()
+        self.buf.instrument.launched()
+
+
 def timed_rounds(heap, calls, replays: int, warm: int = WARM_REPLAYS) -> dict:
     """``{name: [ms]}``: per replay ``i`` (``warm`` warm-ups first, not kept), every ``(name, fn, before)``
     of ``calls`` in turn, the order rotated by ``i`` so that none always runs first: ``before(i)`` if

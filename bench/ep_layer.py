@@ -69,7 +69,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench.common import FP8, dsv3_shape, log, stats, timed, timed_rounds
+from bench.common import FP8, Reported, dsv3_shape, log, stats, timed, timed_rounds
 from bench.lateness import KINDS as LATE_KINDS
 from bench.lateness import measure_kinds
 from bench.skew import skew_delays_ms, skew_seed, timed_skew_draws
@@ -357,19 +357,6 @@ def delay_setter(heap, buf, case, seed):
         return lambda i: buf.instrument.set_delay(int(skew_delays_ms(skew, i, heap.num_ranks, seed)[heap.rank] * 1e6))
     ns = int(ms * 1e6) if heap.rank == rank else 0
     return lambda i: buf.instrument.set_delay(ns)
-
-
-class Reported:
-    """A captured graph whose every replay reports its launch to the buffer's instrument, from which a host-held
-    producer delay (``--delay-by host``: :meth:`~streamring.moe.instrument.Instrument.hold_with_host`) runs."""
-
-    def __init__(self, buf, graph):
-        self.buf, self.graph = buf, graph
-
-    def replay(self) -> None:
-        self.buf.instrument.rearm()  # the previous replay has ended (the callers synchronise between replays)
-        self.graph.replay()
-        self.buf.instrument.launched()
 
 
 def measure_batch(heap, buf, layer, x, routing, args, seed):
@@ -957,9 +944,10 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--timeline-json", default=None)
     ap.add_argument("--delay-by", choices=("spin", "host"), default="spin",
-                    help="how a late PE's producer delay (--straggler-ms, --skew-ms) is made: a one-warp kernel "
-                         "spinning on an SM (spin), or a stream wait on a host word a host timer releases after the "
-                         "graph's launch (host: no SM held, the late PE's GPU free; rows record delay_by)")
+                    help="how a late PE's producer delay (--straggler-ms, --skew-ms) and the idle lateness kind are "
+                         "made: a one-warp kernel spinning on an SM (spin), or a stream wait on a host word a host "
+                         "timer releases after the graph's launch (host: no SM held, the late PE's GPU free; rows "
+                         "record delay_by)")
     ap.add_argument("--dispatch-after-full-grid", action="store_true",
                     help="every streamed plan with EPTuning(dispatch_beside_grid=False): a dispatch step waits for the "
                          "previous step's GEMM call where that call's grid holds every SM (rows record it)")

@@ -5,7 +5,8 @@ wait inside the producer stage, while the late PE's GPU is free). Here, each in 
 paired with the batch path in the same case (both graphs built the same way):
 
 * ``idle``: the late PE's caller stream waits ``late_ms`` before the layer (a one-thread spin on that stream,
-  its length a device word: the stream idle, as when it waits on another stream's event; the GPU is free);
+  its length a device word: the stream idle, as when it waits on another stream's event; with ``--delay-by
+  host`` a stream wait on the instrument's host-held word instead, so no kernel spins on the late PE's GPU);
 * ``busy``: bf16 matmuls of about ``late_ms`` on the late PE's caller stream before the layer (a stand-in for a
   longer attention: the GPU busy);
 * ``beside``: the same matmuls on another stream of the late PE, launched with the layer and joined after it
@@ -23,9 +24,10 @@ import statistics
 
 import torch
 
-from bench.common import log
+from bench.common import Reported, log
 from streamring.device import kernels as DK
 from streamring.device.moe_triton import stamp
+from streamring.device.streams import stream_wait_geq
 
 #: the kinds this module measures (``producer`` is ``bench.ep_layer``'s own straggler)
 KINDS = ("idle", "busy", "beside")
@@ -83,7 +85,9 @@ class LateWork:
             if streaming and launch_ahead:
                 buf.launch_consumer(layer, x.shape[0], stamps=False)
             cur = torch.cuda.current_stream()
-            if kind == "idle":
+            if kind == "idle" and buf.instrument.hold is not None:  # --delay-by host: no kernel, the GPU free
+                stream_wait_geq(cur, int(buf.instrument.hold.data_ptr()), 1)
+            elif kind == "idle":
                 DK.ep_delay(self.heap.lib, buf.paths["stream"].ring.stream_ref(cur), ns=int(self.delay_ns.data_ptr()))
             elif kind == "busy" and matmuls:
                 self._matmuls(matmuls)
@@ -97,7 +101,7 @@ class LateWork:
         buf.prioritize(g)
         g.instantiate()
         torch.cuda.current_stream().wait_stream(cap)
-        return g
+        return Reported(buf, g)
 
     def other_work_ms(self, g, replays: int = 5) -> float | None:
         """The median time of this PE's matmuls over ``replays`` replays of ``g`` (every PE replays it)."""
@@ -142,9 +146,12 @@ def measure_kinds(heap, buf, layer, x, routing, args, timed_rounds, stats) -> li
 
                     def on_time(i):
                         work.delay_ns.zero_()
+                        buf.instrument.set_delay(0)
 
                     def delay(i, ns=int(ms * 1e6) if late and kind == "idle" else 0):
                         work.delay_ns.fill_(ns)
+                        if buf.instrument.hold is not None:  # the idle wait is the host-held word
+                            buf.instrument.set_delay(ns)
                     t = timed_rounds(heap, [("batch_on_time", g0.replay, on_time), ("batch", gb.replay, delay),
                                             ("streamed", gs.replay, delay)], args.replays)
                     other = {}
