@@ -144,14 +144,13 @@ def measure_kinds(heap, buf, layer, x, routing, args, timed_rounds, stats) -> li
                 for ahead in aheads:
                     gs = work.graph(layer, x, y, routing, streaming=True, kind=kind, matmuls=n, launch_ahead=ahead)
 
-                    def on_time(i):
-                        work.delay_ns.zero_()
-                        buf.instrument.set_delay(0)
-
                     def delay(i, ns=int(ms * 1e6) if late and kind == "idle" else 0):
                         work.delay_ns.fill_(ns)
                         if buf.instrument.hold is not None:  # the idle wait is the host-held word
                             buf.instrument.set_delay(ns)
+
+                    def on_time(i):
+                        delay(i, 0)
                     t = timed_rounds(heap, [("batch_on_time", g0.replay, on_time), ("batch", gb.replay, delay),
                                             ("streamed", gs.replay, delay)], args.replays)
                     other = {}

@@ -631,12 +631,17 @@ def phase_sanitize(state: dict) -> None:
              env={"SANITIZE_BUDGET_S": str(int(max(left - 10, 20)))}, judge=judge)
 
 
+def budget_skipped(steps: list[dict]) -> list[dict]:
+    """The steps this check's time budget skipped (:func:`run_step`)."""
+    return [s for s in steps if s.get("verdict") == "SKIP" and "time budget" in s.get("note", "")]
+
+
 def resume_command(steps: list[dict]) -> str | None:
     """The command that runs, in a new call, exactly the steps this check's budget skipped (``GPU_CHECK_ONLY``
     matches ``"<name> pes=<PEs>"``); None when the budget skipped none."""
     import shlex
 
-    skipped = [s for s in steps if s.get("verdict") == "SKIP" and "time budget" in s.get("note", "")]
+    skipped = budget_skipped(steps)
     if not skipped:
         return None
     rx = "^(" + "|".join(re.escape(f"{s['name']} pes={s['pes']}") for s in skipped) + ")$"
@@ -671,7 +676,7 @@ def report(state: dict) -> int:
     fails = [s for s in state["steps"] if s["verdict"] != "PASS"]
     resume = resume_command(state["steps"])
     if resume:
-        lines.append(f"the budget skipped {sum(1 for s in state['steps'] if s['verdict'] == 'SKIP')} steps; "
+        lines.append(f"the budget skipped {len(budget_skipped(state['steps']))} steps; "
                      f"to run just those (a new call): {resume}")
     lines.append(f"RESULT: {'PASS' if not fails else 'FAIL'}: {len(state['steps']) - len(fails)} of "
                  f"{len(state['steps'])} steps met their expectation")

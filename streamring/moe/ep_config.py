@@ -47,6 +47,13 @@ WIDE_BLOCK_M = 128
 WIDE_BLOCK_GEMMS = ("cutlass", "deep_gemm")
 
 
+def open_block_m(impl: str, shape: MoEShape) -> int:
+    """The block size of a buffer left at ``EPTuning.block_m=None`` whose experts ``impl`` computes (a backend's
+    name): :data:`WIDE_BLOCK_M` for CUTLASS and DeepGEMM, the shape's ``block_m`` otherwise
+    (:func:`resolve_block_and_gemm` says why)."""
+    return WIDE_BLOCK_M if impl in WIDE_BLOCK_GEMMS else shape.block_m
+
+
 def resolve_block_and_gemm(gemm: str, shape: MoEShape, num_ranks: int, max_tokens_per_rank: int,
                            block_m: Optional[int]) -> tuple[int, "GC.LayerChoice"]:
     """``(block_m, GEMMs)`` of a buffer. An explicit ``block_m`` is kept and the GEMMs resolved for it
@@ -59,15 +66,12 @@ def resolve_block_and_gemm(gemm: str, shape: MoEShape, num_ranks: int, max_token
     of CUTLASS buffers"). DeepGEMM's contiguous layout takes 128-row blocks only. Triton keeps the shape's block
     size: it measured slower on 128-row blocks.
     """
-    if block_m is not None:
-        return block_m, resolve_gemm(gemm, shape, num_ranks, max_tokens_per_rank, block_m)
-    if gemm in WIDE_BLOCK_GEMMS:
-        return WIDE_BLOCK_M, resolve_gemm(gemm, shape, num_ranks, max_tokens_per_rank, WIDE_BLOCK_M)
-    if gemm == "auto":
+    if block_m is None and gemm == "auto":
         wide = resolve_gemm(gemm, shape, num_ranks, max_tokens_per_rank, WIDE_BLOCK_M)
         if wide.impl in WIDE_BLOCK_GEMMS:
             return WIDE_BLOCK_M, wide
-    return shape.block_m, resolve_gemm(gemm, shape, num_ranks, max_tokens_per_rank, shape.block_m)
+    bm = block_m if block_m is not None else open_block_m(gemm, shape)
+    return bm, resolve_gemm(gemm, shape, num_ranks, max_tokens_per_rank, bm)
 
 
 
@@ -132,8 +136,7 @@ def memory_report(shape: MoEShape, num_ranks: int, *, max_tokens_per_rank: int, 
                   tokens_per_slot: Optional[int] = None, block_m: Optional[int] = None, gemm: str = "triton") -> dict:
     """Bytes per PE of an :class:`EPBuffer` of these sizes, without allocating anything. ``gemm``: the backend that
     computes the experts (a key of ``gemm.backends.CAPABILITIES``); ``block_m=None`` takes the block size a buffer
-    left at ``EPTuning.block_m=None`` takes with that backend (:data:`WIDE_BLOCK_M` for CUTLASS and DeepGEMM, else
-    the shape's).
+    left at ``EPTuning.block_m=None`` takes with that backend (:func:`open_block_m`).
 
     Returns a dict: ``symmetric`` (both rings + the combine area: what NVSHMEM's heap must hold),
     ``one_layer_ring_and_combine`` (the streamed ring + the combine area: what a buffer per layer would
@@ -143,8 +146,7 @@ def memory_report(shape: MoEShape, num_ranks: int, *, max_tokens_per_rank: int, 
     R, H, Kk, E, I = num_ranks, shape.hidden, shape.topk, shape.num_experts, shape.intermediate
     if gemm not in CAPABILITIES:
         raise ValueError(f"gemm must be one of {tuple(CAPABILITIES)}, got {gemm!r}")
-    if block_m is None and gemm in WIDE_BLOCK_GEMMS:
-        block_m = WIDE_BLOCK_M
+    block_m = open_block_m(gemm, shape) if block_m is None else block_m
     M, C, S, bm = check_sizes(shape, R, max_tokens_per_rank, num_slots, tokens_per_slot, block_m)
     lay = dict(num_ranks=R, hidden=H, topk=Kk, num_experts=E)
     nch_s = -(-M // C)
