@@ -606,7 +606,7 @@ def bench_tokens(heap, T, shape, full, base, args, rows, timelines, budget, save
                 slots = C if order == "arrival" else min(args.slots, C)  # arrival: a slot per chunk
                 cfg = {"chunks": C, "chunk_tokens": chunk, "policy": pol, "num_slots": slots,
                        "chunk_gemm_ctas": ctas, "source_order": order, "consumer": cons, "reserved_sms": k,
-                       **({"dispatch_beside_grid": False} if args.dispatch_after_full_grid else {})}
+                       "dispatch_beside_grid": args.dispatch_beside_grid}
                 buf = None
                 try:
                     tuning = EPTuning(block_m=args.block_m, policy=pol if plan else "spin_kernel", source_order=order,
@@ -615,7 +615,7 @@ def bench_tokens(heap, T, shape, full, base, args, rows, timelines, budget, save
                                       **({} if win is None else {"ready_window_us": win}),
                                       **({} if wv is None else {"streamed_grid_waves": wv}),
                                       **({} if gmt is None else {"group_max_tokens": gmt}),
-                                      dispatch_beside_grid=not args.dispatch_after_full_grid)
+                                      dispatch_beside_grid=args.dispatch_beside_grid)
                     buf = EPBuffer(heap, shape, max_tokens_per_rank=T, num_slots=slots, tokens_per_slot=chunk,
                                    gemm=gemm, deadline_s=args.deadline_s, tuning=tuning, name="bench")
                     cfg["block_m"] = buf.block_m  # what the buffer runs (with --block-m default: its own rule)
@@ -948,9 +948,12 @@ def main(argv=None) -> int:
                          "made: a one-warp kernel spinning on an SM (spin), or a stream wait on a host word a host "
                          "timer releases after the graph's launch (host: no SM held, the late PE's GPU free; rows "
                          "record delay_by)")
-    ap.add_argument("--dispatch-after-full-grid", action="store_true",
-                    help="every streamed plan with EPTuning(dispatch_beside_grid=False): a dispatch step waits for the "
-                         "previous step's GEMM call where that call's grid holds every SM (rows record it)")
+    ap.add_argument("--dispatch-beside-grid", action="store_true",
+                    help="every plan with EPTuning(dispatch_beside_grid=True), an experiment: a streamed dispatch step "
+                         "runs beside the previous step's GEMM call even where that call's grid holds every SM (the "
+                         "default waits for it; rows record dispatch_beside_grid)")
+    ap.add_argument("--dispatch-after-full-grid", action="store_false", dest="dispatch_beside_grid",
+                    help="the default (EPTuning(dispatch_beside_grid=False)); kept so that recorded commands run")
     ap.add_argument("--kernel-trace", action="store_true",
                     help="the stamped timelines also get every kernel of one replay as the profiler saw it "
                          "(bench.kernel_trace; python -m bench.kernel_trace TIMELINES.json prints them)")

@@ -19,8 +19,8 @@ owner's reduce) and the progress policy's streams (``ring.progress``). This modu
                                              GEMM stream: wait event(step); L1+SwiGLU, L2 of the blocks the step
                                              made ready (the last step's: in the seal's call); rows delivered to
                                              their owners, then the owners' arrived[chunk] ADDed (release)
-    [EPTuning(dispatch_beside_grid=False): each dispatch step also waits for the previous step's GEMM call
-     where that call's grid holds every SM]
+    [a persistent-grid backend (CUTLASS, DeepGEMM), unless EPTuning(dispatch_beside_grid=True): each dispatch
+     step also waits for the previous step's GEMM call where that call's grid holds every SM]
     after the last chunk: seal -> one GEMM call over the last step's blocks and the partial blocks; then (as
     owner) wait arrived == expected (acquire) -> k-ordered sum -> arrived := 0; after every stream joined: ring
     drain, advance_epoch.
@@ -87,8 +87,17 @@ class Pipeline:
         self._dispatched = [torch.cuda.Event() for _ in range(st.num_chunks * st.steps)] \
             if progress.concurrent and progress.stream("g") is not progress.stream("d") else []
         # per ready index: an event after its GEMM call, which the next dispatch step waits for where that call's
-        # grid holds every SM and the tuning keeps the dispatch from running beside it (dispatch_beside_grid)
-        self._called = [torch.cuda.Event() for _ in self._dispatched] if not tuning.dispatch_beside_grid else []
+        # grid holds every SM (dispatch_beside_grid)
+        self._called = [torch.cuda.Event() for _ in self._dispatched] \
+            if self.dispatch_waits_for_full_grids(tuning, experts.gemm) else []
+
+    @staticmethod
+    def dispatch_waits_for_full_grids(tuning, gemm: str) -> bool:
+        """Whether the streamed dispatch steps are enqueued behind the previous step's GEMM call where its grid
+        holds every SM (:meth:`_enqueue_consumer_behind_grids`): ``EPTuning.dispatch_beside_grid`` False (the
+        default) and a backend with a persistent grid. Triton's CTA-per-tile grids never hold every SM: its
+        enqueue stays the other one."""
+        return not tuning.dispatch_beside_grid and CAPABILITIES[gemm].persistent_grid
 
     def groups_sources(self, path, rows: int) -> bool:
         """Whether a forward of ``rows`` rows per PE on ``path`` groups the sources that are ready together
@@ -216,7 +225,8 @@ class Pipeline:
             ex.seal(path, layer, self.plan, self.combine, st, puts, self.instrument)
 
     def _enqueue_consumer_behind_grids(self, path, layer, puts) -> None:
-        """:meth:`_enqueue_consumer` with ``EPTuning(dispatch_beside_grid=False)``: step by step, each dispatch step
+        """:meth:`_enqueue_consumer` of a persistent-grid backend with ``EPTuning(dispatch_beside_grid=False)`` (the
+        default): step by step, each dispatch step
         behind the previous step's GEMM call where that call's grid holds every SM (:meth:`EPExperts.holds_every_sm`),
         so no ready wait spins beside such a grid. Only adds dependencies to the other order: a GEMM call waits on
         its own dispatch step alone, never on a later one, so nothing here can wait on itself."""

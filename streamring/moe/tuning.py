@@ -81,14 +81,17 @@ class EPTuning(BaseModel):
             backend's own grid; 2 and 4 measured no faster (docs/performance.md). The batch path always runs the
             backend's own grid.
         dispatch_beside_grid: whether a streamed dispatch step may run beside the previous step's GEMM call when
-            that call's grid holds every SM (a backend's own persistent grid: CUTLASS, DeepGEMM; not a capped
-            grid). True (the default): it may, as it must with Triton's CTA-per-tile grids. False: the step waits
-            for that call to end. Beside such a grid the step's spinning ready wait holds an SM of this process's
-            share, a CTA of the statically scheduled grid waits for one, and the call ends with that CTA: the kernel
-            trace of a late source (docs/performance.md, "Where a late PE's time goes with CUTLASS") shows the first
-            call held until the late source's dispatch ended. Not measured yet with False: an experiment switch
-            (``bench.ep_layer --dispatch-after-full-grid``); correctness does not depend on it (it only adds a
-            dependency: a GEMM call never waits on a later dispatch step).
+            that call's grid holds every SM (a backend's own persistent grid: CUTLASS, DeepGEMM; not a capped grid,
+            not Triton's CTA-per-tile grids, for which the switch changes nothing). False (the default): the step
+            waits for that call to end. Reason: beside such a grid the step's spinning ready wait holds an SM of
+            this process's share, a CTA of the statically scheduled grid waits for one, and the whole call ends with
+            that CTA: kernel traces (docs/performance.md, "The dispatch behind a full grid") show the first call's
+            L1 at 1.8x its on-time time with the wait beside it and at its on-time time behind it, whether the late
+            PE's delay spins or is held by the host. Measured on one H100 (2 PEs under MPS, CUTLASS, 128-row
+            blocks): a late producer's worst case 1.10-1.23x the on-time batch at 8192 tokens per PE against
+            1.38x beside, 1.24-1.32x against 1.37-1.38x at 4096, on time unchanged within the noise. True: the
+            dispatch beside the grid (``bench.ep_layer --dispatch-beside-grid``). Correctness does not depend on it
+            (False only adds dependencies: a GEMM call never waits on a later dispatch step).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -104,7 +107,7 @@ class EPTuning(BaseModel):
     ready_window_us: float = Field(50.0, ge=0, le=1000)
     chunk_gemm_ctas: Optional[int] = Field(None, ge=1)
     streamed_grid_waves: int = Field(1, ge=1, le=16)
-    dispatch_beside_grid: bool = True
+    dispatch_beside_grid: bool = False
 
     def groups_sources(self, ranks: int, rows: int, *, persistent_grid: bool) -> bool:
         """Whether a streamed forward of ``rows`` rows per PE on ``ranks`` PEs groups the sources that are ready

@@ -132,29 +132,31 @@ def test_a_missing_arrival_is_reported_not_hung(env):
         buf.close()
 
 
-@pytest.mark.parametrize("policy,order,behind_grids", [
-    ("spin_kernel", "rank", False), ("spin_kernel", "ready", False), ("serialized", "rank", False),
-    ("spin_kernel", "ready", True)])
-def test_cutlass_gemms_keep_streamed_equal_to_batch(env, policy, order, behind_grids):
+@pytest.mark.parametrize("policy,order,grids", [
+    ("spin_kernel", "rank", "capped"), ("spin_kernel", "ready", "capped"), ("serialized", "rank", "capped"),
+    ("spin_kernel", "ready", "behind"), ("spin_kernel", "ready", "beside")])
+def test_cutlass_gemms_keep_streamed_equal_to_batch(env, policy, order, grids):
     """gemm='cutlass' (CUTLASS FP8 blockwise grouped GEMMs, L2 through a local y and puts): the streamed
     output equals its batch output bitwise, and both are close to the Triton path (rounding only).
-    ``behind_grids``: EPTuning(dispatch_beside_grid=False) above decode size (320 rows: every call but the seal's
-    on the backend's own persistent grid, so each dispatch step waits for the previous call)."""
+    ``grids``: ``capped`` at 157 rows (the decode rule caps the streamed grids), ``behind`` and ``beside`` at 320
+    rows (every call but the seal's on the backend's own persistent grid): the default, each dispatch step behind
+    the previous call, and EPTuning(dispatch_beside_grid=True), the dispatch beside it."""
     from streamring.moe.ep_buffer import cutlass_unavailable_reason
 
     why = cutlass_unavailable_reason()
     if why:
         pytest.skip(f"the CUTLASS library is not available here: {why}")
     heap, shape, mw = env
-    T = 320 if behind_grids else 157
+    T = 157 if grids == "capped" else 320
     x = random_x(shape, T, 5, heap.device)
     ref = single_batch(shape, mw, x)
     outs = {}
-    sizes = dict(max_tokens=T, tokens_per_slot=80, dispatch_beside_grid=False) if behind_grids else {}
+    sizes = {} if grids == "capped" else dict(max_tokens=T, tokens_per_slot=80, dispatch_beside_grid=grids == "beside")
     buf = _buffer(heap, shape, policy=policy, order=order, gemm="cutlass", **sizes)
     try:
-        if behind_grids:
+        if grids != "capped":
             assert buf.pipeline.experts.holds_every_sm(buf.paths["stream"], 0, T), "the case must run full grids"
+            assert bool(buf.pipeline._called) == (grids == "behind"), "the case must run its enqueue"
         w = buf.prepare_weights(mw)
         for streaming in (False, True):
             xb = x.clone()

@@ -85,7 +85,7 @@ def test_make_adaptive_table_reads_the_ep_layer_benchmark(tmp_path):
                       row("batch", 9.0, gemm="cutlass"),
                       row("streamed", 9.9, gemm="cutlass", streamed_over_batch=1.1, **stream),
                       # experiment switches a default buffer does not run, and the host-held delay: no candidates
-                      row("streamed", 7.2, gemm="cutlass", streamed_over_batch=0.8, dispatch_beside_grid=False,
+                      row("streamed", 7.2, gemm="cutlass", streamed_over_batch=0.8, dispatch_beside_grid=True,
                           **stream),
                       row("streamed", 7.2, gemm="cutlass", streamed_over_batch=0.8, delay_by="host", **stream)]}
     src = tmp_path / "ep.json"

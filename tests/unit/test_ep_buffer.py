@@ -717,10 +717,23 @@ def test_a_full_persistent_grid_holds_every_sm_and_a_capped_or_triton_grid_does_
     assert not EPExperts.holds_every_sm(experts("cutlass"), stream, 0, 128)  # decode: SMs left free
 
 
+def test_the_dispatch_waits_for_full_grids_by_default_on_persistent_grid_backends_only():
+    """A default buffer enqueues its dispatch steps behind full persistent grids (CUTLASS, DeepGEMM); Triton keeps
+    its enqueue, and EPTuning(dispatch_beside_grid=True) restores the dispatch beside the grid."""
+    from streamring.moe.ep_pipeline import Pipeline
+
+    assert EPTuning().dispatch_beside_grid is False
+    assert Pipeline.dispatch_waits_for_full_grids(EPTuning(), "cutlass")
+    assert Pipeline.dispatch_waits_for_full_grids(EPTuning(), "deep_gemm")
+    assert not Pipeline.dispatch_waits_for_full_grids(EPTuning(), "triton")
+    assert not Pipeline.dispatch_waits_for_full_grids(EPTuning(dispatch_beside_grid=True), "cutlass")
+
+
 def test_dispatch_after_full_grid_orders_each_step_behind_the_previous_full_grid_call():
-    """EPTuning(dispatch_beside_grid=False): the consumer side is enqueued step by step; dispatch step i waits for
-    GEMM call i-1's event exactly where that call holds every SM, every GEMM call waits for its own dispatch step
-    only (so no call waits on a later step), and the seal's call comes last on the GEMM stream."""
+    """EPTuning(dispatch_beside_grid=False) (the default, persistent grids): the consumer side is enqueued step by
+    step; dispatch step i waits for GEMM call i-1's event exactly where that call holds every SM, every GEMM call
+    waits for its own dispatch step only (so no call waits on a later step), and the seal's call comes last on the
+    GEMM stream."""
     from types import SimpleNamespace
 
     from streamring.moe.ep_pipeline import Pipeline
