@@ -69,13 +69,16 @@ def print_trace(pes: list[list[dict]], min_us: float = 0.0) -> str:
 
 if __name__ == "__main__":
     # python -m bench.kernel_trace TIMELINES.json [MIN_US]: the traces a bench run wrote (--timeline-json), or
-    # python -m bench.kernel_trace RESULTS.json RUN [MIN_US]: those kept in a results file's runs[RUN]["timelines"]
+    # python -m bench.kernel_trace RESULTS.json RUN [MIN_US]: those kept in a results file's runs[RUN]["timelines"],
+    # or with RUN/SUB in runs[RUN]["by_run"][SUB]["timelines"]
     import sys
 
     args = sys.argv[1:]
     rows = json.loads(Path(args.pop(0)).read_text())
-    if isinstance(rows, dict) and "runs" in rows and args and args[0] in rows["runs"]:
-        rows = rows["runs"][args.pop(0)]["timelines"]
+    if isinstance(rows, dict) and "runs" in rows and args and args[0].split("/")[0] in rows["runs"]:
+        run, _, sub = args.pop(0).partition("/")
+        rows = rows["runs"][run]
+        rows = (rows["by_run"][sub] if sub else rows)["timelines"]
     rows = rows.get("timelines", rows) if isinstance(rows, dict) else rows
     min_us = float(args[0]) if args else 0.0
     groups: dict = {}
