@@ -85,12 +85,9 @@ class EPTuning(BaseModel):
             not Triton's CTA-per-tile grids, for which the switch changes nothing). False (the default): the step
             waits for that call to end. Reason: beside such a grid the step's spinning ready wait holds an SM of
             this process's share, a CTA of the statically scheduled grid waits for one, and the whole call ends with
-            that CTA: kernel traces (docs/performance.md, "The dispatch behind a full grid") show the first call's
-            L1 at 1.8x its on-time time with the wait beside it and at its on-time time behind it, whether the late
-            PE's delay spins or is held by the host. Measured on one H100 (2 PEs under MPS, CUTLASS, 128-row
-            blocks): a late producer's worst case 1.10-1.23x the on-time batch at 8192 tokens per PE against
-            1.38x beside, 1.24-1.32x against 1.37-1.38x at 4096, on time unchanged within the noise. True: the
-            dispatch beside the grid (``bench.ep_layer --dispatch-beside-grid``). Correctness does not depend on it
+            that CTA; behind it the call runs at its on-time speed and a late producer costs less (kernel traces
+            and paired runs: docs/performance.md, "The dispatch behind a full grid"). True: the dispatch beside the
+            grid, an experiment (``bench.ep_layer --dispatch-beside-grid``). Correctness does not depend on it
             (False only adds dependencies: a GEMM call never waits on a later dispatch step).
     """
 
