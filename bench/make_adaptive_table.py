@@ -64,9 +64,9 @@ def _ep_rows(bench: dict, gemm_default: str | None, margin: float) -> list[dict]
             continue
         if r.get("dispatch_beside_grid") is True or r.get("delay_by", "spin") != "spin":
             # an experiment switch a buffer does not run by default, and another model of a late producer. Rows
-            # without the field ran the dispatch beside full grids before the switch existed: kept, since behind
-            # them the late cases measured faster and on time the same (docs/performance.md, "The dispatch behind
-            # a full grid"), so their decisions lean to batch where streaming now does better, never the reverse
+            # without the field (the dispatch beside full grids, unrecorded) are kept: behind the grid the late
+            # cases measured faster and on time the same (docs/performance.md, "The dispatch behind a full grid"),
+            # so their decisions lean to batch where streaming does better, never the reverse
             continue
         gemm = r.get("gemm")
         gemm = gemm_default if gemm in (None, "auto") and gemm_default else gemm

@@ -226,10 +226,10 @@ class Pipeline:
 
     def _enqueue_consumer_behind_grids(self, path, layer, puts) -> None:
         """:meth:`_enqueue_consumer` of a persistent-grid backend with ``EPTuning(dispatch_beside_grid=False)`` (the
-        default): step by step, each dispatch step
-        behind the previous step's GEMM call where that call's grid holds every SM (:meth:`EPExperts.holds_every_sm`),
-        so no ready wait spins beside such a grid. Only adds dependencies to the other order: a GEMM call waits on
-        its own dispatch step alone, never on a later one, so nothing here can wait on itself."""
+        default): step by step, each dispatch step behind the previous step's GEMM call where that call's grid holds
+        every SM (:meth:`EPExperts.holds_every_sm`), so no ready wait spins beside such a grid. Only adds
+        dependencies to the other order: a GEMM call waits on its own dispatch step alone, never on a later one, so
+        nothing here can wait on itself."""
         ex, pr = self.experts, self.progress
         for i, (c, j) in enumerate(path.order):
             with pr.side("d"):
