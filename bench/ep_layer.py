@@ -483,8 +483,9 @@ def case_fields(case) -> dict:
 ON_TIME = (0.0, None, 0.0)
 
 
-#: the shape's block size under ``--block-m default`` (what a buffer of an open block size runs with Triton)
-SHAPE_BLOCK_M = 16
+#: the shape's block size under ``--block-m default`` (what a buffer of an open block size runs with Triton):
+#: MoEShape's own default
+SHAPE_BLOCK_M = MoEShape.block_m
 
 
 def block_m_arg(text: str):

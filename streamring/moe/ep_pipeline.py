@@ -199,7 +199,7 @@ class Pipeline:
             with pr.side("g"):
                 ex.launch_persistent(path, layer, ex.sm_count - self.tuning.reserved_sms, self.combine,
                                      self.deadline_s)
-        if self._dispatched and self._called and ex.queue is None:
+        if self._called and ex.queue is None:  # (_called exists only beside _dispatched)
             self._enqueue_consumer_behind_grids(path, layer, puts)
             return
         with pr.side("d"):
