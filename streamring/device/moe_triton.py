@@ -1,12 +1,12 @@
-"""Triton kernels of the block-granular FP8 MoE consumer: the block bookkeeping, the dispatch copy, the expert
-GEMMs over ready blocks, the combine and the CUTLASS path's SwiGLU kernel. The producer's kernels (router logits,
-the routing rule, the activations' FP8 quantization) are ``streamring.device.producer_triton``'s, importable
-from here too.
+"""Triton kernels of the block-granular FP8 MoE consumer: the dispatch copy, the expert GEMMs over ready
+blocks, the combine and the CUTLASS path's SwiGLU kernel. The producer's kernels (router logits, the routing
+rule, the activations' FP8 quantization) are ``streamring.device.producer_triton``'s, importable from here too.
 
 Device code only: every function here launches one kernel on the current torch stream and
 returns at once (no host synchronisation), so a whole forward can be captured in one CUDA
-graph. The block bookkeeping (which expert owns which block of rows, which blocks are ready)
-lives in small int32 device tensors owned by the caller (``streamring.moe.blocks``).
+graph. The block bookkeeping (which expert owns which block of rows, which blocks are ready) is
+``streamring.device.block_alloc``'s; its state lives in small int32 device tensors owned by the caller
+(``streamring.moe.blocks``).
 
 Numerics (the contract the tests check):
 
@@ -45,118 +45,8 @@ from streamring.device.producer_triton import (  # noqa: F401
 
 
 # ----------------------------------------------------------------------------------------------
-# block bookkeeping (one program: sequential over experts via prefix sums, hence deterministic)
+# the dispatch copy (the block bookkeeping it follows: ``streamring.device.block_alloc``)
 # ----------------------------------------------------------------------------------------------
-@triton.jit
-def _hand_out_blocks(expert_blocks_ptr, block_expert_ptr, e, em, nb_old, new, base, MAXB: tl.constexpr):
-    # Expert e's ``new[e]`` new blocks (its blocks nb_old[e].. in its own list) get the ids base[e]..: recorded
-    # in its block list and as their expert.
-    max_new = tl.max(new, 0)
-    t = 0
-    while t < max_new:  # (a while loop: Triton's interpreter cannot range() over a reduction)
-        m = em & (t < new)
-        tl.store(expert_blocks_ptr + e * MAXB + nb_old + t, base + t, mask=m)
-        tl.store(block_expert_ptr + base + t, e, mask=m)
-        t += 1
-
-
-@triton.jit
-def _publish_ready(expert_blocks_ptr, ready_list_ptr, block_rows_ptr, e, em, j0, nr, rbase, rows_ready, nb_old, base,
-                   MAXB: tl.constexpr):
-    # Expert e's blocks j0[e] .. j0[e] + nr[e] - 1 (of its own list) become ready: their ids go into the ready
-    # list from rbase[e] on, and their routed rows (rows_ready) into block_rows.
-    max_nr = tl.max(nr, 0)
-    t = 0
-    while t < max_nr:
-        j = j0 + t
-        m = em & (t < nr)
-        # ids allocated in this call are arithmetic (same program: no read-after-write through memory)
-        old_id = tl.load(expert_blocks_ptr + e * MAXB + j, mask=m & (j < nb_old), other=0)
-        bid = tl.where(j >= nb_old, base + (j - nb_old), old_id)
-        tl.store(ready_list_ptr + rbase + t, bid, mask=m)
-        tl.store(block_rows_ptr + bid, rows_ready, mask=m)
-        t += 1
-
-
-# Integer arguments that change between launches of one forward (row counts, chunk indices,
-# offsets) are not specialized: a new value must never trigger a compile (a module load in the
-# middle of an enqueued stream can deadlock against a stream that waits on the ring).
-@triton.jit(do_not_specialize=["hi_index"])
-def _alloc_blocks_kernel(counts_ptr, state_ptr, expert_blocks_ptr, block_expert_ptr, ready_list_ptr, block_rows_ptr,
-                         ready_hi_ptr, hi_index, pending_ptr, E: tl.constexpr, EP: tl.constexpr, BM: tl.constexpr,
-                         MAXB: tl.constexpr, SEAL: tl.constexpr, SEAL_IF: tl.constexpr):
-    # state: [0, E) rows filled per expert, [E] blocks allocated, [E+1] blocks ready, [E+2] sealed (0/1).
-    # A seal happens once per forward: a second seal (or one whose *pending_ptr, SEAL_IF, still has a
-    # source) makes nothing ready and only writes ready_hi[hi_index]; no row is appended after a seal
-    # (the dispatch seals only once every source of the last chunk is taken).
-    # block_rows[b]: the routed rows of block b, written when b becomes ready (BM, or a sealed partial
-    # block's fill) by this kernel, which also writes b into ready_list: a GEMM that reads b from the
-    # ready list runs after this kernel in stream order, so it reads b's final count. (A count derived
-    # from state[e] at GEMM time would race with a later dispatch's allocation on another stream.)
-    e = tl.arange(0, EP)
-    em = e < E
-    fill_old = tl.load(state_ptr + e, mask=em, other=0)
-    if SEAL:
-        cnt = tl.zeros((EP,), dtype=tl.int32)
-    else:
-        cnt = tl.load(counts_ptr + e, mask=em, other=0)
-    fill_new = fill_old + cnt
-    nb_old = (fill_old + BM - 1) // BM
-    nb_new = (fill_new + BM - 1) // BM
-    new = nb_new - nb_old
-    n_blocks = tl.load(state_ptr + E)
-    n_ready = tl.load(state_ptr + E + 1)
-    base = n_blocks + tl.cumsum(new, 0) - new  # block ids handed out expert by expert
-    _hand_out_blocks(expert_blocks_ptr, block_expert_ptr, e, em, nb_old, new, base, MAXB)
-    if SEAL:
-        # end of stream: every partially filled block becomes ready
-        sealed = tl.load(state_ptr + E + 2)
-        go = sealed == 0
-        if SEAL_IF:
-            go = go & (tl.load(pending_ptr) == 0)
-        j0 = fill_new // BM
-        nr = ((fill_new % BM != 0) & go).to(tl.int32)
-        rows_ready = fill_new % BM
-        tl.store(state_ptr + E + 2, tl.where(go, 1, sealed))
-    else:
-        # a block becomes ready the moment its last row is appended
-        j0 = fill_old // BM
-        nr = fill_new // BM - fill_old // BM
-        rows_ready = tl.full((EP,), BM, dtype=tl.int32)
-    rbase = n_ready + tl.cumsum(nr, 0) - nr
-    _publish_ready(expert_blocks_ptr, ready_list_ptr, block_rows_ptr, e, em, j0, nr, rbase, rows_ready, nb_old, base,
-                   MAXB)
-    tl.store(state_ptr + e, fill_new, mask=em)
-    tl.store(state_ptr + E, n_blocks + tl.sum(new, 0))
-    tl.store(state_ptr + E + 1, n_ready + tl.sum(nr, 0))
-    tl.store(ready_hi_ptr + hi_index, n_ready + tl.sum(nr, 0))
-
-
-def alloc_blocks(counts, state, expert_blocks, block_expert, ready_list, block_rows, ready_hi, hi_index: int, *,
-                 num_experts: int, block_m: int, seal: bool, seal_if_none_pending=None) -> None:
-    """Append ``counts[e]`` rows to every expert, allocate blocks, publish newly ready blocks.
-
-    Writes ``ready_hi[hi_index]`` = number of ready blocks after this call; the blocks that
-    became ready are ``ready_list[ready_hi[hi_index-1] : ready_hi[hi_index]]`` (or, for a seal
-    following a dispatch's allocation at the same ``hi_index``, the dispatch's and the seal's
-    blocks), and ``block_rows[b]`` is the number of routed rows of each of them (``block_m`` but in
-    a sealed partial block). ``state`` has ``num_experts + 3`` words.
-
-    ``seal``: every partial block becomes ready, once per forward (``state[E+2]``; a later seal makes
-    nothing ready). ``seal_if_none_pending`` (a device int64 source mask, with ``seal``): seal only if
-    it is 0 (every source taken), decided on the device.
-    """
-    ep = triton.next_power_of_2(num_experts)
-    if state.numel() < num_experts + 3:
-        raise ValueError(f"alloc_blocks: state needs num_experts + 3 = {num_experts + 3} words, got {state.numel()}")
-    cond = seal_if_none_pending is not None
-    if cond and not seal:
-        raise ValueError("alloc_blocks: seal_if_none_pending needs seal=True")
-    _alloc_blocks_kernel[(1,)](counts, state, expert_blocks, block_expert, ready_list, block_rows, ready_hi, hi_index,
-                               seal_if_none_pending if cond else state, E=num_experts, EP=ep, BM=block_m,
-                               MAXB=expert_blocks.shape[1], SEAL=seal, SEAL_IF=cond, num_warps=4)
-
-
 @triton.jit(do_not_specialize=["token_base"])
 def _place_rows_kernel(sorted_e_ptr, order_ptr, counts_ptr, cstart_ptr, state_ptr, expert_blocks_ptr,
                        xq_ptr, xsf_ptr, tw_ptr, a_ptr, asf_ptr, roww_ptr, tokrow_ptr, token_base,
@@ -456,7 +346,7 @@ def expert_l2(ready_list, ready_hi, lo_index: int, hi_index: int, max_items: int
               max_ctas: int | None = None, expect_items: int | None = None, direct=None, launch: dict | None = None):
     """L2 of the ready blocks, times the routing weight, as bf16 rows (returns the kernel handle).
 
-    Of block ``b`` only the first ``block_rows[b]`` rows hold a route (see :func:`alloc_blocks`): the
+    Of block ``b`` only the first ``block_rows[b]`` rows hold a route (see :func:`streamring.device.block_alloc.alloc_blocks`): the
     ``h1`` rows of the others (the padding of a sealed partial block) are not read (their scales and
     routing weights are), and their results are not stored.
     ``direct=None``: row ``r`` goes to ``y[r]``. ``direct=(row_src, row_tok, comb_delta)``: row ``r``

@@ -30,6 +30,7 @@ from typing import Optional
 import torch
 
 from ..device import ep_triton as EK
+from ..device.block_alloc import alloc_blocks
 from ..device import moe_triton as K
 from ..gemm.backends import make_experts, refuse_unsupported
 from .grid_bounds import consumer_max_blocks, step_bound
@@ -243,23 +244,30 @@ class BlockConsumer:
                            torch.zeros(self.ep_tokens, H // 128, dtype=torch.float32, device=self.device))
         return self._stage
 
-    def seal(self, c: int, *, if_none_pending=None) -> None:
+    def seal(self, c: int, *, if_none_pending=None, call_from: int | None = None) -> None:
         """End of stream: every partial block becomes ready (``ready_hi[c + 1]``), once per forward (a
         second seal makes nothing ready and writes ``ready_hi[c + 1]`` = the blocks ready so far).
 
         ``if_none_pending`` (a device int64 source mask): seal only if it is 0, decided on the device
         (the ready-order dispatch step that takes the last source of the last chunk seals, so its GEMM
         call has the partial blocks too; ``c`` is then that step's index and its blocks and the seal's
-        are ``ready_list[ready_hi[c] : ready_hi[c + 1]]``)."""
-        self._alloc_blocks(self.ready_hi, c + 1, seal=True, if_none_pending=if_none_pending)
+        are ``ready_list[ready_hi[c] : ready_hi[c + 1]]``).
 
-    def _alloc_blocks(self, counts, hi_index: int, *, seal: bool, if_none_pending=None) -> None:
-        """``moe_triton.alloc_blocks`` on this consumer's block state, recording on the host what
+        ``call_from``: the ready index where the GEMM call that computes the partial blocks starts (that call is
+        ``compute(call_from, c + 1, ...)``, enqueued after this). The seal then lays that range out expert by
+        expert, each expert's partial block right after its full blocks, so the call reads every expert's
+        weights in one run of tiles instead of twice (``block_alloc.alloc_blocks``, ``by_expert_from``). Nothing
+        may have read that range yet: not for a range a persistent consumer was already given."""
+        self._alloc_blocks(self.ready_hi, c + 1, seal=True, if_none_pending=if_none_pending, by_expert_from=call_from)
+
+    def _alloc_blocks(self, counts, hi_index: int, *, seal: bool, if_none_pending=None,
+                      by_expert_from: int | None = None) -> None:
+        """``block_alloc.alloc_blocks`` on this consumer's block state, recording on the host what
         :meth:`covers_one_allocation` reads: a dispatch's allocation, or the seal's ready index (a seal
         decided on the device counts as an allocation of its own: the host cannot tell where it was)."""
-        K.alloc_blocks(counts, self.state, self.expert_blocks, self.block_expert, self.ready_list, self.block_rows,
-                       self.ready_hi, hi_index, num_experts=self.shape.num_experts, block_m=self.block_m, seal=seal,
-                       seal_if_none_pending=if_none_pending)
+        alloc_blocks(counts, self.state, self.expert_blocks, self.block_expert, self.ready_list, self.block_rows,
+                     self.ready_hi, hi_index, num_experts=self.shape.num_experts, block_m=self.block_m, seal=seal,
+                     seal_if_none_pending=if_none_pending, by_expert_from=by_expert_from)
         if seal and if_none_pending is None:
             self.seal_ready_index = hi_index
         else:
@@ -310,6 +318,6 @@ def moe_forward(idx, w, q, sf, fw: FP8BlocksView, bc: BlockConsumer, out: torch.
     ``gemm_impl`` (``max_ctas`` as :meth:`BlockConsumer.compute` takes it)."""
     bc.begin()
     bc.dispatch(0, idx, w, q, sf, 0)
-    bc.seal(1)
+    bc.seal(1, call_from=0)
     bc.compute(0, 2, bc.max_blocks, fw, impl=gemm_impl, max_ctas=max_ctas)
     bc.combine(out)

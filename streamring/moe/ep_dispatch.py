@@ -113,8 +113,10 @@ class EPDispatch:
                            on_slot_released=release)
             if grouped and c == path.num_chunks - 1:
                 # the step that leaves no source of the last chunk pending seals (decided on the device), so its GEMM
-                # call has the partial blocks too: sources that arrive together get one call
-                bc.seal(path.step_index[c, j], if_none_pending=self.pending)
+                # call has the partial blocks too: sources that arrive together get one call; its range, which no
+                # GEMM call or queue has been given yet (the queue learns it below), laid out expert by expert
+                i = path.step_index[c, j]
+                bc.seal(i, if_none_pending=self.pending, call_from=i)
             if queue is not None:
                 queue.publish(path.step_index[c, j])  # the persistent consumer picks the new blocks up
             if j == path.steps - 1:
