@@ -15,13 +15,17 @@ GEMM implementation:
   boundary between the chunks, which is what a scheduler claiming them from a queue would run
   (the tile order inside the call is the library's; it is not a lower bound on time);
 * ``batch``: one dispatch of all tokens and the seal, one call (the batch-ready path's blocks, each
-  expert's blocks side by side in the ready list).
+  expert's full blocks side by side in the ready list, every partial block after them);
+* ``per_chunk_by_expert`` and ``batch_by_expert``: the same as ``per_chunk`` and ``batch`` with the seal's
+  ``call_from`` (what ``EPBuffer`` does): the range of the call that has the partial blocks laid out expert by
+  expert, each expert's partial block right after its full blocks.
 
 DeepGEMM (``deep_gemm``, when it imports) runs on 128-row blocks (its contiguous layout); its
 calls over a range take ``m_indices``, the batch call the psum layout.
 
 ``per_chunk / one_launch`` is therefore what bounded launches cost against one launch of the same
-tiles; ``one_launch / batch`` what the chunk order of the same blocks costs (an expert's blocks
+tiles; ``batch_by_expert / batch`` and ``per_chunk_by_expert / per_chunk`` what reading each expert's weights
+in one run of tiles in the sealing call saves; ``one_launch / batch`` what the chunk order of the same blocks costs (an expert's blocks
 apart in the ready list: smaller CUTLASS groups, weight tiles less often shared in L2), which no
 scheduler over these blocks removes. Before any timing every form's outputs and intermediates are
 filled with NaN and it is run: ``per_chunk`` must store ``one_launch``'s row for every (token, k) route
@@ -61,21 +65,23 @@ IMPLS = ("cutlass", "triton", "deep_gemm")
 class Forward:
     """The blocks of one forward of ``T`` tokens dispatched in ``chunks`` chunks (1: the batch path)."""
 
-    def __init__(self, T: int, chunks: int, shape, block_m: int, impl: str, choice, dev):
-        self.T, self.chunks, self.impl = T, chunks, impl
+    def __init__(self, T: int, chunks: int, shape, block_m: int, impl: str, choice, dev, *, by_expert: bool = False):
+        self.T, self.chunks, self.impl, self.by_expert = T, chunks, impl, by_expert
         self.bc = B.BlockConsumer(shape, T, chunks, DG.BLOCK_M if impl == "deep_gemm" else block_m, dev)
         if impl != "triton":
             GC.setup_consumer(self.bc, choice, staging_y=False)
         self.bounds = [(c * T // chunks, (c + 1) * T // chunks) for c in range(chunks)]
 
     def load(self, inputs) -> None:
-        """Dispatch ``inputs`` chunk by chunk, then seal (not timed: the GEMMs only read the block state)."""
+        """Dispatch ``inputs`` chunk by chunk, then seal (not timed: the GEMMs only read the block state); with
+        ``by_expert`` the last per-chunk call's range laid out expert by expert (``BlockConsumer.seal``'s
+        ``call_from``)."""
         idx, w, q, sf = inputs
         bc = self.bc
         bc.begin()
         for c, (a, b) in enumerate(self.bounds):
             bc.dispatch(c, idx[a:b], w[a:b], q[a:b], sf[a:b], a)
-        bc.seal(self.chunks)
+        bc.seal(self.chunks, call_from=self.chunks - 1 if self.by_expert else None)
 
     def steps(self) -> list[tuple[int, int, int]]:
         """``(lo_index, hi_index, max_items)`` of the per-chunk calls: one per chunk, the last one
@@ -137,19 +143,26 @@ def measure(T: int, chunks: int, impl: str, shape, fw, args, dev, sets: list) ->
         choice = GC.LayerChoice("cutlass", l1, l2, f"--cutlass-l1 {l1.key} --cutlass-l2 {l2.key}")
     streamed = Forward(T, chunks, shape, args.block_m, impl, choice, dev)
     batch = Forward(T, 1, shape, args.block_m, impl, choice, dev)
-    streamed.load(sets[0])
-    batch.load(sets[0])
+    streamed_e = Forward(T, chunks, shape, args.block_m, impl, choice, dev, by_expert=True)
+    batch_e = Forward(T, 1, shape, args.block_m, impl, choice, dev, by_expert=True)
+    fwds = (streamed, batch, streamed_e, batch_e)
+    for f in fwds:
+        f.load(sets[0])
     forms = {"per_chunk": streamed.per_chunk(fw), "one_launch": streamed.one_launch(fw)}
     # every route's row, bitwise, from every form over the streamed blocks and from the batch blocks
     run_poisoned(streamed, forms["one_launch"])
     ref = by_route(streamed).clone()
     checks = {name: same_output(streamed, fn, ref) for name, fn in forms.items() if name != "one_launch"}
     checks["batch"] = same_output(batch, batch.one_launch(fw), ref)
+    checks["batch_by_expert"] = same_output(batch_e, batch_e.one_launch(fw), ref)
+    checks["per_chunk_by_expert"] = same_output(streamed_e, streamed_e.per_chunk(fw), ref)
     bad = [k for k, ok in checks.items() if not ok]
     if bad:
         raise RuntimeError(f"T={T} C={chunks} {impl}: {bad} not bitwise equal to one_launch over the streamed blocks")
     captured = {name: capture(fn) for name, fn in forms.items()}
     captured["batch"] = capture(batch.one_launch(fw))
+    captured["batch_by_expert"] = capture(batch_e.one_launch(fw))
+    captured["per_chunk_by_expert"] = capture(streamed_e.per_chunk(fw))
     modes = {name: mode for name, (_, mode) in captured.items()}
     if len(set(modes.values())) > 1:
         raise RuntimeError(f"T={T} C={chunks} {impl}: forms captured differently {modes}: graphs and eager "
@@ -157,8 +170,8 @@ def measure(T: int, chunks: int, impl: str, shape, fw, args, dev, sets: list) ->
     graphs = {name: fn for name, (fn, _) in captured.items()}
 
     def load(s):  # (ruff reads the `del` below as unbinding these for the closure; it runs before it)
-        streamed.load(sets[s])  # noqa: F821
-        batch.load(sets[s])  # noqa: F821
+        for f in fwds:  # noqa: F821
+            f.load(sets[s])
 
     t = time_interleaved(graphs, len(sets), load, args.replays)
     n_ready = int(streamed.bc.ready_hi[chunks + 1])
@@ -171,22 +184,26 @@ def measure(T: int, chunks: int, impl: str, shape, fw, args, dev, sets: list) ->
            "per_chunk_over_one_launch": ms["per_chunk"] / ms["one_launch"],
            "one_launch_over_batch": ms["one_launch"] / ms["batch"],
            "per_chunk_over_batch": ms["per_chunk"] / ms["batch"],
+           "batch_by_expert_over_batch": ms["batch_by_expert"] / ms["batch"],
+           "per_chunk_by_expert_over_per_chunk": ms["per_chunk_by_expert"] / ms["per_chunk"],
            # per_chunk - one_launch (the key the committed results carry; not a strict bound: module doc)
            "scheduler_saving_bound_ms": ms["per_chunk"] - ms["one_launch"]}
-    del streamed, batch, forms, captured, graphs
+    del streamed, batch, streamed_e, batch_e, fwds, forms, captured, graphs
     torch.cuda.empty_cache()
     return [row]
 
 
 def print_rows(rows: list[dict]) -> None:
     print(f"{'tokens':>6} {'C':>2} {'impl':8} {'blocks':>11} {'batch':>8} {'one':>8} {'per-chunk':>9} "
-          f"{'chunk/one':>9} {'one/batch':>9} {'chunk-one':>9}")
+          f"{'chunk/one':>9} {'one/batch':>9} {'chunk-one':>9} {'batch_e':>8} {'chunk_e':>8} {'b_e/b':>6} "
+          f"{'c_e/c':>6}")
     for r in rows:
         m = r["ms"]
         print(f"{r['tokens']:6d} {r['chunks']:2d} {r['impl']:8} {r['blocks_batch']:5d}/{r['blocks_streamed']:5d} "
               f"{m['batch']:8.3f} {m['one_launch']:8.3f} {m['per_chunk']:9.3f} "
               f"{r['per_chunk_over_one_launch']:9.3f} {r['one_launch_over_batch']:9.3f} "
-              f"{r['scheduler_saving_bound_ms']:9.3f}", flush=True)
+              f"{r['scheduler_saving_bound_ms']:9.3f} {m['batch_by_expert']:8.3f} {m['per_chunk_by_expert']:8.3f} "
+              f"{r['batch_by_expert_over_batch']:6.3f} {r['per_chunk_by_expert_over_per_chunk']:6.3f}", flush=True)
 
 
 def main(argv=None) -> int:
@@ -195,6 +212,9 @@ def main(argv=None) -> int:
     ap.add_argument("--chunks", default="2,4,8", help="chunk counts of the streamed forward")
     ap.add_argument("--impls", default=",".join(IMPLS), help=f"GEMM implementations, of {IMPLS}")
     ap.add_argument("--block-m", type=int, default=64)
+    ap.add_argument("--experts", type=int, default=256,
+                    help="experts of the layer (32: each expert gets the rows one of a PE's 32 experts gets with 2 "
+                         "PEs of --tokens each, 64 experts in all; 4096 tokens: 1024 rows per expert)")
     ap.add_argument("--cutlass-l1", default="", help="CUTLASS L1 variant instead of the table's choice, e.g. "
                                                      "cutlass:pingpong64:bf16:m (or ...:m:s4, a swizzle)")
     ap.add_argument("--cutlass-l2", default="", help="CUTLASS L2 variant instead of the table's choice")
@@ -221,7 +241,7 @@ def main(argv=None) -> int:
         print("error: no CUDA GPU", file=sys.stderr)
         return 2
     dev = torch.device("cuda")
-    shape = dsv3_shape(args.block_m)
+    shape = dsv3_shape(args.block_m, args.experts)
     fw = MoEWeights.random_fp8(shape, 7, dev).fp8_blocks()
     t0 = time.monotonic()
     rows: list[dict] = []

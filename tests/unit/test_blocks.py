@@ -275,6 +275,12 @@ def test_per_chunk_calls_compute_what_one_call_computes(setup):
     # negative control: per-chunk calls without the seal's blocks leave routed rows unwritten
     seal_dropped = lambda: [streamed.call(lo, min(hi, 3), m, fw) for lo, hi, m in streamed.steps()]  # noqa: E731
     assert not GL.same_output(streamed, seal_dropped, ref)
+    # the sealing call's range laid out expert by expert (the seal's call_from): the same rows, other order
+    by_expert = GL.Forward(T, 3, shape, 16, "triton", None, DEV, by_expert=True)
+    by_expert.load(inputs)
+    assert GL.same_output(by_expert, by_expert.per_chunk(fw), ref)
+    lo = int(by_expert.bc.ready_hi[2])
+    assert sorted(by_expert.bc.ready_list[lo:n].tolist()) == sorted(streamed.bc.ready_list[lo:n].tolist())
 
 
 def test_block_m_is_validated():
