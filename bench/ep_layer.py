@@ -607,7 +607,7 @@ def bench_tokens(heap, T, shape, full, base, args, rows, timelines, budget, save
                 slots = C if order == "arrival" else min(args.slots, C)  # arrival: a slot per chunk
                 cfg = {"chunks": C, "chunk_tokens": chunk, "policy": pol, "num_slots": slots,
                        "chunk_gemm_ctas": ctas, "source_order": order, "consumer": cons, "reserved_sms": k,
-                       "dispatch_beside_grid": args.dispatch_beside_grid}
+                       "dispatch_beside_grid": args.dispatch_beside_grid, "seal_by_expert": args.seal_by_expert}
                 buf = None
                 try:
                     tuning = EPTuning(block_m=args.block_m, policy=pol if plan else "spin_kernel", source_order=order,
@@ -616,7 +616,8 @@ def bench_tokens(heap, T, shape, full, base, args, rows, timelines, budget, save
                                       **({} if win is None else {"ready_window_us": win}),
                                       **({} if wv is None else {"streamed_grid_waves": wv}),
                                       **({} if gmt is None else {"group_max_tokens": gmt}),
-                                      dispatch_beside_grid=args.dispatch_beside_grid)
+                                      dispatch_beside_grid=args.dispatch_beside_grid,
+                                      seal_by_expert=args.seal_by_expert)
                     buf = EPBuffer(heap, shape, max_tokens_per_rank=T, num_slots=slots, tokens_per_slot=chunk,
                                    gemm=gemm, deadline_s=args.deadline_s, tuning=tuning, name="bench")
                     cfg["block_m"] = buf.block_m  # what the buffer runs (with --block-m default: its own rule)
@@ -955,6 +956,9 @@ def main(argv=None) -> int:
                          "default waits for it; rows record dispatch_beside_grid)")
     ap.add_argument("--dispatch-after-full-grid", action="store_false", dest="dispatch_beside_grid",
                     help="the default (EPTuning(dispatch_beside_grid=False)); kept so that recorded commands run")
+    ap.add_argument("--seal-by-expert", action="store_true",
+                    help="every plan with EPTuning(seal_by_expert=True), an experiment: the seal lays the range of the "
+                         "call that computes the partial blocks out expert by expert (rows record seal_by_expert)")
     ap.add_argument("--kernel-trace", action="store_true",
                     help="the stamped timelines also get every kernel of one replay as the profiler saw it "
                          "(bench.kernel_trace; python -m bench.kernel_trace TIMELINES.json prints them)")

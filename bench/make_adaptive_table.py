@@ -62,8 +62,9 @@ def _ep_rows(bench: dict, gemm_default: str | None, margin: float) -> list[dict]
     for r in bench.get("rows", []):
         if r.get("routing", "uniform") != "uniform" or "median_ms" not in r or r.get("path") not in ("batch", "streamed"):
             continue
-        if r.get("dispatch_beside_grid") is True or r.get("delay_by", "spin") != "spin":
-            # an experiment switch a buffer does not run by default, and another model of a late producer. Rows
+        if (r.get("dispatch_beside_grid") is True or r.get("seal_by_expert") is True
+                or r.get("delay_by", "spin") != "spin"):
+            # experiment switches a buffer does not run by default, and another model of a late producer. Rows
             # without the field (the dispatch beside full grids, unrecorded) are kept: behind the grid the late
             # cases measured faster and on time the same (docs/performance.md, "The dispatch behind a full grid"),
             # so their decisions lean to batch where streaming does better, never the reverse

@@ -40,7 +40,8 @@ def on_time_default_streamed(r: dict) -> bool:
     return (r.get("path") == "streamed" and on_time_on_default_grid(r) and r.get("chunks") == 1
             and r.get("source_order") == "ready" and r.get("consumer") == "per_chunk"
             and r.get("policy") == "spin_kernel" and r.get("streamed_grid_waves") in (None, 1)
-            and not r.get("launch_ahead") and r.get("dispatch_beside_grid") is not True)
+            and not r.get("launch_ahead") and r.get("dispatch_beside_grid") is not True
+            and r.get("seal_by_expert") is not True)
 
 
 def rows_of(path: Path) -> list[dict]:

@@ -318,6 +318,6 @@ def moe_forward(idx, w, q, sf, fw: FP8BlocksView, bc: BlockConsumer, out: torch.
     ``gemm_impl`` (``max_ctas`` as :meth:`BlockConsumer.compute` takes it)."""
     bc.begin()
     bc.dispatch(0, idx, w, q, sf, 0)
-    bc.seal(1, call_from=0)
+    bc.seal(1)
     bc.compute(0, 2, bc.max_blocks, fw, impl=gemm_impl, max_ctas=max_ctas)
     bc.combine(out)

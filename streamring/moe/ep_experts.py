@@ -179,8 +179,9 @@ class EPExperts:
             return
         with nvtx_range("streamring seal + GEMMs", color="red"):
             n = len(path.order)  # dispatch steps so far: the seal is the next ready index
-            # with the last step's blocks: ready_list[ready_hi[n-1] : ready_hi[n+1]], laid out expert by expert
-            self.bc.seal(n, call_from=n - 1)
+            # with the last step's blocks: ready_list[ready_hi[n-1] : ready_hi[n+1]] (EPTuning.seal_by_expert: laid
+            # out expert by expert)
+            self.bc.seal(n, call_from=n - 1 if self.tuning.seal_by_expert else None)
             bound = seal_bound(self.bound(path, False), self.E_loc, self.bc.max_blocks)
             c, j = path.order[-1]
             expect = seal_bound(self.expect(path, plan.rows, False, c, j), self.E_loc, self.bc.max_blocks)

@@ -89,6 +89,14 @@ class EPTuning(BaseModel):
             and paired runs: docs/performance.md, "The dispatch behind a full grid"). True: the dispatch beside the
             grid, an experiment (``bench.ep_layer --dispatch-beside-grid``). Correctness does not depend on it
             (False only adds dependencies: a GEMM call never waits on a later dispatch step).
+        seal_by_expert: whether the seal lays the range of the GEMM call that computes the partial blocks out
+            expert by expert (each expert's partial block right after its full blocks:
+            ``BlockConsumer.seal(call_from=)``), so that call reads each expert's weights in one run of tiles; False
+            (the default): the allocator's order, every partial block after every full block of the range, a
+            second pass over the weights at the end of the call. An experiment, not yet run on a GPU, hence not
+            the default: ``bench.ep_layer --seal-by-expert`` times it end to end, ``bench.gemm_launches``
+            (``batch_by_expert``, ``per_chunk_by_expert``) its GEMMs alone. Outputs are the same bits either way:
+            only the order of the blocks in the call's range changes.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -105,6 +113,7 @@ class EPTuning(BaseModel):
     chunk_gemm_ctas: Optional[int] = Field(None, ge=1)
     streamed_grid_waves: int = Field(1, ge=1, le=16)
     dispatch_beside_grid: bool = False
+    seal_by_expert: bool = False
 
     def groups_sources(self, ranks: int, rows: int, *, persistent_grid: bool) -> bool:
         """Whether a streamed forward of ``rows`` rows per PE on ``ranks`` PEs groups the sources that are ready

@@ -134,13 +134,16 @@ def test_a_missing_arrival_is_reported_not_hung(env):
 
 @pytest.mark.parametrize("policy,order,grids", [
     ("spin_kernel", "rank", "capped"), ("spin_kernel", "ready", "capped"), ("serialized", "rank", "capped"),
-    ("spin_kernel", "ready", "behind"), ("spin_kernel", "ready", "beside")])
+    ("spin_kernel", "ready", "behind"), ("spin_kernel", "ready", "beside"), ("spin_kernel", "ready", "by_expert"),
+    ("spin_kernel", "rank", "by_expert")])
 def test_cutlass_gemms_keep_streamed_equal_to_batch(env, policy, order, grids):
     """gemm='cutlass' (CUTLASS FP8 blockwise grouped GEMMs, L2 through a local y and puts): the streamed
     output equals its batch output bitwise, and both are close to the Triton path (rounding only).
     ``grids``: ``capped`` at 157 rows (the decode rule caps the streamed grids), ``behind`` and ``beside`` at 320
     rows (every call but the seal's on the backend's own persistent grid): the default, each dispatch step behind
-    the previous call, and EPTuning(dispatch_beside_grid=True), the dispatch beside it."""
+    the previous call, and EPTuning(dispatch_beside_grid=True), the dispatch beside it; ``by_expert`` as
+    ``behind`` with EPTuning(seal_by_expert=True) (the seal's call laid out expert by expert: grouped ready steps
+    seal on the device, the rank order in a call of its own)."""
     from streamring.moe.ep_buffer import cutlass_unavailable_reason
 
     why = cutlass_unavailable_reason()
@@ -151,12 +154,13 @@ def test_cutlass_gemms_keep_streamed_equal_to_batch(env, policy, order, grids):
     x = random_x(shape, T, 5, heap.device)
     ref = single_batch(shape, mw, x)
     outs = {}
-    sizes = {} if grids == "capped" else dict(max_tokens=T, tokens_per_slot=80, dispatch_beside_grid=grids == "beside")
+    sizes = {} if grids == "capped" else dict(max_tokens=T, tokens_per_slot=80, dispatch_beside_grid=grids == "beside",
+                                              seal_by_expert=grids == "by_expert")
     buf = _buffer(heap, shape, policy=policy, order=order, gemm="cutlass", **sizes)
     try:
         if grids != "capped":
             assert buf.pipeline.experts.holds_every_sm(buf.paths["stream"], 0, T), "the case must run full grids"
-            assert bool(buf.pipeline._called) == (grids == "behind"), "the case must run its enqueue"
+            assert bool(buf.pipeline._called) == (grids != "beside"), "the case must run its enqueue"
         w = buf.prepare_weights(mw)
         for streaming in (False, True):
             xb = x.clone()

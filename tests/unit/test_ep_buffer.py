@@ -121,6 +121,31 @@ def test_every_source_order_computes_the_last_step_in_the_seal_call_and_keeps_th
             assert torch.equal(bits(got[order, streaming][0]), bits(got["rank", False][0])), (order, streaming)
 
 
+def test_seal_by_expert_lays_the_seal_call_out_expert_by_expert_and_keeps_the_bits(setup):
+    """EPTuning(seal_by_expert=True): the seal's call (the last step's blocks and the partial ones) reads its range
+    expert by expert, on both paths, and the outputs keep their bits; the default keeps the allocator's order
+    (every partial block after the full ones), which the same check rejects here."""
+    shape, mw, _ = setup
+    x = tokens(37, 1)
+    got, layouts = {}, {}
+    for by_expert in (False, True):
+        b = EPBuffer(EmulatedHeap(), shape, max_tokens_per_rank=40, num_slots=3, tokens_per_slot=16, gemm="triton",
+                     tuning=EPTuning(policy="serialized", seal_by_expert=by_expert))
+        try:
+            w = b.prepare_weights(mw)
+            bc = b.pipeline.experts.bc
+            for streaming, (lo, hi) in ((False, (0, 2)), (True, (2, 4))):  # the seal call's ready indices
+                got[by_expert, streaming] = b.forward(x, w, streaming=streaming).clone()
+                ids = bc.ready_list[int(bc.ready_hi[lo]):int(bc.ready_hi[hi])].long()
+                layouts[by_expert, streaming] = bc.block_expert[ids].tolist()
+        finally:
+            b.close()
+    for streaming in (False, True):
+        assert layouts[True, streaming] == sorted(layouts[True, streaming]), layouts
+        assert torch.equal(bits(got[True, streaming]), bits(got[False, False])), streaming
+    assert any(layouts[False, s] != sorted(layouts[False, s]) for s in (False, True)), layouts
+
+
 def test_arrival_order_needs_a_slot_per_chunk(setup):
     """A consumer taking all of one source's chunks first could wait for a slot that only its own later
     acknowledgement frees: arrival order is refused when a forward has more chunks than slots."""
