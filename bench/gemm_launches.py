@@ -24,10 +24,10 @@ DeepGEMM (``deep_gemm``, when it imports) runs on 128-row blocks (its contiguous
 calls over a range take ``m_indices``, the batch call the psum layout.
 
 ``per_chunk / one_launch`` is therefore what bounded launches cost against one launch of the same
-tiles; ``batch_by_expert / batch`` and ``per_chunk_by_expert / per_chunk`` what reading each expert's weights
-in one run of tiles in the sealing call saves; ``one_launch / batch`` what the chunk order of the same blocks costs (an expert's blocks
-apart in the ready list: smaller CUTLASS groups, weight tiles less often shared in L2), which no
-scheduler over these blocks removes. Before any timing every form's outputs and intermediates are
+tiles; ``batch_by_expert / batch`` and ``per_chunk_by_expert / per_chunk`` what reading each expert's
+weights in one run of tiles in the sealing call saves; ``one_launch / batch`` what the chunk order of the
+same blocks costs (an expert's blocks apart in the ready list: smaller CUTLASS groups, weight tiles less
+often shared in L2), which no scheduler over these blocks removes. Before any timing every form's outputs and intermediates are
 filled with NaN and it is run: ``per_chunk`` must store ``one_launch``'s row for every (token, k) route
 bit for bit, and so must ``batch``.
 

@@ -346,9 +346,9 @@ def expert_l2(ready_list, ready_hi, lo_index: int, hi_index: int, max_items: int
               max_ctas: int | None = None, expect_items: int | None = None, direct=None, launch: dict | None = None):
     """L2 of the ready blocks, times the routing weight, as bf16 rows (returns the kernel handle).
 
-    Of block ``b`` only the first ``block_rows[b]`` rows hold a route (see :func:`streamring.device.block_alloc.alloc_blocks`): the
-    ``h1`` rows of the others (the padding of a sealed partial block) are not read (their scales and
-    routing weights are), and their results are not stored.
+    Of block ``b`` only the first ``block_rows[b]`` rows hold a route (see
+    :func:`streamring.device.block_alloc.alloc_blocks`): the ``h1`` rows of the others (the padding of a sealed
+    partial block) are not read (their scales and routing weights are), and their results are not stored.
     ``direct=None``: row ``r`` goes to ``y[r]``. ``direct=(row_src, row_tok, comb_delta)``: row ``r``
     goes straight into its owner's combine rows, ``y + comb_delta[row_src[r]] + row_tok[r] * H``
     (``y`` is then this PE's combine rows, ``comb_delta`` int64 element distances to each PE's copy);
