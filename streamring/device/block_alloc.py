@@ -124,8 +124,9 @@ def _alloc_blocks_kernel(counts_ptr, state_ptr, expert_blocks_ptr, block_expert_
                    MAXB)
     tl.store(state_ptr + e, fill_new, mask=em)
     tl.store(state_ptr + E, n_blocks + tl.sum(new, 0))
-    tl.store(state_ptr + E + 1, n_ready + tl.sum(nr, 0))
-    tl.store(ready_hi_ptr + hi_index, n_ready + tl.sum(nr, 0))
+    ready_new = n_ready + tl.sum(nr, 0)
+    tl.store(state_ptr + E + 1, ready_new)
+    tl.store(ready_hi_ptr + hi_index, ready_new)
     if SEAL and BY_EXPERT:
         if go:
             # the sealing call's range expert by expert: each expert's partial block beside its full blocks, so
@@ -134,8 +135,8 @@ def _alloc_blocks_kernel(counts_ptr, state_ptr, expert_blocks_ptr, block_expert_
             # read back below: a barrier first (one program, many threads).
             tl.debug_barrier()
             lo = tl.load(ready_hi_ptr + by_expert_from)
-            _ready_range_by_expert(expert_blocks_ptr, block_expert_ptr, ready_list_ptr, e, em, lo,
-                                   n_ready + tl.sum(nr, 0), nb_new, MAXB, TILE)
+            _ready_range_by_expert(expert_blocks_ptr, block_expert_ptr, ready_list_ptr, e, em, lo, ready_new, nb_new,
+                                   MAXB, TILE)
 
 
 def alloc_blocks(counts, state, expert_blocks, block_expert, ready_list, block_rows, ready_hi, hi_index: int, *,
