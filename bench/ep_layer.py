@@ -956,9 +956,12 @@ def main(argv=None) -> int:
                          "default waits for it; rows record dispatch_beside_grid)")
     ap.add_argument("--dispatch-after-full-grid", action="store_false", dest="dispatch_beside_grid",
                     help="the default (EPTuning(dispatch_beside_grid=False)); kept so that recorded commands run")
-    ap.add_argument("--seal-by-expert", action="store_true",
-                    help="every plan with EPTuning(seal_by_expert=True), an experiment: the seal lays the range of the "
-                         "call that computes the partial blocks out expert by expert (rows record seal_by_expert)")
+    ap.add_argument("--seal-after-full-blocks", action="store_false", dest="seal_by_expert",
+                    help="every plan with EPTuning(seal_by_expert=False): the seal's call computes every partial block "
+                         "after every full block of its range, a second pass over the weights (the default lays it "
+                         "out expert by expert; rows record seal_by_expert)")
+    ap.add_argument("--seal-by-expert", action="store_true", dest="seal_by_expert", default=True,
+                    help="the default (EPTuning(seal_by_expert=True)); kept so that recorded commands run")
     ap.add_argument("--kernel-trace", action="store_true",
                     help="the stamped timelines also get every kernel of one replay as the profiler saw it "
                          "(bench.kernel_trace; python -m bench.kernel_trace TIMELINES.json prints them)")

@@ -62,12 +62,14 @@ def _ep_rows(bench: dict, gemm_default: str | None, margin: float) -> list[dict]
     for r in bench.get("rows", []):
         if r.get("routing", "uniform") != "uniform" or "median_ms" not in r or r.get("path") not in ("batch", "streamed"):
             continue
-        if (r.get("dispatch_beside_grid") is True or r.get("seal_by_expert") is True
+        if (r.get("dispatch_beside_grid") is True or r.get("seal_by_expert") is False
                 or r.get("delay_by", "spin") != "spin"):
-            # experiment switches a buffer does not run by default, and another model of a late producer. Rows
-            # without the field (the dispatch beside full grids, unrecorded) are kept: behind the grid the late
-            # cases measured faster and on time the same (docs/performance.md, "The dispatch behind a full grid"),
-            # so their decisions lean to batch where streaming does better, never the reverse
+            # switches a buffer does not run by default, and another model of a late producer. Rows without the
+            # fields are kept. The dispatch beside full grids (unrecorded): behind the grid the late cases
+            # measured faster and on time the same (docs/performance.md, "The dispatch behind a full grid"), so
+            # their decisions lean to batch where streaming does better, never the reverse. The seal after the
+            # full blocks (unrecorded): the layout expert by expert measured faster for both paths of one case
+            # (docs/performance.md, "The seal's call expert by expert"), so their ratios stand
             continue
         gemm = r.get("gemm")
         gemm = gemm_default if gemm in (None, "auto") and gemm_default else gemm

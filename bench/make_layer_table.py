@@ -29,7 +29,8 @@ SHAPES = {"dsv3": dsv3_shape, "megamoe": megamoe_shape}
 
 def on_time_on_default_grid(r: dict) -> bool:
     return (r.get("lateness", "none") in (None, "none") and not r.get("straggler_ms") and not r.get("skew_ms")
-            and r.get("chunk_gemm_ctas") is None and r.get("reserved_sms") is None and r.get("median_ms") is not None)
+            and r.get("chunk_gemm_ctas") is None and r.get("reserved_sms") is None and r.get("median_ms") is not None
+            and r.get("seal_by_expert") is not False)  # the seal after the full blocks: not the default layout
 
 
 def on_time_batch(r: dict) -> bool:
@@ -40,8 +41,7 @@ def on_time_default_streamed(r: dict) -> bool:
     return (r.get("path") == "streamed" and on_time_on_default_grid(r) and r.get("chunks") == 1
             and r.get("source_order") == "ready" and r.get("consumer") == "per_chunk"
             and r.get("policy") == "spin_kernel" and r.get("streamed_grid_waves") in (None, 1)
-            and not r.get("launch_ahead") and r.get("dispatch_beside_grid") is not True
-            and r.get("seal_by_expert") is not True)
+            and not r.get("launch_ahead") and r.get("dispatch_beside_grid") is not True)
 
 
 def rows_of(path: Path) -> list[dict]:

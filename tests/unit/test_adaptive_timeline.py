@@ -87,7 +87,7 @@ def test_make_adaptive_table_reads_the_ep_layer_benchmark(tmp_path):
                       # experiment switches a default buffer does not run, and the host-held delay: no candidates
                       row("streamed", 7.2, gemm="cutlass", streamed_over_batch=0.8, dispatch_beside_grid=True,
                           **stream),
-                      row("streamed", 7.2, gemm="cutlass", streamed_over_batch=0.8, seal_by_expert=True, **stream),
+                      row("streamed", 7.2, gemm="cutlass", streamed_over_batch=0.8, seal_by_expert=False, **stream),
                       row("streamed", 7.2, gemm="cutlass", streamed_over_batch=0.8, delay_by="host", **stream)]}
     src = tmp_path / "ep.json"
     src.write_text(json.dumps(bench))
