@@ -122,9 +122,10 @@ def test_every_source_order_computes_the_last_step_in_the_seal_call_and_keeps_th
 
 
 def test_seal_by_expert_lays_the_seal_call_out_expert_by_expert_and_keeps_the_bits(setup):
-    """EPTuning(seal_by_expert=True): the seal's call (the last step's blocks and the partial ones) reads its range
-    expert by expert, on both paths, and the outputs keep their bits; the default keeps the allocator's order
-    (every partial block after the full ones), which the same check rejects here."""
+    """EPTuning(seal_by_expert=True), the default: the seal's call (the last step's blocks and the partial ones)
+    reads its range expert by expert, on both paths, and the outputs keep their bits; False keeps the allocator's
+    order (every partial block after the full ones), which the same check rejects here."""
+    assert EPTuning().seal_by_expert is True
     shape, mw, _ = setup
     x = tokens(37, 1)
     got, layouts = {}, {}
