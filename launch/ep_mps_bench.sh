@@ -15,7 +15,8 @@
 #    $EPM_EXPERTS (32) experts per PE, uniform routing, Triton GEMMs (EPM_GEMMS), $EPM_CHUNKS (1,2,4) chunks, the
 #    ready and arrival orders, stragglers of 1 and 3 ms on either PE and a 0..2 ms random skew; no torch +
 #    NCCL baseline (NCCL refuses two ranks on one GPU) -> $OUT/ep-layer-mps.json, $OUT/ep-timelines-mps.json
-#    and their drawing $OUT/ep-timeline-mps.png;
+#    and their drawing $OUT/ep-timeline-mps.png; the bench gets what is left of the budget less 90 s, and
+#    where that is under 10 s (EPM_BUDGET_S below about 100 with steps 0 and 1 off) step 2 is refused, status 3;
 # 0. with EPM_SHARING=1, first: bench.sm_sharing (does a producer-sized chain of kernels get SMs while the
 #    expert GEMM grid runs: eager and graph, stream and node priorities, a CTA per tile or one per SM), once
 #    without MPS, once as an MPS client at 50 % (-> $OUT/sm_sharing.log, $OUT/sm-sharing.json), then as two
