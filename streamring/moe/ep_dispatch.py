@@ -31,7 +31,7 @@ class EPDispatch:
     """The dispatch's device scratch (the sources each step took, the routes it gathered) and counters."""
 
     def __init__(self, heap, *, entries: int, experts_per_pe: int, shape, ready_window_us: float,
-                 seal_by_expert: bool = True):
+                 seal_by_expert: bool):
         R, dev = heap.num_ranks, heap.device
         self.seal_by_expert = seal_by_expert  # EPTuning.seal_by_expert
         self.heap, self.R, self.me = heap, R, heap.rank
