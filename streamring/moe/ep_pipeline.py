@@ -94,7 +94,7 @@ class Pipeline:
     @staticmethod
     def dispatch_waits_for_full_grids(tuning, gemm: str) -> bool:
         """Whether the streamed dispatch steps are enqueued behind the previous step's GEMM call where its grid
-        holds every SM (:meth:`_enqueue_consumer_behind_grids`): ``EPTuning.dispatch_beside_grid`` False (the
+        holds every SM (:meth:`_enqueue_consumer`): ``EPTuning.dispatch_beside_grid`` False (the
         default) and a backend with a persistent grid. Triton's CTA-per-tile grids never hold every SM: its
         enqueue stays the other one."""
         return not tuning.dispatch_beside_grid and CAPABILITIES[gemm].persistent_grid
@@ -190,7 +190,13 @@ class Pipeline:
 
     def _enqueue_consumer(self, path, layer) -> None:
         """The consumer side on the dispatch, GEMM and puts streams: every dispatch step, its GEMM call and the
-        seal (the persistent consumer: its one launch, before any block is ready, and the queue's seal)."""
+        seal (the persistent consumer: its one launch, before any block is ready, and the queue's seal).
+
+        Step by step, each GEMM call waits on its own dispatch step alone, never on a later one. A persistent-grid
+        backend with ``EPTuning(dispatch_beside_grid=False)`` (the default; ``_called`` exists) also puts each
+        dispatch step behind the previous step's GEMM call where that call's grid holds every SM
+        (:meth:`EPExperts.holds_every_sm`), so no ready wait spins beside such a grid. That only adds dependencies
+        to the other order (dispatch i+1 behind call i, call i behind dispatch i), so nothing waits on itself."""
         ex, pr = self.experts, self.progress
         puts = pr.stream("u") if not ex.owner_rows else None
         if ex.queue is not None:
@@ -199,49 +205,30 @@ class Pipeline:
             with pr.side("g"):
                 ex.launch_persistent(path, layer, ex.sm_count - self.tuning.reserved_sms, self.combine,
                                      self.deadline_s)
-        if self._called and ex.queue is None:  # (_called exists only beside _dispatched)
-            self._enqueue_consumer_behind_grids(path, layer, puts)
-            return
-        with pr.side("d"):
-            st = self.current_stream()
-            for i, (c, j) in enumerate(path.order):
-                self._dispatch_step(path, c, j, st)
-                if ex.queue is not None:
-                    continue
-                if self._dispatched:
-                    self._dispatched[i].record()
-                else:  # green_ctx: dispatch and GEMMs share a stream
-                    ex.step_gemms(path, layer, self.plan, c, j, self.combine, st, puts, self.instrument)
-            if ex.queue is not None:
+            with pr.side("d"):
+                for c, j in path.order:
+                    self._dispatch_step(path, c, j, self.current_stream())
                 ex.seal_queue(path, self.instrument)
-        if ex.queue is not None:
             return
-        with pr.side("g"):
-            st = self.current_stream()
-            if self._dispatched:
-                for i, (c, j) in enumerate(path.order):
+        if not self._dispatched:  # green_ctx: dispatch and GEMMs share a stream
+            with pr.side("d"):
+                st = self.current_stream()
+                for c, j in path.order:
+                    self._dispatch_step(path, c, j, st)
+                    ex.step_gemms(path, layer, self.plan, c, j, self.combine, st, puts, self.instrument)
+        else:
+            for i, (c, j) in enumerate(path.order):
+                with pr.side("d"):
+                    if self._called and i > 0 and ex.holds_every_sm(path, i - 1, self.plan.rows):
+                        self.current_stream().wait_event(self._called[i - 1])
+                    self._dispatch_step(path, c, j, self.current_stream())
+                    self._dispatched[i].record()
+                with pr.side("g"):
+                    st = self.current_stream()
                     st.wait_event(self._dispatched[i])
                     ex.step_gemms(path, layer, self.plan, c, j, self.combine, st, puts, self.instrument)
-            ex.seal(path, layer, self.plan, self.combine, st, puts, self.instrument)
-
-    def _enqueue_consumer_behind_grids(self, path, layer, puts) -> None:
-        """:meth:`_enqueue_consumer` of a persistent-grid backend with ``EPTuning(dispatch_beside_grid=False)`` (the
-        default): step by step, each dispatch step behind the previous step's GEMM call where that call's grid holds
-        every SM (:meth:`EPExperts.holds_every_sm`), so no ready wait spins beside such a grid. Only adds
-        dependencies to the other order: a GEMM call waits on its own dispatch step alone, never on a later one, so
-        nothing here can wait on itself."""
-        ex, pr = self.experts, self.progress
-        for i, (c, j) in enumerate(path.order):
-            with pr.side("d"):
-                if i > 0 and ex.holds_every_sm(path, i - 1, self.plan.rows):
-                    self.current_stream().wait_event(self._called[i - 1])
-                self._dispatch_step(path, c, j, self.current_stream())
-                self._dispatched[i].record()
-            with pr.side("g"):
-                st = self.current_stream()
-                st.wait_event(self._dispatched[i])
-                ex.step_gemms(path, layer, self.plan, c, j, self.combine, st, puts, self.instrument)
-                self._called[i].record()
+                    if self._called:
+                        self._called[i].record()
         with pr.side("g"):
             ex.seal(path, layer, self.plan, self.combine, self.current_stream(), puts, self.instrument)
 

@@ -755,16 +755,15 @@ def test_the_dispatch_waits_for_full_grids_by_default_on_persistent_grid_backend
     assert not Pipeline.dispatch_waits_for_full_grids(EPTuning(dispatch_beside_grid=True), "cutlass")
 
 
-def test_dispatch_after_full_grid_orders_each_step_behind_the_previous_full_grid_call():
-    """EPTuning(dispatch_beside_grid=False) (the default, persistent grids): the consumer side is enqueued step by
-    step; dispatch step i waits for GEMM call i-1's event exactly where that call holds every SM, every GEMM call
-    waits for its own dispatch step only (so no call waits on a later step), and the seal's call comes last on the
-    GEMM stream."""
+def _enqueued_consumer(dispatched: bool, called: bool) -> list:
+    """What Pipeline._enqueue_consumer enqueues, per side stream, over three dispatch steps whose GEMM calls hold
+    every SM, but call 1 (capped, e.g. by chunk_gemm_ctas); fakes for the streams, events and parts."""
+    import contextlib
     from types import SimpleNamespace
 
     from streamring.moe.ep_pipeline import Pipeline
 
-    log = []
+    log, side = [], ["caller"]
 
     class Ev:
         def __init__(self, name):
@@ -780,12 +779,11 @@ def test_dispatch_after_full_grid_orders_each_step_behind_the_previous_full_grid
         def wait_event(self, ev):
             log.append((self.name, "wait", ev.name))
 
-    side = ["caller"]
-
     class Progress:
-        def side(self, role):
-            import contextlib
+        def stream(self, role):
+            return St(role)
 
+        def side(self, role):
             @contextlib.contextmanager
             def cm():
                 prev, side[0] = side[0], role
@@ -795,21 +793,28 @@ def test_dispatch_after_full_grid_orders_each_step_behind_the_previous_full_grid
                     side[0] = prev
             return cm()
 
-    order = [(0, 0), (0, 1), (0, 2)]
-    path = SimpleNamespace(order=order)
-    full = {0: True, 1: False, 2: True}  # call 1 capped (e.g. chunk_gemm_ctas): its next step need not wait
+    full = {0: True, 1: False, 2: True}
     ex = SimpleNamespace(
-        queue=None, holds_every_sm=lambda p, i, rows: full[i],
+        queue=None, owner_rows=True, holds_every_sm=lambda p, i, rows: full[i],
         step_gemms=lambda p, layer, plan, c, j, comb, st, puts, ins: log.append((side[0], "gemm", j)),
         seal=lambda p, layer, plan, comb, st, puts, ins: log.append((side[0], "seal")))
     pl = object.__new__(Pipeline)
     pl.experts, pl.progress, pl.combine, pl.instrument = ex, Progress(), None, None
     pl.plan = SimpleNamespace(rows=4096)
-    pl._dispatched = [Ev(f"dispatched{i}") for i in range(3)]
-    pl._called = [Ev(f"called{i}") for i in range(3)]
+    pl._dispatched = [Ev(f"dispatched{i}") for i in range(3)] if dispatched else []
+    pl._called = [Ev(f"called{i}") for i in range(3)] if called else []
     pl.current_stream = lambda: St(side[0])
     pl._dispatch_step = lambda p, c, j, st: log.append((side[0], "dispatch", j))
-    pl._enqueue_consumer_behind_grids(path, None, None)
+    pl._enqueue_consumer(SimpleNamespace(order=[(0, 0), (0, 1), (0, 2)]), None)
+    return log
+
+
+def test_dispatch_after_full_grid_orders_each_step_behind_the_previous_full_grid_call():
+    """EPTuning(dispatch_beside_grid=False) (the default, persistent grids): the consumer side is enqueued step by
+    step; dispatch step i waits for GEMM call i-1's event exactly where that call holds every SM, every GEMM call
+    waits for its own dispatch step only (so no call waits on a later step), and the seal's call comes last on the
+    GEMM stream."""
+    log = _enqueued_consumer(dispatched=True, called=True)
     assert log == [
         ("d", "dispatch", 0), ("d", "record", "dispatched0"),
         ("g", "wait", "dispatched0"), ("g", "gemm", 0), ("g", "record", "called0"),
@@ -821,6 +826,22 @@ def test_dispatch_after_full_grid_orders_each_step_behind_the_previous_full_grid
     # every GEMM call waits on its own step's event only
     assert [e for s, k, e in (x for x in log if len(x) == 3) if s == "g" and k == "wait"] == \
         ["dispatched0", "dispatched1", "dispatched2"]
+
+
+def test_dispatch_beside_the_grid_and_one_shared_stream_enqueue_no_wait_on_a_gemm_call():
+    """The other enqueues of the same step loop: beside the grid (Triton, or dispatch_beside_grid=True) the dispatch
+    stream waits on no GEMM call and each call waits on its own step; with dispatch and GEMMs on one stream
+    (green_ctx) nothing waits on an event and the calls follow their steps in order."""
+    beside = _enqueued_consumer(dispatched=True, called=False)
+    assert [x for x in beside if x[0] == "d"] == [
+        ("d", "dispatch", 0), ("d", "record", "dispatched0"), ("d", "dispatch", 1), ("d", "record", "dispatched1"),
+        ("d", "dispatch", 2), ("d", "record", "dispatched2")]
+    assert [x for x in beside if x[0] == "g"] == [
+        ("g", "wait", "dispatched0"), ("g", "gemm", 0), ("g", "wait", "dispatched1"), ("g", "gemm", 1),
+        ("g", "wait", "dispatched2"), ("g", "gemm", 2), ("g", "seal")]
+    shared = _enqueued_consumer(dispatched=False, called=False)
+    assert shared == [("d", "dispatch", 0), ("d", "gemm", 0), ("d", "dispatch", 1), ("d", "gemm", 1),
+                      ("d", "dispatch", 2), ("d", "gemm", 2), ("g", "seal")]
 
 
 def test_memory_report_takes_the_block_size_a_buffer_of_that_gemm_takes():
