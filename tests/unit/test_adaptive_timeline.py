@@ -102,6 +102,30 @@ def test_make_adaptive_table_reads_the_ep_layer_benchmark(tmp_path):
     assert adaptive.choose(4096, t, gemm="triton", ranks=2).path == "streamed"
 
 
+def test_a_batch_decision_over_late_cases_names_the_regrets_it_compared(tmp_path):
+    """With late cases the decision compares worst-case regrets, not on-time ratios: a streamed plan faster on
+    time (0.98x) but slower with a late rank loses, and the reason gives both regrets and the on-time ratio
+    rather than one ratio called "x the batch path"."""
+    def row(path, ms, **kw):
+        return {"ranks": 2, "tokens_per_rank": 4096, "block_m": 128, "path": path, "median_ms": ms,
+                "bitwise_equal_to_batch": True, "gemm": "cutlass", **kw}
+    stream = dict(chunks=1, num_slots=1, policy="spin_kernel", ok=True)
+    late = dict(straggler_ms=3.0, straggler_rank=1)
+    bench = {"rows": [row("batch", 8.0), row("streamed", 7.84, streamed_over_batch=0.98, **stream),
+                      row("batch", 10.0, **late), row("streamed", 12.0, streamed_over_batch=1.2, **stream, **late)]}
+    src = tmp_path / "ep.json"
+    src.write_text(json.dumps(bench))
+    out = tmp_path / "table.json"
+    r = subprocess.run([sys.executable, "-m", "bench.make_adaptive_table", str(src), "--out", str(out)],
+                       capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    (t,) = adaptive.load_table(out)["rows"]
+    assert t["path"] == "batch" and t["cases"] == 2
+    assert t["batch_regret"] == 1.0204 and t["streamed_regret"] == 1.2 and t["streamed_on_time_over_batch"] == 0.98
+    assert "1.200x the fastest path" in t["reason"] and "batch path's 1.020x" in t["reason"], t["reason"]
+    assert "over 2 cases" in t["reason"] and "on time 0.980x" in t["reason"], t["reason"]
+
+
 def test_bad_tables_name_the_field(tmp_path):
     p = tmp_path / "t.json"
     p.write_text(json.dumps({"rows": [{"tokens": 1, "path": "fast", "block_m": 64}]}))
