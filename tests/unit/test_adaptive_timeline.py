@@ -73,6 +73,17 @@ def test_the_rows_of_the_buffers_block_size_decide_near_their_token_counts():
     assert pick(16, 112).path == "streamed" and pick(16, 80).path == "batch"
 
 
+def _make_table(tmp_path, bench: dict, gemm_suffix: str = "") -> Path:
+    """``python -m bench.make_adaptive_table`` on ``bench`` (written to a file; ``gemm_suffix``: its ``:GEMM``),
+    the table's path (asserts the command succeeded)."""
+    src, out = tmp_path / "bench.json", tmp_path / "table.json"
+    src.write_text(json.dumps(bench))
+    r = subprocess.run([sys.executable, "-m", "bench.make_adaptive_table", f"{src}{gemm_suffix}", "--out", str(out)],
+                       capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    return out
+
+
 def test_make_adaptive_table_reads_the_ep_layer_benchmark(tmp_path):
     """The EP-layer benchmark form: one row per path; stragglers and failed checks are not candidates."""
     def row(path, ms, **kw):
@@ -89,12 +100,7 @@ def test_make_adaptive_table_reads_the_ep_layer_benchmark(tmp_path):
                           **stream),
                       row("streamed", 7.2, gemm="cutlass", streamed_over_batch=0.8, seal_by_expert=False, **stream),
                       row("streamed", 7.2, gemm="cutlass", streamed_over_batch=0.8, delay_by="host", **stream)]}
-    src = tmp_path / "ep.json"
-    src.write_text(json.dumps(bench))
-    out = tmp_path / "table.json"
-    r = subprocess.run([sys.executable, "-m", "bench.make_adaptive_table", f"{src}:triton", "--out", str(out)],
-                       capture_output=True, text=True, timeout=60, cwd=ROOT)
-    assert r.returncode == 0, r.stderr
+    out = _make_table(tmp_path, bench, ":triton")
     t = adaptive.load_table(out)
     by = {row["gemm"]: row for row in t["rows"]}
     assert by["triton"]["path"] == "streamed" and by["triton"]["streamed_over_batch"] == 0.95  # not 0.625 or 0.5
@@ -113,12 +119,7 @@ def test_a_batch_decision_over_late_cases_names_the_regrets_it_compared(tmp_path
     late = dict(straggler_ms=3.0, straggler_rank=1)
     bench = {"rows": [row("batch", 8.0), row("streamed", 7.84, streamed_over_batch=0.98, **stream),
                       row("batch", 10.0, **late), row("streamed", 12.0, streamed_over_batch=1.2, **stream, **late)]}
-    src = tmp_path / "ep.json"
-    src.write_text(json.dumps(bench))
-    out = tmp_path / "table.json"
-    r = subprocess.run([sys.executable, "-m", "bench.make_adaptive_table", str(src), "--out", str(out)],
-                       capture_output=True, text=True, timeout=60, cwd=ROOT)
-    assert r.returncode == 0, r.stderr
+    out = _make_table(tmp_path, bench)
     (t,) = adaptive.load_table(out)["rows"]
     assert t["path"] == "batch" and t["cases"] == 2
     assert t["batch_regret"] == 1.0204 and t["streamed_regret"] == 1.2 and t["streamed_on_time_over_batch"] == 0.98
@@ -147,12 +148,7 @@ def test_make_adaptive_table_picks_batch_unless_streaming_wins(tmp_path):
         {"tokens": 8192, "block_m": 64, "batch": {"median_ms": 11.0},
          "streamed": [{"ok": True, "streamed_over_batch": 0.95, "chunks": 4, "num_slots": 4, "policy": "spin_kernel"},
                       {"ok": False, "streamed_over_batch": 0.5, "chunks": 8, "num_slots": 4, "policy": "serialized"}]}]}
-    src = tmp_path / "bench.json"
-    src.write_text(json.dumps(bench))
-    out = tmp_path / "table.json"
-    r = subprocess.run([sys.executable, "-m", "bench.make_adaptive_table", str(src), "--out", str(out)],
-                       capture_output=True, text=True, timeout=60, cwd=ROOT)
-    assert r.returncode == 0, r.stderr
+    out = _make_table(tmp_path, bench)
     t = adaptive.load_table(out)
     by = {row["tokens"]: row for row in t["rows"]}
     assert by[1024]["path"] == "batch" and "1.050x" in by[1024]["reason"]
@@ -251,12 +247,7 @@ def test_make_adaptive_table_weighs_late_ranks_by_regret(tmp_path):
                 {**base, **plan, "path": "streamed", "median_ms": stream_on_time, "straggler_ms": 0.0, "ok": True,
                  "bitwise_equal_to_batch": True, "streamed_over_batch": stream_on_time / 10.0},
                 {**base, **plan, "path": "streamed", "median_ms": stream_late, **late}]
-    src = tmp_path / "ep.json"
-    src.write_text(json.dumps({"rows": rows(4096, 10.15, 10.6) + rows(8192, 10.5, 12.1)}))
-    out = tmp_path / "table.json"
-    r = subprocess.run([sys.executable, "-m", "bench.make_adaptive_table", str(src), "--out", str(out)],
-                       capture_output=True, text=True, timeout=60, cwd=ROOT)
-    assert r.returncode == 0, r.stderr
+    out = _make_table(tmp_path, {"rows": rows(4096, 10.15, 10.6) + rows(8192, 10.5, 12.1)})
     by = {row["tokens"]: row for row in adaptive.load_table(out)["rows"]}
     assert by[4096]["path"] == "streamed" and by[4096]["source_order"] == "arrival" and by[4096]["chunks"] == 1
     assert by[4096]["batch_regret"] == round(12.5 / 10.6, 4) and by[4096]["streamed_regret"] == round(10.15 / 10, 4)
