@@ -21,18 +21,21 @@ import sys
 from pathlib import Path
 
 
-def _decide(row: dict, best: dict | None, margin: float, config: dict | None = None) -> dict:
+def _decide(row: dict, best: dict | None, margin: float, config: dict | None = None,
+            compared: str | None = None) -> dict:
     """``row`` with the decision: streamed with ``best``'s configuration if it beat batch by more than
     ``margin``, else batch with the reason. ``config``: what else a streamed row records ({key: default},
-    read from ``best``); a ``consumer`` among them is named in the reason too."""
+    read from ``best``); a ``consumer`` among them is named in the reason too. ``compared``: what
+    ``best["streamed_over_batch"]`` is, for the reason, where it is not the on-time ratio."""
     extra = {k: best.get(k, d) for k, d in (config or {}).items()} if best else {}
     if best is not None and best["streamed_over_batch"] < 1.0 - margin:
         row.update(path="streamed", chunks=best["chunks"], num_slots=best["num_slots"], policy=best["policy"], **extra,
                    streamed_over_batch=round(best["streamed_over_batch"], 4))
     elif best is not None:
         consumer = f", {extra['consumer']} consumer" if "consumer" in extra else ""
+        ratio = compared or f"was {best['streamed_over_batch']:.3f}x the batch path"
         row.update(path="batch", chunks=1, reason=f"best streamed config ({best['chunks']} chunks, {best['policy']}"
-                                                  f"{consumer}) was {best['streamed_over_batch']:.3f}x the batch path")
+                                                  f"{consumer}) {ratio}")
     else:
         row.update(path="batch", chunks=1, reason="no streamed configuration passed")
     return row
@@ -114,17 +117,15 @@ def _ep_rows(bench: dict, gemm_default: str | None, margin: float) -> list[dict]
         first = dict(best[(0.0, None, 0.0)])
         # the on-time rule's input, made from the regrets: streamed is taken iff rs < rb * (1 - margin)
         first["streamed_over_batch"] = rs / rb
-        decided = _decide(row, first, margin, {"consumer": "per_chunk", "source_order": "rank",
-                                               "ready_window_us": None})
         on_time_ratio = best[(0.0, None, 0.0)]["streamed_over_batch"]
+        # over late cases that ratio is of regrets (worst over the cases), not of on-time times: the reason says so
+        compared = None if len(cases) == 1 else (
+            f"was at worst {rs:.3f}x the fastest path of a case against the batch path's {rb:.3f}x, over {len(cases)} "
+            f"cases; on time {on_time_ratio:.3f}x the batch path")
+        decided = _decide(row, first, margin, {"consumer": "per_chunk", "source_order": "rank",
+                                               "ready_window_us": None}, compared)
         decided.update(streamed_on_time_over_batch=round(on_time_ratio, 4),
                        cases=len(cases), batch_regret=round(rb, 4), streamed_regret=round(rs, 4))
-        if decided["path"] == "batch" and len(cases) > 1:
-            # the ratio the decision compared is of regrets (worst over the cases), not of on-time times: say so
-            consumer = f", {first.get('consumer', 'per_chunk')} consumer"
-            decided["reason"] = (f"best streamed config ({first['chunks']} chunks, {first['policy']}{consumer}): at "
-                                 f"worst {rs:.3f}x the fastest path of a case against the batch path's {rb:.3f}x, "
-                                 f"over {len(cases)} cases; on time {on_time_ratio:.3f}x the batch path")
         if decided["path"] == "streamed":
             decided["streamed_over_batch"] = decided["streamed_on_time_over_batch"]
         rows.append(decided)
