@@ -92,9 +92,8 @@ class EPTuning(BaseModel):
         seal_by_expert: whether the seal lays the range of the GEMM call that computes the partial blocks out
             expert by expert (each expert's partial block right after its full blocks:
             ``BlockConsumer.seal(call_from=)``), so that call reads each expert's weights in one run of tiles. True
-            (the default): measured faster for both paths, the batch path's one call included (CUTLASS on 128-row
-            blocks, 2 PEs under MPS: batch 5-7 % faster at 4096 tokens, 1-4 % at 8192; the GEMMs alone 3-5 %;
-            docs/performance.md, "The seal's call expert by expert"). False: the allocator's order, every partial
+            (the default): measured faster for both paths, the batch path's one call included (docs/performance.md,
+            "The seal's call expert by expert"). False: the allocator's order, every partial
             block after every full block of the range, a second pass over the weights at the end of the call
             (``bench.ep_layer --seal-after-full-blocks``). Outputs are the same bits either way: only the order of
             the blocks in the call's range changes.
