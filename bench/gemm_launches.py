@@ -67,21 +67,22 @@ class Forward:
 
     def __init__(self, T: int, chunks: int, shape, block_m: int, impl: str, choice, dev, *, by_expert: bool = False):
         self.T, self.chunks, self.impl, self.by_expert = T, chunks, impl, by_expert
-        self.bc = B.BlockConsumer(shape, T, chunks, DG.BLOCK_M if impl == "deep_gemm" else block_m, dev)
+        self.bc = B.BlockConsumer(shape, T, chunks, DG.BLOCK_M if impl == "deep_gemm" else block_m, dev,
+                                  seal_by_expert=by_expert)
         if impl != "triton":
             GC.setup_consumer(self.bc, choice, staging_y=False)
         self.bounds = [(c * T // chunks, (c + 1) * T // chunks) for c in range(chunks)]
 
     def load(self, inputs) -> None:
         """Dispatch ``inputs`` chunk by chunk, then seal (not timed: the GEMMs only read the block state); with
-        ``by_expert`` the last per-chunk call's range laid out expert by expert (``BlockConsumer.seal``'s
-        ``call_from``)."""
+        ``by_expert`` the last per-chunk call's range laid out expert by expert (``BlockConsumer``'s
+        ``seal_by_expert``, ``seal``'s ``call_from``)."""
         idx, w, q, sf = inputs
         bc = self.bc
         bc.begin()
         for c, (a, b) in enumerate(self.bounds):
             bc.dispatch(c, idx[a:b], w[a:b], q[a:b], sf[a:b], a)
-        bc.seal(self.chunks, call_from=self.chunks - 1 if self.by_expert else None)
+        bc.seal(self.chunks, call_from=self.chunks - 1)
 
     def steps(self) -> list[tuple[int, int, int]]:
         """``(lo_index, hi_index, max_items)`` of the per-chunk calls: one per chunk, the last one

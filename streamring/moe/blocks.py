@@ -106,17 +106,20 @@ class BlockConsumer:
     """
 
     def __init__(self, shape: MoEShape, max_tokens: int, max_chunks: int, block_m: int, device, *,
-                 ep_entries: int = 0, local_y: bool = True):
+                 ep_entries: int = 0, local_y: bool = True, seal_by_expert: bool = True):
         """``shape``: the experts this consumer serves (all of them, or a PE's local ones).
         ``max_tokens``: most tokens whose rows can reach it in one forward (every source's).
         ``ep_entries``: >0 for the expert-parallel dispatch (:meth:`dispatch_ep`): the routes of one
         chunk of every source (``num_ranks * tokens_per_slot * topk``); it also keeps, per row, the
         owner PE, the owner's combine row and the chunk (``row_src``, ``row_tok``, ``row_chunk``).
         ``local_y``: keep the local bf16 L2 output ``y`` (not needed when L2 writes straight into
-        the owners' combine rows)."""
+        the owners' combine rows).
+        ``seal_by_expert``: whether :meth:`seal` lays the range of the GEMM call that computes the partial
+        blocks out expert by expert (``EPTuning.seal_by_expert``: this consumer is its only reader)."""
         if block_m not in (16, 32, 64, 128):
             raise ValueError(f"block_m must be one of (16, 32, 64, 128), got {block_m}")
         self.shape, self.block_m, self.device = shape, block_m, device
+        self.seal_by_expert = seal_by_expert
         E, Kk, H, I = shape.num_experts, shape.topk, shape.hidden, shape.intermediate
         self.max_tokens, self.max_chunks = max_tokens, max_chunks
         self.max_blocks = consumer_max_blocks(1, max_tokens, Kk, block_m, E)
@@ -254,11 +257,13 @@ class BlockConsumer:
         are ``ready_list[ready_hi[c] : ready_hi[c + 1]]``).
 
         ``call_from``: the ready index where the GEMM call that computes the partial blocks starts (that call is
-        ``compute(call_from, c + 1, ...)``, enqueued after this). The seal then lays that range out expert by
-        expert, each expert's partial block right after its full blocks, so the call reads every expert's
-        weights in one run of tiles instead of twice (``block_alloc.alloc_blocks``, ``by_expert_from``). Nothing
-        may have read that range yet: not for a range a persistent consumer was already given."""
-        self._alloc_blocks(self.ready_hi, c + 1, seal=True, if_none_pending=if_none_pending, by_expert_from=call_from)
+        ``compute(call_from, c + 1, ...)``, enqueued after this). With ``seal_by_expert`` (the constructor's)
+        the seal then lays that range out expert by expert, each expert's partial block right after its full
+        blocks, so the call reads every expert's weights in one run of tiles instead of twice
+        (``block_alloc.alloc_blocks``, ``by_expert_from``); without it the range keeps the allocator's order.
+        Nothing may have read that range yet: not for a range a persistent consumer was already given."""
+        self._alloc_blocks(self.ready_hi, c + 1, seal=True, if_none_pending=if_none_pending,
+                           by_expert_from=call_from if self.seal_by_expert else None)
 
     def _alloc_blocks(self, counts, hi_index: int, *, seal: bool, if_none_pending=None,
                       by_expert_from: int | None = None) -> None:

@@ -30,10 +30,8 @@ from ..device.ranges import annotate as nvtx_range
 class EPDispatch:
     """The dispatch's device scratch (the sources each step took, the routes it gathered) and counters."""
 
-    def __init__(self, heap, *, entries: int, experts_per_pe: int, shape, ready_window_us: float,
-                 seal_by_expert: bool):
+    def __init__(self, heap, *, entries: int, experts_per_pe: int, shape, ready_window_us: float):
         R, dev = heap.num_ranks, heap.device
-        self.seal_by_expert = seal_by_expert  # EPTuning.seal_by_expert
         self.heap, self.R, self.me = heap, R, heap.rank
         self.E_loc, self.shape = experts_per_pe, shape
         self.window_ns = int(round(ready_window_us * 1000))
@@ -115,11 +113,11 @@ class EPDispatch:
                            on_slot_released=release)
             if grouped and c == path.num_chunks - 1:
                 # the step that leaves no source of the last chunk pending seals (decided on the device), so its GEMM
-                # call has the partial blocks too: sources that arrive together get one call (EPTuning.seal_by_expert:
-                # its range, which no GEMM call or queue has been given yet, the queue learning it below, laid out
-                # expert by expert)
+                # call has the partial blocks too: sources that arrive together get one call (its range, which no
+                # GEMM call or queue has been given yet, the queue learning it below, laid out expert by expert
+                # where the consumer's seal_by_expert says so)
                 i = path.step_index[c, j]
-                bc.seal(i, if_none_pending=self.pending, call_from=i if self.seal_by_expert else None)
+                bc.seal(i, if_none_pending=self.pending, call_from=i)
             if queue is not None:
                 queue.publish(path.step_index[c, j])  # the persistent consumer picks the new blocks up
             if j == path.steps - 1:

@@ -57,7 +57,7 @@ class EPExperts:
         local_shape = MoEShape(**{**shape.__dict__, "num_experts": experts_per_pe, "n_group": 1, "topk_group": 1,
                                   "router": "softmax_topk", "block_m": block_m})
         self.bc = BlockConsumer(local_shape, max_rows, max_steps, block_m, dev, ep_entries=entries,
-                                local_y=not owner_rows)
+                                local_y=not owner_rows, seal_by_expert=tuning.seal_by_expert)
         # y stays a staging buffer of whole rows: the result puts of a range may still read it while later ranges
         # compute, so no implementation may overwrite rows outside its range (staging_y=False)
         GC.setup_consumer(self.bc, choice, staging_y=False)
@@ -179,9 +179,9 @@ class EPExperts:
             return
         with nvtx_range("streamring seal + GEMMs", color="red"):
             n = len(path.order)  # dispatch steps so far: the seal is the next ready index
-            # with the last step's blocks: ready_list[ready_hi[n-1] : ready_hi[n+1]] (EPTuning.seal_by_expert: laid
-            # out expert by expert)
-            self.bc.seal(n, call_from=n - 1 if self.tuning.seal_by_expert else None)
+            # with the last step's blocks: ready_list[ready_hi[n-1] : ready_hi[n+1]] (laid out expert by expert
+            # where the consumer's seal_by_expert says so)
+            self.bc.seal(n, call_from=n - 1)
             bound = seal_bound(self.bound(path, False), self.E_loc, self.bc.max_blocks)
             c, j = path.order[-1]
             expect = seal_bound(self.expect(path, plan.rows, False, c, j), self.E_loc, self.bc.max_blocks)

@@ -91,7 +91,7 @@ class EPTuning(BaseModel):
             (False only adds dependencies: a GEMM call never waits on a later dispatch step).
         seal_by_expert: whether the seal lays the range of the GEMM call that computes the partial blocks out
             expert by expert (each expert's partial block right after its full blocks:
-            ``BlockConsumer.seal(call_from=)``), so that call reads each expert's weights in one run of tiles. True
+            ``BlockConsumer(seal_by_expert=)``, its one reader), so that call reads each expert's weights in one run of tiles. True
             (the default): measured faster for both paths, the batch path's one call included (docs/performance.md,
             "The seal's call expert by expert"). False: the allocator's order, every partial
             block after every full block of the range, a second pass over the weights at the end of the call

@@ -20,17 +20,17 @@ from streamring.moe.math import MoEShape  # noqa: E402
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _consumer(E, block_m, rows, steps):
+def _consumer(E, block_m, rows, steps, seal_by_expert=True):
     shape = MoEShape(hidden=128, intermediate=128, num_experts=E, topk=2, router="softmax", block_m=block_m)
-    bc = B.BlockConsumer(shape, rows, steps + 1, block_m, DEV)
+    bc = B.BlockConsumer(shape, rows, steps + 1, block_m, DEV, seal_by_expert=seal_by_expert)
     bc.begin()
     return bc
 
 
-def _run(step_counts, E, block_m, call_from_step):
+def _run(step_counts, E, block_m, call_from_step, seal_by_expert=True):
     """Dispatch steps of ``step_counts`` (rows per expert), the last one sealing on the device (pending mask 0);
     ``call_from_step``: the seal's ``call_from`` as an offset back from the sealing step (None: not given)."""
-    bc = _consumer(E, block_m, sum(int(c.sum()) for c in step_counts) + 1, len(step_counts))
+    bc = _consumer(E, block_m, sum(int(c.sum()) for c in step_counts) + 1, len(step_counts), seal_by_expert)
     pending = torch.zeros(1, dtype=torch.int64, device=DEV)
     last = len(step_counts) - 1
     for i, counts in enumerate(step_counts):
@@ -80,6 +80,17 @@ def test_without_call_from_the_partial_blocks_stay_at_the_end():
     assert ex != sorted(ex), ex
     bc, grouped, hi = _run(counts, E, block_m, 0)
     assert _expert_runs(bc, grouped) == [0, 0, 1, 1, 1, 2]
+
+
+def test_a_consumer_without_seal_by_expert_keeps_the_allocators_order_given_call_from():
+    """The consumer owns the layout choice (EPTuning.seal_by_expert reaches only its constructor): callers always
+    pass ``call_from``, and ``seal_by_expert=False`` keeps the allocator's order."""
+    E, block_m = 3, 16
+    counts = [torch.tensor([20, 40, 5], dtype=torch.int32)]
+    bc_plain, plain, _ = _run(counts, E, block_m, None)
+    bc, off, _ = _run(counts, E, block_m, 0, seal_by_expert=False)
+    assert off == plain
+    assert _expert_runs(bc, off) == _expert_runs(bc_plain, plain) != [0, 0, 1, 1, 1, 2]
 
 
 def test_a_seal_that_does_not_happen_moves_nothing():
