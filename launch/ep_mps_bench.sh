@@ -112,14 +112,15 @@ fi
 if [ "${EPM_BENCH:-1}" = 1 ]; then
 say "=== 2. EP layer, $PES PEs under MPS ($(( $(date +%s) - T0 )) s)"
 BUDGET=$(( $(left) - 30 ))
-if [ $(( BUDGET - 60 )) -lt 10 ]; then
-  # bench.ep_layer gets what is left less 90 s; below 10 s it would record every plan as "time budget spent"
-  say "=== 2. NOT run: EPM_BUDGET_S=${EPM_BUDGET_S:-540} leaves bench.ep_layer $(( BUDGET - 60 )) s (give at least $(( ${EPM_BUDGET_S:-540} + 70 - BUDGET )))"
+BENCH_S=$(( BUDGET - 60 ))  # bench.ep_layer's own budget: what is left less 90 s (its last plan and the join)
+if [ "$BENCH_S" -lt 10 ]; then
+  # below 10 s bench.ep_layer would record every plan as "time budget spent"
+  say "=== 2. NOT run: EPM_BUDGET_S=${EPM_BUDGET_S:-540} leaves bench.ep_layer $BENCH_S s (give at least $(( ${EPM_BUDGET_S:-540} + 10 - BENCH_S )))"
   RC=3
 else
 timeout -k 15 "$BUDGET" "${MPI2[@]}" python3 -m bench.ep_layer --tokens "${EPM_TOKENS:-1024,4096,8192}" --routings uniform \
   --experts-per-pe "${EPM_EXPERTS:-32}" --chunks "${EPM_CHUNKS:-1,2,4}" --orders ready,arrival --consumers per_chunk \
-  --gemms "${EPM_GEMMS:-triton}" --straggler-ms 1,3 --skew-ms 2 --no-baseline --budget-s $(( BUDGET - 60 )) \
+  --gemms "${EPM_GEMMS:-triton}" --straggler-ms 1,3 --skew-ms 2 --no-baseline --budget-s "$BENCH_S" \
   --json "$OUT/ep-layer-mps.json" --timeline-json "$OUT/ep-timelines-mps.json" ${EPM_ARGS:-} > "$OUT/ep_mps.log" 2>&1
 rc=$?; [ $rc = 0 ] || RC=$rc; say "ep_layer rc=$rc"
 grep -A200 "^pub->acq across PEs: p50" "$OUT/ep_mps.log" | tee -a "$LOG" | tail -60
