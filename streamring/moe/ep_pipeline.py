@@ -96,7 +96,7 @@ class Pipeline:
         """Whether the streamed dispatch steps are enqueued behind the previous step's GEMM call where its grid
         holds every SM (:meth:`_enqueue_consumer`): ``EPTuning.dispatch_beside_grid`` False (the
         default) and a backend with a persistent grid. Triton's CTA-per-tile grids never hold every SM: its
-        enqueue stays the other one."""
+        dispatch steps never wait on a GEMM call."""
         return not tuning.dispatch_beside_grid and CAPABILITIES[gemm].persistent_grid
 
     def groups_sources(self, path, rows: int) -> bool:

@@ -91,9 +91,9 @@ class EPTuning(BaseModel):
             (False only adds dependencies: a GEMM call never waits on a later dispatch step).
         seal_by_expert: whether the seal lays the range of the GEMM call that computes the partial blocks out
             expert by expert (each expert's partial block right after its full blocks:
-            ``BlockConsumer(seal_by_expert=)``, its one reader), so that call reads each expert's weights in one run of tiles. True
-            (the default): measured faster for both paths, the batch path's one call included (docs/performance.md,
-            "The seal's call expert by expert"). False: the allocator's order, every partial
+            ``BlockConsumer(seal_by_expert=)``, its one reader), so that call reads each expert's weights in one run
+            of tiles. True (the default): measured faster for both paths, the batch path's one call included
+            (docs/performance.md, "The seal's call expert by expert"). False: the allocator's order, every partial
             block after every full block of the range, a second pass over the weights at the end of the call
             (``bench.ep_layer --seal-after-full-blocks``). Outputs are the same bits either way: only the order of
             the blocks in the call's range changes.
