@@ -177,6 +177,7 @@ class Reported:
 
     def replay(self) -> None:
         self.buf.instrument.rearm()  # the previous replay has ended (the callers synchronise between replays)
+        self.buf.instrument.launching()  # the delay counts from the launch's start (the GPU starts before it returns)
         self.graph.replay()
         self.buf.instrument.launched()
 

@@ -10,6 +10,8 @@ Collective like the buffer: attach on every PE, before the forwards (and capture
 
 from __future__ import annotations
 
+import threading
+import time
 import warnings
 
 import numpy as np
@@ -23,6 +25,8 @@ from .timeline_events import CHUNK_EVENTS, FIRST_STEP_EVENTS, STAMP_STRIDE, TAIL
 
 #: a host-held producer delay is released this long after its delay even if no launch was reported (never a hang)
 HOLD_FALLBACK_S = 2.0
+#: a host-held delay's release thread polls the clock for its last this many seconds (it sleeps before them)
+RELEASE_SPIN_S = 0.0005
 
 
 class Instrument:
@@ -36,6 +40,7 @@ class Instrument:
         self.hold = None
         self._held_ns = 0
         self._generation = 0
+        self._launch_t0 = None  # host perf_counter at launching(): the held delay counts from there
         #: the protocol mutation of the streamed ring (``streamring.ring.policies.INJECT_MODES``; ``none``)
         self.inject = "none"
         self.inject_bits = 0
@@ -85,24 +90,37 @@ class Instrument:
         if self.hold is None:
             self.hold = torch.ones(1, dtype=torch.int64).pin_memory()
 
+    def launching(self) -> None:
+        """Just before enqueueing a forward (or replaying its graph) with a host-held delay pending: the delay counts
+        from here, not from :meth:`launched`, since the GPU starts the forward while a graph's launch is still being
+        enqueued (a long graph's launch takes a good part of a millisecond on the host)."""
+        self._launch_t0 = time.perf_counter()
+
     def launched(self) -> None:
         """After enqueueing a forward (or replaying its graph) with a host-held delay pending: release the producer
-        the delay from now (a timer thread)."""
+        the delay after :meth:`launching` (or from now if it was not called)."""
         if self.hold is not None and self._held_ns:
-            self._release_after(self._held_ns / 1e9)
+            self._release_after(self._held_ns / 1e9, start=self._launch_t0)
+        self._launch_t0 = None
 
-    def _release_after(self, seconds: float) -> None:
-        import threading
-
+    def _release_after(self, seconds: float, start: float | None = None) -> None:
+        """Set the host word ``seconds`` after ``start`` (a ``time.perf_counter`` value; None: now) on a thread of
+        its own, unless a later hold owns the word by then. The thread sleeps to :data:`RELEASE_SPIN_S` before the
+        deadline and then polls the clock, yielding the GIL each turn: a plain timer wakes 0.1-0.5 ms late on a
+        busy host, which a 1 ms delay cannot afford."""
         hold, gen = self.hold, self._generation
+        deadline = (time.perf_counter() if start is None else start) + seconds
 
         def release():
-            if self._generation == gen:  # a later set_delay owns the word now
+            coarse = deadline - time.perf_counter() - RELEASE_SPIN_S
+            if coarse > 0:
+                time.sleep(coarse)
+            while time.perf_counter() < deadline:
+                time.sleep(0)  # yields the GIL to the thread that enqueues and synchronises
+            if self._generation == gen:  # a later set_delay or rearm owns the word now
                 hold.fill_(1)
 
-        t = threading.Timer(seconds, release)
-        t.daemon = True
-        t.start()
+        threading.Thread(target=release, name="streamring-held-delay", daemon=True).start()
 
     def delay(self, lib, stream, torch_stream=None) -> None:
         """Enqueue the delay on ``stream`` (a library stream ref; ``torch_stream`` the same stream as torch's): one

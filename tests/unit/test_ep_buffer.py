@@ -860,6 +860,31 @@ def test_memory_report_takes_the_block_size_a_buffer_of_that_gemm_takes():
         memory_report(shape, 2, gemm="tensor_cores", **sizes)
 
 
+def test_a_host_held_delay_counts_from_the_start_of_the_launch():
+    """The held delay runs from launching() (before a graph's launch is enqueued), not from launched() (after it):
+    with a 100 ms delay and launched() 80 ms after launching(), the word is still held at 90 ms and released by
+    130 ms (from launched() it would be 180 ms); never before the deadline."""
+    import time
+    from types import SimpleNamespace
+
+    from streamring.moe import instrument as I
+
+    inst = I.Instrument(SimpleNamespace(dev="cpu"))
+    inst.hold = torch.ones(1, dtype=torch.int64)
+    inst.set_delay(100_000_000)
+    t0 = time.perf_counter()
+    inst.launching()
+    time.sleep(0.08)
+    inst.launched()
+    while time.perf_counter() - t0 < 0.09:
+        time.sleep(0.001)
+    assert int(inst.hold[0]) == 0, "released before its delay"
+    while int(inst.hold[0]) == 0 and time.perf_counter() - t0 < 0.5:
+        time.sleep(0.0005)
+    waited = time.perf_counter() - t0
+    assert 0.099 <= waited <= 0.13, f"released {waited * 1e3:.1f} ms after launching(), want 100 (from launched(): 180)"
+
+
 def test_a_host_held_producer_delay_is_released_after_the_launch_and_never_left_held(monkeypatch):
     """Instrument's host-held delay (bench.ep_layer --delay-by host): set_delay(ns > 0) holds the word (0), each
     rearm holds it again, launched() releases it ns later; with no launch reported the fallback releases it
