@@ -87,6 +87,11 @@ from streamring.moe.tuning import EPTuning
 from streamring.moe.weight_views import FP8BlocksView
 from streamring.moe.weights import MoEWeights
 
+
+#: --high-priority-puts -> EPTuning.high_priority_puts
+PUTS_PRIORITY = {"auto": None, "on": True, "off": False}
+
+
 def megamoe_shape(block_m: int, num_experts: int = 256) -> MoEShape:
     # DeepGEMM's SM90 Mega MoE benchmark shape (hidden 4096, 256 experts, top-6); intermediate 2048
     groups = max(1, 8 * num_experts // 256)
@@ -607,7 +612,8 @@ def bench_tokens(heap, T, shape, full, base, args, rows, timelines, budget, save
                 slots = C if order == "arrival" else min(args.slots, C)  # arrival: a slot per chunk
                 cfg = {"chunks": C, "chunk_tokens": chunk, "policy": pol, "num_slots": slots,
                        "chunk_gemm_ctas": ctas, "source_order": order, "consumer": cons, "reserved_sms": k,
-                       "dispatch_beside_grid": args.dispatch_beside_grid, "seal_by_expert": args.seal_by_expert}
+                       "dispatch_beside_grid": args.dispatch_beside_grid, "seal_by_expert": args.seal_by_expert,
+                       "high_priority_puts": PUTS_PRIORITY[args.high_priority_puts]}
                 buf = None
                 try:
                     tuning = EPTuning(block_m=args.block_m, policy=pol if plan else "spin_kernel", source_order=order,
@@ -617,7 +623,8 @@ def bench_tokens(heap, T, shape, full, base, args, rows, timelines, budget, save
                                       **({} if wv is None else {"streamed_grid_waves": wv}),
                                       **({} if gmt is None else {"group_max_tokens": gmt}),
                                       dispatch_beside_grid=args.dispatch_beside_grid,
-                                      seal_by_expert=args.seal_by_expert)
+                                      seal_by_expert=args.seal_by_expert,
+                                      high_priority_puts=PUTS_PRIORITY[args.high_priority_puts])
                     buf = EPBuffer(heap, shape, max_tokens_per_rank=T, num_slots=slots, tokens_per_slot=chunk,
                                    gemm=gemm, deadline_s=args.deadline_s, tuning=tuning, name="bench")
                     cfg["block_m"] = buf.block_m  # what the buffer runs (with --block-m default: its own rule)
@@ -962,6 +969,9 @@ def main(argv=None) -> int:
                          "out expert by expert; rows record seal_by_expert)")
     ap.add_argument("--seal-by-expert", action="store_true", dest="seal_by_expert", default=True,
                     help="the default (EPTuning(seal_by_expert=True)); kept so that recorded commands run")
+    ap.add_argument("--high-priority-puts", choices=tuple(PUTS_PRIORITY), default="auto",
+                    help="every plan with EPTuning(high_priority_puts=...): on / off, or auto (the default: off with a "
+                         "persistent-grid GEMM backend, on with Triton); rows record high_priority_puts")
     ap.add_argument("--kernel-trace", action="store_true",
                     help="the stamped timelines also get every kernel of one replay as the profiler saw it "
                          "(bench.kernel_trace; python -m bench.kernel_trace TIMELINES.json prints them)")

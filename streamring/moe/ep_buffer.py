@@ -34,6 +34,7 @@ from typing import Callable, Optional
 
 import torch
 
+from ..device import kernels as DK
 from ..device.graph_priority import prioritize_nodes
 from ..ring import progress as PG
 from ..device.ringdesc import describe_status
@@ -169,7 +170,9 @@ class EPBuffer:
                             entries=entries, owner_rows=p2p and CAPABILITIES[choice.impl].owner_rows,
                             persistent=tu.consumer == "persistent", tuning=tu,
                             on_gpu=torch.device(heap.device).type == "cuda")
-        progress = PG.make(tu.policy, heap.device, producer_sms=tu.producer_sms)
+        puts_high = tu.puts_at_high_priority(persistent_grid=CAPABILITIES[choice.impl].persistent_grid)
+        progress = PG.make(tu.policy, heap.device, producer_sms=tu.producer_sms,
+                           default_priority_roles=("g",) if puts_high else ("g", "u"))
         self.pipeline = Pipeline(heap=heap, paths=paths, progress=progress, producer=producer, dispatch=dispatch,
                                  experts=experts, combine=combine, tuning=tu, deadline_s=self.deadline_s)
 
@@ -466,14 +469,16 @@ class EPBuffer:
         buffer's streamed forwards in it, not yet instantiated) but this buffer's expert GEMMs the high launch
         priority of its producer and dispatch streams: a captured node does not keep its stream's priority, and
         without it the next source's dispatch, a late PE's producer and the result puts wait behind the GEMMs'
-        pending CTAs. The caller's own kernels in the graph (attention, ...) get it too, so a consumer launched
+        pending CTAs. The result puts stay at the default where their stream does (``EPTuning.high_priority_puts``). The caller's own kernels in the graph (attention, ...) get it too, so a consumer launched
         ahead (:meth:`launch_consumer`) computes in the SMs they leave. Returns a one-line report."""
         p = self.pipeline.progress.stream("p")
         if p is None:
             return "no priorities: the serialized policy runs one stream"
         ex = self.pipeline.experts
-        return prioritize_nodes(graph, {int(k.function) for k in ex.bc.gemm_kernels}, p.priority,
-                                CAPABILITIES[self.gemm].kernel_names)
+        low_names = CAPABILITIES[self.gemm].kernel_names
+        if not self.tuning.puts_at_high_priority(persistent_grid=CAPABILITIES[self.gemm].persistent_grid):
+            low_names = (*low_names, DK.ep_put_rows.__name__)  # their stream's priority (EPTuning.high_priority_puts)
+        return prioritize_nodes(graph, {int(k.function) for k in ex.bc.gemm_kernels}, p.priority, low_names)
 
     def replay(self, graph, *, host_deadline_s: Optional[float] = None) -> dict:
         """Replay ``graph`` (from :meth:`capture`) on the current stream, wait for it, return :meth:`status`;

@@ -97,6 +97,15 @@ class EPTuning(BaseModel):
             block after every full block of the range, a second pass over the weights at the end of the call
             (``bench.ep_layer --seal-after-full-blocks``). Outputs are the same bits either way: only the order of
             the blocks in the call's range changes.
+        high_priority_puts: whether the result puts (``ep_put_rows``, stream ``u``) run at the high priority of
+            the producer and the dispatch where the policy raises them (``spin_kernel``). ``None`` (the default):
+            high with a GEMM backend that launches a CTA per tile (Triton), whose next call's CTAs the puts then
+            precede; the default priority with one whose own grid is persistent (CUTLASS, DeepGEMM:
+            ``gemm.backends.Capabilities.persistent_grid``), where no CTA of a running call leaves an SM to them
+            anyway and the kernels they meet are the next dispatch step's: a put's CTAs then leave the dispatch's
+            CTAs the SMs they free, so a late source's dispatch after a call is not slowed by that call's puts
+            (kernel traces: docs/performance.md). Only scheduling changes: the puts' stores and release ADDs are
+            the same, so outputs are the same bits.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -114,6 +123,12 @@ class EPTuning(BaseModel):
     streamed_grid_waves: int = Field(1, ge=1, le=16)
     dispatch_beside_grid: bool = False
     seal_by_expert: bool = True
+    high_priority_puts: Optional[bool] = None
+
+    def puts_at_high_priority(self, *, persistent_grid: bool) -> bool:
+        """Whether the result puts run at the high priority (:attr:`high_priority_puts`; ``None``: unless the GEMM
+        backend's own grid is persistent, ``persistent_grid``)."""
+        return not persistent_grid if self.high_priority_puts is None else self.high_priority_puts
 
     def groups_sources(self, ranks: int, rows: int, *, persistent_grid: bool) -> bool:
         """Whether a streamed forward of ``rows`` rows per PE on ``ranks`` PEs groups the sources that are ready

@@ -8,8 +8,9 @@ shared stream, streams of their ``own``, or two ``green`` contexts) and how its 
 * ``one`` (:class:`Progress` itself): no stream of its own; everything runs on the caller's stream, chunk by chunk,
   each wait after the publish it waits for (the correctness fallback);
 * ``own`` (:class:`OwnStreams`): a stream per role, this process's own (:class:`~streamring.device.streams.OwnStream`).
-  With a ``spin`` wait (one-thread kernels with a deadline) every role but the GEMMs runs at the high priority, so
-  the producer's, the dispatch's and the puts' CTAs are scheduled before the next pending CTA of a big GEMM grid;
+  With a ``spin`` wait (one-thread kernels with a deadline) every role but the GEMMs (and those the caller names:
+  ``make(default_priority_roles=)``) runs at the high priority, so the producer's, the dispatch's and the puts' CTAs
+  are scheduled before the next pending CTA of a big GEMM grid;
   with a ``doorbell`` wait (``cuStreamWaitValue64``: no SM held, no deadline either) every stream keeps the
   default priority, so nothing depends on a blocked stream being scheduled first;
 * ``green`` (:class:`GreenCtx`): the producer in one green context and every consumer role in a disjoint one
@@ -42,7 +43,7 @@ class Progress:
     class is the ``one`` kind: every role on the caller's stream."""
 
     def __init__(self, desc: Description, device, *, roles: tuple = ROLES, producer_sms: int = 16,
-                 priorities: bool = True):
+                 priorities: bool = True, default_priority_roles: tuple = ("g",)):
         #: the policy (``ring.policies.Progress``)
         self.policy = desc
         self.green = None
@@ -107,12 +108,12 @@ class OwnStreams(Progress):
     priority, whatever the policy's: the ring's self-test, whose timings predate them)."""
 
     def __init__(self, desc: Description, device, *, roles: tuple = ROLES, producer_sms: int = 16,
-                 priorities: bool = True):
+                 priorities: bool = True, default_priority_roles: tuple = ("g",)):
         from ..device.streams import OwnStream
 
         super().__init__(desc, device, roles=roles, producer_sms=producer_sms)
         for r in roles:
-            hi = priorities and high_priority(desc) and r != "g"
+            hi = priorities and high_priority(desc) and r not in default_priority_roles
             self._own.append(OwnStream(device, HIGH_PRIORITY if hi else 0))
             self._streams[r] = self._own[-1].torch
 
@@ -121,7 +122,7 @@ class GreenCtx(Progress):
     """The ``green`` kind: the producer's green context and the consumer's (every other role), disjoint SMs."""
 
     def __init__(self, desc: Description, device, *, roles: tuple = ROLES, producer_sms: int = 16,
-                 priorities: bool = True):
+                 priorities: bool = True, default_priority_roles: tuple = ("g",)):
         import torch
 
         from ..device.green import make_green_pair
@@ -157,8 +158,12 @@ class GreenCtx(Progress):
 KINDS = {"one": Progress, "own": OwnStreams, "green": GreenCtx}
 
 
-def make(name: str, device, *, roles: tuple = ROLES, producer_sms: int = 16, priorities: bool = True) -> Progress:
+def make(name: str, device, *, roles: tuple = ROLES, producer_sms: int = 16, priorities: bool = True,
+         default_priority_roles: tuple = ("g",)) -> Progress:
     """The streams of progress policy ``name`` (``ring.policies.progress``: ValueError naming the policies, and the
-    reason for a refused one) for ``roles`` on ``device``."""
+    reason for a refused one) for ``roles`` on ``device``; ``default_priority_roles`` keep the default priority where
+    the policy raises the others (the GEMMs always; the expert-parallel layer adds the result puts with a
+    persistent-grid GEMM backend: ``moe.tuning.EPTuning.high_priority_puts``)."""
     desc = describe(name)
-    return KINDS[desc.streams](desc, device, roles=roles, producer_sms=producer_sms, priorities=priorities)
+    return KINDS[desc.streams](desc, device, roles=roles, producer_sms=producer_sms, priorities=priorities,
+                               default_priority_roles=default_priority_roles)

@@ -307,6 +307,43 @@ def test_the_buffers_streams_are_never_the_callers(env):
         buf.close()
 
 
+@pytest.mark.parametrize("gemm", ["triton", "cutlass"])
+def test_the_result_puts_run_at_the_gemm_priority_beside_a_persistent_grid(env, gemm):
+    """spin_kernel raises the producer's and the dispatch's streams; the result puts' stream too with Triton, not
+    with a persistent-grid backend (CUTLASS, EPTuning.high_priority_puts None), where the puts would take the SMs a
+    call frees from the next dispatch step; high_priority_puts=True raises it there too. A captured streamed
+    forward leaves the puts' kernel nodes at the default priority where their stream is: more nodes left low."""
+    heap, shape, mw = env
+    if gemm == "cutlass":
+        from streamring.moe.ep_buffer import cutlass_unavailable_reason
+
+        why = cutlass_unavailable_reason()
+        if why:
+            pytest.skip(why)
+    x = random_x(shape, 320, 1, heap.device)
+    left_low = {}
+    for puts_high in (None, True):
+        buf = _buffer(heap, shape, gemm=gemm, max_tokens=320, tokens_per_slot=80, high_priority_puts=puts_high)
+        try:
+            pr = buf.pipeline.progress
+            high = {r: pr.stream(r).priority < 0 for r in ("p", "d", "g", "u")}
+            assert high == {"p": True, "d": True, "g": False, "u": gemm == "triton" or bool(puts_high)}, high
+            w = buf.prepare_weights(mw)
+            y = buf.forward(x, w, streaming=True)
+            g = buf.capture(x, w, torch.empty_like(y), streaming=True)
+            report = buf.node_priority_report
+            m = re.match(r"(\d+) kernel nodes set to priority -?\d+, (\d+) GEMM nodes left at the default", report)
+            assert m, report
+            left_low[puts_high] = int(m.group(2))
+            del g
+        finally:
+            buf.close()
+    if gemm == "cutlass":  # L2 into a local y, then each call's puts: left low by default, raised with True
+        assert left_low[None] > left_low[True], left_low
+    else:  # Triton stores L2 straight into the owners: no puts kernel, the same nodes either way
+        assert left_low[None] == left_low[True], left_low
+
+
 _PLAN_DROPPED_IN_A_CAPTURE = r"""
 import gc, sys
 import torch

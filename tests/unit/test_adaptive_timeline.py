@@ -216,6 +216,19 @@ def test_tuning_validation_names_fields():
     assert EPTuning(policy="stream_wait").policy == "stream_wait"
 
 
+def test_result_puts_keep_the_default_priority_beside_a_persistent_grid():
+    """EPTuning.high_priority_puts None: the puts at the high priority with Triton's CTA-per-tile grids, at the
+    default with a persistent-grid backend (CUTLASS, DeepGEMM); an explicit value decides either way."""
+    from streamring.gemm.backends import CAPABILITIES
+    from streamring.moe.tuning import EPTuning
+
+    rule = {g: EPTuning().puts_at_high_priority(persistent_grid=CAPABILITIES[g].persistent_grid)
+            for g in ("triton", "cutlass", "deep_gemm") if g in CAPABILITIES}
+    assert rule["triton"] and not rule["cutlass"], rule
+    assert all(EPTuning(high_priority_puts=True).puts_at_high_priority(persistent_grid=p) for p in (False, True))
+    assert not any(EPTuning(high_priority_puts=False).puts_at_high_priority(persistent_grid=p) for p in (False, True))
+
+
 def test_priority_streams_follow_the_policy():
     """High-priority producer and dispatch streams with spin_kernel only: a consumer blocked in
     cuStreamWaitValue64 (stream_wait) has no deadline, so nothing may depend on its stream going first; only
