@@ -469,7 +469,8 @@ class EPBuffer:
         buffer's streamed forwards in it, not yet instantiated) but this buffer's expert GEMMs the high launch
         priority of its producer and dispatch streams: a captured node does not keep its stream's priority, and
         without it the next source's dispatch, a late PE's producer and the result puts wait behind the GEMMs'
-        pending CTAs. The result puts stay at the default where their stream does (``EPTuning.high_priority_puts``). The caller's own kernels in the graph (attention, ...) get it too, so a consumer launched
+        pending CTAs. The result puts stay at the default where their stream does (``EPTuning.high_priority_puts``).
+        The caller's own kernels in the graph (attention, ...) get the high priority too, so a consumer launched
         ahead (:meth:`launch_consumer`) computes in the SMs they leave. Returns a one-line report."""
         p = self.pipeline.progress.stream("p")
         if p is None:

@@ -59,7 +59,8 @@ class Progress:
 
     @property
     def high_priority(self) -> bool:
-        """The roles but the GEMMs run at the high priority (their kernels' graph nodes get it too)."""
+        """The roles but the GEMMs (and those the caller kept at the default: ``make(default_priority_roles=)``) run
+        at the high priority (their kernels' graph nodes get it too)."""
         return high_priority(self.policy)
 
     @property
@@ -162,8 +163,8 @@ def make(name: str, device, *, roles: tuple = ROLES, producer_sms: int = 16, pri
          default_priority_roles: tuple = ("g",)) -> Progress:
     """The streams of progress policy ``name`` (``ring.policies.progress``: ValueError naming the policies, and the
     reason for a refused one) for ``roles`` on ``device``; ``default_priority_roles`` keep the default priority where
-    the policy raises the others (the GEMMs always; the expert-parallel layer adds the result puts with a
-    persistent-grid GEMM backend: ``moe.tuning.EPTuning.high_priority_puts``)."""
+    the policy raises the others (the GEMMs always; a caller may add others, e.g. result puts that would otherwise
+    take the SMs a GEMM call frees from the next dispatch)."""
     desc = describe(name)
     return KINDS[desc.streams](desc, device, roles=roles, producer_sms=producer_sms, priorities=priorities,
                                default_priority_roles=default_priority_roles)
