@@ -7,8 +7,30 @@ launches one kernel on the current torch stream and returns at once, so a forwar
 
 from __future__ import annotations
 
+import functools
+
+import torch
 import triton
 import triton.language as tl
+
+#: looping programs per SM of the dispatch's copy kernels (4 warps each: 16 fill an SM's 2,048 threads)
+COPY_PROGRAMS_PER_SM = 16
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count  # an MPS client: its share
+
+
+def copy_programs(device: torch.device) -> int:
+    """Programs of the dispatch's stage and place kernels on ``device``: ``COPY_PROGRAMS_PER_SM`` per SM the
+    process sees (the CPU interpreter: as if one SM). A fixed count, looping over the rows, because a launch of
+    one program per row a step could take costs a program per row even where the step took none (a grouped
+    ready step after the one that took every source), and beside a GEMM grid that holds most SMs those empty
+    programs run, one SM's worth at a time, for milliseconds."""
+    if device.type != "cuda":
+        return COPY_PROGRAMS_PER_SM
+    return COPY_PROGRAMS_PER_SM * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -85,81 +107,103 @@ def ep_gather(ring_i64, ring_f32, delta_i64, delta_f32, src_list, valid_tab, chu
                             ROW_BYTES=hidden + 4 * (hidden // 128), COUNT=count, num_warps=4)
 
 
-@triton.jit(do_not_specialize=["off_x", "off_sf"])
+@triton.jit(do_not_specialize=["off_x", "off_sf", "n"])
 def _ep_stage_rows_kernel(flat_e_ptr, src_list_ptr, ring_u8_ptr, ring_f32_ptr, delta_u8_ptr, delta_f32_ptr, off_x,
-                          off_sf, stage_x_ptr, stage_sf_ptr, C: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
+                          off_sf, stage_x_ptr, stage_sf_ptr, n, C: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
                           H: tl.constexpr, SFC: tl.constexpr, SFCP: tl.constexpr, E_LOC: tl.constexpr,
                           BH: tl.constexpr):
-    # one program per (source j, token): pull the token's row and scales ONCE if any of its K routes is
-    # to one of my experts, into stage row j * C + token (the expansion into the blocks reads it there)
-    q = tl.program_id(0)
-    k = tl.arange(0, KP)
-    e = tl.load(flat_e_ptr + q * K + k, mask=k < K, other=E_LOC)
-    if tl.min(e, axis=0) < E_LOC:
-        j = q // C
-        tok = (q % C).to(tl.int64)
-        src = tl.load(src_list_ptr + j)
-        xs = ring_u8_ptr + tl.load(delta_u8_ptr + src) + off_x + tok * H
-        q64 = q.to(tl.int64)
+    # a fixed number of programs, each looping over the (source j, token) places q = pid, pid + P, ..: pull the
+    # token's row and scales ONCE if any of its K routes is to one of my experts, into stage row j * C + token (the
+    # expansion into the blocks reads it there). A step that took no source (its list starts with -1: the list is
+    # -1 padded at its end) returns at once: its programs are few, so beside a capped GEMM grid it costs a few
+    # microseconds on the SMs the grid leaves, not a program per place.
+    if tl.load(src_list_ptr) >= 0:
+        P = tl.num_programs(0)
+        k = tl.arange(0, KP)
         hh = tl.arange(0, BH)
-        for h0 in range(0, H, BH):
-            tl.store(stage_x_ptr + q64 * H + h0 + hh, tl.load(xs + h0 + hh))
         ss = tl.arange(0, SFCP)
-        sfs = ring_f32_ptr + tl.load(delta_f32_ptr + src) + off_sf + tok * SFC
-        tl.store(stage_sf_ptr + q64 * SFC + ss, tl.load(sfs + ss, mask=ss < SFC), mask=ss < SFC)
+        for q in range(tl.program_id(0), n, P):
+            e = tl.load(flat_e_ptr + q * K + k, mask=k < K, other=E_LOC)
+            if tl.min(e, axis=0) < E_LOC:
+                q64 = tl.cast(q, tl.int64)
+                j = q // C
+                tok = q64 % C
+                src = tl.load(src_list_ptr + j)
+                xs = ring_u8_ptr + tl.load(delta_u8_ptr + src) + off_x + tok * H
+                for h0 in range(0, H, BH):
+                    tl.store(stage_x_ptr + q64 * H + h0 + hh, tl.load(xs + h0 + hh))
+                sfs = ring_f32_ptr + tl.load(delta_f32_ptr + src) + off_sf + tok * SFC
+                tl.store(stage_sf_ptr + q64 * SFC + ss, tl.load(sfs + ss, mask=ss < SFC), mask=ss < SFC)
 
 
 def ep_stage_rows(flat_e, src_list, ring_u8, ring_f32, delta_u8, delta_f32, off_x: int, off_sf: int, stage_x,
-                  stage_sf, *, tokens_per_slot: int, topk: int, hidden: int, local_experts: int) -> None:
+                  stage_sf, *, tokens_per_slot: int, topk: int, hidden: int, local_experts: int,
+                  programs: int | None = None) -> None:
     """The per-token pull: copy each token of the sources in ``src_list`` that has any route to a local
     expert (``flat_e`` as from :func:`ep_gather`) once from its source's slot (``x`` row, ``x_sf``
     scales) into ``stage_x[j * C + token]`` (uint8 ``[n_src * C, H]``) / ``stage_sf`` (float32
     ``[n_src * C, H/128]``). After it (stream order) nothing reads the slot; :func:`ep_place_rows` with
-    ``staged=(stage_x, stage_sf)`` expands the rows into the expert blocks."""
+    ``staged=(stage_x, stage_sf)`` expands the rows into the expert blocks. ``programs``: how many
+    looping programs (default :func:`copy_programs`)."""
     n = src_list.shape[0] * tokens_per_slot
     if n == 0:
         return
     sfc = hidden // 128
-    _ep_stage_rows_kernel[(n,)](flat_e, src_list, ring_u8, ring_f32, delta_u8, delta_f32, off_x, off_sf, stage_x,
-                                stage_sf, C=tokens_per_slot, K=topk, KP=triton.next_power_of_2(topk), H=hidden,
+    grid = (min(n, programs or copy_programs(flat_e.device)),)
+    _ep_stage_rows_kernel[grid](flat_e, src_list, ring_u8, ring_f32, delta_u8, delta_f32, off_x, off_sf, stage_x,
+                                stage_sf, n, C=tokens_per_slot, K=topk, KP=triton.next_power_of_2(topk), H=hidden,
                                 SFC=sfc, SFCP=triton.next_power_of_2(sfc), E_LOC=local_experts,
                                 BH=1024 if hidden % 1024 == 0 else 128, num_warps=4)
 
 
 @triton.jit
-def _bucket_sort_kernel(keys_ptr, n, sorted_ptr, order_ptr, counts_ptr, cstart_ptr, BLOCK: tl.constexpr):
+def _bucket_sort_kernel(keys_ptr, n, sorted_ptr, order_ptr, counts_ptr, cstart_ptr, src_list_ptr, BLOCK: tl.constexpr,
+                        GATED: tl.constexpr):
     # one program per bucket b: its start is the number of keys below b, and its entries follow in index
-    # order (a stable counting sort: the order a stable sort of the keys gives); its count is where they end
+    # order (a stable counting sort: the order a stable sort of the keys gives); its count is where they end.
+    # GATED: a step that took no source (src_list[0] == -1) has no key below the last bucket; its counts and
+    # starts are 0 without reading the keys
     b = tl.program_id(0)
     below = tl.sum(tl.zeros([BLOCK], dtype=tl.int32), axis=0)
-    for s in range(0, n, BLOCK):
-        offs = s + tl.arange(0, BLOCK)
-        k = tl.load(keys_ptr + offs, mask=offs < n, other=2147483647)
-        below += tl.sum((k < b).to(tl.int32), axis=0)
-    tl.store(cstart_ptr + b, below)
     pos = below
-    for s in range(0, n, BLOCK):
-        offs = s + tl.arange(0, BLOCK)
-        k = tl.load(keys_ptr + offs, mask=offs < n, other=2147483647)
-        m = (k == b) & (offs < n)
-        dst = pos + tl.cumsum(m.to(tl.int32), axis=0) - 1
-        tl.store(order_ptr + dst, offs.to(tl.int64), mask=m)
-        tl.store(sorted_ptr + dst, tl.zeros([BLOCK], dtype=tl.int32) + b, mask=m)
-        pos += tl.sum(m.to(tl.int32), axis=0)
+    took = True
+    if GATED:
+        took = tl.load(src_list_ptr) >= 0
+    if took:
+        for s in range(0, n, BLOCK):
+            offs = s + tl.arange(0, BLOCK)
+            k = tl.load(keys_ptr + offs, mask=offs < n, other=2147483647)
+            below += tl.sum((k < b).to(tl.int32), axis=0)
+        pos = below
+        for s in range(0, n, BLOCK):
+            offs = s + tl.arange(0, BLOCK)
+            k = tl.load(keys_ptr + offs, mask=offs < n, other=2147483647)
+            m = (k == b) & (offs < n)
+            dst = pos + tl.cumsum(m.to(tl.int32), axis=0) - 1
+            tl.store(order_ptr + dst, offs.to(tl.int64), mask=m)
+            tl.store(sorted_ptr + dst, tl.zeros([BLOCK], dtype=tl.int32) + b, mask=m)
+            pos += tl.sum(m.to(tl.int32), axis=0)
+    tl.store(cstart_ptr + b, below)
     tl.store(counts_ptr + b, pos - below)
 
 
-def bucket_sort(keys, num_buckets: int, sorted_out, order_out, counts_out, cstart_out, *, block: int = 4096) -> None:
+def bucket_sort(keys, num_buckets: int, sorted_out, order_out, counts_out, cstart_out, *, block: int = 4096,
+                src_list=None) -> None:
     """A stable sort of int32 ``keys`` (each in ``[0, num_buckets)``) by counting, in one kernel:
     ``sorted_out`` (int32) and ``order_out`` (int64) are what ``torch.sort(keys, stable=True)`` returns,
     ``counts_out[b]`` / ``cstart_out[b]`` (int32, ``num_buckets``) the keys equal to / below ``b``.
+
+    ``src_list`` (the dispatch step's -1 padded source list, optional): where its first place is -1 (a step
+    that took no source, so every key is the last bucket's) the counts and starts are 0 and nothing is sorted
+    (decided on the device; ``sorted_out`` / ``order_out`` are not written and nothing may read them).
 
     It replaces the radix sort, histogram and scan of a dispatch with one small program per bucket: in a
     captured graph, torch's radix sort and scan wait for an expert GEMM grid running on another stream to
     drain, whatever their priority, where small Triton kernels start beside it (``bench.sm_sharing``)."""
     n = keys.numel()
-    _bucket_sort_kernel[(num_buckets,)](keys, n, sorted_out, order_out, counts_out, cstart_out, BLOCK=block,
-                                        num_warps=8)
+    gated = src_list is not None
+    _bucket_sort_kernel[(num_buckets,)](keys, n, sorted_out, order_out, counts_out, cstart_out,
+                                        src_list if gated else keys, BLOCK=block, GATED=gated, num_warps=8)
 
 
 @triton.jit(do_not_specialize=["chunk", "off_x", "off_sf"])
@@ -169,9 +213,14 @@ def _ep_place_rows_kernel(sorted_e_ptr, order_ptr, counts_ptr, cstart_ptr, state
                           K: tl.constexpr, H: tl.constexpr, SFC: tl.constexpr, SFCP: tl.constexpr,
                           E_LOC: tl.constexpr, BM: tl.constexpr, MAXB: tl.constexpr, BH: tl.constexpr,
                           STAGED: tl.constexpr):
-    i = tl.program_id(0)
-    e = tl.load(sorted_e_ptr + i).to(tl.int32)
-    if e < E_LOC:  # routes of other PEs sort last (e == E_LOC) and are skipped
+    # a fixed number of programs, each looping over sorted routes i = pid, pid + P, .. below the routes' count to
+    # my experts (cstart[E_LOC]: routes of other PEs sort last, e == E_LOC, and are never visited): a step that took
+    # no source (count 0) costs one load per program, not a program per route it could have taken
+    P = tl.num_programs(0)
+    hh = tl.arange(0, BH)
+    ss = tl.arange(0, SFCP)
+    for i in range(tl.program_id(0), tl.load(cstart_ptr + E_LOC), P):
+        e = tl.load(sorted_e_ptr + i).to(tl.int32)
         f = tl.load(order_ptr + i).to(tl.int32)
         j = f // (C * K)
         r = f % (C * K)
@@ -191,10 +240,8 @@ def _ep_place_rows_kernel(sorted_e_ptr, order_ptr, counts_ptr, cstart_ptr, state
         else:  # straight out of the source's slot
             xs = ring_u8_ptr + tl.load(delta_u8_ptr + src) + off_x + tok64 * H
             sfs = ring_f32_ptr + tl.load(delta_f32_ptr + src) + off_sf + tok64 * SFC
-        hh = tl.arange(0, BH)
         for h0 in range(0, H, BH):
             tl.store(a_ptr + row * H + h0 + hh, tl.load(xs + h0 + hh))
-        ss = tl.arange(0, SFCP)
         tl.store(asf_ptr + row * SFC + ss, tl.load(sfs + ss, mask=ss < SFC), mask=ss < SFC)
         tl.store(roww_ptr + row, tl.load(flat_w_ptr + f))
         tl.store(row_src_ptr + row, src)
@@ -205,13 +252,15 @@ def _ep_place_rows_kernel(sorted_e_ptr, order_ptr, counts_ptr, cstart_ptr, state
 def ep_place_rows(sorted_e, order, counts, cstart, state, expert_blocks, src_list, ring_u8, ring_f32, delta_u8,
                   delta_f32, off_x: int, off_sf: int, flat_w, a_u8, asf, roww, row_src, row_tok, row_chunk,
                   chunk: int, *, tokens_per_slot: int, topk: int, hidden: int, local_experts: int,
-                  block_m: int, staged=None) -> None:
+                  block_m: int, staged=None, programs: int | None = None) -> None:
     """The dispatch copy: each route of ``chunk`` to a local expert (sorted by expert, stable) goes
     from its source's slot (``x`` row and its ``x_sf`` scales) into its expert block row, with the
     routing weight and where its result must go (``row_src``: owner PE, ``row_tok``: owner's
     combine row ``token * K + k``, ``row_chunk``). ``off_x`` is a byte offset, ``off_sf`` an
     element offset of the slot in the ring. ``staged=(stage_x, stage_sf)``: read each route's row from
-    the stage rows :func:`ep_stage_rows` filled instead of the slot (the ring arguments are unused)."""
+    the stage rows :func:`ep_stage_rows` filled instead of the slot (the ring arguments are unused).
+    The routes to local experts are the first ``cstart[local_experts]`` sorted entries (read on the device);
+    ``programs``: how many looping programs copy them (default :func:`copy_programs`)."""
     n = sorted_e.shape[0]
     if n == 0:
         return
@@ -219,7 +268,8 @@ def ep_place_rows(sorted_e, order, counts, cstart, state, expert_blocks, src_lis
     bh = 1024 if hidden % 1024 == 0 else 128
     if staged is not None:
         ring_u8, ring_f32 = staged
-    _ep_place_rows_kernel[(n,)](sorted_e, order, counts, cstart, state, expert_blocks, src_list, ring_u8, ring_f32,
+    grid = (min(n, programs or copy_programs(sorted_e.device)),)
+    _ep_place_rows_kernel[grid](sorted_e, order, counts, cstart, state, expert_blocks, src_list, ring_u8, ring_f32,
                                 delta_u8, delta_f32, off_x, off_sf, flat_w, a_u8, asf, roww, row_src, row_tok,
                                 row_chunk, chunk, C=tokens_per_slot, K=topk, H=hidden, SFC=sfc,
                                 SFCP=triton.next_power_of_2(sfc), E_LOC=local_experts, BM=block_m,

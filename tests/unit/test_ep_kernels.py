@@ -244,6 +244,53 @@ def test_a_seal_with_a_source_pending_makes_nothing_ready():
     assert int(bc.ready_hi[4]) == 3, "a second seal made the partial blocks ready again"
 
 
+class _GridRecorder:
+    """Wraps a jitted kernel: records the grid of every launch, then launches it."""
+
+    def __init__(self, kernel):
+        self.kernel, self.grids = kernel, []
+
+    def __getitem__(self, grid):
+        self.grids.append(tuple(grid))
+        return self.kernel[grid]
+
+
+@pytest.mark.parametrize("first_src", [-1, 1])
+def test_a_step_that_took_no_source_sorts_and_copies_nothing_on_few_programs(monkeypatch, first_src):
+    """A grouped ready step after the one that took every source (its list all -1) is decided on the device:
+    the sort reads no key (here stale keys of local experts, which a sort would count), nothing is allocated or
+    copied, and the copy kernels launch a fixed number of programs, not one per row the step could take (beside
+    a capped GEMM grid, 131,072 empty programs ran for milliseconds on the SMs it left). The same call with a
+    source in the list copies every stale key's route: the check can fail."""
+    shape = shape_()
+    C, E = 40, shape.num_experts
+    n = R * C * shape.topk
+    bc = B.BlockConsumer(shape, R * C, 2, 16, DEV, ep_entries=n)
+    bc.begin()
+    flat_e = torch.arange(n, dtype=torch.int32, device=DEV) % E  # every route to a local expert
+    flat_w = torch.ones(n, device=DEV)
+    src_list = torch.tensor([first_src, -1], dtype=torch.int32, device=DEV)
+    ring = torch.zeros(R * C * shape.hidden * 2, dtype=torch.uint8, device=DEV)
+    deltas = (torch.zeros(R, dtype=torch.int64, device=DEV), torch.zeros(R, dtype=torch.int64, device=DEV))
+    stage = _GridRecorder(K._ep_stage_rows_kernel)
+    place = _GridRecorder(K._ep_place_rows_kernel)
+    monkeypatch.setattr(K, "_ep_stage_rows_kernel", stage)
+    monkeypatch.setattr(K, "_ep_place_rows_kernel", place)
+    bc.dispatch_ep(0, flat_e, flat_w, src_list, (ring, ring.view(torch.float32)), deltas, (0, 0), step=0,
+                   pull="token")
+    programs = K.copy_programs(torch.device(DEV))
+    assert programs < R * C < n
+    assert stage.grids == [(programs,)] and place.grids == [(programs,)]
+    placed = int((bc.row_src >= 0).sum())
+    if first_src < 0:
+        assert int(bc.counts.sum()) == 0 and int(bc.cstart.sum()) == 0
+        assert placed == 0 and int(bc.state[:E].sum()) == 0, "a step that took no source dispatched rows"
+    else:
+        # every stale key counted and given a row (the -1 place's too: ep_gather writes "not mine" there)
+        assert int(bc.counts[:E].sum()) == n and int(bc.state[:E].sum()) == n
+        assert placed == C * shape.topk, "the source's routes were not all copied"
+
+
 def test_corrupt_routes_are_counted_and_never_indexed(setup):
     shape, fw, xs, _ = setup
     E = shape.num_experts
