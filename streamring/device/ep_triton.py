@@ -7,30 +7,18 @@ launches one kernel on the current torch stream and returns at once, so a forwar
 
 from __future__ import annotations
 
-import functools
-
-import torch
 import triton
 import triton.language as tl
 
-#: looping programs per SM of the dispatch's copy kernels (4 warps each: 16 fill an SM's 2,048 threads)
-COPY_PROGRAMS_PER_SM = 16
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count  # an MPS client: its share
-
-
-def copy_programs(device: torch.device) -> int:
-    """Programs of the dispatch's stage and place kernels on ``device``: ``COPY_PROGRAMS_PER_SM`` per SM the
-    process sees (the CPU interpreter: as if one SM). A fixed count, looping over the rows, because a launch of
-    one program per row a step could take costs a program per row even where the step took none (a grouped
-    ready step after the one that took every source), and beside a GEMM grid that holds most SMs those empty
-    programs run, one SM's worth at a time, for milliseconds."""
-    if device.type != "cuda":
-        return COPY_PROGRAMS_PER_SM
-    return COPY_PROGRAMS_PER_SM * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+def copy_programs(rows: int, rows_per_program: int) -> int:
+    """Programs of the dispatch's stage and place kernels for at most ``rows`` rows: one per ``rows_per_program``
+    rows. Each loops over rows pid, pid + programs, .. below the count the step has (read on the device). One
+    program per row is a launch per row a step could take, also where it took none (a grouped ready step after
+    the one that took every source); a program over many rows holds its SM longer before a higher-priority kernel
+    (the producer's, the result puts') gets it (``EPTuning.dispatch_rows_per_program``)."""
+    if rows_per_program < 1:
+        raise ValueError(f"rows_per_program must be >= 1, got {rows_per_program}")
+    return -(-rows // rows_per_program)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -112,11 +100,10 @@ def _ep_stage_rows_kernel(flat_e_ptr, src_list_ptr, ring_u8_ptr, ring_f32_ptr, d
                           off_sf, stage_x_ptr, stage_sf_ptr, n, C: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
                           H: tl.constexpr, SFC: tl.constexpr, SFCP: tl.constexpr, E_LOC: tl.constexpr,
                           BH: tl.constexpr):
-    # a fixed number of programs, each looping over the (source j, token) places q = pid, pid + P, ..: pull the
+    # P = copy_programs(n) programs, each looping over the (source j, token) places q = pid, pid + P, ..: pull the
     # token's row and scales ONCE if any of its K routes is to one of my experts, into stage row j * C + token (the
     # expansion into the blocks reads it there). A step that took no source (its list starts with -1: the list is
-    # -1 padded at its end) returns at once: its programs are few, so beside a capped GEMM grid it costs a few
-    # microseconds on the SMs the grid leaves, not a program per place.
+    # -1 padded at its end) returns at once.
     if tl.load(src_list_ptr) >= 0:
         P = tl.num_programs(0)
         k = tl.arange(0, KP)
@@ -138,18 +125,18 @@ def _ep_stage_rows_kernel(flat_e_ptr, src_list_ptr, ring_u8_ptr, ring_f32_ptr, d
 
 def ep_stage_rows(flat_e, src_list, ring_u8, ring_f32, delta_u8, delta_f32, off_x: int, off_sf: int, stage_x,
                   stage_sf, *, tokens_per_slot: int, topk: int, hidden: int, local_experts: int,
-                  programs: int | None = None) -> None:
+                  rows_per_program: int = 1) -> None:
     """The per-token pull: copy each token of the sources in ``src_list`` that has any route to a local
     expert (``flat_e`` as from :func:`ep_gather`) once from its source's slot (``x`` row, ``x_sf``
     scales) into ``stage_x[j * C + token]`` (uint8 ``[n_src * C, H]``) / ``stage_sf`` (float32
     ``[n_src * C, H/128]``). After it (stream order) nothing reads the slot; :func:`ep_place_rows` with
-    ``staged=(stage_x, stage_sf)`` expands the rows into the expert blocks. ``programs``: how many
-    looping programs (default :func:`copy_programs`)."""
+    ``staged=(stage_x, stage_sf)`` expands the rows into the expert blocks. ``rows_per_program``: rows
+    a program copies at most (:func:`copy_programs`)."""
     n = src_list.shape[0] * tokens_per_slot
     if n == 0:
         return
     sfc = hidden // 128
-    grid = (min(n, programs or copy_programs(flat_e.device)),)
+    grid = (copy_programs(n, rows_per_program),)
     _ep_stage_rows_kernel[grid](flat_e, src_list, ring_u8, ring_f32, delta_u8, delta_f32, off_x, off_sf, stage_x,
                                 stage_sf, n, C=tokens_per_slot, K=topk, KP=triton.next_power_of_2(topk), H=hidden,
                                 SFC=sfc, SFCP=triton.next_power_of_2(sfc), E_LOC=local_experts,
@@ -213,9 +200,9 @@ def _ep_place_rows_kernel(sorted_e_ptr, order_ptr, counts_ptr, cstart_ptr, state
                           K: tl.constexpr, H: tl.constexpr, SFC: tl.constexpr, SFCP: tl.constexpr,
                           E_LOC: tl.constexpr, BM: tl.constexpr, MAXB: tl.constexpr, BH: tl.constexpr,
                           STAGED: tl.constexpr):
-    # a fixed number of programs, each looping over sorted routes i = pid, pid + P, .. below the routes' count to
+    # P = copy_programs(n) programs, each looping over sorted routes i = pid, pid + P, .. below the routes' count to
     # my experts (cstart[E_LOC]: routes of other PEs sort last, e == E_LOC, and are never visited): a step that took
-    # no source (count 0) costs one load per program, not a program per route it could have taken
+    # no source (count 0) costs one load per program
     P = tl.num_programs(0)
     hh = tl.arange(0, BH)
     ss = tl.arange(0, SFCP)
@@ -252,7 +239,7 @@ def _ep_place_rows_kernel(sorted_e_ptr, order_ptr, counts_ptr, cstart_ptr, state
 def ep_place_rows(sorted_e, order, counts, cstart, state, expert_blocks, src_list, ring_u8, ring_f32, delta_u8,
                   delta_f32, off_x: int, off_sf: int, flat_w, a_u8, asf, roww, row_src, row_tok, row_chunk,
                   chunk: int, *, tokens_per_slot: int, topk: int, hidden: int, local_experts: int,
-                  block_m: int, staged=None, programs: int | None = None) -> None:
+                  block_m: int, staged=None, rows_per_program: int = 1) -> None:
     """The dispatch copy: each route of ``chunk`` to a local expert (sorted by expert, stable) goes
     from its source's slot (``x`` row and its ``x_sf`` scales) into its expert block row, with the
     routing weight and where its result must go (``row_src``: owner PE, ``row_tok``: owner's
@@ -260,7 +247,7 @@ def ep_place_rows(sorted_e, order, counts, cstart, state, expert_blocks, src_lis
     element offset of the slot in the ring. ``staged=(stage_x, stage_sf)``: read each route's row from
     the stage rows :func:`ep_stage_rows` filled instead of the slot (the ring arguments are unused).
     The routes to local experts are the first ``cstart[local_experts]`` sorted entries (read on the device);
-    ``programs``: how many looping programs copy them (default :func:`copy_programs`)."""
+    ``rows_per_program``: rows a program copies at most (:func:`copy_programs`)."""
     n = sorted_e.shape[0]
     if n == 0:
         return
@@ -268,7 +255,7 @@ def ep_place_rows(sorted_e, order, counts, cstart, state, expert_blocks, src_lis
     bh = 1024 if hidden % 1024 == 0 else 128
     if staged is not None:
         ring_u8, ring_f32 = staged
-    grid = (min(n, programs or copy_programs(sorted_e.device)),)
+    grid = (copy_programs(n, rows_per_program),)
     _ep_place_rows_kernel[grid](sorted_e, order, counts, cstart, state, expert_blocks, src_list, ring_u8, ring_f32,
                                 delta_u8, delta_f32, off_x, off_sf, flat_w, a_u8, asf, roww, row_src, row_tok,
                                 row_chunk, chunk, C=tokens_per_slot, K=topk, H=hidden, SFC=sfc,

@@ -119,7 +119,8 @@ def run_ep(shape, fw, xs, chunk, corrupt=None, per_source=False, grouped=None, p
                             assert (p.flat_e[place * per:(place + 1) * per] == p.E_loc).all(), \
                                 f"a -1 place of step {step} gathered routes"
                 p.bc.dispatch_ep(c, p.flat_e[:n], p.flat_w[:n], srcs, (p.ring, p.ring.view(torch.float32)),
-                                 (delta, delta // 4), (L.x_off(c), L.x_sf_off(c) // 4), step=step, pull=pull)
+                                 (delta, delta // 4), (L.x_off(c), L.x_sf_off(c) // 4), step=step, pull=pull,
+                                 rows_per_program=3)
                 if grouped is not None:
                     for src in grouped[j]:
                         if src >= 0:
@@ -258,12 +259,12 @@ class _GridRecorder:
 @pytest.mark.parametrize("first_src", [-1, 1])
 def test_a_step_that_took_no_source_sorts_and_copies_nothing_on_few_programs(monkeypatch, first_src):
     """A grouped ready step after the one that took every source (its list all -1) is decided on the device:
-    the sort reads no key (here stale keys of local experts, which a sort would count), nothing is allocated or
-    copied, and the copy kernels launch a fixed number of programs, not one per row the step could take (beside
-    a capped GEMM grid, 131,072 empty programs ran for milliseconds on the SMs it left). The same call with a
-    source in the list copies every stale key's route: the check can fail."""
+    the sort reads no key (here stale keys of local experts, which a sort would count) and nothing is allocated or
+    copied. The copy kernels launch a program per ``rows_per_program`` rows, each looping over its rows (here 8,
+    and a count of rows that no program's share divides). The same call with a source in the list copies every
+    stale key's route: the check can fail."""
     shape = shape_()
-    C, E = 40, shape.num_experts
+    C, E = 45, shape.num_experts
     n = R * C * shape.topk
     bc = B.BlockConsumer(shape, R * C, 2, 16, DEV, ep_entries=n)
     bc.begin()
@@ -276,11 +277,11 @@ def test_a_step_that_took_no_source_sorts_and_copies_nothing_on_few_programs(mon
     place = _GridRecorder(K._ep_place_rows_kernel)
     monkeypatch.setattr(K, "_ep_stage_rows_kernel", stage)
     monkeypatch.setattr(K, "_ep_place_rows_kernel", place)
+    rpp = 8
     bc.dispatch_ep(0, flat_e, flat_w, src_list, (ring, ring.view(torch.float32)), deltas, (0, 0), step=0,
-                   pull="token")
-    programs = K.copy_programs(torch.device(DEV))
-    assert programs < R * C < n
-    assert stage.grids == [(programs,)] and place.grids == [(programs,)]
+                   pull="token", rows_per_program=rpp)
+    assert R * C % rpp and n % rpp  # a last program with fewer rows than the others
+    assert stage.grids == [(-(-R * C // rpp),)] and place.grids == [(-(-n // rpp),)]
     placed = int((bc.row_src >= 0).sum())
     if first_src < 0:
         assert int(bc.counts.sum()) == 0 and int(bc.cstart.sum()) == 0
