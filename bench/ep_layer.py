@@ -613,8 +613,7 @@ def bench_tokens(heap, T, shape, full, base, args, rows, timelines, budget, save
                 cfg = {"chunks": C, "chunk_tokens": chunk, "policy": pol, "num_slots": slots,
                        "chunk_gemm_ctas": ctas, "source_order": order, "consumer": cons, "reserved_sms": k,
                        "dispatch_beside_grid": args.dispatch_beside_grid, "seal_by_expert": args.seal_by_expert,
-                       "high_priority_puts": PUTS_PRIORITY[args.high_priority_puts],
-                       "dispatch_rows_per_program": args.dispatch_rows_per_program}
+                       "high_priority_puts": PUTS_PRIORITY[args.high_priority_puts]}
                 buf = None
                 try:
                     tuning = EPTuning(block_m=args.block_m, policy=pol if plan else "spin_kernel", source_order=order,
@@ -625,8 +624,7 @@ def bench_tokens(heap, T, shape, full, base, args, rows, timelines, budget, save
                                       **({} if gmt is None else {"group_max_tokens": gmt}),
                                       dispatch_beside_grid=args.dispatch_beside_grid,
                                       seal_by_expert=args.seal_by_expert,
-                                      high_priority_puts=PUTS_PRIORITY[args.high_priority_puts],
-                                      dispatch_rows_per_program=args.dispatch_rows_per_program)
+                                      high_priority_puts=PUTS_PRIORITY[args.high_priority_puts])
                     buf = EPBuffer(heap, shape, max_tokens_per_rank=T, num_slots=slots, tokens_per_slot=chunk,
                                    gemm=gemm, deadline_s=args.deadline_s, tuning=tuning, name="bench")
                     cfg["block_m"] = buf.block_m  # what the buffer runs (with --block-m default: its own rule)
@@ -971,9 +969,6 @@ def main(argv=None) -> int:
                          "out expert by expert; rows record seal_by_expert)")
     ap.add_argument("--seal-by-expert", action="store_true", dest="seal_by_expert", default=True,
                     help="the default (EPTuning(seal_by_expert=True)); kept so that recorded commands run")
-    ap.add_argument("--dispatch-rows-per-program", type=int, default=EPTuning().dispatch_rows_per_program,
-                    help="every plan, batch and streamed, with EPTuning(dispatch_rows_per_program=...) (default: its "
-                         "default); rows record it")
     ap.add_argument("--high-priority-puts", choices=tuple(PUTS_PRIORITY), default="auto",
                     help="every plan with EPTuning(high_priority_puts=...): on / off, or auto (the default: off with a "
                          "persistent-grid GEMM backend, on with Triton); rows record high_priority_puts")

@@ -165,13 +165,13 @@ GPU_MUTATIONS = [
                "(d_u8, d_f32),\n"
                "                           (L.x_off(s), L.x_sf_off(s) // 4), step=path.step_index[c, j], "
                "pull=\"token\",\n"
-               "                           on_slot_released=release, rows_per_program=self.rows_per_program)\n",
+               "                           on_slot_released=release)\n",
                "            release()\n"
                "            bc.dispatch_ep(c, flat_e, flat_w, srcs, (ring_u8, ring_u8.view(torch.float32)), "
                "(d_u8, d_f32),\n"
                "                           (L.x_off(s), L.x_sf_off(s) // 4), step=path.step_index[c, j], "
                "pull=\"token\",\n"
-               "                           on_slot_released=None, rows_per_program=self.rows_per_program)\n"),),
+               "                           on_slot_released=None)\n"),),
              (f"{GPU_RULES}::test_slow_copy_keeps_its_slot",), gpu=True),
     Mutation("arrival-counter-not-reset", "the owner resets its arrival counters after each reduce",
              (("streamring/moe/ep_combine.py", "            self.arrived[:path.num_chunks].zero_()\n", ""),),

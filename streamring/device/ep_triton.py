@@ -10,16 +10,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-def copy_programs(rows: int, rows_per_program: int) -> int:
-    """Programs of the dispatch's stage and place kernels for at most ``rows`` rows: one per ``rows_per_program``
-    rows. Each loops over rows pid, pid + programs, .. below the count the step has (read on the device). One
-    program per row is a launch per row a step could take, also where it took none (a grouped ready step after
-    the one that took every source); a program over many rows holds its SM longer before a higher-priority kernel
-    (the producer's, the result puts') gets it (``EPTuning.dispatch_rows_per_program``)."""
-    if rows_per_program < 1:
-        raise ValueError(f"rows_per_program must be >= 1, got {rows_per_program}")
-    return -(-rows // rows_per_program)
-
 
 # ----------------------------------------------------------------------------------------------
 # expert-parallel dispatch: pull the rows routed to this PE's experts out of every source's slot
@@ -95,50 +85,43 @@ def ep_gather(ring_i64, ring_f32, delta_i64, delta_f32, src_list, valid_tab, chu
                             ROW_BYTES=hidden + 4 * (hidden // 128), COUNT=count, num_warps=4)
 
 
-@triton.jit(do_not_specialize=["off_x", "off_sf", "n"])
+@triton.jit(do_not_specialize=["off_x", "off_sf"])
 def _ep_stage_rows_kernel(flat_e_ptr, src_list_ptr, ring_u8_ptr, ring_f32_ptr, delta_u8_ptr, delta_f32_ptr, off_x,
-                          off_sf, stage_x_ptr, stage_sf_ptr, n, C: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
+                          off_sf, stage_x_ptr, stage_sf_ptr, C: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
                           H: tl.constexpr, SFC: tl.constexpr, SFCP: tl.constexpr, E_LOC: tl.constexpr,
                           BH: tl.constexpr):
-    # P = copy_programs(n) programs, each looping over the (source j, token) places q = pid, pid + P, ..: pull the
-    # token's row and scales ONCE if any of its K routes is to one of my experts, into stage row j * C + token (the
-    # expansion into the blocks reads it there). A step that took no source (its list starts with -1: the list is
-    # -1 padded at its end) returns at once.
-    if tl.load(src_list_ptr) >= 0:
-        P = tl.num_programs(0)
-        k = tl.arange(0, KP)
+    # one program per (source j, token): pull the token's row and scales ONCE if any of its K routes is
+    # to one of my experts, into stage row j * C + token (the expansion into the blocks reads it there)
+    q = tl.program_id(0)
+    k = tl.arange(0, KP)
+    e = tl.load(flat_e_ptr + q * K + k, mask=k < K, other=E_LOC)
+    if tl.min(e, axis=0) < E_LOC:
+        j = q // C
+        tok = (q % C).to(tl.int64)
+        src = tl.load(src_list_ptr + j)
+        xs = ring_u8_ptr + tl.load(delta_u8_ptr + src) + off_x + tok * H
+        q64 = q.to(tl.int64)
         hh = tl.arange(0, BH)
+        for h0 in range(0, H, BH):
+            tl.store(stage_x_ptr + q64 * H + h0 + hh, tl.load(xs + h0 + hh))
         ss = tl.arange(0, SFCP)
-        for q in range(tl.program_id(0), n, P):
-            e = tl.load(flat_e_ptr + q * K + k, mask=k < K, other=E_LOC)
-            if tl.min(e, axis=0) < E_LOC:
-                q64 = tl.cast(q, tl.int64)
-                j = q // C
-                tok = q64 % C
-                src = tl.load(src_list_ptr + j)
-                xs = ring_u8_ptr + tl.load(delta_u8_ptr + src) + off_x + tok * H
-                for h0 in range(0, H, BH):
-                    tl.store(stage_x_ptr + q64 * H + h0 + hh, tl.load(xs + h0 + hh))
-                sfs = ring_f32_ptr + tl.load(delta_f32_ptr + src) + off_sf + tok * SFC
-                tl.store(stage_sf_ptr + q64 * SFC + ss, tl.load(sfs + ss, mask=ss < SFC), mask=ss < SFC)
+        sfs = ring_f32_ptr + tl.load(delta_f32_ptr + src) + off_sf + tok * SFC
+        tl.store(stage_sf_ptr + q64 * SFC + ss, tl.load(sfs + ss, mask=ss < SFC), mask=ss < SFC)
 
 
 def ep_stage_rows(flat_e, src_list, ring_u8, ring_f32, delta_u8, delta_f32, off_x: int, off_sf: int, stage_x,
-                  stage_sf, *, tokens_per_slot: int, topk: int, hidden: int, local_experts: int,
-                  rows_per_program: int = 1) -> None:
+                  stage_sf, *, tokens_per_slot: int, topk: int, hidden: int, local_experts: int) -> None:
     """The per-token pull: copy each token of the sources in ``src_list`` that has any route to a local
     expert (``flat_e`` as from :func:`ep_gather`) once from its source's slot (``x`` row, ``x_sf``
     scales) into ``stage_x[j * C + token]`` (uint8 ``[n_src * C, H]``) / ``stage_sf`` (float32
     ``[n_src * C, H/128]``). After it (stream order) nothing reads the slot; :func:`ep_place_rows` with
-    ``staged=(stage_x, stage_sf)`` expands the rows into the expert blocks. ``rows_per_program``: rows
-    a program copies at most (:func:`copy_programs`)."""
+    ``staged=(stage_x, stage_sf)`` expands the rows into the expert blocks."""
     n = src_list.shape[0] * tokens_per_slot
     if n == 0:
         return
     sfc = hidden // 128
-    grid = (copy_programs(n, rows_per_program),)
-    _ep_stage_rows_kernel[grid](flat_e, src_list, ring_u8, ring_f32, delta_u8, delta_f32, off_x, off_sf, stage_x,
-                                stage_sf, n, C=tokens_per_slot, K=topk, KP=triton.next_power_of_2(topk), H=hidden,
+    _ep_stage_rows_kernel[(n,)](flat_e, src_list, ring_u8, ring_f32, delta_u8, delta_f32, off_x, off_sf, stage_x,
+                                stage_sf, C=tokens_per_slot, K=topk, KP=triton.next_power_of_2(topk), H=hidden,
                                 SFC=sfc, SFCP=triton.next_power_of_2(sfc), E_LOC=local_experts,
                                 BH=1024 if hidden % 1024 == 0 else 128, num_warps=4)
 
@@ -200,13 +183,11 @@ def _ep_place_rows_kernel(sorted_e_ptr, order_ptr, counts_ptr, cstart_ptr, state
                           K: tl.constexpr, H: tl.constexpr, SFC: tl.constexpr, SFCP: tl.constexpr,
                           E_LOC: tl.constexpr, BM: tl.constexpr, MAXB: tl.constexpr, BH: tl.constexpr,
                           STAGED: tl.constexpr):
-    # P = copy_programs(n) programs, each looping over sorted routes i = pid, pid + P, .. below the routes' count to
-    # my experts (cstart[E_LOC]: routes of other PEs sort last, e == E_LOC, and are never visited): a step that took
-    # no source (count 0) costs one load per program
-    P = tl.num_programs(0)
-    hh = tl.arange(0, BH)
-    ss = tl.arange(0, SFCP)
-    for i in range(tl.program_id(0), tl.load(cstart_ptr + E_LOC), P):
+    # one program per route the step could take; the routes to my experts are the first cstart[E_LOC] sorted ones
+    # (routes of other PEs sort last, e == E_LOC). The bound, not the sorted key, decides: a step that took no
+    # source sorted nothing (bucket_sort(src_list=...)), so its sorted keys are a previous step's
+    i = tl.program_id(0)
+    if i < tl.load(cstart_ptr + E_LOC):
         e = tl.load(sorted_e_ptr + i).to(tl.int32)
         f = tl.load(order_ptr + i).to(tl.int32)
         j = f // (C * K)
@@ -227,8 +208,10 @@ def _ep_place_rows_kernel(sorted_e_ptr, order_ptr, counts_ptr, cstart_ptr, state
         else:  # straight out of the source's slot
             xs = ring_u8_ptr + tl.load(delta_u8_ptr + src) + off_x + tok64 * H
             sfs = ring_f32_ptr + tl.load(delta_f32_ptr + src) + off_sf + tok64 * SFC
+        hh = tl.arange(0, BH)
         for h0 in range(0, H, BH):
             tl.store(a_ptr + row * H + h0 + hh, tl.load(xs + h0 + hh))
+        ss = tl.arange(0, SFCP)
         tl.store(asf_ptr + row * SFC + ss, tl.load(sfs + ss, mask=ss < SFC), mask=ss < SFC)
         tl.store(roww_ptr + row, tl.load(flat_w_ptr + f))
         tl.store(row_src_ptr + row, src)
@@ -239,15 +222,13 @@ def _ep_place_rows_kernel(sorted_e_ptr, order_ptr, counts_ptr, cstart_ptr, state
 def ep_place_rows(sorted_e, order, counts, cstart, state, expert_blocks, src_list, ring_u8, ring_f32, delta_u8,
                   delta_f32, off_x: int, off_sf: int, flat_w, a_u8, asf, roww, row_src, row_tok, row_chunk,
                   chunk: int, *, tokens_per_slot: int, topk: int, hidden: int, local_experts: int,
-                  block_m: int, staged=None, rows_per_program: int = 1) -> None:
+                  block_m: int, staged=None) -> None:
     """The dispatch copy: each route of ``chunk`` to a local expert (sorted by expert, stable) goes
     from its source's slot (``x`` row and its ``x_sf`` scales) into its expert block row, with the
     routing weight and where its result must go (``row_src``: owner PE, ``row_tok``: owner's
     combine row ``token * K + k``, ``row_chunk``). ``off_x`` is a byte offset, ``off_sf`` an
     element offset of the slot in the ring. ``staged=(stage_x, stage_sf)``: read each route's row from
-    the stage rows :func:`ep_stage_rows` filled instead of the slot (the ring arguments are unused).
-    The routes to local experts are the first ``cstart[local_experts]`` sorted entries (read on the device);
-    ``rows_per_program``: rows a program copies at most (:func:`copy_programs`)."""
+    the stage rows :func:`ep_stage_rows` filled instead of the slot (the ring arguments are unused)."""
     n = sorted_e.shape[0]
     if n == 0:
         return
@@ -255,8 +236,7 @@ def ep_place_rows(sorted_e, order, counts, cstart, state, expert_blocks, src_lis
     bh = 1024 if hidden % 1024 == 0 else 128
     if staged is not None:
         ring_u8, ring_f32 = staged
-    grid = (copy_programs(n, rows_per_program),)
-    _ep_place_rows_kernel[grid](sorted_e, order, counts, cstart, state, expert_blocks, src_list, ring_u8, ring_f32,
+    _ep_place_rows_kernel[(n,)](sorted_e, order, counts, cstart, state, expert_blocks, src_list, ring_u8, ring_f32,
                                 delta_u8, delta_f32, off_x, off_sf, flat_w, a_u8, asf, roww, row_src, row_tok,
                                 row_chunk, chunk, C=tokens_per_slot, K=topk, H=hidden, SFC=sfc,
                                 SFCP=triton.next_power_of_2(sfc), E_LOC=local_experts, BM=block_m,

@@ -195,7 +195,7 @@ class BlockConsumer:
                      block_m=self.block_m)
 
     def dispatch_ep(self, c: int, flat_e, flat_w, src_list, ring, deltas, offs, step: int | None = None, *,
-                    pull: str = "route", on_slot_released=None, rows_per_program: int = 1) -> None:
+                    pull: str = "route", on_slot_released=None) -> None:
         """Expert-parallel dispatch of chunk ``c`` (dispatch number ``step``, default ``c``: the
         blocks it makes ready are ``ready_list[ready_hi[step] : ready_hi[step + 1]]``; several
         dispatches per chunk in the ready source order): append the routes of ``flat_e`` (int32 local
@@ -212,9 +212,7 @@ class BlockConsumer:
         allocated at the first ``"token"`` dispatch: make it before a CUDA-graph capture (a warm-up).
 
         A step whose ``src_list`` starts with -1 (a grouped ready step after the one that took every source)
-        sorts and copies nothing, decided on the device: its kernels' programs return at once.
-        ``rows_per_program``: rows each program of the copy kernels copies at most
-        (``EPTuning.dispatch_rows_per_program``; the rows and their places do not depend on it).
+        sorts nothing and copies nothing, decided on the device (``bucket_sort(src_list=...)``).
 
         ``on_slot_released``: called (to enqueue, e.g., the slot's acknowledgement, the RFC's early
         ``input_consumed``) right after the last read of the slot: after the stage copy with
@@ -230,8 +228,7 @@ class BlockConsumer:
         if pull == "token":
             staged = self._stage_rows()
             EK.ep_stage_rows(flat_e, src_list, ring[0], ring[1], deltas[0], deltas[1], offs[0], offs[1], staged[0],
-                            staged[1], tokens_per_slot=C, topk=Kk, hidden=self.shape.hidden, local_experts=E,
-                             rows_per_program=rows_per_program)
+                            staged[1], tokens_per_slot=C, topk=Kk, hidden=self.shape.hidden, local_experts=E)
             if on_slot_released is not None:
                 on_slot_released()
         # the routes in expert order: one small kernel (a radix sort's kernels would wait, in a captured graph,
@@ -242,8 +239,7 @@ class BlockConsumer:
         EK.ep_place_rows(sorted_e, order, counts, cstart, self.state, self.expert_blocks, src_list, ring[0], ring[1],
                         deltas[0], deltas[1], offs[0], offs[1], flat_w, self.a, self.a_sf, self.row_weight,
                         self.row_src, self.row_tok, self.row_chunk, c, tokens_per_slot=C, topk=Kk,
-                        hidden=self.shape.hidden, local_experts=E, block_m=self.block_m, staged=staged,
-                        rows_per_program=rows_per_program)
+                        hidden=self.shape.hidden, local_experts=E, block_m=self.block_m, staged=staged)
         if pull == "route" and on_slot_released is not None:
             on_slot_released()
 

@@ -164,8 +164,7 @@ class EPBuffer:
                               p2p=p2p, name=name)
         producer = EPProducer(heap, capacity=capacity, max_chunk=max(p.chunk for p in paths.values()),
                               max_chunks=max_chunks, topk=sh.topk, num_experts=sh.num_experts)
-        dispatch = EPDispatch(heap, entries=entries, experts_per_pe=E_loc, shape=sh, ready_window_us=tu.ready_window_us,
-                              rows_per_program=tu.dispatch_rows_per_program)
+        dispatch = EPDispatch(heap, entries=entries, experts_per_pe=E_loc, shape=sh, ready_window_us=tu.ready_window_us)
         experts = EPExperts(heap, sh, choice=choice, experts_per_pe=E_loc, max_rows=R * capacity,
                             max_steps=max(p.num_chunks * p.steps for p in paths.values()), block_m=block_m,
                             entries=entries, owner_rows=p2p and CAPABILITIES[choice.impl].owner_rows,

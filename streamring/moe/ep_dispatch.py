@@ -30,13 +30,11 @@ from ..device.ranges import annotate as nvtx_range
 class EPDispatch:
     """The dispatch's device scratch (the sources each step took, the routes it gathered) and counters."""
 
-    def __init__(self, heap, *, entries: int, experts_per_pe: int, shape, ready_window_us: float,
-                 rows_per_program: int = 1):
+    def __init__(self, heap, *, entries: int, experts_per_pe: int, shape, ready_window_us: float):
         R, dev = heap.num_ranks, heap.device
         self.heap, self.R, self.me = heap, R, heap.rank
         self.E_loc, self.shape = experts_per_pe, shape
         self.window_ns = int(round(ready_window_us * 1000))
-        self.rows_per_program = rows_per_program  # of the copy kernels (EPTuning.dispatch_rows_per_program)
         self.flat_e = torch.zeros(entries, dtype=torch.int32, device=dev)
         self.flat_w = torch.zeros(entries, dtype=torch.float32, device=dev)
         self.pending = torch.zeros(1, dtype=torch.int64, device=dev)  # ready order: sources not yet taken
@@ -112,7 +110,7 @@ class EPDispatch:
                     r.ack(stream, c)
             bc.dispatch_ep(c, flat_e, flat_w, srcs, (ring_u8, ring_u8.view(torch.float32)), (d_u8, d_f32),
                            (L.x_off(s), L.x_sf_off(s) // 4), step=path.step_index[c, j], pull="token",
-                           on_slot_released=release, rows_per_program=self.rows_per_program)
+                           on_slot_released=release)
             if grouped and c == path.num_chunks - 1:
                 # the step that leaves no source of the last chunk pending seals (decided on the device), so its GEMM
                 # call has the partial blocks too: sources that arrive together get one call (its range, which no

@@ -106,11 +106,6 @@ class EPTuning(BaseModel):
             CTAs the SMs they free, so a late source's dispatch after a call is not slowed by that call's puts
             (kernel traces: docs/performance.md). Only scheduling changes: the puts' stores and release ADDs are
             the same, so outputs are the same bits.
-        dispatch_rows_per_program: rows each program of the dispatch's copy kernels (the stage and place kernels,
-            ``device.ep_triton.copy_programs``) copies at most. 1: a program per row a step could take, launched
-            even where the step took none (the grouped ready step after the one that took every source); more:
-            fewer launches, each program holding its SM longer before a higher-priority kernel (the producer's,
-            the puts') gets it. Which rows are copied where does not change: outputs are the same bits.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -129,7 +124,6 @@ class EPTuning(BaseModel):
     dispatch_beside_grid: bool = False
     seal_by_expert: bool = True
     high_priority_puts: Optional[bool] = None
-    dispatch_rows_per_program: int = Field(8, ge=1, le=4096)
 
     def puts_at_high_priority(self, *, persistent_grid: bool) -> bool:
         """Whether the result puts run at the high priority (:attr:`high_priority_puts`; ``None``: unless the GEMM

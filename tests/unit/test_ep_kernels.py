@@ -119,8 +119,7 @@ def run_ep(shape, fw, xs, chunk, corrupt=None, per_source=False, grouped=None, p
                             assert (p.flat_e[place * per:(place + 1) * per] == p.E_loc).all(), \
                                 f"a -1 place of step {step} gathered routes"
                 p.bc.dispatch_ep(c, p.flat_e[:n], p.flat_w[:n], srcs, (p.ring, p.ring.view(torch.float32)),
-                                 (delta, delta // 4), (L.x_off(c), L.x_sf_off(c) // 4), step=step, pull=pull,
-                                 rows_per_program=3)
+                                 (delta, delta // 4), (L.x_off(c), L.x_sf_off(c) // 4), step=step, pull=pull)
                 if grouped is not None:
                     for src in grouped[j]:
                         if src >= 0:
@@ -245,51 +244,36 @@ def test_a_seal_with_a_source_pending_makes_nothing_ready():
     assert int(bc.ready_hi[4]) == 3, "a second seal made the partial blocks ready again"
 
 
-class _GridRecorder:
-    """Wraps a jitted kernel: records the grid of every launch, then launches it."""
-
-    def __init__(self, kernel):
-        self.kernel, self.grids = kernel, []
-
-    def __getitem__(self, grid):
-        self.grids.append(tuple(grid))
-        return self.kernel[grid]
-
-
-@pytest.mark.parametrize("first_src", [-1, 1])
-def test_a_step_that_took_no_source_sorts_and_copies_nothing_on_few_programs(monkeypatch, first_src):
+def test_a_step_that_took_no_source_sorts_and_copies_nothing():
     """A grouped ready step after the one that took every source (its list all -1) is decided on the device:
-    the sort reads no key (here stale keys of local experts, which a sort would count) and nothing is allocated or
-    copied. The copy kernels launch a program per ``rows_per_program`` rows, each looping over its rows (here 8,
-    and a count of rows that no program's share divides). The same call with a source in the list copies every
-    stale key's route: the check can fail."""
+    its sort reads no key and its place kernel is bounded by the count of routes to local experts, not by the
+    sorted keys. Here the step before took a source, so the routes buffer and the sorted keys both hold that
+    step's local routes: an ungated sort would count them again, a place kernel that read the stale sorted keys
+    would copy them again (into rows past every expert's fill). The step before shows the check can fail: it
+    copies every one of its routes."""
     shape = shape_()
     C, E = 45, shape.num_experts
     n = R * C * shape.topk
-    bc = B.BlockConsumer(shape, R * C, 2, 16, DEV, ep_entries=n)
+    bc = B.BlockConsumer(shape, 2 * R * C, 3, 16, DEV, ep_entries=n)
     bc.begin()
-    flat_e = torch.arange(n, dtype=torch.int32, device=DEV) % E  # every route to a local expert
+    flat_e = torch.arange(n, dtype=torch.int32, device=DEV) % E
+    flat_e[C * shape.topk:] = E  # the -1 place of the first step: "not mine", as ep_gather writes it
     flat_w = torch.ones(n, device=DEV)
-    src_list = torch.tensor([first_src, -1], dtype=torch.int32, device=DEV)
     ring = torch.zeros(R * C * shape.hidden * 2, dtype=torch.uint8, device=DEV)
     deltas = (torch.zeros(R, dtype=torch.int64, device=DEV), torch.zeros(R, dtype=torch.int64, device=DEV))
-    stage = _GridRecorder(K._ep_stage_rows_kernel)
-    place = _GridRecorder(K._ep_place_rows_kernel)
-    monkeypatch.setattr(K, "_ep_stage_rows_kernel", stage)
-    monkeypatch.setattr(K, "_ep_place_rows_kernel", place)
-    rpp = 8
-    bc.dispatch_ep(0, flat_e, flat_w, src_list, (ring, ring.view(torch.float32)), deltas, (0, 0), step=0,
-                   pull="token", rows_per_program=rpp)
-    assert R * C % rpp and n % rpp  # a last program with fewer rows than the others
-    assert stage.grids == [(-(-R * C // rpp),)] and place.grids == [(-(-n // rpp),)]
-    placed = int((bc.row_src >= 0).sum())
-    if first_src < 0:
-        assert int(bc.counts.sum()) == 0 and int(bc.cstart.sum()) == 0
-        assert placed == 0 and int(bc.state[:E].sum()) == 0, "a step that took no source dispatched rows"
-    else:
-        # every stale key counted and given a row (the -1 place's too: ep_gather writes "not mine" there)
-        assert int(bc.counts[:E].sum()) == n and int(bc.state[:E].sum()) == n
-        assert placed == C * shape.topk, "the source's routes were not all copied"
+
+    def step(j, srcs):
+        bc.dispatch_ep(0, flat_e, flat_w, torch.tensor(srcs, dtype=torch.int32, device=DEV),
+                       (ring, ring.view(torch.float32)), deltas, (0, 0), step=j, pull="token")
+
+    step(0, [1, -1])
+    first = C * shape.topk
+    assert int(bc.counts[:E].sum()) == first and int((bc.row_src >= 0).sum()) == first
+    fill, rows = bc.state[:E].clone(), bc.row_src.clone()
+    step(1, [-1, -1])  # the same (stale) routes and sorted keys in the buffers
+    assert int(bc.counts.sum()) == 0 and int(bc.cstart.sum()) == 0, "the empty step's sort counted stale routes"
+    assert torch.equal(bc.state[:E], fill), "the empty step allocated rows"
+    assert torch.equal(bc.row_src, rows), "the empty step copied rows"
 
 
 def test_corrupt_routes_are_counted_and_never_indexed(setup):
