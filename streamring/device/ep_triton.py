@@ -127,53 +127,39 @@ def ep_stage_rows(flat_e, src_list, ring_u8, ring_f32, delta_u8, delta_f32, off_
 
 
 @triton.jit
-def _bucket_sort_kernel(keys_ptr, n, sorted_ptr, order_ptr, counts_ptr, cstart_ptr, src_list_ptr, BLOCK: tl.constexpr,
-                        GATED: tl.constexpr):
+def _bucket_sort_kernel(keys_ptr, n, sorted_ptr, order_ptr, counts_ptr, cstart_ptr, BLOCK: tl.constexpr):
     # one program per bucket b: its start is the number of keys below b, and its entries follow in index
-    # order (a stable counting sort: the order a stable sort of the keys gives); its count is where they end.
-    # GATED: a step that took no source (src_list[0] == -1) has no key below the last bucket; its counts and
-    # starts are 0 without reading the keys
+    # order (a stable counting sort: the order a stable sort of the keys gives); its count is where they end
     b = tl.program_id(0)
     below = tl.sum(tl.zeros([BLOCK], dtype=tl.int32), axis=0)
-    pos = below
-    took = True
-    if GATED:
-        took = tl.load(src_list_ptr) >= 0
-    if took:
-        for s in range(0, n, BLOCK):
-            offs = s + tl.arange(0, BLOCK)
-            k = tl.load(keys_ptr + offs, mask=offs < n, other=2147483647)
-            below += tl.sum((k < b).to(tl.int32), axis=0)
-        pos = below
-        for s in range(0, n, BLOCK):
-            offs = s + tl.arange(0, BLOCK)
-            k = tl.load(keys_ptr + offs, mask=offs < n, other=2147483647)
-            m = (k == b) & (offs < n)
-            dst = pos + tl.cumsum(m.to(tl.int32), axis=0) - 1
-            tl.store(order_ptr + dst, offs.to(tl.int64), mask=m)
-            tl.store(sorted_ptr + dst, tl.zeros([BLOCK], dtype=tl.int32) + b, mask=m)
-            pos += tl.sum(m.to(tl.int32), axis=0)
+    for s in range(0, n, BLOCK):
+        offs = s + tl.arange(0, BLOCK)
+        k = tl.load(keys_ptr + offs, mask=offs < n, other=2147483647)
+        below += tl.sum((k < b).to(tl.int32), axis=0)
     tl.store(cstart_ptr + b, below)
+    pos = below
+    for s in range(0, n, BLOCK):
+        offs = s + tl.arange(0, BLOCK)
+        k = tl.load(keys_ptr + offs, mask=offs < n, other=2147483647)
+        m = (k == b) & (offs < n)
+        dst = pos + tl.cumsum(m.to(tl.int32), axis=0) - 1
+        tl.store(order_ptr + dst, offs.to(tl.int64), mask=m)
+        tl.store(sorted_ptr + dst, tl.zeros([BLOCK], dtype=tl.int32) + b, mask=m)
+        pos += tl.sum(m.to(tl.int32), axis=0)
     tl.store(counts_ptr + b, pos - below)
 
 
-def bucket_sort(keys, num_buckets: int, sorted_out, order_out, counts_out, cstart_out, *, block: int = 4096,
-                src_list=None) -> None:
+def bucket_sort(keys, num_buckets: int, sorted_out, order_out, counts_out, cstart_out, *, block: int = 4096) -> None:
     """A stable sort of int32 ``keys`` (each in ``[0, num_buckets)``) by counting, in one kernel:
     ``sorted_out`` (int32) and ``order_out`` (int64) are what ``torch.sort(keys, stable=True)`` returns,
     ``counts_out[b]`` / ``cstart_out[b]`` (int32, ``num_buckets``) the keys equal to / below ``b``.
-
-    ``src_list`` (the dispatch step's -1 padded source list, optional): where its first place is -1 (a step
-    that took no source, so every key is the last bucket's) the counts and starts are 0 and nothing is sorted
-    (decided on the device; ``sorted_out`` / ``order_out`` are not written and nothing may read them).
 
     It replaces the radix sort, histogram and scan of a dispatch with one small program per bucket: in a
     captured graph, torch's radix sort and scan wait for an expert GEMM grid running on another stream to
     drain, whatever their priority, where small Triton kernels start beside it (``bench.sm_sharing``)."""
     n = keys.numel()
-    gated = src_list is not None
-    _bucket_sort_kernel[(num_buckets,)](keys, n, sorted_out, order_out, counts_out, cstart_out,
-                                        src_list if gated else keys, BLOCK=block, GATED=gated, num_warps=8)
+    _bucket_sort_kernel[(num_buckets,)](keys, n, sorted_out, order_out, counts_out, cstart_out, BLOCK=block,
+                                        num_warps=8)
 
 
 @triton.jit(do_not_specialize=["chunk", "off_x", "off_sf"])
@@ -183,12 +169,9 @@ def _ep_place_rows_kernel(sorted_e_ptr, order_ptr, counts_ptr, cstart_ptr, state
                           K: tl.constexpr, H: tl.constexpr, SFC: tl.constexpr, SFCP: tl.constexpr,
                           E_LOC: tl.constexpr, BM: tl.constexpr, MAXB: tl.constexpr, BH: tl.constexpr,
                           STAGED: tl.constexpr):
-    # one program per route the step could take; the routes to my experts are the first cstart[E_LOC] sorted ones
-    # (routes of other PEs sort last, e == E_LOC). The bound, not the sorted key, decides: a step that took no
-    # source sorted nothing (bucket_sort(src_list=...)), so its sorted keys are a previous step's
     i = tl.program_id(0)
-    if i < tl.load(cstart_ptr + E_LOC):
-        e = tl.load(sorted_e_ptr + i).to(tl.int32)
+    e = tl.load(sorted_e_ptr + i).to(tl.int32)
+    if e < E_LOC:  # routes of other PEs sort last (e == E_LOC) and are skipped
         f = tl.load(order_ptr + i).to(tl.int32)
         j = f // (C * K)
         r = f % (C * K)

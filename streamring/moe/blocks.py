@@ -211,9 +211,6 @@ class BlockConsumer:
         order (outputs bitwise equal). The stage rows (``ep_entries / K`` rows of ``hidden`` bytes) are
         allocated at the first ``"token"`` dispatch: make it before a CUDA-graph capture (a warm-up).
 
-        A step whose ``src_list`` starts with -1 (a grouped ready step after the one that took every source)
-        sorts nothing and copies nothing, decided on the device (``bucket_sort(src_list=...)``).
-
         ``on_slot_released``: called (to enqueue, e.g., the slot's acknowledgement, the RFC's early
         ``input_consumed``) right after the last read of the slot: after the stage copy with
         ``"token"``, at the end with ``"route"``. After this returns (in stream order) nothing reads
@@ -234,7 +231,7 @@ class BlockConsumer:
         # the routes in expert order: one small kernel (a radix sort's kernels would wait, in a captured graph,
         # for an expert GEMM grid on another stream to drain; see ``ep_triton.bucket_sort``)
         sorted_e, order, counts, cstart = self.sorted_e[:n], self.order[:n], self.counts, self.cstart
-        EK.bucket_sort(flat_e, E + 1, sorted_e, order, counts, cstart, src_list=src_list)
+        EK.bucket_sort(flat_e, E + 1, sorted_e, order, counts, cstart)
         self._alloc_blocks(counts, (c if step is None else step) + 1, seal=False)
         EK.ep_place_rows(sorted_e, order, counts, cstart, self.state, self.expert_blocks, src_list, ring[0], ring[1],
                         deltas[0], deltas[1], offs[0], offs[1], flat_w, self.a, self.a_sf, self.row_weight,

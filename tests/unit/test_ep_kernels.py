@@ -244,38 +244,6 @@ def test_a_seal_with_a_source_pending_makes_nothing_ready():
     assert int(bc.ready_hi[4]) == 3, "a second seal made the partial blocks ready again"
 
 
-def test_a_step_that_took_no_source_sorts_and_copies_nothing():
-    """A grouped ready step after the one that took every source (its list all -1) is decided on the device:
-    its sort reads no key and its place kernel is bounded by the count of routes to local experts, not by the
-    sorted keys. Here the step before took a source, so the routes buffer and the sorted keys both hold that
-    step's local routes: an ungated sort would count them again, a place kernel that read the stale sorted keys
-    would copy them again (into rows past every expert's fill). The step before shows the check can fail: it
-    copies every one of its routes."""
-    shape = shape_()
-    C, E = 45, shape.num_experts
-    n = R * C * shape.topk
-    bc = B.BlockConsumer(shape, 2 * R * C, 3, 16, DEV, ep_entries=n)
-    bc.begin()
-    flat_e = torch.arange(n, dtype=torch.int32, device=DEV) % E
-    flat_e[C * shape.topk:] = E  # the -1 place of the first step: "not mine", as ep_gather writes it
-    flat_w = torch.ones(n, device=DEV)
-    ring = torch.zeros(R * C * shape.hidden * 2, dtype=torch.uint8, device=DEV)
-    deltas = (torch.zeros(R, dtype=torch.int64, device=DEV), torch.zeros(R, dtype=torch.int64, device=DEV))
-
-    def step(j, srcs):
-        bc.dispatch_ep(0, flat_e, flat_w, torch.tensor(srcs, dtype=torch.int32, device=DEV),
-                       (ring, ring.view(torch.float32)), deltas, (0, 0), step=j, pull="token")
-
-    step(0, [1, -1])
-    first = C * shape.topk
-    assert int(bc.counts[:E].sum()) == first and int((bc.row_src >= 0).sum()) == first
-    fill, rows = bc.state[:E].clone(), bc.row_src.clone()
-    step(1, [-1, -1])  # the same (stale) routes and sorted keys in the buffers
-    assert int(bc.counts.sum()) == 0 and int(bc.cstart.sum()) == 0, "the empty step's sort counted stale routes"
-    assert torch.equal(bc.state[:E], fill), "the empty step allocated rows"
-    assert torch.equal(bc.row_src, rows), "the empty step copied rows"
-
-
 def test_corrupt_routes_are_counted_and_never_indexed(setup):
     shape, fw, xs, _ = setup
     E = shape.num_experts
