@@ -66,7 +66,7 @@ class Forward:
     """The blocks of one forward of ``T`` tokens dispatched in ``chunks`` chunks (1: the batch path)."""
 
     def __init__(self, T: int, chunks: int, shape, block_m: int, impl: str, choice, dev, *, by_expert: bool = False):
-        self.T, self.chunks, self.impl, self.by_expert = T, chunks, impl, by_expert
+        self.T, self.chunks, self.impl = T, chunks, impl
         self.bc = B.BlockConsumer(shape, T, chunks, DG.BLOCK_M if impl == "deep_gemm" else block_m, dev,
                                   seal_by_expert=by_expert)
         if impl != "triton":
