@@ -67,13 +67,83 @@ def print_trace(pes: list[list[dict]], min_us: float = 0.0) -> str:
     return "\n".join(out)
 
 
+#: the expert GEMM kernels of a trace, by name: CUTLASS's grouped GEMM, the Triton L1 (with SwiGLU) and L2
+GEMM_KERNELS = ("cutlass13device_kernel", "_l1_swiglu_kernel", "_l2_kernel")
+
+
+def gemm_kernels(kernels: list[dict]) -> list[dict]:
+    """The expert GEMM launches of one PE's traced replay, in start order."""
+    return [k for k in kernels if any(g in k["name"] for g in GEMM_KERNELS)]
+
+
+def gemm_balance(timelines: list[dict]) -> list[dict]:
+    """Each traced replay's GEMM launches side by side over its PEs: one row per (tokens, GEMMs, path, late PE,
+    lateness) case with ``durations_us`` (per PE, each GEMM launch's duration in start order) and ``spread``:
+    per launch index, the slowest PE's duration over the fastest's (1.0 where the PEs ran it alike). On one GPU
+    shared by several PEs (MPS) a spread far above 1 marks a replay whose PEs did not get the GPU alike."""
+    groups: list[tuple[tuple, dict]] = []  # a case's PEs of one replay; a PE seen again starts the next replay
+    for t in timelines:
+        if "kernels" in t:
+            key = (t.get("tokens"), t.get("gemm"), t.get("path"), t.get("straggler_rank"), t.get("straggler_ms"),
+                   t.get("chunk_gemm_ctas"))
+            rank = t.get("rank", 0)
+            same = [g for g in groups if g[0] == key]
+            if not same or rank in same[-1][1]:
+                groups.append((key, {}))
+                same = [groups[-1]]
+            same[-1][1][rank] = gemm_kernels(t["kernels"])
+    rows = []
+    for (tokens, gemm, path, late_pe, late_ms, ctas), by_pe in groups:
+        durs = [[k["dur_us"] for k in by_pe[pe]] for pe in sorted(by_pe)]
+        n = min(len(d) for d in durs) if durs else 0
+        spread = [round(max(d[i] for d in durs) / max(min(d[i] for d in durs), 1e-9), 3) for i in range(n)]
+        rows.append({"tokens": tokens, "gemm": gemm, "path": path, "late_pe": late_pe, "late_ms": late_ms,
+                     "ctas": ctas, "durations_us": durs, "spread": spread})
+    return rows
+
+
+def results_timelines(results: dict) -> list[tuple[str, list[dict]]]:
+    """Every traced replay kept in a results file: ``(RUN or RUN/SUB, timelines)`` for each run (and each of its
+    ``by_run`` entries) that holds ``timelines``."""
+    out = []
+    for name, run in results.get("runs", {}).items():
+        if isinstance(run, dict) and isinstance(run.get("timelines"), list):
+            out.append((name, run["timelines"]))
+        for sub, entry in (run.get("by_run") or {}).items() if isinstance(run, dict) else ():
+            if isinstance(entry, dict) and isinstance(entry.get("timelines"), list):
+                out.append((f"{name}/{sub}", entry["timelines"]))
+    return out
+
+
+def print_gemm_balance(results: dict) -> str:
+    """:func:`gemm_balance` of every traced replay of a results file, a line per case: each PE's GEMM launches
+    (ms) and the first launch's spread over the PEs."""
+    out = []
+    for name, timelines in results_timelines(results):
+        for r in gemm_balance(timelines):
+            if not any(r["durations_us"]):
+                continue
+            late = f"PE {r['late_pe']} {r['late_ms']} ms late" if r["late_ms"] else "on time"
+            pes = "  ".join("PE%d %s" % (i, "+".join(f"{d / 1e3:.2f}" for d in ds))
+                            for i, ds in enumerate(r["durations_us"]))
+            first = f"{r['spread'][0]:.2f}" if r["spread"] else "-"
+            out.append(f"{name}  {r['tokens']} {r['gemm']} {r['path']} {late}"
+                       f"{'' if r['ctas'] is None else ' ctas ' + str(r['ctas'])}:  {pes}   first spread {first}")
+    return "\n".join(out)
+
+
 if __name__ == "__main__":
     # python -m bench.kernel_trace TIMELINES.json [MIN_US]: the traces a bench run wrote (--timeline-json), or
     # python -m bench.kernel_trace RESULTS.json RUN [MIN_US]: those kept in a results file's runs[RUN]["timelines"],
-    # or with RUN/SUB in runs[RUN]["by_run"][SUB]["timelines"]
+    # or with RUN/SUB in runs[RUN]["by_run"][SUB]["timelines"];
+    # python -m bench.kernel_trace --gemm-balance RESULTS.json: print_gemm_balance
     import sys
 
     args = sys.argv[1:]
+    if args and args[0] == "--gemm-balance":
+        # python -m bench.kernel_trace --gemm-balance RESULTS.json: every kept trace's GEMM launches per PE
+        print(print_gemm_balance(json.loads(Path(args[1]).read_text())))
+        sys.exit(0)
     rows = json.loads(Path(args.pop(0)).read_text())
     if isinstance(rows, dict) and "runs" in rows and args and args[0].split("/")[0] in rows["runs"]:
         run, _, sub = args.pop(0).partition("/")
