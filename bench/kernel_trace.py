@@ -78,8 +78,9 @@ def gemm_kernels(kernels: list[dict]) -> list[dict]:
 
 def gemm_balance(timelines: list[dict]) -> list[dict]:
     """Each traced replay's GEMM launches side by side over its PEs: one row per (tokens, GEMMs, path, late PE,
-    lateness) case with ``durations_us`` (per PE, each GEMM launch's duration in start order) and ``spread``:
-    per launch index, the slowest PE's duration over the fastest's (1.0 where the PEs ran it alike). On one GPU
+    lateness) case with ``durations_us`` (per PE, each GEMM launch's duration in start order), ``spread``:
+    per launch index, the slowest PE's duration over the fastest's (1.0 where the PEs ran it alike), and
+    ``span_us``: from the first GEMM launch's start to the last one's end over every PE. On one GPU
     shared by several PEs (MPS) a spread far above 1 marks a replay whose PEs did not get the GPU alike."""
     groups: list[tuple[tuple, dict]] = []  # a case's PEs of one replay; a PE seen again starts the next replay
     for t in timelines:
@@ -97,8 +98,10 @@ def gemm_balance(timelines: list[dict]) -> list[dict]:
         durs = [[k["dur_us"] for k in by_pe[pe]] for pe in sorted(by_pe)]
         n = min(len(d) for d in durs) if durs else 0
         spread = [round(max(d[i] for d in durs) / max(min(d[i] for d in durs), 1e-9), 3) for i in range(n)]
+        ks = [k for pe in by_pe.values() for k in pe]
+        span = (max(k["start_us"] + k["dur_us"] for k in ks) - min(k["start_us"] for k in ks)) if ks else 0.0
         rows.append({"tokens": tokens, "gemm": gemm, "path": path, "late_pe": late_pe, "late_ms": late_ms,
-                     "ctas": ctas, "durations_us": durs, "spread": spread})
+                     "ctas": ctas, "durations_us": durs, "spread": spread, "span_us": round(span, 1)})
     return rows
 
 
@@ -117,7 +120,7 @@ def results_timelines(results: dict) -> list[tuple[str, list[dict]]]:
 
 def print_gemm_balance(results: dict) -> str:
     """:func:`gemm_balance` of every traced replay of a results file, a line per case: each PE's GEMM launches
-    (ms) and the first launch's spread over the PEs."""
+    (ms), the first launch's spread over the PEs and the GEMMs' span."""
     out = []
     for name, timelines in results_timelines(results):
         for r in gemm_balance(timelines):
@@ -128,7 +131,8 @@ def print_gemm_balance(results: dict) -> str:
                             for i, ds in enumerate(r["durations_us"]))
             first = f"{r['spread'][0]:.2f}" if r["spread"] else "-"
             out.append(f"{name}  {r['tokens']} {r['gemm']} {r['path']} {late}"
-                       f"{'' if r['ctas'] is None else ' ctas ' + str(r['ctas'])}:  {pes}   first spread {first}")
+                       f"{'' if r['ctas'] is None else ' ctas ' + str(r['ctas'])}:  {pes}   first spread {first}"
+                       f"   span {r['span_us'] / 1e3:.2f} ms")
     return "\n".join(out)
 
 

@@ -22,6 +22,7 @@ def test_spread_per_launch_and_replays_kept_apart():
     assert rows[0]["durations_us"] == [[3200.0, 3310.0], [6070.0, 2230.0]]  # the place kernel is not a GEMM
     assert rows[0]["spread"] == [round(6070 / 3200, 3), round(3310 / 2230, 3)]
     assert rows[1]["spread"][0] == round(4170 / 4160, 3)
+    assert rows[0]["span_us"] == 6070.0 and rows[1]["span_us"] == 4170.0  # first start to the last end over PEs
 
 
 def test_results_file_traces_found_at_both_levels():
