@@ -85,8 +85,7 @@ def gemm_balance(timelines: list[dict]) -> list[dict]:
     groups: list[tuple[tuple, dict]] = []  # a case's PEs of one replay; a PE seen again starts the next replay
     for t in timelines:
         if "kernels" in t:
-            key = (t.get("tokens"), t.get("gemm"), t.get("path"), t.get("straggler_rank"), t.get("straggler_ms"),
-                   t.get("chunk_gemm_ctas"))
+            key = (t.get("tokens"), t.get("gemm"), t.get("path"), t.get("straggler_rank"), t.get("straggler_ms"))
             rank = t.get("rank", 0)
             same = [g for g in groups if g[0] == key]
             if not same or rank in same[-1][1]:
@@ -94,14 +93,14 @@ def gemm_balance(timelines: list[dict]) -> list[dict]:
                 same = [groups[-1]]
             same[-1][1][rank] = gemm_kernels(t["kernels"])
     rows = []
-    for (tokens, gemm, path, late_pe, late_ms, ctas), by_pe in groups:
+    for (tokens, gemm, path, late_pe, late_ms), by_pe in groups:
         durs = [[k["dur_us"] for k in by_pe[pe]] for pe in sorted(by_pe)]
         n = min(len(d) for d in durs) if durs else 0
         spread = [round(max(d[i] for d in durs) / max(min(d[i] for d in durs), 1e-9), 3) for i in range(n)]
         ks = [k for pe in by_pe.values() for k in pe]
         span = (max(k["start_us"] + k["dur_us"] for k in ks) - min(k["start_us"] for k in ks)) if ks else 0.0
         rows.append({"tokens": tokens, "gemm": gemm, "path": path, "late_pe": late_pe, "late_ms": late_ms,
-                     "ctas": ctas, "durations_us": durs, "spread": spread, "span_us": round(span, 1)})
+                     "durations_us": durs, "spread": spread, "span_us": round(span, 1)})
     return rows
 
 
@@ -130,8 +129,7 @@ def print_gemm_balance(results: dict) -> str:
             pes = "  ".join("PE%d %s" % (i, "+".join(f"{d / 1e3:.2f}" for d in ds))
                             for i, ds in enumerate(r["durations_us"]))
             first = f"{r['spread'][0]:.2f}" if r["spread"] else "-"
-            out.append(f"{name}  {r['tokens']} {r['gemm']} {r['path']} {late}"
-                       f"{'' if r['ctas'] is None else ' ctas ' + str(r['ctas'])}:  {pes}   first spread {first}"
+            out.append(f"{name}  {r['tokens']} {r['gemm']} {r['path']} {late}:  {pes}   first spread {first}"
                        f"   span {r['span_us'] / 1e3:.2f} ms")
     return "\n".join(out)
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 from bench import kernel_trace as KT
 
 
-def _tl(rank, durs, path="batch", late_ms=0.0, other=True):
-    ks = [{"name": "_ep_place_rows_kernel", "stream": 7, "start_us": 0.0, "dur_us": 700.0}] if other else []
+def _tl(rank, durs, path="batch", late_ms=0.0):
+    ks = [{"name": "_ep_place_rows_kernel", "stream": 7, "start_us": 0.0, "dur_us": 700.0}]
     ks += [{"name": "_ZN7cutlass13device_kernelINS_4gemm", "stream": 7, "start_us": 1000.0 * i, "dur_us": d}
            for i, d in enumerate(durs)]
     return {"tokens": 4096, "gemm": "cutlass", "path": path, "rank": rank, "straggler_rank": 1 if late_ms else None,
